@@ -1,0 +1,85 @@
+"""Layout of the diagnostic (error) buffer that bounded waits write on expiry.
+
+One buffer of u32 words per launch group: a header, then fixed-size records. The lowering of
+``SpinWait`` writes it; the host (``backends.cuda`` / ``epgen.runtime``) decodes it. Both read
+the layout from here, so it is defined once.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import attrs
+
+ABORT_WORD = 0          # non-zero once any wait has expired: every other wait gives up too
+COUNT_WORD = 1          # number of records claimed (may exceed MAX_RECORDS; extras are dropped)
+HEADER_WORDS = 4
+RECORD_WORDS = 16
+MAX_RECORDS = 64
+BUFFER_WORDS = HEADER_WORDS + RECORD_WORDS * MAX_RECORDS
+BUFFER_BYTES = 4 * BUFFER_WORDS
+RECORD_MAGIC = 0xE9D1A600
+
+# word offsets inside one record; 64-bit fields take two words (low word first)
+FIELDS = {
+    "magic": 0, "kernel_tag": 1, "site_id": 2, "rank": 3, "block": 4, "thread": 5,
+    "warp": 6, "smid": 7, "index": 8, "expected": 10, "last_seen": 12, "elapsed_ns": 14,
+}
+WIDE_FIELDS = ("index", "expected", "last_seen", "elapsed_ns")
+
+
+def kernel_tag(kernel_name: str) -> int:
+    """The 32-bit tag a kernel writes into its records (crc32 of its name)."""
+    return zlib.crc32(kernel_name.encode())
+
+
+@attrs.frozen
+class TimeoutRecord:
+    """One decoded record: which wait in which kernel gave up, and what it saw."""
+
+    kernel: str
+    role: str
+    buffer: str
+    rank: int
+    block: int
+    thread: int
+    warp: int
+    smid: int
+    index: int
+    expected: int
+    last_seen: int
+    elapsed_ns: int
+    site_id: int
+
+    def __str__(self) -> str:
+        return (f"{self.kernel}/{self.role} rank {self.rank} block {self.block} warp {self.warp} "
+                f"thread {self.thread}: waited on {self.buffer}[{self.index}] for "
+                f"{self.elapsed_ns / 1e6:.1f} ms, expected {self.expected:#x}, last saw "
+                f"{self.last_seen:#x}")
+
+
+def decode(words, kernels) -> list[TimeoutRecord]:
+    """Decode the records of ``words`` (a sequence of u32) written by ``kernels`` (IR
+    ``Kernel`` objects whose ``sites`` name each wait)."""
+    by_tag = {kernel_tag(k.name): k for k in kernels}
+    n = min(int(words[COUNT_WORD]), MAX_RECORDS)
+    out = []
+    for i in range(n):
+        base = HEADER_WORDS + i * RECORD_WORDS
+        rec = {}
+        for name, off in FIELDS.items():
+            v = int(words[base + off])
+            if name in WIDE_FIELDS:
+                v |= int(words[base + off + 1]) << 32
+            rec[name] = v
+        if rec["magic"] != RECORD_MAGIC:
+            continue
+        k = by_tag.get(rec["kernel_tag"])
+        site = next((s for s in (k.sites if k else ()) if s.site_id == rec["site_id"]), None)
+        out.append(TimeoutRecord(
+            kernel=k.name if k else f"<kernel {rec['kernel_tag']:#x}>",
+            role=site.role if site else "?", buffer=site.buffer if site else "?",
+            rank=rec["rank"], block=rec["block"], thread=rec["thread"], warp=rec["warp"],
+            smid=rec["smid"], index=rec["index"], expected=rec["expected"],
+            last_seen=rec["last_seen"], elapsed_ns=rec["elapsed_ns"], site_id=rec["site_id"]))
+    return out
