@@ -1,4 +1,4 @@
-"""epgen's kernel IR: types, enums, nodes, builder, verifier and printer.
+"""epgen's kernel IR: types, enums, nodes, builder, verifier, printer and parser.
 
 Pure data: this package imports neither llvmlite nor cuda.
 """
@@ -9,3 +9,6 @@ from .enums import (AtomOp, BinOpKind, CacheHint, CmpOp, ReduxOp, Scope, Sem, Sh
                     SReg, UnOpKind, VoteMode)
 from .nodes import *  # noqa: F401,F403  (the node classes are the IR's vocabulary)
 from .nodes import Kernel, Module, as_expr, const, walk, walk_expr
+from .parser import ParseError, parse_kernel, parse_module
+from .printer import print_expr, print_kernel, print_module, print_node, print_stmt
+from .verify import Issue, VerifyError, check, verify
