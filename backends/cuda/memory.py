@@ -1,0 +1,350 @@
+"""Device arrays and device-pointer extraction.
+
+:class:`DeviceArray` is a C-contiguous device allocation with a numpy ``shape``/``dtype``,
+backed by a cuda.core ``Buffer`` from the device's memory resource (stream-ordered where the
+device supports memory pools). Copies and memsets are enqueued on the array's stream (or the
+one given); :meth:`DeviceArray.to_host` synchronises that stream. Views made with
+:meth:`DeviceArray.subarray` or slicing share the allocation.
+
+:func:`as_device_pointer` turns anything epgen accepts as device memory into an int address.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from . import compat
+from .errors import check
+from .stream import as_stream, get_device, using_device
+
+__all__ = ["DeviceArray", "empty", "zeros", "to_device", "as_device_pointer"]
+
+
+def _shape(shape) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+    dims = tuple(operator.index(d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimension in shape {dims}")
+    return dims
+
+
+class DeviceArray:
+    """A C-contiguous array in device memory.
+
+    Create with :func:`empty`, :func:`zeros` or :func:`to_device` (or the constructor, which
+    allocates uninitialised memory). ``ptr`` is the device address as an int;
+    ``__cuda_array_interface__`` (version 3) lets CuPy/torch/numba consume it.
+    """
+
+    def __init__(self, shape, dtype, *, stream=None, device=None, memory_resource=None) -> None:
+        self.shape = _shape(shape)
+        self.dtype = np.dtype(dtype)
+        self.device = get_device(device)
+        self.stream = as_stream(stream, self.device)
+        self._base: DeviceArray | None = None
+        self._offset = 0
+        self._host_keepalive = None
+        mr = memory_resource if memory_resource is not None else self.device
+        with using_device(self.device):
+            # a zero-byte request is not portable across memory resources
+            self._buffer = compat.allocate(mr, max(self.nbytes, 1), self.stream)
+        self._ptr = compat.buffer_pointer(self._buffer)
+
+    @classmethod
+    def _view(cls, base: DeviceArray, byte_offset: int, shape, dtype) -> DeviceArray:
+        view = cls.__new__(cls)
+        view.shape = _shape(shape)
+        view.dtype = np.dtype(dtype)
+        view.device = base.device
+        view.stream = base.stream
+        view._base = base._base if base._base is not None else base
+        view._offset = base._offset + byte_offset
+        view._buffer = base._buffer
+        view._ptr = base._ptr + byte_offset
+        view._host_keepalive = None
+        return view
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def ptr(self) -> int:
+        """Device address of the first element."""
+        return self._ptr
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def base(self) -> DeviceArray | None:
+        """The owning array of a view (None for an owner)."""
+        return self._base
+
+    @property
+    def buffer(self):
+        """The cuda.core ``Buffer`` holding the whole allocation (shared by views)."""
+        return self._buffer
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        stream = int(self.stream.handle)
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self._ptr if self.nbytes else 0, False),
+            "version": 3,
+            "strides": None,
+            # 0 is not allowed by the protocol; the legacy default stream is 1
+            "stream": stream if stream != 0 else 1,
+        }
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr={self._ptr:#x}, "
+                f"device={self.device.device_id})")
+
+    # -- views --------------------------------------------------------------------------------
+    def subarray(self, byte_offset: int, shape, dtype=None) -> DeviceArray:
+        """A view of ``shape``/``dtype`` starting ``byte_offset`` bytes into this array.
+
+        The view must lie inside this array and be aligned to its dtype's size."""
+        dtype = np.dtype(dtype if dtype is not None else self.dtype)
+        byte_offset = operator.index(byte_offset)
+        nbytes = math.prod(_shape(shape)) * dtype.itemsize
+        if byte_offset < 0 or byte_offset + nbytes > self.nbytes:
+            raise ValueError(f"sub-array [{byte_offset}, {byte_offset + nbytes}) lies outside "
+                             f"the {self.nbytes}-byte array")
+        if (self._ptr + byte_offset) % dtype.alignment:
+            raise ValueError(f"byte offset {byte_offset} is not aligned for {dtype} "
+                             f"({dtype.alignment} bytes)")
+        return DeviceArray._view(self, byte_offset, shape, dtype)
+
+    def __getitem__(self, index) -> DeviceArray:
+        """Contiguous slices along the first axis (``a[2:5]``) or one row (``a[3]``)."""
+        if not self.shape:
+            raise IndexError("cannot index a 0-d DeviceArray")
+        rows, rest = self.shape[0], self.shape[1:]
+        row_bytes = math.prod(rest) * self.itemsize
+        if isinstance(index, slice):
+            start, stop, step = index.indices(rows)
+            if step != 1:
+                raise IndexError("DeviceArray slices must be contiguous (step 1)")
+            count = max(0, stop - start)
+            return DeviceArray._view(self, start * row_bytes, (count, *rest), self.dtype)
+        row = operator.index(index)
+        if row < 0:
+            row += rows
+        if not 0 <= row < rows:
+            raise IndexError(f"index {index} out of range for axis 0 of size {rows}")
+        return DeviceArray._view(self, row * row_bytes, rest, self.dtype)
+
+    # -- transfers ----------------------------------------------------------------------------
+    def copy_from_host(self, host, *, stream=None) -> DeviceArray:
+        """Enqueue a host -> device copy of ``host`` (same dtype and element count).
+
+        Pageable memory is staged by the driver before this returns; the array keeps a
+        reference to the source until the next copy, so pinned sources stay alive."""
+        src = np.ascontiguousarray(host)
+        if src.dtype != self.dtype:
+            raise TypeError(f"dtype mismatch: host {src.dtype}, device {self.dtype}")
+        if src.size != self.size:
+            raise ValueError(f"size mismatch: host {src.shape}, device {self.shape}")
+        if self.nbytes:
+            stream = as_stream(stream, self.device) if stream is not None else self.stream
+            drv = compat.driver()
+            with using_device(self.device):
+                check(drv.cuMemcpyHtoDAsync(self._ptr, src.ctypes.data, self.nbytes,
+                                            stream.handle), "cuMemcpyHtoDAsync")
+            self._host_keepalive = src
+        return self
+
+    def to_host(self, out: np.ndarray | None = None, *, stream=None) -> np.ndarray:
+        """Copy to a host array (``out`` or a new one) and wait for the copy."""
+        if out is None:
+            out = np.empty(self.shape, self.dtype)
+        elif out.dtype != self.dtype or out.size != self.size or not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous with the array's dtype and size")
+        stream = as_stream(stream, self.device) if stream is not None else self.stream
+        if self.nbytes:
+            drv = compat.driver()
+            with using_device(self.device):
+                check(drv.cuMemcpyDtoHAsync(out.ctypes.data, self._ptr, self.nbytes,
+                                            stream.handle), "cuMemcpyDtoHAsync")
+                stream.sync()
+        return out
+
+    def copy_from(self, src, *, stream=None) -> DeviceArray:
+        """Enqueue a device -> device copy from ``src`` (a DeviceArray of the same byte size,
+        or any device memory :func:`as_device_pointer` accepts, read for ``self.nbytes``)."""
+        if isinstance(src, DeviceArray) and src.nbytes != self.nbytes:
+            raise ValueError(f"size mismatch: source {src.nbytes} bytes, "
+                             f"destination {self.nbytes} bytes")
+        if self.nbytes:
+            stream = as_stream(stream, self.device) if stream is not None else self.stream
+            drv = compat.driver()
+            with using_device(self.device):
+                check(drv.cuMemcpyDtoDAsync(self._ptr, as_device_pointer(src), self.nbytes,
+                                            stream.handle), "cuMemcpyDtoDAsync")
+        return self
+
+    def fill_bytes(self, value: int, *, stream=None) -> DeviceArray:
+        """Set every byte to ``value`` (0..255) with ``cuMemsetD8Async``."""
+        value = operator.index(value)
+        if not 0 <= value <= 0xFF:
+            raise ValueError(f"byte value {value} is outside 0..255")
+        if self.nbytes:
+            stream = as_stream(stream, self.device) if stream is not None else self.stream
+            drv = compat.driver()
+            with using_device(self.device):
+                check(drv.cuMemsetD8Async(self._ptr, value, self.nbytes, stream.handle),
+                      "cuMemsetD8Async")
+        return self
+
+    def fill_u32(self, value: int, *, stream=None) -> DeviceArray:
+        """Set every 32-bit word to ``value`` with ``cuMemsetD32Async`` (the array must be
+        4-byte aligned and a multiple of 4 bytes)."""
+        value = operator.index(value)
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ValueError(f"u32 value {value} is outside 0..2**32-1")
+        if self._ptr % 4 or self.nbytes % 4:
+            raise ValueError("fill_u32 needs a 4-byte aligned array of whole 32-bit words")
+        if self.nbytes:
+            stream = as_stream(stream, self.device) if stream is not None else self.stream
+            drv = compat.driver()
+            with using_device(self.device):
+                check(drv.cuMemsetD32Async(self._ptr, value, self.nbytes // 4, stream.handle),
+                      "cuMemsetD32Async")
+        return self
+
+    def zero(self, *, stream=None) -> DeviceArray:
+        """Set all bytes to zero (a 32-bit memset when aligned)."""
+        if self._ptr % 4 == 0 and self.nbytes % 4 == 0:
+            return self.fill_u32(0, stream=stream)
+        return self.fill_bytes(0, stream=stream)
+
+    def close(self) -> None:
+        """Free the allocation now (stream-ordered on the array's stream). Only the owner can
+        be closed; views must not be used afterwards."""
+        if self._base is not None:
+            raise ValueError("close() the owning array, not a view")
+        self._buffer.close(self.stream)
+
+
+def empty(shape, dtype, *, stream=None, device=None, memory_resource=None) -> DeviceArray:
+    """An uninitialised :class:`DeviceArray`."""
+    return DeviceArray(shape, dtype, stream=stream, device=device,
+                       memory_resource=memory_resource)
+
+
+def zeros(shape, dtype, *, stream=None, device=None, memory_resource=None) -> DeviceArray:
+    """A zero-filled :class:`DeviceArray` (the memset is enqueued on ``stream``)."""
+    return empty(shape, dtype, stream=stream, device=device,
+                 memory_resource=memory_resource).zero()
+
+
+def to_device(host, *, stream=None, device=None, memory_resource=None) -> DeviceArray:
+    """A :class:`DeviceArray` holding a copy of the host array ``host``."""
+    src = np.asarray(host)
+    return empty(src.shape, src.dtype, stream=stream, device=device,
+                 memory_resource=memory_resource).copy_from_host(src)
+
+
+# -- pointer extraction -------------------------------------------------------------------------
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+def _pointer_from_cai(interface: dict) -> int:
+    if interface.get("mask") is not None:
+        raise TypeError("masked __cuda_array_interface__ arrays are not supported")
+    data = interface.get("data")
+    if not data:
+        raise TypeError("__cuda_array_interface__ has no 'data' entry")
+    return int(data[0] or 0)
+
+
+def _pointer_from_dlpack(obj) -> int:
+    """Peek at a legacy DLPack capsule's data pointer (the capsule is left unconsumed, so
+    its deleter runs when it is dropped; ``obj`` keeps the memory alive)."""
+    device_type, _ = obj.__dlpack_device__()
+    if int(device_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        raise TypeError(f"{type(obj).__name__} is not in CUDA device memory "
+                        f"(DLPack device type {int(device_type)})")
+    try:
+        capsule = obj.__dlpack__(stream=-1)  # -1: no synchronisation requested
+    except (TypeError, ValueError, RuntimeError, BufferError):
+        capsule = obj.__dlpack__()
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype = ctypes.c_void_p
+    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    address = get_pointer(capsule, b"dltensor")
+    tensor = _DLTensor.from_address(address)
+    return int(tensor.data or 0) + int(tensor.byte_offset)
+
+
+def as_device_pointer(obj) -> int:
+    """The device address of ``obj`` as an int.
+
+    Accepts a :class:`DeviceArray`, a cuda.core ``Buffer``, a ``CUdeviceptr``, a non-negative
+    integer address, anything with ``__cuda_array_interface__`` (CuPy, torch CUDA tensors) or
+    DLPack (``__dlpack__`` on a CUDA device). Host numpy arrays and bools are refused.
+    """
+    if isinstance(obj, DeviceArray):
+        return obj.ptr
+    if isinstance(obj, bool | np.bool_):
+        raise TypeError("a bool is not a device pointer")
+    if isinstance(obj, numbers.Integral):
+        address = int(obj)
+        if not 0 <= address < 2**64:
+            raise ValueError(f"device address {address} is outside 0..2**64-1")
+        return address
+    if isinstance(obj, np.ndarray):
+        raise TypeError("a host numpy array is not device memory; copy it with to_device()")
+    buffer_type = compat.buffer_type()
+    if buffer_type is not None and isinstance(obj, buffer_type):
+        return compat.buffer_pointer(obj)
+    if type(obj).__name__ == "CUdeviceptr" and type(obj).__module__.startswith("cuda."):
+        return int(obj)
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if interface is not None:
+        return _pointer_from_cai(interface)
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _pointer_from_dlpack(obj)
+    raise TypeError(f"cannot get a device pointer from {type(obj).__name__}: expected a "
+                    "DeviceArray, cuda.core Buffer, int address, or an object with "
+                    "__cuda_array_interface__ / __dlpack__")
