@@ -1,0 +1,220 @@
+"""``EPConfig``: the parameters of the reference ``EPDispatchKernel[...]`` and their validation.
+
+Every parameter of the reference page exists here under the same name with the same default
+(the page's ``token_fmt_type`` is the ``token_fmt`` instance; ``token_fmt_type`` is an alias).
+``timeout_ns`` is ours (DESIGN section 8: every spin-wait is bounded; 0 = unbounded, as in the
+reference).
+
+Construction validates every constraint (protocol section 7.9 plus ours) and raises
+``EPConfigError`` (a ``ValueError``) listing each violated rule with the parameters it names.
+
+``skip_a2a`` follows the reference's instantiation (protocol 7.3): the kernels are built for
+one device, ``n_experts`` = that device's experts and ``n_ranks = 1``, while ``topk_ids`` stay
+global and ``my_rank`` (a launch argument) is the real device id. So ``skip_a2a`` requires
+``n_ranks == 1``; with ``n_ranks > 1`` the dispatch_wait aux block would wait for count words
+nobody writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import attrs
+import numpy as np
+
+from .formats.base import TokenFormat
+from .layout import MAX_GPUS_PER_NODE, WARP_SIZE, Layout, ceildiv
+
+#: Most threads per block on NVIDIA, and the reference's ``WARP_SIZE**2`` bound on E.
+MAX_THREADS = 1024
+INT_PARAMS = ("num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
+              "p2p_world_size")
+BOOL_PARAMS = ("use_shmem", "fused_shared_expert", "skip_a2a", "has_rank_flag", "ep_ord_r",
+               "ep_final_layout", "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named")
+
+
+class EPConfigError(ValueError):
+    """An invalid ``EPConfig``. ``violations`` is a list of ``(parameters, rule)``."""
+
+    def __init__(self, violations: list[tuple[tuple[str, ...], str]]):
+        self.violations = list(violations)
+        lines = [f"{', '.join(p)}: {rule}" for p, rule in self.violations]
+        head = "invalid EPConfig" + (f" ({len(lines)} violations)" if len(lines) > 1 else "")
+        super().__init__(head + ":\n  " + "\n  ".join(lines))
+
+
+class TransportNotImplementedError(NotImplementedError):
+    """The configuration needs a transport this build does not implement yet."""
+
+
+def _to_int(v):
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) \
+        else v
+
+
+def _to_bool(v):
+    return bool(v) if isinstance(v, np.bool_) else v
+
+
+def _int_field(**kw):
+    return attrs.field(converter=_to_int, **kw)
+
+
+def _bool_field(default: bool):
+    return attrs.field(default=default, converter=_to_bool)
+
+
+@attrs.frozen(kw_only=True)
+class EPConfig:
+    """Parameters of ``EPDispatchKernel`` (keyword arguments; see the reference page)."""
+
+    num_threads: int = _int_field()
+    n_sms: int = _int_field()
+    n_experts: int = _int_field()
+    n_ranks: int = _int_field()
+    max_tokens_per_rank: int = _int_field()
+    p2p_world_size: int = _int_field()
+    token_fmt: TokenFormat = attrs.field()
+    use_shmem: bool = _bool_field(True)
+    fused_shared_expert: bool = _bool_field(False)
+    skip_a2a: bool = _bool_field(False)
+    has_rank_flag: bool = _bool_field(False)
+    ep_ord_r: bool = _bool_field(False)
+    ep_final_layout: bool = _bool_field(False)
+    ep_prod_reserve: bool = _bool_field(False)
+    ep_copy_role_split: bool = _bool_field(False)
+    ep_send_join_named: bool = _bool_field(False)
+    timeout_ns: int = _int_field(default=2_000_000_000)
+
+    def __attrs_post_init__(self):
+        bad = self._type_violations()
+        if bad:
+            raise EPConfigError(bad)
+        bad = self._rule_violations()
+        if bad:
+            raise EPConfigError(bad)
+        self.layout.check()
+
+    # ---- validation -------------------------------------------------------------------
+    def _type_violations(self):
+        bad = []
+        for name in INT_PARAMS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad.append(((name,), f"must be a positive integer, got {v!r}"))
+        v = self.timeout_ns
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            bad.append((("timeout_ns",), f"must be an integer >= 0 (0 = unbounded waits), "
+                                         f"got {v!r}"))
+        for name in BOOL_PARAMS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                bad.append(((name,), f"must be a bool, got {v!r}"))
+        if not isinstance(self.token_fmt, TokenFormat):
+            bad.append((("token_fmt",), f"must be a TokenFormat instance (e.g. "
+                                        f"BF16Format(hid_dim, top_k)), got {self.token_fmt!r}"))
+        return bad
+
+    def _rule_violations(self):
+        E, R, P = self.n_experts, self.n_ranks, self.p2p_world_size
+        K = self.token_fmt.top_k
+        bad = []
+
+        def rule(ok, params, text):
+            if not ok:
+                bad.append((params, text))
+
+        rule(self.num_threads % WARP_SIZE == 0, ("num_threads",),
+             f"must be a multiple of the warp size {WARP_SIZE}, got {self.num_threads}")
+        rule(self.num_threads <= MAX_THREADS, ("num_threads",),
+             f"must be <= {MAX_THREADS} threads per block, got {self.num_threads}")
+        rule(E % R == 0, ("n_experts", "n_ranks"),
+             f"n_experts must be a multiple of n_ranks (n_local_experts = n_experts // "
+             f"n_ranks), got n_experts={E}, n_ranks={R}")
+        rule(R % P == 0, ("p2p_world_size", "n_ranks"),
+             f"p2p_world_size must divide n_ranks, got p2p_world_size={P}, n_ranks={R}")
+        rule(P <= MAX_GPUS_PER_NODE, ("p2p_world_size",),
+             f"must be <= {MAX_GPUS_PER_NODE} (the rank-completion counters have "
+             f"{MAX_GPUS_PER_NODE} slots), got {P}")
+        rule(E <= self.num_threads, ("n_experts", "num_threads"),
+             f"n_experts must be <= num_threads (the dispatch_wait aux block polls one count "
+             f"word per thread), got n_experts={E}, num_threads={self.num_threads}")
+        rule(E <= WARP_SIZE * WARP_SIZE, ("n_experts",),
+             f"must be <= {WARP_SIZE * WARP_SIZE} (two-level warp prefix sum over the count "
+             f"words), got {E}")
+        rule(E < 65536, ("n_experts",),
+             f"global expert ids travel as uint16: n_experts must be < 65536, got {E}")
+        rule(R <= WARP_SIZE, ("n_ranks",),
+             f"must be <= {WARP_SIZE} (per-rank prefix and lanes in dispatch_wait), got {R}")
+        rule(K <= WARP_SIZE, ("token_fmt.top_k",),
+             f"top_k must be <= {WARP_SIZE} (one lane per top-k slot), got {K}")
+        if not self.skip_a2a:  # under skip_a2a the ids are global, n_experts is local
+            rule(K <= E, ("token_fmt.top_k", "n_experts"),
+                 f"top_k must be <= n_experts (top-k ids are unique per token), got top_k={K}, "
+                 f"n_experts={E}")
+        if E % R == 0:
+            L = E // R
+            rule(L <= self.n_sms - 1, ("n_experts", "n_ranks", "n_sms"),
+                 f"n_local_experts must be <= n_sms - 1 (one dispatch_wait comm SM per local "
+                 f"expert at least), got n_local_experts={L}, n_sms={self.n_sms}")
+        n_warps = self.num_threads // WARP_SIZE
+        if n_warps:
+            n_sig = ceildiv(E, n_warps)
+            rule(n_sig < self.n_sms, ("n_sms", "n_experts", "num_threads"),
+                 f"n_signal_sms = ceildiv(n_experts, num_threads // 32) = {n_sig} must be < "
+                 f"n_sms = {self.n_sms} (dispatch_async needs at least one comm SM)")
+        rule(not (self.skip_a2a and self.use_shmem), ("skip_a2a", "use_shmem"),
+             "skip_a2a and use_shmem are exclusive (skip_a2a sends nothing off the device; "
+             "pass use_shmem=False)")
+        rule(not self.skip_a2a or R == 1, ("skip_a2a", "n_ranks"),
+             f"skip_a2a kernels are instantiated per device with n_ranks=1 and n_experts = "
+             f"that device's experts (topk ids stay global), got n_ranks={R}")
+        rule(self.ep_final_layout or not self.ep_prod_reserve,
+             ("ep_prod_reserve", "ep_final_layout"),
+             "ep_prod_reserve requires ep_final_layout")
+        rule(self.has_rank_flag == self.ep_ord_r, ("has_rank_flag", "ep_ord_r"),
+             f"has_rank_flag requires ep_ord_r (and vice versa), got has_rank_flag="
+             f"{self.has_rank_flag}, ep_ord_r={self.ep_ord_r}")
+        for params, text in self.token_fmt.check_config(self):
+            rule(False, tuple(params), text)
+        return bad
+
+    # ---- derived --------------------------------------------------------------------------
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """Every derived member of the reference page (``epgen.layout.Layout``)."""
+        return Layout(self)
+
+    @property
+    def token_fmt_type(self) -> TokenFormat:
+        """The reference page's name for ``token_fmt``."""
+        return self.token_fmt
+
+    @property
+    def needs_shmem(self) -> bool:
+        """True when some destination is outside this rank's P2P group, so the SHMEM
+        transport is needed: ``p2p_world_size < n_ranks and not skip_a2a``."""
+        return self.p2p_world_size < self.n_ranks and not self.skip_a2a
+
+    def require_p2p_only(self) -> None:
+        """Raise ``TransportNotImplementedError`` when the configuration needs the SHMEM
+        transport (``p2p_world_size < n_ranks``), which is not implemented yet."""
+        if self.needs_shmem:
+            raise TransportNotImplementedError(
+                f"p2p_world_size={self.p2p_world_size} < n_ranks={self.n_ranks}: ranks outside "
+                f"a P2P group are reached through the SHMEM transport (use_shmem="
+                f"{self.use_shmem}), and the SHMEM transport is not implemented yet; use "
+                f"p2p_world_size == n_ranks")
+
+    def replace(self, **changes) -> EPConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return attrs.evolve(self, **changes)
+
+    def describe(self) -> dict:
+        """Plain-data view of every parameter, for the CLI and reports."""
+        out = {}
+        for f in attrs.fields(type(self)):
+            v = getattr(self, f.name)
+            out[f.name] = v.describe() if isinstance(v, TokenFormat) else v
+        return out

@@ -1,0 +1,247 @@
+"""The ``TokenFormat`` contract (reference: the ``TokenFormat`` trait, protocol section 3.1).
+
+A token format fixes how one token travels: its payload (the token itself, possibly quantized,
+plus scales), followed by the header the kernel writes (source token index, top-k expert ids).
+Every field starts at a multiple of ``alignment`` bytes::
+
+    [0, token_size)                         payload (format-specific, itself aligned)
+    [src_info_offset, +src_info_size)       int32 source token index, rest of the field padding
+    [topk_info_offset, +topk_info_size)     uint16 global expert id of each top-k slot
+    msg_size() = token_size + align_up(4, A) + align_up(2 * top_k, A)
+
+A format also carries a numpy reference of its device steps (``encode_payload`` for the send
+side's ``copy_token_to_send_buf``, ``decode_payload`` for the receive side's
+``copy_msg_to_output_tensor``), which ``epgen.reference`` and the tests use.
+
+Extension point for the kernel builders: a format defines the device side of its two steps,
+``emit_copy_token_to_send_buf(...)`` (the IR of ``copy_token_to_send_buf``: every thread of the
+CTA takes part and writes payload plus scales; the header is written by the kernel) and
+``emit_copy_msg_to_output(...)`` (the IR of ``copy_msg_to_output_tensor``: one warp copies one
+message into one output row), next to its numpy reference. ``emit_send``/``emit_receive`` are
+aliases. The stubs below name that contract.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import attrs
+import numpy as np
+
+#: Width in bytes of the widest single vector access (``SIMD[uint8, W]`` on the reference's
+#: targets, ``v4.u32`` in PTX). The P2P copy moves messages in units of this many bytes.
+VECTOR_BYTES = 16
+
+
+def align_up(x: int, a: int) -> int:
+    """Smallest multiple of ``a`` that is ``>= x``."""
+    return (x + a - 1) // a * a
+
+
+def _positive_int(name):
+    def check(inst, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"{type(inst).__name__}: {name} must be a positive integer, "
+                             f"got {value!r}")
+    return check
+
+
+def _int(value):
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+        else value
+
+
+def _check_alignment(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < VECTOR_BYTES or value & (value - 1):
+        raise ValueError(
+            f"{type(inst).__name__}: alignment must be a power of two >= {VECTOR_BYTES} "
+            f"(every message field is moved with {VECTOR_BYTES}-byte vector accesses), "
+            f"got {value!r}")
+
+
+@attrs.frozen
+class TokenFormat:
+    """Base of every token format (reference trait ``TokenFormat``).
+
+    Subclasses define ``token_size`` (payload bytes, a multiple of ``alignment``),
+    ``name``, ``input_dtype``, ``out_dtype`` and the numpy reference
+    ``encode_payload``/``decode_payload``; everything else derives from those.
+    """
+
+    hid_dim: int = attrs.field(converter=_int, validator=_positive_int("hid_dim"))
+    top_k: int = attrs.field(converter=_int, validator=_positive_int("top_k"))
+    alignment: int = attrs.field(default=VECTOR_BYTES, converter=_int, kw_only=True,
+                                 validator=_check_alignment)
+
+    # ---- identity -----------------------------------------------------------------------
+    #: Short format name (``"BF16"``); used in kernel symbols and the CLI.
+    name = "abstract"
+    #: PTX type name of one input element (``ir.types.parse_type`` understands it).
+    input_dtype = "b8"
+    #: PTX type name of one output element (the grouped output tensor's dtype).
+    out_dtype = "b8"
+    #: numpy dtype of the host-side input and output (bit patterns for non-numpy types).
+    host_dtype = np.uint8
+    #: Element dtype names accepted for input tokens (numpy/ml_dtypes/torch spellings).
+    accepted_input_dtypes = ()
+
+    @property
+    def type_name(self) -> str:
+        """Reference ``get_type_name()``: distinguishes formats in kernel symbols."""
+        return f"{self.name}_H{self.hid_dim}_K{self.top_k}_A{self.alignment}"
+
+    # ---- compile-time members of the trait ---------------------------------------------
+    @property
+    def token_size(self) -> int:
+        """Payload bytes of one token (format-specific, a multiple of ``alignment``)."""
+        raise NotImplementedError
+
+    @property
+    def src_info_offset(self) -> int:
+        """Byte offset of the int32 source token index inside a message."""
+        return self.token_size
+
+    @property
+    def src_info_size(self) -> int:
+        return align_up(4, self.alignment)
+
+    @property
+    def topk_info_offset(self) -> int:
+        """Byte offset of the uint16 top-k global expert ids inside a message."""
+        return self.src_info_offset + self.src_info_size
+
+    @property
+    def topk_info_size(self) -> int:
+        return align_up(2 * self.top_k, self.alignment)
+
+    def msg_size(self) -> int:
+        """Reference ``msg_size()``: bytes of one serialized token message."""
+        return self.token_size + self.src_info_size + self.topk_info_size
+
+    #: Reference ``dispatch_wait_tile_shape = (tile_tokens, k_splits)``.
+    dispatch_wait_tile_shape = (128, 1)
+    #: Reference ``dispatch_smem_size``: dynamic shared memory bytes dispatch_wait needs.
+    dispatch_smem_size = 0
+    #: Reference ``expert_m_padding``: each group's row count is rounded up to a multiple of
+    #: this in ``row_offsets`` (``pad_expert_offsets``); 1 means no padding.
+    expert_m_padding = 1
+
+    #: Bytes of one input element (the row stride of the input tokens is
+    #: ``input_row_bytes``).
+    input_elem_bytes = 1
+
+    @property
+    def input_row_bytes(self) -> int:
+        """Bytes of one input token row (``hid_dim`` elements of ``input_dtype``)."""
+        return self.hid_dim * self.input_elem_bytes
+
+    # ---- output description ---------------------------------------------------------------
+    @property
+    def out_row_shape(self) -> tuple[int, ...]:
+        """Shape of one row of the grouped output tensor (host dtype ``host_dtype``)."""
+        return (self.hid_dim,)
+
+    @property
+    def out_scales(self):
+        """Description of the output scales tensor, or None when the format has none."""
+        return None
+
+    def describe(self) -> dict:
+        """Plain-data summary for the CLI and reports."""
+        return {
+            "name": self.name, "type_name": self.type_name, "hid_dim": self.hid_dim,
+            "top_k": self.top_k, "alignment": self.alignment, "token_size": self.token_size,
+            "src_info_offset": self.src_info_offset, "topk_info_offset": self.topk_info_offset,
+            "msg_size": self.msg_size(), "input_dtype": self.input_dtype,
+            "input_row_bytes": self.input_row_bytes,
+            "out_dtype": self.out_dtype, "out_row_shape": list(self.out_row_shape),
+            "out_scales": self.out_scales, "expert_m_padding": self.expert_m_padding,
+            "dispatch_wait_tile_shape": list(self.dispatch_wait_tile_shape),
+            "dispatch_smem_size": self.dispatch_smem_size,
+        }
+
+    def check_config(self, cfg) -> list[tuple[tuple[str, ...], str]]:
+        """Constraints this format puts on a kernel configuration, as ``(parameters, rule)``
+        pairs that ``EPConfig`` reports as violations. The default has none."""
+        return []
+
+    # ---- numpy reference of the device steps ----------------------------------------------
+    def as_host_tokens(self, tokens) -> np.ndarray:
+        """``tokens`` [T, H] as an array of ``host_dtype`` (no copy when possible)."""
+        raise NotImplementedError
+
+    def encode_payload(self, tokens) -> np.ndarray:
+        """Reference of ``copy_token_to_send_buf``: ``tokens`` [T, H] -> uint8 [T, token_size]."""
+        raise NotImplementedError
+
+    def decode_payload(self, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Reference of ``copy_msg_to_output_tensor``: uint8 [n, token_size] -> (output rows
+        [n, *out_row_shape] of ``host_dtype``, per-row scales or None)."""
+        raise NotImplementedError
+
+    def pad_row_offsets(self, group_counts) -> np.ndarray:
+        """Reference of ``pad_expert_offsets``: ``row_offsets`` (uint32 [G+1]) for groups of
+        ``group_counts`` rows, each group rounded up to ``expert_m_padding`` rows."""
+        counts = np.asarray(group_counts, dtype=np.int64)
+        p = self.expert_m_padding
+        padded = (counts + p - 1) // p * p
+        return np.concatenate([[0], np.cumsum(padded)]).astype(np.uint32)
+
+    def pack_messages(self, tokens, src_idx, topk_ids) -> np.ndarray:
+        """Serialize ``T`` tokens: uint8 [T, msg_size] (padding bytes zero)."""
+        payload = self.encode_payload(tokens)
+        t = payload.shape[0]
+        src = np.asarray(src_idx, dtype=np.int64).reshape(t)
+        ids = np.asarray(topk_ids, dtype=np.int64).reshape(t, self.top_k)
+        if ids.size and (ids.min() < 0 or ids.max() > 0xFFFF):
+            raise ValueError("top-k expert ids travel as uint16: each must be in [0, 65536)")
+        if src.size and (src.min() < -2**31 or src.max() >= 2**31):
+            raise ValueError("the source token index travels as int32")
+        msg = np.zeros((t, self.msg_size()), dtype=np.uint8)
+        msg[:, :self.token_size] = payload
+        so, ko = self.src_info_offset, self.topk_info_offset
+        msg[:, so:so + 4] = src.astype("<i4").view(np.uint8).reshape(t, 4)
+        msg[:, ko:ko + 2 * self.top_k] = ids.astype("<u2").view(np.uint8).reshape(t, 2 * self.top_k)
+        return msg
+
+    def unpack_messages(self, msgs):
+        """Inverse of ``pack_messages``: (output rows, scales or None, int32 src index [T],
+        int32 global expert ids [T, K])."""
+        msgs = np.ascontiguousarray(msgs, dtype=np.uint8).reshape(-1, self.msg_size())
+        rows, scales = self.decode_payload(msgs[:, :self.token_size])
+        so, ko = self.src_info_offset, self.topk_info_offset
+        src = np.ascontiguousarray(msgs[:, so:so + 4]).view("<i4").reshape(-1).astype(np.int32)
+        ids = np.ascontiguousarray(msgs[:, ko:ko + 2 * self.top_k]).view("<u2")
+        return rows, scales, src, ids.reshape(-1, self.top_k).astype(np.int32)
+
+    def pack_message(self, token, src_idx: int, topk_ids) -> np.ndarray:
+        """Serialize one token (``token`` [H]): uint8 [msg_size]."""
+        token = np.asarray(token)
+        return self.pack_messages(token.reshape(1, *token.shape), [src_idx],
+                                  np.asarray(topk_ids).reshape(1, -1))[0]
+
+    def unpack_message(self, msg):
+        """Inverse of ``pack_message``: (token row, src_idx, int32 top-k ids [K]); the token
+        row is the decoded output row (the input bits for BF16)."""
+        rows, _scales, src, ids = self.unpack_messages(np.asarray(msg).reshape(1, -1))
+        return rows[0], int(src[0]), ids[0]
+
+    # ---- device steps (the kernel builders fill these in) ---------------------------------
+    def emit_copy_token_to_send_buf(self, *args, **kwargs):
+        """IR of ``copy_token_to_send_buf`` (payload and scales into one send_buf row)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.emit_copy_token_to_send_buf is not implemented")
+
+    def emit_copy_msg_to_output(self, *args, **kwargs):
+        """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.emit_copy_msg_to_output is not implemented")
+
+    def emit_send(self, *args, **kwargs):
+        """Alias of ``emit_copy_token_to_send_buf``."""
+        return self.emit_copy_token_to_send_buf(*args, **kwargs)
+
+    def emit_receive(self, *args, **kwargs):
+        """Alias of ``emit_copy_msg_to_output``."""
+        return self.emit_copy_msg_to_output(*args, **kwargs)

@@ -1,0 +1,88 @@
+"""``BF16Format`` (reference ``BF16TokenFormat[output_layout, H, K, A]``, protocol section 3.2).
+
+The payload is the token's ``H`` bfloat16 values, unchanged: ``token_size = align_up(2H, A)``,
+dispatch_wait tile ``(128, 1)``, no shared memory, no padding. On the host a BF16 token is held
+as its uint16 bit patterns (``ml_dtypes.bfloat16`` arrays are accepted and viewed as such), so
+comparisons are bit-exact, NaNs included.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from .base import VECTOR_BYTES, TokenFormat, align_up
+
+
+def bf16_bits(tokens) -> np.ndarray:
+    """``tokens`` (uint16 bit patterns or ``ml_dtypes.bfloat16``) as a uint16 view."""
+    arr = np.asarray(tokens)
+    if arr.dtype == np.uint16:
+        return arr
+    if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:
+        return arr.view(np.uint16)
+    raise ValueError(f"BF16 tokens must be uint16 bit patterns or ml_dtypes.bfloat16, "
+                     f"got dtype {arr.dtype}")
+
+
+@attrs.frozen
+class BF16Format(TokenFormat):
+    """Unquantized bfloat16 tokens. ``BF16Format(hid_dim, top_k, alignment=16)``."""
+
+    name = "BF16"
+    input_dtype = "bf16"
+    input_elem_bytes = 2
+    out_dtype = "bf16"
+    host_dtype = np.uint16
+    accepted_input_dtypes = ("bfloat16", "uint16")
+
+    def __attrs_post_init__(self):
+        # The send is a CTA-wide 16-byte vector copy and the receive stores SIMD bf16 vectors;
+        # the reference silently drops a tail that is not a whole vector.
+        if (2 * self.hid_dim) % VECTOR_BYTES:
+            raise ValueError(
+                f"BF16Format: hid_dim={self.hid_dim}: 2*hid_dim bytes must be a multiple of "
+                f"the {VECTOR_BYTES}-byte vector width (hid_dim a multiple of "
+                f"{VECTOR_BYTES // 2})")
+
+    @property
+    def token_size(self) -> int:
+        return align_up(2 * self.hid_dim, self.alignment)
+
+    def as_host_tokens(self, tokens) -> np.ndarray:
+        return bf16_bits(tokens)
+
+    def encode_payload(self, tokens) -> np.ndarray:
+        bits = np.ascontiguousarray(self.as_host_tokens(tokens)).reshape(-1, self.hid_dim)
+        out = np.zeros((bits.shape[0], self.token_size), dtype=np.uint8)
+        out[:, :2 * self.hid_dim] = bits.astype("<u2").view(np.uint8)
+        return out
+
+    def decode_payload(self, payload):
+        payload = np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1, self.token_size)
+        rows = np.ascontiguousarray(payload[:, :2 * self.hid_dim]).view("<u2")
+        return rows.astype(np.uint16), None
+
+    # ---- device steps ------------------------------------------------------------------
+    @property
+    def out_row_bytes(self) -> int:
+        return 2 * self.hid_dim
+
+    def emit_copy_token_to_send_buf(self, r, src_row, msg, first, stride):
+        """``copy_token_to_send_buf``: the CTA copies the ``2H`` payload bytes as 16-byte
+        vectors (``ld.global.nc.v4.b32`` / ``st.global.v4.b32``), thread ``first`` taking
+        vectors ``first, first + stride, ...``."""
+        from ..kernels.common import copy_vectors
+        copy_vectors(r, msg, src_row, 2 * self.hid_dim // VECTOR_BYTES, first, stride, nc=True,
+                     tag="stage")
+
+    def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
+        """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output
+        row ``row`` (lane-strided 16-byte vectors)."""
+        from ir import types as T
+        from ..kernels.common import copy_vectors
+        dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
+        copy_vectors(r, dst, msg, 2 * self.hid_dim // VECTOR_BYTES, r.lane, 32, tag="recv")
+
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups):
+        """``pad_expert_offsets``: BF16 rows are not padded (no code)."""

@@ -1,0 +1,564 @@
+"""Every derived member of the reference ``EPDispatchKernel`` (its comptime members and layout
+methods), plus the sizes of the buffers and counter regions they index.
+
+``cfg.layout`` is a ``Layout``. Each reference member keeps its name and formula (the page is the
+contract: ``EPDispatchKernel-reference-page.txt``); the few members that are ours are marked
+"ours" and documented where they are defined.
+
+The layout methods (``recv_buf_layout``, ``recv_count_layout``, ``send_buf_layout``,
+``rank_flag_offset``) are plain arithmetic on their coordinates, so they accept Python ints,
+numpy integer arrays and IR expressions alike; coordinates that are concrete integers are
+range-checked.
+
+Words of the counter array are Int32 (``EPLocalSyncCounters``); words of the receive-count
+buffer are UInt64.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import attrs
+import numpy as np
+
+WARP_SIZE = 32                 # reference ``_resolve_warp_size()`` on NVIDIA
+MAX_GPUS_PER_NODE = 8          # sizes the rank-completion counters; bounds p2p_world_size
+EP_COPY_SRC_WIDTH = 8          # elements per copy item of the role split
+EP_DATA_READY_FLAG = 1024      # value of the dispatch_wait ready flag (Region E)
+RECV_COUNT_SENTINEL = 2**64 - 1   # "not yet published" (``UInt64.MAX_FINITE``)
+REGION_ALIGN_WORDS = 32        # ours: counter regions start on a 128-byte line
+
+
+def ceildiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _align(x: int, a: int) -> int:
+    return ceildiv(x, a) * a
+
+
+def _is_concrete(v) -> bool:
+    return isinstance(v, (numbers.Integral, np.ndarray)) and not isinstance(v, bool)
+
+
+def _check_coord(method: str, name: str, value, bound: int) -> None:
+    """Range-check a concrete coordinate (int or integer array); IR expressions pass."""
+    if not _is_concrete(value):
+        return
+    arr = np.asarray(value)
+    if arr.size and (arr.min() < 0 or arr.max() >= bound):
+        raise IndexError(f"{method}: {name}={value!r} outside [0, {bound})")
+
+
+@attrs.frozen
+class CounterRegion:
+    """A named range of Int32 words in the counter array: ``[offset, offset + size)``."""
+
+    name: str
+    offset: int
+    size: int
+    doc: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@attrs.frozen
+class EPRoleSplit:
+    """Reference ``EPRoleSplit[block_size, n_items, flag]`` (protocol section 7.7).
+
+    Warps ``[0, n_copy_warps)`` form the copy role (threads ``tid < n_copy_threads`` run the
+    quantize loop, ``n_trips`` items each); the last ``n_publisher_warps`` warps publish. The
+    split is used only when ``enabled``.
+    """
+
+    block_size: int
+    n_items: int
+    flag: bool
+
+    n_publisher_warps = 4
+    n_trips = 3
+
+    @property
+    def n_warps(self) -> int:
+        return self.block_size // WARP_SIZE
+
+    @property
+    def n_copy_warps(self) -> int:
+        return self.n_warps - self.n_publisher_warps
+
+    @property
+    def n_copy_threads(self) -> int:
+        return WARP_SIZE * self.n_copy_warps
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.flag and self.n_copy_warps >= 1
+                    and self.n_items == self.n_trips * self.n_copy_threads)
+
+    def is_publisher(self, warp):
+        """True for a publisher-role warp (``warp >= n_copy_warps``)."""
+        return warp >= self.n_copy_warps
+
+    def publisher_idx(self, warp):
+        """Index of publisher warp ``warp`` in ``[0, n_publisher_warps)``: its P2P fan-out
+        takes top-k slots ``publisher_idx, publisher_idx + 4, ...``."""
+        if _is_concrete(warp):
+            _check_coord("publisher_idx", "warp", np.asarray(warp) - self.n_copy_warps,
+                         self.n_publisher_warps)
+        return warp - self.n_copy_warps
+
+    def describe(self) -> dict:
+        return {"enabled": self.enabled, "flag": self.flag, "block_size": self.block_size,
+                "n_items": self.n_items, "n_publisher_warps": self.n_publisher_warps,
+                "n_copy_warps": self.n_copy_warps, "n_copy_threads": self.n_copy_threads,
+                "n_trips": self.n_trips}
+
+
+@attrs.frozen
+class Layout:
+    """The derived members of ``EPDispatchKernel[...]`` for one ``EPConfig``."""
+
+    cfg: object = attrs.field(repr=False)
+
+    # ---- short names used in the formulas below ------------------------------------------
+    @property
+    def _E(self) -> int:
+        return self.cfg.n_experts
+
+    @property
+    def _R(self) -> int:
+        return self.cfg.n_ranks
+
+    @property
+    def _L(self) -> int:
+        return self.n_local_experts
+
+    # ---- reference comptime members (page order within each group) -----------------------
+    @property
+    def n_local_experts(self) -> int:
+        """``n_experts // n_ranks``."""
+        return self.cfg.n_experts // self.cfg.n_ranks
+
+    @property
+    def n_warps(self) -> int:
+        """``num_threads // WARP_SIZE``."""
+        return self.cfg.num_threads // WARP_SIZE
+
+    @property
+    def hid_dim(self) -> int:
+        """``token_fmt_type.hid_dim``."""
+        return self.cfg.token_fmt.hid_dim
+
+    @property
+    def top_k(self) -> int:
+        """``token_fmt_type.top_k``."""
+        return self.cfg.token_fmt.top_k
+
+    @property
+    def msg_bytes(self) -> int:
+        """``token_fmt_type.msg_size()``."""
+        return self.cfg.token_fmt.msg_size()
+
+    @property
+    def NB_SEND(self) -> int:  # noqa: N802 (the reference's name)
+        """``3``: named-barrier id of the per-token send join (``ep_send_join_named``)."""
+        return 3
+
+    @property
+    def role_split(self) -> EPRoleSplit:
+        """``EPRoleSplit[num_threads, hid_dim // 8, ep_copy_role_split]``."""
+        return EPRoleSplit(self.cfg.num_threads, self.hid_dim // EP_COPY_SRC_WIDTH,
+                           bool(self.cfg.ep_copy_role_split))
+
+    @property
+    def n_signal_sms(self) -> int:
+        """``ceildiv(n_experts, num_threads // WARP_SIZE)``: dispatch_async aux blocks, one
+        warp per expert."""
+        return ceildiv(self.cfg.n_experts, self.cfg.num_threads // WARP_SIZE)
+
+    @property
+    def n_offset_sms(self) -> int:
+        """``1``: the dispatch_wait aux block."""
+        return 1
+
+    @property
+    def n_dispatch_async_comm_sms(self) -> int:
+        """``n_sms - ceildiv(n_experts, num_threads // WARP_SIZE)``."""
+        return self.cfg.n_sms - ceildiv(self.cfg.n_experts, self.cfg.num_threads // WARP_SIZE)
+
+    @property
+    def n_dispatch_wait_comm_sms(self) -> int:
+        """``n_sms - 1``."""
+        return self.cfg.n_sms - 1
+
+    # dispatch_wait counter words (offsets relative to the dispatch_wait region)
+    @property
+    def rank_prefix_offset(self) -> int:
+        """``2 * n_experts``: Region B, within-expert inclusive prefix over source ranks."""
+        return 2 * self._E
+
+    @property
+    def work_counter_offset(self) -> int:
+        """``3 * n_experts``: Region C, per-local-expert tile-claim counters."""
+        return 3 * self._E
+
+    @property
+    def cleanup_counter_offset(self) -> int:
+        """``4 * n_experts``: Region D, the comm blocks' cleanup countdown."""
+        return 4 * self._E
+
+    @property
+    def ready_flag_offset(self) -> int:
+        """``4 * n_experts + 1``: Region E, the ready flag (``1024`` = offsets published)."""
+        return 4 * self._E + 1
+
+    @property
+    def send_buf_ready_offset(self) -> int:
+        """``4 * n_experts + 2``: Region F (fused shared expert)."""
+        return 4 * self._E + 2
+
+    @property
+    def shared_expert_started_offset(self) -> int:
+        """``4 * n_experts + 3``: Region G (fused shared expert)."""
+        return 4 * self._E + 3
+
+    @property
+    def sm_schedule_offset(self) -> int:
+        """``6 * n_experts + 7``: first word of the ``n_sms``-entry SM schedule table."""
+        return 6 * self._E + 7
+
+    @property
+    def l2_pool_cursor_slots(self) -> int:
+        """``2 * n_local_experts + 2``."""
+        return 2 * self._L + 2
+
+    @property
+    def l1_vslot_ticket_offset(self) -> int:
+        """``3E + L`` if ``1 + l2_pool_cursor_slots <= E - L`` else ``4E + 4``.
+
+        The first branch places the ticket and the pool cursors in the unused tail
+        ``[3E + L, 4E)`` of Region C; when they do not fit there, the ticket goes right
+        after Region G (``4E + 4``) and the cursors follow it.
+        """
+        if (1 + self.l2_pool_cursor_slots) <= (self._E - self._L):
+            return 3 * self._E + self._L
+        return 4 * self._E + 4
+
+    @property
+    def l2_pool_cursor_offset(self) -> int:
+        """``l1_vslot_ticket_offset + 1``."""
+        return self.l1_vslot_ticket_offset + 1
+
+    # receive-count buffer (UInt64 words)
+    @property
+    def rank_flag_base(self) -> int:
+        """``n_local_experts * n_ranks``: start of the ORD-R rank-flag tail."""
+        return self._L * self._R
+
+    @property
+    def rc_cursor_base(self) -> int:
+        """``rank_flag_base + n_ranks``: start of the per-local-expert reservation cursors."""
+        return self.rank_flag_base + self._R
+
+    # ---- reference methods ---------------------------------------------------------------
+    def rank_flag_offset(self, src_rank):
+        """Offset (UInt64 words into the destination's recv_count) of ``src_rank``'s
+        rank-completion flag: ``rank_flag_base + src_rank``. Needs ``has_rank_flag`` (a
+        compile-time error in the reference)."""
+        if not self.cfg.has_rank_flag:
+            raise ValueError("rank_flag_offset requires has_rank_flag=True (the ORD-R rank "
+                             "flags are only meaningful with has_rank_flag and ep_ord_r)")
+        _check_coord("rank_flag_offset", "src_rank", src_rank, self._R)
+        return self.rank_flag_base + src_rank
+
+    def recv_count_size(self) -> int:
+        """Receive-count buffer words, both tails included: the ``[L, R]`` count grid, the
+        ``R`` ORD-R rank flags and the ``L`` reservation cursors, ``L*R + R + L``.
+
+        The page says the cursors "are always reserved" and puts them at ``rc_cursor_base =
+        rank_flag_base + R``; for the cursors to lie inside the buffer the ``R`` flag words
+        are therefore always reserved too, with or without ``has_rank_flag`` (protocol 2.3's
+        V-IDX ``L*R (+R)`` is superseded by the page)."""
+        return self.rc_cursor_base + self._L
+
+    def recv_buf_layout(self, e, r, slot, byte=0):
+        """Byte offset of ``(e, r, slot, byte)`` in the row-major receive buffer
+        ``[L, R, max_tokens_per_rank, msg_bytes]``; ``r`` is forced to 0 under ``skip_a2a``."""
+        self._check_recv("recv_buf_layout", e, r)
+        _check_coord("recv_buf_layout", "slot", slot, self.cfg.max_tokens_per_rank)
+        _check_coord("recv_buf_layout", "byte", byte, self.msg_bytes)
+        if self.cfg.skip_a2a:
+            r = 0
+        return ((e * self._R + r) * self.cfg.max_tokens_per_rank + slot) * self.msg_bytes + byte
+
+    def recv_count_layout(self, e, r):
+        """Word offset ``e * n_ranks + r`` in the row-major ``[L, R]`` count grid; ``r`` is
+        forced to 0 under ``skip_a2a``."""
+        self._check_recv("recv_count_layout", e, r)
+        if self.cfg.skip_a2a:
+            r = 0
+        return e * self._R + r
+
+    def send_buf_layout(self, t, byte=0):
+        """Byte offset of ``(t, byte)`` in the row-major send buffer
+        ``[max_tokens_per_rank, msg_bytes]``."""
+        _check_coord("send_buf_layout", "t", t, self.cfg.max_tokens_per_rank)
+        _check_coord("send_buf_layout", "byte", byte, self.msg_bytes)
+        return t * self.msg_bytes + byte
+
+    def _check_recv(self, method, e, r):
+        _check_coord(method, "e", e, self._L)
+        # Under skip_a2a the reference passes the real device id here (then forces it to 0),
+        # so only a negative rank is an error there.
+        if not self.cfg.skip_a2a:
+            _check_coord(method, "r", r, self._R)
+        elif _is_concrete(r) and np.asarray(r).size and np.asarray(r).min() < 0:
+            raise IndexError(f"{method}: r={r!r} is negative")
+
+    def dispatch_wait_words(self) -> list[CounterRegion]:
+        """Every named word or range of the dispatch_wait counter region (offsets relative to
+        the region), in address order. Region C's tail ``[3E + L, 4E)`` is unused by the
+        tile claim and may host the L1 ticket and the L2 pool cursors."""
+        E, L = self._E, self._L
+        words = [
+            CounterRegion("region_A_pair_end_count", 0, 2 * E,
+                          "per (e, src): [2w] = 1024 + end row, [2w+1] = count; combine_async"),
+            CounterRegion("rank_prefix", self.rank_prefix_offset, E,
+                          "Region B: within-expert inclusive prefix over source ranks"),
+            CounterRegion("work_counter", self.work_counter_offset, L,
+                          "Region C: per-local-expert tile-claim counter"),
+            CounterRegion("cleanup_counter", self.cleanup_counter_offset, 1, "Region D"),
+            CounterRegion("ready_flag", self.ready_flag_offset, 1, "Region E"),
+            CounterRegion("send_buf_ready", self.send_buf_ready_offset, 1, "Region F"),
+            CounterRegion("shared_expert_started", self.shared_expert_started_offset, 1,
+                          "Region G"),
+            CounterRegion("l1_vslot_ticket", self.l1_vslot_ticket_offset, 1,
+                          "L1 virtual-slot ticket (re-armed by the aux block)"),
+            CounterRegion("l2_pool_cursor", self.l2_pool_cursor_offset,
+                          self.l2_pool_cursor_slots, "L2 ready-pool cursors"),
+            CounterRegion("sm_schedule", self.sm_schedule_offset, self.cfg.n_sms,
+                          "first expert of each comm SM"),
+        ]
+        return sorted(words, key=lambda w: w.offset)
+
+    def assert_l1_vslot_ticket_layout(self) -> None:
+        """Reference ``assert_l1_vslot_ticket_layout``: static guarantees for the ticket and
+        the pool-cursor words. Checks, raising ``AssertionError`` with the failing rule:
+
+        1. ``l2_pool_cursor_offset == l1_vslot_ticket_offset + 1`` (cursors follow the ticket);
+        2. the ticket and all ``l2_pool_cursor_slots`` cursors lie inside the dispatch_wait
+           counter region;
+        3. they overlap none of the other named words or ranges of that region: Region A
+           ``[0, 2E)``, Region B ``[2E, 3E)``, the live part of Region C ``[3E, 3E + L)``,
+           Regions D-G ``4E .. 4E+3`` and the SM schedule ``[6E + 7, 6E + 7 + n_sms)``;
+        4. in the first branch of ``l1_vslot_ticket_offset`` they end at or before ``4E``
+           (inside Region C's unused tail).
+        """
+        t, c, n = self.l1_vslot_ticket_offset, self.l2_pool_cursor_offset, \
+            self.l2_pool_cursor_slots
+        size = self.dispatch_wait_region.size
+        if c != t + 1:
+            raise AssertionError("l2_pool_cursor_offset must be l1_vslot_ticket_offset + 1")
+        if not (0 <= t and c + n <= size):
+            raise AssertionError(
+                f"l1_vslot_ticket [{t}] and l2_pool_cursor [{c}, {c + n}) must lie inside the "
+                f"dispatch_wait counter region [0, {size})")
+        mine = {"l1_vslot_ticket", "l2_pool_cursor"}
+        for w in self.dispatch_wait_words():
+            if w.name in mine:
+                continue
+            if w.offset < c + n and t < w.end:
+                raise AssertionError(
+                    f"l1_vslot_ticket/l2_pool_cursor [{t}, {c + n}) overlap {w.name} "
+                    f"[{w.offset}, {w.end})")
+        if t == 3 * self._E + self._L and c + n > 4 * self._E:
+            raise AssertionError("the ticket and the cursors must fit in Region C's unused "
+                                 f"tail [3E + L, 4E) = [{t}, {4 * self._E})")
+
+    def check(self) -> None:
+        """Every static layout check (run by ``EPConfig`` at construction): the ticket and
+        cursor guarantees, the named dispatch_wait words pairwise disjoint and inside their
+        region, and the receive-count tails inside ``recv_count_size()``."""
+        self.assert_l1_vslot_ticket_layout()
+        words = self.dispatch_wait_words()
+        for a, b in zip(words, words[1:]):
+            if a.end > b.offset:
+                raise AssertionError(f"dispatch_wait words {a.name} [{a.offset}, {a.end}) and "
+                                     f"{b.name} [{b.offset}, {b.end}) overlap")
+        if words[-1].end > self.dispatch_wait_region.size:
+            raise AssertionError(f"{words[-1].name} ends past the dispatch_wait region")
+        if self.rc_cursor_base + self._L != self.recv_count_size():
+            raise AssertionError("the reservation cursors must end the recv_count buffer")
+        regions = list(self.counter_regions().values())
+        for a, b in zip(regions, regions[1:]):
+            if a.end > b.offset:
+                raise AssertionError(f"counter regions {a.name} and {b.name} overlap")
+
+    # ---- counter array (ours: the reference regions, sized to cover every offset) ------------
+    @property
+    def dispatch_async_region(self) -> CounterRegion:
+        """``2E + MAX_GPUS_PER_NODE`` words: reserved ``[0, E)``, finished ``[E, 2E)``,
+        rank-completion ``[2E, 2E + 8)`` (protocol 2.4)."""
+        return CounterRegion("dispatch_async", 0, 2 * self._E + MAX_GPUS_PER_NODE,
+                             "reserved[E], finished[E], rank_completion[8]")
+
+    @property
+    def dispatch_wait_region(self) -> CounterRegion:
+        """Regions A-G, the L1 ticket, the L2 cursors and the SM schedule table:
+        ``6E + 8 + n_sms`` words (V-IDX's ``4E + 4`` does not reach ``sm_schedule_offset =
+        6E + 7``). The ticket and the cursors end by ``4E + 2L + 7 <= 6E + 7`` in either
+        branch of ``l1_vslot_ticket_offset``; ``check()`` asserts that every named word lies
+        inside, rather than growing the region to fit a misplaced word. combine_async uses
+        this same region (it reads Region A)."""
+        size = max(4 * self._E + 4, 6 * self._E + 8 + self.cfg.n_sms)
+        return CounterRegion("dispatch_wait", _align(self.dispatch_async_region.end,
+                                                     REGION_ALIGN_WORDS), size,
+                             "Regions A-G, L1 ticket, L2 cursors, SM schedule; == combine_async")
+
+    @property
+    def combine_async_region(self) -> CounterRegion:
+        """The dispatch_wait region (combine_async reads Region A that dispatch_wait wrote)."""
+        return self.dispatch_wait_region
+
+    @property
+    def combine_wait_region(self) -> CounterRegion:
+        """``max(2E, n_sms)`` words: one data-ready flag per reduce block. The reference's
+        ``2E`` overflows when ``grid > 2E`` (protocol 14.2)."""
+        return CounterRegion("combine_wait", _align(self.dispatch_wait_region.end,
+                                                    REGION_ALIGN_WORDS),
+                             max(2 * self._E, self.cfg.n_sms), "per-reduce-block ready flags")
+
+    @property
+    def combine_rank_completion_region(self) -> CounterRegion:
+        """Ours (protocol 14.1): the combine's own ``MAX_GPUS_PER_NODE`` rank-completion
+        counters, zeroed, instead of aliasing dispatch_wait Region B."""
+        return CounterRegion("combine_rank_completion",
+                             _align(self.combine_wait_region.end, REGION_ALIGN_WORDS),
+                             MAX_GPUS_PER_NODE, "combine_async rank-completion counters")
+
+    @property
+    def final_layout_region(self) -> CounterRegion:
+        """Ours (DESIGN section 6, ``ep_final_layout``/``ep_prod_reserve``), always reserved:
+        ``[0, E)`` the block bases the monitor warps hand to their comm warps (one Int32 per
+        destination expert, indexed like the dispatch_async counters ``e * R + dst_rank``);
+        ``[2E, 4E)`` (8-byte aligned) the source-local prod-reserve mailboxes, one UInt64
+        ``base | gen << 32`` per destination expert, same index."""
+        return CounterRegion("final_layout",
+                             _align(self.combine_rank_completion_region.end, REGION_ALIGN_WORDS),
+                             4 * self._E, "final-layout base hand-off, prod-reserve mailbox")
+
+    @property
+    def final_base_offset(self) -> int:
+        """Ours: offset of the base hand-off words inside ``final_layout_region``."""
+        return 0
+
+    @property
+    def prod_mailbox_offset(self) -> int:
+        """Ours: offset (Int32 words, even) of the UInt64 mailboxes inside
+        ``final_layout_region``."""
+        return 2 * self._E
+
+    def counter_regions(self) -> dict[str, CounterRegion]:
+        """Every region of the counter array, in address order."""
+        return {r.name: r for r in (self.dispatch_async_region, self.dispatch_wait_region,
+                                    self.combine_wait_region,
+                                    self.combine_rank_completion_region,
+                                    self.final_layout_region)}
+
+    @property
+    def counter_words(self) -> int:
+        """Int32 words of the whole counter array (zeroed once at allocation)."""
+        return self.final_layout_region.end
+
+    # ---- buffer and output sizes (ours) -------------------------------------------------
+    @property
+    def n_groups(self) -> int:
+        """Groups of the grouped output: the local experts, plus the shared expert (group 0)
+        with ``fused_shared_expert``."""
+        return self._L + int(bool(self.cfg.fused_shared_expert))
+
+    @property
+    def max_recv_tokens(self) -> int:
+        """``L * R * max_tokens_per_rank`` routed rows, plus ``max_tokens_per_rank`` shared
+        expert rows with ``fused_shared_expert``."""
+        se = self.cfg.max_tokens_per_rank if self.cfg.fused_shared_expert else 0
+        return self._L * self._R * self.cfg.max_tokens_per_rank + se
+
+    @property
+    def capacity_strided(self) -> bool:
+        """True for ``ep_final_layout`` without ``ep_prod_reserve``: group ``j`` of the
+        output starts at row ``j * R * max_tokens_per_rank`` (DESIGN section 6)."""
+        return bool(self.cfg.ep_final_layout and not self.cfg.ep_prod_reserve)
+
+    @property
+    def max_out_rows(self) -> int:
+        """Rows to allocate for the grouped output (and ``src_info``): ``max_recv_tokens``
+        plus ``expert_m_padding - 1`` per group (each group's count is rounded up); in the
+        capacity-strided layout, ``n_groups * R * max_tokens_per_rank``."""
+        if self.capacity_strided:
+            return self.n_groups * self._R * self.cfg.max_tokens_per_rank
+        pad = self.cfg.token_fmt.expert_m_padding - 1
+        return self.max_recv_tokens + self.n_groups * pad
+
+    @property
+    def send_buf_bytes(self) -> int:
+        return self.cfg.max_tokens_per_rank * self.msg_bytes
+
+    @property
+    def recv_buf_bytes(self) -> int:
+        return self._L * self._R * self.cfg.max_tokens_per_rank * self.msg_bytes
+
+    @property
+    def recv_count_bytes(self) -> int:
+        return 8 * self.recv_count_size()
+
+    @property
+    def counter_bytes(self) -> int:
+        return 4 * self.counter_words
+
+    def recv_count_initial(self) -> np.ndarray:
+        """The receive-count buffer's required state at allocation: the count grid and the
+        rank flags at the sentinel, the reservation cursors at 0."""
+        words = np.full(self.recv_count_size(), RECV_COUNT_SENTINEL, dtype=np.uint64)
+        words[self.rc_cursor_base:] = 0
+        return words
+
+    def sizes(self) -> dict:
+        """Buffer and output sizes, for the runtime and ``epgen inspect``."""
+        fmt = self.cfg.token_fmt
+        return {
+            "send_buf_bytes": self.send_buf_bytes, "recv_buf_bytes": self.recv_buf_bytes,
+            "recv_count_words": self.recv_count_size(), "recv_count_bytes": self.recv_count_bytes,
+            "counter_words": self.counter_words, "counter_bytes": self.counter_bytes,
+            "n_groups": self.n_groups, "max_recv_tokens": self.max_recv_tokens,
+            "max_out_rows": self.max_out_rows,
+            "out_tokens_shape": [self.max_out_rows, *fmt.out_row_shape],
+            "row_offsets_len": self.n_groups + 1, "expert_ids_len": self.n_groups,
+            "src_info_shape": [self.max_out_rows, 2],
+        }
+
+    def members(self) -> dict:
+        """Every comptime member and sizing method of the reference page, in the page's
+        order, with its value (``role_split`` as a dict)."""
+        names = ["cleanup_counter_offset", "hid_dim", "l1_vslot_ticket_offset",
+                 "l2_pool_cursor_offset", "l2_pool_cursor_slots", "msg_bytes",
+                 "n_dispatch_async_comm_sms", "n_dispatch_wait_comm_sms", "n_local_experts",
+                 "n_offset_sms", "n_signal_sms", "n_warps", "NB_SEND", "rank_flag_base",
+                 "rank_prefix_offset", "rc_cursor_base", "ready_flag_offset", "role_split",
+                 "send_buf_ready_offset", "shared_expert_started_offset", "sm_schedule_offset",
+                 "top_k", "work_counter_offset"]
+        out = {n: getattr(self, n) for n in names}
+        out["role_split"] = self.role_split.describe()
+        out["recv_count_size()"] = self.recv_count_size()
+        out["rank_flag_offset(src)"] = (f"{self.rank_flag_base} + src"
+                                        if self.cfg.has_rank_flag else None)
+        out["recv_buf_layout"] = (f"[{self._L}, {self._R}, {self.cfg.max_tokens_per_rank}, "
+                                  f"{self.msg_bytes}] row-major bytes"
+                                  + (", rank coord 0" if self.cfg.skip_a2a else ""))
+        out["recv_count_layout"] = (f"[{self._L}, {self._R}] row-major words"
+                                    + (", rank coord 0" if self.cfg.skip_a2a else ""))
+        out["send_buf_layout"] = (f"[{self.cfg.max_tokens_per_rank}, {self.msg_bytes}] "
+                                  "row-major bytes")
+        return out

@@ -1,0 +1,178 @@
+"""EPConfig: parameters, defaults, and every validation rule (each a ValueError naming the
+parameters it concerns)."""
+
+import attrs
+import numpy as np
+import pytest
+
+from epgen import BF16Format, EPConfig, EPConfigError, TokenFormat
+from epgen.config import TransportNotImplementedError
+
+PAGE_PARAMS = ["num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
+               "p2p_world_size", "token_fmt", "use_shmem", "fused_shared_expert", "skip_a2a",
+               "has_rank_flag", "ep_ord_r", "ep_final_layout", "ep_prod_reserve",
+               "ep_copy_role_split", "ep_send_join_named"]
+
+BASE = dict(num_threads=1024, n_sms=132, n_experts=256, n_ranks=8, max_tokens_per_rank=128,
+            p2p_world_size=8, token_fmt=BF16Format(hid_dim=7168, top_k=8), use_shmem=False)
+
+
+def make(**changes):
+    return EPConfig(**{**BASE, **changes})
+
+
+def test_every_page_parameter_exists_with_its_default():
+    names = [f.name for f in attrs.fields(EPConfig)]
+    assert names[:len(PAGE_PARAMS)] == PAGE_PARAMS
+    cfg = EPConfig(**{k: v for k, v in BASE.items() if k != "use_shmem"})
+    assert cfg.use_shmem is True
+    for flag in PAGE_PARAMS[8:]:
+        assert getattr(cfg, flag) is False, flag
+    assert cfg.timeout_ns == 2_000_000_000
+    assert cfg.token_fmt_type is cfg.token_fmt
+
+
+def test_keyword_only_frozen_hashable():
+    with pytest.raises(TypeError):
+        EPConfig(1024, 132, 256, 8, 128, 8, BF16Format(7168, 8))
+    cfg = make()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        cfg.n_sms = 10
+    assert cfg == make() and hash(cfg) == hash(make())
+    assert {cfg: 1}[make()] == 1
+
+
+def test_numpy_scalars_are_accepted():
+    cfg = make(n_sms=np.int64(132), fused_shared_expert=np.bool_(True))
+    assert type(cfg.n_sms) is int and cfg.fused_shared_expert is True
+
+
+def test_layout_is_cached():
+    cfg = make()
+    assert cfg.layout is cfg.layout
+    assert cfg.layout.n_local_experts == 32
+
+
+def test_replace_and_describe():
+    cfg = make()
+    c2 = cfg.replace(n_sms=100)
+    assert c2.n_sms == 100 and cfg.n_sms == 132 and c2.layout.n_dispatch_async_comm_sms == 92
+    with pytest.raises(ValueError, match="num_threads"):
+        cfg.replace(num_threads=1000)
+    d = cfg.describe()
+    assert list(d)[:len(PAGE_PARAMS)] == PAGE_PARAMS and d["timeout_ns"] == 2_000_000_000
+    assert d["token_fmt"]["name"] == "BF16" and d["token_fmt"]["msg_size"] == 14368
+
+
+def test_needs_shmem_and_require_p2p_only():
+    cfg = make()
+    assert not cfg.needs_shmem
+    cfg.require_p2p_only()
+    two_nodes = make(p2p_world_size=4, use_shmem=True)
+    assert two_nodes.needs_shmem
+    with pytest.raises(TransportNotImplementedError) as ei:
+        two_nodes.require_p2p_only()
+    msg = str(ei.value)
+    assert "use_shmem" in msg and "p2p_world_size" in msg and "not implemented" in msg
+    # use_shmem is not judged by EPConfig: P < R with use_shmem=False constructs fine
+    assert make(p2p_world_size=4).needs_shmem
+    skip = make(n_experts=48, n_ranks=1, p2p_world_size=1, skip_a2a=True)
+    assert not skip.needs_shmem
+
+
+# (changes, parameter names the error must name, a phrase of the rule)
+VIOLATIONS = [
+    (dict(num_threads=1000), ["num_threads"], "multiple of the warp size"),
+    (dict(num_threads=2048, n_experts=256), ["num_threads"], "<= 1024"),
+    (dict(n_experts=250), ["n_experts", "n_ranks"], "multiple of n_ranks"),
+    (dict(p2p_world_size=3), ["p2p_world_size", "n_ranks"], "divide"),
+    (dict(n_ranks=16, n_experts=256, p2p_world_size=16), ["p2p_world_size"], "<= 8"),
+    (dict(num_threads=128, n_experts=256), ["n_experts", "num_threads"], "<= num_threads"),
+    (dict(n_experts=2048, n_ranks=32, p2p_world_size=8), ["n_experts"], "<= 1024"),
+    (dict(n_experts=64 * 33, n_ranks=64, p2p_world_size=8), ["n_ranks"], "<= 32"),
+    (dict(token_fmt=BF16Format(hid_dim=7168, top_k=33)), ["top_k"], "<= 32"),
+    (dict(n_experts=8, n_ranks=8, num_threads=256, token_fmt=BF16Format(7168, 9)),
+     ["top_k", "n_experts"], "top_k must be <= n_experts"),
+    (dict(n_experts=256, n_ranks=1, p2p_world_size=1), ["n_sms", "n_local_experts"],
+     "n_sms - 1"),
+    (dict(num_threads=32, n_experts=32, n_ranks=1, p2p_world_size=1, n_sms=32),
+     ["n_sms", "n_signal_sms"], "at least one comm SM"),
+    (dict(skip_a2a=True, use_shmem=True, n_ranks=1, n_experts=32, p2p_world_size=1),
+     ["skip_a2a", "use_shmem"], "exclusive"),
+    (dict(skip_a2a=True), ["skip_a2a", "n_ranks"], "n_ranks=1"),
+    (dict(ep_prod_reserve=True), ["ep_prod_reserve", "ep_final_layout"], "requires"),
+    (dict(has_rank_flag=True), ["has_rank_flag", "ep_ord_r"], "requires ep_ord_r"),
+    (dict(ep_ord_r=True), ["has_rank_flag", "ep_ord_r"], "requires ep_ord_r"),
+    (dict(timeout_ns=-1), ["timeout_ns"], ">= 0"),
+    (dict(timeout_ns=1.5), ["timeout_ns"], "integer"),
+    (dict(token_fmt="bf16"), ["token_fmt"], "TokenFormat"),
+    (dict(use_shmem=1), ["use_shmem"], "bool"),
+    (dict(ep_send_join_named="yes"), ["ep_send_join_named"], "bool"),
+]
+for _name in ("num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
+              "p2p_world_size"):
+    for _bad in (0, -4, 2.0, True, None):
+        VIOLATIONS.append((dict([(_name, _bad)]), [_name], "positive integer"))
+
+
+@pytest.mark.parametrize("changes,params,rule", VIOLATIONS,
+                         ids=[f"{'-'.join(map(str, c))}={list(c.values())[0]!r}"
+                              for c, _, _ in VIOLATIONS])
+def test_each_rule_raises_value_error_naming_parameters(changes, params, rule):
+    with pytest.raises(ValueError) as ei:
+        make(**changes)
+    msg = str(ei.value)
+    assert isinstance(ei.value, EPConfigError)
+    # one reported violation names every expected parameter and states the rule
+    assert any(rule in text and all(p in f"{', '.join(names)}: {text}" for p in params)
+               for names, text in ei.value.violations), msg
+    for p in params:
+        assert p in msg, (p, msg)
+
+
+def test_all_violations_are_reported_together():
+    with pytest.raises(EPConfigError) as ei:
+        make(num_threads=1000, has_rank_flag=True, ep_prod_reserve=True)
+    names = {p for params, _ in ei.value.violations for p in params}
+    assert {"num_threads", "has_rank_flag", "ep_prod_reserve"} <= names
+
+
+def test_format_constraints_are_reported():
+    @attrs.frozen
+    class Needs32Warps(BF16Format):
+        def check_config(self, cfg):
+            if cfg.num_threads != 1024:
+                return [(("num_threads", "token_fmt"), "this format needs 32 warps")]
+            return []
+
+    make(token_fmt=Needs32Warps(7168, 8))
+    with pytest.raises(ValueError, match="32 warps"):
+        make(token_fmt=Needs32Warps(7168, 8), num_threads=512)
+
+
+VALID = [
+    dict(),
+    dict(use_shmem=True, p2p_world_size=4),
+    dict(has_rank_flag=True, ep_ord_r=True),
+    dict(ep_final_layout=True),
+    dict(ep_final_layout=True, ep_prod_reserve=True),
+    dict(fused_shared_expert=True, ep_copy_role_split=True, ep_send_join_named=True),
+    dict(n_experts=48, n_ranks=1, p2p_world_size=1, skip_a2a=True),
+    dict(n_experts=48, n_ranks=1, p2p_world_size=1, skip_a2a=True, fused_shared_expert=True,
+         token_fmt=BF16Format(7168, 64 // 8)),
+    dict(num_threads=32, n_sms=4, n_experts=2, n_ranks=2, p2p_world_size=2,
+         max_tokens_per_rank=1, token_fmt=BF16Format(8, 1)),
+    dict(num_threads=1024, n_sms=132, n_experts=1024, n_ranks=32, p2p_world_size=8,
+         token_fmt=BF16Format(7168, 32)),
+    dict(timeout_ns=0),
+    # K may exceed n_experts under skip_a2a: the ids are global, n_experts is one device's
+    dict(n_experts=4, n_ranks=1, p2p_world_size=1, skip_a2a=True, num_threads=128, n_sms=8),
+]
+
+
+@pytest.mark.parametrize("changes", VALID)
+def test_valid_configurations(changes):
+    cfg = make(**changes)
+    cfg.layout.assert_l1_vslot_ticket_layout()
+    cfg.layout.check()
+    assert isinstance(cfg.token_fmt, TokenFormat)
