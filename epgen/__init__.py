@@ -1,0 +1,35 @@
+"""epgen: a code generator for the expert-parallel MoE dispatch kernels (the reference
+``EPDispatchKernel`` family).
+
+Importing the package is light: numpy and attrs only. ``emit_ptx`` loads llvmlite and
+``EmulatedWorld`` loads cuda.core when first used.
+"""
+
+from . import reference
+from .config import EPConfig, EPConfigError
+from .errors import EPTimeoutError
+from .formats import BF16Format, TokenFormat
+from .layout import Layout
+
+
+def build_module(cfg):
+    """The IR module of ``cfg``'s dispatch kernels (``dispatch_async`` and ``dispatch_wait``)."""
+    from .kernels import build_module as _build
+    return _build(cfg)
+
+
+def emit_ptx(cfg, arch: str = "sm_90") -> str:
+    """PTX of both dispatch entry points of ``cfg``, one module."""
+    from backends.nvptx import emit_ptx as _emit
+    return _emit(build_module(cfg), arch=arch)
+
+
+def __getattr__(name):
+    if name == "EmulatedWorld":
+        from .runtime.world import EmulatedWorld
+        return EmulatedWorld
+    raise AttributeError(f"module 'epgen' has no attribute {name!r}")
+
+
+__all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "TokenFormat", "Layout",
+           "reference", "build_module", "emit_ptx", "EmulatedWorld"]

@@ -1,0 +1,99 @@
+"""IR building blocks shared by the EP kernel builders: vector copies, warp and block scans,
+lowest-set-bit, and the sentinel of the receive-count words."""
+
+from __future__ import annotations
+
+import ir
+from ir import CacheHint, ShflMode
+from ir import types as T
+
+VEC = T.vec(T.u32, 4)          # one 16-byte access
+VEC_BYTES = 16
+SENTINEL = (1 << 64) - 1       # receive-count word "not yet published" (UInt64.MAX_FINITE)
+DATA_READY_FLAG = 1024         # EP_DATA_READY_FLAG
+
+
+def word(base, index, nbytes: int = 4):
+    """Address of element ``index`` (int or u32 expression) of ``nbytes``-sized words at
+    ``base``; constant indices fold into one immediate offset."""
+    if isinstance(index, int):
+        return base + index * nbytes if index else base
+    return base + ir.as_expr(index).cast(T.u64) * nbytes
+
+
+def copy_vectors(r: ir.RoleBuilder, dst, src, n_vec, first, stride, *, unroll: int = 4,
+                 nc: bool = False, tag: str = "cp"):
+    """Copy ``n_vec`` 16-byte vectors ``src -> dst``; this thread takes vectors ``first,
+    first + stride, ...`` and keeps ``unroll`` loads in flight (``ld.global{.nc}.v4.b32`` then
+    ``st.global.v4.b32``). ``n_vec``, ``first`` and ``stride`` are u32."""
+    hint = CacheHint.NC if nc else CacheHint.NONE
+    i = r.var(f"{tag}_i", T.u32, first)
+    if unroll > 1:
+        with r.while_(i + stride * (unroll - 1) < n_vec):
+            vals = [r.load(src + (i + stride * u).cast(T.u64) * VEC_BYTES, VEC, cache=hint,
+                           name=f"{tag}_v") for u in range(unroll)]
+            for u, v in enumerate(vals):
+                r.store(dst + (i + stride * u).cast(T.u64) * VEC_BYTES, v)
+            r.assign(i, i + stride * unroll)
+    with r.while_(i < n_vec):
+        v = r.load(src + i.cast(T.u64) * VEC_BYTES, VEC, cache=hint, name=f"{tag}_t")
+        r.store(dst + i.cast(T.u64) * VEC_BYTES, v)
+        r.assign(i, i + stride)
+
+
+def warp_inclusive_scan(r: ir.RoleBuilder, value, name: str = "scan") -> ir.Var:
+    """Inclusive prefix sum over the 32 lanes (five ``shfl.sync.up.b32`` steps)."""
+    acc = r.var(name, T.u32, value)
+    for d in (1, 2, 4, 8, 16):
+        up = r.shfl(ShflMode.UP, acc, d, name=f"{name}_up")
+        with r.if_(r.lane >= d):
+            r.assign(acc, acc + up)
+    return acc
+
+
+def block_inclusive_scan(r: ir.RoleBuilder, value, warp_totals: ir.Expr, n_warps: int,
+                         name: str = "bscan") -> ir.Var:
+    """Inclusive prefix sum of a u32 over the CTA (all ``n_warps`` warps take part): scan in
+    each warp, warp totals through shared memory (``warp_totals``: ``n_warps`` u32), warp 0
+    scans the totals, each warp adds its predecessors' sum. Three ``bar.sync 0``."""
+    acc = warp_inclusive_scan(r, value, name)
+    with r.if_(r.lane.eq(31)):
+        r.store(warp_totals + r.warp.cast(T.u64) * 4, acc)
+    r.syncthreads()
+    with r.if_(r.warp.eq(0)):
+        tot = r.var(f"{name}_tot", T.u32, 0)
+        with r.if_(r.lane < n_warps):
+            r.assign(tot, r.load(warp_totals + r.lane.cast(T.u64) * 4, T.u32, name=f"{name}_ld"))
+        tscan = warp_inclusive_scan(r, tot, f"{name}_w")
+        with r.if_(r.lane < n_warps):
+            r.store(warp_totals + r.lane.cast(T.u64) * 4, tscan)
+    r.syncthreads()
+    with r.if_(r.warp > 0):
+        prev = r.load(warp_totals + (r.warp - 1).cast(T.u64) * 4, T.u32, name=f"{name}_prev")
+        r.assign(acc, acc + prev)
+    r.syncthreads()
+    return acc
+
+
+def lowest_set_bit(r: ir.RoleBuilder, mask, name: str = "lsb") -> ir.Var:
+    """Index of the lowest set bit of a non-zero u32 (``popc((m & -m) - 1)``)."""
+    m = ir.as_expr(mask)
+    return r.let(name, ir.UnOp(ir.UnOpKind.POPC, (m & (~m + 1)) - 1))
+
+
+def load_pointer(r: ir.RoleBuilder, table, index, name: str, peer: bool = True) -> ir.Var:
+    """Entry ``index`` of a device table of 64-bit addresses (``ld.global.nc.b64``), as a
+    global pointer; ``peer`` marks the memory as visible to other ranks."""
+    raw = r.load(table + ir.as_expr(index).cast(T.u64) * 8, T.u64, cache=CacheHint.NC,
+                 name=f"{name}_raw")
+    return r.let(name, ir.Cast(T.ptr_global, raw), peer=peer)
+
+
+def exit_if_aborted(r: ir.RoleBuilder, err_buf):
+    """After the barrier that follows a bounded wait: every thread leaves the kernel together
+    if any wait of the launch group has expired (``ld.relaxed.sys`` of the abort word)."""
+    from ir import diag
+    from ir import Scope, Sem
+    flag = r.load(word(err_buf, diag.ABORT_WORD), T.u32, Sem.RELAXED, Scope.SYS, name="aborted")
+    with r.if_(flag.ne(0)):
+        r.return_()

@@ -1,0 +1,148 @@
+"""``dispatch_async``: the monitor (aux) blocks count tokens per expert and publish the
+receive counts; the comm blocks stage each token in the send buffer and copy it to every
+destination's receive buffer (reference page: ``monitor_and_signal_completion``,
+``copy_and_send_tokens``)."""
+
+from __future__ import annotations
+
+import attrs
+
+import ir
+from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode
+from ir import types as T
+
+from .common import copy_vectors, load_pointer
+from .common import word as _word
+
+KERNEL_NAME = "ep_dispatch_async"
+
+
+@attrs.frozen
+class AsyncParams:
+    """Kernel parameters of dispatch_async, named as the reference method arguments."""
+
+    input_tokens: ir.Param
+    topk_ids: ir.Param
+    n_tokens: ir.Param
+    send_buf_p: ir.Param
+    recv_buf_ptrs: ir.Param
+    recv_count_ptrs: ir.Param
+    counters: ir.Param
+    my_rank: ir.Param
+    err_buf: ir.Param
+
+
+def declare_params(kb: ir.KernelBuilder) -> AsyncParams:
+    p = AsyncParams(
+        input_tokens=kb.param("input_tokens", T.ptr_global),
+        topk_ids=kb.param("topk_ids", T.ptr_global),
+        n_tokens=kb.param("n_tokens", T.u32),
+        send_buf_p=kb.param("send_buf_p", T.ptr_global),
+        recv_buf_ptrs=kb.param("recv_buf_ptrs", T.ptr_global),
+        recv_count_ptrs=kb.param("recv_count_ptrs", T.ptr_global),
+        counters=kb.param("counters", T.ptr_global),
+        my_rank=kb.param("my_rank", T.u32),
+        err_buf=kb.param("err_buf", T.ptr_global),
+    )
+    kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
+    return p
+
+
+def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_warp_base: int = 0):
+    """Aux blocks: warp ``w`` of block ``b`` owns global expert ``b*n_warps + w``. The warp
+    counts that expert's ``(token, k)`` pairs (``redux.sync.add``); lane 0 waits (bounded,
+    ``ld.acquire.gpu``) until the comm warps have finished that many copies, publishes the
+    count into the destination's receive-count word with ``st.release.sys`` (per-expert
+    completion), and re-arms its two counters."""
+    lay = cfg.layout
+    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    reserved, finished = p.counters, _word(p.counters, E)
+    expert_idx = r.let("expert_idx", r.block * lay.n_warps + (r.warp - comm_warp_base if comm_warp_base else r.warp))
+    with r.if_(expert_idx < E):
+        g = r.let("g", expert_idx + L * p.my_rank if cfg.skip_a2a else expert_idx)
+        n_ids = r.let("n_ids", p.n_tokens * K)
+        cnt = r.var("cnt", T.u32, 0)
+        with r.for_range("i", r.lane, n_ids, 32) as i:
+            tid_g = r.load(_word(p.topk_ids, i), T.u32, cache=CacheHint.NC, name="id")
+            r.assign(cnt, cnt + ir.Cast(T.u32, tid_g.eq(g)))
+        count = r.redux(ReduxOp.ADD, cnt, name="count")
+        with r.if_(r.lane.eq(0)):
+            dst_rank = r.let("dst_rank", g // L)
+            e = r.let("e", g % L)
+            signal_offset = r.let("signal_offset", e * R + (0 if cfg.skip_a2a else p.my_rank))
+            counter_offset = r.let("counter_offset", e * R + dst_rank)
+            r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ, count,
+                        buffer="expert_finished_counter", index=counter_offset,
+                        sem=Sem.ACQUIRE, scope=Scope.GPU)
+            dst_p2p = dst_rank % cfg.p2p_world_size
+            scope = Scope.GPU if cfg.skip_a2a else Scope.SYS
+            counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
+                                  "recv_count_dst", peer=not cfg.skip_a2a)
+            r.store(_word(counts, signal_offset, 8), count.cast(T.u64), Sem.RELEASE, scope)
+            r.store(_word(reserved, counter_offset), 0)
+            r.store(_word(finished, counter_offset), 0)
+
+
+def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int):
+    """Comm blocks: block-strided over tokens. All threads stage token ``t`` (payload by the
+    format, then the header: source index and top-k ids) in send-buffer row ``t``, join
+    (``bar.sync 0``), then warp ``k`` (strided) reserves a slot on destination expert
+    ``topk_ids[t, k]`` (``atom.relaxed.gpu.add``), copies the message to the destination's
+    receive buffer with 16-byte stores, and counts the copy finished with
+    ``red.release.gpu.add``."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    msg_bytes = lay.msg_bytes
+    reserved, finished = p.counters, _word(p.counters, E)
+    n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
+    with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
+        msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
+        src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
+        fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+        with r.if_(r.tid < K):
+            gid = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="gid")
+            r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), gid.cast(T.u16))
+        with r.if_(r.tid.eq(0)):
+            r.store(msg + fmt.src_info_offset, t)
+        send_join(r, cfg)
+        with r.for_range("k", r.warp, K, lay.n_warps) as k:
+            g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
+            dst_rank = r.let("dst_rank", g // L)
+            e = r.let("e", g % L)
+            with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
+                co = r.let("co", e * R + dst_rank)
+                slot = r.var("slot", T.u32, 0)
+                with r.if_(r.lane.eq(0)):
+                    r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
+                                            Scope.GPU, name="slot0"))
+                slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_b")
+                rank_coord = 0 if cfg.skip_a2a else p.my_rank
+                dst_p2p = 0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size
+                recv = load_pointer(r, p.recv_buf_ptrs, dst_p2p, "recv_dst", peer=not cfg.skip_a2a)
+                row = ((e * R + rank_coord) * cfg.max_tokens_per_rank + slot_b).cast(T.u64)
+                dst = r.let("dst", recv + row * msg_bytes, peer=not cfg.skip_a2a)
+                copy_vectors(r, dst, msg, msg_bytes // 16, r.lane, 32, tag="fan")
+                r.warp_sync()
+                with r.if_(r.lane.eq(0)):
+                    r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+
+def send_join(r: ir.RoleBuilder, cfg):
+    """The CTA-wide join between staging a token and fanning it out: ``bar.sync 0``."""
+    r.syncthreads()
+
+
+def build_dispatch_async(cfg) -> ir.Kernel:
+    """The dispatch_async entry point: blocks ``[0, n_signal_sms)`` monitor, the rest send."""
+    lay = cfg.layout
+    kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
+    p = declare_params(kb)
+    with kb.role("monitor", blocks=(0, lay.n_signal_sms)) as r:
+        monitor_and_signal_completion(r, cfg, p)
+    with kb.role("comm", blocks=(lay.n_signal_sms, None)) as r:
+        copy_and_send_tokens(r, cfg, p, lay.n_signal_sms)
+    return kb.build()
+
+
+__all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
+           "AsyncParams", "KERNEL_NAME"]

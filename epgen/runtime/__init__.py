@@ -1,0 +1,7 @@
+"""Host side of epgen: compiled programs, diagnostic buffers and the worlds that run the EP
+kernels (``EmulatedWorld``). Importing this package needs no GPU; creating a world does."""
+
+from .diagnostics import DiagBuffer
+from .program import Program
+
+__all__ = ["DiagBuffer", "Program"]

@@ -1,0 +1,32 @@
+"""The device error buffer that bounded waits report into, and its host-side check."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir import diag
+
+from ..errors import EPTimeoutError
+
+
+class DiagBuffer:
+    """One zeroed error buffer (``ir.diag`` layout) shared by every launch of a group (e.g.
+    all ranks of a world), so one expired wait makes every other wait of the group give up."""
+
+    def __init__(self, device=None, stream=None):
+        from backends import cuda
+        self.array = cuda.zeros(diag.BUFFER_WORDS, np.uint32, device=device, stream=stream)
+
+    @property
+    def ptr(self) -> int:
+        return self.array.ptr
+
+    def check(self, kernels, context: str = "") -> None:
+        """Raise ``EPTimeoutError`` with the decoded records if any wait expired (the caller
+        has synchronised the launches); the buffer is re-armed first."""
+        words = self.array.to_host()
+        if words[diag.ABORT_WORD] == 0 and words[diag.COUNT_WORD] == 0:
+            return
+        self.array.zero()
+        self.array.to_host()
+        raise EPTimeoutError(diag.decode(words, kernels), context)

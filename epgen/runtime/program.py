@@ -1,0 +1,43 @@
+"""An IR module compiled for a GPU, launched with arguments by parameter name."""
+
+from __future__ import annotations
+
+import ir
+
+
+class Program:
+    """``module`` lowered to PTX for ``arch`` (default: the device's), compiled (with the cubin
+    cache) and loaded on ``device``. ``launch(kernel, grid, args)`` takes ``args`` as a dict
+    keyed by the IR parameter names, so an argument can never land in the wrong slot."""
+
+    def __init__(self, module: ir.Module, arch: str | None = None, device=None):
+        from backends import cuda, nvptx
+        self.module = module
+        self.device = cuda.get_device(device)
+        self.arch = arch or cuda.arch(self.device)
+        self.ptx = nvptx.emit_ptx(module, arch=self.arch)
+        self.loaded = cuda.LoadedModule(self.ptx, self.arch, device=self.device, name=module.name)
+        self._kernels = {}
+
+    def kernel(self, name: str):
+        if name not in self._kernels:
+            k = self.module.kernel(name)
+            self._kernels[name] = self.loaded.kernel(
+                name, param_types=[p.dtype for p in k.params],
+                param_names=[p.name for p in k.params])
+        return self._kernels[name]
+
+    def launch(self, name: str, grid: int, args: dict, stream=None, shmem: int = 0):
+        k = self.module.kernel(name)
+        names = [p.name for p in k.params]
+        missing = [n for n in names if n not in args]
+        extra = sorted(set(args) - set(names))
+        if missing or extra:
+            raise TypeError(f"kernel {name}: missing arguments {missing}, unknown {extra}")
+        self.kernel(name).launch(grid, k.block_threads, [args[n] for n in names], stream,
+                                 shmem, int_scalars=True)
+
+    def blocks_per_sm(self, name: str, shmem: int = 0) -> int:
+        """How many blocks of ``name`` one SM holds at once (the driver's occupancy answer)."""
+        return self.kernel(name).max_active_blocks_per_sm(self.module.kernel(name).block_threads,
+                                                          shmem)
