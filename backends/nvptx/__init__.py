@@ -1,0 +1,11 @@
+"""NVPTX backend: kernel IR -> llvmlite IR -> PTX (LLVM's NVPTX target), PTX checks, ptxas."""
+
+from .check import CheckReport, OrderedOp, PtxCheckError, check_ptx, ordered_ops
+from .emit import emit_llvm_ir, emit_ptx
+from .errors import LoweringError
+from .ptxas import KernelResources, PtxasError, PtxasReport, assemble, find_ptxas
+from .target import ARCHES, Target
+
+__all__ = ["ARCHES", "CheckReport", "KernelResources", "LoweringError", "OrderedOp",
+           "PtxCheckError", "PtxasError", "PtxasReport", "Target", "assemble", "check_ptx",
+           "emit_llvm_ir", "emit_ptx", "find_ptxas", "ordered_ops"]
