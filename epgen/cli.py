@@ -1,0 +1,189 @@
+"""The ``epgen`` command line (also ``python3 -m epgen``).
+
+Each subcommand is one small function ``cmd_<name>(args) -> exit status`` plus a function
+adding its arguments, listed in ``COMMANDS``. Heavy imports (the kernels, llvmlite, cuda) happen
+inside the commands, so ``epgen --help`` stays fast and works even where a backend is broken.
+
+Exit status: 0 success; 1 the command ran and failed (``epgen: error: ...``), or ``diff``
+found differences; 2 a usage error (argparse style, naming the bad option) or a command that is
+not implemented yet. Set ``EPGEN_TRACEBACK=1`` to see the traceback behind an ``epgen: error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from typing import Callable, NamedTuple
+
+PROG = "epgen"
+ARCHS = ("sm_80", "sm_90", "sm_100")
+DEFAULT_ARCH = "sm_90"
+DEFAULT_VARIANT = "demo/copy16"
+"""What ``epgen ptx`` emits without ``--variant`` (to become the built-in EP preset)."""
+
+
+class CommandError(Exception):
+    """A command failed for a reason the user can act on; printed without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _add_arch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH,
+                   help=f"target GPU architecture (default: {DEFAULT_ARCH})")
+
+
+def _check_variant(parser: argparse.ArgumentParser, option: str, name: str) -> None:
+    """Reject an unknown variant name the way argparse rejects a bad option (exit 2)."""
+    from epgen import goldens
+
+    known = goldens.names()
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        parser.error(f"argument {option}: unknown variant {name!r}{hint} "
+                     f"(see '{PROG} variants')")
+
+
+def _variant_text(name: str, arch: str, want_ir: bool) -> str:
+    from epgen import goldens
+
+    module = goldens.build_module(name)
+    return goldens.print_ir(module) if want_ir else goldens.emit_ptx(module, arch=arch)
+
+
+def _write(text: str, path: str | None) -> None:
+    if path is None or path == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+    except OSError as e:
+        raise CommandError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def args_ptx(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variant", metavar="NAME", default=DEFAULT_VARIANT,
+                   help=f"registered variant to emit (default: {DEFAULT_VARIANT}; "
+                        f"list them with '{PROG} variants')")
+    _add_arch(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument("--ir", action="store_true", help="print the IR text instead of PTX")
+
+
+def cmd_ptx(args: argparse.Namespace) -> int:
+    _check_variant(args.parser, "--variant", args.variant)
+    _write(_variant_text(args.variant, args.arch, args.ir), args.output)
+    return 0
+
+
+def _no_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def cmd_variants(args: argparse.Namespace) -> int:
+    from epgen import goldens
+
+    for name in goldens.names():
+        print(name)
+    return 0
+
+
+def args_diff(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", metavar="A", help="first variant")
+    p.add_argument("b", metavar="B", help="second variant")
+    _add_arch(p)
+    p.add_argument("--ir", action="store_true", help="compare the IR text instead of PTX")
+    p.add_argument("-U", "--context", type=int, default=3, metavar="N",
+                   help="lines of context (default: 3)")
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    _check_variant(args.parser, "A", args.a)
+    _check_variant(args.parser, "B", args.b)
+    if args.context < 0:
+        args.parser.error("argument -U/--context: must be >= 0")
+    ext = "ir" if args.ir else "ptx"
+    a = _variant_text(args.a, args.arch, args.ir).splitlines(keepends=True)
+    b = _variant_text(args.b, args.arch, args.ir).splitlines(keepends=True)
+    diff = list(difflib.unified_diff(a, b, f"{args.a}.{ext}", f"{args.b}.{ext}", n=args.context))
+    for line in diff:
+        sys.stdout.write(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return 1 if diff else 0
+
+
+def _not_implemented(args: argparse.Namespace) -> int:
+    print(f"{PROG} {args.command}: not implemented yet", file=sys.stderr)
+    return 2
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "ptx": Command("print the PTX (or IR text) of a variant; the main job", args_ptx, cmd_ptx),
+    "inspect": Command("show a configuration: parameters, layout, roles, barriers, atomics, "
+                       "ptxas resources", _no_arguments, _not_implemented),
+    "variants": Command("list the registered variants", _no_arguments, cmd_variants),
+    "diff": Command("unified diff of two variants' PTX (exit 1 when they differ)",
+                    args_diff, cmd_diff),
+    "run": Command("run the kernels on the GPU and check them against the reference",
+                   _no_arguments, _not_implemented),
+    "bench": Command("benchmark the kernels on the GPU", _no_arguments, _not_implemented),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Generate, inspect and run expert-parallel MoE dispatch GPU kernels.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    sub.required = True
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run, parser=p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # `epgen ptx | head`: the reader left; not an error. Point stdout at devnull so the
+        # interpreter's final flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from epgen.goldens import GoldenError
+
+        if os.environ.get("EPGEN_TRACEBACK") or not isinstance(e, (CommandError, GoldenError,
+                                                                   ValueError)):
+            raise
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

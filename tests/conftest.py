@@ -1,0 +1,164 @@
+"""Shared test machinery: ``--update-golden``, the ``gpu`` marker, the ``seed`` and ``golden``
+fixtures.
+
+- ``--update-golden`` rewrites the goldens (and ``golden/MANIFEST``) instead of comparing;
+  tests that rewrote a file are skipped ("regenerated; review the diff"). Refused under CI.
+- ``@pytest.mark.gpu`` tests are skipped, with the reason, when ``backends.cuda`` cannot be
+  imported or ``backends.cuda.gpu_available()`` is False.
+- ``seed``: a fresh random seed per test (``EPGEN_SEED=N`` fixes it); a failing test's report
+  shows ``seed: N; rerun with EPGEN_SEED=N``.
+- ``golden``: ``golden.check("demo/copy16", "ptx", text)``; see ``golden_util``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import golden_util
+
+pytest_plugins = ("pytester",)
+
+SEED_KEY = pytest.StashKey[int]()
+_gpu_state: dict[str, object] = {}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("epgen")
+    group.addoption("--update-golden", action="store_true", default=False,
+                    help="rewrite golden/ files (and golden/MANIFEST) from the current code "
+                         "instead of comparing; review the diff before committing")
+
+
+def pytest_configure(config):
+    if config.getoption("update_golden") and golden_util.is_ci():
+        raise pytest.UsageError("--update-golden is refused under CI (CI is set): regenerate "
+                                "goldens on a developer machine and commit them")
+
+
+def pytest_report_header(config):
+    lines = []
+    seed = os.environ.get("EPGEN_SEED")
+    lines.append(f"epgen: seed {'EPGEN_SEED=' + seed if seed else 'fresh per test'}; "
+                 f"CI={'yes' if golden_util.is_ci() else 'no'}"
+                 + ("; --update-golden" if config.getoption("update_golden") else ""))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU marker
+
+
+def gpu_skip_reason() -> str | None:
+    """Why GPU tests cannot run here (None: they can). Computed once per session."""
+    if "reason" not in _gpu_state:
+        reason = None
+        try:
+            import backends.cuda as cuda_backend
+        except Exception as e:  # noqa: BLE001  any import failure means "no usable GPU runtime"
+            reason = f"backends.cuda cannot be imported ({type(e).__name__}: {e})"
+        else:
+            try:
+                if not cuda_backend.gpu_available():
+                    reason = "no NVIDIA GPU available (backends.cuda.gpu_available() is False)"
+            except Exception as e:  # noqa: BLE001
+                reason = f"backends.cuda.gpu_available() failed ({type(e).__name__}: {e})"
+        _gpu_state["reason"] = reason
+    return _gpu_state["reason"]
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds
+
+
+def _parse_seed(text: str) -> int:
+    try:
+        seed = int(text, 0)
+    except ValueError:
+        raise pytest.UsageError(f"EPGEN_SEED={text!r} is not an integer") from None
+    if not 0 <= seed < 2**32:
+        raise pytest.UsageError(f"EPGEN_SEED={text} is outside [0, 2**32)")
+    return seed
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A random seed for this test: fresh from os.urandom, or EPGEN_SEED when set. Shown in
+    the report of a failing test."""
+    env = os.environ.get("EPGEN_SEED")
+    value = _parse_seed(env) if env else int.from_bytes(os.urandom(4), "little")
+    request.node.stash[SEED_KEY] = value
+    return value
+
+
+@pytest.fixture
+def rng(seed):
+    """``numpy.random.Generator`` seeded with this test's ``seed``."""
+    import numpy as np
+
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = item.stash.get(SEED_KEY, None)
+    if seed is not None and report.failed:
+        report.sections.append(("seed", f"seed: {seed}; rerun with EPGEN_SEED={seed}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Goldens
+
+
+class Golden:
+    """Compares generated text with golden files (``golden_util.check``) and knows whether
+    this run updates them."""
+
+    def __init__(self, update: bool):
+        self.update = update
+
+    def check(self, name: str, ext: str, text: str) -> None:
+        golden_util.check(name, ext, text, update=self.update)
+
+    def require_ptx_toolchain(self) -> None:
+        """Skip a PTX comparison when golden/MANIFEST names another LLVM major (not when
+        updating: then MANIFEST is being rewritten for the running toolchain)."""
+        if not self.update:
+            golden_util.require_manifest_llvm(golden_util.read_manifest(),
+                                              _running_toolchain())
+
+
+def _running_toolchain() -> dict[str, str]:
+    from epgen.goldens import DEFAULT_ARCH
+
+    return golden_util.current_toolchain(DEFAULT_ARCH)
+
+
+@pytest.fixture(scope="session")
+def golden_manifest(request) -> dict[str, str] | None:
+    """golden/MANIFEST; with --update-golden first rewritten for the running toolchain."""
+    if request.config.getoption("update_golden"):
+        running = _running_toolchain()
+        if golden_util.read_manifest() != running:
+            golden_util.write_manifest(running)
+    return golden_util.read_manifest()
+
+
+@pytest.fixture
+def golden(request, golden_manifest) -> Golden:
+    return Golden(update=request.config.getoption("update_golden"))
