@@ -1,0 +1,74 @@
+"""Routing and token generators for tests and benchmarks: random top-k routings (ids unique
+per token), skewed (Zipf-like) routings and the edge cases of DESIGN.md section 9."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def random_tokens(rng: np.random.Generator, T: int, H: int) -> np.ndarray:
+    """``[T, H]`` random finite bfloat16 values as uint16 bit patterns."""
+    vals = rng.standard_normal((T, H), dtype=np.float32)
+    return (vals.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def random_topk(rng: np.random.Generator, T: int, n_experts: int, top_k: int,
+                weights: np.ndarray | None = None) -> np.ndarray:
+    """``[T, top_k]`` int32 expert ids, distinct within each token; drawn uniformly, or with
+    probabilities ``weights`` (Gumbel top-k: sampling without replacement)."""
+    if top_k > n_experts:
+        raise ValueError(f"top_k={top_k} exceeds n_experts={n_experts}")
+    keys = rng.random((T, n_experts))
+    if weights is not None:
+        keys = np.log(weights)[None, :] - np.log(-np.log(keys))
+    return np.argsort(-keys, axis=1)[:, :top_k].astype(np.int32)
+
+
+def zipf_weights(n_experts: int, s: float = 1.2, rng: np.random.Generator | None = None):
+    """Zipf-like expert popularity ``1 / rank^s`` (a few hot experts), optionally shuffled."""
+    w = 1.0 / np.arange(1, n_experts + 1) ** s
+    if rng is not None:
+        rng.shuffle(w)
+    return w / w.sum()
+
+
+def routing(rng, cfg, tokens_per_rank, weights=None):
+    """Tokens and top-k ids for every rank of ``cfg`` (``tokens_per_rank``: int or list)."""
+    fmt = cfg.token_fmt
+    if isinstance(tokens_per_rank, int):
+        tokens_per_rank = [tokens_per_rank] * cfg.n_ranks
+    toks = [random_tokens(rng, T, fmt.hid_dim) for T in tokens_per_rank]
+    ids = [random_topk(rng, T, cfg.n_experts, fmt.top_k, weights) for T in tokens_per_rank]
+    return toks, ids
+
+
+def edge_case(rng, cfg, name: str):
+    """The edge cases of DESIGN.md section 9 (plus a random baseline), by name."""
+    E, K, R = cfg.n_experts, cfg.token_fmt.top_k, cfg.n_ranks
+    L, Tmax = E // R, cfg.max_tokens_per_rank
+    if name == "zero_tokens":
+        return routing(rng, cfg, 0)
+    if name == "full":                                  # T = max_tokens_per_rank everywhere
+        return routing(rng, cfg, Tmax)
+    if name == "rank_without_tokens":
+        counts = [int(rng.integers(1, Tmax + 1)) for _ in range(R)]
+        counts[int(rng.integers(R))] = 0
+        return routing(rng, cfg, counts)
+    toks, ids = routing(rng, cfg, Tmax)
+    if name == "one_hot_expert":                        # every token picks expert `hot`
+        hot = int(rng.integers(E))
+        for a in ids:
+            has = (a == hot).any(axis=1)
+            a[~has, 0] = hot
+    elif name == "all_to_one_rank":                     # every id on one destination rank
+        dst = int(rng.integers(R))
+        if K > L:
+            raise ValueError("all_to_one_rank needs top_k <= n_local_experts")
+        ids = [(dst * L + random_topk(rng, a.shape[0], L, K)).astype(np.int32) for a in ids]
+    elif name != "random":
+        raise ValueError(f"unknown edge case {name!r}")
+    return toks, ids
+
+
+EDGE_CASES = ("random", "zero_tokens", "full", "rank_without_tokens", "one_hot_expert",
+              "all_to_one_rank")
