@@ -86,6 +86,7 @@ class EPConfig:
     ep_copy_role_split: bool = _bool_field(False)
     ep_send_join_named: bool = _bool_field(False)
     timeout_ns: int = _int_field(default=2_000_000_000)
+    recv_block_capacity: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self):
         bad = self._type_violations()
@@ -107,6 +108,11 @@ class EPConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             bad.append((("timeout_ns",), f"must be an integer >= 0 (0 = unbounded waits), "
                                          f"got {v!r}"))
+        v = self.recv_block_capacity
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                              or not 1 <= v <= self.max_tokens_per_rank):
+            bad.append((("recv_block_capacity",), f"must be None (= max_tokens_per_rank) or an "
+                        f"integer in [1, max_tokens_per_rank], got {v!r}"))
         for name in BOOL_PARAMS:
             v = getattr(self, name)
             if not isinstance(v, bool):

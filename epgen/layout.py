@@ -283,15 +283,23 @@ class Layout:
         V-IDX ``L*R (+R)`` is superseded by the page)."""
         return self.rc_cursor_base + self._L
 
+    @property
+    def block_capacity(self) -> int:
+        """Message slots per (local expert, source) block of the receive buffer (ours):
+        ``max_tokens_per_rank`` as in the reference, or ``cfg.recv_block_capacity`` to bound
+        the buffer's memory (routings that overflow a block are refused on the host)."""
+        return self.cfg.recv_block_capacity or self.cfg.max_tokens_per_rank
+
     def recv_buf_layout(self, e, r, slot, byte=0):
         """Byte offset of ``(e, r, slot, byte)`` in the row-major receive buffer
-        ``[L, R, max_tokens_per_rank, msg_bytes]``; ``r`` is forced to 0 under ``skip_a2a``."""
+        ``[L, R, max_tokens_per_rank, msg_bytes]`` (the slot extent is ``block_capacity``);
+        ``r`` is forced to 0 under ``skip_a2a``."""
         self._check_recv("recv_buf_layout", e, r)
-        _check_coord("recv_buf_layout", "slot", slot, self.cfg.max_tokens_per_rank)
+        _check_coord("recv_buf_layout", "slot", slot, self.block_capacity)
         _check_coord("recv_buf_layout", "byte", byte, self.msg_bytes)
         if self.cfg.skip_a2a:
             r = 0
-        return ((e * self._R + r) * self.cfg.max_tokens_per_rank + slot) * self.msg_bytes + byte
+        return ((e * self._R + r) * self.block_capacity + slot) * self.msg_bytes + byte
 
     def recv_count_layout(self, e, r):
         """Word offset ``e * n_ranks + r`` in the row-major ``[L, R]`` count grid; ``r`` is
@@ -481,10 +489,14 @@ class Layout:
 
     @property
     def max_recv_tokens(self) -> int:
-        """``L * R * max_tokens_per_rank`` routed rows, plus ``max_tokens_per_rank`` shared
-        expert rows with ``fused_shared_expert``."""
+        """Routed rows a destination can receive: every source sends each token at most
+        ``min(top_k, L)`` times to it, and each (expert, source) block holds at most
+        ``block_capacity`` (the reference sizes ``L * R * max_tokens_per_rank``, which is never
+        smaller); plus ``max_tokens_per_rank`` shared-expert rows with ``fused_shared_expert``."""
         se = self.cfg.max_tokens_per_rank if self.cfg.fused_shared_expert else 0
-        return self._L * self._R * self.cfg.max_tokens_per_rank + se
+        per_source = min(self.cfg.max_tokens_per_rank * min(self.top_k, self._L),
+                         self._L * self.block_capacity)
+        return self._R * per_source + se
 
     @property
     def capacity_strided(self) -> bool:
@@ -508,7 +520,7 @@ class Layout:
 
     @property
     def recv_buf_bytes(self) -> int:
-        return self._L * self._R * self.cfg.max_tokens_per_rank * self.msg_bytes
+        return self._L * self._R * self.block_capacity * self.msg_bytes
 
     @property
     def recv_count_bytes(self) -> int:

@@ -148,6 +148,15 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
                 t, k = dup[0]
                 raise EPInputError(f"topk_ids[{r}][{t}] lists expert {s[t, k]} more than once "
                                    f"(top-k ids must be unique per token)")
+            cap = cfg.layout.block_capacity
+            if cap < cfg.max_tokens_per_rank:
+                per_expert = np.bincount(a.ravel(), minlength=id_bound)
+                over = np.flatnonzero(per_expert > cap)
+                if over.size:
+                    g = int(over[0])
+                    raise EPInputError(
+                        f"topk_ids[{r}] routes {per_expert[g]} tokens to expert {g}, more than "
+                        f"recv_block_capacity={cap} slots of its receive block")
         counts.append(T)
     return tuple(counts)
 

@@ -110,3 +110,11 @@ def test_missing_rank_times_out(seed):
     kinds = {(r.kernel, r.role, r.buffer) for r in info.value.records}
     assert ("ep_dispatch_wait", "aux", "recv_count") in kinds
     assert all(r.rank == 0 for r in info.value.records)
+
+
+def test_recv_block_capacity(seed):
+    """A receive buffer of 64 slots per (expert, source) block instead of max_tokens_per_rank."""
+    cfg = make_cfg(8, 256, 2048, 8, 512, 512, 33, recv_block_capacity=64)
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, 512)
+    run_and_compare(cfg, toks, ids, seed)

@@ -202,6 +202,7 @@ def test_buffer_layouts(c):
     e = np.arange(L)
     assert (lay.recv_count_layout(e, R - 1) == e * R + R - 1).all()
     assert lay.recv_buf_bytes == L * R * max_tpr * msg == E * max_tpr * msg
+    assert lay.block_capacity == max_tpr
     assert lay.send_buf_bytes == max_tpr * msg
     for bad in [(L, 0, 0, 0), (0, R, 0, 0), (0, 0, max_tpr, 0), (0, 0, 0, msg), (-1, 0, 0, 0)]:
         with pytest.raises(IndexError):
@@ -296,11 +297,13 @@ def test_assert_l1_vslot_ticket_layout_catches_a_bad_offset():
             bad.assert_l1_vslot_ticket_layout()
 
 
+# routed rows: R sources x max_tpr tokens x min(K, L) copies each (K=8, L=32, R=8, max_tpr=128)
 @pytest.mark.parametrize("flags,rows", [
-    ({}, 32 * 8 * 128),
-    ({"fused_shared_expert": True}, 32 * 8 * 128 + 128),
-    ({"ep_final_layout": True}, 32 * 8 * 128),
-    ({"ep_final_layout": True, "ep_prod_reserve": True}, 32 * 8 * 128),
+    ({}, 8 * 128 * 8),
+    ({"fused_shared_expert": True}, 8 * 128 * 8 + 128),
+    ({"ep_final_layout": True}, 8 * 128 * 8),
+    ({"ep_final_layout": True, "ep_prod_reserve": True}, 8 * 128 * 8),
+    ({"recv_block_capacity": 16}, 8 * 32 * 16),
 ])
 def test_output_sizes(flags, rows):
     lay = make(CONFIGS[0], **flags).layout
@@ -311,3 +314,16 @@ def test_output_sizes(flags, rows):
     assert s["row_offsets_len"] == 32 + 1 + se and s["expert_ids_len"] == 32 + se
     assert s["out_tokens_shape"] == [lay.max_out_rows, 7168]
     assert s["src_info_shape"] == [lay.max_out_rows, 2]
+
+
+def test_recv_block_capacity_bounds_the_receive_buffer():
+    lay = make(CONFIGS[0], recv_block_capacity=16).layout
+    L, R, msg = 32, 8, lay.msg_bytes
+    assert lay.block_capacity == 16
+    assert lay.recv_buf_bytes == L * R * 16 * msg
+    assert lay.recv_buf_layout(1, 2, 15, 3) == ((1 * R + 2) * 16 + 15) * msg + 3
+    with pytest.raises(IndexError):
+        lay.recv_buf_layout(0, 0, 16, 0)
+    for bad in (0, 129, True, 2.5):
+        with pytest.raises(ValueError, match="recv_block_capacity"):
+            make(CONFIGS[0], recv_block_capacity=bad)

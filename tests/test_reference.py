@@ -465,3 +465,17 @@ def test_skip_a2a_input_rules():
         validate_inputs(cfg, [tok, tok], [ids, ids], ranks=[1, 1])
     with pytest.raises(EPInputError, match="ranks has 1"):
         validate_inputs(cfg, [tok, tok], [ids, ids], ranks=[1])
+
+
+def test_recv_block_capacity_overflow_is_refused(seed):
+    cfg = EPConfig(num_threads=256, n_sms=17, n_experts=32, n_ranks=2, max_tokens_per_rank=64,
+                   p2p_world_size=2, use_shmem=False, token_fmt=BF16Format(hid_dim=64, top_k=2),
+                   recv_block_capacity=8)
+    rng = np.random.default_rng(seed)
+    toks = [rng.integers(0, 2**16, (20, 64), dtype=np.uint16) for _ in range(2)]
+    ids = [np.stack([np.full(20, 5), np.arange(6, 26)], axis=1).astype(np.int32),
+           np.stack([np.arange(20), np.arange(20) + 10], axis=1).astype(np.int32)]
+    with pytest.raises(ValueError, match="recv_block_capacity=8"):
+        reference.validate_inputs(cfg, toks, ids)
+    ids[0][:, 0] = np.arange(20) % 4            # at most 5 tokens per expert: fits
+    assert reference.validate_inputs(cfg, toks, ids) == (20, 20)

@@ -78,7 +78,8 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             scope = Scope.GPU if cfg.skip_a2a else Scope.SYS
             counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
                                   "recv_count_dst", peer=not cfg.skip_a2a)
-            r.store(_word(counts, signal_offset, 8), count.cast(T.u64), Sem.RELEASE, scope)
+            published = count.min(lay.block_capacity) if lay.block_capacity < cfg.max_tokens_per_rank else count
+            r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
             r.store(_word(reserved, counter_offset), 0)
             r.store(_word(finished, counter_offset), 0)
 
@@ -119,9 +120,12 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
                 rank_coord = 0 if cfg.skip_a2a else p.my_rank
                 dst_p2p = 0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size
                 recv = load_pointer(r, p.recv_buf_ptrs, dst_p2p, "recv_dst", peer=not cfg.skip_a2a)
-                row = ((e * R + rank_coord) * cfg.max_tokens_per_rank + slot_b).cast(T.u64)
-                dst = r.let("dst", recv + row * msg_bytes, peer=not cfg.skip_a2a)
-                copy_vectors(r, dst, msg, msg_bytes // 16, r.lane, 32, tag="fan")
+                # device guard: a slot past the block's capacity is never written (the host
+                # refuses such routings; the monitor publishes the clamped count)
+                with r.if_(slot_b < lay.block_capacity):
+                    row = ((e * R + rank_coord) * lay.block_capacity + slot_b).cast(T.u64)
+                    dst = r.let("dst", recv + row * msg_bytes, peer=not cfg.skip_a2a)
+                    copy_vectors(r, dst, msg, msg_bytes // 16, r.lane, 32, tag="fan")
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)

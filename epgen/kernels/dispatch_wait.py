@@ -153,7 +153,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
             with r.if_(src_rank > 0):
                 r.assign(base_r, r.load(_word(prefix, src_rank - 1), T.u32, name="base_ld"))
             rank_coord = 0 if cfg.skip_a2a else src_rank
-            slot = ((e * R + rank_coord) * cfg.max_tokens_per_rank + (tok - base_r)).cast(T.u64)
+            slot = ((e * R + rank_coord) * lay.block_capacity + (tok - base_r)).cast(T.u64)
             msg = r.let("msg", p.recv_buf_p + slot * lay.msg_bytes, peer=not cfg.skip_a2a)
             row = r.let("row", start + tok)
             fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens)
