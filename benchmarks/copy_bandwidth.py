@@ -33,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--blocks-per-sm", type=int, default=2)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time copy16 over block sizes, loads in flight and blocks per SM")
     args = ap.parse_args(argv)
 
     import cupy
@@ -45,9 +47,6 @@ def main(argv=None):
     src = cuda.to_device(np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8))
     dst = cuda.zeros(n, np.uint8)
     blocks = args.blocks_per_sm * cuda.sm_count()
-    ms_ir = time_ms(stream, lambda: runner.copy16(dst, src, n, stream, blocks), args.iters)
-    assert (dst.to_host() == src.to_host()).all(), "copy16 result differs"
-
     cp_stream = cupy.cuda.ExternalStream(int(stream.handle))
     a = cupy.asarray(src)
     b = cupy.empty_like(a)
@@ -56,9 +55,30 @@ def main(argv=None):
         with cp_stream:
             b[...] = a
     ms_cp = time_ms(stream, cupy_copy, args.iters)
+    ms_ir = time_ms(stream, lambda: runner.copy16(dst, src, n, stream, blocks), args.iters)
+    assert (dst.to_host() == src.to_host()).all(), "copy16 result differs"
     gbs = lambda ms: 2 * n / ms / 1e6  # noqa: E731
+    sweep = []
+    if args.sweep:
+        import ir
+        from epgen.demos import build_copy16
+        from epgen.runtime.program import Program
+        for threads in (256, 512, 1024):
+            for lif in (2, 4, 8):
+                prog = Program(ir.Module("copy16", (build_copy16(threads, lif),)))
+                for bps in (1, 2, 4, 8):
+                    if threads * bps > 2048:
+                        continue
+                    blk = bps * cuda.sm_count()
+                    args_ = {"dst": dst, "src": src, "n_vec": n // 16}
+                    ms = time_ms(stream, lambda: prog.launch("copy16", blk, args_, stream),
+                                 args.iters)
+                    sweep.append({"threads": threads, "loads_in_flight": lif,
+                                  "blocks_per_sm": bps, "ms": ms, "fraction": ms_cp / ms})
+                    print(f"sweep threads={threads:4d} lif={lif} blocks/SM={bps}: "
+                          f"{ms:.4f} ms {gbs(ms):7.1f} GB/s {ms_cp / ms:.3f} of cupy")
     res = {"bytes": n, "copy16_ms": ms_ir, "cupy_ms": ms_cp, "copy16_GBps": gbs(ms_ir),
-           "cupy_GBps": gbs(ms_cp), "fraction": ms_cp / ms_ir}
+           "cupy_GBps": gbs(ms_cp), "fraction": ms_cp / ms_ir, "sweep": sweep}
     print(f"{'kernel':<10} {'median ms':>10} {'GB/s':>9}")
     print(f"{'copy16':<10} {ms_ir:>10.4f} {gbs(ms_ir):>9.1f}")
     print(f"{'cupy d2d':<10} {ms_cp:>10.4f} {gbs(ms_cp):>9.1f}")

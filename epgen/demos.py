@@ -24,26 +24,26 @@ V16 = T.vec(T.u32, 4)
 
 
 def build_copy16(block_threads: int = 512, loads_in_flight: int = 4) -> ir.Kernel:
-    """``dst[i] = src[i]`` over ``n_vec`` 16-byte vectors; each thread keeps
-    ``loads_in_flight`` ``ld.global.nc.v4`` loads outstanding before it stores."""
+    """``dst[i] = src[i]`` over ``n_vec`` 16-byte vectors. Blocks take tiles of
+    ``block_threads * loads_in_flight`` consecutive vectors (grid-strided); each thread issues
+    its ``loads_in_flight`` ``ld.global.nc.v4`` loads (one per warp-contiguous row of the tile)
+    before its stores. A grid-strided loop copies the vectors past the last whole tile."""
     kb = ir.KernelBuilder("copy16", block_threads)
     dst = kb.param("dst", T.ptr_global)
     src = kb.param("src", T.ptr_global)
     n_vec = kb.param("n_vec", T.u64)
+    tile = block_threads * loads_in_flight
     with kb.role("copy") as r:
-        stride = r.let("stride", r.grid_threads(T.u64))
-        i = r.let("i", r.global_thread_id(T.u64))
-        span = stride * (loads_in_flight - 1)
-        with r.while_(i + span < n_vec):            # full rounds: every load in range
-            vals = [r.load(src + (i + stride * u) * 16, V16, cache=CacheHint.NC, name=f"v{u}")
-                    for u in range(loads_in_flight)]
+        n_tiles = r.let("n_tiles", n_vec // tile)
+        with r.for_range("t", r.block.cast(T.u64), n_tiles, r.n_blocks.cast(T.u64), T.u64) as t:
+            base = r.let("base", t * tile + r.tid.cast(T.u64))
+            vals = [r.load(src + (base + u * block_threads) * 16, V16, cache=CacheHint.NC,
+                           name=f"v{u}") for u in range(loads_in_flight)]
             for u, v in enumerate(vals):
-                r.store(dst + (i + stride * u) * 16, v)
-            r.assign(i, i + stride * loads_in_flight)
-        with r.while_(i < n_vec):                   # the tail
-            v = r.load(src + i * 16, V16, cache=CacheHint.NC, name="tail")
-            r.store(dst + i * 16, v)
-            r.assign(i, i + stride)
+                r.store(dst + (base + u * block_threads) * 16, v)
+        with r.for_range("i", n_tiles * tile + r.global_thread_id(T.u64), n_vec,
+                         r.grid_threads(T.u64), T.u64) as i:
+            r.store(dst + i * 16, r.load(src + i * 16, V16, cache=CacheHint.NC, name="tail"))
     return kb.build()
 
 
