@@ -4,6 +4,10 @@ Each subcommand is one small function ``cmd_<name>(args) -> exit status`` plus a
 adding its arguments, listed in ``COMMANDS``. Heavy imports (the kernels, llvmlite, cuda) happen
 inside the commands, so ``epgen --help`` stays fast and works even where a backend is broken.
 
+``ptx`` and ``inspect`` work on a configuration: a preset (``epgen/presets/<name>.toml``,
+``default`` unless ``--preset`` names another) with ``--set key=value`` overrides; ``ptx
+--variant NAME`` emits a registered golden variant instead (the demos, ``ep/<preset>``).
+
 Exit status: 0 success; 1 the command ran and failed (``epgen: error: ...``), or ``diff``
 found differences; 2 a usage error (argparse style, naming the bad option) or a command that is
 not implemented yet. Set ``EPGEN_TRACEBACK=1`` to see the traceback behind an ``epgen: error``.
@@ -20,8 +24,8 @@ from typing import Callable, NamedTuple
 PROG = "epgen"
 ARCHS = ("sm_80", "sm_90", "sm_100")
 DEFAULT_ARCH = "sm_90"
-DEFAULT_VARIANT = "demo/copy16"
-"""What ``epgen ptx`` emits without ``--variant`` (to become the built-in EP preset)."""
+DEFAULT_PRESET = "default"
+"""The preset ``epgen ptx`` and ``epgen inspect`` use without ``--preset`` (or ``--variant``)."""
 
 
 class CommandError(Exception):
@@ -35,6 +39,48 @@ class CommandError(Exception):
 def _add_arch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH,
                    help=f"target GPU architecture (default: {DEFAULT_ARCH})")
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", metavar="NAME",
+                   help=f"configuration preset (default: {DEFAULT_PRESET}; one of "
+                        f"epgen/presets/*.toml)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", dest="sets", default=[],
+                   help="override one parameter of the preset (repeatable): any EPConfig "
+                        "parameter, or format, hid_dim, top_k, alignment")
+    _add_arch(p)
+
+
+def _config(args: argparse.Namespace):
+    """The ``EPConfig`` of ``--preset`` and ``--set``, and the overrides; a bad name or value
+    is a usage error (exit 2) that names the parameter."""
+    from epgen import presets
+    from epgen.config import TransportNotImplementedError
+
+    parser, name = args.parser, args.preset or DEFAULT_PRESET
+    known = presets.preset_names()
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        parser.error(f"argument --preset: unknown preset {name!r}{hint} "
+                     f"(known: {', '.join(known)})")
+    overrides = {}
+    for item in args.sets:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            parser.error(f"argument --set: expected KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = presets.parse_value(key, text)
+        except ValueError as e:
+            parser.error(f"argument --set {item}: {e}")
+    try:
+        cfg = presets.config_from_dict({**presets.preset_data(name), **overrides})
+        cfg.require_p2p_only()
+    except (ValueError, TransportNotImplementedError) as e:
+        sets = "".join(f" --set {item}" for item in args.sets)
+        parser.error(f"preset {name}{sets}: {e}")
+    return cfg, overrides
 
 
 def _check_variant(parser: argparse.ArgumentParser, option: str, name: str) -> None:
@@ -72,18 +118,49 @@ def _write(text: str, path: str | None) -> None:
 
 
 def args_ptx(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variant", metavar="NAME", default=DEFAULT_VARIANT,
-                   help=f"registered variant to emit (default: {DEFAULT_VARIANT}; "
-                        f"list them with '{PROG} variants')")
-    _add_arch(p)
+    _add_config(p)
+    p.add_argument("--variant", metavar="NAME",
+                   help=f"emit a registered variant instead of a preset (list them with "
+                        f"'{PROG} variants'); not with --preset/--set")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--ir", action="store_true", help="print the IR text instead of PTX")
 
 
 def cmd_ptx(args: argparse.Namespace) -> int:
-    _check_variant(args.parser, "--variant", args.variant)
-    _write(_variant_text(args.variant, args.arch, args.ir), args.output)
+    if args.variant is not None:
+        if args.preset is not None or args.sets:
+            args.parser.error("argument --variant: not allowed with --preset or --set")
+        _check_variant(args.parser, "--variant", args.variant)
+        text = _variant_text(args.variant, args.arch, args.ir)
+    else:
+        import epgen
+        from epgen import goldens
+
+        cfg, _ = _config(args)
+        text = (goldens.print_ir(epgen.build_module(cfg)) if args.ir
+                else epgen.emit_ptx(cfg, arch=args.arch))
+    _write(text, args.output)
     return 0
+
+
+def args_inspect(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from epgen import inspection
+
+    cfg, overrides = _config(args)
+    report = inspection.inspect_config(cfg, arch=args.arch, preset=args.preset or DEFAULT_PRESET,
+                                       overrides=overrides)
+    text = (json.dumps(report, indent=2) + "\n" if args.json
+            else inspection.format_text(report))
+    _write(text, args.output)
+    return 1 if report["ptxas"] and report["ptxas"]["error"] else 0
 
 
 def _no_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,9 +210,10 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "ptx": Command("print the PTX (or IR text) of a variant; the main job", args_ptx, cmd_ptx),
+    "ptx": Command("print the PTX (or IR text) of both dispatch kernels of a preset; the main "
+                   "job", args_ptx, cmd_ptx),
     "inspect": Command("show a configuration: parameters, layout, roles, barriers, atomics, "
-                       "ptxas resources", _no_arguments, _not_implemented),
+                       "ptxas resources", args_inspect, cmd_inspect),
     "variants": Command("list the registered variants", _no_arguments, cmd_variants),
     "diff": Command("unified diff of two variants' PTX (exit 1 when they differ)",
                     args_diff, cmd_diff),

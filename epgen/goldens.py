@@ -7,10 +7,10 @@ A builder registers itself with the ``golden`` decorator::
     def copy16_module() -> ir.Module:
         return ir.Module("copy16", (build_copy16(),))
 
-``load_all()`` imports the modules that register variants (the demo kernels for now), so the
-registry is complete; ``golden_outputs(name)`` builds a variant and returns its IR text and its
-PTX. The golden tests (``tests/test_golden.py``) and the CLI (``epgen ptx --variant NAME``,
-``epgen variants``) read the registry through these functions.
+``load_all()`` imports the modules that register variants (the demo kernels, the EP kernels
+of some presets), so the registry is complete; ``golden_outputs(name)`` builds a variant and
+returns its IR text and its PTX. The golden tests (``tests/test_golden.py``) and the CLI
+(``epgen ptx --variant NAME``, ``epgen variants``) read the registry through these functions.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ GOLDENS: dict[str, Callable[[], ir.Module]] = {}
 """Registered variants: ``"<kernel_dir>/<variant>"`` -> a function building its module."""
 
 # Modules whose import registers variants; load_all() imports those that exist.
-_REGISTERING_MODULES = ("epgen.demos",)
+_REGISTERING_MODULES = ("epgen.demos", "epgen.ep_goldens")
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_\-]*/[a-z0-9][a-z0-9_\-]*")
 

@@ -1,16 +1,19 @@
-"""The ``epgen`` command line: help, subcommand table, ``ptx``, ``variants``, ``diff``, errors."""
+"""The ``epgen`` command line: help, subcommand table, ``ptx``, ``inspect``, ``variants``,
+``diff``, errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+import epgen
 import golden_util
 import ir
-from epgen import cli, goldens
+from epgen import cli, goldens, presets
 from ir import Scope, Sem
 from ir import types as T
 
@@ -96,9 +99,9 @@ def test_variants_lists_registered_names(capsys, tiny_variants):
     assert set(tiny_variants) <= set(listed)
 
 
-def test_default_variant_is_registered():
-    golden_util.import_or_skip_unwritten("epgen.demos")
-    assert cli.DEFAULT_VARIANT in goldens.names()
+def test_default_preset_exists_and_has_a_golden():
+    assert cli.DEFAULT_PRESET in presets.preset_names()
+    assert f"ep/{cli.DEFAULT_PRESET}" in goldens.names()
 
 
 def test_ptx_prints_an_entry(capsys, tiny_variants):
@@ -118,12 +121,71 @@ def test_ptx_arch(capsys, tiny_variants, arch):
     assert f".target {arch}" in out
 
 
-def test_ptx_default_variant(capsys):
+def test_ptx_without_arguments_is_the_default_preset(capsys):
     _needs_backend()
-    golden_util.import_or_skip_unwritten("epgen.demos")
     status, out, err = run_cli(capsys, "ptx")
     assert status == 0, err
-    assert ".entry" in out
+    assert ".entry ep_dispatch_async(" in out
+    assert ".entry ep_dispatch_wait(" in out
+    assert ".target sm_90" in out
+    assert out == epgen.emit_ptx(presets.load_preset("default"), arch="sm_90")
+
+
+def test_ptx_preset_set_and_arch(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "n_sms=20",
+                               "--arch", "sm_80")
+    assert status == 0, err
+    assert ".target sm_80" in out
+    assert ".entry ep_dispatch_async(" in out and ".entry ep_dispatch_wait(" in out
+    cfg = presets.load_preset("small").replace(n_sms=20)
+    assert out == epgen.emit_ptx(cfg, arch="sm_80")
+
+
+def test_ptx_set_flag_and_format(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "format=bf16",
+                               "--set", "hid_dim=512", "--set", "top_k=2",
+                               "--set", "fused_shared_expert=false", "--set", "timeout_ns=0")
+    assert status == 0, err
+    assert ".entry ep_dispatch_async(" in out
+
+
+@pytest.mark.parametrize("option", [["--preset", "small"], ["--set", "n_sms=20"]])
+def test_variant_excludes_preset_and_set(capsys, option):
+    status, out, err = run_cli(capsys, "ptx", "--variant", "demo/copy16", *option)
+    assert status == 2 and out == ""
+    assert "--variant" in err and "not allowed with --preset or --set" in err
+
+
+def test_ptx_ir_text_of_a_preset(capsys):
+    status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--ir")
+    assert status == 0, err
+    assert out.startswith("module ep_dispatch {")
+    assert "kernel ep_dispatch_async " in out and "kernel ep_dispatch_wait " in out
+    assert ".entry" not in out
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--set", "n_ranks=3"], ["n_experts", "n_ranks"]),
+    (["--set", "bogus=1"], ["bogus", "unknown parameter"]),
+    (["--set", "n_sms=many"], ["n_sms", "must be an integer"]),
+    (["--set", "use_shmem=maybe"], ["use_shmem"]),
+    (["--set", "num_threads=100"], ["num_threads", "warp size"]),
+    (["--set", "format=NOPE"], ["format", "NOPE", "BF16"]),
+    (["--set", "hid_dim=100"], ["hid_dim"]),
+    (["--set", "p2p_world_size=4"], ["p2p_world_size", "SHMEM"]),
+    (["--set", "n_sms"], ["--set", "KEY=VALUE"]),
+    (["--preset", "defalt"], ["--preset", "did you mean 'default'"]),
+])
+@pytest.mark.parametrize("command", ["ptx", "inspect"])
+def test_bad_configuration_is_a_usage_error(capsys, command, argv, names):
+    status, out, err = run_cli(capsys, command, *argv)
+    assert status == 2, err
+    assert out == "" and "Traceback" not in err
+    assert f"usage: epgen {command}" in err
+    for name in names:
+        assert name in err, err
 
 
 def test_ptx_to_file(capsys, tiny_variants, tmp_path):
@@ -185,7 +247,7 @@ def test_diff_unknown_variant(capsys, tiny_variants):
     assert "test/nope" in err
 
 
-@pytest.mark.parametrize("command", ["inspect", "run", "bench"])
+@pytest.mark.parametrize("command", ["run", "bench"])
 def test_unimplemented_commands_say_so(capsys, command):
     status, out, err = run_cli(capsys, command)
     assert status == 2
@@ -200,3 +262,93 @@ def test_command_errors_have_no_traceback(capsys, monkeypatch):
     status, _, err = run_cli(capsys, "ptx", "--variant", "test/broken")
     assert status == 1
     assert err == "epgen: error: bad configuration: n_ranks must be a power of two\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_default(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "inspect")
+    assert status == 0, err
+    cfg = presets.load_preset("default")
+    lines = out.splitlines()
+    assert lines[0] == "preset default, arch sm_90"
+    for name in cfg.layout.members():
+        assert any(line.split()[:1] == [name] or line.strip().startswith(name + ".")
+                   for line in lines), f"layout member {name} missing"
+    for name in cfg.layout.counter_regions():
+        assert any(line.split()[:1] == [name] for line in lines), f"region {name} missing"
+    module = epgen.build_module(cfg)
+    for kernel in module.kernels:
+        assert f"kernel {kernel.name}: grid 132 blocks x 1024 threads (32 warps)" in out
+        for role in kernel.roles:
+            assert any(line.split()[:1] == [role.name] and "[0, 32)" in line for line in lines), \
+                f"role {role.name} of {kernel.name} missing"
+    assert "    monitor  [0, 8)    [0, 1024)  [0, 32)" in out
+    assert "    aux   [131, 132)  [0, 1024)  [0, 32)" in out
+    assert out.count("  named barriers") == 2
+    assert any(line.split()[:4] == ["comm", "cta", "0", "1024"] for line in lines)
+    scope_headers = [i for i, line in enumerate(lines) if line.split() == ["cta", "cluster",
+                                                                          "gpu", "sys"]]
+    assert len(scope_headers) == 2
+    for i in scope_headers:
+        assert [lines[i + j].split()[0] for j in (1, 2, 3)] == ["atomics", "releases",
+                                                                "acquires"]
+    # dispatch_async publishes each count with one st.release.sys
+    async_releases = lines[scope_headers[0] + 2].split()
+    assert async_releases[4] != "0", lines[scope_headers[0] + 2]
+    assert "st.release.sys.global.b64" in out
+
+
+def test_inspect_json(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--set", "n_sms=12",
+                               "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    cfg = presets.load_preset("small").replace(n_sms=12)
+    assert report["preset"] == "small" and report["overrides"] == {"n_sms": 12}
+    assert report["parameters"] == json.loads(json.dumps(cfg.describe()))
+    assert set(report["layout"]) == set(cfg.layout.members())
+    assert report["sizes"] == json.loads(json.dumps(cfg.layout.sizes()))
+    assert [r["name"] for r in report["counter_regions"]] == list(cfg.layout.counter_regions())
+    kernels = {k["name"]: k for k in report["kernels"]}
+    assert set(kernels) == {"ep_dispatch_async", "ep_dispatch_wait"}
+    n_sig = cfg.layout.n_signal_sms
+    roles = {r["name"]: r for r in kernels["ep_dispatch_async"]["roles"]}
+    assert roles["monitor"]["blocks"] == [0, n_sig] and roles["comm"]["blocks"] == [n_sig, 12]
+    assert roles["comm"]["warps"] == [0, cfg.num_threads // 32]
+    roles = {r["name"]: r for r in kernels["ep_dispatch_wait"]["roles"]}
+    assert roles["copy"]["blocks"] == [0, 11] and roles["aux"]["blocks"] == [11, 12]
+    assert kernels["ep_dispatch_async"]["by_scope"]["releases"]["sys"] >= 1
+    assert kernels["ep_dispatch_wait"]["by_scope"]["acquires"]["sys"] >= 1
+    ops = {o["instruction"]: o for o in kernels["ep_dispatch_async"]["ordered_ops"]}
+    assert ops["st.release.sys.global.b64"]["roles"] == ["monitor"]
+    assert all(o["ptx"] >= o["ir"] for k in kernels.values() for o in k["ordered_ops"])
+    if report["ptxas"]["found"]:
+        assert report["ptxas"]["error"] is None
+        assert all(k["ptxas"]["registers"] > 0 for k in kernels.values())
+
+
+def test_inspect_ptxas_resources_or_not_found(capsys, monkeypatch):
+    _needs_backend()
+    from backends import nvptx
+
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small")
+    assert status == 0, err
+    if nvptx.find_ptxas() is not None:
+        assert out.count("  ptxas (sm_90): registers ") == 2
+    monkeypatch.setattr(nvptx, "find_ptxas", lambda: None)
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small")
+    assert status == 0, err
+    assert "ptxas: not found" in out and "registers" not in out
+
+
+def test_inspect_to_file(capsys, tmp_path):
+    _needs_backend()
+    path = tmp_path / "report.json"
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--json", "-o", str(path))
+    assert (status, out) == (0, ""), err
+    assert json.loads(path.read_text())["preset"] == "small"

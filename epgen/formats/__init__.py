@@ -1,6 +1,9 @@
-"""Token formats: how one token is serialized for dispatch (protocol section 3)."""
+"""Token formats: how one token is serialized for dispatch (protocol section 3), and the
+registry of formats by name (``format = "BF16"`` in presets and ``epgen --set``)."""
 
 from .base import VECTOR_BYTES, TokenFormat, align_up
 from .bf16 import BF16Format, bf16_bits
+from .registry import FORMATS, format_class, format_names, make_format, register_format
 
-__all__ = ["TokenFormat", "BF16Format", "align_up", "bf16_bits", "VECTOR_BYTES"]
+__all__ = ["TokenFormat", "BF16Format", "align_up", "bf16_bits", "VECTOR_BYTES", "FORMATS",
+           "format_class", "format_names", "make_format", "register_format"]

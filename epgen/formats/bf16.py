@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 
 from .base import VECTOR_BYTES, TokenFormat, align_up
+from .registry import register_format
 
 
 def bf16_bits(tokens) -> np.ndarray:
@@ -25,6 +26,7 @@ def bf16_bits(tokens) -> np.ndarray:
                      f"got dtype {arr.dtype}")
 
 
+@register_format
 @attrs.frozen
 class BF16Format(TokenFormat):
     """Unquantized bfloat16 tokens. ``BF16Format(hid_dim, top_k, alignment=16)``."""

@@ -1,0 +1,24 @@
+"""Golden variants of the EP dispatch kernels: ``ep/<preset>`` is the module of both entry
+points (``ep_dispatch_async``, ``ep_dispatch_wait``) of that preset, pinned in
+``golden/ep/<preset>.{ir,ptx}``. ``epgen ptx`` with no arguments prints ``ep/default``'s PTX.
+"""
+
+from __future__ import annotations
+
+from .goldens import golden
+
+GOLDEN_PRESETS = ("default", "small")
+
+
+def _register(preset: str) -> None:
+    def build():
+        from .kernels import build_module
+        from .presets import load_preset
+        return build_module(load_preset(preset))
+
+    build.__qualname__ = f"ep_{preset}_module"
+    golden(f"ep/{preset}")(build)
+
+
+for _preset in GOLDEN_PRESETS:
+    _register(_preset)
