@@ -198,6 +198,52 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if diff else 0
 
 
+def args_run(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--tokens", type=int, metavar="T",
+                   help="tokens per rank (default: max_tokens_per_rank)")
+    p.add_argument("--calls", type=int, default=3, metavar="N",
+                   help="dispatch round trips, fresh random inputs each (default: 3)")
+    p.add_argument("--seed", type=int, help="random seed (default: fresh)")
+    p.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run ``cfg``'s kernels on an ``EmulatedWorld`` and compare with the numpy reference."""
+    import os
+    import time
+
+    import numpy as np
+
+    from epgen import reference, routing
+    from epgen.runtime.world import EmulatedWorld
+
+    cfg, _ = _config(args)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
+    if not 0 <= tokens <= cfg.max_tokens_per_rank:
+        args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
+                          f"{cfg.max_tokens_per_rank}], got {tokens}")
+    rng = np.random.default_rng(seed)
+    weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" else None
+    world = EmulatedWorld(cfg, arch=args.arch)
+    print(f"{cfg.n_ranks} emulated ranks, {tokens} tokens/rank, seed {seed}")
+    for call in range(args.calls):
+        toks, ids = routing.routing(rng, cfg, tokens, weights)
+        t0 = time.perf_counter()
+        got = world.dispatch(toks, ids)
+        dt = time.perf_counter() - t0
+        diffs = [d for x, a in zip(reference.dispatch(cfg, toks, ids), got)
+                 for d in reference.compare(cfg, x, a)]
+        rows = sum(int(r.row_offsets[-1]) for r in got)
+        print(f"call {call}: {rows} rows received, {dt * 1e3:.1f} ms (host round trip), "
+              f"{'matches the reference' if not diffs else 'MISMATCH'}")
+        if diffs:
+            print("\n".join("  " + d for d in diffs[:10]))
+            raise CommandError(f"results differ from the reference (seed {seed})")
+    return 0
+
+
 def _not_implemented(args: argparse.Namespace) -> int:
     print(f"{PROG} {args.command}: not implemented yet", file=sys.stderr)
     return 2
@@ -217,8 +263,8 @@ COMMANDS: dict[str, Command] = {
     "variants": Command("list the registered variants", _no_arguments, cmd_variants),
     "diff": Command("unified diff of two variants' PTX (exit 1 when they differ)",
                     args_diff, cmd_diff),
-    "run": Command("run the kernels on the GPU and check them against the reference",
-                   _no_arguments, _not_implemented),
+    "run": Command("run the kernels on the GPU (emulated ranks) and check them against the "
+                   "reference", args_run, cmd_run),
     "bench": Command("benchmark the kernels on the GPU", _no_arguments, _not_implemented),
 }
 
@@ -254,10 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        from backends.cuda.errors import CudaError
         from epgen.goldens import GoldenError
 
-        if os.environ.get("EPGEN_TRACEBACK") or not isinstance(e, (CommandError, GoldenError,
-                                                                   ValueError)):
+        if os.environ.get("EPGEN_TRACEBACK") or not isinstance(
+                e, (CommandError, GoldenError, ValueError, CudaError, RuntimeError)):
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1

@@ -247,11 +247,26 @@ def test_diff_unknown_variant(capsys, tiny_variants):
     assert "test/nope" in err
 
 
-@pytest.mark.parametrize("command", ["run", "bench"])
-def test_unimplemented_commands_say_so(capsys, command):
-    status, out, err = run_cli(capsys, command)
+def test_unimplemented_commands_say_so(capsys):
+    status, out, err = run_cli(capsys, "bench")
     assert status == 2
     assert "not implemented yet" in err and out == ""
+
+
+def test_run_without_gpu_is_a_clear_error(capsys):
+    from backends import cuda
+    if cuda.gpu_available():
+        pytest.skip("a GPU is present")
+    status, out, err = run_cli(capsys, "run", "--preset", "small")
+    assert status == 1
+    assert err.startswith("epgen: error:") and "GPU" in err
+
+
+def test_run_rejects_bad_token_count(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--preset", "small", "--tokens", "33"])
+    assert info.value.code == 2
+    assert "--tokens" in capsys.readouterr().err
 
 
 def test_command_errors_have_no_traceback(capsys, monkeypatch):

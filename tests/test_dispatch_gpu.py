@@ -118,3 +118,9 @@ def test_recv_block_capacity(seed):
     rng = np.random.default_rng(seed)
     toks, ids = routing.routing(rng, cfg, 512)
     run_and_compare(cfg, toks, ids, seed)
+
+
+def test_cli_run_small_preset(capsys, seed):
+    from epgen import cli
+    assert cli.main(["run", "--preset", "small", "--calls", "2", "--seed", str(seed)]) == 0
+    assert capsys.readouterr().out.count("matches the reference") == 2
