@@ -63,20 +63,21 @@ def main(argv=None):
         import ir
         from epgen.demos import build_copy16
         from epgen.runtime.program import Program
-        for threads in (256, 512, 1024):
-            for lif in (2, 4, 8):
-                prog = Program(ir.Module("copy16", (build_copy16(threads, lif),)))
-                for bps in (1, 2, 4, 8):
-                    if threads * bps > 2048:
-                        continue
-                    blk = bps * cuda.sm_count()
-                    args_ = {"dst": dst, "src": src, "n_vec": n // 16}
-                    ms = time_ms(stream, lambda: prog.launch("copy16", blk, args_, stream),
-                                 args.iters)
-                    sweep.append({"threads": threads, "loads_in_flight": lif,
-                                  "blocks_per_sm": bps, "ms": ms, "fraction": ms_cp / ms})
-                    print(f"sweep threads={threads:4d} lif={lif} blocks/SM={bps}: "
-                          f"{ms:.4f} ms {gbs(ms):7.1f} GB/s {ms_cp / ms:.3f} of cupy")
+        combos = [(t, lif, bps, cache) for t in (512, 1024) for lif in (4, 8)
+                  for bps in (1, 2, 4) for cache in (ir.CacheHint.NC, ir.CacheHint.NC_L2_256)
+                  if t * bps <= 2048]
+        progs = {}
+        for threads, lif, bps, cache in combos:
+            key = (threads, lif, cache)
+            if key not in progs:
+                progs[key] = Program(ir.Module("copy16", (build_copy16(threads, lif, cache),)))
+            prog, blk = progs[key], bps * cuda.sm_count()
+            args_ = {"dst": dst, "src": src, "n_vec": n // 16}
+            ms = time_ms(stream, lambda: prog.launch("copy16", blk, args_, stream), args.iters)
+            sweep.append({"threads": threads, "loads_in_flight": lif, "cache": cache.value,
+                          "blocks_per_sm": bps, "ms": ms, "fraction": ms_cp / ms})
+            print(f"sweep threads={threads:4d} lif={lif} blocks/SM={bps} {cache.value:12s}: "
+                  f"{ms:.4f} ms {gbs(ms):7.1f} GB/s {ms_cp / ms:.3f} of cupy")
     res = {"bytes": n, "copy16_ms": ms_ir, "cupy_ms": ms_cp, "copy16_GBps": gbs(ms_ir),
            "cupy_GBps": gbs(ms_cp), "fraction": ms_cp / ms_ir, "sweep": sweep}
     print(f"{'kernel':<10} {'median ms':>10} {'GB/s':>9}")

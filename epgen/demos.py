@@ -23,7 +23,8 @@ from .goldens import golden
 V16 = T.vec(T.u32, 4)
 
 
-def build_copy16(block_threads: int = 512, loads_in_flight: int = 4) -> ir.Kernel:
+def build_copy16(block_threads: int = 512, loads_in_flight: int = 4,
+                 cache: CacheHint = CacheHint.NC) -> ir.Kernel:
     """``dst[i] = src[i]`` over ``n_vec`` 16-byte vectors. Blocks take tiles of
     ``block_threads * loads_in_flight`` consecutive vectors (grid-strided); each thread issues
     its ``loads_in_flight`` ``ld.global.nc.v4`` loads (one per warp-contiguous row of the tile)
@@ -37,13 +38,13 @@ def build_copy16(block_threads: int = 512, loads_in_flight: int = 4) -> ir.Kerne
         n_tiles = r.let("n_tiles", n_vec // tile)
         with r.for_range("t", r.block.cast(T.u64), n_tiles, r.n_blocks.cast(T.u64), T.u64) as t:
             base = r.let("base", t * tile + r.tid.cast(T.u64))
-            vals = [r.load(src + (base + u * block_threads) * 16, V16, cache=CacheHint.NC,
+            vals = [r.load(src + (base + u * block_threads) * 16, V16, cache=cache,
                            name=f"v{u}") for u in range(loads_in_flight)]
             for u, v in enumerate(vals):
                 r.store(dst + (base + u * block_threads) * 16, v)
         with r.for_range("i", n_tiles * tile + r.global_thread_id(T.u64), n_vec,
                          r.grid_threads(T.u64), T.u64) as i:
-            r.store(dst + i * 16, r.load(src + i * 16, V16, cache=CacheHint.NC, name="tail"))
+            r.store(dst + i * 16, r.load(src + i * 16, V16, cache=cache, name="tail"))
     return kb.build()
 
 

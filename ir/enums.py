@@ -159,7 +159,9 @@ class ReduxOp(enum.Enum):
 
 
 class CacheHint(enum.Enum):
-    """Load hints: ``nc`` = read-only / invariant data (``ld.global.nc``)."""
+    """Load hints: ``nc`` = read-only / invariant data (``ld.global.nc``); ``nc.L2::256B``
+    also asks L2 to prefetch the surrounding 256 bytes (streaming reads)."""
 
     NONE = "none"
     NC = "nc"
+    NC_L2_256 = "nc.L2::256B"

@@ -31,7 +31,7 @@ _TOKEN = re.compile(r"""
     (?P<ws>\s+)
   | (?P<str>"(?:[^"\\]|\\.)*")
   | (?P<num>-?(?:0[xX][0-9a-fA-F]+|\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|inf\b|nan\b))
-  | (?P<id>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)
+  | (?P<id>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+(?:::[A-Za-z0-9_]+)?)*)
   | (?P<punct>[()\[\]{},=:%$@&])
 """, re.VERBOSE)
 
@@ -394,7 +394,11 @@ class _Parser:
 
     def s_ld(self, dst, q, op):
         self.need_dst(dst, op)
-        qs = self.mem_quals(q, op, {"nc": ("cache", CacheHint.NC)})
+        qs = self.mem_quals(q, op, {"nc": ("cache", CacheHint.NC), "L2::256B": ("l2", True)})
+        if qs.pop("l2", False):
+            if qs.get("cache") is not CacheHint.NC:
+                self.line.fail(f".L2::256B needs .nc in {op}")
+            qs["cache"] = CacheHint.NC_L2_256
         addr = self.address(qs, op)
         return N.Load(dst, addr, qs.get("sem", Sem.WEAK), qs.get("scope"),
                       qs.get("cache", CacheHint.NONE))

@@ -186,7 +186,7 @@ class Printer:
             case N.Assign():
                 return f"{self.var(s.dst)} = {x(s.value)}"
             case N.Load():
-                nc = "nc" if s.cache is CacheHint.NC else None
+                nc = None if s.cache is CacheHint.NONE else s.cache.value
                 sem = None if s.sem is Sem.WEAK else s.sem.value
                 op = "ld" + quals(sem, _val(s.scope), space_of(s.addr), nc)
                 return f"{self.var(s.dst)} = {op} [{x(s.addr)}]"

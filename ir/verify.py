@@ -310,7 +310,7 @@ class _RoleChecker:
         self.pointer(s, s.addr, "load")
         self.ordering(s, "load", s.sem, s.scope, s.addr)
         self.access(s, "load", s.dst.dtype)
-        if s.cache is CacheHint.NC:
+        if s.cache is not CacheHint.NONE:
             t = _type(s.addr)
             if s.sem is not Sem.WEAK or (isinstance(t, PtrType) and t.space is not Space.GLOBAL):
                 self.add(s, "ld.global.nc needs a weak load through a global pointer")

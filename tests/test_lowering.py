@@ -603,3 +603,22 @@ def test_bad_arch_raises(arch):
 def test_bad_ptx_version_raises():
     with pytest.raises(ValueError, match="ptx=91"):
         Target("sm_90", ptx=91)
+
+
+def test_load_with_l2_prefetch_hint_emits_exact_line():
+    import ir as _ir
+    from ir import types as _T
+    from backends.nvptx import emit_ptx as _emit
+    kb = _ir.KernelBuilder("l2hint", 128)
+    a, b = kb.param("a", _T.ptr_global), kb.param("b", _T.ptr_global)
+    with kb.role("r") as r:
+        v = r.load(a, _T.vec(_T.u32, 4), cache=_ir.CacheHint.NC_L2_256)
+        w = r.load(a + 64, _T.u64, cache=_ir.CacheHint.NC_L2_256)
+        r.store(b, v)
+        r.store(b + 64, w)
+    k = kb.build()
+    _ir.verify(k)
+    assert _ir.parse_kernel(_ir.print_kernel(k)) == k
+    lines = [ln.strip() for ln in _emit(k).splitlines()]
+    assert any(ln.startswith("ld.global.nc.L2::256B.v4.b32 {") for ln in lines)
+    assert any(ln.startswith("ld.global.nc.L2::256B.b64 ") for ln in lines)

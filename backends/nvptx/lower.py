@@ -23,6 +23,7 @@ from ir.types import PtrType, VecType
 
 from . import atomics, spin_wait
 from .errors import LoweringError
+from .inline_asm import constraint
 from .inline_asm import inline_ptx
 from .intrinsics import I1, I32, I64, SREGS, VOID, call, type_suffix
 from .target import TRIPLE, Target
@@ -492,8 +493,10 @@ def load(cx, addr: N.Expr, dtype: T.Type, sem: Sem, scope: Scope | None,
     ptr, space = _address(cx, addr, what)
     _check_memory_type(dtype, sem, what)
     ty = llvm_type(dtype)
-    if cache is CacheHint.NC and sem is not Sem.WEAK:
+    if cache is not CacheHint.NONE and sem is not Sem.WEAK:
         raise LoweringError(f"{what}: the nc hint needs a weak load, not {sem.value}")
+    if cache is CacheHint.NC_L2_256:
+        return _load_nc_l2_prefetch(cx, ptr, dtype, name)
     if sem is Sem.WEAK:
         ld = cx.b.load(ptr, name=name, align=dtype.nbytes, typ=ty)
         if cache is CacheHint.NC:
@@ -505,6 +508,28 @@ def load(cx, addr: N.Expr, dtype: T.Type, sem: Sem, scope: Scope | None,
     if sem in (Sem.RELAXED, Sem.ACQUIRE):
         return cx.b.load_atomic(ptr, cx.ordering(sem, scope), dtype.nbytes, name=name, typ=ty)
     raise LoweringError(f"{what}: sem {sem.value} is not a load semantics")
+
+
+def _load_nc_l2_prefetch(cx, ptr, dtype: T.Type, name: str) -> L.Value:
+    """``ld.global.nc.L2::256B{.v2,.v4}.b<n>`` (inline PTX: LLVM has no L2 prefetch-size
+    hint); read-only data, so no side effect and no memory clobber."""
+    elem = dtype.elem if isinstance(dtype, VecType) else dtype
+    n = dtype.n if isinstance(dtype, VecType) else 1
+    ety = llvm_type(elem)
+    outs = ", ".join(f"${i}" for i in range(n))
+    vec = f".v{n}" if n > 1 else ""
+    template = (f"ld.global.nc.L2::256B{vec}.b{elem.bits} " + (f"{{{outs}}}" if n > 1 else "$0")
+                + f", [${n}];")
+    ret = L.LiteralStructType([ety] * n) if n > 1 else ety
+    cons = ",".join([f"={constraint(ety)}"] * n + ["l"])
+    val = cx.b.asm(L.FunctionType(ret, [ptr.type]), template, cons, [ptr], side_effect=False,
+                   name=name)
+    if n == 1:
+        return val
+    out = L.Constant(llvm_type(dtype), None)
+    for i in range(n):
+        out = cx.b.insert_element(out, cx.b.extract_value(val, i), L.Constant(L.IntType(32), i))
+    return out
 
 
 def store(cx, addr: N.Expr, value: N.Expr, sem: Sem, scope: Scope | None) -> None:
