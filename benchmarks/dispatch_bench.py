@@ -504,7 +504,11 @@ def format_table(rows) -> str:
 
 
 def git_commit(repo: str = REPO_ROOT) -> tuple[str, bool | None]:
-    """(``git rev-parse --short HEAD`` or "unknown", whether the tree has changes or None)."""
+    """(``git rev-parse --short HEAD`` or "unknown", whether the tree has changes or None).
+    Where the tree is a copy without ``.git`` (the device machine), ``$EPGEN_COMMIT`` names
+    the commit it was copied from."""
+    if os.environ.get("EPGEN_COMMIT"):
+        return os.environ["EPGEN_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, text=True,
                               capture_output=True, timeout=10)
