@@ -11,7 +11,7 @@ import ir
 from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode
 from ir import types as T
 
-from .common import copy_vectors, load_pointer
+from .common import comm_sync, copy_vectors, load_pointer
 from .common import word as _word
 
 KERNEL_NAME = "ep_dispatch_async"
@@ -84,10 +84,11 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             r.store(_word(finished, counter_offset), 0)
 
 
-def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int):
+def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
+                         comm_barrier_id: int = -1):
     """Comm blocks: block-strided over tokens. All threads stage token ``t`` (payload by the
     format, then the header: source index and top-k ids) in send-buffer row ``t``, join
-    (``bar.sync 0``), then warp ``k`` (strided) reserves a slot on destination expert
+    (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
     ``topk_ids[t, k]`` (``atom.relaxed.gpu.add``), copies the message to the destination's
     receive buffer with 16-byte stores, and counts the copy finished with
     ``red.release.gpu.add``."""
@@ -105,7 +106,7 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
             r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), gid.cast(T.u16))
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
-        send_join(r, cfg)
+        send_join(r, cfg, comm_barrier_id)
         with r.for_range("k", r.warp, K, lay.n_warps) as k:
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
@@ -131,9 +132,10 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
-def send_join(r: ir.RoleBuilder, cfg):
-    """The CTA-wide join between staging a token and fanning it out: ``bar.sync 0``."""
-    r.syncthreads()
+def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
+    """The join between staging a token and fanning it out: the comm barrier
+    (``bar.sync 0`` in the standalone kernel)."""
+    comm_sync(r, comm_barrier_id)
 
 
 def build_dispatch_async(cfg) -> ir.Kernel:

@@ -11,7 +11,8 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
-from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, exit_if_aborted,
+from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
+                     exit_if_aborted,
                      lowest_set_bit)
 from .common import word as _word
 
@@ -51,7 +52,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
 
 
 def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
-                                          p: WaitParams):
+                                          p: WaitParams, comm_barrier_id: int = -1):
     """Aux block. Thread ``w < E`` waits (bounded, ``ld.acquire.sys``) until receive-count word
     ``w = e*R + src`` is published; a block-wide inclusive scan of the counts gives
     ``row_offsets`` (expert-major, source-major inside an expert), the within-expert rank
@@ -74,15 +75,15 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
                            buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
                            scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
         r.assign(c, seen.cast(T.u32))
-    r.syncthreads()
+    comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, p.err_buf)
-    incl = block_inclusive_scan(r, c, totals, lay.n_warps, "incl")
+    incl = block_inclusive_scan(r, c, totals, r.n_threads // 32, "incl", comm_barrier_id)
     e = r.let("e", tid // R)
     with r.if_(tid < E):
         r.store(_word(S, tid), incl)
         with r.if_((tid % R).eq(R - 1)):
             r.store(_word(p.row_offsets, e + 1), incl)
-    r.syncthreads()
+    comm_sync(r, comm_barrier_id)
     cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L)
     raw_start = r.var("raw_start", T.u32, 0)
     with r.if_(tid < E):
@@ -91,7 +92,7 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(ctr, lay.rank_prefix_offset + tid), incl - raw_start)
     with r.if_(tid < L):
         r.store(_word(ctr, lay.work_counter_offset + tid), 0)
-    r.syncthreads()
+    comm_sync(r, comm_barrier_id)
     with r.if_(tid.eq(0)):
         r.store(_word(ctr, lay.cleanup_counter_offset), r.n_blocks - 1)
         r.store(_word(ctr, lay.ready_flag_offset), DATA_READY_FLAG, Sem.RELEASE, Scope.GPU)
@@ -105,7 +106,8 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
 
 
-def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p: WaitParams):
+def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p: WaitParams,
+                                   comm_barrier_id: int = -1):
     """Comm blocks: block ``b`` serves local expert ``b % L``. Thread 0 waits (bounded,
     ``ld.acquire.gpu``) for the ready flag, then claims tiles of 128 of the expert's tokens
     (``atom.acquire.gpu.add`` on its tile counter). Warp ``w`` copies tile tokens ``w, w +
@@ -125,7 +127,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
         r.spin_wait(_word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
                     buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
                     scope=Scope.GPU, backoff_ns=32)
-    r.syncthreads()
+    comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, p.err_buf)
     with r.if_(r.tid.eq(0)):
         r.store(vals, r.load(_word(p.row_offsets, e), T.u32, name="expert_start"))
@@ -134,7 +136,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     with r.if_(r.tid < R):
         r.store(_word(prefix, r.tid),
                 r.load(_word(ctr, lay.rank_prefix_offset + e * R + r.tid), T.u32, name="pfx"))
-    r.syncthreads()
+    comm_sync(r, comm_barrier_id)
     start = r.let("start", r.load(vals, T.u32, name="start_ld"))
     tile = r.let("tile", r.load(vals + 4, T.u32, name="tile_ld"))
     total = r.let("total", r.load(_word(prefix, R - 1), T.u32, name="total_ld"))
@@ -164,11 +166,11 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                     src_idx = r.load(msg + fmt.src_info_offset, T.u32, name="src_idx")
                     r.store(_word(p.src_info, row * 2), src_idx)
                     r.store(_word(p.src_info, row * 2 + 1), r.lane)
-        r.syncthreads()
+        comm_sync(r, comm_barrier_id)
         with r.if_(r.tid.eq(0)):
             r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
                                        Sem.ACQUIRE, Scope.GPU, name="claim"))
-        r.syncthreads()
+        comm_sync(r, comm_barrier_id)
         r.assign(tile, r.load(vals + 4, T.u32, name="tile_next"))
     with r.if_(r.tid.eq(0)):
         old = r.atomic(AtomOp.ADD, _word(ctr, lay.cleanup_counter_offset), 0xFFFFFFFF,
