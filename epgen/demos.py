@@ -23,7 +23,7 @@ from .goldens import golden
 V16 = T.vec(T.u32, 4)
 
 
-def build_copy16(block_threads: int = 512, loads_in_flight: int = 4,
+def build_copy16(block_threads: int = 1024, loads_in_flight: int = 4,
                  cache: CacheHint = CacheHint.NC) -> ir.Kernel:
     """``dst[i] = src[i]`` over ``n_vec`` 16-byte vectors. Blocks take tiles of
     ``block_threads * loads_in_flight`` consecutive vectors (grid-strided); each thread issues
