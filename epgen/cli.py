@@ -4,13 +4,14 @@ Each subcommand is one small function ``cmd_<name>(args) -> exit status`` plus a
 adding its arguments, listed in ``COMMANDS``. Heavy imports (the kernels, llvmlite, cuda) happen
 inside the commands, so ``epgen --help`` stays fast and works even where a backend is broken.
 
-``ptx`` and ``inspect`` work on a configuration: a preset (``epgen/presets/<name>.toml``,
-``default`` unless ``--preset`` names another) with ``--set key=value`` overrides; ``ptx
---variant NAME`` emits a registered golden variant instead (the demos, ``ep/<preset>``).
+``ptx``, ``inspect``, ``run`` and ``bench`` work on a configuration: a preset
+(``epgen/presets/<name>.toml``, ``default`` unless ``--preset`` names another; ``decode`` for
+``bench``) with ``--set key=value`` overrides; ``ptx --variant NAME`` emits a registered golden
+variant instead (the demos, ``ep/<preset>``). ``bench`` is ``epgen.bench``'s benchmark.
 
 Exit status: 0 success; 1 the command ran and failed (``epgen: error: ...``), or ``diff``
-found differences; 2 a usage error (argparse style, naming the bad option) or a command that is
-not implemented yet. Set ``EPGEN_TRACEBACK=1`` to see the traceback behind an ``epgen: error``.
+found differences; 2 a usage error (argparse style, naming the bad option). Set
+``EPGEN_TRACEBACK=1`` to see the traceback behind an ``epgen: error``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def _add_arch(p: argparse.ArgumentParser) -> None:
                    help=f"target GPU architecture (default: {DEFAULT_ARCH})")
 
 
-def _add_config(p: argparse.ArgumentParser) -> None:
+def _add_config(p: argparse.ArgumentParser, default: str = DEFAULT_PRESET) -> None:
     p.add_argument("--preset", metavar="NAME",
-                   help=f"configuration preset (default: {DEFAULT_PRESET}; one of "
+                   help=f"configuration preset (default: {default}; one of "
                         f"epgen/presets/*.toml)")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", dest="sets", default=[],
                    help="override one parameter of the preset (repeatable): any EPConfig "
@@ -51,13 +52,13 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     _add_arch(p)
 
 
-def _config(args: argparse.Namespace):
-    """The ``EPConfig`` of ``--preset`` and ``--set``, and the overrides; a bad name or value
-    is a usage error (exit 2) that names the parameter."""
+def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
+    """The ``EPConfig`` of ``--preset`` (``default`` when not given) and ``--set``, and the
+    overrides; a bad name or value is a usage error (exit 2) that names the parameter."""
     from epgen import presets
     from epgen.config import TransportNotImplementedError
 
-    parser, name = args.parser, args.preset or DEFAULT_PRESET
+    parser, name = args.parser, args.preset or default
     known = presets.preset_names()
     if name not in known:
         close = difflib.get_close_matches(name, known, n=1)
@@ -244,9 +245,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_implemented(args: argparse.Namespace) -> int:
-    print(f"{PROG} {args.command}: not implemented yet", file=sys.stderr)
-    return 2
+BENCH_PRESET = "decode"
+"""The preset ``epgen bench`` uses without ``--preset``: 8 emulated ranks that fit one H200
+(the ``default`` preset's 8 x 132 blocks of 1024 threads do not)."""
+
+
+def args_bench(p: argparse.ArgumentParser) -> None:
+    from epgen.bench import options
+
+    _add_config(p, default=BENCH_PRESET)
+    options.add_arguments(p, tokens_default="the configuration's max_tokens_per_rank")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = f"""\
+examples (on a GPU):
+  {PROG} bench                                    the decode preset, 128 tokens per rank
+  {PROG} bench --tokens 128,4096 --json out.json  decode and prefill shapes
+  {PROG} bench --sweep-tokens 32,...,4096 --plot bw.png
+  {PROG} bench --tokens 128,4096 --variant default \\
+      --variant final=ep_final_layout,ep_prod_reserve
+  {PROG} bench --tokens 4096 --routing zipf
+
+Progress goes to stderr, the report and table to stdout. Exit status 1 when there is no
+GPU, a phase fails or a check fails; 2 for a bad option (before any GPU work)."""
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time the dispatch round trip of a configuration's variants on an ``EmulatedWorld``
+    against a device-to-device copy and the PyTorch baseline (``epgen.bench``)."""
+    from epgen.bench import driver, options
+
+    cfg, _ = _config(args, default=BENCH_PRESET)
+    plan = options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
+                                  arch=args.arch)
+    results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
+    if results["failures"]:
+        raise CommandError("bench: " + "; ".join(results["failures"]))
+    return 0
 
 
 class Command(NamedTuple):
@@ -265,7 +299,10 @@ COMMANDS: dict[str, Command] = {
                     args_diff, cmd_diff),
     "run": Command("run the kernels on the GPU (emulated ranks) and check them against the "
                    "reference", args_run, cmd_run),
-    "bench": Command("benchmark the kernels on the GPU", _no_arguments, _not_implemented),
+    "bench": Command("on a GPU: time the dispatch round trip (dispatch_async, dispatch_wait) "
+                     "of one or more variants on an EmulatedWorld against a device-to-device "
+                     "copy and the PyTorch baseline; table, JSON, PNG plot",
+                     args_bench, cmd_bench),
 }
 
 

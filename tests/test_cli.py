@@ -247,12 +247,6 @@ def test_diff_unknown_variant(capsys, tiny_variants):
     assert "test/nope" in err
 
 
-def test_unimplemented_commands_say_so(capsys):
-    status, out, err = run_cli(capsys, "bench")
-    assert status == 2
-    assert "not implemented yet" in err and out == ""
-
-
 def test_run_without_gpu_is_a_clear_error(capsys):
     from backends import cuda
     if cuda.gpu_available():

@@ -1,0 +1,213 @@
+"""Runs a ``Plan`` on the GPU and assembles the results (plain data: what the report, the JSON
+and the plot read).
+
+Order: the gate, the copy, then per shape: the input sets, the baseline phase, then each
+variant's epgen phase (a world built, checked, timed, checked again, torn down). Phases that
+would not fit in device memory are skipped with a message saying what they need; a phase
+that raises is reported and the run goes on. ``results["failures"]`` lists the errors and
+failed checks (the command exits 1 when there are any).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+from .. import reference
+from . import baseline, inputs, memory, runner
+from .memory import fmt_gb
+from .plan import Plan, shape_name
+from .report import Progress, git_commit, publish
+from .timing import Gate, rate
+from .traffic import baseline_bytes, round_trip_bytes
+
+
+class NoGPUError(RuntimeError):
+    """No usable CUDA GPU here."""
+
+
+def _import_torch():
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"
+    if not torch.cuda.is_available():
+        return None, "torch.cuda.is_available() is False"
+    return torch, None
+
+
+def _fits(plan: Plan, need: int, out: dict, hint: str = "") -> bool:
+    """Whether ``need`` bytes fit in ``plan.mem_fraction`` of the free device memory; if not,
+    ``out["skipped"]`` says why (then ``hint``)."""
+    free, _total = memory.mem_info(plan.device)
+    out["memory"]["free_before"] = free
+    if need <= plan.mem_fraction * free:
+        return True
+    out["skipped"] = (f"needs {fmt_gb(need)} of device memory, more than "
+                      f"{plan.mem_fraction:.0%} of the {fmt_gb(free)} free{hint}")
+    return False
+
+
+def baseline_phase(plan: Plan, T: int, sets, torch, gate, copy_gbps, progress) -> dict:
+    """Time the baseline on ``sets`` and check its grouping of ``plan.check_rank`` against
+    the reference model (which every epgen variant is checked against too)."""
+    cfg = plan.config(T)
+    out = {"name": baseline.NAME, "bytes": baseline_bytes(cfg, T),
+           "memory": {"estimate": memory.baseline_memory(cfg, T, plan.sets)}}
+    if not plan.baseline:
+        out["skipped"] = "--no-baseline"
+    elif torch is None:
+        out["skipped"] = "torch with CUDA is not available"
+    elif _fits(plan, out["memory"]["estimate"], out):
+        try:
+            b = baseline.measure(torch, cfg, sets, plan.iters_for(T), plan.warmup_for(T), gate,
+                                 plan.device, plan.check_rank, progress)
+            want = reference.dispatch(cfg, *sets[0])[plan.check_rank]
+            diffs = baseline.compare_grouping(cfg, want, b["check_result"])
+        except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            progress(f"  baseline FAILED: {out['error']}")
+            return out
+        m = out["round_trip"] = b["round_trip"]
+        m["bytes"] = out["bytes"]
+        m["gbps"], m["fraction_of_copy"] = rate(m["bytes"], m["median_ms"], copy_gbps)
+        out["check"] = "ok" if not diffs else "FAILED: " + "; ".join(diffs[:3])
+        out["check_against"] = f"reference, rank {plan.check_rank}, set 0"
+        progress(f"  baseline: {1e3 * m['median_ms']:.1f} us, check {out['check']}")
+    if "skipped" in out:
+        progress(f"  baseline skipped: {out['skipped']}")
+    return out
+
+
+def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, copy_gbps,
+                  progress) -> dict:
+    """Build, check and time one variant's world on ``sets``."""
+    cfg = plan.config(T, variant, cap)
+    nbytes = round_trip_bytes(cfg, T)
+    wm = memory.world_memory(cfg)
+    full = memory.world_memory(plan.config(T, variant))["total"]
+    staged = memory.staged_inputs_memory(cfg, T, plan.sets)
+    out = {"label": variant.label, "spec": variant.spec, "config": cfg.describe(),
+           "bytes": nbytes,
+           "memory": {"world": wm["total"], "world_per_rank": wm["per_rank"],
+                      "world_full_capacity": full, "epgen_phase": wm["total"] + staged}}
+    progress(f"  memory: {fmt_gb(wm['total'] + staged)} (world {fmt_gb(wm['total'])} at "
+             f"recv_block_capacity={cap}; {fmt_gb(full)} at full capacity)")
+    if cap < need:
+        out["skipped"] = (f"--block-capacity {cap} is smaller than the largest (expert, "
+                          f"source) block of the routings ({need})")
+    elif _fits(plan, out["memory"]["epgen_phase"], out,
+               f" (per rank: recv_buf {fmt_gb(wm['per_rank']['recv_buf'])}, out_tokens "
+               f"{fmt_gb(wm['per_rank']['out_tokens'])}); lower --block-capacity, the Zipf "
+               f"skew (--zipf-s) or the tokens per rank"):
+        try:
+            r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), gate,
+                                     device=plan.device, arch=plan.arch,
+                                     post_check=plan.post_check, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            progress(f"  epgen {variant.label} FAILED: {out['error']}")
+            return out
+        for key, nb in (("round_trip", nbytes["total"]), ("dispatch_async", nbytes["async"]),
+                        ("dispatch_wait", nbytes["wait"])):
+            m = r[key]
+            m["bytes"] = nb
+            m["gbps"], m["fraction_of_copy"] = rate(nb, m["median_ms"], copy_gbps)
+        if copy_gbps:
+            r["round_trip"]["byte_floor_us"] = nbytes["total"] / copy_gbps / 1e3
+        out.update(r)
+        progress(f"  epgen {variant.label}: check {r['check']}, round trip "
+                 f"{1e3 * r['round_trip']['median_ms']:.1f} us")
+    if "skipped" in out:
+        progress(f"  epgen {variant.label} skipped: {out['skipped']}")
+    return out
+
+
+def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
+    """One shape: the input sets and their block capacity, the baseline, every variant, and
+    each variant's speed-up over the baseline."""
+    out = {"shape": shape_name(T), "tokens_per_rank": T, "routing": plan.routing,
+           "zipf_s": plan.zipf_s if plan.routing == "zipf" else None,
+           "iters": plan.iters_for(T), "warmup": plan.warmup_for(T)}
+    progress.step(f"T={T} ({out['shape']}, {plan.routing} routing): {plan.sets} input sets, "
+                  f"baseline")
+    sets = inputs.make_input_sets(plan.config(T), T, plan.sets, plan.routing, plan.zipf_s,
+                                  plan.seed)
+    need, cap = inputs.block_capacity(plan.block_capacity, sets, plan.base.n_experts, T)
+    out["largest_block"], out["recv_block_capacity"] = need, cap
+    out["baseline"] = baseline_phase(plan, T, sets, torch, gate, copy_gbps, progress)
+    out["variants"] = []
+    for v in plan.variants:
+        progress.step(f"T={T}: epgen {v.label}")
+        r = variant_phase(plan, T, v, sets, need, cap, gate, copy_gbps, progress)
+        if "round_trip" in r and "round_trip" in out["baseline"]:
+            r["speedup_vs_baseline"] = (out["baseline"]["round_trip"]["median_ms"]
+                                        / r["round_trip"]["median_ms"])
+        out["variants"].append(r)
+    return out
+
+
+def failures(results) -> list[str]:
+    """Errors and failed checks of a run, one line each (skipped phases are not failures)."""
+    out = []
+    for s in results["shapes"]:
+        b = s["baseline"]
+        if "error" in b or b.get("check", "ok") != "ok":
+            out.append(f"T={s['tokens_per_rank']} baseline: {b.get('error') or b['check']}")
+        out += [f"T={s['tokens_per_rank']} epgen {v['label']}: {v['error']}"
+                for v in s["variants"] if "error" in v]
+    return out
+
+
+def run(plan: Plan, progress: Progress) -> dict:
+    """Run every shape and variant of ``plan``; ``NoGPUError`` without a usable GPU."""
+    from backends import cuda
+    if not cuda.gpu_available():
+        raise NoGPUError("no usable CUDA GPU here (backends.cuda.gpu_available() is False); "
+                         "run the benchmark on a machine with an NVIDIA GPU")
+    dev = cuda.get_device(plan.device)
+    commit, dirty = git_commit()
+    results = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit, "git_dirty": dirty, "command": sys.argv,
+        "device": {"name": getattr(dev, "name", "unknown"), "ordinal": plan.device,
+                   "arch": cuda.arch(dev), "sm_count": cuda.sm_count(dev),
+                   "memory_total": memory.mem_info(plan.device)[1]},
+        "plan": plan.describe(),
+        "method": {"timing": "CUDA events, fork/join over the rank streams, median",
+                   "gate": plan.gate, "inputs": f"{plan.sets} staged sets rotated",
+                   "bytes": "staged: input + 2 x messages + output rows; final layout: input "
+                            "+ output rows; GB = 1e9 B",
+                   "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
+        "shapes": [],
+    }
+    torch, why = _import_torch()
+    gate = copy_gbps = None
+    if torch is None:
+        progress(f"torch unavailable ({why}): no baseline, no gate, copy not measured")
+        results["torch"] = f"unavailable: {why}"
+    else:
+        torch.cuda.set_device(plan.device)
+        results["torch"] = torch.__version__
+        if plan.gate:
+            gate = Gate(torch, plan.device)
+        progress(f"device-to-device copy, {plan.copy_mib} MiB")
+        results["copy"] = runner.measure_copy(torch, plan.device, plan.copy_mib,
+                                              plan.copy_iters, gate)
+        copy_gbps = results["copy"]["gbps"]
+        progress(f"  copy: {copy_gbps:.1f} GB/s")
+    for T in plan.tokens:
+        results["shapes"].append(run_shape(plan, T, torch, gate, copy_gbps, progress))
+    if gate is not None:
+        results["gate"] = gate.describe()
+    results["failures"] = failures(results)
+    return results
+
+
+def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None = None) -> dict:
+    """``run`` with progress on stderr, then ``publish``: the JSON, the report on stdout, the
+    plot. The body of ``epgen bench`` and ``benchmarks/dispatch_bench.py``."""
+    progress = Progress(total=len(plan.tokens) * (1 + len(plan.variants)))
+    results = run(plan, progress)
+    publish(results, json_path=json_path, plot_path=plot_path, progress=progress)
+    return results

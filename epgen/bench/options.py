@@ -1,0 +1,162 @@
+"""The command-line options of a benchmark run, shared by ``epgen bench`` and
+``benchmarks/dispatch_bench.py`` (each adds its own way to give the configuration), and their
+validation into a ``Plan``: every bad value is a usage error (exit 2) naming the option, found
+before any device work."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+from .plan import ROUTINGS, Plan, parse_sweep, parse_tokens, parse_variant
+
+VARIANT_HELP = (
+    "a variant to time, repeatable (default: one, 'default': the configuration as given). "
+    "SPEC is 'default' or comma-separated items: a bool parameter's name sets it to true "
+    "(ep_final_layout), KEY:VALUE sets num_threads, n_sms, timeout_ns or a bool "
+    "(num_threads:1024, ep_ord_r:false); LABEL names it in the table, JSON and plot "
+    "(default: SPEC). E.g. --variant default --variant "
+    "final=ep_final_layout,ep_prod_reserve")
+
+
+def _arg_type(parse, name):
+    """An argparse ``type`` whose ``ValueError`` message reaches the usage error."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = name
+    return convert
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise ValueError(f"must be a positive integer, got {n}")
+    return n
+
+
+def _capacity(text: str):
+    if text in ("fit", "full"):
+        return text
+    try:
+        return _positive(text)
+    except ValueError:
+        raise ValueError(f"must be 'fit', 'full' or a positive integer, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
+    """Add the options of a run (shapes, variants, measurement, output) to ``p``;
+    ``tokens_default`` describes the default shapes in the help."""
+    positive = _arg_type(_positive, "positive integer")
+    shapes = p.add_mutually_exclusive_group()
+    shapes.add_argument("--tokens", nargs="+", type=_arg_type(parse_tokens, "token list"),
+                        metavar="T", help=f"tokens per rank, one shape each: '128,4096' or "
+                                          f"'128 4096' (default: {tokens_default})")
+    shapes.add_argument("--sweep-tokens", type=_arg_type(parse_sweep, "sweep"),
+                        metavar="LO,[NEXT,]...,HI",
+                        help="a geometric sweep of tokens per rank: '32,...,4096' or "
+                             "'32,64,...,4096' doubles from 32 to 4096; '128,512,...,8192' "
+                             "multiplies by 4")
+    p.add_argument("--variant", action="append", type=_arg_type(parse_variant, "variant"),
+                   metavar="[LABEL=]SPEC", help=VARIANT_HELP)
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                   help="top-k routing: uniform, or Zipf-like expert popularity (a few hot "
+                        "experts; default uniform)")
+    p.add_argument("--zipf-s", type=float, default=0.8, metavar="S",
+                   help="Zipf exponent of --routing zipf (default 0.8; popularity 1/rank^s over "
+                        "shuffled experts). The hottest (expert, source) block sets the receive "
+                        "buffers' size: at the prefill shape ~101 GB at s=0.8, ~129 GB at 1.0")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    p.add_argument("--sets", type=positive, default=3, dest="input_sets", metavar="N",
+                   help="input sets rotated through the iterations (default 3)")
+    p.add_argument("--iters", type=positive, default=None, metavar="N",
+                   help="timed iterations per figure (default: 100 at <= 512 tokens per rank, "
+                        "else 20)")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="untimed iterations first (default: 10 at <= 512 tokens, else 3)")
+    p.add_argument("--block-capacity", type=_arg_type(_capacity, "capacity"), default="fit",
+                   metavar="fit|full|N",
+                   help="recv_block_capacity: 'fit' (default: the inputs' largest (expert, "
+                        "source) block, rounded up to 64), 'full' (max_tokens_per_rank, the "
+                        "reference sizing; ~152 GB at prefill) or a number")
+    p.add_argument("--copy-mib", type=positive, default=1024, metavar="MIB",
+                   help="device-to-device copy size in MiB (default 1024)")
+    p.add_argument("--copy-iters", type=positive, default=20, metavar="N",
+                   help="timed copies (default 20)")
+    p.add_argument("--mem-fraction", type=float, default=0.9, metavar="F",
+                   help="skip a phase needing more than this fraction of the free device "
+                        "memory (default 0.9)")
+    p.add_argument("--device", type=int, default=0, metavar="N",
+                   help="CUDA device ordinal (default 0)")
+    p.add_argument("--check-rank", type=int, default=0, metavar="R",
+                   help="rank whose baseline output is checked (default 0)")
+    p.add_argument("--no-gate", action="store_true",
+                   help="no spin kernel ahead of the start event: times include host enqueue")
+    p.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--no-post-check", action="store_true",
+                   help="skip the check of each world's output after the timing")
+    p.add_argument("--json", metavar="FILE", help="write every number to FILE")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw a PNG: round-trip GB/s against tokens per rank for each variant "
+                        "and the baseline, the copy bandwidth as a line (needs matplotlib)")
+
+
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _check_output(parser, option: str, path: str | None) -> None:
+    if path and not os.path.isdir(os.path.dirname(path) or "."):
+        parser.error(f"argument {option}: no such directory: {os.path.dirname(path)}")
+
+
+def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, base,
+                   default_tokens, arch: str | None = None) -> Plan:
+    """The ``Plan`` of parsed ``args`` on the base configuration ``base``; ``parser.error``
+    (exit 2, naming the option) for any value that cannot run."""
+    if args.tokens:
+        tokens = [t for group in args.tokens for t in group]
+    else:
+        tokens = args.sweep_tokens or list(default_tokens)
+    tokens = list(dict.fromkeys(tokens))
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("argument --warmup: must be >= 0")
+    if not 0 < args.mem_fraction <= 1:
+        parser.error("argument --mem-fraction: must be in (0, 1]")
+    if args.zipf_s <= 0:
+        parser.error("argument --zipf-s: must be > 0")
+    if base.recv_block_capacity is not None:
+        parser.error("recv_block_capacity is set per shape here: use --block-capacity, not "
+                     "--set or the preset")
+    if not 0 <= args.check_rank < base.n_ranks:
+        parser.error(f"argument --check-rank: must be in [0, {base.n_ranks})")
+    labels = [v.label for v in args.variant or ()]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        parser.error(f"argument --variant: label {dup[0]!r} used twice; name them LABEL=SPEC")
+    _check_output(parser, "--json", args.json)
+    _check_output(parser, "--plot", args.plot)
+    if args.plot and not have_matplotlib():
+        parser.error("argument --plot: needs matplotlib (python3 -m pip install matplotlib)")
+    kw = {"variants": tuple(args.variant)} if args.variant else {}
+    plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
+                seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,
+                block_capacity=args.block_capacity, copy_mib=args.copy_mib,
+                copy_iters=args.copy_iters, mem_fraction=args.mem_fraction, device=args.device,
+                check_rank=args.check_rank, gate=not args.no_gate,
+                baseline=not args.no_baseline, post_check=not args.no_post_check, arch=arch,
+                **kw)
+    for T in plan.tokens:           # every configuration error now, before any GPU work
+        try:
+            plan.config(T)
+        except ValueError as exc:
+            parser.error(f"argument --tokens: {T} tokens per rank: {exc}")
+        for v in plan.variants:
+            try:
+                plan.config(T, v)
+            except ValueError as exc:
+                parser.error(f"argument --variant {v.label} (at {T} tokens per rank): {exc}")
+    return plan

@@ -1,0 +1,169 @@
+"""What one benchmark run measures: a base configuration, the shapes (tokens per rank), the
+variants (flag sets compared in the same run) and the measurement settings (``Plan``), and
+the parsers of the option values that describe them (``parse_tokens``, ``parse_sweep``,
+``parse_variant``). No device work here.
+
+A variant is ``[LABEL=]SPEC``: ``SPEC`` is ``default`` (the configuration as given) or items
+separated by commas, each a bool parameter's name (set to true, e.g. ``ep_final_layout``) or
+``KEY:VALUE`` (``VALUE`` as ``epgen --set`` reads it, e.g. ``num_threads:1024`` or
+``ep_ord_r:false``) for a key of ``VARIANT_KEYS``; ``LABEL`` names it in the table, the JSON
+and the plot (default: ``SPEC``). Parameters that change the inputs or the buffers' sizing
+(ranks, experts, the token format, tokens per rank, the block capacity) are the same for all
+variants of a run: set them with ``--preset``/``--set`` and ``--block-capacity``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import BOOL_PARAMS, EPConfig
+from ..presets import parse_value
+
+SHAPE_NAMES = {128: "decode", 4096: "prefill"}
+SMALL_SHAPE_TOKENS = 512
+"""At most this many tokens per rank: decode-like default iteration counts."""
+DEFAULT_VARIANT = "default"
+VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS
+"""Parameters a variant may change."""
+ROUTINGS = ("uniform", "zipf")
+
+
+def shape_name(tokens_per_rank: int) -> str:
+    """``decode`` (128), ``prefill`` (4096), else ``T=<n>``."""
+    return SHAPE_NAMES.get(int(tokens_per_rank), f"T={tokens_per_rank}")
+
+
+def default_iters(tokens_per_rank: int) -> int:
+    return 100 if tokens_per_rank <= SMALL_SHAPE_TOKENS else 20
+
+
+def default_warmup(tokens_per_rank: int) -> int:
+    return 10 if tokens_per_rank <= SMALL_SHAPE_TOKENS else 3
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text.strip()!r}") from None
+    if n <= 0:
+        raise ValueError(f"tokens per rank must be > 0, got {n}")
+    return n
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``"128,4096"`` -> ``[128, 4096]`` (``ValueError`` for a bad or non-positive count)."""
+    out = [_count(p) for p in text.split(",") if p.strip()]
+    if not out:
+        raise ValueError("give at least one token count")
+    return out
+
+
+def parse_sweep(text: str) -> list[int]:
+    """A geometric sweep ``LO,...,HI`` (doubling) or ``LO,NEXT,...,HI`` (ratio NEXT/LO, an
+    integer >= 2): ``"32,64,...,4096"`` -> ``[32, 64, 128, ..., 4096]``; HI must lie on it."""
+    parts = [p.strip() for p in text.split(",")]
+    if parts.count("...") != 1 or parts[-2] != "..." or len(parts) not in (3, 4):
+        raise ValueError(f"expected LO,...,HI or LO,NEXT,...,HI (e.g. 32,64,...,4096), "
+                         f"got {text!r}")
+    lo, hi = _count(parts[0]), _count(parts[-1])
+    ratio = 2
+    if len(parts) == 4:
+        nxt = _count(parts[1])
+        if nxt % lo or nxt // lo < 2:
+            raise ValueError(f"NEXT must be an integer multiple >= 2 of LO, got {lo},{nxt}")
+        ratio = nxt // lo
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * ratio)
+    if out[-1] != hi:
+        raise ValueError(f"{hi} is not on the sweep {lo} x {ratio}^n (... {out[-2]}, {out[-1]})")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A named set of parameter overrides applied to the base configuration."""
+
+    label: str
+    spec: str
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    def describe(self) -> dict:
+        return {"label": self.label, "spec": self.spec, "overrides": dict(self.overrides)}
+
+
+def parse_variant(text: str) -> Variant:
+    """``[LABEL=]SPEC`` (module docstring) -> ``Variant``; ``ValueError`` naming the bad item."""
+    label, sep, spec = text.partition("=")
+    if not sep:
+        label, spec = text, text
+    label, spec = label.strip(), spec.strip()
+    if not label or not spec:
+        raise ValueError(f"expected [LABEL=]SPEC, got {text!r}")
+    if spec == DEFAULT_VARIANT:
+        return Variant(label, spec)
+    overrides = {}
+    for item in (i.strip() for i in spec.split(",")):
+        key, colon, value = item.partition(":")
+        key = key.strip()
+        if key not in VARIANT_KEYS:
+            raise ValueError(f"{item!r}: a variant sets {', '.join(VARIANT_KEYS)} (a bool by "
+                             f"its name, any of them as KEY:VALUE); set the others with --set")
+        if not colon and key not in BOOL_PARAMS:
+            raise ValueError(f"{item!r}: {key} needs a value ({key}:VALUE)")
+        if key in overrides:
+            raise ValueError(f"{key} appears twice in {spec!r}")
+        overrides[key] = parse_value(key, value) if colon else True
+    return Variant(label, spec, tuple(overrides.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One benchmark run: every shape of ``tokens`` with every variant, against the copy and
+    the PyTorch baseline. ``iters``/``warmup`` None: by shape (``default_iters``,
+    ``default_warmup``). ``block_capacity``: ``"fit"``, ``"full"`` or a number."""
+
+    base: EPConfig
+    tokens: tuple[int, ...]
+    variants: tuple[Variant, ...] = (Variant(DEFAULT_VARIANT, DEFAULT_VARIANT),)
+    routing: str = "uniform"
+    zipf_s: float = 0.8
+    seed: int = 0
+    sets: int = 3
+    iters: int | None = None
+    warmup: int | None = None
+    block_capacity: str | int = "fit"
+    copy_mib: int = 1024
+    copy_iters: int = 20
+    mem_fraction: float = 0.9
+    device: int = 0
+    check_rank: int = 0
+    gate: bool = True
+    baseline: bool = True
+    post_check: bool = True
+    arch: str | None = None
+
+    def iters_for(self, tokens_per_rank: int) -> int:
+        return self.iters or default_iters(tokens_per_rank)
+
+    def warmup_for(self, tokens_per_rank: int) -> int:
+        return default_warmup(tokens_per_rank) if self.warmup is None else self.warmup
+
+    def config(self, tokens_per_rank: int, variant: Variant | None = None,
+               block_capacity: int | None = None) -> EPConfig:
+        """The ``EPConfig`` of one shape and variant: ``max_tokens_per_rank`` is the shape's
+        tokens per rank; ``block_capacity`` None (or >= T) is the reference sizing."""
+        cap = None if block_capacity is None or block_capacity >= tokens_per_rank \
+            else int(block_capacity)
+        overrides = dict(variant.overrides) if variant is not None else {}
+        return self.base.replace(max_tokens_per_rank=tokens_per_rank, recv_block_capacity=cap,
+                                 **overrides)
+
+    def describe(self) -> dict:
+        """Plain data (for the JSON)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["base"] = self.base.describe()
+        out["tokens"] = list(self.tokens)
+        out["variants"] = [v.describe() for v in self.variants]
+        return out

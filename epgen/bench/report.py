@@ -1,0 +1,236 @@
+"""What a run shows: progress lines on stderr, the report and table on stdout, the JSON file
+and the PNG plot (matplotlib, Agg backend, imported only by ``plot``), and the provenance
+(git commit) recorded with the numbers. Everything here reads the plain-data results a run
+produces (``epgen.bench.driver.run``) or a JSON file written from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .baseline import NAME as BASELINE_NAME
+from .memory import fmt_gb
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMINGS = (("round_trip", "round trip"), ("dispatch_async", "dispatch_async"),
+           ("dispatch_wait", "dispatch_wait"))
+"""Timed parts of an epgen variant: result key, table label."""
+
+
+class Progress:
+    """Progress lines on ``stream`` (stderr), each with the seconds since the start;
+    ``step(msg)`` numbers the steps of a run (``[3/10]``) out of ``total``."""
+
+    def __init__(self, total: int = 0, stream=None, clock=time.monotonic):
+        self.total, self.done = total, 0
+        self.stream = stream
+        self.clock = clock
+        self.t0 = clock()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.clock() - self.t0:8.1f}s] {msg}", file=self.stream or sys.stderr,
+              flush=True)
+
+    def step(self, msg: str) -> None:
+        self.done += 1
+        self(f"[{self.done}/{self.total}] {msg}")
+
+
+def git_commit(repo: str = REPO_ROOT) -> tuple[str, bool | None]:
+    """(``git rev-parse --short HEAD`` or "unknown", whether the tree has changes or None).
+    Where the tree is a copy without ``.git`` (the device machine), ``$EPGEN_COMMIT`` names
+    the commit it was copied from."""
+    if os.environ.get("EPGEN_COMMIT"):
+        return os.environ["EPGEN_COMMIT"], None
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, text=True,
+                              capture_output=True, timeout=10)
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown", None
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                            text=True, capture_output=True, timeout=10)
+        dirty = bool(st.stdout.strip()) if st.returncode == 0 else None
+        return head.stdout.strip(), dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+# ---- JSON -----------------------------------------------------------------------------------
+def _jsonable(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def write_json(results: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, default=_jsonable)
+        f.write("\n")
+
+
+def read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---- table ----------------------------------------------------------------------------------
+def table_rows(results) -> list[dict]:
+    """One row per timed part of every variant of every shape, then the baseline's."""
+    rows = []
+    for s in results["shapes"]:
+        common = {"shape": s["shape"], "T": s["tokens_per_rank"], "routing": s["routing"]}
+        for v in s["variants"]:
+            if "round_trip" not in v:
+                rows.append({**common, "variant": f"epgen {v['label']} round trip",
+                             "note": v.get("skipped") or v.get("error")})
+                continue
+            for key, label in TIMINGS:
+                m = v[key]
+                rows.append({**common, "variant": f"epgen {v['label']} {label}",
+                             "us": 1e3 * m["median_ms"], "gbps": m.get("gbps"),
+                             "frac": m.get("fraction_of_copy"),
+                             "speedup": v.get("speedup_vs_baseline") if key == "round_trip"
+                             else None})
+        b = s["baseline"]
+        if "round_trip" in b:
+            m = b["round_trip"]
+            rows.append({**common, "variant": BASELINE_NAME, "us": 1e3 * m["median_ms"],
+                         "gbps": m.get("gbps"), "frac": m.get("fraction_of_copy"),
+                         "speedup": 1.0, "note": None if b["check"] == "ok" else b["check"]})
+        else:
+            rows.append({**common, "variant": BASELINE_NAME,
+                         "note": b.get("skipped") or b.get("error")})
+    return rows
+
+
+def format_table(rows) -> str:
+    """Rows: dicts with ``shape, T, routing, variant, us, gbps, frac, speedup`` (None where
+    there is no number) and an optional ``note``."""
+    def cell(v, fmt):
+        width = int(fmt.split(".")[0])
+        return f"{'-':>{width}}" if v is None else format(v, fmt)
+    vw = max([28] + [len(r["variant"]) for r in rows])
+    lines = [f"{'shape':<8} {'T':>5} {'routing':<8} {'variant':<{vw}} {'median us':>10} "
+             f"{'GB/s':>8} {'frac copy':>9} {'vs torch':>8}"]
+    for r in rows:
+        sp = r.get("speedup")
+        line = (f"{r['shape']:<8} {r['T']:>5} {r['routing']:<8} {r['variant']:<{vw}} "
+                f"{cell(r.get('us'), '10.1f')} {cell(r.get('gbps'), '8.1f')} "
+                f"{cell(r.get('frac'), '9.3f')} {'-' if sp is None else f'{sp:.2f}x':>8}")
+        if r.get("note"):
+            line += f"  ({r['note']})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def print_report(results, file=None) -> None:
+    """The header (date, commit, device, copy), each shape's and variant's checks and bytes,
+    then the table."""
+    file = file or sys.stdout
+    dev = results["device"]
+    print(f"epgen bench  {results['date']}  commit {results['git_commit']}"
+          f"{'+dirty' if results.get('git_dirty') else ''}  {dev['name']} ({dev['arch']}, "
+          f"{dev['sm_count']} SMs)", file=file)
+    c = results.get("copy")
+    if c:
+        parts = [f"{k} {c[k]['gbps']:.1f} GB/s" for k in ("torch", "cupy")
+                 if "gbps" in c.get(k, {})]
+        print(f"device-to-device copy ({c['size_mib']} MiB, read + write): "
+              + ", ".join(parts) + f"; reference {c['gbps']:.1f} GB/s", file=file)
+    for s in results["shapes"]:
+        b = s["baseline"]
+        bits = [f"recv_block_capacity {s['recv_block_capacity']} (largest block "
+                f"{s['largest_block']})"]
+        if "check" in b:
+            bits.append(f"baseline check: {b['check']} (vs {b['check_against']})")
+        label = s["shape"] if s["shape"].startswith("T=") \
+            else f"{s['shape']} T={s['tokens_per_rank']}"
+        print(f"{label} ({s['routing']}): " + "; ".join(bits), file=file)
+        for v in s["variants"]:
+            what = (f"checks: {v['check']}, after timing {v.get('post_check', 'skipped')}"
+                    if "check" in v else v.get("skipped") or v.get("error"))
+            print(f"  {v['label']}: {v['bytes']['layout']} layout, "
+                  f"{fmt_gb(v['bytes']['total'])} per round trip; {what}", file=file)
+    print(file=file)
+    print(format_table(table_rows(results)), file=file)
+
+
+def publish(results, *, json_path=None, plot_path=None, progress=None, file=None) -> None:
+    """Write the JSON (``json_path``), print the report (``file``, default stdout), draw the
+    plot (``plot_path``)."""
+    if json_path:
+        write_json(results, json_path)
+        if progress:
+            progress(f"wrote {json_path}")
+    print_report(results, file=file)
+    if plot_path:
+        plot(results, plot_path)
+        if progress:
+            progress(f"wrote {plot_path}")
+
+
+# ---- plot -----------------------------------------------------------------------------------
+def plot_series(results) -> dict[str, list[tuple[int, float]]]:
+    """Round-trip bandwidth (each by its own bytes) against tokens per rank: one series per
+    epgen variant (``epgen <label>``), then the baseline's; shapes without a number left
+    out."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for s in results["shapes"]:
+        T = s["tokens_per_rank"]
+        for v in s["variants"]:
+            pts = series.setdefault(f"epgen {v['label']}", [])
+            if v.get("round_trip", {}).get("gbps") is not None:
+                pts.append((T, v["round_trip"]["gbps"]))
+    base = series.setdefault(BASELINE_NAME, [])
+    for s in results["shapes"]:
+        gbps = s["baseline"].get("round_trip", {}).get("gbps")
+        if gbps is not None:
+            base.append((s["tokens_per_rank"], gbps))
+    return {k: sorted(v) for k, v in series.items() if v}
+
+
+def plot(results, path: str) -> None:
+    """Write a PNG: ``plot_series`` as lines over tokens per rank (log 2 axis), the copy
+    bandwidth as a horizontal line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    top = 0.0
+    for label, pts in plot_series(results).items():
+        xs, ys = zip(*pts)
+        style = "--" if label == BASELINE_NAME else "-"
+        ax.plot(xs, ys, style, marker="o", label=label)
+        top = max(top, *ys)
+    copy = results.get("copy", {}).get("gbps")
+    if copy:
+        ax.axhline(copy, color="black", linestyle=":", label=f"device copy ({copy:.0f} GB/s)")
+        top = max(top, copy)
+    tokens = sorted({s["tokens_per_rank"] for s in results["shapes"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.minorticks_off()
+    ax.set_ylim(0, 1.1 * top or 1.0)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("GB/s (each by the bytes it must move)")
+    b = results["plan"]["base"]
+    fmt = b["token_fmt"]
+    routing = {s["routing"] for s in results["shapes"]}
+    ax.set_title(f"dispatch round trip: {b['n_ranks']} emulated ranks, E={b['n_experts']}, "
+                 f"H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}, "
+                 f"{'/'.join(sorted(routing))} routing\n{results['device']['name']}, "
+                 f"{results['date'][:10]}, commit {results['git_commit']}", fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, format="png")
