@@ -1,0 +1,59 @@
+"""PTX checks of the fused variants: the instructions that distinguish them, counted in the
+``.entry`` bodies of their goldens' PTX (the generic checker, ``check_ptx``, already proves that
+every ordered IR operation survives; these pin what each flag adds)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from epgen import goldens
+from epgen.presets import load_preset
+
+check = pytest.importorskip("backends.nvptx.check")
+
+
+@functools.lru_cache(maxsize=None)
+def body(variant: str, kernel: str) -> str:
+    ptx = goldens.golden_outputs(variant)["ptx"]
+    return check.entry_bodies(ptx)[kernel]
+
+
+def count(text: str, pattern: str) -> int:
+    return len(re.findall(pattern, text))
+
+
+RED_REL_GPU = r"red\.release\.gpu\.global\.add\.u32\s"
+ATOM_RELAXED_GPU = r"atom\.relaxed\.gpu\.global\.add\.u32\s"
+
+
+def f_byte() -> int:
+    """Byte offset of send_buf_ready (Region F) in the dispatch_wait counters (small preset)."""
+    return 4 * load_preset("small").layout.send_buf_ready_offset
+
+
+def test_fused_kernel_is_both_halves():
+    fused, split = body("ep/fused", "ep_dispatch"), goldens.golden_outputs("ep/small")["ptx"]
+    async_, wait = (check.entry_bodies(split)[k] for k in ("ep_dispatch_async",
+                                                            "ep_dispatch_wait"))
+    for pattern in (r"st\.release\.sys\.global\.b64", r"ld\.acquire\.sys\.global\.b64",
+                    r"st\.release\.gpu\.global\.b32", RED_REL_GPU,
+                    r"atom\.acquire\.gpu\.global\.add\.u32"):
+        assert count(fused, pattern) == count(async_, pattern) + count(wait, pattern), pattern
+
+
+def test_shared_expert_adds_the_send_buf_ready_protocol():
+    se, plain = body("ep/fused_se", "ep_dispatch"), body("ep/fused", "ep_dispatch")
+    # every send block: one red.release.gpu on send_buf_ready after staging its tokens
+    assert count(se, RED_REL_GPU) == count(plain, RED_REL_GPU) + 1
+    # the packers' bounded poll of send_buf_ready: ld.acquire.gpu at Region F's offset
+    poll = rf"ld\.acquire\.gpu\.global\.b32\s+%r\d+,\s*\[%rd\d+\+{f_byte()}\]"
+    assert count(se, poll) >= 1 and count(plain, poll) == 0
+    # the started count (Region G), relaxed, plus the record slot of the packers' bounded
+    # wait's timeout path
+    assert count(se, ATOM_RELAXED_GPU) >= count(plain, ATOM_RELAXED_GPU) + 2
+    # the monitors signal as without the shared expert: no extra sys-scope traffic
+    for pattern in (r"st\.release\.sys", r"ld\.acquire\.sys"):
+        assert count(se, pattern) == count(plain, pattern)
