@@ -57,3 +57,23 @@ def test_shared_expert_adds_the_send_buf_ready_protocol():
     # the monitors signal as without the shared expert: no extra sys-scope traffic
     for pattern in (r"st\.release\.sys", r"ld\.acquire\.sys"):
         assert count(se, pattern) == count(plain, pattern)
+
+
+def test_fused_roles_publish_l1_arrivals_and_keep_their_barriers_apart():
+    from epgen.kernels.fused_roles import FFN_SMEM_BYTES, FusedRolesSpec
+    spec, cfg = FusedRolesSpec(), load_preset("small")
+    roles = body("ep/fused_roles", "ep_fused_roles")
+    # the L1 release is the only release RMW of this kernel (dispatch_wait has none)
+    assert count(roles, RED_REL_GPU) >= 1
+    assert count(body("ep/small", "ep_dispatch_wait"), RED_REL_GPU) == 0
+    n_comm = cfg.num_threads - spec.ffn_threads
+    assert count(roles, rf"bar\.sync\s+{spec.comm_barrier_id},\s*{n_comm};") >= 2
+    assert count(roles, rf"bar\.sync\s+{spec.ffn_barrier_id},\s*{spec.ffn_threads};") >= 2
+    # the aux block alone uses barrier 0
+    assert count(roles, r"bar\.sync\s+0;") >= 1
+    # both roles' scratch in dynamic shared memory: ffn at 0, comm from comm_smem_base
+    assert ".extern .shared .align 16 .b8 dyn_smem[];" in goldens.golden_outputs(
+        "ep/fused_roles")["ptx"]
+    assert count(roles, rf"\[dyn_smem\+{FFN_SMEM_BYTES + 16}\]") >= 1
+    # the ffn's bounded polls: ready flag and L1 arrival counter, acquire at gpu scope
+    assert count(roles, r"ld\.acquire\.gpu\.global\.b32") >= 3
