@@ -16,9 +16,12 @@ check = pytest.importorskip("backends.nvptx.check")
 
 
 @functools.lru_cache(maxsize=None)
+def ptx(variant: str) -> str:
+    return goldens.golden_outputs(variant)["ptx"]
+
+
 def body(variant: str, kernel: str) -> str:
-    ptx = goldens.golden_outputs(variant)["ptx"]
-    return check.entry_bodies(ptx)[kernel]
+    return check.entry_bodies(ptx(variant))[kernel]
 
 
 def count(text: str, pattern: str) -> int:
@@ -35,9 +38,8 @@ def f_byte() -> int:
 
 
 def test_fused_kernel_is_both_halves():
-    fused, split = body("ep/fused", "ep_dispatch"), goldens.golden_outputs("ep/small")["ptx"]
-    async_, wait = (check.entry_bodies(split)[k] for k in ("ep_dispatch_async",
-                                                            "ep_dispatch_wait"))
+    fused = body("ep/fused", "ep_dispatch")
+    async_, wait = body("ep/small", "ep_dispatch_async"), body("ep/small", "ep_dispatch_wait")
     for pattern in (r"st\.release\.sys\.global\.b64", r"ld\.acquire\.sys\.global\.b64",
                     r"st\.release\.gpu\.global\.b32", RED_REL_GPU,
                     r"atom\.acquire\.gpu\.global\.add\.u32"):
@@ -72,8 +74,7 @@ def test_fused_roles_publish_l1_arrivals_and_keep_their_barriers_apart():
     # the aux block alone uses barrier 0
     assert count(roles, r"bar\.sync\s+0;") >= 1
     # both roles' scratch in dynamic shared memory: ffn at 0, comm from comm_smem_base
-    assert ".extern .shared .align 16 .b8 dyn_smem[];" in goldens.golden_outputs(
-        "ep/fused_roles")["ptx"]
+    assert ".extern .shared .align 16 .b8 dyn_smem[];" in ptx("ep/fused_roles")
     assert count(roles, rf"\[dyn_smem\+{FFN_SMEM_BYTES + 16}\]") >= 1
     # the ffn's bounded polls: ready flag and L1 arrival counter, acquire at gpu scope
     assert count(roles, r"ld\.acquire\.gpu\.global\.b32") >= 3
