@@ -33,7 +33,7 @@ import ir
 from ir import AtomOp, Scope, Sem, ShflMode
 from ir import types as T
 
-from .common import block_inclusive_scan, comm_sync, lowest_set_bit
+from .common import block_inclusive_scan, lowest_set_bit
 from .common import word as _word
 
 
