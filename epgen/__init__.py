@@ -13,13 +13,14 @@ from .layout import Layout
 
 
 def build_module(cfg):
-    """The IR module of ``cfg``'s dispatch kernels (``dispatch_async`` and ``dispatch_wait``)."""
+    """The IR module of ``cfg``'s dispatch kernels (``dispatch_async``, ``dispatch_wait`` and
+    the fused single launch ``ep_dispatch``; only ``ep_dispatch`` with fused_shared_expert)."""
     from .kernels import build_module as _build
     return _build(cfg)
 
 
 def emit_ptx(cfg, arch: str = "sm_90") -> str:
-    """PTX of both dispatch entry points of ``cfg``, one module."""
+    """PTX of ``cfg``'s dispatch entry points (``build_module``), one module."""
     from backends.nvptx import emit_ptx as _emit
     return _emit(build_module(cfg), arch=arch)
 

@@ -22,3 +22,30 @@ def _register(preset: str) -> None:
 
 for _preset in GOLDEN_PRESETS:
     _register(_preset)
+
+
+# The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with
+# fused_shared_expert) and the fused-roles test kernel (``ep/fused_roles``: the small preset).
+@golden("ep/fused")
+def ep_fused_module():
+    import ir
+    from .kernels import build_dispatch_fused
+    from .presets import load_preset
+    return ir.Module("ep_dispatch", (build_dispatch_fused(load_preset("small")),))
+
+
+@golden("ep/fused_se")
+def ep_fused_se_module():
+    import ir
+    from .kernels import build_dispatch_fused
+    from .presets import load_preset
+    cfg = load_preset("small").replace(fused_shared_expert=True)
+    return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))
+
+
+@golden("ep/fused_roles")
+def ep_fused_roles_module():
+    import ir
+    from .kernels.fused_roles import KERNEL_NAME, build_fused_roles
+    from .presets import load_preset
+    return ir.Module(KERNEL_NAME, (build_fused_roles(load_preset("small")),))

@@ -297,11 +297,11 @@ def test_inspect_default(capsys):
                 f"role {role.name} of {kernel.name} missing"
     assert "    monitor  [0, 8)    [0, 1024)  [0, 32)" in out
     assert "    aux   [131, 132)  [0, 1024)  [0, 32)" in out
-    assert out.count("  named barriers") == 2
+    assert out.count("  named barriers") == 3   # async, wait, fused
     assert any(line.split()[:4] == ["comm", "cta", "0", "1024"] for line in lines)
     scope_headers = [i for i, line in enumerate(lines) if line.split() == ["cta", "cluster",
                                                                           "gpu", "sys"]]
-    assert len(scope_headers) == 2
+    assert len(scope_headers) == 3
     for i in scope_headers:
         assert [lines[i + j].split()[0] for j in (1, 2, 3)] == ["atomics", "releases",
                                                                 "acquires"]
@@ -324,7 +324,7 @@ def test_inspect_json(capsys):
     assert report["sizes"] == json.loads(json.dumps(cfg.layout.sizes()))
     assert [r["name"] for r in report["counter_regions"]] == list(cfg.layout.counter_regions())
     kernels = {k["name"]: k for k in report["kernels"]}
-    assert set(kernels) == {"ep_dispatch_async", "ep_dispatch_wait"}
+    assert set(kernels) == {"ep_dispatch_async", "ep_dispatch_wait", "ep_dispatch"}
     n_sig = cfg.layout.n_signal_sms
     roles = {r["name"]: r for r in kernels["ep_dispatch_async"]["roles"]}
     assert roles["monitor"]["blocks"] == [0, n_sig] and roles["comm"]["blocks"] == [n_sig, 12]
@@ -348,7 +348,7 @@ def test_inspect_ptxas_resources_or_not_found(capsys, monkeypatch):
     status, out, err = run_cli(capsys, "inspect", "--preset", "small")
     assert status == 0, err
     if nvptx.find_ptxas() is not None:
-        assert out.count("  ptxas (sm_90): registers ") == 2
+        assert out.count("  ptxas (sm_90): registers ") == 3
     monkeypatch.setattr(nvptx, "find_ptxas", lambda: None)
     status, out, err = run_cli(capsys, "inspect", "--preset", "small")
     assert status == 0, err

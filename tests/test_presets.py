@@ -44,7 +44,8 @@ def test_every_preset_loads_validates_and_builds(name):
     cfg.layout.check()
     from epgen.kernels import build_module
     module = build_module(cfg)
-    assert [k.name for k in module.kernels] == ["ep_dispatch_async", "ep_dispatch_wait"]
+    assert [k.name for k in module.kernels] == ["ep_dispatch_async", "ep_dispatch_wait",
+                                              "ep_dispatch"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

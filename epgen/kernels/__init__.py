@@ -5,14 +5,20 @@ from __future__ import annotations
 import ir
 
 from .dispatch_async import build_dispatch_async
+from .dispatch_fused import build_dispatch_fused
 from .dispatch_wait import build_dispatch_wait
 
 
 def build_module(cfg) -> ir.Module:
-    """Both dispatch entry points of ``cfg`` in one module (``dispatch_async`` and
-    ``dispatch_wait``)."""
+    """The dispatch entry points of ``cfg`` in one module: ``ep_dispatch_async``,
+    ``ep_dispatch_wait`` and the fused single launch ``ep_dispatch``; with
+    ``fused_shared_expert`` only ``ep_dispatch`` (the standalone kernels do not take the shared
+    expert, reference 7.2)."""
     cfg.require_p2p_only()
-    return ir.Module("ep_dispatch", (build_dispatch_async(cfg), build_dispatch_wait(cfg)))
+    if cfg.fused_shared_expert:
+        return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))
+    return ir.Module("ep_dispatch", (build_dispatch_async(cfg), build_dispatch_wait(cfg),
+                                     build_dispatch_fused(cfg)))
 
 
-__all__ = ["build_module", "build_dispatch_async", "build_dispatch_wait"]
+__all__ = ["build_module", "build_dispatch_async", "build_dispatch_wait", "build_dispatch_fused"]

@@ -53,11 +53,20 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
     counts that expert's ``(token, k)`` pairs (``redux.sync.add``); lane 0 waits (bounded,
     ``ld.acquire.gpu``) until the comm warps have finished that many copies, publishes the
     count into the destination's receive-count word with ``st.release.sys`` (per-expert
-    completion), and re-arms its two counters."""
+    completion), and re-arms its two counters.
+
+    ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
+    be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
+    and a block's monitor warps are the role's warps, so block ``b`` owns experts
+    ``b * role_warps + w``."""
     lay = cfg.layout
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    if r.thread_base % 32 or comm_warp_base != r.thread_base // 32:
+        raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
+                         f"warp (its thread range starts at thread {r.thread_base}, warp-"
+                         f"aligned)")
     reserved, finished = p.counters, _word(p.counters, E)
-    expert_idx = r.let("expert_idx", r.block * lay.n_warps + (r.warp - comm_warp_base if comm_warp_base else r.warp))
+    expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
     with r.if_(expert_idx < E):
         g = r.let("g", expert_idx + L * p.my_rank if cfg.skip_a2a else expert_idx)
         n_ids = r.let("n_ids", p.n_tokens * K)
@@ -107,7 +116,7 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
         send_join(r, cfg, comm_barrier_id)
-        with r.for_range("k", r.warp, K, lay.n_warps) as k:
+        with r.for_range("k", r.warp, K, r.n_threads // 32) as k:
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)

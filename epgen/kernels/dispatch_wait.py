@@ -15,6 +15,8 @@ from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted,
                      lowest_set_bit)
 from .common import word as _word
+from .schedule import claim_next_tile, fill_sm_schedule, first_expert, load_expert_tiles
+from .scratch import Scratch
 
 KERNEL_NAME = "ep_dispatch_wait"
 
@@ -52,23 +54,38 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
 
 
 def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
-                                          p: WaitParams, comm_barrier_id: int = -1):
+                                          p: WaitParams, comm_barrier_id: int = -1, *,
+                                          reserved_shared_expert_tokens=None,
+                                          flag_readers_per_block: int = 1):
     """Aux block. Thread ``w < E`` waits (bounded, ``ld.acquire.sys``) until receive-count word
     ``w = e*R + src`` is published; a block-wide inclusive scan of the counts gives
     ``row_offsets`` (expert-major, source-major inside an expert), the within-expert rank
-    prefixes (Region B) and zeroed tile counters (Region C); thread 0 stores the cleanup count
-    (Region D) and raises the ready flag with ``st.release.gpu`` (Region E). After the flag:
-    the per-pair row ranges (Region A) and the re-armed sentinels."""
+    prefixes (Region B), zeroed tile counters (Region C) and the SM schedule table
+    (``fill_sm_schedule``); thread 0 stores the cleanup count (Region D: ``grid - 1`` times
+    ``flag_readers_per_block``, the roles of a copy block that each lower it once) and raises
+    the ready flag with ``st.release.gpu`` (Region E). After the flag: the per-pair row ranges
+    (Region A) and the re-armed sentinels.
+
+    With ``fused_shared_expert`` the shared expert is group 0 (``expert_ids[j] = j``, local
+    expert ``e`` is group ``e + 1``) of ``reserved_shared_expert_tokens`` rows (a u32
+    expression), so ``row_offsets[1]`` is that count and the routed rows follow it."""
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
+    se = int(bool(cfg.fused_shared_expert))
+    if se and reserved_shared_expert_tokens is None:
+        raise ValueError("fused_shared_expert: wait_for_arrivals_and_compute_offsets needs "
+                         "reserved_shared_expert_tokens (the shared expert's rows, group 0)")
+    reserved = ir.as_expr(reserved_shared_expert_tokens) if se else None
     ctr = p.atomic_counter
     S = kb.shared_buffer("prefix_s", 4 * E)
     totals = kb.shared_buffer("warp_totals", 4 * 32)
     tid = r.tid
-    with r.if_(tid < L):
+    with r.if_(tid < L + se):
         r.store(_word(p.expert_ids, tid), tid)
     with r.if_(tid.eq(0)):
         r.store(p.row_offsets, 0)
+        if se:
+            r.store(_word(p.row_offsets, 1), reserved)
     c = r.var("c", T.u32, 0)
     with r.if_(tid < E):
         seen = r.spin_wait(_word(p.recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
@@ -82,9 +99,9 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     with r.if_(tid < E):
         r.store(_word(S, tid), incl)
         with r.if_((tid % R).eq(R - 1)):
-            r.store(_word(p.row_offsets, e + 1), incl)
+            r.store(_word(p.row_offsets, e + (1 + se)), incl + reserved if se else incl)
     comm_sync(r, comm_barrier_id)
-    cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L)
+    cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L + se)
     raw_start = r.var("raw_start", T.u32, 0)
     with r.if_(tid < E):
         with r.if_(e > 0):
@@ -92,12 +109,19 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(ctr, lay.rank_prefix_offset + tid), incl - raw_start)
     with r.if_(tid < L):
         r.store(_word(ctr, lay.work_counter_offset + tid), 0)
+    fill_sm_schedule(r, cfg, ctr, S, totals, comm_barrier_id)
     comm_sync(r, comm_barrier_id)
     with r.if_(tid.eq(0)):
-        r.store(_word(ctr, lay.cleanup_counter_offset), r.n_blocks - 1)
+        n_readers = r.n_blocks - 1
+        if flag_readers_per_block != 1:
+            n_readers = n_readers * flag_readers_per_block
+        r.store(_word(ctr, lay.cleanup_counter_offset), n_readers)
         r.store(_word(ctr, lay.ready_flag_offset), DATA_READY_FLAG, Sem.RELEASE, Scope.GPU)
     with r.if_(tid < E):
-        aligned = r.load(_word(p.row_offsets, e), T.u32, name="aligned_start")
+        # incl and raw_start count routed rows only; aligned (the expert's padded start) also
+        # counts the shared expert's rows, so the end row comes out in output rows
+        aligned = r.load(_word(p.row_offsets, e + se if se else e), T.u32,
+                         name="aligned_start")
         prev = r.var("prev_incl", T.u32, 0)
         with r.if_(tid > 0):
             r.assign(prev, r.load(_word(S, tid - 1), T.u32, name="s_prev"))
@@ -106,46 +130,110 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
 
 
+def copy_scratch_bytes(cfg) -> int:
+    """Shared scratch bytes of ``copy_received_tokens_to_output`` (its dynamic shared memory
+    past ``comm_smem_base`` when that is given): the rank prefixes and the tile values."""
+    return -(-4 * max(cfg.n_ranks, 1) // 16) * 16 + 16
+
+
+def check_l1_release(cfg, l1_arrival_ptr, token_block: int, atomic_pad: int, delta: int):
+    """``emit_l1_release`` parameters: ``ValueError`` naming the parameter and the rule."""
+    TT, KS = cfg.token_fmt.dispatch_wait_tile_shape
+    if l1_arrival_ptr is None:
+        raise ValueError("emit_l1_release needs l1_arrival_ptr (the L1 arrival counters)")
+    if isinstance(token_block, bool) or not isinstance(token_block, int) or token_block < 1 \
+            or TT % token_block:
+        raise ValueError(f"l1_release_token_block must be a positive divisor of the "
+                         f"dispatch_wait tile's {TT} tokens (a token block never straddles two "
+                         f"tiles, which different blocks copy), got {token_block!r}")
+    if isinstance(atomic_pad, bool) or not isinstance(atomic_pad, int) or atomic_pad < 1:
+        raise ValueError(f"l1_release_atomic_pad must be a positive word count, got "
+                         f"{atomic_pad!r}")
+    if isinstance(delta, bool) or not isinstance(delta, int) or not 1 <= delta < 2**32:
+        raise ValueError(f"l1_release_delta must be a u32 in [1, 2**32), got {delta!r}")
+    if KS != 1:
+        raise ValueError(f"emit_l1_release needs a format whose dispatch_wait tile has one k "
+                         f"split (a row lands only when every split is copied), got "
+                         f"{cfg.token_fmt.name} with {KS}")
+
+
 def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p: WaitParams,
-                                   comm_barrier_id: int = -1):
-    """Comm blocks: block ``b`` serves local expert ``b % L``. Thread 0 waits (bounded,
-    ``ld.acquire.gpu``) for the ready flag, then claims tiles of 128 of the expert's tokens
-    (``atom.acquire.gpu.add`` on its tile counter). Warp ``w`` copies tile tokens ``w, w +
-    n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
-    rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]`` of
-    block ``[e, r]``; the format copies the payload and the lane whose top-k id is this expert
-    writes ``src_info[row] = (source index, k)``. The last block to finish lowers the flag."""
+                                   comm_barrier_id: int = -1, *, comm_smem_base: int | None = None,
+                                   emit_l1_release: bool = False, l1_release_token_block: int = 1,
+                                   l1_release_atomic_pad: int = 1, l1_release_delta: int = 1,
+                                   l1_arrival_ptr=None):
+    """Comm blocks. Thread 0 waits (bounded, ``ld.acquire.gpu``) for the ready flag. Block
+    ``b`` starts on expert ``sm_schedule[b]`` and warp 0 claims tiles of 128 of the expert's
+    tokens (``atom.acquire.gpu.add`` on its tile counter), moving on to later experts when it
+    is exhausted (``schedule.claim_next_tile``). Warp ``w`` of the role copies tile tokens
+    ``w, w + n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
+    rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]``
+    of block ``[e, r]``; the format copies the payload and the lane whose top-k id is this
+    expert writes ``src_info[row] = (source index, k)``. The last block to finish lowers the
+    flag. With ``fused_shared_expert`` expert ``e``'s rows start at ``row_offsets[e + 1]``.
+
+    Fused-kernel role parameters: the role's ``ThreadRange`` is ``comm_thread_base`` /
+    ``n_comm_threads`` (``r.tid`` and ``r.warp`` are role-local), ``comm_barrier_id`` as in
+    ``comm_sync``; ``comm_smem_base`` puts the scratch (``copy_scratch_bytes``) in dynamic
+    shared memory from that byte offset instead of static buffers. ``emit_l1_release``: after
+    each tile's rows have landed (the role's barrier), warp 0 publishes them on expert ``e``'s
+    L1 arrival counter (u32 word ``l1_arrival_ptr + e * l1_release_atomic_pad``): one
+    ``red.release.gpu.global.add.u32`` of ``l1_release_delta`` per ``l1_release_token_block``
+    tokens (the last block of an expert may be partial), so expert ``e``'s counter ends at
+    ``delta * ceil(count_e / token_block)``."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
-    tile_tokens = fmt.dispatch_wait_tile_shape[0]
+    se = int(bool(cfg.fused_shared_expert))
+    TT, KS = fmt.dispatch_wait_tile_shape
+    if emit_l1_release:
+        check_l1_release(cfg, l1_arrival_ptr, l1_release_token_block, l1_release_atomic_pad,
+                         l1_release_delta)
+    n_warps = r.n_threads // 32
     ctr = p.atomic_counter
-    prefix = kb.shared_buffer("rank_prefix", 4 * max(R, 1))
-    vals = kb.shared_buffer("tile_vals", 8)
-    e = r.let("e", r.block % L)
-    g = r.let("g", p.my_rank * L + e)
+    scratch = Scratch(kb, comm_smem_base)
+    prefix = scratch.buffer("rank_prefix", 4 * max(R, 1))
+    vals = scratch.buffer("tile_vals", 16)          # [start row, tile id, expert (L: done)]
     with r.if_(r.tid.eq(0)):
         r.spin_wait(_word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
                     buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
                     scope=Scope.GPU, backoff_ns=32)
     comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, p.err_buf)
-    with r.if_(r.tid.eq(0)):
-        r.store(vals, r.load(_word(p.row_offsets, e), T.u32, name="expert_start"))
-        r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
-                                   Sem.ACQUIRE, Scope.GPU, name="claim0"))
-    with r.if_(r.tid < R):
-        r.store(_word(prefix, r.tid),
-                r.load(_word(ctr, lay.rank_prefix_offset + e * R + r.tid), T.u32, name="pfx"))
-    comm_sync(r, comm_barrier_id)
-    start = r.let("start", r.load(vals, T.u32, name="start_ld"))
-    tile = r.let("tile", r.load(vals + 4, T.u32, name="tile_ld"))
-    total = r.let("total", r.load(_word(prefix, R - 1), T.u32, name="total_ld"))
+    # warp 0's claim state (registers; meaningful in warp 0 only)
+    cur_e = r.var("cur_e", T.u32, L)
+    cur_tiles = r.var("cur_tiles", T.u32, 0)
+    claim = r.var("claim", T.u32, 0)
+    loaded_e = r.var("loaded_e", T.u32, L)
+    with r.if_(r.warp.eq(0)):
+        r.assign(cur_e, first_expert(r, cfg, ctr).min(L))
+        with r.if_(cur_e < L):
+            r.assign(cur_tiles, load_expert_tiles(r, cfg, ctr, cur_e))
     with r.while_(ir.Const(1, T.pred)):
-        ts = r.let("ts", tile * tile_tokens)
-        with r.if_(ts >= total):
+        with r.if_(r.warp.eq(0)):
+            claim_next_tile(r, cfg, ctr, cur_e, cur_tiles, claim)
+            with r.if_((cur_e < L) & cur_e.ne(loaded_e)):
+                with r.if_(r.lane < R):
+                    r.store(_word(prefix, r.lane),
+                            r.load(_word(ctr, lay.rank_prefix_offset + cur_e * R + r.lane),
+                                   T.u32, name="pfx"))
+                with r.if_(r.lane.eq(0)):
+                    first_row = _word(p.row_offsets, cur_e + se if se else cur_e)
+                    r.store(vals, r.load(first_row, T.u32, name="expert_start"))
+                r.assign(loaded_e, cur_e)
+            with r.if_(r.lane.eq(0)):
+                r.store(vals + 4, claim)
+                r.store(vals + 8, cur_e)
+        comm_sync(r, comm_barrier_id)
+        e = r.let("e", r.load(vals + 8, T.u32, name="e_ld"))
+        with r.if_(e >= L):
             r.break_()
-        n_in_tile = r.let("n_in_tile", (total - ts).min(tile_tokens))
-        with r.for_range("j", r.warp, n_in_tile, lay.n_warps) as j:
+        g = r.let("g", p.my_rank * L + e)
+        start = r.let("start", r.load(vals, T.u32, name="start_ld"))
+        tile = r.let("tile", r.load(vals + 4, T.u32, name="tile_ld"))
+        total = r.let("total", r.load(_word(prefix, R - 1), T.u32, name="total_ld"))
+        ts = r.let("ts", (tile // KS if KS > 1 else tile) * TT)
+        n_in_tile = r.let("n_in_tile", (total - ts).min(TT))
+        with r.for_range("j", r.warp, n_in_tile, n_warps) as j:
             tok = r.let("tok", ts + j)
             mine = r.var("below", T.pred, ir.Const(0, T.pred))
             with r.if_(r.lane < R):
@@ -167,20 +255,41 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                     r.store(_word(p.src_info, row * 2), src_idx)
                     r.store(_word(p.src_info, row * 2 + 1), r.lane)
         comm_sync(r, comm_barrier_id)
-        with r.if_(r.tid.eq(0)):
-            r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
-                                       Sem.ACQUIRE, Scope.GPU, name="claim"))
-        comm_sync(r, comm_barrier_id)
-        r.assign(tile, r.load(vals + 4, T.u32, name="tile_next"))
+        if emit_l1_release:
+            emit_l1_arrival_release(r, l1_arrival_ptr, e, n_in_tile, l1_release_token_block,
+                                    l1_release_atomic_pad, l1_release_delta)
     with r.if_(r.tid.eq(0)):
-        old = r.atomic(AtomOp.ADD, _word(ctr, lay.cleanup_counter_offset), 0xFFFFFFFF,
-                       Sem.RELAXED, Scope.GPU, name="cleanup_old")
-        with r.if_(old.eq(1)):
-            r.store(_word(ctr, lay.ready_flag_offset), 0)
+        lower_ready_flag_if_last(r, cfg, ctr)
+
+
+def emit_l1_arrival_release(r: ir.RoleBuilder, l1_arrival_ptr, e, n_in_tile, token_block: int,
+                            atomic_pad: int, delta: int):
+    """Warp 0, after the barrier that follows a tile's copy: ``ceil(n_in_tile / token_block)``
+    ``red.release.gpu.global.add.u32`` of ``delta`` on expert ``e``'s L1 arrival counter
+    (u32 word ``e * atomic_pad``), one per token block, spread over the lanes."""
+    n_rel = (n_in_tile + (token_block - 1)) // token_block if token_block > 1 else n_in_tile
+    with r.if_(r.warp.eq(0)):
+        with r.for_range("l1_rel", r.lane, n_rel, 32):
+            r.red(AtomOp.ADD, _word(l1_arrival_ptr, e * atomic_pad), delta, Sem.RELEASE,
+                  Scope.GPU)
+
+
+def lower_ready_flag_if_last(r: ir.RoleBuilder, cfg, ctr):
+    """One reader of the ready flag is done (``atom.relaxed.gpu.add`` of -1 on Region D); the
+    last one lowers the flag (Region E) for the next call."""
+    lay = cfg.layout
+    old = r.atomic(AtomOp.ADD, _word(ctr, lay.cleanup_counter_offset), 0xFFFFFFFF,
+                   Sem.RELAXED, Scope.GPU, name="cleanup_old")
+    with r.if_(old.eq(1)):
+        r.store(_word(ctr, lay.ready_flag_offset), 0)
 
 
 def build_dispatch_wait(cfg) -> ir.Kernel:
     """The dispatch_wait entry point: the last block is the aux block, the others copy."""
+    if cfg.fused_shared_expert:
+        raise ValueError("fused_shared_expert: the standalone dispatch_wait does not take the "
+                         "shared expert (reference 7.2: only the fused dispatch kernel packs "
+                         "it); build the fused kernel (epgen.kernels.build_dispatch_fused)")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb, cfg)
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1

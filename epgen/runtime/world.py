@@ -7,6 +7,12 @@ rank's ``dispatch_wait`` of call N has drained them and re-armed the sentinels. 
 enforces this on the device: each rank's stream waits on the events recorded after every
 rank's previous ``dispatch_wait``. Nothing else is needed between calls: every counter the
 kernels use is re-armed by the kernels themselves.
+
+``EmulatedWorld(cfg, fused=True)`` runs each round trip as the single fused launch
+``ep_dispatch`` per rank (async and wait in one grid) with the same ordering: each rank's launch
+of call N+1 waits on the events recorded after every rank's launch of call N. With
+``cfg.fused_shared_expert`` the world always uses the fused kernel (the standalone kernels do
+not take the shared expert) and refuses ``fused=False``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 from .. import reference
 from ..kernels import build_module
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
+from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from .diagnostics import DiagBuffer
 from .program import Program
@@ -54,12 +61,21 @@ class _Rank:
 
 class EmulatedWorld:
     """All ``cfg.n_ranks`` ranks on one GPU. ``dispatch(tokens, topk_ids)`` runs one round
-    trip (dispatch_async then dispatch_wait on every rank) and returns, per rank, the same
-    ``reference.RankResult`` structure as ``epgen.reference.dispatch``."""
+    trip (dispatch_async then dispatch_wait on every rank, or the fused ``ep_dispatch`` with
+    ``fused=True``; default: fused exactly when ``cfg.fused_shared_expert``) and returns, per
+    rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch``."""
 
-    def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None):
-        from backends import cuda
+    def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
+                 fused: bool | None = None):
+        if fused is None:
+            fused = bool(cfg.fused_shared_expert)
+        if cfg.fused_shared_expert and not fused:
+            raise ValueError("EmulatedWorld: fused=False with fused_shared_expert=True: the "
+                             "shared expert is packed only by the fused dispatch kernel "
+                             "(reference 7.2); use fused=True (the default for this config)")
         cfg.require_p2p_only()
+        from backends import cuda
+        self.fused = bool(fused)
         self.cfg = cfg
         self.cuda = cuda
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
@@ -82,7 +98,7 @@ class EmulatedWorld:
     def _check_capacity(self):
         cfg = self.cfg
         sms = self.cuda.sm_count(self.device)
-        for name in (ASYNC, WAIT):
+        for name in ((FUSED,) if self.fused else (ASYNC, WAIT)):
             per_sm = self.program.blocks_per_sm(name)
             capacity = per_sm * sms
             need = cfg.n_ranks * cfg.n_sms
@@ -135,6 +151,30 @@ class EmulatedWorld:
                 "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}, rk.stream)
             rk.wait_done = rk.stream.record()
 
+    def dispatch_fused(self):
+        """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
+        lay = self.cfg.layout
+        waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
+        kernel = self.program.module.kernel(FUSED)
+        for rk in self.ranks:
+            for ev in waits:
+                rk.stream.wait(ev)
+            args = {
+                "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
+                "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
+                "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
+                "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
+                "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
+                "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
+                "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
+                "expert_ids": rk.expert_ids, "src_info": rk.src_info,
+                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
+            if any(p.name == "allreduce_world_size" for p in kernel.params):
+                args["allreduce_world_size"] = self.cfg.n_ranks
+            self.program.launch(FUSED, self.cfg.n_sms, args, rk.stream)
+        for rk in self.ranks:
+            rk.wait_done = rk.stream.record()
+
     def synchronize(self):
         for rk in self.ranks:
             rk.stream.sync()
@@ -161,8 +201,11 @@ class EmulatedWorld:
     def dispatch(self, tokens, topk_ids) -> list:
         """One dispatch round trip; returns a ``reference.RankResult`` per rank."""
         self.load_inputs(tokens, topk_ids)
-        self.dispatch_async()
-        self.dispatch_wait()
+        if self.fused:
+            self.dispatch_fused()
+        else:
+            self.dispatch_async()
+            self.dispatch_wait()
         self.check()
         return self.results()
 
@@ -176,7 +219,12 @@ class EmulatedWorld:
             ctr = rk.counters.to_host()
             region_a = ctr[lay.dispatch_wait_region.offset:][:2 * L * R]
             counts = region_a[1::2].reshape(L, R).astype(np.int32)
+            se_start, se_tokens = 0, 0
+            if cfg.fused_shared_expert:
+                se_start, se_tokens = reference.se_slice(
+                    rk.n_tokens, rk.rank, cfg.n_ranks if cfg.skip_a2a else None)
             out.append(reference.RankResult.from_outputs(
                 cfg, rk.rank, rk.out_tokens.to_host()[:n], row_offsets,
-                rk.expert_ids.to_host(), rk.src_info.to_host()[:n], counts))
+                rk.expert_ids.to_host(), rk.src_info.to_host()[:n], counts,
+                se_tokens=se_tokens, se_token_start=se_start))
         return out

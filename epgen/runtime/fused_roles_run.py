@@ -1,0 +1,88 @@
+"""Host runner of the ``ep_fused_roles`` test kernel (``epgen.kernels.fused_roles``) on an
+``EmulatedWorld``: every rank runs the world's dispatch_async, then the test kernel in place of
+dispatch_wait (same buffers, same inter-call ordering), with its L1 arrival counters zeroed and
+its output rows and checksums poisoned first."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+import ir
+
+from ..kernels.fused_roles import (KERNEL_NAME, FusedRolesSpec, build_fused_roles,
+                                   dynamic_smem_bytes)
+from .program import Program
+from .world import CapacityError
+
+POISON = 0xA5
+
+
+@attrs.define
+class FusedRolesResult:
+    """One call: the world's per-rank results, each rank's final L1 arrival counter words
+    (u32 ``[L * pad]``) and ffn checksums (u32 per output row, poison where no row landed)."""
+
+    results: list
+    l1_counters: list
+    ffn_out: list
+
+
+class FusedRolesRunner:
+    """Runs ``ep_fused_roles`` on ``world`` (built with ``fused=False``)."""
+
+    def __init__(self, world, spec: FusedRolesSpec = FusedRolesSpec()):
+        if world.fused:
+            raise ValueError("FusedRolesRunner replaces dispatch_wait: use a world built with "
+                             "fused=False")
+        cfg = world.cfg
+        self.world, self.spec, self.cfg = world, spec, cfg
+        self.smem = dynamic_smem_bytes(cfg)
+        self.program = Program(ir.Module(KERNEL_NAME, (build_fused_roles(cfg, spec),)),
+                               arch=world.program.arch, device=world.device)
+        per_sm = self.program.blocks_per_sm(KERNEL_NAME, self.smem)
+        sms = world.cuda.sm_count(world.device)
+        if cfg.n_ranks * cfg.n_sms > per_sm * sms:
+            raise CapacityError(f"{KERNEL_NAME}: {cfg.n_ranks} ranks x n_sms={cfg.n_sms} blocks "
+                                f"do not fit ({per_sm} per SM x {sms} SMs)")
+        cuda, L, lay = world.cuda, cfg.layout.n_local_experts, cfg.layout
+        self.l1 = [cuda.zeros(L * spec.l1_release_atomic_pad, np.uint32, device=world.device,
+                              stream=rk.stream) for rk in world.ranks]
+        self.ffn_out = [cuda.zeros(lay.max_out_rows, np.uint32, device=world.device,
+                                   stream=rk.stream) for rk in world.ranks]
+
+    def dispatch(self, tokens, topk_ids) -> FusedRolesResult:
+        w, lay = self.world, self.cfg.layout
+        w.load_inputs(tokens, topk_ids)
+        w.dispatch_async()
+        for rk, l1, ffn in zip(w.ranks, self.l1, self.ffn_out):
+            l1.zero(stream=rk.stream)
+            ffn.fill_bytes(POISON, stream=rk.stream)
+            rk.out_tokens.fill_bytes(POISON, stream=rk.stream)
+            self.program.launch(KERNEL_NAME, self.cfg.n_sms, {
+                "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
+                "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
+                "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
+                "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
+                "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns, "l1_arrival_ptr": l1,
+                "ffn_out": ffn}, rk.stream, shmem=self.smem)
+            rk.wait_done = rk.stream.record()
+        self.check()
+        return FusedRolesResult(w.results(), [a.to_host() for a in self.l1],
+                                [a.to_host() for a in self.ffn_out])
+
+
+    def check(self):
+        """Synchronise; raise ``EPTimeoutError`` (records named by either program's kernels)
+        if a wait expired, after re-arming the world."""
+        w = self.world
+        w.synchronize()
+        try:
+            w.err.check(tuple(w.program.module.kernels) + tuple(self.program.module.kernels),
+                        KERNEL_NAME)
+        except Exception:
+            w.reset()
+            raise
+
+
+__all__ = ["FusedRolesRunner", "FusedRolesResult", "POISON"]
