@@ -11,6 +11,7 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
+from . import final_layout
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted,
                      lowest_set_bit)
@@ -32,6 +33,7 @@ class WaitParams:
     src_info: ir.Param
     my_rank: ir.Param
     err_buf: ir.Param
+    hdr_p: ir.Param | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
@@ -46,6 +48,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
         src_info=kb.param("src_info", T.ptr_global),
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
+        hdr_p=final_layout.declare_wait_params(kb, cfg),
     )
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
@@ -58,7 +61,10 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     ``row_offsets`` (expert-major, source-major inside an expert), the within-expert rank
     prefixes (Region B) and zeroed tile counters (Region C); thread 0 stores the cleanup count
     (Region D) and raises the ready flag with ``st.release.gpu`` (Region E). After the flag:
-    the per-pair row ranges (Region A) and the re-armed sentinels."""
+    the per-pair row ranges (Region A) and the re-armed sentinels. Capacity-strided
+    (``ep_final_layout`` alone): ``row_offsets[e] = e * R * max_tokens_per_rank``, each pair's
+    end row from the block offset its count word carries, and the reservation cursors
+    re-armed to 0 (``st.global.b64``)."""
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     ctr = p.atomic_counter
@@ -70,11 +76,16 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     with r.if_(tid.eq(0)):
         r.store(p.row_offsets, 0)
     c = r.var("c", T.u32, 0)
+    strided = lay.capacity_strided
+    if strided:  # the block's offset inside the expert's range, from the count word
+        block_off = r.var("block_off", T.u32, 0)
     with r.if_(tid < E):
         seen = r.spin_wait(_word(p.recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
                            buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
                            scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
         r.assign(c, seen.cast(T.u32))
+        if strided:
+            r.assign(block_off, (seen >> 32).cast(T.u32))
     comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, p.err_buf)
     incl = block_inclusive_scan(r, c, totals, r.n_threads // 32, "incl", comm_barrier_id)
@@ -82,9 +93,10 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     with r.if_(tid < E):
         r.store(_word(S, tid), incl)
         with r.if_((tid % R).eq(R - 1)):
-            r.store(_word(p.row_offsets, e + 1), incl)
+            r.store(_word(p.row_offsets, e + 1), final_layout.group_end(cfg, e, incl))
     comm_sync(r, comm_barrier_id)
-    cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L)
+    if not strided:
+        cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L)
     raw_start = r.var("raw_start", T.u32, 0)
     with r.if_(tid < E):
         with r.if_(e > 0):
@@ -101,9 +113,13 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         prev = r.var("prev_incl", T.u32, 0)
         with r.if_(tid > 0):
             r.assign(prev, r.load(_word(S, tid - 1), T.u32, name="s_prev"))
-        r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + incl + (aligned - raw_start))
+        if strided:  # blocks land in reservation order: the end comes from the count word
+            r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + aligned + block_off + c)
+        else:
+            r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + incl + (aligned - raw_start))
         r.store(_word(ctr, 2 * tid + 1), incl - prev)
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
+    final_layout.rearm_cursors(r, cfg, p.recv_count_p)
 
 
 def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p: WaitParams,
@@ -114,7 +130,11 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
     rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]`` of
     block ``[e, r]``; the format copies the payload and the lane whose top-k id is this expert
-    writes ``src_info[row] = (source index, k)``. The last block to finish lowers the flag."""
+    writes ``src_info[row] = (source index, k)``. The last block to finish lowers the flag.
+    With ``ep_final_layout`` the payload is already in place: ``final_layout.
+    copy_received_headers`` builds ``src_info`` from the header array instead."""
+    if cfg.ep_final_layout:
+        return final_layout.copy_received_headers(r, kb, cfg, p, comm_barrier_id)
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     tile_tokens = fmt.dispatch_wait_tile_shape[0]
