@@ -12,7 +12,9 @@ run.
 What it does not model: the weak memory model (every access is sequentially consistent, so
 a missing ``.release``/``.acquire`` or a too-narrow scope cannot show up here: the PTX
 checks and the GPU tests cover those), caches and the ``nc`` hint, time (``%globaltimer``
-advances by one per read), timeouts (a wait that polls too long raises ``SimHang``).
+advances by one per read). A wait that polls more than ``max_spins`` times raises ``SimHang``,
+or with ``timeouts=True`` expires as a bounded wait does on the GPU (a diagnostic record in
+``err_buf``, the abort word raised, the thread exits; every other wait then gives up).
 Launches may depend on other launches (stream order): a launch's threads start once every
 launch it depends on has finished.
 """
@@ -24,6 +26,7 @@ import random
 import struct
 
 import ir
+from ir import diag
 from ir import nodes as N
 from ir import types as T
 from ir.enums import (AtomOp, BinOpKind, CmpOp, ReduxOp, ShflMode, SReg, UnOpKind,
@@ -156,11 +159,13 @@ class Sim:
     """The interpreter. ``launch(kernel, grid, params, after=())`` queues a grid; ``run()``
     runs every queued grid to completion."""
 
-    def __init__(self, seed: int = 0, max_spins: int = 20000, preempt: float = 0.2):
+    def __init__(self, seed: int = 0, max_spins: int = 20000, preempt: float = 0.2,
+                 timeouts: bool = False):
         self.mem = Memory()
         self.rng = random.Random(seed)
         self.max_spins = max_spins
         self.preempt = preempt
+        self.timeouts = timeouts
         self.launches: list[_Launch] = []
         self.clock = 0
         self._codes: dict = {}      # id(statement tuple) -> compiled ops
@@ -224,7 +229,7 @@ class Sim:
             return
         if kind == "spin":
             th.spins += 1
-            if th.spins > self.max_spins:
+            if th.spins > self.max_spins and not self.timeouts:
                 _, site, idx, seen = req
                 raise SimHang(f"kernel {th.launch.kernel.name} block {th.block} thread "
                               f"{th.tid}: waited on {site.buffer}[{idx}], last saw {seen:#x}")
@@ -504,8 +509,11 @@ class Sim:
         udt, dt = T.DType("u", bits), s.dtype
         slot = None if s.dst is None else self._slot(s.dst)
 
+        err_buf, timeout = f(s.err_buf), f(s.timeout_ns)
+
         def spin(th):
             want = _mask(expected(th), bits)
+            polls = 0
             while True:
                 seen = self._load(addr(th), dt)
                 field = seen >> shift
@@ -513,10 +521,41 @@ class Sim:
                     field &= mask
                 if self._cmp(op, field, want, udt):
                     break
+                if self.timeouts:
+                    polls += 1
+                    if polls > self.max_spins and timeout(th) != 0:
+                        self._expire(th, s, seen, want, polls)
+                        raise _Exit()
+                    if self._load(err_buf(th) + 4 * diag.ABORT_WORD, T.u32):
+                        raise _Exit()   # another wait of the launch group gave up
                 yield ("spin", s.site, index(th), seen)
             if slot is not None:
                 th.vars[slot] = seen
         return spin
+
+    def _expire(self, th, s: N.SpinWait, seen: int, want: int, polls: int) -> None:
+        """What an expired bounded wait does (backends/nvptx/spin_wait.py): claim a record
+        slot, write the record (``ir.diag`` layout), raise the abort word; the caller exits."""
+        base = self._fn(s.err_buf)(th)
+        word = lambda i: base + 4 * i  # noqa: E731
+        slot = self._load(word(diag.COUNT_WORD), T.u32)
+        self._store(word(diag.COUNT_WORD), slot + 1, T.u32)
+        if slot < diag.MAX_RECORDS:
+            values = {"magic": diag.RECORD_MAGIC,
+                      "kernel_tag": diag.kernel_tag(th.launch.kernel.name),
+                      "site_id": s.site.site_id, "rank": self._fn(s.rank)(th),
+                      "block": th.block, "thread": th.tid, "warp": th.tid // 32,
+                      "smid": th.block % 132, "index": self._fn(s.site.index)(th),
+                      "expected": want, "last_seen": seen, "elapsed_ns": polls}
+            first = diag.HEADER_WORDS + slot * diag.RECORD_WORDS
+            for field, offset in diag.FIELDS.items():
+                v = values[field]
+                if field in diag.WIDE_FIELDS:
+                    self._store(word(first + offset), v & 0xFFFFFFFF, T.u32)
+                    self._store(word(first + offset + 1), (v >> 32) & 0xFFFFFFFF, T.u32)
+                else:
+                    self._store(word(first + offset), v & 0xFFFFFFFF, T.u32)
+        self._store(word(diag.ABORT_WORD), 1, T.u32)
 
     # -- expressions: compiled once per node into fn(th) -> value --------------------------------
     def _fn(self, e):

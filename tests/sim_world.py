@@ -112,6 +112,7 @@ class FakeProgram:
     def __init__(self, module, arch=None, device=None):
         self.module = module
         self.device = "sim"
+        self.sim = FakeProgram.sim        # the simulator of the world being built
 
     def launch(self, name, grid, args, stream=None, shmem=0):
         k = self.module.kernel(name)
@@ -125,9 +126,10 @@ class FakeProgram:
 
 
 @contextlib.contextmanager
-def sim_world(cfg, seed: int = 0, max_spins: int = 20000):
+def sim_world(cfg, seed: int = 0, max_spins: int = 20000, timeouts: bool = False,
+              **world_kwargs):
     """An ``EmulatedWorld`` of ``cfg`` whose kernels run on ``ir_sim.Sim(seed)``."""
-    sim = Sim(seed=seed, max_spins=max_spins)
+    sim = Sim(seed=seed, max_spins=max_spins, timeouts=timeouts)
     fake = fake_cuda(sim)
     saved_mod, saved_attr = sys.modules.get("backends.cuda"), getattr(backends, "cuda", None)
     saved_program = world_mod.Program
@@ -136,7 +138,7 @@ def sim_world(cfg, seed: int = 0, max_spins: int = 20000):
     backends.cuda = fake
     world_mod.Program = FakeProgram
     try:
-        world = world_mod.EmulatedWorld(cfg)
+        world = world_mod.EmulatedWorld(cfg, **world_kwargs)
         world.sim = sim
         yield world
     finally:

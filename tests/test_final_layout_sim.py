@@ -159,3 +159,31 @@ def test_broken_protocol_is_caught(mutation, monkeypatch):
         except (AssertionError, SimHang):
             return
     pytest.fail(f"{mutation} went unnoticed over 3 seeds of 4 calls")
+
+
+@pytest.mark.parametrize("flags,where", [
+    ("final_layout", ("ep_dispatch_wait", "aux", "recv_count")),
+    ("prod_reserve", ("ep_dispatch_async", "monitor", "prod_early_count")),
+])
+def test_missing_rank_times_out_then_recovers(flags, where, seed):
+    """Only rank 0 runs: its bounded waits expire (simulated), the world raises
+    EPTimeoutError naming what was waited on, and after reset() every rank works again."""
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS[flags])
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed, max_spins=300, timeouts=True) as world:
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        world.load_inputs(toks, ids)
+        others = world.ranks[1:]
+        world.ranks = world.ranks[:1]
+        try:
+            world.dispatch_async()
+            world.dispatch_wait()
+            with pytest.raises(epgen.EPTimeoutError) as info:
+                world.check()
+        finally:
+            world.ranks += others
+        kinds = {(r.kernel, r.role, r.buffer) for r in info.value.records}
+        assert where in kinds, f"seed {seed}: {kinds}"
+        assert all(r.rank == 0 for r in info.value.records)
+        world.reset()
+        run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
