@@ -25,7 +25,6 @@ import operator
 import random
 import struct
 
-import ir
 from ir import diag
 from ir import nodes as N
 from ir import types as T
@@ -802,9 +801,3 @@ class Sim:
         if isinstance(dst, T.DType) and dst.kind == "f":
             return _scalar_value(_mask(v, dst.bits).to_bytes(dst.nbytes, "little"), dst)
         return v
-
-
-
-
-def kernels_of(module: ir.Module) -> dict:
-    return {k.name: k for k in module.kernels}
