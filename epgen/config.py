@@ -179,6 +179,18 @@ class EPConfig:
         rule(self.ep_final_layout or not self.ep_prod_reserve,
              ("ep_prod_reserve", "ep_final_layout"),
              "ep_prod_reserve requires ep_final_layout")
+        rule(not (self.ep_final_layout and self.fused_shared_expert),
+             ("ep_final_layout", "fused_shared_expert"),
+             "ep_final_layout and fused_shared_expert are exclusive (the shared expert lives in "
+             "the fused single-launch kernel, which does not take ep_final_layout yet)")
+        rule(not (self.ep_final_layout and self.skip_a2a), ("ep_final_layout", "skip_a2a"),
+             "ep_final_layout and skip_a2a are exclusive (ep_final_layout has every source "
+             "write into its peers' grouped outputs; skip_a2a keeps each device's tokens on "
+             "that device, so nothing is laid out across ranks)")
+        rule(not self.ep_final_layout or E * self.max_tokens_per_rank < 2**31,
+             ("ep_final_layout", "n_experts", "max_tokens_per_rank"),
+             f"with ep_final_layout, n_experts * max_tokens_per_rank must be < 2**31 (output "
+             f"rows travel as 31-bit block bases), got {E * self.max_tokens_per_rank}")
         rule(self.has_rank_flag == self.ep_ord_r, ("has_rank_flag", "ep_ord_r"),
              f"has_rank_flag requires ep_ord_r (and vice versa), got has_rank_flag="
              f"{self.has_rank_flag}, ep_ord_r={self.ep_ord_r}")

@@ -1,6 +1,7 @@
 """Golden variants of the EP dispatch kernels: ``ep/<preset>`` is the module of both entry
 points (``ep_dispatch_async``, ``ep_dispatch_wait``) of that preset, pinned in
 ``golden/ep/<preset>.{ir,ptx}``. ``epgen ptx`` with no arguments prints ``ep/default``'s PTX.
+``ep/<flag variant>`` (``FLAG_VARIANTS``) is the small preset with some flags set.
 """
 
 from __future__ import annotations
@@ -49,3 +50,29 @@ def ep_fused_roles_module():
     from .kernels.fused_roles import KERNEL_NAME, build_fused_roles
     from .presets import load_preset
     return ir.Module(KERNEL_NAME, (build_fused_roles(load_preset("small")),))
+
+
+# Flag variants on the small preset: name -> the EPConfig flags it sets.
+FLAG_VARIANTS = {
+    "final_layout": {"ep_final_layout": True},
+    "final_layout_prod_reserve": {"ep_final_layout": True, "ep_prod_reserve": True},
+}
+
+
+def flag_variant_config(name: str):
+    """The ``EPConfig`` of flag variant ``ep/<name>``: the small preset plus its flags."""
+    from .presets import load_preset
+    return load_preset("small").replace(**FLAG_VARIANTS[name])
+
+
+def _register_flags(name: str) -> None:
+    def build():
+        from .kernels import build_module
+        return build_module(flag_variant_config(name))
+
+    build.__qualname__ = f"ep_{name}_module"
+    golden(f"ep/{name}")(build)
+
+
+for _name in FLAG_VARIANTS:
+    _register_flags(_name)

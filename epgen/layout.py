@@ -12,6 +12,13 @@ range-checked.
 
 Words of the counter array are Int32 (``EPLocalSyncCounters``); words of the receive-count
 buffer are UInt64.
+
+``ep_final_layout`` / ``ep_prod_reserve`` (ours, DESIGN section 6; docs/final-layout.md) add,
+per rank: a header array row-parallel to the grouped output (``hdr_*``, peer-visible), the
+reservation cursors ``[rc_cursor_base, +L)`` of the receive-count buffer (initialised 0), the
+block-base hand-off words of ``final_layout_region`` in the counter array (rank-local), and,
+with ``ep_prod_reserve``, a peer-visible prod buffer of ``2E`` UInt64 words (``prod_*``: the
+early counts a destination receives, then the mailboxes a source receives).
 """
 
 from __future__ import annotations
@@ -287,7 +294,11 @@ class Layout:
     def block_capacity(self) -> int:
         """Message slots per (local expert, source) block of the receive buffer (ours):
         ``max_tokens_per_rank`` as in the reference, or ``cfg.recv_block_capacity`` to bound
-        the buffer's memory (routings that overflow a block are refused on the host)."""
+        the buffer's memory (routings that overflow a block are refused on the host). With
+        ``ep_final_layout`` there is no staging buffer to bound, so ``recv_block_capacity``
+        has no effect there: ``max_tokens_per_rank``."""
+        if self.cfg.ep_final_layout:
+            return self.cfg.max_tokens_per_rank
         return self.cfg.recv_block_capacity or self.cfg.max_tokens_per_rank
 
     def recv_buf_layout(self, e, r, slot, byte=0):
@@ -448,25 +459,75 @@ class Layout:
 
     @property
     def final_layout_region(self) -> CounterRegion:
-        """Ours (DESIGN section 6, ``ep_final_layout``/``ep_prod_reserve``), always reserved:
-        ``[0, E)`` the block bases the monitor warps hand to their comm warps (one Int32 per
-        destination expert, indexed like the dispatch_async counters ``e * R + dst_rank``);
-        ``[2E, 4E)`` (8-byte aligned) the source-local prod-reserve mailboxes, one UInt64
-        ``base | gen << 32`` per destination expert, same index."""
+        """Ours (DESIGN section 6, ``ep_final_layout``), always reserved: ``E`` Int32 words,
+        the block bases the dispatch_async monitor warps hand to their comm warps in the
+        capacity-strided layout. Word ``e * R + dst_rank`` (indexed like the dispatch_async
+        counters) holds ``first_row | FINAL_BASE_VALID`` (bit 31) while expert ``e`` of
+        ``dst_rank`` has a reserved block in this call; released and acquired at gpu scope
+        (the word never leaves this rank), re-armed to 0 by the monitor once the block is
+        written. See ``epgen/kernels/final_layout.py`` and docs/final-layout.md."""
         return CounterRegion("final_layout",
                              _align(self.combine_rank_completion_region.end, REGION_ALIGN_WORDS),
-                             4 * self._E, "final-layout base hand-off, prod-reserve mailbox")
+                             self._E, "final-layout block-base hand-off (monitor -> comm warps)")
 
     @property
     def final_base_offset(self) -> int:
         """Ours: offset of the base hand-off words inside ``final_layout_region``."""
         return 0
 
+    # ---- ep_final_layout / ep_prod_reserve buffers (ours, DESIGN section 6) ----------------
+    @property
+    def hdr_bytes(self) -> int:
+        """Ours: bytes of one row of the final-layout header array: the message's header
+        fields as they are staged (``msg_size() - token_size``): int32 source token index at
+        0, int32 source rank at ``hdr_src_rank_offset`` (the padding of the source-index
+        field), uint16 top-k ids from ``hdr_topk_offset``. A multiple of 16."""
+        fmt = self.cfg.token_fmt
+        return fmt.msg_size() - fmt.src_info_offset
+
+    @property
+    def hdr_src_rank_offset(self) -> int:
+        """Ours: byte offset of the int32 source rank in a header row (and in a staged
+        message's source-index field, ``src_info_offset + 4``)."""
+        return 4
+
+    @property
+    def hdr_topk_offset(self) -> int:
+        """Ours: byte offset of the uint16 top-k ids in a header row."""
+        fmt = self.cfg.token_fmt
+        return fmt.topk_info_offset - fmt.src_info_offset
+
+    @property
+    def hdr_buf_bytes(self) -> int:
+        """Ours: bytes of one rank's header array (``max_out_rows`` rows of ``hdr_bytes``,
+        row-parallel to the grouped output; peer-visible); 0 without ``ep_final_layout``."""
+        return self.max_out_rows * self.hdr_bytes if self.cfg.ep_final_layout else 0
+
+    @property
+    def prod_early_count_offset(self) -> int:
+        """Ours: UInt64 word offset of the early counts in the prod buffer. Destination side:
+        word ``e * R + src`` is ``count | gen << 32``, the tokens source ``src`` routes to
+        local expert ``e`` in generation ``gen`` (st.release.sys by the source's monitor)."""
+        return 0
+
     @property
     def prod_mailbox_offset(self) -> int:
-        """Ours: offset (Int32 words, even) of the UInt64 mailboxes inside
-        ``final_layout_region``."""
-        return 2 * self._E
+        """Ours: UInt64 word offset of the mailboxes in the prod buffer. Source side: word
+        ``e * R + dst`` is ``base | gen << 32``, the first output row destination ``dst``
+        reserved for this source's block of its local expert ``e`` (st.release.sys by
+        ``dst``'s reserver); the source's comm warps poll it (``prod_gen_p``)."""
+        return self._E
+
+    @property
+    def prod_buf_words(self) -> int:
+        """Ours: UInt64 words of one rank's prod buffer (``ep_prod_reserve``; peer-visible,
+        zeroed once at allocation, never re-armed: generation tags start at 1 and grow
+        every call): ``E`` early counts then ``E`` mailboxes; 0 without ``ep_prod_reserve``."""
+        return 2 * self._E if self.cfg.ep_prod_reserve else 0
+
+    @property
+    def prod_buf_bytes(self) -> int:
+        return 8 * self.prod_buf_words
 
     def counter_regions(self) -> dict[str, CounterRegion]:
         """Every region of the counter array, in address order."""
@@ -520,6 +581,10 @@ class Layout:
 
     @property
     def recv_buf_bytes(self) -> int:
+        """Bytes of the staging receive buffer; 0 with ``ep_final_layout``, where sources
+        write the grouped output directly and nothing is staged."""
+        if self.cfg.ep_final_layout:
+            return 0
         return self._L * self._R * self.block_capacity * self.msg_bytes
 
     @property
@@ -549,6 +614,7 @@ class Layout:
             "out_tokens_shape": [self.max_out_rows, *fmt.out_row_shape],
             "row_offsets_len": self.n_groups + 1, "expert_ids_len": self.n_groups,
             "src_info_shape": [self.max_out_rows, 2],
+            "hdr_buf_bytes": self.hdr_buf_bytes, "prod_buf_words": self.prod_buf_words,
         }
 
     def members(self) -> dict:

@@ -11,6 +11,14 @@ source in token order. The kernels fill a block's slots in the order their reser
 happened, so rows may be permuted within an (expert, source) block; ``RankResult.canonical()``
 and ``compare`` sort each block by source token index before comparing.
 
+``ep_final_layout`` (docs/final-layout.md): without ``ep_prod_reserve`` the layout is
+capacity-strided: group ``j`` starts at row ``j * R * max_tokens_per_rank`` and its (expert,
+source) blocks fill ``[start, start + total)`` in the order the sources reserved them, so the
+model's ``block_starts`` (source-rank-major) is one valid order of many; ``compare`` accepts
+any order of whole blocks that tiles that range exactly. With ``ep_prod_reserve`` the layout
+is the standard one above, blocks source-rank-major (deterministic), rows inside a block still
+in reservation order.
+
 ``skip_a2a`` (protocol 7.3) follows the reference's instantiation: ``cfg.n_ranks == 1`` and
 ``cfg.n_experts`` is one device's expert count ``L``; the lists hold one input per *device*,
 ``ranks`` gives each device's id (default ``0, 1, ...``), and device ``d`` keeps its own tokens
@@ -398,9 +406,11 @@ def compare(cfg, expected: RankResult, actual: RankResult, *, limit: int = 10) -
         diffs.append(f"rank {r} shared-expert rows: got ({actual.se_tokens} from "
                      f"{actual.se_token_start}), expected ({expected.se_tokens} from "
                      f"{expected.se_token_start})")
-    if not cfg.layout.capacity_strided:  # there, blocks land in reservation order
+    if not cfg.layout.capacity_strided:
         diffs += _first_diff(expected.block_starts, actual.block_starts,
                              f"rank {r} block_starts", limit)
+    else:  # there, blocks land in reservation order, tiling each group's dense range
+        diffs += _strided_tiling_diffs(expected, actual)
     if diffs:
         return diffs
     try:
@@ -436,6 +446,29 @@ def compare(cfg, expected: RankResult, actual: RankResult, *, limit: int = 10) -
         diffs += [f"rank {r} out_tokens: shared-expert row {g0 + row} differs"
                   for row in bad[:limit]]
     return diffs[:limit]
+
+
+def _strided_tiling_diffs(expected: RankResult, actual: RankResult) -> list[str]:
+    """Capacity-strided layout: the non-empty (expert, source) blocks of ``actual`` must tile
+    each group's dense range ``[row_offsets[g], row_offsets[g] + total)`` exactly, in any
+    order (counts are compared first)."""
+    counts = np.asarray(actual.counts, dtype=np.int64)
+    starts = np.asarray(actual.block_starts, dtype=np.int64)
+    se = expected.se
+    diffs = []
+    for e in range(counts.shape[0]):
+        g0 = int(expected.row_offsets[e + se])
+        spans = sorted((int(starts[e, s]), int(counts[e, s]), s)
+                       for s in range(counts.shape[1]) if counts[e, s])
+        at = g0
+        for start, c, s in spans:
+            if start != at:
+                diffs.append(f"rank {expected.rank} block_starts: expert {e} source {s} starts "
+                             f"at row {start}, expected the next free row {at} of the expert's "
+                             f"dense range from {g0}")
+                break
+            at += c
+    return diffs
 
 
 def assert_match(cfg, expected, actual, *, limit: int = 10) -> None:

@@ -101,6 +101,10 @@ VIOLATIONS = [
      ["skip_a2a", "use_shmem"], "exclusive"),
     (dict(skip_a2a=True), ["skip_a2a", "n_ranks"], "n_ranks=1"),
     (dict(ep_prod_reserve=True), ["ep_prod_reserve", "ep_final_layout"], "requires"),
+    (dict(ep_final_layout=True, skip_a2a=True, n_ranks=1, n_experts=32, p2p_world_size=1),
+     ["ep_final_layout", "skip_a2a"], "exclusive"),
+    (dict(ep_final_layout=True, n_experts=256, max_tokens_per_rank=2**23),
+     ["ep_final_layout", "n_experts", "max_tokens_per_rank"], "< 2**31"),
     (dict(has_rank_flag=True), ["has_rank_flag", "ep_ord_r"], "requires ep_ord_r"),
     (dict(ep_ord_r=True), ["has_rank_flag", "ep_ord_r"], "requires ep_ord_r"),
     (dict(timeout_ns=-1), ["timeout_ns"], ">= 0"),
@@ -176,3 +180,11 @@ def test_valid_configurations(changes):
     cfg.layout.assert_l1_vslot_ticket_layout()
     cfg.layout.check()
     assert isinstance(cfg.token_fmt, TokenFormat)
+
+
+def test_final_layout_excludes_the_fused_shared_expert():
+    from epgen import BF16Format, EPConfig
+    with pytest.raises(ValueError, match="ep_final_layout.*fused_shared_expert"):
+        EPConfig(num_threads=256, n_sms=17, n_experts=32, n_ranks=2, max_tokens_per_rank=8,
+                 p2p_world_size=2, use_shmem=False, token_fmt=BF16Format(hid_dim=64, top_k=2),
+                 ep_final_layout=True, fused_shared_expert=True)

@@ -261,7 +261,7 @@ def test_counter_regions_cover_every_offset(c, flags):
         assert a1 <= b0
     assert lay.counter_words == spans[-1][1] and lay.counter_bytes == 4 * lay.counter_words
     assert all(r.offset % 32 == 0 for r in regions.values())
-    assert lay.prod_mailbox_offset % 2 == 0 and regions["final_layout"].offset % 2 == 0
+    assert regions["final_layout"].size == E and lay.final_base_offset == 0
     lay.assert_l1_vslot_ticket_layout()
     lay.check()
 
@@ -327,3 +327,37 @@ def test_recv_block_capacity_bounds_the_receive_buffer():
     for bad in (0, 129, True, 2.5):
         with pytest.raises(ValueError, match="recv_block_capacity"):
             make(CONFIGS[0], recv_block_capacity=bad)
+
+
+# ---- ep_final_layout / ep_prod_reserve buffers (ours, docs/final-layout.md) -------------------
+@pytest.mark.parametrize("c", CONFIGS)
+def test_final_layout_buffers(c):
+    num_threads, n_sms, E, R, max_tpr, P, H, K = c
+    L = E // R
+    plain = make(c).layout
+    assert plain.hdr_buf_bytes == 0 and plain.prod_buf_words == 0
+    lay = make(c, ep_final_layout=True).layout
+    fmt = lay.cfg.token_fmt
+    # a header row is the staged message's header fields: src index, src rank, top-k ids
+    assert lay.hdr_bytes == fmt.msg_size() - fmt.token_size and lay.hdr_bytes % 16 == 0
+    assert lay.hdr_src_rank_offset == 4 and lay.hdr_src_rank_offset + 4 <= fmt.src_info_size
+    assert lay.hdr_topk_offset == fmt.src_info_size
+    assert lay.hdr_topk_offset + 2 * K <= lay.hdr_bytes
+    assert lay.capacity_strided and lay.max_out_rows == L * R * max_tpr
+    assert lay.hdr_buf_bytes == lay.max_out_rows * lay.hdr_bytes
+    assert lay.recv_buf_bytes == 0 and lay.prod_buf_words == 0   # nothing staged
+    prod = make(c, ep_final_layout=True, ep_prod_reserve=True).layout
+    assert not prod.capacity_strided
+    assert prod.max_out_rows == make(c).layout.max_out_rows
+    # E early counts (destination side), then E mailboxes (source side), UInt64 words
+    assert prod.prod_early_count_offset == 0 and prod.prod_mailbox_offset == E
+    assert prod.prod_buf_words == 2 * E and prod.prod_buf_bytes == 16 * E
+    assert prod.sizes()["prod_buf_words"] == 2 * E
+    # the reservation cursors end the receive-count buffer and start at 0
+    init = prod.recv_count_initial()
+    assert (init[prod.rc_cursor_base:] == 0).all() and len(init) == prod.rc_cursor_base + L
+
+
+def test_recv_block_capacity_has_no_effect_with_final_layout():
+    lay = make(CONFIGS[0], ep_final_layout=True, recv_block_capacity=16).layout
+    assert lay.block_capacity == 128 and lay.recv_buf_bytes == 0

@@ -391,6 +391,25 @@ def test_strided_compare_allows_any_block_order():
     assert not reference.compare(cfg, x, a), f"seed={seed}"
 
 
+def test_strided_compare_rejects_blocks_that_do_not_tile():
+    """Capacity-strided: blocks may come in any order, but must tile [start, start + total)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    cfg = make_cfg(E=8, R=2, K=2, max_tpr=8, ep_final_layout=True)
+    tokens, ids = random_inputs(rng, cfg, [8, 8])
+    x = reference.dispatch(cfg, tokens, ids)[0]
+    e = int(np.argmax((x.counts > 0).all(axis=1) * x.counts.sum(axis=1)))
+    assert (x.counts[e] > 0).all(), f"seed={seed}"
+    for shift in (1, -1):      # a gap after the expert's start, or an overlap
+        starts = x.block_starts.copy()
+        starts[e, 1] += shift
+        a = attrs.evolve(x, block_starts=starts)
+        assert any("block_starts" in d for d in reference.compare(cfg, x, a)), f"seed={seed}"
+    starts = x.block_starts.copy()
+    starts[e] += 1             # the whole expert one row late
+    assert reference.compare(cfg, x, attrs.evolve(x, block_starts=starts)), f"seed={seed}"
+
+
 # ---- input validation ---------------------------------------------------------------------------
 def good_inputs(cfg, n_tokens=(3, 0, 2, 4)):
     return random_inputs(np.random.default_rng(1), cfg, list(n_tokens))

@@ -31,6 +31,8 @@ def world_memory(cfg) -> dict:
         "row_offsets": (lay.n_groups + 1) * 4,
         "expert_ids": lay.n_groups * 4,
         "src_info": lay.max_out_rows * 8,
+        "hdr_buf": lay.hdr_buf_bytes,            # ep_final_layout
+        "prod_buf": lay.prod_buf_bytes,          # ep_prod_reserve
     }
     rank_total = sum(granule(v) for v in per_rank.values())
     extra = 2 * cfg.n_ranks * granule(8 * cfg.p2p_world_size) + 8 * ALLOC_GRANULE  # ptrs, diag

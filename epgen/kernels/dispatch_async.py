@@ -11,6 +11,7 @@ import ir
 from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode
 from ir import types as T
 
+from . import final_layout
 from .common import comm_sync, copy_vectors, load_pointer
 from .common import word as _word
 
@@ -30,9 +31,10 @@ class AsyncParams:
     counters: ir.Param
     my_rank: ir.Param
     err_buf: ir.Param
+    final: final_layout.FinalAsyncParams | None = None
 
 
-def declare_params(kb: ir.KernelBuilder) -> AsyncParams:
+def declare_params(kb: ir.KernelBuilder, cfg=None) -> AsyncParams:
     p = AsyncParams(
         input_tokens=kb.param("input_tokens", T.ptr_global),
         topk_ids=kb.param("topk_ids", T.ptr_global),
@@ -43,6 +45,7 @@ def declare_params(kb: ir.KernelBuilder) -> AsyncParams:
         counters=kb.param("counters", T.ptr_global),
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
+        final=final_layout.declare_async_params(kb, cfg) if cfg is not None else None,
     )
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
@@ -53,7 +56,11 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
     counts that expert's ``(token, k)`` pairs (``redux.sync.add``); lane 0 waits (bounded,
     ``ld.acquire.gpu``) until the comm warps have finished that many copies, publishes the
     count into the destination's receive-count word with ``st.release.sys`` (per-expert
-    completion), and re-arms its two counters.
+    completion), and re-arms its two counters. With ``ep_final_layout`` the warp first
+    reserves its block of the destination's output (``final_layout.reserve_rows``: the
+    cursor's ``atom.relaxed.sys.global.add.u64`` and the ``st.release.gpu`` base hand-off, or
+    with ``ep_prod_reserve`` the ``st.release.sys.global.b64`` early count and the reserver),
+    and the count word carries the block's offset when the layout is capacity-strided.
 
     ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
     be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
@@ -75,6 +82,7 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             tid_g = r.load(_word(p.topk_ids, i), T.u32, cache=CacheHint.NC, name="id")
             r.assign(cnt, cnt + ir.Cast(T.u32, tid_g.eq(g)))
         count = r.redux(ReduxOp.ADD, cnt, name="count")
+        fl_off = final_layout.reserve_rows(r, cfg, p, p.final, g, count) if p.final else None
         with r.if_(r.lane.eq(0)):
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
@@ -88,9 +96,13 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
                                   "recv_count_dst", peer=not cfg.skip_a2a)
             published = count.min(lay.block_capacity) if lay.block_capacity < cfg.max_tokens_per_rank else count
+            if p.final:
+                published = final_layout.count_word(cfg, count, fl_off)
             r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
             r.store(_word(reserved, counter_offset), 0)
             r.store(_word(finished, counter_offset), 0)
+            if p.final:
+                final_layout.rearm_handoff(r, cfg, p.final, counter_offset)
 
 
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
@@ -100,7 +112,9 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
     ``topk_ids[t, k]`` (``atom.relaxed.gpu.add``), copies the message to the destination's
     receive buffer with 16-byte stores, and counts the copy finished with
-    ``red.release.gpu.add``."""
+    ``red.release.gpu.add``. With ``ep_final_layout`` the header also carries the source rank
+    and the copy goes straight to the destination's output row and header row
+    (``final_layout.copy_to_final_row``)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     msg_bytes = lay.msg_bytes
@@ -115,6 +129,8 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
             r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), gid.cast(T.u16))
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
+            if p.final:
+                final_layout.stage_source_rank(r, cfg, p, msg)
         send_join(r, cfg, comm_barrier_id)
         with r.for_range("k", r.warp, K, r.n_threads // 32) as k:
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
@@ -127,15 +143,19 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
                     r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
                                             Scope.GPU, name="slot0"))
                 slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_b")
-                rank_coord = 0 if cfg.skip_a2a else p.my_rank
-                dst_p2p = 0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size
-                recv = load_pointer(r, p.recv_buf_ptrs, dst_p2p, "recv_dst", peer=not cfg.skip_a2a)
-                # device guard: a slot past the block's capacity is never written (the host
-                # refuses such routings; the monitor publishes the clamped count)
-                with r.if_(slot_b < lay.block_capacity):
-                    row = ((e * R + rank_coord) * lay.block_capacity + slot_b).cast(T.u64)
-                    dst = r.let("dst", recv + row * msg_bytes, peer=not cfg.skip_a2a)
-                    copy_vectors(r, dst, msg, msg_bytes // 16, r.lane, 32, tag="fan")
+                if p.final:
+                    final_layout.copy_to_final_row(r, cfg, p.final, msg, dst_rank, co, slot_b)
+                else:
+                    rank_coord = 0 if cfg.skip_a2a else p.my_rank
+                    dst_p2p = 0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size
+                    recv = load_pointer(r, p.recv_buf_ptrs, dst_p2p, "recv_dst",
+                                        peer=not cfg.skip_a2a)
+                    # device guard: a slot past the block's capacity is never written (the host
+                    # refuses such routings; the monitor publishes the clamped count)
+                    with r.if_(slot_b < lay.block_capacity):
+                        row = ((e * R + rank_coord) * lay.block_capacity + slot_b).cast(T.u64)
+                        dst = r.let("dst", recv + row * msg_bytes, peer=not cfg.skip_a2a)
+                        copy_vectors(r, dst, msg, msg_bytes // 16, r.lane, 32, tag="fan")
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
@@ -151,7 +171,7 @@ def build_dispatch_async(cfg) -> ir.Kernel:
     """The dispatch_async entry point: blocks ``[0, n_signal_sms)`` monitor, the rest send."""
     lay = cfg.layout
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
-    p = declare_params(kb)
+    p = declare_params(kb, cfg)
     with kb.role("monitor", blocks=(0, lay.n_signal_sms)) as r:
         monitor_and_signal_completion(r, cfg, p)
     with kb.role("comm", blocks=(lay.n_signal_sms, None)) as r:

@@ -11,6 +11,7 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
+from . import final_layout
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted,
                      lowest_set_bit)
@@ -34,6 +35,7 @@ class WaitParams:
     src_info: ir.Param
     my_rank: ir.Param
     err_buf: ir.Param
+    hdr_p: ir.Param | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
@@ -48,6 +50,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
         src_info=kb.param("src_info", T.ptr_global),
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
+        hdr_p=final_layout.declare_wait_params(kb, cfg),
     )
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
@@ -68,7 +71,10 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
 
     With ``fused_shared_expert`` the shared expert is group 0 (``expert_ids[j] = j``, local
     expert ``e`` is group ``e + 1``) of ``reserved_shared_expert_tokens`` rows (a u32
-    expression), so ``row_offsets[1]`` is that count and the routed rows follow it."""
+    expression), so ``row_offsets[1]`` is that count and the routed rows follow it.
+    Capacity-strided (``ep_final_layout`` alone): ``row_offsets[e] = e * R * max_tokens_per_rank``,
+    each pair's end row from the block offset its count word carries, and the reservation
+    cursors re-armed to 0 (``st.global.b64``)."""
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     se = int(bool(cfg.fused_shared_expert))
@@ -87,11 +93,16 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         if se:
             r.store(_word(p.row_offsets, 1), reserved)
     c = r.var("c", T.u32, 0)
+    strided = lay.capacity_strided
+    if strided:  # the block's offset inside the expert's range, from the count word
+        block_off = r.var("block_off", T.u32, 0)
     with r.if_(tid < E):
         seen = r.spin_wait(_word(p.recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
                            buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
                            scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
         r.assign(c, seen.cast(T.u32))
+        if strided:
+            r.assign(block_off, (seen >> 32).cast(T.u32))
     comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, p.err_buf)
     incl = block_inclusive_scan(r, c, totals, r.n_threads // 32, "incl", comm_barrier_id)
@@ -99,9 +110,11 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     with r.if_(tid < E):
         r.store(_word(S, tid), incl)
         with r.if_((tid % R).eq(R - 1)):
-            r.store(_word(p.row_offsets, e + (1 + se)), incl + reserved if se else incl)
+            end = final_layout.group_end(cfg, e, incl)
+            r.store(_word(p.row_offsets, e + (1 + se)), end + reserved if se else end)
     comm_sync(r, comm_barrier_id)
-    cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L + se)
+    if not strided:
+        cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L + se)
     raw_start = r.var("raw_start", T.u32, 0)
     with r.if_(tid < E):
         with r.if_(e > 0):
@@ -125,9 +138,13 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         prev = r.var("prev_incl", T.u32, 0)
         with r.if_(tid > 0):
             r.assign(prev, r.load(_word(S, tid - 1), T.u32, name="s_prev"))
-        r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + incl + (aligned - raw_start))
+        if strided:  # blocks land in reservation order: the end comes from the count word
+            r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + aligned + block_off + c)
+        else:
+            r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + incl + (aligned - raw_start))
         r.store(_word(ctr, 2 * tid + 1), incl - prev)
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
+    final_layout.rearm_cursors(r, cfg, p.recv_count_p)
 
 
 def copy_scratch_bytes(cfg) -> int:
@@ -181,6 +198,8 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     ``red.release.gpu.global.add.u32`` of ``l1_release_delta`` per ``l1_release_token_block``
     tokens (the last block of an expert may be partial), so expert ``e``'s counter ends at
     ``delta * ceil(count_e / token_block)``."""
+    if cfg.ep_final_layout:
+        return final_layout.copy_received_headers(r, kb, cfg, p, comm_barrier_id)
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     se = int(bool(cfg.fused_shared_expert))

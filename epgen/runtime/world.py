@@ -13,6 +13,13 @@ kernels use is re-armed by the kernels themselves.
 of call N+1 waits on the events recorded after every rank's launch of call N. With
 ``cfg.fused_shared_expert`` the world always uses the fused kernel (the standalone kernels do
 not take the shared expert) and refuses ``fused=False``.
+
+``ep_final_layout`` (docs/final-layout.md): sources write each rank's grouped output and
+header array directly, so the world allocates both per rank and passes every kernel the
+tables of all ranks' pointers; the same event ordering also keeps a call's rows from being
+overwritten by the next call before the host has read them. ``ep_prod_reserve``: every call
+gets a new generation (``prod_gen`` = 1, 2, ...; ``GenerationCounter``), so the early counts
+and mailboxes of the prod buffers never need re-arming.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
+from ..layout import EP_DATA_READY_FLAG
 from ..kernels import build_module
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
@@ -31,6 +39,36 @@ from .program import Program
 class CapacityError(ValueError):
     """The ranks' grids cannot all be resident on the GPU at once (their spin-waits could
     deadlock): the message names the parameters to change."""
+
+
+class GenerationCounter:
+    """The ``prod_gen`` of successive calls: 1, 2, ... up to ``limit`` (the 32-bit tag's
+    largest value). Before it would wrap, ``on_wrap()`` runs (the world waits for every
+    launch and zeroes the prod buffers), so a tag left by an old call can never equal a
+    later call's generation; 0 is never used, the value of a freshly zeroed word."""
+
+    LIMIT = (1 << 32) - 1
+
+    def __init__(self, on_wrap, limit: int = LIMIT):
+        self.on_wrap = on_wrap
+        self.limit = limit
+        self.value = 0
+
+    def next(self) -> int:
+        if self.value >= self.limit:
+            self.on_wrap()
+            self.value = 0
+        self.value += 1
+        return self.value
+
+
+def region_a_blocks(region_a, L: int, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts[L, R], block_starts[L, R])`` from dispatch_wait's Region A (pair ``w = e*R +
+    src``: ``[2w] = 1024 + end row``, ``[2w+1] = count``): where each (expert, source) block
+    landed, which in the capacity-strided layout is the reservation order."""
+    a = np.asarray(region_a[:2 * L * R]).astype(np.int64)
+    counts = a[1::2].reshape(L, R)
+    return counts.astype(np.int32), a[0::2].reshape(L, R) - EP_DATA_READY_FLAG - counts
 
 
 class _Rank:
@@ -52,6 +90,8 @@ class _Rank:
         self.row_offsets = z(lay.n_groups + 1, np.uint32)
         self.expert_ids = z(lay.n_groups, np.int32)
         self.src_info = z((lay.max_out_rows, 2), np.int32)
+        self.hdr_buf = z(lay.hdr_buf_bytes, np.uint8)            # ep_final_layout
+        self.prod_buf = z(lay.prod_buf_words, np.uint64)         # ep_prod_reserve
         self.n_tokens = 0
         self.wait_done = None
 
@@ -75,6 +115,9 @@ class EmulatedWorld:
                              "(reference 7.2); use fused=True (the default for this config)")
         cfg.require_p2p_only()
         from backends import cuda
+        if fused and cfg.ep_final_layout:
+            raise ValueError("EmulatedWorld: fused=True with ep_final_layout=True: the fused "
+                             "single-launch kernel does not take ep_final_layout yet")
         self.fused = bool(fused)
         self.cfg = cfg
         self.cuda = cuda
@@ -92,6 +135,33 @@ class EmulatedWorld:
                 np.array([self.ranks[q].recv_buf.ptr for q in group], np.uint64), device=self.device))
             self.recv_count_ptrs.append(cuda.to_device(
                 np.array([self.ranks[q].recv_count.ptr for q in group], np.uint64), device=self.device))
+        self.final_ptrs = [self._final_layout_tables(r) for r in range(cfg.n_ranks)]
+        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
+        self.synchronize()
+
+    def _final_layout_tables(self, r: int) -> dict:
+        """``ep_final_layout`` pointer tables of rank ``r``: every P2P peer's grouped output
+        and header array (and prod buffer with ``ep_prod_reserve``)."""
+        cfg = self.cfg
+        if not cfg.ep_final_layout:
+            return {}
+        P = cfg.p2p_world_size
+        group = [self.ranks[q] for q in range((r // P) * P, (r // P) * P + P)]
+
+        def table(attr):
+            return self.cuda.to_device(np.array([getattr(q, attr).ptr for q in group], np.uint64),
+                                       device=self.device)
+
+        out = {"out_ptrs": table("out_tokens"), "hdr_ptrs": table("hdr_buf")}
+        if cfg.ep_prod_reserve:
+            out["prod_ptrs"] = table("prod_buf")
+        return out
+
+    def _rearm_prod_buffers(self):
+        """Before the generation wraps: wait for every launch, zero every prod buffer."""
+        self.synchronize()
+        for rk in self.ranks:
+            rk.prod_buf.zero()
         self.synchronize()
 
     # -- capacity ----------------------------------------------------------------------------
@@ -129,26 +199,37 @@ class EmulatedWorld:
         """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
         lay = self.cfg.layout
         waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
+        gen = self.prod_gen.next() if self.cfg.ep_prod_reserve else None
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
-            self.program.launch(ASYNC, self.cfg.n_sms, {
+            args = {
                 "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
                 "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
-                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}, rk.stream)
+                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
+            args.update(self.final_ptrs[rk.rank])
+            if self.cfg.ep_prod_reserve:
+                args.update(prod_gen_p=rk.prod_buf.ptr + 8 * lay.prod_mailbox_offset,
+                            prod_gen=gen)
+            elif self.cfg.ep_final_layout:
+                args.update(base_handoff_p=rk.counter_ptr(lay.final_layout_region))
+            self.program.launch(ASYNC, self.cfg.n_sms, args, rk.stream)
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait."""
         lay = self.cfg.layout
         for rk in self.ranks:
-            self.program.launch(WAIT, self.cfg.n_sms, {
+            args = {
                 "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
-                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}, rk.stream)
+                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
+            if self.cfg.ep_final_layout:
+                args["hdr_p"] = rk.hdr_buf
+            self.program.launch(WAIT, self.cfg.n_sms, args, rk.stream)
             rk.wait_done = rk.stream.record()
 
     def dispatch_fused(self):
@@ -218,7 +299,7 @@ class EmulatedWorld:
             n = int(row_offsets[-1])
             ctr = rk.counters.to_host()
             region_a = ctr[lay.dispatch_wait_region.offset:][:2 * L * R]
-            counts = region_a[1::2].reshape(L, R).astype(np.int32)
+            counts, starts = region_a_blocks(region_a, L, R)
             se_start, se_tokens = 0, 0
             if cfg.fused_shared_expert:
                 se_start, se_tokens = reference.se_slice(
@@ -226,5 +307,6 @@ class EmulatedWorld:
             out.append(reference.RankResult.from_outputs(
                 cfg, rk.rank, rk.out_tokens.to_host()[:n], row_offsets,
                 rk.expert_ids.to_host(), rk.src_info.to_host()[:n], counts,
-                se_tokens=se_tokens, se_token_start=se_start))
+                se_tokens=se_tokens, se_token_start=se_start,
+                block_starts=starts if cfg.ep_final_layout else None))
         return out

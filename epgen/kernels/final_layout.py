@@ -1,0 +1,306 @@
+"""``ep_final_layout`` and ``ep_prod_reserve`` (DESIGN.md section 6; docs/final-layout.md).
+
+Sources write each routed payload row straight into its final row of the destination's grouped
+output, and the row's header (source token index, source rank, top-k ids) into the
+destination's header array at the same row; dispatch_wait moves no payload.
+
+Where a source's block of rows starts:
+
+- capacity-strided (``ep_final_layout`` alone): local expert ``e``'s range starts at row
+  ``e * R * max_tokens_per_rank``. The monitor warp of (destination, expert) reserves its block
+  with one ``atom.relaxed.sys.global.add.u64`` of its count on the destination's reservation
+  cursor (``rc_cursor_base + e`` of the receive-count buffer) and hands the block's first row
+  to its comm warps through a rank-local word (``st.release.gpu`` / ``ld.acquire.gpu``). The
+  count word it publishes at the end carries the block's offset in its high half.
+- ``ep_prod_reserve``: each monitor publishes ``count | gen << 32`` to the destination's early
+  count word (``st.release.sys.global.b64``); the monitor warp of each local expert is that
+  expert's reserver: it waits for the early counts of every expert up to its own from every
+  source, and writes ``base | gen << 32`` into each non-empty source's mailbox (one
+  ``st.release.sys.global.b64`` into the source's memory): the standard grouped layout,
+  source-rank-major inside an expert.
+
+In both, a comm warp takes its slot inside the block from the source-local per-(expert,
+destination) slot counter as today (``expert_reserved_counter``, ``atom.relaxed.gpu``), waits
+(bounded) for its block's first row, and writes row ``base + slot``: rows inside a block are in
+reservation order, as in the reference's staging buffer.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+import ir
+from ir import AtomOp, CmpOp, Scope, Sem
+from ir import types as T
+
+from .common import (DATA_READY_FLAG, comm_sync, copy_vectors, exit_if_aborted, load_pointer,
+                     warp_inclusive_scan)
+from .common import word as _word
+
+FINAL_BASE_VALID = 1 << 31      # hand-off word: bit 31 set = the block base is published
+GEN_SHIFT = 32                  # early counts and mailboxes: value | gen << 32
+LOW32 = 0xFFFFFFFF
+
+
+@attrs.frozen
+class FinalAsyncParams:
+    """dispatch_async parameters added by ``ep_final_layout``: tables of every P2P rank's
+    grouped output and header array; the rank-local hand-off words (capacity-strided); with
+    ``ep_prod_reserve`` the table of every rank's prod buffer, this rank's mailboxes
+    (``prod_gen_p``, the reference ``copy_and_send_tokens`` argument) and the generation."""
+
+    out_ptrs: ir.Param
+    hdr_ptrs: ir.Param
+    base_handoff_p: ir.Param | None = None
+    prod_ptrs: ir.Param | None = None
+    prod_gen_p: ir.Param | None = None
+    prod_gen: ir.Param | None = None
+
+
+def declare_async_params(kb: ir.KernelBuilder, cfg) -> FinalAsyncParams | None:
+    """The parameters of ``FinalAsyncParams``, or None without ``ep_final_layout``."""
+    if not cfg.ep_final_layout:
+        return None
+    if cfg.ep_prod_reserve:
+        return FinalAsyncParams(
+            out_ptrs=kb.param("out_ptrs", T.ptr_global),
+            hdr_ptrs=kb.param("hdr_ptrs", T.ptr_global),
+            prod_ptrs=kb.param("prod_ptrs", T.ptr_global),
+            prod_gen_p=kb.param("prod_gen_p", T.ptr_global, peer=True),
+            prod_gen=kb.param("prod_gen", T.u32))
+    return FinalAsyncParams(
+        out_ptrs=kb.param("out_ptrs", T.ptr_global),
+        hdr_ptrs=kb.param("hdr_ptrs", T.ptr_global),
+        base_handoff_p=kb.param("base_handoff_p", T.ptr_global))
+
+
+def declare_wait_params(kb: ir.KernelBuilder, cfg) -> ir.Param | None:
+    """dispatch_wait's ``hdr_p`` (this rank's header array, written by peers), or None
+    without ``ep_final_layout``."""
+    return kb.param("hdr_p", T.ptr_global, peer=True) if cfg.ep_final_layout else None
+
+
+def _tagged(value, gen) -> ir.Expr:
+    """``value | gen << 32`` as a u64."""
+    return ir.as_expr(value).cast(T.u64) | (ir.as_expr(gen).cast(T.u64) << GEN_SHIFT)
+
+
+def _padded(cfg, n) -> ir.Expr:
+    """``n`` rounded up to the format's ``expert_m_padding`` (``pad_row_offsets``)."""
+    pad = cfg.token_fmt.expert_m_padding
+    return n if pad == 1 else (n + (pad - 1)) // pad * pad
+
+
+# ---- dispatch_async: monitor (monitor_and_signal_completion) ---------------------------------
+def reserve_rows(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, g, count):
+    """Monitor warp of global expert ``g`` (destination ``g // L``, local expert ``g % L``),
+    after counting: reserve this source's block of rows on the destination.
+
+    Capacity-strided, lane 0: ``atom.relaxed.sys.global.add.u64`` of ``count`` on the
+    destination's cursor ``rc_cursor_base + e`` (skipped when ``count`` is 0), then
+    ``st.release.gpu.global.b32`` of ``first_row | FINAL_BASE_VALID`` into the hand-off word
+    ``e * R + dst``. Returns the block's offset inside the expert's range (a u32 var).
+
+    ``ep_prod_reserve``, lane 0: ``st.release.sys.global.b64`` of ``count | gen << 32`` into
+    the destination's early-count word ``e * R + my_rank``; then, when this rank is the
+    destination, the whole warp runs ``reserve_for_sources`` for local expert ``e``. Returns
+    None (the block base reaches the comm warps through their mailbox)."""
+    lay = cfg.layout
+    L, R = lay.n_local_experts, cfg.n_ranks
+    dst_rank = r.let("fl_dst_rank", g // L)
+    e = r.let("fl_e", g % L)
+    dst_p2p = dst_rank % cfg.p2p_world_size
+    if cfg.ep_prod_reserve:
+        with r.if_(r.lane.eq(0)):
+            prod_dst = load_pointer(r, fl.prod_ptrs, dst_p2p, "prod_dst")
+            r.store(_word(prod_dst, lay.prod_early_count_offset + e * R + p.my_rank, 8),
+                    _tagged(count, fl.prod_gen), Sem.RELEASE, Scope.SYS)
+        with r.if_(dst_rank.eq(p.my_rank)):
+            reserve_for_sources(r, cfg, p, fl, e)
+        return None
+    off = r.var("fl_off", T.u32, 0)
+    with r.if_(r.lane.eq(0)):
+        with r.if_(count > 0):
+            rc_dst = load_pointer(r, p.recv_count_ptrs, dst_p2p, "rc_cursor_dst")
+            old = r.atomic(AtomOp.ADD, _word(rc_dst, lay.rc_cursor_base + e, 8),
+                           count.cast(T.u64), Sem.RELAXED, Scope.SYS, dtype=T.u64,
+                           name="cursor_old")
+            r.assign(off, old.cast(T.u32))
+        first_row = e * (R * cfg.max_tokens_per_rank) + off
+        r.store(_word(fl.base_handoff_p, e * R + dst_rank), first_row | FINAL_BASE_VALID,
+                Sem.RELEASE, Scope.GPU)
+    return off
+
+
+def reserve_for_sources(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, e):
+    """The reserver of local expert ``e`` (``ep_prod_reserve``; the whole monitor warp of
+    global expert ``my_rank * L + e``). For each expert ``e2 <= e``, lanes ``< R`` wait
+    (bounded, ``ld.acquire.sys.global.b64``) until early-count word ``e2 * R + lane`` carries
+    this call's generation; the warp sums each expert (``redux.sync.add``), the padded totals
+    of ``e2 < e`` give expert ``e``'s first row, an exclusive scan over sources
+    (``shfl.sync.up``) each source's block base. Lane ``src`` with a non-empty block writes
+    ``base | gen << 32`` into mailbox ``e * R + my_rank`` of rank ``src``
+    (``st.release.sys.global.b64``)."""
+    lay = cfg.layout
+    R, P = cfg.n_ranks, cfg.p2p_world_size
+    early = load_pointer(r, fl.prod_ptrs, p.my_rank % P, "early_here")
+    start = r.var("rsv_start", T.u32, 0)
+    mine = r.var("rsv_mine", T.u32, 0)
+    with r.for_range("e2", 0, e + 1) as e2:
+        c = r.var("rsv_c", T.u32, 0)
+        with r.if_(r.lane < R):
+            idx = r.let("rsv_idx", e2 * R + r.lane)
+            seen = r.spin_wait(_word(early, lay.prod_early_count_offset + idx, 8), T.u64,
+                               CmpOp.EQ, fl.prod_gen, buffer="prod_early_count", index=idx,
+                               sem=Sem.ACQUIRE, scope=Scope.SYS, shift=GEN_SHIFT, mask=LOW32,
+                               name="early")
+            r.assign(c, seen.cast(T.u32))
+        total = r.warp_sum(c, name="rsv_total")
+        with r.if_(e2 < e):
+            r.assign(start, start + _padded(cfg, total))
+        r.assign(mine, c)
+    exit_if_aborted(r, p.err_buf)
+    incl = warp_inclusive_scan(r, mine, "rsv_scan")
+    base = r.let("rsv_base", start + incl - mine)
+    with r.if_((r.lane < R) & (mine > 0)):
+        src = load_pointer(r, fl.prod_ptrs, r.lane, "mailbox_src")
+        r.store(_word(src, lay.prod_mailbox_offset + e * R + p.my_rank, 8),
+                _tagged(base, fl.prod_gen), Sem.RELEASE, Scope.SYS)
+
+
+def count_word(cfg, count, off) -> ir.Expr:
+    """The receive-count word the monitor publishes at the end: ``count | off << 32`` in the
+    capacity-strided layout (the destination learns where each block landed), else
+    ``count``. Never the sentinel (``count <= max_tokens_per_rank``)."""
+    if cfg.layout.capacity_strided:
+        return count.cast(T.u64) | (off.cast(T.u64) << 32)
+    return count.cast(T.u64)
+
+
+def rearm_handoff(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, counter_offset):
+    """Monitor lane 0, after every comm warp of the block has finished (so has read the
+    base): hand-off word back to 0 (plain ``st.global.b32``; capacity-strided only)."""
+    if fl.base_handoff_p is not None:
+        r.store(_word(fl.base_handoff_p, counter_offset), 0)
+
+
+# ---- dispatch_async: comm (copy_and_send_tokens) ---------------------------------------------
+def stage_source_rank(r: ir.RoleBuilder, cfg, p, msg):
+    """Thread 0 of the token's staging: ``my_rank`` into the padding of the message's
+    source-index field (``st.global.b32``), so the header carries the source rank."""
+    r.store(msg + cfg.token_fmt.src_info_offset + cfg.layout.hdr_src_rank_offset, p.my_rank)
+
+
+def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_rank, co, slot):
+    """One comm warp, one (token, k): every lane waits (bounded) for the block's first row,
+    capacity-strided on the hand-off word ``co`` (``ld.acquire.gpu.global.b32`` until bit 31),
+    with ``ep_prod_reserve`` on its mailbox ``co`` (``ld.acquire.sys.global.b64`` until the
+    tag is ``prod_gen``); then row ``base + slot`` of the destination: the payload by the
+    format's ``copy_msg_to_output_tensor`` step into the destination's grouped output, and the
+    header fields (``st.global.v4.b32``) into its header array. A row past the output is never
+    written (device guard)."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    dst_p2p = dst_rank % cfg.p2p_world_size
+    if cfg.ep_prod_reserve:
+        seen = r.spin_wait(_word(fl.prod_gen_p, co, 8), T.u64, CmpOp.EQ, fl.prod_gen,
+                           buffer="prod_mailbox", index=co, sem=Sem.ACQUIRE, scope=Scope.SYS,
+                           shift=GEN_SHIFT, mask=LOW32, name="mailbox")
+        base = r.let("row_base", seen.cast(T.u32))
+    else:
+        seen = r.spin_wait(_word(fl.base_handoff_p, co), T.u32, CmpOp.EQ, 1,
+                           buffer="final_base_handoff", index=co, sem=Sem.ACQUIRE,
+                           scope=Scope.GPU, shift=31, mask=1, name="handoff")
+        base = r.let("row_base", seen & (FINAL_BASE_VALID - 1))
+    row = r.let("final_row", base + slot)
+    out = load_pointer(r, fl.out_ptrs, dst_p2p, "out_dst")
+    hdr = load_pointer(r, fl.hdr_ptrs, dst_p2p, "hdr_dst")
+    with r.if_(row < lay.max_out_rows):
+        fmt.emit_copy_msg_to_output(r, msg, row, out)
+        copy_vectors(r, hdr + row.cast(T.u64) * lay.hdr_bytes, msg + fmt.src_info_offset,
+                     lay.hdr_bytes // 16, r.lane, 32, unroll=1, tag="hdr")
+
+
+# ---- dispatch_wait: aux (wait_for_arrivals_and_compute_offsets) -------------------------------
+def group_end(cfg, e, incl) -> ir.Expr:
+    """``row_offsets[e + 1]``: ``(e + 1) * R * max_tokens_per_rank`` capacity-strided, else the
+    inclusive prefix ``incl`` (then padded by the format)."""
+    if cfg.layout.capacity_strided:
+        return (e + 1) * (cfg.n_ranks * cfg.max_tokens_per_rank)
+    return incl
+
+
+def rearm_cursors(r: ir.RoleBuilder, cfg, recv_count_p):
+    """Aux block, after every count word was acquired (so after every source's cursor add):
+    thread ``e < L`` stores 0 into cursor ``rc_cursor_base + e`` (plain ``st.global.b64``;
+    capacity-strided only; the next call's adds start after this kernel, see the world)."""
+    if not cfg.layout.capacity_strided:
+        return
+    with r.if_(r.tid < cfg.layout.n_local_experts):
+        r.store(_word(recv_count_p, cfg.layout.rc_cursor_base + r.tid, 8), ir.Const(0, T.u64))
+
+
+# ---- dispatch_wait: comm (copy_received_tokens_to_output) ------------------------------------
+def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
+                          comm_barrier_id: int = -1):
+    """Comm blocks of dispatch_wait under ``ep_final_layout``: the payload is already in
+    place, so nothing but ``src_info`` is written. Block ``b`` serves local expert
+    ``b % L``: thread 0 waits (bounded, ``ld.acquire.gpu``) for the ready flag and claims
+    128-row tiles of the expert's dense range ``[row_offsets[e], + total)``
+    (``atom.acquire.gpu.add``); warp ``w`` takes rows ``w, w + n_warps, ...`` of a tile, its
+    lanes ``< K`` read the row's top-k ids from the header array (``ld.global.u16``) and the
+    lane matching this expert writes ``src_info[row] = (source index, k)``. No vector access.
+    The last block to finish lowers the flag."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    L, R, K = lay.n_local_experts, cfg.n_ranks, lay.top_k
+    tile_tokens = fmt.dispatch_wait_tile_shape[0]
+    ctr = p.atomic_counter
+    vals = kb.shared_buffer("tile_vals", 8)
+    e = r.let("e", r.block % L)
+    g = r.let("g", p.my_rank * L + e)
+    with r.if_(r.tid.eq(0)):
+        r.spin_wait(_word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
+                    buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
+                    scope=Scope.GPU, backoff_ns=32)
+    comm_sync(r, comm_barrier_id)
+    exit_if_aborted(r, p.err_buf)
+    with r.if_(r.tid.eq(0)):
+        r.store(vals, r.load(_word(p.row_offsets, e), T.u32, name="expert_start"))
+        r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
+                                   Sem.ACQUIRE, Scope.GPU, name="claim0"))
+    comm_sync(r, comm_barrier_id)
+    start = r.let("start", r.load(vals, T.u32, name="start_ld"))
+    tile = r.let("tile", r.load(vals + 4, T.u32, name="tile_ld"))
+    total = r.let("total", r.load(_word(ctr, lay.rank_prefix_offset + e * R + (R - 1)), T.u32,
+                                  name="total_ld"))
+    with r.while_(ir.Const(1, T.pred)):
+        ts = r.let("ts", tile * tile_tokens)
+        with r.if_(ts >= total):
+            r.break_()
+        n_in_tile = r.let("n_in_tile", (total - ts).min(tile_tokens))
+        with r.for_range("j", r.warp, n_in_tile, lay.n_warps) as j:
+            row = r.let("row", start + ts + j)
+            hdr = r.let("hdr", p.hdr_p + row.cast(T.u64) * lay.hdr_bytes, peer=True)
+            with r.if_(r.lane < K):
+                gid = r.load(hdr + lay.hdr_topk_offset + (r.lane * 2).cast(T.u64), T.u16,
+                             name="gid16")
+                with r.if_(gid.eq(g.cast(T.u16))):
+                    src_idx = r.load(hdr, T.u32, name="src_idx")
+                    r.store(_word(p.src_info, row * 2), src_idx)
+                    r.store(_word(p.src_info, row * 2 + 1), r.lane)
+        comm_sync(r, comm_barrier_id)
+        with r.if_(r.tid.eq(0)):
+            r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
+                                       Sem.ACQUIRE, Scope.GPU, name="claim"))
+        comm_sync(r, comm_barrier_id)
+        r.assign(tile, r.load(vals + 4, T.u32, name="tile_next"))
+    with r.if_(r.tid.eq(0)):
+        old = r.atomic(AtomOp.ADD, _word(ctr, lay.cleanup_counter_offset), 0xFFFFFFFF,
+                       Sem.RELAXED, Scope.GPU, name="cleanup_old")
+        with r.if_(old.eq(1)):
+            r.store(_word(ctr, lay.ready_flag_offset), 0)
+
+
+__all__ = ["FinalAsyncParams", "declare_async_params", "declare_wait_params", "reserve_rows",
+           "reserve_for_sources", "count_word", "rearm_handoff", "stage_source_rank",
+           "copy_to_final_row", "group_end", "rearm_cursors", "copy_received_headers",
+           "FINAL_BASE_VALID"]

@@ -1,0 +1,803 @@
+"""A small CPU interpreter of the kernel IR, for the CPU tests of the EP protocols.
+
+It runs every thread of every launched grid as a Python generator over one flat byte memory,
+with the IR's semantics (integer widths and signedness as in the lowering, 16-byte vector
+accesses, atomics, ``shfl/ballot/vote/redux.sync`` over the warp's live lanes, ``bar.sync``
+over the block's live threads, bounded ``SpinWait`` polls). Threads are interleaved at every
+synchronisation point (warp collective, barrier, spin poll) and, with probability ``preempt``,
+before any global memory access, in a seeded random order, so reservation orders, arrival
+orders and the windows between a write and the read that should follow it vary from run to
+run.
+
+What it does not model: the weak memory model (every access is sequentially consistent, so
+a missing ``.release``/``.acquire`` or a too-narrow scope cannot show up here: the PTX
+checks and the GPU tests cover those), caches and the ``nc`` hint, time (``%globaltimer``
+advances by one per read). A wait that polls more than ``max_spins`` times raises ``SimHang``,
+or with ``timeouts=True`` expires as a bounded wait does on the GPU (a diagnostic record in
+``err_buf``, the abort word raised, the thread exits; every other wait then gives up).
+Launches may depend on other launches (stream order): a launch's threads start once every
+launch it depends on has finished.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import struct
+
+from ir import diag
+from ir import nodes as N
+from ir import types as T
+from ir.enums import (AtomOp, BinOpKind, CmpOp, ReduxOp, ShflMode, SReg, UnOpKind,
+                      VoteMode)
+from ir.types import PtrType, VecType
+
+BASE_ADDR = 0x10000
+MASK64 = (1 << 64) - 1
+
+
+class SimHang(RuntimeError):
+    """A bounded wait polled too long: the protocol deadlocked (or a word is never written)."""
+
+
+class SimError(RuntimeError):
+    """The kernel did something the IR forbids (out-of-range access, mismatched collectives)."""
+
+
+class _Break(Exception):
+    pass
+
+
+class _Exit(Exception):
+    pass
+
+
+def _mask(v: int, bits: int) -> int:
+    return v & ((1 << bits) - 1)
+
+
+def _signed(v: int, bits: int) -> int:
+    v = _mask(v, bits)
+    return v - (1 << bits) if v >> (bits - 1) else v
+
+
+class Memory:
+    """One flat little-endian byte memory; addresses start at ``BASE_ADDR``."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def alloc(self, nbytes: int, align: int = 256) -> int:
+        start = (len(self.buf) + align - 1) // align * align
+        self.buf.extend(bytes(start + max(int(nbytes), 1) - len(self.buf)))
+        return BASE_ADDR + start
+
+    def _off(self, addr: int, n: int) -> int:
+        off = addr - BASE_ADDR
+        if off < 0 or off + n > len(self.buf):
+            raise SimError(f"access of {n} bytes at {addr:#x} outside memory")
+        return off
+
+    def read(self, addr: int, n: int) -> bytes:
+        off = self._off(addr, n)
+        return bytes(self.buf[off:off + n])
+
+    def write(self, addr: int, data: bytes) -> None:
+        off = self._off(addr, len(data))
+        self.buf[off:off + len(data)] = data
+
+    # numpy convenience
+    def put(self, addr: int, array) -> None:
+        import numpy as np
+        self.write(addr, np.ascontiguousarray(array).tobytes())
+
+    def get(self, addr: int, shape, dtype):
+        import numpy as np
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        return np.frombuffer(self.read(addr, n), dtype=dt).reshape(shape).copy()
+
+
+def _scalar_bytes(v, dtype: T.DType) -> bytes:
+    if dtype.kind == "f":
+        return struct.pack({16: "<e", 32: "<f", 64: "<d"}[dtype.bits], v)
+    if dtype.kind == "pred":
+        return bytes([1 if v else 0])
+    return _mask(int(v), dtype.bits).to_bytes(dtype.nbytes, "little")
+
+
+def _scalar_value(data: bytes, dtype: T.DType):
+    if dtype.kind == "f":
+        return struct.unpack({16: "<e", 32: "<f", 64: "<d"}[dtype.bits], data)[0]
+    if dtype.kind == "pred":
+        return bool(data[0])
+    return int.from_bytes(data, "little")
+
+
+def _bits(t) -> int:
+    return 64 if isinstance(t, PtrType) else t.bits
+
+
+class _Thread:
+    def __init__(self, launch, block: int, tid: int):
+        self.launch = launch
+        self.block = block
+        self.tid = tid
+        self.vars: dict = {}
+        self.gen = None
+        self.waiting = None     # None (runnable), "bar" or "warp"
+        self.reply = None
+        self.spins = 0
+        self.done = False
+
+
+class _Launch:
+    def __init__(self, sim, kernel: N.Kernel, grid: int, params: dict, deps):
+        self.sim, self.kernel, self.grid, self.params = sim, kernel, grid, params
+        self.deps = list(deps)
+        self.threads: list[_Thread] = []
+        self.started = False
+        self.shared: dict = {}
+        self.block_live: dict = {}      # block -> threads not exited
+        self.warp_live: dict = {}       # (block, warp) -> lanes not exited
+        self.bar_wait: dict = {}        # (block, barrier id) -> threads waiting
+        self.bar_count: dict = {}       # (block, barrier id) -> its thread count (None: all)
+        self.warp_wait: dict = {}       # (block, warp) -> lanes at a warp collective
+        names = [p.name for p in kernel.params]
+        missing = [n for n in names if n not in params]
+        extra = sorted(set(params) - set(names))
+        if missing or extra:
+            raise TypeError(f"kernel {kernel.name}: missing arguments {missing}, unknown {extra}")
+
+    @property
+    def finished(self) -> bool:
+        return self.started and all(t.done for t in self.threads)
+
+
+class Sim:
+    """The interpreter. ``launch(kernel, grid, params, after=())`` queues a grid; ``run()``
+    runs every queued grid to completion."""
+
+    def __init__(self, seed: int = 0, max_spins: int = 20000, preempt: float = 0.2,
+                 timeouts: bool = False):
+        self.mem = Memory()
+        self.rng = random.Random(seed)
+        self.max_spins = max_spins
+        self.preempt = preempt
+        self.timeouts = timeouts
+        self.launches: list[_Launch] = []
+        self.clock = 0
+        self._codes: dict = {}      # id(statement tuple) -> compiled ops
+        self._exprs: dict = {}      # id(expression) -> fn(th)
+        self._slots: dict = {}      # Var -> index into a thread's vars
+        self._keep: list = []       # the compiled nodes (their ids stay unique)
+
+    # -- launches -------------------------------------------------------------------------
+    def launch(self, kernel: N.Kernel, grid: int, params: dict, after=()) -> _Launch:
+        la = _Launch(self, kernel, grid, dict(params), after)
+        self.launches.append(la)
+        return la
+
+    def _start(self, la: _Launch):
+        la.started = True
+        for b in range(la.grid):
+            shared = {}
+            for buf in la.kernel.shared:
+                shared[buf.name] = self.mem.alloc(buf.nbytes, max(buf.align, 16))
+            la.shared[b] = shared
+            la.block_live[b] = la.kernel.block_threads
+            for w in range((la.kernel.block_threads + 31) // 32):
+                la.warp_live[(b, w)] = min(32, la.kernel.block_threads - 32 * w)
+            for t in range(la.kernel.block_threads):
+                th = _Thread(la, b, t)
+                th.gen = self._thread_body(th)
+                la.threads.append(th)
+
+    def run(self) -> None:
+        while True:
+            for la in self.launches:
+                if not la.started and all(d.finished for d in la.deps):
+                    self._start(la)
+            live = [t for la in self.launches if la.started for t in la.threads if not t.done]
+            if not live:
+                if any(not la.started for la in self.launches):
+                    raise SimError("a launch waits on one that never finishes")
+                self.launches = []
+                return
+            runnable = [t for t in live if t.waiting is None]
+            if not runnable:
+                where = sorted({f"{t.launch.kernel.name} block {t.block}: {t.waiting}"
+                                for t in live})
+                raise SimError("every live thread is blocked at a barrier or warp collective: "
+                               + "; ".join(where[:5]))
+            self.rng.shuffle(runnable)
+            for th in runnable:
+                if th.waiting is None and not th.done:
+                    self._step(th)
+
+    def _step(self, th: _Thread) -> None:
+        reply, th.reply = th.reply, None
+        try:
+            req = th.gen.send(reply)
+        except StopIteration:
+            th.done = True
+            self._recheck(th)
+            return
+        kind = req[0]
+        if kind == "yield":
+            return
+        if kind == "spin":
+            th.spins += 1
+            if th.spins > self.max_spins and not self.timeouts:
+                _, site, idx, seen = req
+                raise SimHang(f"kernel {th.launch.kernel.name} block {th.block} thread "
+                              f"{th.tid}: waited on {site.buffer}[{idx}], last saw {seen:#x}")
+            return
+        th.spins = 0
+        la, blk = th.launch, th.block
+        if kind == "bar":
+            th.waiting = "bar"
+            key = (blk, req[1])
+            la.bar_wait.setdefault(key, []).append(th)
+            self._try_barrier(la, key, req[2])
+        elif kind == "warp":
+            th.waiting = "warp"
+            th.reply = req[1:]
+            key = (blk, th.tid // 32)
+            la.warp_wait.setdefault(key, []).append(th)
+            self._try_warp(la, key)
+
+    def _recheck(self, th: _Thread) -> None:
+        """A thread exited: barriers of its block and collectives of its warp need one
+        participant fewer."""
+        la, blk = th.launch, th.block
+        la.block_live[blk] -= 1
+        la.warp_live[(blk, th.tid // 32)] -= 1
+        for key in [k for k in la.bar_wait if k[0] == blk]:
+            self._try_barrier(la, key, la.bar_count.get(key))
+        self._try_warp(la, (blk, th.tid // 32))
+
+    def _try_barrier(self, la, key, count) -> None:
+        waiting = la.bar_wait.get(key)
+        if not waiting:
+            return
+        la.bar_count[key] = count
+        need = count if count is not None else la.block_live[key[0]]
+        if len(waiting) >= need:
+            for t in waiting[:need]:
+                t.waiting = None
+                t.reply = None
+            del waiting[:need]
+
+    def _try_warp(self, la, key) -> None:
+        waiting = la.warp_wait.get(key)
+        if not waiting or len(waiting) < la.warp_live[key]:
+            return
+        la.warp_wait[key] = []
+        ops = {id(t.reply[0]) for t in waiting}
+        if len(ops) != 1:
+            names = sorted({type(t.reply[0]).__name__ for t in waiting})
+            raise SimError(f"kernel {la.kernel.name} block {key[0]} warp {key[1]}: lanes at "
+                           f"different warp collectives ({', '.join(names)})")
+        node = waiting[0].reply[0]
+        vals = {t.tid % 32: t.reply[1] for t in waiting}
+        for t in waiting:
+            t.reply = self._collective(node, vals, t.tid % 32, t.reply[2])
+            t.waiting = None
+
+    def _collective(self, node, vals: dict, lane: int, arg):
+        if isinstance(node, N.WarpSync):
+            return None
+        if isinstance(node, N.Ballot):
+            return sum(1 << ln for ln, v in vals.items() if v)
+        if isinstance(node, N.Vote):
+            ps = list(vals.values())
+            if node.mode is VoteMode.ANY:
+                return any(ps)
+            if node.mode is VoteMode.ALL:
+                return all(ps)
+            return all(ps) or not any(ps)
+        if isinstance(node, N.Redux):
+            bits = node.value.dtype.bits
+            xs = list(vals.values())
+            signed = node.value.dtype.is_signed
+            if node.op is ReduxOp.ADD:
+                return _mask(sum(xs), bits)
+            if node.op in (ReduxOp.MIN, ReduxOp.MAX):
+                key = (lambda x: _signed(x, bits)) if signed else None
+                return (min if node.op is ReduxOp.MIN else max)(xs, key=key)
+            acc = xs[0]
+            for x in xs[1:]:
+                acc = {ReduxOp.AND: acc & x, ReduxOp.OR: acc | x, ReduxOp.XOR: acc ^ x}[node.op]
+            return acc
+        if isinstance(node, N.Shuffle):
+            src_lane = arg
+            if node.mode is ShflMode.IDX:
+                src = src_lane & 31
+            elif node.mode is ShflMode.UP:
+                src = lane - src_lane if lane - src_lane >= 0 else lane
+            elif node.mode is ShflMode.DOWN:
+                src = lane + src_lane if lane + src_lane < 32 else lane
+            else:
+                src = lane ^ src_lane
+            if src not in vals:
+                raise SimError(f"shfl from exited lane {src}")
+            return vals[src]
+        raise SimError(f"not a warp collective: {node}")
+
+    # -- threads -------------------------------------------------------------------------------
+    def _thread_body(self, th: _Thread):
+        try:
+            for role in th.launch.kernel.roles:
+                if not self._in_role(th, role):
+                    continue
+                yield from self._run(th, self._code(role.body))
+        except _Exit:
+            pass
+        except KeyError as exc:
+            raise SimError(f"kernel {th.launch.kernel.name}: a variable is read before it is "
+                           f"assigned ({exc})") from None
+
+    def _in_role(self, th, role) -> bool:
+        b = role.blocks
+        if th.block < self._fn(b.start)(th):
+            return False
+        if b.stop is not None and th.block >= self._fn(b.stop)(th):
+            return False
+        if role.threads is not None:
+            return role.threads.base <= th.tid < role.threads.base + role.threads.count
+        return True
+
+    # Statements compile to a tuple of ops: (SIMPLE, fn) runs fn(th); (MEM, fn) may first
+    # yield to the scheduler (preemption); (GEN, fn) delegates to the generator fn(th).
+    _SIMPLE, _MEM, _GEN = 0, 1, 2
+
+    def _code(self, stmts) -> tuple:
+        key = id(stmts)
+        code = self._codes.get(key)
+        if code is None:
+            code = tuple(self._compile_stmt(s) for s in stmts)
+            self._codes[key] = code
+            self._keep.append(stmts)
+        return code
+
+    def _run(self, th, code):
+        rng, preempt = self.rng, self.preempt
+        for kind, fn in code:
+            if kind == 0:
+                fn(th)
+            elif kind == 1:
+                if preempt and rng.random() < preempt:
+                    yield ("yield",)
+                fn(th)
+            else:
+                yield from fn(th)
+
+    def _slot(self, var: N.Var) -> int:
+        slot = self._slots.get(var)
+        if slot is None:
+            slot = self._slots[var] = len(self._slots)
+        return slot
+
+    def _compile_stmt(self, s):
+        f = self._fn
+        S, M, G = self._SIMPLE, self._MEM, self._GEN
+        if isinstance(s, N.Assign):
+            slot, v = self._slot(s.dst), f(s.value)
+
+            def assign(th):
+                th.vars[slot] = v(th)
+            return S, assign
+        if isinstance(s, N.Load):
+            slot, addr, dt = self._slot(s.dst), f(s.addr), s.dst.dtype
+
+            def load(th):
+                th.vars[slot] = self._load(addr(th), dt)
+            return M, load
+        if isinstance(s, N.Store):
+            addr, val, dt = f(s.addr), f(s.value), s.value.dtype
+            return M, lambda th: self._store(addr(th), val(th), dt)
+        if isinstance(s, N.AtomicRMW):
+            addr, val, dt, op = f(s.addr), f(s.value), s.value.dtype, s.op
+            slot = None if s.dst is None else self._slot(s.dst)
+
+            def rmw(th):
+                a = addr(th)
+                old = self._load(a, dt)
+                self._store(a, self._rmw(op, old, val(th), dt), dt)
+                if slot is not None:
+                    th.vars[slot] = old
+            return M, rmw
+        if isinstance(s, N.AtomicCAS):
+            addr, cmp, val, dt = f(s.addr), f(s.compare), f(s.value), s.value.dtype
+            slot = self._slot(s.dst)
+
+            def cas(th):
+                a = addr(th)
+                old = self._load(a, dt)
+                if old == cmp(th):
+                    self._store(a, val(th), dt)
+                th.vars[slot] = old
+            return M, cas
+        if isinstance(s, (N.Fence, N.Comment, N.Nanosleep)):
+            return S, lambda th: None
+        if isinstance(s, N.BarSync):
+            bar = s.barrier
+
+            def bar_sync(th):
+                yield ("bar", bar.id, bar.count)
+            return G, bar_sync
+        if isinstance(s, (N.WarpSync, N.Shuffle, N.Ballot, N.Vote, N.Redux)):
+            return G, self._compile_collective(s)
+        if isinstance(s, N.If):
+            cond = f(s.cond)
+            then = self._code(s.then)
+            orelse = self._code(s.orelse) if s.orelse else None
+
+            def if_(th):
+                if cond(th):
+                    yield from self._run(th, then)
+                elif orelse is not None:
+                    yield from self._run(th, orelse)
+            return G, if_
+        if isinstance(s, N.For):
+            slot, start, stop, step = self._slot(s.var), f(s.start), f(s.stop), f(s.step)
+            body, bits = self._code(s.body), s.var.dtype.bits
+            signed = s.var.dtype.kind == "s"
+            m = (1 << bits) - 1
+
+            def for_(th):
+                v = th.vars
+                v[slot] = start(th)
+                try:
+                    while (_signed(v[slot], bits) < _signed(stop(th), bits)) if signed \
+                            else v[slot] < stop(th):
+                        yield from self._run(th, body)
+                        v[slot] = (v[slot] + step(th)) & m
+                except _Break:
+                    pass
+            return G, for_
+        if isinstance(s, N.While):
+            cond, body = f(s.cond), self._code(s.body)
+
+            def while_(th):
+                try:
+                    while cond(th):
+                        yield from self._run(th, body)
+                except _Break:
+                    pass
+            return G, while_
+        if isinstance(s, N.Break):
+            def break_(th):
+                raise _Break()
+            return S, break_
+        if isinstance(s, N.Return):
+            def exit_(th):
+                raise _Exit()
+            return S, exit_
+        if isinstance(s, N.Trap):
+            def trap(th):
+                raise SimError(f"trap in kernel {th.launch.kernel.name}")
+            return S, trap
+        if isinstance(s, N.SpinWait):
+            return G, self._compile_spin(s)
+        raise SimError(f"the simulator does not run {type(s).__name__}")
+
+    def _compile_collective(self, s):
+        f = self._fn
+        slot = None if isinstance(s, N.WarpSync) else self._slot(s.dst)
+        if isinstance(s, N.Shuffle):
+            val, arg = f(s.value), f(s.lane)
+        elif isinstance(s, (N.Ballot, N.Vote)):
+            val, arg = f(s.pred), (lambda th: None)
+        elif isinstance(s, N.Redux):
+            val, arg = f(s.value), (lambda th: None)
+        else:
+            val = arg = (lambda th: None)
+
+        def collective(th):
+            result = yield ("warp", s, val(th), arg(th))
+            if slot is not None:
+                th.vars[slot] = result
+        return collective
+
+    def _compile_spin(self, s: N.SpinWait):
+        f = self._fn
+        bits, shift, mask, op = s.dtype.bits, s.shift, s.mask, s.cond
+        addr, expected, index = f(s.addr), f(s.expected), f(s.site.index)
+        udt, dt = T.DType("u", bits), s.dtype
+        slot = None if s.dst is None else self._slot(s.dst)
+
+        err_buf, timeout = f(s.err_buf), f(s.timeout_ns)
+
+        def spin(th):
+            want = _mask(expected(th), bits)
+            polls = 0
+            while True:
+                seen = self._load(addr(th), dt)
+                field = seen >> shift
+                if mask is not None:
+                    field &= mask
+                if self._cmp(op, field, want, udt):
+                    break
+                if self.timeouts:
+                    polls += 1
+                    if polls > self.max_spins and timeout(th) != 0:
+                        self._expire(th, s, seen, want, polls)
+                        raise _Exit()
+                    if self._load(err_buf(th) + 4 * diag.ABORT_WORD, T.u32):
+                        raise _Exit()   # another wait of the launch group gave up
+                yield ("spin", s.site, index(th), seen)
+            if slot is not None:
+                th.vars[slot] = seen
+        return spin
+
+    def _expire(self, th, s: N.SpinWait, seen: int, want: int, polls: int) -> None:
+        """What an expired bounded wait does (backends/nvptx/spin_wait.py): claim a record
+        slot, write the record (``ir.diag`` layout), raise the abort word; the caller exits."""
+        base = self._fn(s.err_buf)(th)
+        word = lambda i: base + 4 * i  # noqa: E731
+        slot = self._load(word(diag.COUNT_WORD), T.u32)
+        self._store(word(diag.COUNT_WORD), slot + 1, T.u32)
+        if slot < diag.MAX_RECORDS:
+            values = {"magic": diag.RECORD_MAGIC,
+                      "kernel_tag": diag.kernel_tag(th.launch.kernel.name),
+                      "site_id": s.site.site_id, "rank": self._fn(s.rank)(th),
+                      "block": th.block, "thread": th.tid, "warp": th.tid // 32,
+                      "smid": th.block % 132, "index": self._fn(s.site.index)(th),
+                      "expected": want, "last_seen": seen, "elapsed_ns": polls}
+            first = diag.HEADER_WORDS + slot * diag.RECORD_WORDS
+            for field, offset in diag.FIELDS.items():
+                v = values[field]
+                if field in diag.WIDE_FIELDS:
+                    self._store(word(first + offset), v & 0xFFFFFFFF, T.u32)
+                    self._store(word(first + offset + 1), (v >> 32) & 0xFFFFFFFF, T.u32)
+                else:
+                    self._store(word(first + offset), v & 0xFFFFFFFF, T.u32)
+        self._store(word(diag.ABORT_WORD), 1, T.u32)
+
+    # -- expressions: compiled once per node into fn(th) -> value --------------------------------
+    def _fn(self, e):
+        fn = self._exprs.get(id(e))
+        if fn is None:
+            fn = self._compile_expr(e)
+            self._exprs[id(e)] = fn
+            self._keep.append(e)
+        return fn
+
+    def _compile_expr(self, e):
+        f = self._fn
+        if isinstance(e, N.Const):
+            t = e.dtype
+            v = bool(e.value) if t.kind == "pred" else float(e.value) if t.kind == "f" \
+                else _mask(int(e.value), t.bits)
+            return lambda th: v
+        if isinstance(e, N.Var):
+            slot = self._slot(e)
+            return lambda th: th.vars[slot]
+        if isinstance(e, N.Param):
+            name = e.name
+            is_float = isinstance(e.dtype, T.DType) and e.dtype.kind == "f"
+            m = (1 << _bits(e.dtype)) - 1
+            return (lambda th: th.launch.params[name]) if is_float \
+                else (lambda th: int(th.launch.params[name]) & m)
+        if isinstance(e, N.SRegRead):
+            r = e.sreg
+            if r is SReg.TID_X:
+                return lambda th: th.tid
+            if r is SReg.CTAID_X:
+                return lambda th: th.block
+            if r is SReg.LANEID:
+                return lambda th: th.tid & 31
+            if r is SReg.NCTAID_X:
+                return lambda th: th.launch.grid
+            return lambda th: self._sreg(th, r)
+        if isinstance(e, N.BinOp):
+            fa, fb, op, dt = f(e.a), f(e.b), e.op, e.a.dtype
+            if isinstance(dt, T.DType) and dt.kind == "u":
+                m = (1 << dt.bits) - 1
+                if op is BinOpKind.ADD:
+                    return lambda th: (fa(th) + fb(th)) & m
+                if op is BinOpKind.SUB:
+                    return lambda th: (fa(th) - fb(th)) & m
+                if op is BinOpKind.MUL:
+                    return lambda th: (fa(th) * fb(th)) & m
+                if op is BinOpKind.AND:
+                    return lambda th: fa(th) & fb(th)
+                if op is BinOpKind.OR:
+                    return lambda th: fa(th) | fb(th)
+            return lambda th: self._binop(op, fa(th), fb(th), dt)
+        if isinstance(e, N.Cmp):
+            fa, fb, op, dt = f(e.a), f(e.b), e.op, e.a.dtype
+            if not (isinstance(dt, T.DType) and dt.kind == "s"):
+                pyop = {CmpOp.EQ: operator.eq, CmpOp.NE: operator.ne, CmpOp.LT: operator.lt,
+                        CmpOp.LE: operator.le, CmpOp.GT: operator.gt, CmpOp.GE: operator.ge}[op]
+                return lambda th: pyop(fa(th), fb(th))
+            return lambda th: self._cmp(op, fa(th), fb(th), dt)
+        if isinstance(e, N.PtrAdd):
+            fb, fo = f(e.base), f(e.offset)
+            if e.offset.dtype.is_signed:
+                bits = e.offset.dtype.bits
+                return lambda th: (fb(th) + _signed(fo(th), bits)) & MASK64
+            return lambda th: (fb(th) + fo(th)) & MASK64
+        if isinstance(e, N.Cast):
+            fa, src, dst = f(e.a), e.a.dtype, e.dtype
+            return lambda th: self._cast(fa(th), src, dst)
+        if isinstance(e, N.Bitcast):
+            fa, src, dst = f(e.a), e.a.dtype, e.dtype
+            return lambda th: self._bitcast(fa(th), src, dst)
+        if isinstance(e, N.UnOp):
+            fa, op, dt = f(e.a), e.op, e.a.dtype
+            return lambda th: self._unop(op, fa(th), dt)
+        if isinstance(e, N.Select):
+            fc, fa, fb = f(e.cond), f(e.a), f(e.b)
+            return lambda th: fa(th) if fc(th) else fb(th)
+        if isinstance(e, N.SharedAddr):
+            name = e.name
+            return lambda th: th.launch.shared[th.block][name]
+        if isinstance(e, N.Extract):
+            fv, i = f(e.vec), e.index
+            return lambda th: fv(th)[i]
+        if isinstance(e, N.Pack):
+            lanes = [f(x) for x in e.lanes]
+            return lambda th: tuple(g(th) for g in lanes)
+        raise SimError(f"the simulator does not evaluate {type(e).__name__}")
+
+    # -- memory and arithmetic -----------------------------------------------------------------
+    def _load(self, addr, dtype):
+        if isinstance(dtype, VecType):
+            n = dtype.elem.nbytes
+            data = self.mem.read(addr, n * dtype.n)
+            return tuple(_scalar_value(data[i * n:(i + 1) * n], dtype.elem)
+                         for i in range(dtype.n))
+        if isinstance(dtype, PtrType):
+            return int.from_bytes(self.mem.read(addr, 8), "little")
+        return _scalar_value(self.mem.read(addr, dtype.nbytes), dtype)
+
+    def _store(self, addr, value, dtype):
+        if isinstance(dtype, VecType):
+            self.mem.write(addr, b"".join(_scalar_bytes(v, dtype.elem) for v in value))
+        elif isinstance(dtype, PtrType):
+            self.mem.write(addr, _mask(value, 64).to_bytes(8, "little"))
+        else:
+            self.mem.write(addr, _scalar_bytes(value, dtype))
+
+    def _rmw(self, op, old, v, dt):
+        bits = dt.bits
+        if dt.kind == "f":
+            if op is AtomOp.ADD:
+                return old + v
+            raise SimError(f"atomic {op.value} on {dt}")
+        signed = dt.is_signed
+        key = (lambda x: _signed(x, bits)) if signed else (lambda x: x)
+        if op is AtomOp.ADD:
+            return _mask(old + v, bits)
+        if op is AtomOp.MIN:
+            return old if key(old) <= key(v) else v
+        if op is AtomOp.MAX:
+            return old if key(old) >= key(v) else v
+        if op is AtomOp.EXCH:
+            return v
+        if op is AtomOp.AND:
+            return old & v
+        if op is AtomOp.OR:
+            return old | v
+        if op is AtomOp.XOR:
+            return old ^ v
+        if op is AtomOp.INC:
+            return 0 if old >= v else old + 1
+        if op is AtomOp.DEC:
+            return v if old == 0 or old > v else old - 1
+        raise SimError(f"atomic {op}")
+
+    @staticmethod
+    def _cmp(op, a, b, dtype) -> bool:
+        if isinstance(dtype, T.DType) and dtype.kind == "s":
+            a, b = _signed(a, dtype.bits), _signed(b, dtype.bits)
+        return {CmpOp.EQ: a == b, CmpOp.NE: a != b, CmpOp.LT: a < b, CmpOp.LE: a <= b,
+                CmpOp.GT: a > b, CmpOp.GE: a >= b}[op]
+
+    def _sreg(self, th, r: SReg) -> int:
+        if r is SReg.TID_X:
+            return th.tid
+        if r is SReg.CTAID_X:
+            return th.block
+        if r is SReg.NTID_X:
+            return th.launch.kernel.block_threads
+        if r is SReg.NCTAID_X:
+            return th.launch.grid
+        if r is SReg.LANEID:
+            return th.tid % 32
+        if r is SReg.WARPID:
+            return th.tid // 32
+        if r is SReg.SMID:
+            return th.block % 132
+        if r is SReg.NSMID:
+            return 132
+        if r in (SReg.GLOBALTIMER, SReg.CLOCK64):
+            self.clock += 1
+            return self.clock
+        if r in (SReg.TID_Y, SReg.TID_Z, SReg.CTAID_Y):
+            return 0
+        if r is SReg.DYNAMIC_SMEM_SIZE:
+            return 0
+        raise SimError(f"sreg {r}")
+
+    def _binop(self, op, a, b, dtype):
+        if isinstance(dtype, T.DType) and dtype.kind == "pred":
+            return {BinOpKind.AND: a and b, BinOpKind.OR: a or b,
+                    BinOpKind.XOR: a != b}[op]
+        if isinstance(dtype, T.DType) and dtype.kind == "f":
+            return {BinOpKind.ADD: a + b, BinOpKind.SUB: a - b, BinOpKind.MUL: a * b,
+                    BinOpKind.DIV: a / b if b else float("inf"), BinOpKind.MIN: min(a, b),
+                    BinOpKind.MAX: max(a, b)}[op]
+        bits = _bits(dtype)
+        signed = isinstance(dtype, T.DType) and dtype.kind == "s"
+        sa, sb = (_signed(a, bits), _signed(b, bits)) if signed else (a, b)
+        if op is BinOpKind.ADD:
+            return _mask(a + b, bits)
+        if op is BinOpKind.SUB:
+            return _mask(a - b, bits)
+        if op is BinOpKind.MUL:
+            return _mask(a * b, bits)
+        if op in (BinOpKind.DIV, BinOpKind.REM):
+            if b == 0:
+                raise SimError("integer division by zero")
+            q = abs(sa) // abs(sb) * (1 if (sa >= 0) == (sb >= 0) else -1)
+            return _mask(q if op is BinOpKind.DIV else sa - q * sb, bits)
+        if op is BinOpKind.AND:
+            return a & b
+        if op is BinOpKind.OR:
+            return a | b
+        if op is BinOpKind.XOR:
+            return a ^ b
+        if op is BinOpKind.SHL:
+            return _mask(a << b, bits) if b < bits else 0
+        if op is BinOpKind.SHR:
+            if b >= bits:
+                return _mask(-1, bits) if signed and sa < 0 else 0
+            return _mask(sa >> b, bits)
+        if op is BinOpKind.MIN:
+            return a if sa <= sb else b
+        if op is BinOpKind.MAX:
+            return a if sa >= sb else b
+        raise SimError(f"binop {op}")
+
+    def _unop(self, op, a, dtype):
+        if isinstance(dtype, T.DType) and dtype.kind == "pred" and op is UnOpKind.NOT:
+            return not a
+        bits = _bits(dtype)
+        if op is UnOpKind.NEG:
+            return _mask(-a, bits)
+        if op is UnOpKind.NOT:
+            return _mask(~a, bits)
+        if op is UnOpKind.POPC:
+            return bin(a).count("1")
+        if op is UnOpKind.ABS:
+            return _mask(abs(_signed(a, bits)), bits)
+        raise SimError(f"unop {op}")
+
+    def _cast(self, v, src, dst):
+        if src == dst:
+            return v
+        if isinstance(dst, PtrType):
+            return _mask(int(v), 64)
+        if isinstance(src, PtrType):
+            return _mask(v, dst.bits)
+        if src.kind == "pred":
+            return int(bool(v)) if dst.kind != "f" else float(bool(v))
+        if dst.kind == "f":
+            return float(_signed(v, src.bits) if src.kind == "s" else v) \
+                if src.kind != "f" else float(v)
+        if src.kind == "f":
+            return _mask(int(v), dst.bits)
+        if src.kind == "s" and src.bits < dst.bits:
+            return _mask(_signed(v, src.bits), dst.bits)
+        return _mask(v, dst.bits)
+
+    def _bitcast(self, v, src, dst):
+        if isinstance(src, T.DType) and src.kind == "f":
+            v = int.from_bytes(_scalar_bytes(v, src), "little")
+        if isinstance(dst, T.DType) and dst.kind == "f":
+            return _scalar_value(_mask(v, dst.bits).to_bytes(dst.nbytes, "little"), dst)
+        return v

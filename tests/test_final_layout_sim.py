@@ -1,0 +1,193 @@
+"""``ep_final_layout`` and ``ep_prod_reserve`` on the CPU: the real ``EmulatedWorld`` (its
+buffers, pointer tables, generations and result extraction) runs the generated kernels in
+the IR simulator (``tests/ir_sim.py``), against the numpy reference, over back-to-back calls.
+
+The simulator is sequentially consistent: these tests check the protocol's logic (rows,
+offsets, reservations, hand-offs, re-arming, generations, deadlock freedom), not its memory
+ordering (tests/test_final_layout_ptx.py pins the orderings; the GPU tests run it for real).
+The staged (default) variant runs too, as a check of the simulator itself; the mutation tests
+show that a broken re-arm or a frozen generation fails these tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import epgen
+from epgen import reference, routing
+from epgen.kernels import final_layout
+from epgen.runtime import world as world_mod
+
+from ir_sim import SimHang
+from sim_world import sim_world
+
+# (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
+SHAPES = {"R2-E4": (2, 4, 16, 2, 4, 64, 4), "R4-E8": (4, 8, 16, 2, 3, 64, 6)}
+FLAGS = {
+    "staged": {},
+    "final_layout": {"ep_final_layout": True},
+    "prod_reserve": {"ep_final_layout": True, "ep_prod_reserve": True},
+}
+
+
+def make_cfg(R, E, H, K, T, threads, sms, **flags):
+    return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
+                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                          token_fmt=epgen.BF16Format(hid_dim=H, top_k=K), **flags)
+
+
+def run_calls(world, cfg, rng, inputs, seed):
+    for call, (toks, ids) in enumerate(inputs):
+        got = world.dispatch(toks, ids)
+        want = reference.dispatch(cfg, toks, ids)
+        try:
+            reference.assert_match(cfg, want, got)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
+        if cfg.ep_final_layout and cfg.ep_prod_reserve:  # the standard layout exactly
+            for w, g in zip(want, got):
+                assert (g.block_starts == w.block_starts).all(), f"seed {seed}, call {call}"
+
+
+def random_inputs(rng, cfg, n_calls):
+    return [routing.routing(rng, cfg, [int(rng.integers(0, cfg.max_tokens_per_rank + 1))
+                                       for _ in range(cfg.n_ranks)]) for _ in range(n_calls)]
+
+
+CASES = [(shape, flags) for shape in SHAPES for flags in ("final_layout", "prod_reserve")]
+CASES.append(("R4-E8", "staged"))        # the simulator itself, on the GPU-tested kernels
+
+
+@pytest.mark.parametrize("shape,flags", CASES, ids=[f"{s}-{f}" for s, f in CASES])
+def test_back_to_back_calls_match_reference(shape, flags, seed):
+    cfg = make_cfg(*SHAPES[shape], **FLAGS[flags])
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed) as world:
+        run_calls(world, cfg, rng, random_inputs(rng, cfg, 3), seed)
+
+
+@pytest.mark.parametrize("flags", ["final_layout", "prod_reserve"])
+def test_edge_cases(flags, seed):
+    """Every edge case, one after another on the same buffers."""
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS[flags])
+    rng = np.random.default_rng(seed)
+    inputs = [routing.edge_case(rng, cfg, case) for case in routing.EDGE_CASES]
+    with sim_world(cfg, seed) as world:
+        run_calls(world, cfg, rng, inputs, seed)
+
+
+def test_capacity_strided_blocks_land_in_reservation_order(seed):
+    """Sources reserve in whichever order their monitors get there: over a few calls both
+    orders of a two-source expert show up, and every one tiles the expert's dense range."""
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS["final_layout"])
+    rng = np.random.default_rng(seed)
+    orders = set()
+    with sim_world(cfg, seed) as world:
+        for _ in range(5):
+            toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+            got = world.dispatch(toks, ids)
+            reference.assert_match(cfg, reference.dispatch(cfg, toks, ids), got)
+            for res in got:
+                for e in range(res.counts.shape[0]):
+                    if (res.counts[e] > 0).all():
+                        orders.add(tuple(np.argsort(res.block_starts[e])))
+                        assert res.block_starts[e].min() == res.row_offsets[e], f"seed {seed}"
+    assert len(orders) == 2, f"seed {seed}: block orders seen {orders}"
+
+
+def test_generation_wraps_without_stale_tags(seed):
+    """A tiny generation limit: the world zeroes the prod buffers before reusing tag 1."""
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS["prod_reserve"])
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed) as world:
+        world.prod_gen.limit = 2
+        seen = []
+        for toks, ids in random_inputs(rng, cfg, 5):
+            run_calls(world, cfg, rng, [(toks, ids)], seed)
+            seen.append(world.prod_gen.value)
+    assert seen == [1, 2, 1, 2, 1]
+
+
+def test_generation_counter():
+    wraps = []
+    gen = world_mod.GenerationCounter(lambda: wraps.append(1), limit=3)
+    assert [gen.next() for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    assert len(wraps) == 2
+    assert world_mod.GenerationCounter(None).limit == 2**32 - 1
+
+
+def test_region_a_blocks():
+    L, R = 2, 2
+    # pair (e, src): [2w] = 1024 + end, [2w+1] = count
+    region_a = np.array([1024 + 5, 2, 1024 + 3, 3, 1024 + 8, 0, 1024 + 12, 4], np.int32)
+    counts, starts = world_mod.region_a_blocks(region_a, L, R)
+    assert counts.tolist() == [[2, 3], [0, 4]]
+    assert starts.tolist() == [[3, 0], [8, 8]]
+
+
+MUTATIONS = {
+    # the destination forgets to re-arm its reservation cursors: the next call's blocks start
+    # past the rows of the last one
+    "cursor_not_rearmed": ("final_layout", lambda mp: mp.setattr(
+        final_layout, "rearm_cursors", lambda *a, **k: None)),
+    # the monitor leaves its hand-off word valid: the next call's comm warps may read the
+    # last call's base
+    "handoff_not_rearmed": ("final_layout", lambda mp: mp.setattr(
+        final_layout, "rearm_handoff", lambda *a, **k: None)),
+    # every call with the same generation: last call's early counts and mailboxes satisfy
+    # this call's waits
+    "generation_frozen": ("prod_reserve", lambda mp: mp.setattr(
+        world_mod.GenerationCounter, "next", lambda self: 1)),
+    # the reserver ignores the earlier experts' rows: blocks of different experts overlap
+    "expert_start_ignored": ("prod_reserve", lambda mp: mp.setattr(
+        final_layout, "_padded", lambda cfg, n: 0)),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=list(MUTATIONS))
+def test_broken_protocol_is_caught(mutation, monkeypatch):
+    flags, apply = MUTATIONS[mutation]
+    apply(monkeypatch)
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS[flags])
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        try:
+            with sim_world(cfg, seed, max_spins=2000) as world:
+                run_calls(world, cfg, rng, [routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+                                            for _ in range(4)], seed)
+        except (AssertionError, SimHang):
+            return
+    pytest.fail(f"{mutation} went unnoticed over 3 seeds of 4 calls")
+
+
+# The wait that expires first depends on the interleaving: with prod_reserve the monitor's
+# wait for the missing rank's early count, or its wait for its own comm warps, which are
+# themselves stuck on the missing reserver's mailbox. Either names the missing peer's effect.
+@pytest.mark.parametrize("flags,where", [
+    ("final_layout", {("ep_dispatch_wait", "aux", "recv_count")}),
+    ("prod_reserve", {("ep_dispatch_async", "monitor", "prod_early_count"),
+                      ("ep_dispatch_async", "monitor", "expert_finished_counter")}),
+])
+def test_missing_rank_times_out_then_recovers(flags, where, seed):
+    """Only rank 0 runs: its bounded waits expire (simulated), the world raises
+    EPTimeoutError naming what was waited on, and after reset() every rank works again."""
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS[flags])
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed, max_spins=300, timeouts=True) as world:
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        world.load_inputs(toks, ids)
+        others = world.ranks[1:]
+        world.ranks = world.ranks[:1]
+        try:
+            world.dispatch_async()
+            world.dispatch_wait()
+            with pytest.raises(epgen.EPTimeoutError) as info:
+                world.check()
+        finally:
+            world.ranks += others
+        kinds = {(r.kernel, r.role, r.buffer) for r in info.value.records}
+        assert where & kinds, f"seed {seed}: {kinds}"
+        assert all(r.rank == 0 for r in info.value.records)
+        world.reset()
+        run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
