@@ -7,7 +7,8 @@ against the PyTorch baseline, all measured in the same process.
 
 Defaults: 8 emulated ranks, H=7168, K=8, E=256, BF16, 512 threads and 33 blocks per rank (the
 8 ranks' 264 blocks are co-resident on the H200's 132 SMs), tokens per rank 128 (decode) and
-4096 (prefill).
+4096 (prefill). ``--format BlockwiseFP8`` (or ``NVFP4``, ``MXFP8``) times the quantising round
+trip: bf16 tokens in, quantized rows and scales out (``--input-scale`` for NVFP4).
 
 Method
 ------
@@ -33,15 +34,20 @@ Method
   which the start event had already completed when enqueueing finished is discarded and the
   gate doubled. ``--no-gate`` measures with host enqueue time included. The baseline and the
   copy are timed behind the same gate on their torch stream.
-* **Bytes.** Staged layout (issue 6 item 1): input read once (``sum T_r * H * 2``), each routed
-  message written and read once (``2 * n_routed * msg_bytes``), each output row written once
-  (``n_routed * 2H``); ``n_routed = sum T_r * K``. dispatch_async alone: input + messages
+* **Bytes.** Staged layout (issue 6 item 1): input read once (``sum T_r * H * 2``, bf16 for
+  every format), each routed message of the format written and read once (``2 * n_routed *
+  msg_bytes``: 14368 B for BF16, 7424 for BlockwiseFP8 and MXFP8, 4064 for NVFP4 at H=7168,
+  K=8), each output row of the format written once with its scales (``n_routed * (row +
+  scale bytes)``: 2H for BF16, H + 4H/128 for BlockwiseFP8, H/2 + H/16 for NVFP4, H + H/32
+  for MXFP8); ``n_routed = sum T_r * K``. dispatch_async alone: input + messages
   written; dispatch_wait alone: messages read + output rows. ``ep_final_layout``: input +
   output rows. GB/s = bytes / time (1 GB = 1e9 B).
 * **Copy.** ``copy_`` of a ``--copy-mib`` buffer in torch (and ``b[...] = a`` in CuPy when
   CuPy imports), bytes = read + written; the larger bandwidth is the reference. fraction =
   (bytes / time) / copy bandwidth.
-* **PyTorch baseline** (DESIGN section 10): inputs ``tokens [R, T, H]`` bf16 and
+* **PyTorch baseline** (DESIGN section 10; the same bf16 gather for every ``--format``, and for
+  a quantising format checked against the reference's BF16 grouping): inputs
+  ``tokens [R, T, H]`` bf16 and
   ``topk [R, T, K]`` int64 on the GPU; ``order = argsort(topk.flatten(), stable=True)`` (one
   argsort; sorting by global expert id, stably, is sorting by the key
   ``((dst*L + e)*R + src)*T*K + t*K + k``: destination, local expert, source, token), then one
@@ -95,7 +101,7 @@ except ImportError:  # run as a script from anywhere: the repository root holds 
 
 from epgen import reference, routing  # noqa: E402
 from epgen.config import BOOL_PARAMS, EPConfig  # noqa: E402
-from epgen.formats import BF16Format  # noqa: E402
+from epgen.formats import BF16Format, format_names, make_format  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE_NAMES = {128: "decode", 4096: "prefill"}
@@ -162,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=_positive, default=7168, help="hidden size H (default 7168)")
     ap.add_argument("--topk", type=_positive, default=8, help="experts per token K (default 8)")
     ap.add_argument("--experts", type=_positive, default=256, help="experts E (default 256)")
+    ap.add_argument("--format", default="BF16", choices=format_names(), metavar="NAME",
+                    help="token format: " + ", ".join(format_names()) + " (default BF16)")
+    ap.add_argument("--input-scale", type=float, default=1.0, metavar="S",
+                    help="global input scale of the formats that take one (NVFP4; default 1.0)")
     ap.add_argument("--tokens", nargs="+", default=["128", "4096"], metavar="T",
                     help="tokens per rank, one shape each: '128 4096' or '128,4096' "
                          "(default: 128 4096 = decode and prefill)")
@@ -223,6 +233,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("argument --warmup: must be >= 0")
     if not 0 < args.mem_fraction <= 1:
         ap.error("argument --mem-fraction: must be in (0, 1]")
+    fmt = make_format(args.format, 256, 1)
+    if getattr(fmt, "uses_input_scale", False):
+        try:
+            fmt.check_input_scale(args.input_scale)
+        except ValueError as exc:
+            ap.error(f"argument --input-scale: {exc}")
     if args.experts % args.ranks:
         ap.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
     if not 0 <= args.check_rank < args.ranks:
@@ -251,8 +267,18 @@ def make_config(args, tokens_per_rank: int, block_capacity=None) -> EPConfig:
     return EPConfig(num_threads=args.threads, n_sms=args.sms, n_experts=args.experts,
                     n_ranks=args.ranks, max_tokens_per_rank=tokens_per_rank,
                     p2p_world_size=args.ranks, use_shmem=False,
-                    token_fmt=BF16Format(hid_dim=args.hidden, top_k=args.topk),
+                    token_fmt=make_format(getattr(args, "format", "BF16"), args.hidden,
+                                          args.topk),
                     recv_block_capacity=cap, **{f: True for f in args.flag})
+
+
+def bf16_config(cfg) -> EPConfig:
+    """``cfg`` with the BF16 format of the same shape: what the PyTorch baseline moves."""
+    fmt = cfg.token_fmt
+    if isinstance(fmt, BF16Format):
+        return cfg
+    return cfg.replace(token_fmt=BF16Format(hid_dim=fmt.hid_dim, top_k=fmt.top_k,
+                                            alignment=fmt.alignment))
 
 
 def make_input_sets(cfg, tokens_per_rank: int, n_sets: int, routing_kind: str = "uniform",
@@ -285,10 +311,16 @@ def fit_block_capacity(sets, n_experts: int, tokens_per_rank: int,
 
 
 def _out_row_bytes(fmt) -> int:
+    """Bytes of one output row (payload only)."""
     b = getattr(fmt, "out_row_bytes", None)
     if b is not None:
         return int(b)
     return int(math.prod(fmt.out_row_shape) * np.dtype(fmt.host_dtype).itemsize)
+
+
+def _out_scale_bytes(fmt) -> int:
+    """Bytes of output scales per output row (0 without scales)."""
+    return int(getattr(fmt, "out_scale_bytes_per_row", 0))
 
 
 def round_trip_bytes(cfg, tokens_per_rank) -> dict:
@@ -297,7 +329,8 @@ def round_trip_bytes(cfg, tokens_per_rank) -> dict:
 
     Staged layout: ``input`` (each input row read once), ``messages`` (each routed message,
     ``msg_size()`` bytes, written once by dispatch_async and read once by dispatch_wait),
-    ``output`` (each output row written once); ``async`` = input + messages, ``wait`` =
+    ``output`` (each output row written once, with its scales for a quantising format:
+    ``out_row_bytes + out_scale_bytes_per_row``); ``async`` = input + messages, ``wait`` =
     messages + output, ``total`` = input + 2 * messages + output. ``ep_final_layout``:
     ``total`` = input + output (``messages`` 0; async and wait not split)."""
     fmt = cfg.token_fmt
@@ -306,7 +339,7 @@ def round_trip_bytes(cfg, tokens_per_rank) -> dict:
     n_tokens = int(sum(counts))
     n_routed = n_tokens * fmt.top_k
     inp = n_tokens * fmt.input_row_bytes
-    out = n_routed * _out_row_bytes(fmt)
+    out = n_routed * (_out_row_bytes(fmt) + _out_scale_bytes(fmt))
     if cfg.ep_final_layout:
         return {"layout": "final", "n_tokens": n_tokens, "n_routed": n_routed, "input": inp,
                 "messages": 0, "output": out, "async": None, "wait": None,
@@ -340,6 +373,7 @@ def world_memory(cfg) -> dict:
         "recv_count": lay.recv_count_bytes,
         "counters": lay.counter_bytes,
         "out_tokens": lay.max_out_rows * _out_row_bytes(fmt),
+        "out_scales": lay.max_out_rows * _out_scale_bytes(fmt),
         "row_offsets": (lay.n_groups + 1) * 4,
         "expert_ids": lay.n_groups * 4,
         "src_info": lay.max_out_rows * 8,
@@ -752,7 +786,7 @@ def trim_memory_pool(device) -> None:
 
 
 def bench_epgen(cfg, sets, iters, warmup, gate, *, device=None, check_rank=0,
-                post_check=True, progress=log) -> dict:
+                post_check=True, progress=log, input_scale=1.0) -> dict:
     """Build the world, check it against the reference on set 0, time dispatch_async,
     dispatch_wait and the round trip (fork/join, rotated staged inputs), check the last
     output. Returns the results and, under ``"check_result"``, the world's RankResult of
@@ -762,14 +796,15 @@ def bench_epgen(cfg, sets, iters, warmup, gate, *, device=None, check_rank=0,
     import epgen
     res = {}
     t0 = time.perf_counter()
-    world = epgen.EmulatedWorld(cfg, device=device)
+    world = epgen.EmulatedWorld(cfg, device=device, input_scale=input_scale)
     device = world.device
     res["build_s"] = time.perf_counter() - t0
     staged = None
     try:
         progress("  epgen: correctness check on set 0 (world.dispatch vs reference.dispatch)")
         got = world.dispatch(*sets[0])
-        reference.assert_match(cfg, reference.dispatch(cfg, *sets[0]), got)
+        reference.assert_match(cfg, reference.dispatch(cfg, *sets[0], input_scale=input_scale),
+                               got)
         res["check"] = "ok"
         res["check_result"] = got[check_rank]
         del got
@@ -801,7 +836,9 @@ def bench_epgen(cfg, sets, iters, warmup, gate, *, device=None, check_rank=0,
         if post_check:
             last = staged.current
             progress(f"  epgen: checking the last round trip's output (set {last})")
-            reference.assert_match(cfg, reference.dispatch(cfg, *sets[last]), world.results())
+            reference.assert_match(cfg, reference.dispatch(cfg, *sets[last],
+                                                           input_scale=input_scale),
+                                   world.results())
             res["post_check"] = "ok"
     finally:
         if staged is not None:
@@ -861,9 +898,12 @@ def run_shape(args, T, torch, gate, copy_gbps, progress=log) -> dict:
     iters = args.iters or default_iters(T)
     warmup = default_warmup(T) if args.warmup is None else args.warmup
     name = shape_name(T)
+    fmt_name = getattr(args, "format", "BF16")
+    input_scale = getattr(args, "input_scale", 1.0)
     out = {"shape": name, "tokens_per_rank": T, "routing": args.routing,
            "zipf_s": args.zipf_s if args.routing == "zipf" else None,
-           "variant": variant_name(args.flag), "iters": iters, "warmup": warmup}
+           "format": fmt_name, "variant": variant_name(args.flag), "iters": iters,
+           "warmup": warmup}
     progress(f"shape {name} (T={T}, routing {args.routing}): generating {args.sets} input sets")
     sets = make_input_sets(make_config(args, T), T, args.sets, args.routing, args.zipf_s,
                            args.seed)
@@ -877,14 +917,15 @@ def run_shape(args, T, torch, gate, copy_gbps, progress=log) -> dict:
     out["largest_block"] = need
     out["recv_block_capacity"] = cap
     cfg = make_config(args, T, cap)
+    base_cfg = bf16_config(cfg)             # the baseline gathers bf16 rows, whatever the format
     out["config"] = cfg.describe()
     nbytes = round_trip_bytes(cfg, T)
     out["bytes"] = nbytes
-    out["baseline_bytes"] = baseline_bytes(cfg, T)
+    out["baseline_bytes"] = baseline_bytes(base_cfg, T)
     wm = world_memory(cfg)
     mem = {"world": wm["total"], "world_per_rank": wm["per_rank"],
            "staged_inputs": staged_inputs_memory(cfg, T, args.sets),
-           "baseline": baseline_memory(cfg, T, args.sets),
+           "baseline": baseline_memory(base_cfg, T, args.sets),
            "world_full_capacity": world_memory(make_config(args, T))["total"]}
     mem["epgen_phase"] = mem["world"] + mem["staged_inputs"]
     out["memory"] = mem
@@ -908,7 +949,7 @@ def run_shape(args, T, torch, gate, copy_gbps, progress=log) -> dict:
                                        f"{_fmt_gb(free)} free")
         else:
             try:
-                b = bench_baseline(torch, cfg, sets, iters, warmup, gate, args.device,
+                b = bench_baseline(torch, base_cfg, sets, iters, warmup, gate, args.device,
                                    args.check_rank, progress)
             except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
                 out["baseline_error"] = f"{type(exc).__name__}: {exc}"
@@ -943,7 +984,8 @@ def run_shape(args, T, torch, gate, copy_gbps, progress=log) -> dict:
         try:
             r = bench_epgen(cfg, sets, iters, warmup, gate, device=args.device,
                             check_rank=args.check_rank,
-                            post_check=not args.no_post_check, progress=progress)
+                            post_check=not args.no_post_check, progress=progress,
+                            input_scale=input_scale)
         except Exception as exc:  # noqa: BLE001 - reported; the other shapes still run
             out["epgen_error"] = f"{type(exc).__name__}: {exc}"
             progress(f"  epgen FAILED: {out['epgen_error']}")
@@ -963,10 +1005,14 @@ def run_shape(args, T, torch, gate, copy_gbps, progress=log) -> dict:
     # ---- the baseline's output against epgen's (or the reference's) -------------------------
     if baseline_result is not None:
         against, what = epgen_result, "epgen"
-        if against is None:
+        if base_cfg is not cfg:
+            against, what = None, "reference (BF16 rows)"
+        elif against is None:
             progress("  baseline check: epgen's output unavailable, using the reference")
-            against, what = reference.dispatch(cfg, *sets[0])[args.check_rank], "reference"
-        diffs = compare_grouping(cfg, against, baseline_result)
+            what = "reference"
+        if against is None:
+            against = reference.dispatch(base_cfg, *sets[0])[args.check_rank]
+        diffs = compare_grouping(base_cfg, against, baseline_result)
         out["baseline"]["check"] = "ok" if not diffs else "FAILED: " + "; ".join(diffs[:3])
         out["baseline"]["check_against"] = f"{what}, rank {args.check_rank}, set 0"
         progress(f"  baseline check: {out['baseline']['check']} (vs {what})")
@@ -981,7 +1027,7 @@ def table_rows(results) -> list[dict]:
     for s in results["shapes"]:
         common = {"shape": s["shape"], "T": s["tokens_per_rank"], "routing": s["routing"]}
         e = s.get("epgen")
-        v = s["variant"]
+        v = f"{s.get('format', 'BF16')} {s['variant']}"
         if e:
             for key, label, sp in (("round_trip", "round trip", s.get("speedup_vs_baseline")),
                                    ("dispatch_async", "dispatch_async", None),

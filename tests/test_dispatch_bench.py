@@ -63,6 +63,27 @@ def test_round_trip_bytes_by_hand():
     assert bench.baseline_bytes(cfg, 4) == 2 * 16 * 32
 
 
+@pytest.mark.parametrize("name,msg,row", [
+    # H=256, K=2, A=16: message = payload + scales (each aligned to 16) + 16 + 16
+    ("BlockwiseFP8", 256 + 16 + 32, 256 + 2 * 4),     # e4m3 row, 2 f32 scales
+    ("NVFP4", 128 + 16 + 32, 128 + 16),              # packed e2m1 row, 16 e4m3 scales
+    ("MXFP8", 256 + 16 + 32, 256 + 8),               # e4m3 row, 8 e8m0 scales
+])
+def test_round_trip_bytes_per_format(name, msg, row):
+    from epgen.formats import make_format
+    cfg = tiny_cfg(T=8, H=256, K=2).replace(token_fmt=make_format(name, 256, 2))
+    assert cfg.token_fmt.msg_size() == msg
+    b = bench.round_trip_bytes(cfg, [3, 5])
+    assert b["input"] == 8 * 256 * 2                   # bf16 in, whatever the format
+    assert b["messages"] == 16 * msg
+    assert b["output"] == 16 * row
+    assert b["total"] == 8 * 512 + 2 * 16 * msg + 16 * row
+    m = bench.world_memory(cfg)["per_rank"]
+    assert m["out_tokens"] == cfg.layout.max_out_rows * cfg.token_fmt.payload_bytes
+    assert m["out_scales"] == cfg.layout.max_out_rows * (row - cfg.token_fmt.payload_bytes)
+    assert bench.baseline_bytes(bench.bf16_config(cfg), 4) == 2 * 16 * 512
+
+
 def test_round_trip_bytes_final_layout():
     cfg = tiny_cfg(T=8, H=16, K=2, ep_final_layout=True)
     b = bench.round_trip_bytes(cfg, [3, 5])
@@ -292,8 +313,8 @@ def test_parse_args_rejects(argv, capsys):
 
 # ---- orchestration of one shape, GPU phases faked on the host -----------------------------------
 def _fake_epgen(cfg, sets, iters, warmup, gate, *, device=None, check_rank=0, post_check=True,
-                progress=None):
-    want = reference.dispatch(cfg, *sets[0])
+                progress=None, input_scale=1.0):
+    want = reference.dispatch(cfg, *sets[0], input_scale=input_scale)
     s = bench.summarize
     return {"check": "ok", "post_check": "ok", "check_result": want[check_rank],
             "dispatch_async": s([0.5, 0.4, 0.6]), "dispatch_wait": s([0.7, 0.8, 0.6]),
@@ -357,6 +378,33 @@ def test_run_shape_with_fake_phases(fake_gpu):
     assert len(table) == 1 + 4                                  # 3 epgen rows, 1 baseline
     assert "round trip" in table[1] and table[1].rstrip().endswith("4.00x")
     assert table[4].rstrip().endswith("1.00x")
+
+
+@pytest.mark.parametrize("fmt", ["BlockwiseFP8", "NVFP4"])
+def test_run_shape_quantised_format(fake_gpu, fmt):
+    args = bench.parse_args(TINY + ["--hidden", "128", "--tokens", "16", "--format", fmt,
+                                    "--input-scale", "0.5"])
+    out = bench.run_shape(args, 16, object(), None, 4000.0, progress=lambda m: None)
+    assert out["format"] == fmt and out["epgen"]["check"] == "ok"
+    assert out["baseline"]["check"] == "ok"
+    assert out["baseline"]["check_against"].startswith("reference (BF16 rows)")
+    cfg = bench.make_config(args, 16)
+    assert cfg.token_fmt.name == fmt
+    assert out["bytes"] == bench.round_trip_bytes(cfg, 16)
+    assert out["baseline_bytes"] == bench.baseline_bytes(bench.bf16_config(cfg), 16)
+    _results, text = _report([out])
+    assert f"epgen {fmt} staged round trip" in text
+
+
+def test_parse_args_format():
+    a = bench.parse_args([])
+    assert a.format == "BF16" and a.input_scale == 1.0
+    assert bench.make_config(a, 128).token_fmt.name == "BF16"
+    a = bench.parse_args(["--format", "MXFP8"])
+    assert bench.make_config(a, 128).token_fmt.msg_size() == 7424
+    for argv in (["--format", "FP16"], ["--format", "NVFP4", "--input-scale", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
 
 
 def test_run_shape_reports_a_wrong_baseline(fake_gpu, monkeypatch):

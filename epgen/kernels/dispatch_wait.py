@@ -84,7 +84,7 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         with r.if_((tid % R).eq(R - 1)):
             r.store(_word(p.row_offsets, e + 1), incl)
     comm_sync(r, comm_barrier_id)
-    cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L)
+    cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L, comm_barrier_id=comm_barrier_id)
     raw_start = r.var("raw_start", T.u32, 0)
     with r.if_(tid < E):
         with r.if_(e > 0):
