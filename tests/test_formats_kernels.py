@@ -138,3 +138,10 @@ def test_cli_rejects_a_bad_hid_dim_for_the_format(capsys):
                   "--set", "hid_dim=192"])
     assert info.value.code == 2
     assert "hid_dim=192 must be a multiple of 128" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_ir_text_round_trips(fmt):
+    module = module_and_ptx(SHAPES[0], fmt)[0]
+    text = ir.print_module(module)
+    assert ir.parse_module(text) == module

@@ -284,7 +284,7 @@ class BlockScaledFormat(TokenFormat):
         nbytes = self.out_scale_bytes_per_row
         dst = out_scales + row.cast(T.u64) * nbytes
         if nbytes % VECTOR_BYTES == 0:
-            copy_vectors(r, dst, src, nbytes // VECTOR_BYTES, r.lane, 32, tag="rs")
+            copy_vectors(r, dst, src, nbytes // VECTOR_BYTES, r.lane, 32, unroll=1, tag="rs")
             return
         width = next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
         dtype = T.DType("u", 8 * width)
