@@ -206,6 +206,16 @@ def test_shuffle_32(mode, clamp):
                               rf"{REG32}, {REG32}, {REG32}, {clamp}, -1"), ptx)
 
 
+def test_shuffle_of_f32_keeps_its_bits():
+    def body(kb, r):
+        out = kb.param("out", T.ptr_global)
+        v = r.load(out, T.f32)
+        r.store(out, v.max(r.shfl(ShflMode.BFLY, v, 4)))
+    ptx = emit_ptx(build(body))
+    assert re.search(instr_re("shfl.sync.bfly.b32", rf"{REG32}, {REG32}, 4, 31, -1"), ptx)
+    assert re.search(r"\tmax\.f32 \t", ptx) and "cvt." not in ptx
+
+
 def test_shuffle_width_and_64_bit_values():
     def body(kb, r):
         out = kb.param("out", T.ptr_global)
@@ -271,6 +281,8 @@ def _unary_kernel(src_type, make):
     (T.f32, lambda x, y: x * y, "mul.rn.f32"),
     (T.f64, lambda x, y: x + y, "add.rn.f64"),
     (T.f32, lambda x, y: x.min(y), "min.f32"),
+    (T.f32, lambda x, y: x.max(y), "max.f32"),
+    (T.f32, lambda x, y: x / y, "div.rn.f32"),        # IEEE, not div.approx / div.full
     (T.u32, lambda x, y: N.UnOp(N.UnOpKind.POPC, x), "popc.b32"),
     (T.u64, lambda x, y: N.UnOp(N.UnOpKind.POPC, x), "popc.b64"),
     (T.s32, lambda x, y: N.UnOp(N.UnOpKind.ABS, x), "abs.s32"),
