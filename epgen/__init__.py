@@ -8,7 +8,7 @@ Importing the package is light: numpy and attrs only. ``emit_ptx`` loads llvmlit
 from . import reference
 from .config import EPConfig, EPConfigError
 from .errors import EPTimeoutError
-from .formats import BF16Format, TokenFormat
+from .formats import BF16Format, BlockwiseFP8Format, MXFP8Format, NVFP4Format, TokenFormat
 from .layout import Layout
 
 
@@ -32,5 +32,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'epgen' has no attribute {name!r}")
 
 
-__all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "TokenFormat", "Layout",
-           "reference", "build_module", "emit_ptx", "EmulatedWorld"]
+__all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "BlockwiseFP8Format",
+           "NVFP4Format", "MXFP8Format", "TokenFormat", "Layout", "reference", "build_module",
+           "emit_ptx", "EmulatedWorld"]

@@ -207,6 +207,8 @@ def args_run(p: argparse.ArgumentParser) -> None:
                    help="dispatch round trips, fresh random inputs each (default: 3)")
     p.add_argument("--seed", type=int, help="random seed (default: fresh)")
     p.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
+    p.add_argument("--input-scale", type=float, default=1.0, metavar="S",
+                   help="global input scale of the formats that take one (NVFP4; default 1.0)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -227,14 +229,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                           f"{cfg.max_tokens_per_rank}], got {tokens}")
     rng = np.random.default_rng(seed)
     weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" else None
-    world = EmulatedWorld(cfg, arch=args.arch)
+    if getattr(cfg.token_fmt, "uses_input_scale", False):
+        try:
+            cfg.token_fmt.check_input_scale(args.input_scale)
+        except ValueError as e:
+            args.parser.error(f"argument --input-scale: {e}")
+    world = EmulatedWorld(cfg, arch=args.arch, input_scale=args.input_scale)
     print(f"{cfg.n_ranks} emulated ranks, {tokens} tokens/rank, seed {seed}")
     for call in range(args.calls):
         toks, ids = routing.routing(rng, cfg, tokens, weights)
         t0 = time.perf_counter()
         got = world.dispatch(toks, ids)
         dt = time.perf_counter() - t0
-        diffs = [d for x, a in zip(reference.dispatch(cfg, toks, ids), got)
+        want = reference.dispatch(cfg, toks, ids, input_scale=args.input_scale)
+        diffs = [d for x, a in zip(want, got)
                  for d in reference.compare(cfg, x, a)]
         rows = sum(int(r.row_offsets[-1]) for r in got)
         print(f"call {call}: {rows} rows received, {dt * 1e3:.1f} ms (host round trip), "

@@ -190,7 +190,12 @@ class RankResult:
     ``counts`` int32 [L, R] (tokens from source ``r`` to local expert ``e``);
     ``block_starts`` int64 [L, R] (first row of each (expert, source) block);
     ``se_tokens``/``se_token_start``: the shared-expert rows (group 0) and the first source
-    token they copy. ``out_tokens`` rows are the format's host rows (BF16: uint16 bits).
+    token they copy. ``out_tokens`` rows are the format's host rows (BF16: uint16 bits;
+    the quantising formats: uint8 codes). ``out_scales``: None, or the quantising formats'
+    scales one row per output row (``[rows, hid_dim // group_size]``; float32 for
+    BlockwiseFP8, uint8 e4m3/e8m0 bits for NVFP4/MXFP8), whatever the device layout
+    (BlockwiseFP8's device tensor is transposed: ``fmt.scales_to_device``/
+    ``fmt.scales_from_device`` convert).
     """
 
     rank: int
@@ -311,18 +316,22 @@ def _block_starts(row_offsets, counts, se: int) -> np.ndarray:
 
 
 # ---- the model ----------------------------------------------------------------------------
-def dispatch(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=None) -> list[RankResult]:
+def dispatch(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=None,
+             input_scale: float = 1.0) -> list[RankResult]:
     """Reference dispatch; one ``RankResult`` per destination rank (per device under
-    ``skip_a2a``, in input order). See the module docstring."""
+    ``skip_a2a``, in input order). See the module docstring. ``input_scale``: the global
+    input scale of formats that use one (NVFP4; ``fmt.uses_input_scale``), ignored by the
+    others."""
     validate_inputs(cfg, tokens, topk_ids, ranks=ranks, allreduce_world_size=allreduce_world_size)
     fmt, lay = cfg.token_fmt, cfg.layout
+    enc = {"input_scale": input_scale} if getattr(fmt, "uses_input_scale", False) else {}
     toks = _as_list(tokens, "tokens")
     ids = [np.asarray(i).astype(np.int64) for i in _as_list(topk_ids, "topk_ids")]
     devices, world = _devices(cfg, len(toks), ranks, allreduce_world_size)
     L, R, se = lay.n_local_experts, cfg.n_ranks, int(bool(cfg.fused_shared_expert))
 
     # each source's tokens through the format once: what a destination would output
-    decoded = [fmt.decode_payload(fmt.encode_payload(fmt.as_host_tokens(x))) for x in toks]
+    decoded = [fmt.decode_payload(fmt.encode_payload(fmt.as_host_tokens(x), **enc)) for x in toks]
 
     results = []
     for i, d in enumerate(devices):
@@ -392,6 +401,12 @@ def _first_diff(a, b, what: str, limit: int) -> list[str]:
             for idx in list(bad)[:limit]]
 
 
+def _bits(a: np.ndarray) -> np.ndarray:
+    """Float arrays as their bit patterns (scales compare bit-exactly, NaN included)."""
+    a = np.asarray(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a
+
+
 def compare(cfg, expected: RankResult, actual: RankResult, *, limit: int = 10) -> list[str]:
     """Differences between a reference result and another (e.g. the GPU's), modulo the
     order of rows within an (expert, source) block; padding rows and the ``src_info`` of
@@ -423,6 +438,7 @@ def compare(cfg, expected: RankResult, actual: RankResult, *, limit: int = 10) -
         if x.out_scales is None or a.out_scales is None:
             return [f"rank {r} out_scales: present on one side only"]
         fields.append(("out_scales", x.out_scales, a.out_scales))
+    fields = [(name, _bits(xv), _bits(av)) for name, xv, av in fields]
     for name, xv, av in fields:
         if xv.shape[1:] != av.shape[1:]:
             return [f"rank {r} {name}: row shape {av.shape[1:]} != expected {xv.shape[1:]}"]
@@ -441,10 +457,12 @@ def compare(cfg, expected: RankResult, actual: RankResult, *, limit: int = 10) -
     if x.se_tokens:
         g0 = int(x.row_offsets[0])
         sl = slice(g0, g0 + x.se_tokens)
-        bad = np.nonzero(np.any((x.out_tokens[sl] != a.out_tokens[sl])
-                                .reshape(x.se_tokens, -1), axis=1))[0]
-        diffs += [f"rank {r} out_tokens: shared-expert row {g0 + row} differs"
-                  for row in bad[:limit]]
+        for name, xv, av in fields:
+            if name == "src_info":
+                continue
+            bad = np.nonzero(np.any((xv[sl] != av[sl]).reshape(x.se_tokens, -1), axis=1))[0]
+            diffs += [f"rank {r} {name}: shared-expert row {g0 + row} differs"
+                      for row in bad[:limit]]
     return diffs[:limit]
 
 

@@ -213,8 +213,20 @@ class Pack(ExprOps):
     lanes: tuple
 
 
+@attrs.frozen
+class CvtE4M3x2(ExprOps):
+    """``cvt.rn.satfinite.e4m3x2.f32 d, a, b`` (sm_89+): two f32 to two e4m3 bytes in a u16,
+    rounded to nearest even and saturated to +-448 (NaN stays NaN); ``a`` gives the upper
+    byte, ``b`` the lower byte (in memory order: ``b`` first)."""
+
+    a: Expr
+    b: Expr
+
+    dtype = T.u16
+
+
 Expr = Union[Const, Param, Var, SRegRead, BinOp, UnOp, Cmp, Select, Cast, Bitcast, PtrAdd,
-             SharedAddr, Extract, Pack]
+             SharedAddr, Extract, Pack, CvtE4M3x2]
 
 
 def as_expr(value, dtype: Type | None = None):

@@ -16,6 +16,7 @@ from . import nodes as N
 from . import types as T
 from .enums import (AtomOp, BinOpKind, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode, Space,
                     SReg, UnOpKind, VoteMode)
+from .printer import CVT_E4M3X2
 
 
 class ParseError(ValueError):
@@ -682,6 +683,8 @@ class _Parser:
                 index = ln.int()
                 ln.expect(")")
                 return N.Extract(vec, index)
+        elif v == CVT_E4M3X2:
+            return N.CvtE4M3x2(*self.args(2))
         elif head == "cvt":
             return N.Cast(ln.type(rest), *self.args(1))
         elif head == "bitcast":

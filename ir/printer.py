@@ -28,7 +28,7 @@ Expressions:
   the same name appears with another type), ``%name`` after that;
 - operators as calls: ``add(a, b)`` (every ``BinOpKind``), ``neg(a)`` (``UnOpKind``), ``lt(a, b)``
   (``CmpOp``), ``selp(c, a, b)``, ``cvt.u64(a)``, ``bitcast.f32(a)``, ``ptradd(p, off)``,
-  ``extract(v, 2)``, ``pack.v2.u32(a, b)``.
+  ``extract(v, 2)``, ``pack.v2.u32(a, b)``, ``cvt.rn.satfinite.e4m3x2.f32(a, b)``.
 
 Statements (``[...]`` marks an optional part; ``dst`` is a variable):
 
@@ -63,6 +63,7 @@ from . import nodes as N
 from .enums import CacheHint, Sem, Space
 from .types import PtrType
 
+CVT_E4M3X2 = "cvt.rn.satfinite.e4m3x2.f32"
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NUMBER_WORDS = ("inf", "nan")  # read as numbers, so names spelled so are quoted
 INDENT = "  "
@@ -173,6 +174,8 @@ class Printer:
                 return self.call("extract", self.expr(e.vec), str(e.index))
             case N.Pack():
                 return self.call(f"pack.{e.dtype}", *(self.expr(x) for x in e.lanes))
+            case N.CvtE4M3x2():
+                return self.call(CVT_E4M3X2, self.expr(e.a), self.expr(e.b))
         raise TypeError(f"not an IR expression: {e!r}")
 
     # -- statements ----------------------------------------------------------------------------

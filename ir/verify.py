@@ -235,6 +235,9 @@ class _RoleChecker:
                     self.add(e, f"pack of {len(e.lanes)} lanes into {t}")
                 else:
                     self.same_type(e, e.lanes, "pack lanes", want=t.elem)
+            case N.CvtE4M3x2():
+                self.same_type(e, (e.a, e.b), "cvt.rn.satfinite.e4m3x2.f32 operands",
+                               want=T.f32)
             case N.Bitcast():
                 t = _type(e.a)
                 if t is not None and t.bits != e.dtype.bits:

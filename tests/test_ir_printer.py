@@ -46,6 +46,7 @@ def kitchen_sink() -> N.Kernel:
     exprs += [N.Cmp(op, i, n) for op in CmpOp]
     exprs += [N.Select(pr, i, n), N.Bitcast(T.f32, i), N.Cast(T.f32, f),
               N.Extract(vec, 3), N.Pack(T.vec(T.u32, 2), (i, n)),
+              N.CvtE4M3x2(f, C(-0.5, T.f32)),
               N.Cast(T.u64, tile), N.Cast(T.u64, dyn),
               N.Param("undeclared", T.s64, peer=True), N.Param("n", T.u64)]
 
@@ -254,6 +255,8 @@ def test_expression_forms():
     assert print_expr(N.Extract(N.Var("v", T.vec(T.f32, 4)), 2)) == "extract(%v:v4.f32, 2)"
     assert print_expr(N.SharedAddr("tile")) == "&tile"
     assert print_expr(N.Param("n", T.u32)) == "$n"
+    assert print_expr(N.CvtE4M3x2(N.Param("a", T.f32), C(1.5, T.f32))) == (
+        "cvt.rn.satfinite.e4m3x2.f32($a, 1.5:f32)")
 
 
 def test_spin_wait_line_shows_every_field():

@@ -206,6 +206,16 @@ def test_shuffle_32(mode, clamp):
                               rf"{REG32}, {REG32}, {REG32}, {clamp}, -1"), ptx)
 
 
+def test_shuffle_of_f32_keeps_its_bits():
+    def body(kb, r):
+        out = kb.param("out", T.ptr_global)
+        v = r.load(out, T.f32)
+        r.store(out, v.max(r.shfl(ShflMode.BFLY, v, 4)))
+    ptx = emit_ptx(build(body))
+    assert re.search(instr_re("shfl.sync.bfly.b32", rf"{REG32}, {REG32}, 4, 31, -1"), ptx)
+    assert re.search(r"\tmax\.f32 \t", ptx) and "cvt." not in ptx
+
+
 def test_shuffle_width_and_64_bit_values():
     def body(kb, r):
         out = kb.param("out", T.ptr_global)
@@ -271,6 +281,8 @@ def _unary_kernel(src_type, make):
     (T.f32, lambda x, y: x * y, "mul.rn.f32"),
     (T.f64, lambda x, y: x + y, "add.rn.f64"),
     (T.f32, lambda x, y: x.min(y), "min.f32"),
+    (T.f32, lambda x, y: x.max(y), "max.f32"),
+    (T.f32, lambda x, y: x / y, "div.rn.f32"),        # IEEE, not div.approx / div.full
     (T.u32, lambda x, y: N.UnOp(N.UnOpKind.POPC, x), "popc.b32"),
     (T.u64, lambda x, y: N.UnOp(N.UnOpKind.POPC, x), "popc.b64"),
     (T.s32, lambda x, y: N.UnOp(N.UnOpKind.ABS, x), "abs.s32"),
@@ -622,3 +634,19 @@ def test_load_with_l2_prefetch_hint_emits_exact_line():
     lines = [ln.strip() for ln in _emit(k).splitlines()]
     assert any(ln.startswith("ld.global.nc.L2::256B.v4.b32 {") for ln in lines)
     assert any(ln.startswith("ld.global.nc.L2::256B.b64 ") for ln in lines)
+
+
+def test_cvt_e4m3x2_line():
+    """``CvtE4M3x2(a, b)`` is one inline ``cvt.rn.satfinite.e4m3x2.f32`` with ``a`` the first
+    source operand (the upper byte) and ``b`` the second (the lower byte), its b16 result
+    stored as a u16; sm_80 has no such instruction."""
+    k = _unary_kernel(T.f32, lambda x, y: N.CvtE4M3x2(x / y, y))
+    ptx = emit_ptx(k)
+    div = re.search(r"(?m)^\tdiv\.rn\.f32 \t(%r\d+), (%r\d+), (%r\d+);$", ptx)
+    assert div, ptx
+    q, y = div.group(1), div.group(3)
+    line = re.search(asm_re("cvt.rn.satfinite.e4m3x2.f32", r"(%rs\d+), (%r\d+), (%r\d+)"), ptx)
+    assert line and (line.group(2), line.group(3)) == (q, y), ptx
+    assert re.search(rf"(?m)^\tst\.global\.b16 \t\[%rd\d+\], {re.escape(line.group(1))};$", ptx)
+    with pytest.raises(LoweringError, match="e4m3x2.f32 needs sm_89 or newer, not sm_80"):
+        emit_ptx(k, arch="sm_80")

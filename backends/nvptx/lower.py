@@ -466,6 +466,20 @@ def lower_pack(cx, e: N.Pack) -> L.Value:
     return v
 
 
+@_lowers(EXPR_LOWERINGS, N.CvtE4M3x2)
+def lower_cvt_e4m3x2(cx, e: N.CvtE4M3x2) -> L.Value:
+    """``cvt.rn.satfinite.e4m3x2.f32 %rs, a, b`` (inline PTX: LLVM 22 has no intrinsic for
+    it); pure, so no side effect and no memory clobber. Needs sm_89 or newer."""
+    if not cx.target.has_fp8_cvt:
+        raise LoweringError(f"cvt.rn.satfinite.e4m3x2.f32 needs sm_89 or newer, not "
+                            f"{cx.target.arch}")
+    if e.a.dtype != T.f32 or e.b.dtype != T.f32:
+        raise LoweringError(f"cvt.rn.satfinite.e4m3x2.f32 takes two f32, not {e.a.dtype} and "
+                            f"{e.b.dtype}")
+    return inline_ptx(cx.b, "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;",
+                      [cx.expr(e.a), cx.expr(e.b)], I16, ordered=False, name="e4m3x2")
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory
 

@@ -58,5 +58,10 @@ class Target:
         """``.cluster`` scope exists from sm_90."""
         return self.sm >= 90
 
+    @property
+    def has_fp8_cvt(self) -> bool:
+        """``cvt...e4m3x2``/``e5m2x2`` exist from sm_89."""
+        return self.sm >= 89
+
     def __repr__(self) -> str:
         return f"Target({self.arch!r}, ptx={self.ptx})"

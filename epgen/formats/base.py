@@ -17,8 +17,12 @@ Extension point for the kernel builders: a format defines the device side of its
 ``emit_copy_token_to_send_buf(...)`` (the IR of ``copy_token_to_send_buf``: every thread of the
 CTA takes part and writes payload plus scales; the header is written by the kernel) and
 ``emit_copy_msg_to_output(...)`` (the IR of ``copy_msg_to_output_tensor``: one warp copies one
-message into one output row), next to its numpy reference. ``emit_send``/``emit_receive`` are
-aliases. The stubs below name that contract.
+message into one output row), next to its numpy reference, and
+``emit_pad_expert_offsets(...)`` (``pad_expert_offsets``). ``emit_send``/``emit_receive`` are
+aliases. The stubs below name that contract. A format whose steps need launch arguments of
+their own declares them while building (``quant_ir.kernel_param``): ``input_scale`` (f32,
+dispatch_async, NVFP4), ``output_scales`` (pointer, dispatch_wait) and ``output_scales_rows``
+(u32, transposed scales); the runtime passes each parameter a kernel declares.
 """
 
 from __future__ import annotations
@@ -237,6 +241,10 @@ class TokenFormat:
         """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row)."""
         raise NotImplementedError(
             f"{type(self).__name__}.emit_copy_msg_to_output is not implemented")
+
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
+        """IR of ``pad_expert_offsets`` (the whole dispatch_wait aux block, after the prefix
+        sum; ``comm_barrier_id`` as the caller's ``comm_sync``). Default: no padding."""
 
     def emit_send(self, *args, **kwargs):
         """Alias of ``emit_copy_token_to_send_buf``."""

@@ -86,5 +86,5 @@ class BF16Format(TokenFormat):
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
         copy_vectors(r, dst, msg, 2 * self.hid_dim // VECTOR_BYTES, r.lane, 32, tag="recv")
 
-    def emit_pad_expert_offsets(self, r, row_offsets, n_groups):
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
         """``pad_expert_offsets``: BF16 rows are not padded (no code)."""

@@ -114,7 +114,8 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
             r.store(_word(p.row_offsets, e + (1 + se)), end + reserved if se else end)
     comm_sync(r, comm_barrier_id)
     if not strided:
-        cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L + se)
+        cfg.token_fmt.emit_pad_expert_offsets(r, p.row_offsets, L + se,
+                                              comm_barrier_id=comm_barrier_id)
     raw_start = r.var("raw_start", T.u32, 0)
     with r.if_(tid < E):
         with r.if_(e > 0):

@@ -86,7 +86,9 @@ class _Rank:
         self.recv_buf = z(lay.recv_buf_bytes, np.uint8)
         self.recv_count = cuda.to_device(lay.recv_count_initial(), device=device, stream=self.stream)
         self.counters = z(lay.counter_words, np.int32)
-        self.out_tokens = z((lay.max_out_rows, H), np.uint16)
+        self.out_tokens = z((lay.max_out_rows, *fmt.out_row_shape), fmt.host_dtype)
+        self.out_scales = (z(fmt.out_scales_shape(lay.max_out_rows), fmt.scales_host_dtype)
+                           if fmt.out_scales is not None else None)
         self.row_offsets = z(lay.n_groups + 1, np.uint32)
         self.expert_ids = z(lay.n_groups, np.int32)
         self.src_info = z((lay.max_out_rows, 2), np.int32)
@@ -103,10 +105,12 @@ class EmulatedWorld:
     """All ``cfg.n_ranks`` ranks on one GPU. ``dispatch(tokens, topk_ids)`` runs one round
     trip (dispatch_async then dispatch_wait on every rank, or the fused ``ep_dispatch`` with
     ``fused=True``; default: fused exactly when ``cfg.fused_shared_expert``) and returns, per
-    rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch``."""
+    rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch`` (with
+    the output scales of the quantising formats; compare against ``reference.dispatch(...,
+    input_scale=world.input_scale)``)."""
 
     def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, input_scale: float = 1.0):
         if fused is None:
             fused = bool(cfg.fused_shared_expert)
         if cfg.fused_shared_expert and not fused:
@@ -122,6 +126,7 @@ class EmulatedWorld:
         self.cfg = cfg
         self.cuda = cuda
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
+        self.input_scale = input_scale
         self.program = Program(build_module(cfg), arch=arch, device=device)
         self.device = self.program.device
         self._check_capacity()
@@ -195,6 +200,27 @@ class EmulatedWorld:
                 rk.tokens[:T].copy_from_host(np.ascontiguousarray(fmt.as_host_tokens(x)))
             rk.topk_ids[:T].copy_from_host(np.ascontiguousarray(np.asarray(ids), np.int32))
 
+    @property
+    def input_scale(self) -> float:
+        """The global input scale of formats that use one (NVFP4's ``input_scale`` launch
+        argument of dispatch_async; the reference's ``input_scales_wrapper``); a finite
+        float32 > 0, default 1.0."""
+        return self._input_scale
+
+    @input_scale.setter
+    def input_scale(self, value):
+        fmt = self.cfg.token_fmt
+        check = getattr(fmt, "check_input_scale", None)
+        self._input_scale = float(check(value)) if check else float(value)
+
+    def _format_args(self, kernel: str, rk) -> dict:
+        """Arguments of the launch parameters a token format declared (quant_ir.kernel_param):
+        ``input_scale``, ``output_scales``, ``output_scales_rows``."""
+        names = {p.name for p in self.program.module.kernel(kernel).params}
+        args = {"input_scale": np.float32(self.input_scale), "output_scales": rk.out_scales,
+                "output_scales_rows": self.cfg.layout.max_out_rows}
+        return {k: v for k, v in args.items() if k in names}
+
     def dispatch_async(self):
         """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
         lay = self.cfg.layout
@@ -203,7 +229,7 @@ class EmulatedWorld:
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
-            args = {
+            args = {**self._format_args(ASYNC, rk),
                 "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
@@ -221,7 +247,7 @@ class EmulatedWorld:
         """Enqueue every rank's dispatch_wait."""
         lay = self.cfg.layout
         for rk in self.ranks:
-            args = {
+            args = {**self._format_args(WAIT, rk),
                 "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
@@ -240,7 +266,7 @@ class EmulatedWorld:
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
-            args = {
+            args = {**self._format_args(FUSED, rk),
                 "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
@@ -279,8 +305,12 @@ class EmulatedWorld:
         self.synchronize()
 
     # -- the public round trip ---------------------------------------------------------------
-    def dispatch(self, tokens, topk_ids) -> list:
-        """One dispatch round trip; returns a ``reference.RankResult`` per rank."""
+    def dispatch(self, tokens, topk_ids, input_scale: float | None = None) -> list:
+        """One dispatch round trip; returns a ``reference.RankResult`` per rank.
+        ``input_scale`` (formats that use one) replaces ``self.input_scale`` from this call
+        on."""
+        if input_scale is not None:
+            self.input_scale = input_scale
         self.load_inputs(tokens, topk_ids)
         if self.fused:
             self.dispatch_fused()
@@ -304,9 +334,11 @@ class EmulatedWorld:
             if cfg.fused_shared_expert:
                 se_start, se_tokens = reference.se_slice(
                     rk.n_tokens, rk.rank, cfg.n_ranks if cfg.skip_a2a else None)
+            scales = None if rk.out_scales is None else \
+                cfg.token_fmt.scales_from_device(rk.out_scales.to_host(), n)
             out.append(reference.RankResult.from_outputs(
                 cfg, rk.rank, rk.out_tokens.to_host()[:n], row_offsets,
                 rk.expert_ids.to_host(), rk.src_info.to_host()[:n], counts,
-                se_tokens=se_tokens, se_token_start=se_start,
+                se_tokens=se_tokens, se_token_start=se_start, out_scales=scales,
                 block_starts=starts if cfg.ep_final_layout else None))
         return out

@@ -1,0 +1,296 @@
+"""``BlockScaledFormat``: what the quantising formats (``BlockwiseFP8``, ``NVFP4``, ``MXFP8``)
+share: the message layout of protocol 3.3/3.4 (quantized payload, then one scale per group of
+``group_size`` elements at ``scales_offset``), the device send loop (quantize while staging a
+token), the device receive copy (payload row, then the scales in the format's output layout)
+and the numpy side (``encode_payload``/``decode_payload``/``dequantize``).
+
+Send, per thread and 16-byte input item (8 bf16, one ``ld.global.nc.L2::256B.v4.b32``):
+convert to f32, take the item's ``|x|`` maximum, combine it over the ``group_size // 8``
+adjacent lanes of the scale group (``shfl.sync.bfly.b32``), then the subclass's
+``emit_item_quant`` gives the payload words and the group scale; the item's payload is one ``st.global.v2.b32`` (8-bit
+elements) or ``st.global.b32`` (4-bit), the first lane of each group stores the scale. The loop
+runs over whole warps (the loop bound is the warp's first item), so every lane takes part in
+the shuffles; lanes past the last item load a valid item and store nothing.
+
+Host side: the inputs are bfloat16 (uint16 bits); output rows are uint8 (``out_row_shape =
+(payload_bytes,)``); ``decode_payload`` returns the scales one row per token
+(``[n, n_scale_groups]``), whatever the device layout of the output scales
+(``out_scales_shape``, ``scales_from_device``).
+"""
+
+from __future__ import annotations
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+import ir
+from ir import CacheHint
+from ir import types as T
+
+from .base import VECTOR_BYTES, TokenFormat, align_up
+from .bf16 import bf16_bits
+from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
+
+ITEM_ELEMS = 8               # bf16 elements per 16-byte input load (reference src_width)
+
+
+@attrs.frozen
+class BlockScaledFormat(TokenFormat):
+    """Base of the quantising formats; subclasses set the class attributes below and define
+    ``quantize`` (numpy), ``dequantize_groups`` (numpy) and ``emit_item_quant`` (IR)."""
+
+    #: elements sharing one scale
+    group_size = 0
+    #: bits of one quantized element (8: one byte each; 4: two per byte, low nibble first)
+    element_bits = 8
+    #: bytes of one scale in the message
+    scale_bytes = 1
+    #: numpy dtype of the scales on the host (float32, or uint8 bit patterns)
+    scales_host_dtype = np.uint8
+    #: True: the output scales are ``[n_scale_groups, M]`` (transposed), else ``[M, groups]``
+    scales_transposed = False
+    #: True: the send step reads the global input scale (``input_scale`` launch argument)
+    uses_input_scale = False
+
+    input_dtype = "bf16"
+    input_elem_bytes = 2
+    out_dtype = "b8"
+    host_dtype = np.uint8
+    accepted_input_dtypes = ("bfloat16", "uint16")
+
+    def __attrs_post_init__(self):
+        need = self.hid_dim_multiple
+        if self.hid_dim % need:
+            raise ValueError(
+                f"{type(self).__name__}: hid_dim={self.hid_dim} must be a multiple of {need}: "
+                f"of the scale group ({self.group_size} elements) and of the "
+                f"{VECTOR_BYTES}-byte vector width ({self.vector_elems} elements of the "
+                f"payload)")
+
+    # ---- message layout (protocol 3.3 / 3.4) ------------------------------------------------
+    @property
+    def vector_elems(self) -> int:
+        """Payload elements in one 16-byte vector."""
+        return VECTOR_BYTES * 8 // self.element_bits
+
+    @property
+    def hid_dim_multiple(self) -> int:
+        """``hid_dim`` must be a multiple of this: of ``group_size`` and of ``vector_elems``."""
+        return int(np.lcm(self.group_size, self.vector_elems))
+
+    @property
+    def n_scale_groups(self) -> int:
+        """Scales per token: ``hid_dim // group_size``."""
+        return self.hid_dim // self.group_size
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the quantized elements of one token (unpadded)."""
+        return self.hid_dim * self.element_bits // 8
+
+    @property
+    def quant_size(self) -> int:
+        """``align_up(payload_bytes, A)``: the payload field of a message."""
+        return align_up(self.payload_bytes, self.alignment)
+
+    @property
+    def scales_offset(self) -> int:
+        """Byte offset of the scales in a message (``= quant_size``)."""
+        return self.quant_size
+
+    @property
+    def scales_size(self) -> int:
+        """``align_up(n_scale_groups * scale_bytes, A)``: the scales field of a message."""
+        return align_up(self.n_scale_groups * self.scale_bytes, self.alignment)
+
+    @property
+    def token_size(self) -> int:
+        return self.quant_size + self.scales_size
+
+    # ---- output description -----------------------------------------------------------------
+    @property
+    def out_row_shape(self) -> tuple[int, ...]:
+        return (self.payload_bytes,)
+
+    @property
+    def out_row_bytes(self) -> int:
+        return self.payload_bytes
+
+    @property
+    def out_scale_bytes_per_row(self) -> int:
+        """Bytes of output scales per output row."""
+        return self.n_scale_groups * self.scale_bytes
+
+    def out_scales_shape(self, rows: int) -> tuple[int, int]:
+        """Shape of the output scales tensor for an output of ``rows`` rows (device layout)."""
+        g = self.n_scale_groups
+        return (g, rows) if self.scales_transposed else (rows, g)
+
+    def scales_from_device(self, scales, n: int) -> np.ndarray:
+        """The first ``n`` rows' scales, one row per output row (``[n, n_scale_groups]``),
+        from the device tensor (host copy) of ``out_scales_shape``."""
+        scales = np.asarray(scales)
+        out = scales[:, :n].T if self.scales_transposed else scales[:n]
+        return np.ascontiguousarray(out)
+
+    def scales_to_device(self, row_scales, rows: int) -> np.ndarray:
+        """Inverse of ``scales_from_device``: per-row scales ``[n, groups]`` placed in a zeroed
+        device-layout tensor of ``rows`` rows."""
+        row_scales = np.asarray(row_scales, dtype=self.scales_host_dtype)
+        out = np.zeros(self.out_scales_shape(rows), dtype=self.scales_host_dtype)
+        n = row_scales.shape[0]
+        if self.scales_transposed:
+            out[:, :n] = row_scales.T
+        else:
+            out[:n] = row_scales
+        return out
+
+    @property
+    def out_scales(self):
+        g = self.n_scale_groups
+        shape = [g, "M"] if self.scales_transposed else ["M", g]
+        return {"dtype": self.scales_dtype_name, "shape": shape,
+                "layout": "transposed" if self.scales_transposed else "row-major",
+                "group_size": self.group_size}
+
+    scales_dtype_name = "u8"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(group_size=self.group_size, quant_size=self.quant_size,
+                 scales_offset=self.scales_offset, scales_size=self.scales_size)
+        return d
+
+    # ---- numpy reference --------------------------------------------------------------------
+    def as_host_tokens(self, tokens) -> np.ndarray:
+        return bf16_bits(tokens)
+
+    def to_f32(self, tokens) -> np.ndarray:
+        """Input tokens (bf16 bits) as float32 ``[T, H]`` (exact)."""
+        bits = np.ascontiguousarray(self.as_host_tokens(tokens)).reshape(-1, self.hid_dim)
+        return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+    def check_input_scale(self, input_scale) -> np.float32:
+        """``input_scale`` as float32; ``ValueError`` unless finite and > 0."""
+        try:
+            with np.errstate(over="ignore"):
+                s = np.float32(input_scale)
+        except (TypeError, ValueError):
+            s = np.float32("nan")
+        if not (np.isfinite(s) and s > 0):
+            raise ValueError(f"{self.name}: input_scale must be a finite float32 > 0, got "
+                             f"{input_scale!r}")
+        return s
+
+    def quantize(self, x: np.ndarray, input_scale=1.0) -> tuple[np.ndarray, np.ndarray]:
+        """float32 ``[T, H]`` -> (payload uint8 ``[T, payload_bytes]``, per-row scales
+        ``[T, n_scale_groups]`` of ``scales_host_dtype``), exactly as the kernel does."""
+        raise NotImplementedError
+
+    def dequantize_groups(self, q: np.ndarray, scales: np.ndarray, input_scale) -> np.ndarray:
+        """float64 ``[n, groups, group_size]`` values of payload rows ``q`` with ``scales``."""
+        raise NotImplementedError
+
+    def encode_payload(self, tokens, input_scale=1.0) -> np.ndarray:
+        x = self.to_f32(tokens)
+        payload, scales = self.quantize(x, input_scale)
+        out = np.zeros((x.shape[0], self.token_size), dtype=np.uint8)
+        out[:, :self.payload_bytes] = payload
+        so, n = self.scales_offset, self.n_scale_groups * self.scale_bytes
+        out[:, so:so + n] = np.ascontiguousarray(scales, dtype=self.scales_host_dtype) \
+            .view(np.uint8).reshape(x.shape[0], n)
+        return out
+
+    def decode_payload(self, payload):
+        payload = np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1, self.token_size)
+        rows = np.ascontiguousarray(payload[:, :self.payload_bytes])
+        so, n = self.scales_offset, self.n_scale_groups * self.scale_bytes
+        scales = np.ascontiguousarray(payload[:, so:so + n]).view(self.scales_host_dtype)
+        return rows, scales.reshape(-1, self.n_scale_groups).copy()
+
+    def dequantize(self, rows, scales, input_scale=1.0) -> np.ndarray:
+        """Output rows (uint8 ``[n, payload_bytes]``) and their per-row scales back to
+        float64 ``[n, H]``."""
+        rows = np.asarray(rows, dtype=np.uint8).reshape(-1, self.payload_bytes)
+        n, g = rows.shape[0], self.n_scale_groups
+        q = self.element_values(rows).reshape(n, g, self.group_size)
+        scales = np.asarray(scales, dtype=self.scales_host_dtype).reshape(n, g)
+        return self.dequantize_groups(q, scales, input_scale).reshape(n, self.hid_dim)
+
+    def element_values(self, rows: np.ndarray) -> np.ndarray:
+        """float64 ``[n, H]`` values of the payload codes (before scaling)."""
+        raise NotImplementedError
+
+    def error_bound(self, x: np.ndarray, input_scale=1.0) -> np.ndarray:
+        """The stated tolerance, per element, of ``|dequantize(quantize(x)) - x|`` for the
+        float32 tokens ``x`` [T, H] (docs/formats.md)."""
+        raise NotImplementedError
+
+    # ---- device steps -----------------------------------------------------------------------
+    def emit_item_quant(self, r: ir.RoleBuilder, xs, amax) -> tuple[list, object]:
+        """IR for one 8-element item: ``xs`` the 8 f32 values, ``amax`` the group's ``|x|``
+        maximum. Returns (payload u32 words, little-endian: 2 for 8-bit elements, 1 for
+        4-bit; the group scale as stored: an f32 or a u32 holding a byte)."""
+        raise NotImplementedError
+
+    def emit_copy_token_to_send_buf(self, r, src_row, msg, first, stride):
+        """``copy_token_to_send_buf``: quantize one token into ``msg``. Thread ``first`` takes
+        items ``first, first + stride, ...``; ``first`` must be the role-local thread index
+        and ``stride`` a multiple of 32 (whole warps: the group maximum is a shuffle).
+        ``ld.global.nc.L2::256B.v4.b32`` per item, ``st.global.v2.b32``/``st.global.b32`` of its
+        payload, ``st.global.b32``/``st.global.b8`` of the group scale by the group's first
+        lane."""
+        n_items = self.hid_dim // ITEM_ELEMS
+        lanes = self.group_size // ITEM_ELEMS
+        item_out = ITEM_ELEMS * self.element_bits // 8
+        vec = T.vec(T.u32, 4)
+        with r.for_range("q_warp_item", first - r.lane, n_items, stride) as warp_item:
+            item = r.let("q_item", warp_item + r.lane)
+            src = src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES
+            # nc.L2::256B is inline PTX: LLVM splits a plain invariant v4 load whose lanes are
+            # used one by one into scalar loads and drops the .nc on re-vectorising them
+            words = r.load(src, vec, cache=CacheHint.NC_L2_256, name="q_in")
+            xs = bf16x8_to_f32(r, words)
+            amax = abs_max(r, xs)
+            group_max(r, amax, lanes)
+            payload, scale = self.emit_item_quant(r, xs, amax)
+            with r.if_(item < n_items):
+                dst = msg + item.cast(T.u64) * item_out
+                r.store(dst, payload[0] if len(payload) == 1
+                        else ir.Pack(T.vec(T.u32, len(payload)), tuple(payload)))
+                with r.if_((r.lane % lanes).eq(0)):
+                    value = scale if self.scale_bytes == 4 else ir.as_expr(scale).cast(T.u8)
+                    r.store(msg + self.scales_offset + (item // lanes).cast(T.u64)
+                            * self.scale_bytes, value)
+
+    def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
+        """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
+        ``row`` (lane-strided 16-byte vectors) and the scales into ``output_scales`` (a kernel
+        parameter): transposed ``[groups, output_scales_rows]`` with one ``st.global.b32`` per
+        scale, or row-major ``[M, groups]`` with lane-strided copies."""
+        from ..kernels.common import copy_vectors
+        dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
+        copy_vectors(r, dst, msg, self.payload_bytes // VECTOR_BYTES, r.lane, 32, tag="recv")
+        out_scales = kernel_param(r, "output_scales", T.ptr_global)
+        src = msg + self.scales_offset
+        if self.scales_transposed:
+            m = kernel_param(r, "output_scales_rows", T.u32)
+            with r.for_range("rs_g", r.lane, self.n_scale_groups, 32) as g:
+                s = r.load(src + g.cast(T.u64) * self.scale_bytes, T.u32, name="rs_v")
+                r.store(out_scales + (g.cast(T.u64) * m.cast(T.u64) + row.cast(T.u64))
+                        * self.scale_bytes, s)
+            return
+        nbytes = self.out_scale_bytes_per_row
+        dst = out_scales + row.cast(T.u64) * nbytes
+        if nbytes % VECTOR_BYTES == 0:
+            copy_vectors(r, dst, src, nbytes // VECTOR_BYTES, r.lane, 32, unroll=1, tag="rs")
+            return
+        width = next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
+        dtype = T.DType("u", 8 * width)
+        with r.for_range("rs_i", r.lane, nbytes // width, 32) as i:
+            r.store(dst + i.cast(T.u64) * width,
+                    r.load(src + i.cast(T.u64) * width, dtype, name="rs_v"))
+
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
+        """``pad_expert_offsets``: no padding (``expert_m_padding == 1``)."""

@@ -1,0 +1,162 @@
+"""IR building blocks of the quantising token formats.
+
+The element encoders (``e4m3_pairs``, ``e2m1_nibble``, ``e4m3_to_f32``, ``e8m0_ceil``,
+``e8m0_to_f32``) and ``bf16x8_to_f32`` emit straight-line ``Assign`` statements only (no
+memory access, no control flow), so ``tests/ir_numpy.py`` can evaluate the very IR a kernel
+contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
+
+- bf16 -> f32: ``shl.b32`` / ``and.b32`` (a bf16 is the upper half of an f32);
+- amax: ``abs.f32`` (``and.b32 .., 0x7fffffff``), ``max.f32``, ``shfl.sync.bfly.b32``;
+- e4m3: ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), after a ``max.f32``/``min.f32`` clamp;
+- e2m1: ``setp.{gt,ge}.f32`` against the rounding thresholds, ``selp``, ``add``/``or``/``shl``
+  (sm_90 has no e2m1 conversion; ``cvt...e2m1x2.f32`` is sm_100a+);
+- e8m0 (rounded up) and e4m3/e8m0 -> f32: integer ``shr``/``and``/``shl``/``selp``, ``mov.b32``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ir
+from ir import CmpOp, ShflMode, UnOpKind
+from ir import types as T
+
+F32 = T.f32
+
+
+def f32(value: float) -> ir.Const:
+    """An f32 immediate holding ``value`` rounded to float32 (the value numpy's float32 has)."""
+    return ir.Const(float(np.float32(value)), F32)
+
+
+def u32(value: int) -> ir.Const:
+    return ir.Const(int(value), T.u32)
+
+
+def kernel_param(r: ir.RoleBuilder, name: str, dtype: T.Type) -> ir.Param:
+    """The parameter ``name`` of the kernel being built, declared on first use. Formats use
+    it for the launch arguments only they need (``input_scale`` of NVFP4, ``output_scales``),
+    so the kernel builders stay format-agnostic; the world passes an argument for every
+    parameter the kernel declares."""
+    for p in r.kb.params:
+        if p.name == name:
+            if p.dtype != dtype:
+                raise ValueError(f"kernel {r.kb.name}: parameter {name!r} is {p.dtype}, a "
+                                 f"format asked for {dtype}")
+            return p
+    return r.kb.param(name, dtype)
+
+
+# ---- inputs and group maxima ---------------------------------------------------------------
+def bf16x8_to_f32(r: ir.RoleBuilder, words, name: str = "x") -> list[ir.Var]:
+    """The 8 bf16 of a ``v4.u32`` as 8 f32 (exact): element ``2j`` is the low half of word
+    ``j``, element ``2j+1`` the high half (little-endian memory order)."""
+    xs = []
+    for j in range(4):
+        w = r.let(f"{name}w{j}", ir.Extract(words, j))
+        xs.append(r.let(f"{name}{2 * j}", ir.Bitcast(F32, w << 16)))
+        xs.append(r.let(f"{name}{2 * j + 1}", ir.Bitcast(F32, w & 0xFFFF0000)))
+    return xs
+
+
+def abs_max(r: ir.RoleBuilder, xs, name: str = "amax") -> ir.Var:
+    """A new f32 variable: ``max(0, |x_0|, |x_1|, ...)`` (``max.f32`` returns the non-NaN
+    operand, so NaN elements are ignored and the result is never NaN)."""
+    acc = f32(0.0)
+    for x in xs:
+        acc = acc.max(ir.UnOp(UnOpKind.ABS, x))
+    return r.var(name, F32, acc)
+
+
+def group_max(r: ir.RoleBuilder, amax: ir.Var, lanes: int) -> None:
+    """``amax`` becomes the maximum over the ``lanes`` adjacent lanes of its aligned lane
+    group (``lanes`` a power of two <= 32; every lane of the warp must execute it):
+    ``log2(lanes)`` butterfly shuffles."""
+    d = 1
+    while d < lanes:
+        other = r.shfl(ShflMode.BFLY, amax, d, name=f"{amax.name}_x{d}")
+        r.assign(amax, amax.max(other))
+        d *= 2
+
+
+def clamp(q, bound: float):
+    """``min(max(q, -bound), bound)`` (``max.f32``/``min.f32``: a NaN ``q`` becomes
+    ``-bound``)."""
+    return q.max(f32(-bound)).min(f32(bound))
+
+
+# ---- e4m3 ----------------------------------------------------------------------------------
+def e4m3_pairs(r: ir.RoleBuilder, qs, name: str = "fp8") -> list[ir.Var]:
+    """e4m3 bytes of the f32 values ``qs`` (rounded to nearest even, saturated to +-448),
+    packed little-endian into ``len(qs) // 4`` u32 words: byte ``i`` of the result is
+    ``e4m3(qs[i])``. One ``cvt.rn.satfinite.e4m3x2.f32`` per pair (the odd element is the
+    upper byte)."""
+    halves = [ir.CvtE4M3x2(qs[2 * i + 1], qs[2 * i]) for i in range(len(qs) // 2)]
+    return [r.let(f"{name}{j}", halves[2 * j].cast(T.u32) | (halves[2 * j + 1].cast(T.u32) << 16))
+            for j in range(len(halves) // 2)]
+
+
+def e4m3_byte(r: ir.RoleBuilder, value, name: str) -> ir.Var:
+    """The e4m3 byte (in a u32) of one f32 (rounded to nearest even, saturated)."""
+    return r.let(name, ir.CvtE4M3x2(f32(0.0), value).cast(T.u32) & 0xFF)
+
+
+def e4m3_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
+    """The value of a non-negative e4m3 code ``code`` (u32 in ``[0, 0x7e]``; the NaN code
+    0x7f is not handled) as f32, exactly: normal codes rebias the exponent (``e + 120``) and
+    move the 3 mantissa bits to the top of the f32 mantissa; subnormal codes are
+    ``m * 2^-9``."""
+    code = ir.as_expr(code)
+    e = r.let(f"{name}_e", code >> 3)
+    m = r.let(f"{name}_m", code & 7)
+    normal = ir.Bitcast(F32, ((e + 120) << 23) | (m << 20))
+    sub = m.cast(F32) * f32(2.0 ** -9)
+    return r.let(name, ir.Select(e.eq(0), sub, normal))
+
+
+# ---- e2m1 ----------------------------------------------------------------------------------
+#: ``(threshold, comparison)``: the e2m1 magnitude code of ``a = |v|`` is the number of these
+#: that hold. Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; a threshold is the midpoint of two
+#: neighbours, ``>`` where the lower code is even (a tie rounds down to it), ``>=`` where the
+#: upper code is even (round to nearest even). Past 5 everything is 6 (saturation).
+E2M1_THRESHOLDS = ((0.25, CmpOp.GT), (0.75, CmpOp.GE), (1.25, CmpOp.GT), (1.75, CmpOp.GE),
+                   (2.5, CmpOp.GT), (3.5, CmpOp.GE), (5.0, CmpOp.GT))
+
+
+def e2m1_nibble(r: ir.RoleBuilder, v, name: str) -> ir.Var:
+    """The e2m1 code (u32 in ``[0, 15]``: sign bit 3, magnitude code bits 0-2) of the f32
+    ``v``, rounded to nearest even and saturated to +-6. A NaN gives +0 (no comparison holds
+    and its sign is dropped); -0 and negatives that round to zero give -0 (code 8)."""
+    v = ir.as_expr(v)
+    a = r.let(f"{name}_abs", ir.UnOp(UnOpKind.ABS, v))
+    code = None
+    for threshold, op in E2M1_THRESHOLDS:
+        step = ir.Cmp(op, a, f32(threshold)).cast(T.u32)
+        code = step if code is None else code + step
+    sign = ir.Select(v.eq(v), ir.Bitcast(T.u32, v) >> 31, u32(0))
+    return r.let(name, code | (sign << 3))
+
+
+# ---- e8m0 ----------------------------------------------------------------------------------
+E8M0_NAN = 0xFF
+
+
+def e8m0_ceil(r: ir.RoleBuilder, v, name: str) -> ir.Var:
+    """The e8m0 code (u32) of the smallest power of two ``>= v`` for an f32 ``v >= 0``
+    (rounding up, as the reference's e8m0 cast): ``exponent + (mantissa != 0)`` for normal
+    ``v``; subnormal ``v`` (and 0) give the smallest scale ``2^-127`` (code 0) when
+    ``v <= 2^-127``, else ``2^-126`` (code 1); ``+inf`` (and anything rounding past
+    ``2^127``) gives 0xFF, e8m0's NaN."""
+    bits = r.let(f"{name}_bits", ir.Bitcast(T.u32, v))
+    e = r.let(f"{name}_e", bits >> 23)
+    m = r.let(f"{name}_m", bits & 0x7FFFFF)
+    normal = (e + m.ne(0).cast(T.u32)).min(E8M0_NAN)
+    sub = (m > 0x400000).cast(T.u32)
+    return r.let(name, ir.Select(e.eq(0), sub, normal))
+
+
+def e8m0_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
+    """The value ``2^(code - 127)`` of an e8m0 code as f32 (code 0 is the f32 subnormal
+    ``2^-127``; 0xFF gives +inf, not NaN)."""
+    code = ir.as_expr(code)
+    return r.let(name, ir.Bitcast(F32, ir.Select(code.eq(0), u32(0x400000), code << 23)))

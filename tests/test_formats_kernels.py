@@ -1,0 +1,150 @@
+"""The dispatch kernels with the quantising formats on the CPU: they build, verify, pass the PTX
+checker and assemble (ptxas, sm_90); their launch parameters; the PTX instructions the
+formats' bit-exactness relies on; and the CLI selecting a format by name."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import pytest
+
+import epgen
+import ir
+from backends.nvptx import assemble, check_ptx, emit_ptx, find_ptxas
+from epgen import cli
+from epgen.formats import make_format
+
+FORMATS = ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8")
+QUANT = FORMATS[1:]
+# (R, E, H, K, max_tpr, num_threads, n_sms); the default preset's kernels of every format are
+# goldens (tests/test_golden.py assembles them and runs the PTX checker)
+SHAPES = [(2, 16, 256, 4, 32, 256, 9), (1, 8, 128, 2, 16, 128, 9)]
+
+
+def make_cfg(shape, fmt):
+    R, E, H, K, T, threads, sms = shape
+    return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
+                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                          token_fmt=make_format(fmt, H, K))
+
+
+@functools.lru_cache(maxsize=None)
+def module_and_ptx(shape, fmt):
+    module = epgen.build_module(make_cfg(shape, fmt))
+    return module, emit_ptx(module)
+
+
+def entry(ptx: str, name: str) -> str:
+    start = ptx.index(f".entry {name}(")
+    nxt = ptx.find(".entry ", start + 1)
+    return ptx[start:nxt if nxt > 0 else len(ptx)]
+
+
+@pytest.fixture(scope="module")
+def ptxas():
+    exe = find_ptxas()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("ptxas not found (CI is set)")
+        pytest.skip("ptxas not found")
+    return exe
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_kernels_build_verify_and_assemble(fmt, ptxas):
+    cfg = make_cfg(SHAPES[0], fmt)
+    module, ptx = module_and_ptx(SHAPES[0], fmt)
+    ir.verify(module)
+    check_ptx(module, ptx)
+    report = assemble(ptx, "sm_90", ptxas=ptxas)
+    for k in module.kernels:
+        res = report.kernels[k.name]
+        assert res.spill_stores == 0 and res.spill_loads == 0, (k.name, res)
+        # every rank's grid must fit the GPU: at most 64 registers at 1024 threads per block
+        assert res.registers * cfg.num_threads <= 65536, (k.name, res)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}-E{}-H{}".format(*s))
+def test_format_launch_parameters(shape):
+    """Formats declare their own launch parameters; BF16's kernels keep theirs unchanged; the
+    fused single launch takes the union of the two kernels' extra parameters."""
+    names = {}
+    for fmt in FORMATS:
+        m = epgen.build_module(make_cfg(shape, fmt))
+        ir.verify(m)
+        names[fmt] = {k.name: {p.name for p in k.params} for k in m.kernels}
+    extra = {fmt: {k: names[fmt][k] - names["BF16"][k] for k in names["BF16"]} for fmt in FORMATS}
+    A, W, F = "ep_dispatch_async", "ep_dispatch_wait", "ep_dispatch"
+    assert extra["BF16"] == {A: set(), W: set(), F: set()}
+    assert extra["BlockwiseFP8"] == {A: set(), W: {"output_scales", "output_scales_rows"},
+                                     F: {"output_scales", "output_scales_rows"}}
+    assert extra["NVFP4"] == {A: {"input_scale"}, W: {"output_scales"},
+                              F: {"input_scale", "output_scales"}}
+    assert extra["MXFP8"] == {A: set(), W: {"output_scales"}, F: {"output_scales"}}
+    m = epgen.build_module(make_cfg(shape, "NVFP4"))
+    assert m.kernel(A).param("input_scale").dtype == ir.types.f32
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_send_ptx_is_exact_arithmetic(fmt):
+    """What bit-exactness with the reference relies on: IEEE division and multiplication
+    (``div.rn.f32``, ``mul.rn.f32``), no fused multiply-add and no approximate division, the
+    hardware e4m3 conversion, the butterfly group maximum, and the non-coherent input load."""
+    cfg = make_cfg(SHAPES[0], fmt)
+    send = entry(module_and_ptx(SHAPES[0], fmt)[1], "ep_dispatch_async")
+    assert re.search(r"\tdiv\.rn\.f32 \t", send)
+    assert not re.search(r"\t(fma|mad)\.\w*f32|div\.(approx|full)\.f32|rcp\.approx", send)
+    assert "cvt.rn.satfinite.e4m3x2.f32 " in send
+    assert "ld.global.nc.L2::256B.v4.b32 " in send
+    lanes = cfg.token_fmt.group_size // 8
+    bfly = re.findall(r"shfl\.sync\.bfly\.b32 \t%r\d+, %r\d+, (\d+), 31, -1;", send)
+    assert sorted(int(d) for d in bfly) == [d for d in (1, 2, 4, 8) if d < lanes]
+    if fmt == "NVFP4":                     # the e2m1 thresholds, 7 per element
+        assert len(re.findall(r"\tsetp\.g[te]\.f32 \t", send)) == 7 * 8
+
+
+def test_bf16_send_has_no_quantization():
+    send = entry(module_and_ptx(SHAPES[0], "BF16")[1], "ep_dispatch_async")
+    assert "e4m3" not in send and "div.rn.f32" not in send
+
+
+def test_fp8_wait_pads_and_transposes():
+    cfg = make_cfg(SHAPES[0], "BlockwiseFP8")
+    text = ir.print_module(epgen.build_module(cfg))
+    wait = text[text.index("kernel ep_dispatch_wait"):]
+    assert "shared pad_totals[128]" in wait
+    # rows rounded up to 4 per expert, scale g of row r at (g * output_scales_rows + r) * 4
+    assert "mul(div(add(sub(%pad_hi, %pad_lo), 3:u32), 4:u32), 4:u32)" in wait
+    assert ("st.global [ptradd($output_scales, mul(add(mul(cvt.u64(%rs_g), "
+            "cvt.u64($output_scales_rows)), cvt.u64(%row)), 4:u64))]") in wait
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_cli_ptx_selects_the_format_by_name(fmt, capsys):
+    assert cli.main(["ptx", "--preset", "small", "--set", f"format={fmt.lower()}"]) == 0
+    out = capsys.readouterr().out
+    assert ".entry ep_dispatch_async(" in out and "cvt.rn.satfinite.e4m3x2.f32" in out
+
+
+def test_cli_run_rejects_a_bad_input_scale(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--preset", "small", "--set", "format=NVFP4", "--input-scale", "0"])
+    assert info.value.code == 2
+    assert "--input-scale" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_bad_hid_dim_for_the_format(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ptx", "--preset", "small", "--set", "format=BlockwiseFP8",
+                  "--set", "hid_dim=192"])
+    assert info.value.code == 2
+    assert "hid_dim=192 must be a multiple of 128" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_ir_text_round_trips(fmt):
+    module = module_and_ptx(SHAPES[0], fmt)[0]
+    text = ir.print_module(module)
+    assert ir.parse_module(text) == module
