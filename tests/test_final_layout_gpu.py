@@ -175,7 +175,8 @@ def test_row_order_is_rank_major_with_prod_reserve(seed):
 @pytest.mark.parametrize("flags,where", [
     ("final_layout", {("ep_dispatch_wait", "aux", "recv_count")}),
     ("prod_reserve", {("ep_dispatch_async", "monitor", "prod_early_count"),
-                      ("ep_dispatch_async", "monitor", "expert_finished_counter")}),
+                      ("ep_dispatch_async", "monitor", "expert_finished_counter"),
+                      ("ep_dispatch_async", "comm", "prod_mailbox")}),
 ])
 def test_missing_rank_times_out(flags, where, seed):
     """Only rank 0 runs: with ep_prod_reserve its reserver gives up waiting for the other

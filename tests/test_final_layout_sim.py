@@ -163,11 +163,13 @@ def test_broken_protocol_is_caught(mutation, monkeypatch):
 
 # The wait that expires first depends on the interleaving: with prod_reserve the monitor's
 # wait for the missing rank's early count, or its wait for its own comm warps, which are
-# themselves stuck on the missing reserver's mailbox. Either names the missing peer's effect.
+# themselves stuck on the missing reserver's mailbox, or those comm warps. Each names the
+# missing peer's effect.
 @pytest.mark.parametrize("flags,where", [
     ("final_layout", {("ep_dispatch_wait", "aux", "recv_count")}),
     ("prod_reserve", {("ep_dispatch_async", "monitor", "prod_early_count"),
-                      ("ep_dispatch_async", "monitor", "expert_finished_counter")}),
+                      ("ep_dispatch_async", "monitor", "expert_finished_counter"),
+                      ("ep_dispatch_async", "comm", "prod_mailbox")}),
 ])
 def test_missing_rank_times_out_then_recovers(flags, where, seed):
     """Only rank 0 runs: its bounded waits expire (simulated), the world raises
