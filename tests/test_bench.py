@@ -656,3 +656,22 @@ def test_import_is_light():
                          env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_round_trip_bytes_of_quantising_formats():
+
+    """Per format (H=7168, K=8): input bf16 read once, messages of the format written and read
+    once, output rows plus their scales written once."""
+    import epgen
+    from epgen.bench import traffic
+    from epgen.formats import make_format
+    H, K, T, R = 7168, 8, 128, 8
+    rows = {"BF16": (14368, 2 * H), "BlockwiseFP8": (7424, H + 4 * H // 128),
+            "NVFP4": (4064, H // 2 + H // 16), "MXFP8": (7424, H + H // 32)}
+    for name, (msg, out) in rows.items():
+        cfg = epgen.EPConfig(num_threads=512, n_sms=33, n_experts=256, n_ranks=R,
+                             max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                             token_fmt=make_format(name, H, K))
+        b = traffic.round_trip_bytes(cfg, T)
+        n = R * T * K
+        assert b["total"] == R * T * 2 * H + 2 * n * msg + n * out, name

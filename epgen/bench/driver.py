@@ -48,10 +48,21 @@ def _fits(plan: Plan, need: int, out: dict, hint: str = "") -> bool:
     return False
 
 
+def bf16_config(cfg):
+    """``cfg`` with the BF16 format of the same shape (what the PyTorch baseline moves)."""
+    from ..formats import BF16Format
+    fmt = cfg.token_fmt
+    if isinstance(fmt, BF16Format):
+        return cfg
+    return cfg.replace(token_fmt=BF16Format(hid_dim=fmt.hid_dim, top_k=fmt.top_k,
+                                            alignment=fmt.alignment))
+
+
 def baseline_phase(plan: Plan, T: int, sets, torch, gate, copy_gbps, progress) -> dict:
     """Time the baseline on ``sets`` and check its grouping of ``plan.check_rank`` against
-    the reference model (which every epgen variant is checked against too)."""
-    cfg = plan.config(T)
+    the reference model (which every epgen variant is checked against too). The baseline
+    gathers bf16 rows whatever epgen's token format, so it runs and is checked as BF16."""
+    cfg = bf16_config(plan.config(T))
     out = {"name": baseline.NAME, "bytes": baseline_bytes(cfg, T),
            "memory": {"estimate": memory.baseline_memory(cfg, T, plan.sets)}}
     if not plan.baseline:

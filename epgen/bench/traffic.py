@@ -10,11 +10,12 @@ import numpy as np
 
 
 def out_row_bytes(fmt) -> int:
-    """Bytes of one row of the grouped output (``fmt.out_row_bytes``, else its shape)."""
+    """Bytes written per row of the grouped output: the row (``fmt.out_row_bytes``, else its
+    shape) plus its scales for a quantising format (``out_scale_bytes_per_row``)."""
     b = getattr(fmt, "out_row_bytes", None)
-    if b is not None:
-        return int(b)
-    return int(math.prod(fmt.out_row_shape) * np.dtype(fmt.host_dtype).itemsize)
+    if b is None:
+        b = math.prod(fmt.out_row_shape) * np.dtype(fmt.host_dtype).itemsize
+    return int(b) + int(getattr(fmt, "out_scale_bytes_per_row", 0))
 
 
 def round_trip_bytes(cfg, tokens_per_rank) -> dict:
