@@ -675,3 +675,14 @@ def test_round_trip_bytes_of_quantising_formats():
         b = traffic.round_trip_bytes(cfg, T)
         n = R * T * K
         assert b["total"] == R * T * 2 * H + 2 * n * msg + n * out, name
+
+
+def test_fused_variant_is_a_world_option_not_a_config_field():
+    from epgen.bench import plan as P
+    v = P.parse_variant("one=fused")
+    assert v.world_options == {"fused": True}
+    v2 = P.parse_variant("x=fused:false,ep_send_join_named")
+    assert v2.world_options == {"fused": False}
+    p = P.Plan(base=DECODE, tokens=(128,), variants=(v,))
+    cfg = p.config(128, v)
+    assert not hasattr(cfg, "fused")

@@ -114,13 +114,16 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, 
         try:
             r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), gate,
                                      device=plan.device, arch=plan.arch,
-                                     post_check=plan.post_check, progress=progress)
+                                     post_check=plan.post_check, progress=progress,
+                                     **variant.world_options)
         except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
             out["error"] = f"{type(exc).__name__}: {exc}"
             progress(f"  epgen {variant.label} FAILED: {out['error']}")
             return out
         for key, nb in (("round_trip", nbytes["total"]), ("dispatch_async", nbytes["async"]),
                         ("dispatch_wait", nbytes["wait"])):
+            if key not in r:               # the fused single launch has no separate halves
+                continue
             m = r[key]
             m["bytes"] = nb
             m["gbps"], m["fraction_of_copy"] = rate(nb, m["median_ms"], copy_gbps)

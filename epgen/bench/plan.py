@@ -23,7 +23,10 @@ SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
 """At most this many tokens per rank: decode-like default iteration counts."""
 DEFAULT_VARIANT = "default"
-VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS
+WORLD_KEYS = ("fused",)
+"""Variant keys that choose how the world runs, not the configuration (``fused``: the single
+launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait)."""
+VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS
 """Parameters a variant may change."""
 ROUTINGS = ("uniform", "zipf")
 
@@ -89,6 +92,11 @@ class Variant:
     spec: str
     overrides: tuple[tuple[str, object], ...] = ()
 
+    @property
+    def world_options(self) -> dict:
+        """Keyword arguments for ``EmulatedWorld`` (``WORLD_KEYS``)."""
+        return {k: v for k, v in self.overrides if k in WORLD_KEYS}
+
     def describe(self) -> dict:
         return {"label": self.label, "spec": self.spec, "overrides": dict(self.overrides)}
 
@@ -110,11 +118,14 @@ def parse_variant(text: str) -> Variant:
         if key not in VARIANT_KEYS:
             raise ValueError(f"{item!r}: a variant sets {', '.join(VARIANT_KEYS)} (a bool by "
                              f"its name, any of them as KEY:VALUE); set the others with --set")
-        if not colon and key not in BOOL_PARAMS:
+        if not colon and key not in BOOL_PARAMS + WORLD_KEYS:
             raise ValueError(f"{item!r}: {key} needs a value ({key}:VALUE)")
         if key in overrides:
             raise ValueError(f"{key} appears twice in {spec!r}")
-        overrides[key] = parse_value(key, value) if colon else True
+        if colon and key in WORLD_KEYS:
+            overrides[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            overrides[key] = parse_value(key, value) if colon else True
     return Variant(label, spec, tuple(overrides.items()))
 
 
@@ -156,7 +167,8 @@ class Plan:
         tokens per rank; ``block_capacity`` None (or >= T) is the reference sizing."""
         cap = None if block_capacity is None or block_capacity >= tokens_per_rank \
             else int(block_capacity)
-        overrides = dict(variant.overrides) if variant is not None else {}
+        overrides = {k: v for k, v in (variant.overrides if variant is not None else ())
+                     if k not in WORLD_KEYS}
         return self.base.replace(max_tokens_per_rank=tokens_per_rank, recv_block_capacity=cap,
                                  **overrides)
 

@@ -59,7 +59,7 @@ class StagedInputs:
 
 
 def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch=None,
-                  post_check: bool = True, progress) -> dict:
+                  post_check: bool = True, progress, fused: bool | None = None) -> dict:
     """Build the world, check it against the reference on set 0, time dispatch_async,
     dispatch_wait and the round trip (fork/join over the rank streams, rotated staged
     inputs), check the last round trip's output. Raises when a check fails."""
@@ -68,7 +68,7 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
     from ..runtime.world import EmulatedWorld
     res = {}
     t0 = time.perf_counter()
-    world = EmulatedWorld(cfg, arch=arch, device=device)
+    world = EmulatedWorld(cfg, arch=arch, device=device, fused=fused)
     device = world.device
     res["build_s"] = time.perf_counter() - t0
     staged = None
@@ -94,11 +94,12 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
 
         def round_once(i):
             staged.use(i)
-            return fork_join(ts, streams, gate,
-                             lambda: (world.dispatch_async(), world.dispatch_wait()))
+            return fork_join(ts, streams, gate, world.enqueue_round_trip)
 
-        for name, once in (("dispatch_async", async_once), ("dispatch_wait", wait_once),
-                           ("round_trip", round_once)):
+        phases = (("round_trip", round_once),) if world.fused else (
+            ("dispatch_async", async_once), ("dispatch_wait", wait_once),
+            ("round_trip", round_once))
+        for name, once in phases:
             progress(f"  epgen: timing {name} ({warmup} warm-up + {iters} iterations)")
             res[name] = summarize(sample(once, iters, warmup, gate))
             world.check(f"benchmark {name}")

@@ -282,6 +282,15 @@ class EmulatedWorld:
         for rk in self.ranks:
             rk.wait_done = rk.stream.record()
 
+    def enqueue_round_trip(self):
+        """Enqueue one round trip on every rank's stream: the fused single launch, or
+        dispatch_async then dispatch_wait (no host synchronisation)."""
+        if self.fused:
+            self.dispatch_fused()
+        else:
+            self.dispatch_async()
+            self.dispatch_wait()
+
     def synchronize(self):
         for rk in self.ranks:
             rk.stream.sync()
@@ -312,11 +321,7 @@ class EmulatedWorld:
         if input_scale is not None:
             self.input_scale = input_scale
         self.load_inputs(tokens, topk_ids)
-        if self.fused:
-            self.dispatch_fused()
-        else:
-            self.dispatch_async()
-            self.dispatch_wait()
+        self.enqueue_round_trip()
         self.check()
         return self.results()
 
