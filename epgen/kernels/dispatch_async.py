@@ -134,7 +134,14 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
 
 def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
     """The join between staging a token and fanning it out: the comm barrier
-    (``bar.sync 0`` in the standalone kernel)."""
+    (``bar.sync 0`` in the standalone kernel), or with ``ep_send_join_named`` the comm role's
+    own named barrier ``NB_SEND`` (``bar.sync 3, <num_threads>``; reference
+    ``named_barrier[num_threads](NB_SEND)``)."""
+    if cfg.ep_send_join_named:
+        nb = cfg.layout.NB_SEND
+        r.bar_sync(next((b for b in r.barriers if b.id == nb), None)
+                   or r.named_barrier("send_join", nb))
+        return
     comm_sync(r, comm_barrier_id)
 
 
