@@ -70,7 +70,7 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
             signal_offset = r.let("signal_offset", e * R + (0 if cfg.skip_a2a else p.my_rank))
-            counter_offset = r.let("counter_offset", e * R + dst_rank)
+            counter_offset = r.let("counter_offset", e * R + (0 if cfg.skip_a2a else dst_rank))
             r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ, count,
                         buffer="expert_finished_counter", index=counter_offset,
                         sem=Sem.ACQUIRE, scope=Scope.GPU)
@@ -112,7 +112,7 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
             with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
-                co = r.let("co", e * R + dst_rank)
+                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
                 slot = r.var("slot", T.u32, 0)
                 with r.if_(r.lane.eq(0)):
                     r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
