@@ -91,23 +91,32 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
     ``topk_ids[t, k]`` (``atom.relaxed.gpu.add``), copies the message to the destination's
     receive buffer with 16-byte stores, and counts the copy finished with
-    ``red.release.gpu.add``."""
+    ``red.release.gpu.add``. With ``ep_copy_role_split`` (when its geometry qualifies) the
+    format's copy runs on the copy-role threads only and just the publisher warps fan out
+    (``fan_out_slots``); ``ep_send_join_named`` moves the join to ``bar.sync 3, <threads>``.
+    Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
+    own receive buffer (pointer-table entry 0) is written."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
+    split = active_role_split(r, cfg)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
         src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
-        fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+        if split is None:
+            fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+        else:
+            fmt.emit_copy_token_to_send_buf_split(r, src_row, msg, r.tid, split)
         with r.if_(r.tid < K):
             gid = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="gid")
             r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), gid.cast(T.u16))
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
         send_join(r, cfg, comm_barrier_id)
-        with r.for_range("k", r.warp, K, lay.n_warps) as k:
+        k_first, k_step = fan_out_slots(r, cfg, split)
+        with r.for_range("k", k_first, K, k_step) as k:
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
@@ -130,6 +139,31 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+
+def active_role_split(r: ir.RoleBuilder, cfg):
+    """``cfg.layout.role_split`` when ``ep_copy_role_split`` is on and the reference's
+    geometry rule enables it (``H/8 == 3 * n_copy_threads``), else None (the stock copy and
+    fan-out, also when the flag is set on a geometry that does not qualify)."""
+    split = cfg.layout.role_split
+    if not split.enabled:
+        return None
+    if r.n_threads != split.block_size:
+        raise ValueError(f"ep_copy_role_split: the split geometry is defined on num_threads="
+                         f"{split.block_size} threads, but role {r.name} has {r.n_threads} "
+                         f"(n_comm_threads must equal num_threads for the split)")
+    return split
+
+
+def fan_out_slots(r: ir.RoleBuilder, cfg, split):
+    """``(first, step)`` of this warp's top-k slots in the P2P fan-out: stock ``(warp,
+    n_warps)``; with the role split only publisher warps fan out, ``(publisher_idx,
+    n_publisher_warps)``, and copy-role warps start at ``top_k`` (an empty range, ``selp``)."""
+    if split is None:
+        return r.warp, cfg.layout.n_warps
+    is_pub = split.is_publisher(r.warp)
+    first = ir.Select(is_pub, split.publisher_idx(r.warp), ir.as_expr(cfg.layout.top_k))
+    return first, split.n_publisher_warps
 
 
 def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
