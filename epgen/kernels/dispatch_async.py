@@ -13,6 +13,7 @@ from ir import types as T
 
 from .common import comm_sync, copy_vectors, load_pointer
 from .common import word as _word
+from .ord_r import signal_rank_completion
 
 KERNEL_NAME = "ep_dispatch_async"
 
@@ -53,7 +54,11 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
     counts that expert's ``(token, k)`` pairs (``redux.sync.add``); lane 0 waits (bounded,
     ``ld.acquire.gpu``) until the comm warps have finished that many copies, publishes the
     count into the destination's receive-count word with ``st.release.sys`` (per-expert
-    completion), and re-arms its two counters."""
+    completion), and re-arms its two counters. With ``ep_ord_r`` the count word is a plain
+    store and completion is published per destination rank (``ord_r.signal_rank_completion``:
+    ``atom.acq_rel.gpu`` election, one ``st.release.sys`` rank flag). Under ``skip_a2a`` the
+    warp owns global expert ``expert_idx + L * my_rank``, the rank coordinates are 0 and the
+    release is ``st.release.gpu``."""
     lay = cfg.layout
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     reserved, finished = p.counters, _word(p.counters, E)
@@ -79,7 +84,11 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
                                   "recv_count_dst", peer=not cfg.skip_a2a)
             published = count.min(lay.block_capacity) if lay.block_capacity < cfg.max_tokens_per_rank else count
-            r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
+            if cfg.ep_ord_r:
+                signal_rank_completion(r, cfg, counts, signal_offset, published,
+                                       0 if cfg.skip_a2a else dst_p2p, p.counters, p.my_rank)
+            else:
+                r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
             r.store(_word(reserved, counter_offset), 0)
             r.store(_word(finished, counter_offset), 0)
 

@@ -15,6 +15,7 @@ from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted,
                      lowest_set_bit)
 from .common import word as _word
+from .ord_r import acquire_rank_flags, rearm_rank_flags
 
 KERNEL_NAME = "ep_dispatch_wait"
 
@@ -58,7 +59,10 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     ``row_offsets`` (expert-major, source-major inside an expert), the within-expert rank
     prefixes (Region B) and zeroed tile counters (Region C); thread 0 stores the cleanup count
     (Region D) and raises the ready flag with ``st.release.gpu`` (Region E). After the flag:
-    the per-pair row ranges (Region A) and the re-armed sentinels."""
+    the per-pair row ranges (Region A) and the re-armed sentinels. With ``ep_ord_r`` the
+    block acquires the ``R`` rank flags instead of every count word, reads the counts with
+    plain loads and re-arms the flags too (``ord_r.acquire_rank_flags``,
+    ``ord_r.rearm_rank_flags``)."""
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     ctr = p.atomic_counter
@@ -69,14 +73,10 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(p.expert_ids, tid), tid)
     with r.if_(tid.eq(0)):
         r.store(p.row_offsets, 0)
-    c = r.var("c", T.u32, 0)
-    with r.if_(tid < E):
-        seen = r.spin_wait(_word(p.recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
-                           buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
-                           scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
-        r.assign(c, seen.cast(T.u32))
-    comm_sync(r, comm_barrier_id)
-    exit_if_aborted(r, p.err_buf)
+    if cfg.ep_ord_r:
+        c = acquire_rank_flags(r, cfg, p.recv_count_p, p.err_buf, comm_barrier_id)
+    else:
+        c = wait_for_count_words(r, cfg, p, comm_barrier_id)
     incl = block_inclusive_scan(r, c, totals, r.n_threads // 32, "incl", comm_barrier_id)
     e = r.let("e", tid // R)
     with r.if_(tid < E):
@@ -104,6 +104,23 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(ctr, 2 * tid), DATA_READY_FLAG + incl + (aligned - raw_start))
         r.store(_word(ctr, 2 * tid + 1), incl - prev)
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
+    if cfg.ep_ord_r:
+        rearm_rank_flags(r, cfg, p.recv_count_p)
+
+
+def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams, comm_barrier_id: int = -1):
+    """Per-expert arrivals (legacy): thread ``w < E`` waits (bounded, ``ld.acquire.sys``;
+    ``gpu`` under ``skip_a2a``) until count word ``w`` is not the sentinel, then the comm
+    barrier. Returns the u32 count of this thread."""
+    c = r.var("c", T.u32, 0)
+    with r.if_(r.tid < cfg.n_experts):
+        seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                           buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
+                           scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
+        r.assign(c, seen.cast(T.u32))
+    comm_sync(r, comm_barrier_id)
+    exit_if_aborted(r, p.err_buf)
+    return c
 
 
 def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p: WaitParams,
