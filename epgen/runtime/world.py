@@ -1,6 +1,12 @@
 """``EmulatedWorld``: every rank of an EP group on one GPU, each with its own buffers and
 stream, running the generated dispatch kernels.
 
+``skip_a2a`` (protocol 7.3): ``EmulatedWorld(cfg, devices=D)`` runs ``D`` independent
+devices, each with ``my_rank`` = its device id, its own buffers and pointer tables that hold only
+its own buffers (the kernels are built with ``n_ranks = 1``); inputs are one per device, with
+global top-k ids, and the results compare with ``reference.dispatch(cfg, tokens, topk_ids,
+ranks=list(range(D)))``.
+
 Ordering between calls (DESIGN.md section 8, reuse): a rank's ``dispatch_async`` of call N+1
 writes into every peer's receive buffers and count words, so it must not start before every
 rank's ``dispatch_wait`` of call N has drained them and re-armed the sentinels. The world
@@ -24,6 +30,27 @@ from .program import Program
 class CapacityError(ValueError):
     """The ranks' grids cannot all be resident on the GPU at once (their spin-waits could
     deadlock): the message names the parameters to change."""
+
+
+def participants(cfg, devices: int | None) -> list[int]:
+    """The ``my_rank`` of each emulated participant: ranks ``0 .. n_ranks-1``, or under
+    ``skip_a2a`` devices ``0 .. devices-1`` (default 1). ``devices`` without ``skip_a2a`` is
+    a ``ValueError``."""
+    if not cfg.skip_a2a:
+        if devices is not None:
+            raise ValueError(f"EmulatedWorld: devices={devices!r} applies only with skip_a2a "
+                             f"(independent devices); without it the world emulates "
+                             f"n_ranks={cfg.n_ranks} ranks")
+        return list(range(cfg.n_ranks))
+    n = 1 if devices is None else devices
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"EmulatedWorld: devices must be a positive integer (skip_a2a "
+                         f"devices on this GPU), got {devices!r}")
+    if n * cfg.layout.n_local_experts > 65536:
+        raise ValueError(f"EmulatedWorld: devices={n} x n_local_experts="
+                         f"{cfg.layout.n_local_experts} global expert ids must be < 65536 "
+                         f"(top-k ids travel as uint16)")
+    return list(range(n))
 
 
 class _Rank:
@@ -53,24 +80,29 @@ class _Rank:
 
 
 class EmulatedWorld:
-    """All ``cfg.n_ranks`` ranks on one GPU. ``dispatch(tokens, topk_ids)`` runs one round
+    """All ``cfg.n_ranks`` ranks on one GPU (under ``skip_a2a``: ``devices`` independent
+    devices, see the module docstring). ``dispatch(tokens, topk_ids)`` runs one round
     trip (dispatch_async then dispatch_wait on every rank) and returns, per rank, the same
     ``reference.RankResult`` structure as ``epgen.reference.dispatch``."""
 
-    def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None):
+    def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
+                 devices: int | None = None):
         from backends import cuda
         cfg.require_p2p_only()
         self.cfg = cfg
+        self.rank_ids = participants(cfg, devices)
         self.cuda = cuda
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
         self.program = Program(build_module(cfg), arch=arch, device=device)
         self.device = self.program.device
         self._check_capacity()
-        self.ranks = [_Rank(cuda, cfg, r, self.device) for r in range(cfg.n_ranks)]
+        self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
         self.err = DiagBuffer(self.device)
         P = cfg.p2p_world_size
         self.recv_buf_ptrs, self.recv_count_ptrs = [], []
-        for r in range(cfg.n_ranks):
+        # each rank's tables hold its P2P group's buffers; under skip_a2a P == 1, so a
+        # device's tables hold only its own (the host passes only local pointers)
+        for r in self.rank_ids:
             group = range((r // P) * P, (r // P) * P + P)
             self.recv_buf_ptrs.append(cuda.to_device(
                 np.array([self.ranks[q].recv_buf.ptr for q in group], np.uint64), device=self.device))
@@ -85,19 +117,21 @@ class EmulatedWorld:
         for name in (ASYNC, WAIT):
             per_sm = self.program.blocks_per_sm(name)
             capacity = per_sm * sms
-            need = cfg.n_ranks * cfg.n_sms
+            n = len(self.rank_ids)
+            need = n * cfg.n_sms
             if need > capacity:
                 raise CapacityError(
-                    f"EmulatedWorld: {cfg.n_ranks} ranks x n_sms={cfg.n_sms} blocks of "
+                    f"EmulatedWorld: {n} ranks x n_sms={cfg.n_sms} blocks of "
                     f"{name} need {need} co-resident blocks, but this GPU holds {capacity} "
                     f"({per_sm} per SM x {sms} SMs at num_threads={cfg.num_threads}); lower "
-                    f"n_sms to at most {capacity // cfg.n_ranks} or num_threads")
+                    f"n_sms to at most {capacity // n} or num_threads")
 
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """Validate and copy every rank's inputs (host numpy or device arrays) to its buffers;
         nothing is copied when any input is invalid."""
-        counts = reference.validate_inputs(self.cfg, tokens, topk_ids)
+        ranks = self.rank_ids if self.cfg.skip_a2a else None
+        counts = reference.validate_inputs(self.cfg, tokens, topk_ids, ranks=ranks)
         fmt = self.cfg.token_fmt
         for rk, x, ids, T in zip(self.ranks, tokens, topk_ids, counts):
             rk.n_tokens = T
