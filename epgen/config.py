@@ -179,6 +179,11 @@ class EPConfig:
         rule(self.ep_final_layout or not self.ep_prod_reserve,
              ("ep_prod_reserve", "ep_final_layout"),
              "ep_prod_reserve requires ep_final_layout")
+        rule(not (self.ep_final_layout and not self.ep_prod_reserve and self.ep_ord_r),
+             ("ep_ord_r", "ep_final_layout", "ep_prod_reserve"),
+             "ep_ord_r with ep_final_layout needs ep_prod_reserve (the capacity-strided layout "
+             "carries each block's offset in its count word, which the rank-flag consumer "
+             "does not read)")
         rule(not (self.ep_final_layout and self.fused_shared_expert),
              ("ep_final_layout", "fused_shared_expert"),
              "ep_final_layout and fused_shared_expert are exclusive (the shared expert lives in "

@@ -2,7 +2,8 @@
 points (``ep_dispatch_async``, ``ep_dispatch_wait``) of that preset, pinned in
 ``golden/ep/<preset>.{ir,ptx}``; ``ep/<preset>_<fmt>`` is the same preset with another token
 format (``ep/default_fp8``: BlockwiseFP8, ``ep/default_nvfp4``, ``ep/default_mxfp8``).
-``ep/<flag variant>`` (``FLAG_VARIANTS``) is the small preset with some flags set.
+``FLAG_VARIANTS`` are the flag variants: ``ep/<name>`` is a preset with some parameters
+changed (``docs/flags.md`` says what each flag changes in the PTX).
 ``epgen ptx`` with no arguments prints ``ep/default``'s PTX.
 """
 
@@ -14,6 +15,31 @@ GOLDEN_PRESETS = ("default", "small")
 #: ``(preset, variant suffix, format name)`` of the golden format variants
 GOLDEN_FORMATS = (("default", "fp8", "BlockwiseFP8"), ("default", "nvfp4", "NVFP4"),
                   ("default", "mxfp8", "MXFP8"))
+
+#: ``name -> (preset, parameter changes)`` of the flag variants ``ep/<name>``.
+FLAG_VARIANTS = {
+    "send_join_named": ("small", {"ep_send_join_named": True}),
+    # the role split's geometry rule holds only for 384 threads and H = 6144 (H/8 = 3 * 256)
+    "role_split": ("small", {"ep_copy_role_split": True, "num_threads": 384,
+                             "hid_dim": 6144}),
+    "ord_r": ("small", {"ep_ord_r": True, "has_rank_flag": True}),
+    "ord_r_named": ("small", {"ep_ord_r": True, "has_rank_flag": True,
+                              "ep_send_join_named": True}),
+    # skip_a2a kernels are built per device: n_ranks = 1, n_experts = the device's 8 experts
+    "skip_a2a": ("small", {"skip_a2a": True, "n_ranks": 1, "p2p_world_size": 1,
+                           "n_experts": 8}),
+    "final_layout": ("small", {"ep_final_layout": True}),
+    "final_layout_prod_reserve": ("small", {"ep_final_layout": True, "ep_prod_reserve": True}),
+}
+
+
+def flag_variant_config(name: str):
+    """The ``EPConfig`` of flag variant ``name`` (a key of ``FLAG_VARIANTS``)."""
+    from .presets import config_from_dict, preset_data
+    preset, changes = FLAG_VARIANTS[name]
+    table = {**preset_data(preset), **changes}
+    table.pop("description", None)
+    return config_from_dict(table)
 
 
 def _register(preset: str, suffix: str | None = None, fmt_name: str | None = None) -> None:
@@ -29,6 +55,15 @@ def _register(preset: str, suffix: str | None = None, fmt_name: str | None = Non
         return build_module(cfg)
 
     name = preset if suffix is None else f"{preset}_{suffix}"
+    build.__qualname__ = f"ep_{name}_module"
+    golden(f"ep/{name}")(build)
+
+
+def _register_flag_variant(name: str) -> None:
+    def build():
+        from .kernels import build_module
+        return build_module(flag_variant_config(name))
+
     build.__qualname__ = f"ep_{name}_module"
     golden(f"ep/{name}")(build)
 
@@ -64,31 +99,7 @@ def ep_fused_roles_module():
     return ir.Module(KERNEL_NAME, (build_fused_roles(load_preset("small")),))
 
 
-# Flag variants on the small preset: name -> the EPConfig flags it sets.
-FLAG_VARIANTS = {
-    "final_layout": {"ep_final_layout": True},
-    "final_layout_prod_reserve": {"ep_final_layout": True, "ep_prod_reserve": True},
-}
-
-
-def flag_variant_config(name: str):
-    """The ``EPConfig`` of flag variant ``ep/<name>``: the small preset plus its flags."""
-    from .presets import load_preset
-    return load_preset("small").replace(**FLAG_VARIANTS[name])
-
-
-def _register_flags(name: str) -> None:
-    def build():
-        from .kernels import build_module
-        return build_module(flag_variant_config(name))
-
-    build.__qualname__ = f"ep_{name}_module"
-    golden(f"ep/{name}")(build)
-
-
-for _name in FLAG_VARIANTS:
-    _register_flags(_name)
-
-
 for _preset, _suffix, _fmt in GOLDEN_FORMATS:
     _register(_preset, _suffix, _fmt)
+for _name in FLAG_VARIANTS:
+    _register_flag_variant(_name)

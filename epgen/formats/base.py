@@ -237,6 +237,15 @@ class TokenFormat:
         raise NotImplementedError(
             f"{type(self).__name__}.emit_copy_token_to_send_buf is not implemented")
 
+    def emit_copy_token_to_send_buf_split(self, r, src_row, msg, tid, split):
+        """IR of ``copy_token_to_send_buf`` under the copy/publisher role split
+        (``ep_copy_role_split``, ``split`` an enabled ``EPRoleSplit``): only threads ``tid <
+        split.n_copy_threads`` copy, items ``tid + j * n_copy_threads`` for ``j <
+        split.n_trips``. This default keeps the stock CTA-wide copy (every item is still
+        written once, so the publisher split alone stays correct, protocol 7.7); formats with
+        a split copy override it."""
+        return self.emit_copy_token_to_send_buf(r, src_row, msg, tid, split.block_size)
+
     def emit_copy_msg_to_output(self, *args, **kwargs):
         """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row)."""
         raise NotImplementedError(

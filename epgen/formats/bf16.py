@@ -78,6 +78,27 @@ class BF16Format(TokenFormat):
         copy_vectors(r, msg, src_row, 2 * self.hid_dim // VECTOR_BYTES, first, stride, nc=True,
                      tag="stage")
 
+    def emit_copy_token_to_send_buf_split(self, r, src_row, msg, tid, split):
+        """``copy_token_to_send_buf`` with the role split (``ep_copy_role_split``): a copy
+        item is 8 elements, one 16-byte vector (so ``n_items = H/8`` vectors), and thread
+        ``tid < split.n_copy_threads`` moves items ``tid + j * n_copy_threads``, ``j <
+        n_trips``: all its ``ld.global.nc.v4.b32`` issued before its ``st.global.v4.b32``.
+        Publisher warps copy nothing."""
+        from ir import CacheHint
+        from ir import types as T
+        from ..kernels.common import VEC
+        n_items = 2 * self.hid_dim // VECTOR_BYTES
+        if n_items != split.n_trips * split.n_copy_threads:
+            raise ValueError(f"BF16Format: the role-split copy needs hid_dim/8 = {n_items} == "
+                             f"n_trips * n_copy_threads = "
+                             f"{split.n_trips * split.n_copy_threads}")
+        with r.if_(tid < split.n_copy_threads):
+            offs = [(tid + j * split.n_copy_threads).cast(T.u64) * VECTOR_BYTES
+                    for j in range(split.n_trips)]
+            vals = [r.load(src_row + o, VEC, cache=CacheHint.NC, name="split_v") for o in offs]
+            for o, v in zip(offs, vals):
+                r.store(msg + o, v)
+
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output
         row ``row`` (lane-strided 16-byte vectors)."""

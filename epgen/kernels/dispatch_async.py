@@ -14,6 +14,7 @@ from ir import types as T
 from . import final_layout
 from .common import comm_sync, copy_vectors, load_pointer
 from .common import word as _word
+from .ord_r import signal_rank_completion
 
 KERNEL_NAME = "ep_dispatch_async"
 
@@ -61,6 +62,11 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
     cursor's ``atom.relaxed.sys.global.add.u64`` and the ``st.release.gpu`` base hand-off, or
     with ``ep_prod_reserve`` the ``st.release.sys.global.b64`` early count and the reserver),
     and the count word carries the block's offset when the layout is capacity-strided.
+    With ``ep_ord_r`` the count word is a plain store and completion is published per
+    destination rank (``ord_r.signal_rank_completion``: ``atom.acq_rel.gpu`` election, one
+    ``st.release.sys`` rank flag). Under ``skip_a2a`` the warp owns global expert
+    ``expert_idx + L * my_rank``, the rank coordinates are 0 and the release is
+    ``st.release.gpu``.
 
     ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
     be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
@@ -87,7 +93,7 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
             signal_offset = r.let("signal_offset", e * R + (0 if cfg.skip_a2a else p.my_rank))
-            counter_offset = r.let("counter_offset", e * R + dst_rank)
+            counter_offset = r.let("counter_offset", e * R + (0 if cfg.skip_a2a else dst_rank))
             r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ, count,
                         buffer="expert_finished_counter", index=counter_offset,
                         sem=Sem.ACQUIRE, scope=Scope.GPU)
@@ -98,7 +104,11 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
             published = count.min(lay.block_capacity) if lay.block_capacity < cfg.max_tokens_per_rank else count
             if p.final:
                 published = final_layout.count_word(cfg, count, fl_off)
-            r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
+            if cfg.ep_ord_r:
+                signal_rank_completion(r, cfg, counts, signal_offset, published,
+                                       0 if cfg.skip_a2a else dst_p2p, p.counters, p.my_rank)
+            else:
+                r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
             r.store(_word(reserved, counter_offset), 0)
             r.store(_word(finished, counter_offset), 0)
             if p.final:
@@ -114,16 +124,24 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     receive buffer with 16-byte stores, and counts the copy finished with
     ``red.release.gpu.add``. With ``ep_final_layout`` the header also carries the source rank
     and the copy goes straight to the destination's output row and header row
-    (``final_layout.copy_to_final_row``)."""
+    (``final_layout.copy_to_final_row``). With ``ep_copy_role_split`` (when its geometry qualifies) the
+    format's copy runs on the copy-role threads only and just the publisher warps fan out
+    (``fan_out_slots``); ``ep_send_join_named`` moves the join to ``bar.sync 3, <threads>``.
+    Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
+    own receive buffer (pointer-table entry 0) is written."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
+    split = active_role_split(r, cfg)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
         src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
-        fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+        if split is None:
+            fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+        else:
+            fmt.emit_copy_token_to_send_buf_split(r, src_row, msg, r.tid, split)
         with r.if_(r.tid < K):
             gid = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="gid")
             r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), gid.cast(T.u16))
@@ -132,12 +150,13 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
             if p.final:
                 final_layout.stage_source_rank(r, cfg, p, msg)
         send_join(r, cfg, comm_barrier_id)
-        with r.for_range("k", r.warp, K, r.n_threads // 32) as k:
+        k_first, k_step = fan_out_slots(r, cfg, split)
+        with r.for_range("k", k_first, K, k_step) as k:
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
             with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
-                co = r.let("co", e * R + dst_rank)
+                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
                 slot = r.var("slot", T.u32, 0)
                 with r.if_(r.lane.eq(0)):
                     r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
@@ -161,9 +180,42 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
+def active_role_split(r: ir.RoleBuilder, cfg):
+    """``cfg.layout.role_split`` when ``ep_copy_role_split`` is on and the reference's
+    geometry rule enables it (``H/8 == 3 * n_copy_threads``), else None (the stock copy and
+    fan-out, also when the flag is set on a geometry that does not qualify)."""
+    split = cfg.layout.role_split
+    if not split.enabled:
+        return None
+    if r.n_threads != split.block_size:
+        raise ValueError(f"ep_copy_role_split: the split geometry is defined on num_threads="
+                         f"{split.block_size} threads, but role {r.name} has {r.n_threads} "
+                         f"(n_comm_threads must equal num_threads for the split)")
+    return split
+
+
+def fan_out_slots(r: ir.RoleBuilder, cfg, split):
+    """``(first, step)`` of this warp's top-k slots in the P2P fan-out: stock ``(warp,
+    role warps)`` (the comm role's own warps, ``n_comm_threads / 32``); with the role split
+    only publisher warps fan out, ``(publisher_idx, n_publisher_warps)``, and copy-role warps
+    start at ``top_k`` (an empty range, ``selp``)."""
+    if split is None:
+        return r.warp, r.n_threads // 32
+    is_pub = split.is_publisher(r.warp)
+    first = ir.Select(is_pub, split.publisher_idx(r.warp), ir.as_expr(cfg.layout.top_k))
+    return first, split.n_publisher_warps
+
+
 def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
     """The join between staging a token and fanning it out: the comm barrier
-    (``bar.sync 0`` in the standalone kernel)."""
+    (``bar.sync 0`` in the standalone kernel), or with ``ep_send_join_named`` the comm role's
+    own named barrier ``NB_SEND`` (``bar.sync 3, <num_threads>``; reference
+    ``named_barrier[num_threads](NB_SEND)``)."""
+    if cfg.ep_send_join_named:
+        nb = cfg.layout.NB_SEND
+        r.bar_sync(next((b for b in r.barriers if b.id == nb), None)
+                   or r.named_barrier("send_join", nb))
+        return
     comm_sync(r, comm_barrier_id)
 
 

@@ -18,6 +18,7 @@ from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
 from .common import word as _word
 from .schedule import claim_next_tile, fill_sm_schedule, first_expert, load_expert_tiles
 from .scratch import Scratch
+from .ord_r import acquire_rank_flags, rearm_rank_flags
 
 KERNEL_NAME = "ep_dispatch_wait"
 
@@ -74,7 +75,10 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     expression), so ``row_offsets[1]`` is that count and the routed rows follow it.
     Capacity-strided (``ep_final_layout`` alone): ``row_offsets[e] = e * R * max_tokens_per_rank``,
     each pair's end row from the block offset its count word carries, and the reservation
-    cursors re-armed to 0 (``st.global.b64``)."""
+    cursors re-armed to 0 (``st.global.b64``). With ``ep_ord_r`` the
+    block acquires the ``R`` rank flags instead of every count word, reads the counts with
+    plain loads and re-arms the flags too (``ord_r.acquire_rank_flags``,
+    ``ord_r.rearm_rank_flags``)."""
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     se = int(bool(cfg.fused_shared_expert))
@@ -92,19 +96,12 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(p.row_offsets, 0)
         if se:
             r.store(_word(p.row_offsets, 1), reserved)
-    c = r.var("c", T.u32, 0)
     strided = lay.capacity_strided
-    if strided:  # the block's offset inside the expert's range, from the count word
-        block_off = r.var("block_off", T.u32, 0)
-    with r.if_(tid < E):
-        seen = r.spin_wait(_word(p.recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
-                           buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
-                           scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
-        r.assign(c, seen.cast(T.u32))
-        if strided:
-            r.assign(block_off, (seen >> 32).cast(T.u32))
-    comm_sync(r, comm_barrier_id)
-    exit_if_aborted(r, p.err_buf)
+    if cfg.ep_ord_r:   # (EPConfig refuses ep_ord_r with the capacity-strided layout)
+        c, block_off = acquire_rank_flags(r, cfg, p.recv_count_p, p.err_buf,
+                                          comm_barrier_id), None
+    else:
+        c, block_off = wait_for_count_words(r, cfg, p, comm_barrier_id)
     incl = block_inclusive_scan(r, c, totals, r.n_threads // 32, "incl", comm_barrier_id)
     e = r.let("e", tid // R)
     with r.if_(tid < E):
@@ -146,6 +143,8 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(ctr, 2 * tid + 1), incl - prev)
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
     final_layout.rearm_cursors(r, cfg, p.recv_count_p)
+    if cfg.ep_ord_r:
+        rearm_rank_flags(r, cfg, p.recv_count_p)
 
 
 def copy_scratch_bytes(cfg) -> int:
@@ -173,6 +172,26 @@ def check_l1_release(cfg, l1_arrival_ptr, token_block: int, atomic_pad: int, del
         raise ValueError(f"emit_l1_release needs a format whose dispatch_wait tile has one k "
                          f"split (a row lands only when every split is copied), got "
                          f"{cfg.token_fmt.name} with {KS}")
+
+
+def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams, comm_barrier_id: int = -1):
+    """Per-expert arrivals (legacy): thread ``w < E`` waits (bounded, ``ld.acquire.sys``;
+    ``gpu`` under ``skip_a2a``) until count word ``w`` is not the sentinel, then the comm
+    barrier. Returns the u32 count of this thread and, capacity-strided (``ep_final_layout``
+    alone), the block offset its count word carries in the high half (else None)."""
+    c = r.var("c", T.u32, 0)
+    strided = cfg.layout.capacity_strided
+    block_off = r.var("block_off", T.u32, 0) if strided else None
+    with r.if_(r.tid < cfg.n_experts):
+        seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                           buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
+                           scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)
+        r.assign(c, seen.cast(T.u32))
+        if strided:
+            r.assign(block_off, (seen >> 32).cast(T.u32))
+    comm_sync(r, comm_barrier_id)
+    exit_if_aborted(r, p.err_buf)
+    return c, block_off
 
 
 def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p: WaitParams,

@@ -1,6 +1,12 @@
 """``EmulatedWorld``: every rank of an EP group on one GPU, each with its own buffers and
 stream, running the generated dispatch kernels.
 
+``skip_a2a`` (protocol 7.3): ``EmulatedWorld(cfg, devices=D)`` runs ``D`` independent
+devices, each with ``my_rank`` = its device id, its own buffers and pointer tables that hold only
+its own buffers (the kernels are built with ``n_ranks = 1``); inputs are one per device, with
+global top-k ids, and the results compare with ``reference.dispatch(cfg, tokens, topk_ids,
+ranks=list(range(D)))``.
+
 Ordering between calls (DESIGN.md section 8, reuse): a rank's ``dispatch_async`` of call N+1
 writes into every peer's receive buffers and count words, so it must not start before every
 rank's ``dispatch_wait`` of call N has drained them and re-armed the sentinels. The world
@@ -71,6 +77,27 @@ def region_a_blocks(region_a, L: int, R: int) -> tuple[np.ndarray, np.ndarray]:
     return counts.astype(np.int32), a[0::2].reshape(L, R) - EP_DATA_READY_FLAG - counts
 
 
+def participants(cfg, devices: int | None) -> list[int]:
+    """The ``my_rank`` of each emulated participant: ranks ``0 .. n_ranks-1``, or under
+    ``skip_a2a`` devices ``0 .. devices-1`` (default 1). ``devices`` without ``skip_a2a`` is
+    a ``ValueError``."""
+    if not cfg.skip_a2a:
+        if devices is not None:
+            raise ValueError(f"EmulatedWorld: devices={devices!r} applies only with skip_a2a "
+                             f"(independent devices); without it the world emulates "
+                             f"n_ranks={cfg.n_ranks} ranks")
+        return list(range(cfg.n_ranks))
+    n = 1 if devices is None else devices
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"EmulatedWorld: devices must be a positive integer (skip_a2a "
+                         f"devices on this GPU), got {devices!r}")
+    if n * cfg.layout.n_local_experts > 65536:
+        raise ValueError(f"EmulatedWorld: devices={n} x n_local_experts="
+                         f"{cfg.layout.n_local_experts} global expert ids must be < 65536 "
+                         f"(top-k ids travel as uint16)")
+    return list(range(n))
+
+
 class _Rank:
     """Device buffers of one emulated rank."""
 
@@ -102,7 +129,8 @@ class _Rank:
 
 
 class EmulatedWorld:
-    """All ``cfg.n_ranks`` ranks on one GPU. ``dispatch(tokens, topk_ids)`` runs one round
+    """All ``cfg.n_ranks`` ranks on one GPU (under ``skip_a2a``: ``devices`` independent
+    devices, see the module docstring). ``dispatch(tokens, topk_ids)`` runs one round
     trip (dispatch_async then dispatch_wait on every rank, or the fused ``ep_dispatch`` with
     ``fused=True``; default: fused exactly when ``cfg.fused_shared_expert``) and returns, per
     rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch`` (with
@@ -110,7 +138,9 @@ class EmulatedWorld:
     input_scale=world.input_scale)``)."""
 
     def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
-                 fused: bool | None = None, input_scale: float = 1.0):
+                 fused: bool | None = None, input_scale: float = 1.0,
+                 devices: int | None = None):
+        self.rank_ids = participants(cfg, devices)
         if fused is None:
             fused = bool(cfg.fused_shared_expert)
         if cfg.fused_shared_expert and not fused:
@@ -124,23 +154,26 @@ class EmulatedWorld:
                              "single-launch kernel does not take ep_final_layout yet")
         self.fused = bool(fused)
         self.cfg = cfg
+        self.rank_ids = participants(cfg, devices)
         self.cuda = cuda
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
         self.input_scale = input_scale
         self.program = Program(build_module(cfg), arch=arch, device=device)
         self.device = self.program.device
         self._check_capacity()
-        self.ranks = [_Rank(cuda, cfg, r, self.device) for r in range(cfg.n_ranks)]
+        self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
         self.err = DiagBuffer(self.device)
         P = cfg.p2p_world_size
         self.recv_buf_ptrs, self.recv_count_ptrs = [], []
-        for r in range(cfg.n_ranks):
+        # each rank's tables hold its P2P group's buffers; under skip_a2a P == 1, so a
+        # device's tables hold only its own (the host passes only local pointers)
+        for r in self.rank_ids:
             group = range((r // P) * P, (r // P) * P + P)
             self.recv_buf_ptrs.append(cuda.to_device(
                 np.array([self.ranks[q].recv_buf.ptr for q in group], np.uint64), device=self.device))
             self.recv_count_ptrs.append(cuda.to_device(
                 np.array([self.ranks[q].recv_count.ptr for q in group], np.uint64), device=self.device))
-        self.final_ptrs = [self._final_layout_tables(r) for r in range(cfg.n_ranks)]
+        self.final_ptrs = {r: self._final_layout_tables(r) for r in self.rank_ids}
         self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()
 
@@ -176,19 +209,21 @@ class EmulatedWorld:
         for name in ((FUSED,) if self.fused else (ASYNC, WAIT)):
             per_sm = self.program.blocks_per_sm(name)
             capacity = per_sm * sms
-            need = cfg.n_ranks * cfg.n_sms
+            n = len(self.rank_ids)
+            need = n * cfg.n_sms
             if need > capacity:
                 raise CapacityError(
-                    f"EmulatedWorld: {cfg.n_ranks} ranks x n_sms={cfg.n_sms} blocks of "
+                    f"EmulatedWorld: {n} ranks x n_sms={cfg.n_sms} blocks of "
                     f"{name} need {need} co-resident blocks, but this GPU holds {capacity} "
                     f"({per_sm} per SM x {sms} SMs at num_threads={cfg.num_threads}); lower "
-                    f"n_sms to at most {capacity // cfg.n_ranks} or num_threads")
+                    f"n_sms to at most {capacity // n} or num_threads")
 
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """Validate and copy every rank's inputs (host numpy or device arrays) to its buffers;
         nothing is copied when any input is invalid."""
-        counts = reference.validate_inputs(self.cfg, tokens, topk_ids)
+        ranks = self.rank_ids if self.cfg.skip_a2a else None
+        counts = reference.validate_inputs(self.cfg, tokens, topk_ids, ranks=ranks)
         fmt = self.cfg.token_fmt
         for rk, x, ids, T in zip(self.ranks, tokens, topk_ids, counts):
             rk.n_tokens = T
@@ -277,7 +312,7 @@ class EmulatedWorld:
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info,
                 "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
             if any(p.name == "allreduce_world_size" for p in kernel.params):
-                args["allreduce_world_size"] = self.cfg.n_ranks
+                args["allreduce_world_size"] = len(self.rank_ids)
             self.program.launch(FUSED, self.cfg.n_sms, args, rk.stream)
         for rk in self.ranks:
             rk.wait_done = rk.stream.record()
@@ -338,7 +373,7 @@ class EmulatedWorld:
             se_start, se_tokens = 0, 0
             if cfg.fused_shared_expert:
                 se_start, se_tokens = reference.se_slice(
-                    rk.n_tokens, rk.rank, cfg.n_ranks if cfg.skip_a2a else None)
+                    rk.n_tokens, rk.rank, len(self.rank_ids) if cfg.skip_a2a else None)
             scales = None if rk.out_scales is None else \
                 cfg.token_fmt.scales_from_device(rk.out_scales.to_host(), n)
             out.append(reference.RankResult.from_outputs(
