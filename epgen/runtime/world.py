@@ -77,6 +77,20 @@ def region_a_blocks(region_a, L: int, R: int) -> tuple[np.ndarray, np.ndarray]:
     return counts.astype(np.int32), a[0::2].reshape(L, R) - EP_DATA_READY_FLAG - counts
 
 
+def co_resident(module, blocks: int, sms: int):
+    """``module`` with every kernel asking ptxas for ``ceil(blocks / sms)`` resident blocks
+    per SM (``.minnctapersm``; it caps registers accordingly) when one per SM cannot hold
+    ``blocks``: all emulated ranks' grids must be resident at once on the one GPU."""
+    import attrs
+
+    import ir
+    per_sm = -(-blocks // sms)
+    if per_sm <= 1:
+        return module
+    return ir.Module(module.name, tuple(attrs.evolve(k, min_blocks_per_sm=per_sm)
+                                        for k in module.kernels))
+
+
 def participants(cfg, devices: int | None) -> list[int]:
     """The ``my_rank`` of each emulated participant: ranks ``0 .. n_ranks-1``, or under
     ``skip_a2a`` devices ``0 .. devices-1`` (default 1). ``devices`` without ``skip_a2a`` is
@@ -158,7 +172,8 @@ class EmulatedWorld:
         self.cuda = cuda
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
         self.input_scale = input_scale
-        self.program = Program(build_module(cfg), arch=arch, device=device)
+        self.program = Program(co_resident(build_module(cfg), len(self.rank_ids) * cfg.n_sms,
+                                           cuda.sm_count(device)), arch=arch, device=device)
         self.device = self.program.device
         self._check_capacity()
         self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
