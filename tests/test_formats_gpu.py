@@ -4,12 +4,9 @@ src_info, on random routings, the routing edge cases, value edge cases (zeros, o
 negatives, values at the clamp, ties, bf16 extremes, NaN/inf), NVFP4 input scales and
 back-to-back calls; and the dequantised output within each format's tolerance of the input.
 
-``FLAG_SETS``: EPConfig flags every routing test also runs with. Only the plain kernels exist
-on this branch; after merging the flag branches extend it with, e.g.::
-
-    dict(skip_a2a=True)                       # make_cfg turns the shape into one device
-    dict(ep_ord_r=True, has_rank_flag=True)
-    dict(fused_shared_expert=True)
+``FLAG_SETS``: EPConfig flags every routing test also runs with: none, ``skip_a2a`` (make_cfg
+turns the shape into one device), ORD-R completion, and the fused shared expert (the world then
+runs the fused single-launch kernel).
 """
 
 from __future__ import annotations
@@ -24,7 +21,8 @@ from epgen.formats import make_format
 pytestmark = pytest.mark.gpu
 
 FORMATS = ("BlockwiseFP8", "NVFP4", "MXFP8")
-FLAG_SETS = [{}]
+FLAG_SETS = [{}, dict(skip_a2a=True), dict(ep_ord_r=True, has_rank_flag=True),
+             dict(fused_shared_expert=True)]
 
 # (R, E, H, K, max_tpr, num_threads, n_sms per rank); H a multiple of 128 (BlockwiseFP8)
 SMALL = (2, 16, 256, 4, 32, 256, 9)
