@@ -152,8 +152,8 @@ def test_comm_roles_stride_by_their_own_warps():
         dispatch_async.copy_and_send_tokens(r, cfg, p, 2, comm_barrier_id=4)
     k = kb.build()
     ir.verify(k)
-    fan = [s for s in N.walk(k.role("comm").body) if isinstance(s, N.For) and s.var.name == "k"]
-    assert fan[0].step == ir.Const(5, ir.types.u32)          # 160 threads = 5 warps
+    fan = [s for s in N.walk(k.role("comm").body) if isinstance(s, N.For) and s.var.name == "v"]
+    assert fan[0].step == ir.Const(160, ir.types.u32)        # the role's 160 threads broadcast
     assert {b.id: b.count for b in k.role("comm").barriers} == {4: 160}
 
 

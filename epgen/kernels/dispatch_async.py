@@ -12,7 +12,7 @@ from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode
 from ir import types as T
 
 from . import final_layout
-from .common import comm_sync, copy_vectors, load_pointer
+from .common import VEC, comm_sync, copy_vectors, load_pointer
 from .common import word as _word
 from .ord_r import signal_rank_completion
 
@@ -134,6 +134,8 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
+    if split is None and not p.final and not cfg.fused_shared_expert:
+        return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
@@ -178,6 +180,75 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+
+NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this device's expert)
+
+
+def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
+                     comm_barrier_id: int = -1):
+    """``copy_and_send_tokens``' P2P path when the send buffer is not needed afterwards (no
+    role split, no final layout, no shared expert): the block stages token ``t`` once, in
+    shared memory, and every thread then stores its 16-byte vectors of the message to all
+    ``K`` destinations, so the token is read from global memory once and each message is
+    written once (``ld.shared.v4`` then ``K`` x ``st.global.v4``).
+
+    Per token: ``send_join`` (the previous token's copies are done with the staging buffer);
+    the format stages the payload while threads ``k < K`` write the header, reserve slot
+    ``k``'s row (``atom.relaxed.gpu.add`` on the reserved counter) and publish its address in
+    shared memory; ``send_join``; the broadcast; ``send_join``; threads ``k < K`` count their
+    copy finished (``red.release.gpu.add``: the barrier orders every thread's stores before
+    it). Same slots, counters and completion as the stock path. All three joins are the send
+    join, so ``ep_send_join_named`` moves each to ``bar.sync 3, <threads>``."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    msg_bytes = lay.msg_bytes
+    reserved, finished = p.counters, _word(p.counters, E)
+    msg = r.kb.shared_buffer("send_msg", msg_bytes)
+    dsts = r.kb.shared_buffer("send_dst", 8 * K)
+    cos = r.kb.shared_buffer("send_co", 4 * K)
+    n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
+    with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
+        send_join(r, cfg, comm_barrier_id)
+        src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
+        fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+        with r.if_(r.tid < K):
+            g = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="g")
+            r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), g.cast(T.u16))
+            dst_rank = r.let("dst_rank", g // L)
+            e = r.let("e", g % L)
+            addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
+            co_word = r.var("co_word", T.u32, NO_SLOT)
+            with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
+                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
+                r.assign(co_word, co)
+                slot = r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED, Scope.GPU,
+                                name="slot")
+                recv = load_pointer(r, p.recv_buf_ptrs,
+                                    0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
+                                    "recv_dst", peer=not cfg.skip_a2a)
+                # device guard: a slot past the block's capacity is never written (the host
+                # refuses such routings; the monitor publishes the clamped count)
+                with r.if_(slot < lay.block_capacity):
+                    row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
+                           + slot).cast(T.u64)
+                    r.assign(addr, ir.Cast(T.u64, recv + row * msg_bytes))
+            r.store(_word(dsts, r.tid, 8), addr)
+            r.store(_word(cos, r.tid), co_word)
+        with r.if_(r.tid.eq(0)):
+            r.store(msg + fmt.src_info_offset, t)
+        send_join(r, cfg, comm_barrier_id)
+        targets = [r.load(_word(dsts, k, 8), T.u64, name=f"dst{k}") for k in range(K)]
+        with r.for_range("v", r.tid, msg_bytes // 16, r.n_threads) as v:
+            x = r.load(msg + v.cast(T.u64) * 16, VEC, name="vec")
+            for k, dst in enumerate(targets):
+                with r.if_(dst.ne(ir.Const(0, T.u64))):
+                    r.store(ir.Cast(T.ptr_global, dst + v.cast(T.u64) * 16), x)
+        send_join(r, cfg, comm_barrier_id)
+        with r.if_(r.tid < K):
+            co = r.load(_word(cos, r.tid), T.u32, name="co_done")
+            with r.if_(co.ne(NO_SLOT)):
+                r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
 def active_role_split(r: ir.RoleBuilder, cfg):
