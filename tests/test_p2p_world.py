@@ -483,3 +483,45 @@ def test_cli_run_p2p_without_gpus_is_a_clear_error(capsys):
     err = capsys.readouterr().err
     assert status == 1
     assert err.startswith("epgen: error: P2PWorld: no usable CUDA GPU here"), err
+
+
+def test_gpu_test_configurations_are_valid():
+    """Every configuration tests/test_p2p_gpu.py builds is a valid EPConfig (so a GPU run
+    fails only on the GPU's account)."""
+    import test_p2p_gpu as G
+    n_cfgs = 0
+    for n in G.GPU_COUNTS:
+        for shape in (G.SHAPES, G.STRESS):
+            for fmt in G.FORMATS:
+                for flags in G.FLAGS.values():
+                    cfg = G.make_cfg(n, shape, fmt, **flags)
+                    assert cfg.n_ranks == cfg.p2p_world_size == n
+                    assert not cfg.needs_shmem
+                    n_cfgs += 1
+    assert n_cfgs == 4 * 2 * 4 * len(G.FLAGS)
+
+
+def test_multigpu_marker_skips_with_the_gpu_count(monkeypatch):
+    """``multigpu(n)`` on a machine with fewer than n GPUs: skipped, "needs n GPUs"."""
+    import conftest
+
+    class Item:
+        def __init__(self, *marks):
+            self.marks, self.added = {m.name: m for m in marks}, []
+
+        def get_closest_marker(self, name):
+            return self.marks.get(name)
+
+        def add_marker(self, mark):
+            self.added.append(mark)
+
+    gpu, multi = pytest.mark.gpu.mark, pytest.mark.multigpu
+    items = [Item(gpu), Item(gpu, multi(2).mark), Item(gpu, multi(4).mark), Item(multi(8).mark)]
+    monkeypatch.setattr(conftest, "_gpu_state", {"reason": None, "count": 2})
+    conftest.pytest_collection_modifyitems(None, items)
+    reasons = [[m.kwargs["reason"] for m in it.added] for it in items]
+    assert reasons == [[], [], ["needs 4 GPUs (this machine has 2)"], []]
+    monkeypatch.setattr(conftest, "_gpu_state", {"reason": "no GPU"})
+    items = [Item(gpu, multi(2).mark)]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [m.kwargs["reason"] for m in items[0].added] == ["gpu test: no GPU"]
