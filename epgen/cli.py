@@ -303,6 +303,11 @@ BENCH_PRESET = "decode"
 (the ``default`` preset's 8 x 132 blocks of 1024 threads do not)."""
 
 
+P2P_BENCH_PRESET = "default"
+"""The preset ``epgen bench --world p2p`` uses without ``--preset``: 8 ranks, one GPU each,
+132 blocks of 1024 threads per rank."""
+
+
 def args_bench(p: argparse.ArgumentParser) -> None:
     from epgen.bench import options
 
@@ -317,6 +322,8 @@ examples (on a GPU):
   {PROG} bench --tokens 128,4096 --variant default \\
       --variant final=ep_final_layout,ep_prod_reserve
   {PROG} bench --tokens 4096 --routing zipf
+  {PROG} bench --world p2p --tokens 128,4096 --json p2p.json
+                                                 8 GPUs: vs NVLink and NCCL
 
 Progress goes to stderr, the report and table to stdout. Exit status 1 when there is no
 GPU, a phase fails or a check fails; 2 for a bad option (before any GPU work)."""
@@ -327,7 +334,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     against a device-to-device copy and the PyTorch baseline (``epgen.bench``)."""
     from epgen.bench import driver, options
 
-    cfg, _ = _config(args, default=BENCH_PRESET)
+    cfg, _ = _config(args, default=P2P_BENCH_PRESET if args.world == "p2p" else BENCH_PRESET)
     plan = options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
     results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
