@@ -2,7 +2,7 @@
 ``EPDispatchKernel`` family).
 
 Importing the package is light: numpy and attrs only. ``emit_ptx`` loads llvmlite and
-``EmulatedWorld`` loads cuda.core when first used.
+``EmulatedWorld`` and ``P2PWorld`` load cuda.core when first used.
 """
 
 from . import reference
@@ -29,9 +29,12 @@ def __getattr__(name):
     if name == "EmulatedWorld":
         from .runtime.world import EmulatedWorld
         return EmulatedWorld
+    if name == "P2PWorld":
+        from .runtime.p2p_world import P2PWorld
+        return P2PWorld
     raise AttributeError(f"module 'epgen' has no attribute {name!r}")
 
 
 __all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "BlockwiseFP8Format",
            "NVFP4Format", "MXFP8Format", "TokenFormat", "Layout", "reference", "build_module",
-           "emit_ptx", "EmulatedWorld"]
+           "emit_ptx", "EmulatedWorld", "P2PWorld"]

@@ -209,19 +209,61 @@ def args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
     p.add_argument("--input-scale", type=float, default=1.0, metavar="S",
                    help="global input scale of the formats that take one (NVFP4; default 1.0)")
+    _add_world(p)
+
+
+WORLDS = ("emulated", "p2p")
+
+
+def _add_world(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world", choices=WORLDS, default="emulated",
+                   help="emulated: every rank on one GPU (EmulatedWorld, the default); p2p: "
+                        "one GPU per rank in this process, peer access between them "
+                        "(P2PWorld)")
+    p.add_argument("--devices", metavar="LIST",
+                   help="with --world p2p: the GPU of each rank, comma-separated (default: "
+                        "rank r on GPU r); ranks may share a GPU, e.g. 0,0")
+
+
+def _devices(args: argparse.Namespace, n_ranks: int):
+    """``--devices`` as a tuple of ordinals (None when not given); a usage error (exit 2)
+    when malformed, with one entry per rank, or given without ``--world p2p``."""
+    if args.devices is None:
+        return None
+    if args.world != "p2p":
+        args.parser.error("argument --devices: only with --world p2p")
+    try:
+        devices = tuple(int(x) for x in args.devices.split(","))
+    except ValueError:
+        args.parser.error(f"argument --devices: expected GPU ordinals like 0,1,2,3, got "
+                          f"{args.devices!r}")
+    if len(devices) != n_ranks or min(devices) < 0:
+        args.parser.error(f"argument --devices: expected {n_ranks} GPU ordinals >= 0 (one per "
+                          f"rank), got {args.devices!r}")
+    return devices
+
+
+def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 1.0):
+    """The world ``--world`` names: ``EmulatedWorld`` or ``P2PWorld`` (``devices``)."""
+    if kind == "p2p":
+        from epgen.runtime.p2p_world import P2PWorld
+        return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale)
+    from epgen.runtime.world import EmulatedWorld
+    return EmulatedWorld(cfg, arch=arch, input_scale=input_scale)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run ``cfg``'s kernels on an ``EmulatedWorld`` and compare with the numpy reference."""
+    """Run ``cfg``'s kernels on an ``EmulatedWorld`` (or, with ``--world p2p``, a
+    ``P2PWorld``) and compare with the numpy reference."""
     import os
     import time
 
     import numpy as np
 
     from epgen import reference, routing
-    from epgen.runtime.world import EmulatedWorld
 
     cfg, _ = _config(args)
+    devices = _devices(args, cfg.n_ranks)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
     if not 0 <= tokens <= cfg.max_tokens_per_rank:
@@ -234,8 +276,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.token_fmt.check_input_scale(args.input_scale)
         except ValueError as e:
             args.parser.error(f"argument --input-scale: {e}")
-    world = EmulatedWorld(cfg, arch=args.arch, input_scale=args.input_scale)
-    print(f"{cfg.n_ranks} emulated ranks, {tokens} tokens/rank, seed {seed}")
+    world = make_world(args.world, cfg, arch=args.arch, devices=devices,
+                       input_scale=args.input_scale)
+    where = ("emulated ranks" if args.world == "emulated" else
+             f"ranks on GPUs {','.join(map(str, world.devices))} (P2P)")
+    print(f"{cfg.n_ranks} {where}, {tokens} tokens/rank, seed {seed}")
     for call in range(args.calls):
         toks, ids = routing.routing(rng, cfg, tokens, weights)
         t0 = time.perf_counter()
@@ -258,6 +303,11 @@ BENCH_PRESET = "decode"
 (the ``default`` preset's 8 x 132 blocks of 1024 threads do not)."""
 
 
+P2P_BENCH_PRESET = "default"
+"""The preset ``epgen bench --world p2p`` uses without ``--preset``: 8 ranks, one GPU each,
+132 blocks of 1024 threads per rank."""
+
+
 def args_bench(p: argparse.ArgumentParser) -> None:
     from epgen.bench import options
 
@@ -272,6 +322,8 @@ examples (on a GPU):
   {PROG} bench --tokens 128,4096 --variant default \\
       --variant final=ep_final_layout,ep_prod_reserve
   {PROG} bench --tokens 4096 --routing zipf
+  {PROG} bench --world p2p --tokens 128,4096 --json p2p.json
+                                                 8 GPUs: vs NVLink and NCCL
 
 Progress goes to stderr, the report and table to stdout. Exit status 1 when there is no
 GPU, a phase fails or a check fails; 2 for a bad option (before any GPU work)."""
@@ -282,7 +334,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     against a device-to-device copy and the PyTorch baseline (``epgen.bench``)."""
     from epgen.bench import driver, options
 
-    cfg, _ = _config(args, default=BENCH_PRESET)
+    cfg, _ = _config(args, default=P2P_BENCH_PRESET if args.world == "p2p" else BENCH_PRESET)
     plan = options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
     results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
@@ -305,8 +357,8 @@ COMMANDS: dict[str, Command] = {
     "variants": Command("list the registered variants", _no_arguments, cmd_variants),
     "diff": Command("unified diff of two variants' PTX (exit 1 when they differ)",
                     args_diff, cmd_diff),
-    "run": Command("run the kernels on the GPU (emulated ranks) and check them against the "
-                   "reference", args_run, cmd_run),
+    "run": Command("run the kernels on the GPU (emulated ranks, or one GPU per rank with "
+                   "--world p2p) and check them against the reference", args_run, cmd_run),
     "bench": Command("on a GPU: time the dispatch round trip (dispatch_async, dispatch_wait) "
                      "of one or more variants on an EmulatedWorld against a device-to-device "
                      "copy and the PyTorch baseline; table, JSON, PNG plot",

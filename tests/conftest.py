@@ -5,6 +5,8 @@ fixtures.
   tests that rewrote a file are skipped ("regenerated; review the diff"). Refused under CI.
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, when ``backends.cuda`` cannot be
   imported or ``backends.cuda.gpu_available()`` is False.
+- ``@pytest.mark.multigpu(n)`` (with ``gpu``) tests are skipped with the reason "needs n GPUs"
+  when ``backends.cuda.device_count() < n``.
 - ``seed``: a fresh random seed per test (``EPGEN_SEED=N`` fixes it); a failing test's report
   shows ``seed: N; rerun with EPGEN_SEED=N``.
 - ``golden``: ``golden.check("demo/copy16", "ptx", text)``; see ``golden_util``.
@@ -68,16 +70,32 @@ def gpu_skip_reason() -> str | None:
     return _gpu_state["reason"]
 
 
+def gpu_count() -> int:
+    """``backends.cuda.device_count()`` (0 without a usable GPU), computed once."""
+    if "count" not in _gpu_state:
+        count = 0
+        if gpu_skip_reason() is None:
+            import backends.cuda as cuda_backend
+            count = cuda_backend.device_count()
+        _gpu_state["count"] = count
+    return _gpu_state["count"]
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
     reason = gpu_skip_reason()
-    if reason is None:
+    if reason is not None:
+        skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+        for item in gpu_items:
+            item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
     for item in gpu_items:
-        item.add_marker(skip)
+        marker = item.get_closest_marker("multigpu")
+        if marker is not None and gpu_count() < int(marker.args[0]):
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {int(marker.args[0])} GPUs (this machine has {gpu_count()})"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ to skip GPU work.
 from .compile import CacheInfo, cache_info, cache_key, cache_path, compile_ptx, default_cache_dir
 from .errors import CompileError, CudaError, CudaUnavailableError, check, cuda_errors
 from .launch import check_untyped_args, launch, pack_arg, pack_args
-from .memory import DeviceArray, as_device_pointer, empty, to_device, zeros
+from .memory import (DeviceArray, as_device_pointer, empty, peer_memory_resource,
+                     pointer_device, to_device, zeros)
 from .module import (KernelAttributes, LoadedKernel, LoadedModule, kernel_attributes,
                      max_active_blocks_per_sm, set_max_dynamic_shared_memory)
 from .stream import (Timer, arch, as_stream, can_access_peer, create_event, create_stream,
@@ -31,6 +32,7 @@ __all__ = [
     "check_untyped_args", "compile_ptx", "create_event", "create_stream", "cuda_errors",
     "default_cache_dir", "default_stream", "device_count", "driver_version", "elapsed_ms",
     "empty", "enable_peer_access", "get_device", "gpu_available", "kernel_attributes", "launch",
-    "max_active_blocks_per_sm", "pack_arg", "pack_args", "record", "require_driver",
+    "max_active_blocks_per_sm", "pack_arg", "pack_args", "peer_memory_resource",
+    "pointer_device", "record", "require_driver",
     "set_max_dynamic_shared_memory", "sm_count", "to_device", "using_device", "zeros",
 ]

@@ -27,7 +27,7 @@ from .errors import CudaUnavailableError, check
 __all__ = ["CUDA_CORE_VERSION", "CUDA_CORE_GE_0_5", "CUDA_CORE_GE_1_0", "CUDA_CORE_GE_1_2",
            "core", "driver", "buffer_type", "launch_config", "kernel_attribute", "kernel_handle",
            "kernel_cufunction", "raw_kernel_attribute", "set_raw_kernel_attribute",
-           "buffer_pointer", "allocate"]
+           "buffer_pointer", "allocate", "device_memory_pool"]
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -172,3 +172,17 @@ def allocate(memory_resource, nbytes: int, stream):
     """``memory_resource.allocate`` (a ``Device`` or a ``MemoryResource``) on ``stream``; the
     stream goes by keyword, which 1.2 requires and older versions accept."""
     return memory_resource.allocate(nbytes, stream=stream)
+
+
+def device_memory_pool(device_id: int):
+    """A ``DeviceMemoryResource`` owning a new memory pool on ``device_id`` (default options);
+    its ``peer_accessible_by`` (cuda.core 0.4+) sets which devices may access its
+    allocations. Raises :class:`CudaUnavailableError` on a cuda.core without it."""
+    core_ns = core()
+    mr_type = getattr(core_ns, "DeviceMemoryResource", None)
+    options = getattr(core_ns, "DeviceMemoryResourceOptions", None)
+    if mr_type is None or options is None or not hasattr(mr_type, "peer_accessible_by"):
+        raise CudaUnavailableError(
+            f"cuda-core {CUDA_CORE_VERSION} has no DeviceMemoryResource with "
+            "peer_accessible_by: peer-accessible pools need a newer cuda-core")
+    return mr_type(int(device_id), options())

@@ -19,10 +19,11 @@ import operator
 import numpy as np
 
 from . import compat
-from .errors import check
-from .stream import as_stream, get_device, using_device
+from .errors import check, cuda_errors
+from .stream import _ordinal, as_stream, get_device, using_device
 
-__all__ = ["DeviceArray", "empty", "zeros", "to_device", "as_device_pointer"]
+__all__ = ["DeviceArray", "empty", "zeros", "to_device", "as_device_pointer",
+           "peer_memory_resource", "pointer_device"]
 
 
 def _shape(shape) -> tuple[int, ...]:
@@ -269,6 +270,42 @@ def to_device(host, *, stream=None, device=None, memory_resource=None) -> Device
     src = np.asarray(host)
     return empty(src.shape, src.dtype, stream=stream, device=device,
                  memory_resource=memory_resource).copy_from_host(src)
+
+
+def peer_memory_resource(device, peers=()):
+    """A new stream-ordered memory pool on ``device`` whose allocations the devices ``peers``
+    can read and write: cuda.core's ``DeviceMemoryResource`` with its own pool (not the
+    device's default pool, whose access would then change for every allocation of the
+    process) and ``peer_accessible_by`` set to ``peers`` (``cuMemPoolSetAccess``; ``device``
+    itself is ignored in ``peers``). Pass it as ``memory_resource=`` to :func:`zeros`,
+    :func:`empty` or :func:`to_device`.
+
+    Pool allocations are mapped into the peers by this access setting alone;
+    ``cuCtxEnablePeerAccess`` (:func:`~backends.cuda.stream.enable_peer_access`) does not
+    cover them. Raises :class:`CudaError` when a peer cannot access ``device``."""
+    dev = get_device(device)
+    others = sorted({_ordinal(p) for p in peers} - {int(dev.device_id)})
+    with using_device(dev), cuda_errors(f"creating a memory pool on device {dev.device_id} "
+                                        f"accessible by devices {others}"):
+        mr = compat.device_memory_pool(dev.device_id)
+        if others:
+            mr.peer_accessible_by = others
+    return mr
+
+
+def pointer_device(obj) -> int | None:
+    """The ordinal of the device whose memory ``obj`` (anything :func:`as_device_pointer`
+    accepts) lies in (``CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL``); None for a null pointer or
+    memory the driver does not know (e.g. pageable host memory)."""
+    address = as_device_pointer(obj)
+    if not address:
+        return None
+    drv = compat.driver()
+    err, value = drv.cuPointerGetAttribute(
+        drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, address)
+    if int(err) != 0:
+        return None
+    return int(value)
 
 
 # -- pointer extraction -------------------------------------------------------------------------

@@ -220,7 +220,11 @@ def run(plan: Plan, progress: Progress) -> dict:
 
 def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None = None) -> dict:
     """``run`` with progress on stderr, then ``publish``: the JSON, the report on stdout, the
-    plot. The body of ``epgen bench`` and ``benchmarks/dispatch_bench.py``."""
+    plot. The body of ``epgen bench`` and ``benchmarks/dispatch_bench.py``. A plan for the
+    P2P world runs ``epgen.bench.p2p`` instead."""
+    if plan.world == "p2p":
+        from . import p2p
+        return p2p.execute(plan, json_path=json_path)
     progress = Progress(total=len(plan.tokens) * (1 + len(plan.variants)))
     results = run(plan, progress)
     publish(results, json_path=json_path, plot_path=plot_path, progress=progress)

@@ -9,7 +9,7 @@ import argparse
 import importlib.util
 import os
 
-from .plan import ROUTINGS, Plan, parse_sweep, parse_tokens, parse_variant
+from .plan import ROUTINGS, WORLDS, Plan, parse_sweep, parse_tokens, parse_variant
 
 VARIANT_HELP = (
     "a variant to time, repeatable (default: one, 'default': the configuration as given). "
@@ -98,6 +98,14 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--no-post-check", action="store_true",
                    help="skip the check of each world's output after the timing")
+    p.add_argument("--world", choices=WORLDS, default="emulated",
+                   help="emulated (default): every rank on one GPU, against a device copy and "
+                        "the PyTorch baseline; p2p: one GPU per rank (P2PWorld), against the "
+                        "peer-copy (NVLink) bandwidth and torch.distributed NCCL all-to-all "
+                        "plus a permute (needs >= 2 GPUs; default preset 'default')")
+    p.add_argument("--devices", metavar="LIST",
+                   help="with --world p2p: the GPU of each rank, comma-separated (default: "
+                        "rank r on GPU r)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw a PNG: round-trip GB/s against tokens per rank for each variant "
@@ -111,6 +119,23 @@ def have_matplotlib() -> bool:
 def _check_output(parser, option: str, path: str | None) -> None:
     if path and not os.path.isdir(os.path.dirname(path) or "."):
         parser.error(f"argument {option}: no such directory: {os.path.dirname(path)}")
+
+
+def parse_devices(parser, text: str | None, world: str, n_ranks: int):
+    """``--devices`` as a tuple of GPU ordinals, one per rank (None when not given); a usage
+    error when malformed or given without ``--world p2p``."""
+    if text is None:
+        return None
+    if world != "p2p":
+        parser.error("argument --devices: only with --world p2p")
+    try:
+        devices = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        parser.error(f"argument --devices: expected GPU ordinals like 0,1,2,3, got {text!r}")
+    if len(devices) != n_ranks or min(devices) < 0:
+        parser.error(f"argument --devices: expected {n_ranks} GPU ordinals >= 0 (one per "
+                     f"rank), got {text!r}")
+    return devices
 
 
 def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, base,
@@ -141,7 +166,12 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
     _check_output(parser, "--plot", args.plot)
     if args.plot and not have_matplotlib():
         parser.error("argument --plot: needs matplotlib (python3 -m pip install matplotlib)")
+    world = getattr(args, "world", "emulated")
+    devices = parse_devices(parser, getattr(args, "devices", None), world, base.n_ranks)
+    if world == "p2p" and args.plot:
+        parser.error("argument --plot: not with --world p2p (the JSON holds every number)")
     kw = {"variants": tuple(args.variant)} if args.variant else {}
+    kw.update(world=world, devices=devices)
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
                 seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,
                 block_capacity=args.block_capacity, copy_mib=args.copy_mib,

@@ -29,6 +29,7 @@ launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait)."""
 VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS
 """Parameters a variant may change."""
 ROUTINGS = ("uniform", "zipf")
+WORLDS = ("emulated", "p2p")
 
 
 def shape_name(tokens_per_rank: int) -> str:
@@ -133,7 +134,9 @@ def parse_variant(text: str) -> Variant:
 class Plan:
     """One benchmark run: every shape of ``tokens`` with every variant, against the copy and
     the PyTorch baseline. ``iters``/``warmup`` None: by shape (``default_iters``,
-    ``default_warmup``). ``block_capacity``: ``"fit"``, ``"full"`` or a number."""
+    ``default_warmup``). ``block_capacity``: ``"fit"``, ``"full"`` or a number. ``world``:
+    ``"emulated"`` (every rank on GPU ``device``) or ``"p2p"`` (one GPU per rank,
+    ``devices`` or rank r on GPU r; against the peer copy and NCCL, ``epgen.bench.p2p``)."""
 
     base: EPConfig
     tokens: tuple[int, ...]
@@ -154,6 +157,8 @@ class Plan:
     baseline: bool = True
     post_check: bool = True
     arch: str | None = None
+    world: str = "emulated"
+    devices: tuple[int, ...] | None = None
 
     def iters_for(self, tokens_per_rank: int) -> int:
         return self.iters or default_iters(tokens_per_rank)
@@ -178,4 +183,5 @@ class Plan:
         out["base"] = self.base.describe()
         out["tokens"] = list(self.tokens)
         out["variants"] = [v.describe() for v in self.variants]
+        out["devices"] = list(self.devices) if self.devices is not None else None
         return out

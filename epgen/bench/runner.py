@@ -38,9 +38,9 @@ class StagedInputs:
             per_rank = []
             for rk, x, a in zip(world.ranks, toks, ids):
                 dx = cuda.to_device(np.ascontiguousarray(x, dtype=np.uint16),
-                                    device=world.device, stream=rk.stream)
+                                    device=rk.device, stream=rk.stream)
                 da = cuda.to_device(np.ascontiguousarray(a, dtype=np.int32),
-                                    device=world.device, stream=rk.stream)
+                                    device=rk.device, stream=rk.stream)
                 per_rank.append((dx, da, x.shape[0]))
             self.sets.append(per_rank)
         world.synchronize()
@@ -59,16 +59,20 @@ class StagedInputs:
 
 
 def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch=None,
-                  post_check: bool = True, progress, fused: bool | None = None) -> dict:
-    """Build the world, check it against the reference on set 0, time dispatch_async,
-    dispatch_wait and the round trip (fork/join over the rank streams, rotated staged
-    inputs), check the last round trip's output. Raises when a check fails."""
+                  post_check: bool = True, progress, fused: bool | None = None,
+                  world_factory=None) -> dict:
+    """Build the world (``world_factory()``, default an ``EmulatedWorld`` on ``device``,
+    single-launch with ``fused``), check it against the reference on set 0, time
+    dispatch_async, dispatch_wait and the round trip (fork/join over the rank streams,
+    rotated staged inputs; the timing stream on ``world.device``; the fused world has only
+    the round trip), check the last round trip's output. Raises when a check fails."""
     from backends import cuda
 
     from ..runtime.world import EmulatedWorld
     res = {}
     t0 = time.perf_counter()
-    world = EmulatedWorld(cfg, arch=arch, device=device, fused=fused)
+    world = (world_factory or (lambda: EmulatedWorld(cfg, arch=arch, device=device,
+                                                      fused=fused)))()
     device = world.device
     res["build_s"] = time.perf_counter() - t0
     staged = None

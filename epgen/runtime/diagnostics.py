@@ -21,12 +21,19 @@ class DiagBuffer:
     def ptr(self) -> int:
         return self.array.ptr
 
+    def take(self, kernels) -> list | None:
+        """The decoded records if any wait expired (the caller has synchronised the
+        launches), None if none did; a used buffer is re-armed (zeroed) before returning."""
+        words = self.array.to_host()
+        if words[diag.ABORT_WORD] == 0 and words[diag.COUNT_WORD] == 0:
+            return None
+        self.array.zero()
+        self.array.to_host()
+        return diag.decode(words, kernels)
+
     def check(self, kernels, context: str = "") -> None:
         """Raise ``EPTimeoutError`` with the decoded records if any wait expired (the caller
         has synchronised the launches); the buffer is re-armed first."""
-        words = self.array.to_host()
-        if words[diag.ABORT_WORD] == 0 and words[diag.COUNT_WORD] == 0:
-            return
-        self.array.zero()
-        self.array.to_host()
-        raise EPTimeoutError(diag.decode(words, kernels), context)
+        records = self.take(kernels)
+        if records is not None:
+            raise EPTimeoutError(records, context)

@@ -8,14 +8,17 @@ import ir
 class Program:
     """``module`` lowered to PTX for ``arch`` (default: the device's), compiled (with the cubin
     cache) and loaded on ``device``. ``launch(kernel, grid, args)`` takes ``args`` as a dict
-    keyed by the IR parameter names, so an argument can never land in the wrong slot."""
+    keyed by the IR parameter names, so an argument can never land in the wrong slot.
+    ``ptx``: ``module`` already lowered for ``arch`` (a world loading one module on several
+    GPUs lowers it once)."""
 
-    def __init__(self, module: ir.Module, arch: str | None = None, device=None):
+    def __init__(self, module: ir.Module, arch: str | None = None, device=None,
+                 ptx: str | None = None):
         from backends import cuda, nvptx
         self.module = module
         self.device = cuda.get_device(device)
         self.arch = arch or cuda.arch(self.device)
-        self.ptx = nvptx.emit_ptx(module, arch=self.arch)
+        self.ptx = ptx if ptx is not None else nvptx.emit_ptx(module, arch=self.arch)
         self.loaded = cuda.LoadedModule(self.ptx, self.arch, device=self.device, name=module.name)
         self._kernels = {}
 

@@ -26,6 +26,10 @@ tables of all ranks' pointers; the same event ordering also keeps a call's rows 
 overwritten by the next call before the host has read them. ``ep_prod_reserve``: every call
 gets a new generation (``prod_gen`` = 1, 2, ...; ``GenerationCounter``), so the early counts
 and mailboxes of the prod buffers never need re-arming.
+
+Everything but the placement (one GPU, one program, one error buffer, the co-residency of
+all ranks' grids) lives in ``RankWorld``, which ``P2PWorld`` (``p2p_world.py``: one GPU per
+rank) shares.
 """
 
 from __future__ import annotations
@@ -112,29 +116,60 @@ def participants(cfg, devices: int | None) -> list[int]:
     return list(range(n))
 
 
-class _Rank:
-    """Device buffers of one emulated rank."""
+def p2p_group(cfg, r: int) -> range:
+    """The ranks of rank ``r``'s P2P group (``p2p_world_size`` consecutive ranks): the order
+    of the entries of ``r``'s pointer tables (entry ``q % p2p_world_size`` is rank ``q``)."""
+    P = cfg.p2p_world_size
+    return range((r // P) * P, (r // P) * P + P)
 
-    def __init__(self, cuda, cfg, rank, device):
+
+def resolve_fused(cfg, fused: bool | None, world: str) -> bool:
+    """Whether a world runs the fused single launch: ``fused`` (None: exactly when
+    ``cfg.fused_shared_expert``), refused where the kernels cannot do it (``world`` names
+    the world in the message)."""
+    if fused is None:
+        fused = bool(cfg.fused_shared_expert)
+    if cfg.fused_shared_expert and not fused:
+        raise ValueError(f"{world}: fused=False with fused_shared_expert=True: the "
+                         "shared expert is packed only by the fused dispatch kernel "
+                         "(reference 7.2); use fused=True (the default for this config)")
+    if fused and cfg.ep_final_layout:
+        raise ValueError(f"{world}: fused=True with ep_final_layout=True: the fused "
+                         "single-launch kernel does not take ep_final_layout yet")
+    return bool(fused)
+
+
+class _Rank:
+    """Device buffers of one rank on ``device``. The buffers other ranks write (receive
+    buffers and count words; with ep_final_layout the grouped output and its scales, the
+    header array and the prod buffer) come from ``memory_resource`` when one is given (a
+    pool the peers' GPUs can access, ``P2PWorld``), else from the device's default one."""
+
+    def __init__(self, cuda, cfg, rank, device, memory_resource=None):
         lay, fmt = cfg.layout, cfg.token_fmt
         H, K, T = fmt.hid_dim, fmt.top_k, cfg.max_tokens_per_rank
         self.rank = rank
+        self.device = device
         self.stream = cuda.create_stream(device)
         z = lambda shape, dt: cuda.zeros(shape, dt, device=device, stream=self.stream)  # noqa: E731
+        peer = {} if memory_resource is None else {"memory_resource": memory_resource}
+        zp = lambda shape, dt: cuda.zeros(shape, dt, device=device, stream=self.stream,  # noqa: E731
+                                          **peer)
         self.tokens = z((T, H), np.uint16)
         self.topk_ids = z((T, K), np.int32)
         self.send_buf = z(lay.send_buf_bytes, np.uint8)
-        self.recv_buf = z(lay.recv_buf_bytes, np.uint8)
-        self.recv_count = cuda.to_device(lay.recv_count_initial(), device=device, stream=self.stream)
+        self.recv_buf = zp(lay.recv_buf_bytes, np.uint8)
+        self.recv_count = cuda.to_device(lay.recv_count_initial(), device=device, stream=self.stream,
+                                         **peer)
         self.counters = z(lay.counter_words, np.int32)
-        self.out_tokens = z((lay.max_out_rows, *fmt.out_row_shape), fmt.host_dtype)
-        self.out_scales = (z(fmt.out_scales_shape(lay.max_out_rows), fmt.scales_host_dtype)
+        self.out_tokens = zp((lay.max_out_rows, *fmt.out_row_shape), fmt.host_dtype)
+        self.out_scales = (zp(fmt.out_scales_shape(lay.max_out_rows), fmt.scales_host_dtype)
                            if fmt.out_scales is not None else None)
         self.row_offsets = z(lay.n_groups + 1, np.uint32)
         self.expert_ids = z(lay.n_groups, np.int32)
         self.src_info = z((lay.max_out_rows, 2), np.int32)
-        self.hdr_buf = z(lay.hdr_buf_bytes, np.uint8)            # ep_final_layout
-        self.prod_buf = z(lay.prod_buf_words, np.uint64)         # ep_prod_reserve
+        self.hdr_buf = zp(lay.hdr_buf_bytes, np.uint8)           # ep_final_layout
+        self.prod_buf = zp(lay.prod_buf_words, np.uint64)        # ep_prod_reserve
         self.n_tokens = 0
         self.wait_done = None
 
@@ -142,55 +177,48 @@ class _Rank:
         return self.counters.ptr + 4 * region.offset
 
 
-class EmulatedWorld:
-    """All ``cfg.n_ranks`` ranks on one GPU (under ``skip_a2a``: ``devices`` independent
-    devices, see the module docstring). ``dispatch(tokens, topk_ids)`` runs one round
-    trip (dispatch_async then dispatch_wait on every rank, or the fused ``ep_dispatch`` with
-    ``fused=True``; default: fused exactly when ``cfg.fused_shared_expert``) and returns, per
-    rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch`` (with
-    the output scales of the quantising formats; compare against ``reference.dispatch(...,
-    input_scale=world.input_scale)``)."""
+class RankWorld:
+    """What every world of per-rank buffers shares (``EmulatedWorld``, ``P2PWorld``): the
+    pointer tables of each rank's P2P group, input loading, the launches of one round trip
+    with the ordering between calls, the timeout check, re-arming and the results.
 
-    def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
-                 fused: bool | None = None, input_scale: float = 1.0,
-                 devices: int | None = None):
-        self.rank_ids = participants(cfg, devices)
-        if fused is None:
-            fused = bool(cfg.fused_shared_expert)
-        if cfg.fused_shared_expert and not fused:
-            raise ValueError("EmulatedWorld: fused=False with fused_shared_expert=True: the "
-                             "shared expert is packed only by the fused dispatch kernel "
-                             "(reference 7.2); use fused=True (the default for this config)")
-        cfg.require_p2p_only()
-        from backends import cuda
-        if fused and cfg.ep_final_layout:
-            raise ValueError("EmulatedWorld: fused=True with ep_final_layout=True: the fused "
-                             "single-launch kernel does not take ep_final_layout yet")
-        self.fused = bool(fused)
-        self.cfg = cfg
-        self.rank_ids = participants(cfg, devices)
-        self.cuda = cuda
-        self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
-        self.input_scale = input_scale
-        self.program = Program(co_resident(build_module(cfg), len(self.rank_ids) * cfg.n_sms,
-                                           cuda.sm_count(device)), arch=arch, device=device)
-        self.device = self.program.device
-        self._check_capacity()
-        self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
-        self.err = DiagBuffer(self.device)
-        P = cfg.p2p_world_size
-        self.recv_buf_ptrs, self.recv_count_ptrs = [], []
-        # each rank's tables hold its P2P group's buffers; under skip_a2a P == 1, so a
-        # device's tables hold only its own (the host passes only local pointers)
-        for r in self.rank_ids:
-            group = range((r // P) * P, (r // P) * P + P)
-            self.recv_buf_ptrs.append(cuda.to_device(
-                np.array([self.ranks[q].recv_buf.ptr for q in group], np.uint64), device=self.device))
-            self.recv_count_ptrs.append(cuda.to_device(
-                np.array([self.ranks[q].recv_count.ptr for q in group], np.uint64), device=self.device))
-        self.final_ptrs = {r: self._final_layout_tables(r) for r in self.rank_ids}
-        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
-        self.synchronize()
+    A subclass's ``__init__`` sets ``cfg``, ``rank_ids`` (each participant's ``my_rank``),
+    ``cuda``, ``fused``, ``timeout_ns``,
+    ``input_scale``, ``program`` (a ``Program`` of the world's IR module), ``ranks``
+    (``_Rank``), then calls ``_build_pointer_tables()`` and sets ``prod_gen``. The hooks
+    ``_program_of(rk)``, ``_err_of(rk)`` and ``_raise_timeouts(context)`` say which program
+    launches a rank's kernels, which error buffer they report into, and how expired waits
+    are collected; the defaults are those of one GPU (``program``, ``err``)."""
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _program_of(self, rk):
+        """The ``Program`` that launches rank ``rk``'s kernels."""
+        return self.program
+
+    def _err_of(self, rk):
+        """The ``DiagBuffer`` rank ``rk``'s kernels report expired waits into."""
+        return self.err
+
+    def _raise_timeouts(self, context: str):
+        """After a synchronise: raise ``EPTimeoutError`` if any wait expired (re-arming)."""
+        self.err.check(self.program.module.kernels, context)
+
+    # -- pointer tables ------------------------------------------------------------------------
+    def _pointer_table(self, r: int, attr: str):
+        """Rank ``r``'s device table of the address of buffer ``attr`` on every rank of its
+        P2P group (``p2p_group``), on rank ``r``'s device."""
+        ptrs = [getattr(self.ranks[q], attr).ptr for q in p2p_group(self.cfg, r)]
+        return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.ranks[r].device)
+
+    def _build_pointer_tables(self):
+        """Every rank's tables: receive buffers, receive-count words, and the
+        ``ep_final_layout`` ones (``_final_layout_tables``)."""
+        # under skip_a2a P == 1, so a device's tables hold only its own buffers (the host
+        # passes only local pointers)
+        ids = self.rank_ids
+        self.recv_buf_ptrs = [self._pointer_table(r, "recv_buf") for r in ids]
+        self.recv_count_ptrs = [self._pointer_table(r, "recv_count") for r in ids]
+        self.final_ptrs = {r: self._final_layout_tables(r) for r in ids}
 
     def _final_layout_tables(self, r: int) -> dict:
         """``ep_final_layout`` pointer tables of rank ``r``: every P2P peer's grouped output
@@ -198,16 +226,10 @@ class EmulatedWorld:
         cfg = self.cfg
         if not cfg.ep_final_layout:
             return {}
-        P = cfg.p2p_world_size
-        group = [self.ranks[q] for q in range((r // P) * P, (r // P) * P + P)]
-
-        def table(attr):
-            return self.cuda.to_device(np.array([getattr(q, attr).ptr for q in group], np.uint64),
-                                       device=self.device)
-
-        out = {"out_ptrs": table("out_tokens"), "hdr_ptrs": table("hdr_buf")}
+        out = {"out_ptrs": self._pointer_table(r, "out_tokens"),
+               "hdr_ptrs": self._pointer_table(r, "hdr_buf")}
         if cfg.ep_prod_reserve:
-            out["prod_ptrs"] = table("prod_buf")
+            out["prod_ptrs"] = self._pointer_table(r, "prod_buf")
         return out
 
     def _rearm_prod_buffers(self):
@@ -216,22 +238,6 @@ class EmulatedWorld:
         for rk in self.ranks:
             rk.prod_buf.zero()
         self.synchronize()
-
-    # -- capacity ----------------------------------------------------------------------------
-    def _check_capacity(self):
-        cfg = self.cfg
-        sms = self.cuda.sm_count(self.device)
-        for name in ((FUSED,) if self.fused else (ASYNC, WAIT)):
-            per_sm = self.program.blocks_per_sm(name)
-            capacity = per_sm * sms
-            n = len(self.rank_ids)
-            need = n * cfg.n_sms
-            if need > capacity:
-                raise CapacityError(
-                    f"EmulatedWorld: {n} ranks x n_sms={cfg.n_sms} blocks of "
-                    f"{name} need {need} co-resident blocks, but this GPU holds {capacity} "
-                    f"({per_sm} per SM x {sms} SMs at num_threads={cfg.num_threads}); lower "
-                    f"n_sms to at most {capacity // n} or num_threads")
 
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
@@ -284,14 +290,14 @@ class EmulatedWorld:
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
                 "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
-                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
             args.update(self.final_ptrs[rk.rank])
             if self.cfg.ep_prod_reserve:
                 args.update(prod_gen_p=rk.prod_buf.ptr + 8 * lay.prod_mailbox_offset,
                             prod_gen=gen)
             elif self.cfg.ep_final_layout:
                 args.update(base_handoff_p=rk.counter_ptr(lay.final_layout_region))
-            self.program.launch(ASYNC, self.cfg.n_sms, args, rk.stream)
+            self._program_of(rk).launch(ASYNC, self.cfg.n_sms, args, rk.stream)
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait."""
@@ -302,10 +308,10 @@ class EmulatedWorld:
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
-                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
-            self.program.launch(WAIT, self.cfg.n_sms, args, rk.stream)
+            self._program_of(rk).launch(WAIT, self.cfg.n_sms, args, rk.stream)
             rk.wait_done = rk.stream.record()
 
     def dispatch_fused(self):
@@ -325,10 +331,10 @@ class EmulatedWorld:
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info,
-                "err_buf": self.err.ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
             if any(p.name == "allreduce_world_size" for p in kernel.params):
                 args["allreduce_world_size"] = len(self.rank_ids)
-            self.program.launch(FUSED, self.cfg.n_sms, args, rk.stream)
+            self._program_of(rk).launch(FUSED, self.cfg.n_sms, args, rk.stream)
         for rk in self.ranks:
             rk.wait_done = rk.stream.record()
 
@@ -349,7 +355,7 @@ class EmulatedWorld:
         """Synchronise and raise ``EPTimeoutError`` if a wait expired (then re-arm)."""
         self.synchronize()
         try:
-            self.err.check(self.program.module.kernels, context)
+            self._raise_timeouts(context)
         except Exception:
             self.reset()
             raise
@@ -397,3 +403,51 @@ class EmulatedWorld:
                 se_tokens=se_tokens, se_token_start=se_start, out_scales=scales,
                 block_starts=starts if cfg.ep_final_layout else None))
         return out
+
+
+class EmulatedWorld(RankWorld):
+    """All ``cfg.n_ranks`` ranks on one GPU (under ``skip_a2a``: ``devices`` independent
+    devices, see the module docstring). ``dispatch(tokens, topk_ids)`` runs one round
+    trip (dispatch_async then dispatch_wait on every rank, or the fused ``ep_dispatch`` with
+    ``fused=True``; default: fused exactly when ``cfg.fused_shared_expert``) and returns, per
+    rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch`` (with
+    the output scales of the quantising formats; compare against ``reference.dispatch(...,
+    input_scale=world.input_scale)``)."""
+
+    def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
+                 fused: bool | None = None, input_scale: float = 1.0,
+                 devices: int | None = None):
+        self.rank_ids = participants(cfg, devices)
+        fused = resolve_fused(cfg, fused, "EmulatedWorld")
+        cfg.require_p2p_only()
+        from backends import cuda
+        self.fused = fused
+        self.cfg = cfg
+        self.cuda = cuda
+        self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
+        self.input_scale = input_scale
+        self.program = Program(co_resident(build_module(cfg), len(self.rank_ids) * cfg.n_sms,
+                                           cuda.sm_count(device)), arch=arch, device=device)
+        self.device = self.program.device
+        self._check_capacity()
+        self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
+        self.err = DiagBuffer(self.device)
+        self._build_pointer_tables()
+        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
+        self.synchronize()
+
+    # -- capacity ----------------------------------------------------------------------------
+    def _check_capacity(self):
+        cfg = self.cfg
+        sms = self.cuda.sm_count(self.device)
+        for name in ((FUSED,) if self.fused else (ASYNC, WAIT)):
+            per_sm = self.program.blocks_per_sm(name)
+            capacity = per_sm * sms
+            n = len(self.rank_ids)
+            need = n * cfg.n_sms
+            if need > capacity:
+                raise CapacityError(
+                    f"EmulatedWorld: {n} ranks x n_sms={cfg.n_sms} blocks of "
+                    f"{name} need {need} co-resident blocks, but this GPU holds {capacity} "
+                    f"({per_sm} per SM x {sms} SMs at num_threads={cfg.num_threads}); lower "
+                    f"n_sms to at most {capacity // n} or num_threads")

@@ -1,0 +1,255 @@
+"""``P2PWorld``: one GPU per rank, all ranks in one process, each rank's kernels writing its
+peers' buffers directly through CUDA peer access (NVLink, or a PCIe peer path).
+
+Everything the worlds share (buffers per rank, pointer tables per P2P group, the launches of
+a round trip, the ordering between calls, re-arming, results) is ``RankWorld``
+(``world.py``); this module adds the placement:
+
+- **Devices** (``assign_devices``): rank ``r`` runs on GPU ``r`` by default (the world
+  refuses, naming the count, when there are fewer GPUs than ranks); ``devices=[...]`` places
+  the ranks explicitly. Several ranks may share a GPU (e.g. ``devices=[0, 0]`` on a one-GPU
+  machine): their grids must then be co-resident there, which the capacity check covers.
+- **Peer access** (``peer_pairs``, ``check_peer_access``): every ordered pair of distinct GPUs
+  whose ranks share a P2P group must reach each other (``cuDeviceCanAccessPeer``); all pairs
+  are checked before anything is allocated, and a ``PeerAccessError`` names every pair that
+  cannot, with the ranks on each side. Then ``cuCtxEnablePeerAccess`` for every such pair
+  (covers ``cuMemAlloc``-style memory, e.g. a caller's buffers), and every buffer a peer
+  writes (receive buffers, receive-count words; with ``ep_final_layout`` the grouped output and
+  its scales, the header array and the prod buffer) is allocated from a memory pool of its
+  GPU whose access list holds every peer GPU (``backends.cuda.peer_memory_resource``:
+  stream-ordered pool allocations are not covered by ``cuCtxEnablePeerAccess``). Everything
+  else (inputs, send buffer, counters, the rest of the outputs, pointer tables) is local.
+- **Kernels**: the IR module is built and lowered once (per architecture) and loaded as one
+  ``Program`` per GPU; each rank launches through its GPU's program on its own stream, created
+  on its GPU.
+- **Ordering between calls**: as in ``EmulatedWorld``: a rank's ``dispatch_async`` (or fused
+  launch) of call N+1 waits on the events recorded after every rank's ``dispatch_wait`` of
+  call N. Here those are cross-device waits (``cuStreamWaitEvent`` accepts an event of another
+  GPU's context), so no host synchronisation is needed between calls.
+- **Co-residency** (``residency_problems``): each rank's grid only waits on its peers' grids,
+  which run on other GPUs, so nothing needs to be co-resident across GPUs; but every block of
+  each rank's grid must be resident on its own GPU at once (the roles wait on each other),
+  so the world checks, per GPU and kernel, ``ranks on it x n_sms <= blocks per SM x SMs`` from
+  the driver's occupancy answer, and refuses with the numbers otherwise.
+- **Timeouts and the abort word**: one ``DiagBuffer`` per GPU; every kernel reports into its
+  own GPU's buffer (``err_buf``). An expired wait raises the abort word of that buffer only,
+  so the other waits *on that GPU* give up at once, as in ``EmulatedWorld``. Ranks on other
+  GPUs do not see it: a rank waiting on a peer that gave up times out on its own deadline
+  (``timeout_ns``, default 2 s) and reports its own record; a wait that does not depend on the
+  failed peer completes normally. So a failed call still ends on every GPU, within about one
+  deadline per kernel of a rank's stream (``dispatch_async`` then ``dispatch_wait``: at most
+  about twice ``timeout_ns``), never a hang (unless ``timeout_ns=0``, unbounded, as in the
+  reference). ``check()`` synchronises every rank, reads every GPU's buffer, re-arms each used
+  one and raises one ``EPTimeoutError`` holding the records of all GPUs (each record names
+  its rank), then re-arms the world (``reset``). A single shared buffer would propagate the
+  abort across GPUs, but the record slots are claimed with a gpu-scope atomic, which is not
+  atomic between GPUs.
+- **Inputs**: host arrays are copied to each rank's GPU; a device array given for rank ``r``
+  must live on rank ``r``'s GPU (checked before anything is copied).
+"""
+
+from __future__ import annotations
+
+import operator
+
+from ..errors import EPTimeoutError
+from ..kernels import build_module
+from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
+from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
+from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from .diagnostics import DiagBuffer
+from .program import Program
+from .world import (CapacityError, GenerationCounter, RankWorld, _Rank, p2p_group,
+                    resolve_fused)
+
+
+class PeerAccessError(RuntimeError):
+    """Two GPUs whose ranks share a P2P group cannot access each other's memory."""
+
+
+def assign_devices(n_ranks: int, devices, n_devices: int) -> tuple[int, ...]:
+    """The GPU ordinal of every rank: ``devices`` (one ordinal per rank; ranks may share a
+    GPU), or rank ``r`` on GPU ``r`` when ``devices`` is None. ``ValueError`` naming the
+    problem when the machine (``n_devices`` GPUs) cannot hold them."""
+    if n_devices < 1:
+        raise ValueError("P2PWorld: no usable CUDA GPU here (backends.cuda.device_count() is "
+                         "0); P2PWorld needs one GPU per rank")
+    if devices is None:
+        if n_devices < n_ranks:
+            raise ValueError(
+                f"P2PWorld: n_ranks={n_ranks} needs {n_ranks} GPUs (one per rank), this "
+                f"machine has {n_devices}; pass devices=[...] to place the ranks (several "
+                f"ranks may share a GPU) or use EmulatedWorld (every rank on one GPU)")
+        return tuple(range(n_ranks))
+    out = []
+    for r, d in enumerate(devices):
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            d = operator.index(d)
+        except TypeError:
+            raise ValueError(f"P2PWorld: devices[{r}] = {d!r} is not a GPU ordinal") from None
+        if not 0 <= d < n_devices:
+            raise ValueError(f"P2PWorld: devices[{r}] = {d} is not a GPU of this machine "
+                             f"(ordinals 0..{n_devices - 1})")
+        out.append(d)
+    if len(out) != n_ranks:
+        raise ValueError(f"P2PWorld: devices has {len(out)} entries, one per rank is "
+                         f"{n_ranks}")
+    return tuple(out)
+
+
+def peer_pairs(cfg, devices) -> list[tuple[int, int]]:
+    """Ordered pairs ``(a, b)`` of distinct GPUs where a rank on ``a`` writes the buffers of
+    a rank on ``b`` (they share a P2P group), so ``a`` must access ``b``'s memory."""
+    pairs = set()
+    for r in range(cfg.n_ranks):
+        for q in p2p_group(cfg, r):
+            if devices[r] != devices[q]:
+                pairs.add((devices[r], devices[q]))
+    return sorted(pairs)
+
+
+def peers_of(cfg, devices) -> dict[int, list[int]]:
+    """For every GPU of ``devices``, the other GPUs whose ranks write its memory."""
+    out = {d: set() for d in devices}
+    for a, b in peer_pairs(cfg, devices):
+        out[b].add(a)
+    return {d: sorted(s) for d, s in out.items()}
+
+
+def check_peer_access(cfg, devices, can_access_peer) -> None:
+    """Raise ``PeerAccessError`` naming every pair of ``peer_pairs`` for which
+    ``can_access_peer(a, b)`` is False (with the ranks on each side); nothing is enabled."""
+    bad = [(a, b) for a, b in peer_pairs(cfg, devices) if not can_access_peer(a, b)]
+    if not bad:
+        return
+
+    def ranks(d):
+        on = [r for r in range(cfg.n_ranks) if devices[r] == d]
+        return f"rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}"
+
+    lines = [f"GPU {a} ({ranks(a)}) cannot access the memory of GPU {b} ({ranks(b)})"
+             for a, b in bad]
+    raise PeerAccessError(
+        "P2PWorld: " + "; ".join(lines) + ": cuDeviceCanAccessPeer is false, so those ranks "
+        "cannot write each other's receive buffers. Every pair of GPUs of a P2P group needs "
+        "an NVLink or PCIe peer path ('nvidia-smi topo -m' shows them); place the ranks on "
+        "GPUs that reach each other (devices=[...]) or use EmulatedWorld on one GPU")
+
+
+def residency_problems(cfg, devices, kernels, blocks_per_sm, sm_count) -> list[str]:
+    """Why the ranks' grids cannot all be resident on their GPUs: for every GPU and kernel,
+    ``ranks on it x n_sms`` blocks must fit ``blocks_per_sm(kernel, gpu) x sm_count(gpu)``.
+    One message per violation (empty: everything fits)."""
+    out = []
+    for d in sorted(set(devices)):
+        on = [r for r in range(cfg.n_ranks) if devices[r] == d]
+        sms = sm_count(d)
+        for name in kernels:
+            per_sm = blocks_per_sm(name, d)
+            capacity = per_sm * sms
+            need = len(on) * cfg.n_sms
+            if need <= capacity:
+                continue
+            who = (f"rank {on[0]}" if len(on) == 1
+                   else f"{len(on)} ranks ({', '.join(map(str, on))})")
+            fix = f"lower n_sms to at most {capacity // len(on)} or num_threads"
+            if len(on) > 1:
+                fix += ", or put fewer ranks on it"
+            out.append(f"GPU {d}: {who} x n_sms={cfg.n_sms} blocks of {name} need {need} "
+                       f"co-resident blocks, but the GPU holds {capacity} ({per_sm} per SM x "
+                       f"{sms} SMs at num_threads={cfg.num_threads}); {fix}")
+    return out
+
+
+class P2PWorld(RankWorld):
+    """Rank ``r`` on GPU ``devices[r]`` (default: GPU ``r``), one process; the module
+    docstring says how. ``dispatch(tokens, topk_ids)`` runs one round trip and returns, per
+    rank, the same ``reference.RankResult`` as ``EmulatedWorld`` (and
+    ``epgen.reference.dispatch``); ``fused``, ``timeout_ns`` and ``input_scale`` as there.
+
+    Attributes: ``devices`` (the GPU of each rank), ``device_ids`` (the GPUs used, sorted),
+    ``programs`` and ``errs`` (the ``Program`` and ``DiagBuffer`` of each GPU), ``pools``
+    (each GPU's peer-accessible memory resource), ``device`` (rank 0's GPU) and ``program``
+    (its program, for the IR module)."""
+
+    def __init__(self, cfg, arch: str | None = None, devices=None,
+                 timeout_ns: int | None = None, fused: bool | None = None,
+                 input_scale: float = 1.0):
+        fused = resolve_fused(cfg, fused, "P2PWorld")
+        cfg.require_p2p_only()
+        from backends import cuda
+        self.fused = fused
+        self.cfg = cfg
+        self.cuda = cuda
+        self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
+        self.input_scale = input_scale
+        self.devices = assign_devices(cfg.n_ranks, devices, cuda.device_count())
+        self.device_ids = sorted(set(self.devices))
+        check_peer_access(cfg, self.devices, cuda.can_access_peer)
+        for a, b in peer_pairs(cfg, self.devices):
+            cuda.enable_peer_access(a, b)
+        module = build_module(cfg)
+        self.programs, by_arch = {}, {}
+        for d in self.device_ids:                  # lowered once per architecture
+            a = arch or cuda.arch(d)
+            first = by_arch.get(a)
+            self.programs[d] = Program(module, arch=a, device=d,
+                                       ptx=first.ptx if first is not None else None)
+            by_arch.setdefault(a, self.programs[d])
+        self.program = self.programs[self.devices[0]]
+        self.device = self.program.device
+        self._check_capacity()
+        peers = peers_of(cfg, self.devices)
+        self.pools = {d: cuda.peer_memory_resource(d, peers[d]) for d in self.device_ids}
+        self.rank_ids = list(range(cfg.n_ranks))
+        self.ranks = [_Rank(cuda, cfg, r, d, memory_resource=self.pools[d])
+                      for r, d in enumerate(self.devices)]
+        self.errs = {d: DiagBuffer(d) for d in self.device_ids}
+        self._build_pointer_tables()
+        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
+        self.synchronize()
+        for d in self.device_ids:        # the tables' and error buffers' default-stream copies
+            cuda.get_device(d).sync()
+
+    # -- RankWorld hooks -----------------------------------------------------------------------
+    def _program_of(self, rk):
+        return self.programs[rk.device]
+
+    def _err_of(self, rk):
+        return self.errs[rk.device]
+
+    def _raise_timeouts(self, context: str):
+        """Read every GPU's error buffer (re-arming the used ones); one ``EPTimeoutError``
+        with all their records if any wait expired anywhere."""
+        kernels = self.program.module.kernels
+        records, expired = [], False
+        for d in self.device_ids:
+            got = self.errs[d].take(kernels)
+            if got is not None:
+                expired = True
+                records += got
+        if expired:
+            raise EPTimeoutError(records, context)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _check_capacity(self):
+        kernels = (FUSED,) if self.fused else (ASYNC, WAIT)
+        problems = residency_problems(
+            self.cfg, self.devices, kernels,
+            lambda name, d: self.programs[d].blocks_per_sm(name), self.cuda.sm_count)
+        if problems:
+            raise CapacityError("P2PWorld: " + "; ".join(problems))
+
+    def load_inputs(self, tokens, topk_ids):
+        """As ``RankWorld.load_inputs``, after checking that every device array given for a
+        rank lives on that rank's GPU (nothing is copied otherwise)."""
+        for r, x in enumerate(tokens if isinstance(tokens, (list, tuple)) else ()):
+            if r < len(self.devices) and hasattr(x, "__cuda_array_interface__"):
+                d = self.cuda.pointer_device(x)
+                if d is not None and d != self.devices[r]:
+                    raise ValueError(f"P2PWorld: tokens[{r}] is in the memory of GPU {d}, but "
+                                     f"rank {r} runs on GPU {self.devices[r]}: pass each "
+                                     f"rank's tokens on its own GPU (or as a host array)")
+        super().load_inputs(tokens, topk_ids)
