@@ -94,9 +94,63 @@ def test_no_command_is_a_usage_error(capsys):
 def test_variants_lists_registered_names(capsys, tiny_variants):
     status, out, _ = run_cli(capsys, "variants")
     assert status == 0
-    listed = out.split()
+    listed = [line.split()[0] for line in out.splitlines()]
     assert listed == sorted(goldens.GOLDENS)
     assert set(tiny_variants) <= set(listed)
+
+
+def test_variants_describe_what_they_set(capsys):
+    """One line per variant: the name, then what it sets (preset + flags or format); every
+    registered variant has a description."""
+    from epgen.ep_goldens import FLAG_VARIANTS, GOLDEN_FORMATS
+    status, out, _ = run_cli(capsys, "variants")
+    assert status == 0
+    about = dict(line.split(None, 1) for line in out.splitlines())
+    assert set(about) == set(goldens.names())
+    assert all(text.strip() for text in about.values())
+    for name, (preset, changes) in FLAG_VARIANTS.items():
+        text = about[f"ep/{name}"]
+        assert text.startswith(f"preset {preset} + ")
+        for key, value in changes.items():
+            assert f"{key}={str(value).lower()}" in text, (name, text)
+    for preset, suffix, fmt in GOLDEN_FORMATS:
+        assert about[f"ep/{preset}_{suffix}"] == f"preset {preset} + format={fmt}"
+    assert about["ep/small"].startswith("preset small (") and "no flags" in about["ep/small"]
+    assert about["demo/copy16"].startswith("demo: ")
+    assert goldens.describe("ep/send_join_named") == about["ep/send_join_named"]
+
+
+def test_variants_matrix(capsys):
+    """``--matrix``: every flag combination once; legal ones with the arguments that build
+    them, illegal ones with the flags of the rules they break."""
+    from epgen import variants
+    status, out, _ = run_cli(capsys, "variants", "--matrix")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("# 8 flags on preset small, use_shmem=false: 44 legal, 212 "
+                               "illegal of 256")
+    rows = [line.split(None, 1) for line in lines[1:]]
+    assert len(rows) == 256 and sum(kind == "legal" for kind, _ in rows) == 44
+    by_name = {rest.split(": ", 1)[0]: (kind, rest.split(": ", 1)[1]) for kind, rest in rows}
+    assert set(by_name) == {c.name for c in variants.combinations()}
+    assert by_name["skip_a2a"] == ("legal", "--preset small --set n_ranks=1 --set "
+                                            "p2p_world_size=1 --set n_experts=8 --set "
+                                            "skip_a2a=true")
+    kind, why = by_name["has_rank_flag"]
+    assert kind == "illegal" and "has_rank_flag, ep_ord_r:" in why
+    kind, why = by_name["ep_prod_reserve+ep_send_join_named"]
+    assert kind == "illegal" and "ep_prod_reserve, ep_final_layout:" in why
+
+
+def test_matrix_line_feeds_ptx(capsys):
+    """The arguments ``variants --matrix`` prints for a combination work with ``epgen ptx``."""
+    _needs_backend()
+    _, out, _ = run_cli(capsys, "variants", "--matrix")
+    line = next(x for x in out.splitlines()
+                if x.startswith("legal    skip_a2a+has_rank_flag+ep_ord_r: "))
+    status, ptx, err = run_cli(capsys, "ptx", "--ir", *line.split(": ", 1)[1].split())
+    assert status == 0, err
+    assert "ep_dispatch_async" in ptx
 
 
 def test_default_preset_exists_and_has_a_golden():
