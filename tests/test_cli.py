@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -293,6 +294,62 @@ def test_diff_of_two_variants(capsys, tiny_variants):
     lines = out.splitlines()
     assert any(x.startswith("-") and "st.release.sys" in x for x in lines), out
     assert any(x.startswith("+") and "st.relaxed.gpu" in x for x in lines), out
+
+
+def _diff_lines(out: str, sign: str, pattern: str) -> list[str]:
+    return [x for x in out.splitlines() if x.startswith(sign) and not x.startswith(sign * 3)
+            and re.search(pattern, x)]
+
+
+def test_diff_send_join_named(capsys):
+    """ep/small vs ep/send_join_named: the send join's ``bar.sync 0`` becomes ``bar.sync 3,
+    256`` (in ep_dispatch_async and in the fused ep_dispatch), nothing else."""
+    _needs_backend()
+    status, out, err = run_cli(capsys, "diff", "ep/small", "ep/send_join_named")
+    assert status == 1, err
+    assert out.startswith("--- ep/small.ptx\n+++ ep/send_join_named.ptx\n")
+    added = _diff_lines(out, "+", r".")
+    removed = _diff_lines(out, "-", r".")
+    assert len(added) == len(removed) == 2
+    assert all(re.fullmatch(r"\+\s*bar\.sync\s+3,\s*256;", x) for x in added), added
+    assert all(re.fullmatch(r"-\s*bar\.sync\s+0;", x) for x in removed), removed
+
+
+def test_diff_skip_a2a_shows_the_scope_change(capsys):
+    """ep/small vs ep/skip_a2a: the sys-scope count-word release and its acquire become gpu
+    scope."""
+    _needs_backend()
+    status, out, err = run_cli(capsys, "diff", "ep/small", "ep/skip_a2a")
+    assert status == 1, err
+    for op in ("st.release", "ld.acquire"):
+        assert _diff_lines(out, "-", rf"\b{re.escape(op)}\.sys\."), op
+        assert _diff_lines(out, "+", rf"\b{re.escape(op)}\.gpu\."), op
+    assert not _diff_lines(out, "+", r"\b(?:st\.release|ld\.acquire)\.sys\.")
+
+
+def test_diff_ir_of_ord_r(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "diff", "--ir", "ep/send_join_named", "ep/ord_r_named")
+    assert status == 1, err
+    assert out.startswith("--- ep/send_join_named.ir\n+++ ep/ord_r_named.ir\n")
+    assert _diff_lines(out, "+", r"rank_flag")
+
+
+def test_diff_every_pair_of_named_variants(capsys, monkeypatch):
+    """``epgen diff A B`` works for every pair of registered variants (IR text; each variant
+    built once): exit 1 and a unified diff, since no two named variants are the same; ``diff A
+    A`` is empty."""
+    import functools
+    import itertools
+    monkeypatch.setattr(cli, "_variant_text", functools.lru_cache(maxsize=None)(
+        cli._variant_text))
+    names = goldens.names()
+    for a, b in itertools.combinations(names, 2):
+        status, out, err = run_cli(capsys, "diff", "--ir", a, b)
+        assert status == 1 and err == "", (a, b, err)
+        assert out.startswith(f"--- {a}.ir\n+++ {b}.ir\n@@ "), (a, b)
+    status, out, err = run_cli(capsys, "diff", "--ir", names[-1], names[-1])
+    assert (status, out, err) == (0, "", "")
 
 
 def test_diff_unknown_variant(capsys, tiny_variants):
