@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from typing import Callable, NamedTuple
 
@@ -168,11 +169,42 @@ def _no_arguments(p: argparse.ArgumentParser) -> None:
     pass
 
 
+def args_variants(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--matrix", action="store_true",
+                   help="list every combination of the boolean flags (use_shmem=false) instead: "
+                        "legal ones with the --preset/--set arguments that build them, illegal "
+                        "ones with the rules they break")
+
+
 def cmd_variants(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return _print_matrix()
     from epgen import goldens
 
-    for name in goldens.names():
-        print(name)
+    names = goldens.names()
+    width = max((len(n) for n in names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {goldens.describe(name)}".rstrip())
+    return 0
+
+
+def _print_matrix() -> int:
+    from epgen import variants
+
+    combos = variants.combinations()
+    legal = [c for c in combos if c.legal]
+    print(f"# {len(variants.MATRIX_FLAGS)} flags on preset {variants.BASE_PRESET}, "
+          f"use_shmem=false: {len(legal)} legal, {len(combos) - len(legal)} illegal of "
+          f"{len(combos)} combinations (epgen/variants.py)")
+    for c in sorted(combos, key=lambda c: not c.legal):
+        if c.legal:
+            detail = " ".join(c.cli_args())
+        else:
+            # each violated rule's parameters and its first clause (the full text: run
+            # 'epgen inspect' with the combination's flags)
+            detail = "; ".join(f"{', '.join(p)}: {re.split(r' [(]|, got ', rule)[0]}"
+                               for p, rule in c.error.violations)
+        print(f"{'legal' if c.legal else 'illegal':<7}  {c.name}: {detail}")
     return 0
 
 
@@ -354,7 +386,9 @@ COMMANDS: dict[str, Command] = {
                    "job", args_ptx, cmd_ptx),
     "inspect": Command("show a configuration: parameters, layout, roles, barriers, atomics, "
                        "ptxas resources", args_inspect, cmd_inspect),
-    "variants": Command("list the registered variants", _no_arguments, cmd_variants),
+    "variants": Command("list the named variants (the registered goldens) with what each sets; "
+                        "--matrix: every flag combination, legal or not", args_variants,
+                        cmd_variants),
     "diff": Command("unified diff of two variants' PTX (exit 1 when they differ)",
                     args_diff, cmd_diff),
     "run": Command("run the kernels on the GPU (emulated ranks, or one GPU per rank with "

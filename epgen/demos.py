@@ -139,14 +139,20 @@ def build_handshake(block_threads: int = 256) -> ir.Kernel:
 
 @golden("demo/copy16")
 def copy16_module() -> ir.Module:
+    """demo: grid-stride copy of 16-byte vectors (1024 threads, 4 ld.global.nc.v4 in flight
+    per thread)"""
     return ir.Module("copy16", (build_copy16(),))
 
 
 @golden("demo/producer_consumer")
 def producer_consumer_module() -> ir.Module:
+    """demo: producer and consumer roles in one grid (named barriers, st.release.sys /
+    bounded ld.acquire.sys wait)"""
     return ir.Module("producer_consumer", (build_producer_consumer(),))
 
 
 @golden("demo/handshake")
 def handshake_module() -> ir.Module:
+    """demo: one rank of a two-rank exchange (peer inbox, red.release.sys.add arrival
+    counter, bounded wait)"""
     return ir.Module("handshake", (build_handshake(),))

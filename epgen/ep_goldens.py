@@ -5,6 +5,10 @@ format (``ep/default_fp8``: BlockwiseFP8, ``ep/default_nvfp4``, ``ep/default_mxf
 ``FLAG_VARIANTS`` are the flag variants: ``ep/<name>`` is a preset with some parameters
 changed (``docs/flags.md`` says what each flag changes in the PTX).
 ``epgen ptx`` with no arguments prints ``ep/default``'s PTX.
+
+Each variant is registered with a one-line description of what it sets (preset, then the
+parameters or the format), which ``epgen variants`` prints; ``describe_changes`` writes the
+parameters the way ``epgen --set`` reads them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,20 @@ FLAG_VARIANTS = {
 }
 
 
+def describe_changes(changes: dict) -> str:
+    """``key=value, ...`` of parameter ``changes`` as ``epgen --set`` reads them (flags as
+    ``true``/``false``)."""
+    def text(v):
+        return ("true" if v else "false") if isinstance(v, bool) else str(v)
+    return ", ".join(f"{k}={text(v)}" for k, v in changes.items())
+
+
+def _preset_description(preset: str) -> str:
+    from .presets import preset_data
+    about = preset_data(preset).get("description")
+    return f"preset {preset}" + (f" ({about})" if about else "")
+
+
 def flag_variant_config(name: str):
     """The ``EPConfig`` of flag variant ``name`` (a key of ``FLAG_VARIANTS``)."""
     from .presets import config_from_dict, preset_data
@@ -56,7 +74,9 @@ def _register(preset: str, suffix: str | None = None, fmt_name: str | None = Non
 
     name = preset if suffix is None else f"{preset}_{suffix}"
     build.__qualname__ = f"ep_{name}_module"
-    golden(f"ep/{name}")(build)
+    about = (_preset_description(preset) + ", no flags" if fmt_name is None
+             else f"preset {preset} + format={fmt_name}")
+    golden(f"ep/{name}", description=about)(build)
 
 
 def _register_flag_variant(name: str) -> None:
@@ -65,7 +85,8 @@ def _register_flag_variant(name: str) -> None:
         return build_module(flag_variant_config(name))
 
     build.__qualname__ = f"ep_{name}_module"
-    golden(f"ep/{name}")(build)
+    preset, changes = FLAG_VARIANTS[name]
+    golden(f"ep/{name}", description=f"preset {preset} + {describe_changes(changes)}")(build)
 
 
 for _preset in GOLDEN_PRESETS:
@@ -74,7 +95,8 @@ for _preset in GOLDEN_PRESETS:
 
 # The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with
 # fused_shared_expert) and the fused-roles test kernel (``ep/fused_roles``: the small preset).
-@golden("ep/fused")
+@golden("ep/fused", description="preset small: the fused single-launch kernel ep_dispatch "
+                                 "alone (async and wait in one grid)")
 def ep_fused_module():
     import ir
     from .kernels import build_dispatch_fused
@@ -82,7 +104,8 @@ def ep_fused_module():
     return ir.Module("ep_dispatch", (build_dispatch_fused(load_preset("small")),))
 
 
-@golden("ep/fused_se")
+@golden("ep/fused_se", description="preset small + fused_shared_expert=true: ep_dispatch with "
+                                    "the shared expert as group 0")
 def ep_fused_se_module():
     import ir
     from .kernels import build_dispatch_fused
@@ -91,7 +114,9 @@ def ep_fused_se_module():
     return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))
 
 
-@golden("ep/fused_roles")
+@golden("ep/fused_roles", description="preset small: the ep_fused_roles test kernel (an ffn "
+                                       "role consuming the L1 arrival counters, then the comm "
+                                       "role's copy with the role parameters)")
 def ep_fused_roles_module():
     import ir
     from .kernels.fused_roles import KERNEL_NAME, build_fused_roles

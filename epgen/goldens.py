@@ -5,7 +5,12 @@ A builder registers itself with the ``golden`` decorator::
 
     @golden("demo/copy16")
     def copy16_module() -> ir.Module:
+        '''demo: grid-stride copy of 16-byte vectors (...)'''
         return ir.Module("copy16", (build_copy16(),))
+
+``describe(name)`` is the variant's one-line description (``epgen variants`` prints it): the
+decorator's ``description=`` when given (the EP variants say their preset and what they set),
+else the first paragraph of the builder's docstring.
 
 ``load_all()`` imports the modules that register variants (the demo kernels, the EP kernels
 of some presets), so the registry is complete; ``golden_outputs(name)`` builds a variant and
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
 from typing import Callable
 
@@ -26,6 +32,9 @@ DEFAULT_ARCH = "sm_90"
 
 GOLDENS: dict[str, Callable[[], ir.Module]] = {}
 """Registered variants: ``"<kernel_dir>/<variant>"`` -> a function building its module."""
+
+DESCRIPTIONS: dict[str, str] = {}
+"""``description=`` of the variants registered with one (see ``describe``)."""
 
 # Modules whose import registers variants; load_all() imports those that exist.
 _REGISTERING_MODULES = ("epgen.demos", "epgen.ep_goldens")
@@ -37,10 +46,11 @@ class GoldenError(Exception):
     """A golden variant cannot be produced: unknown name, bad builder, missing component."""
 
 
-def golden(name: str):
+def golden(name: str, description: str | None = None):
     """Register the decorated zero-argument function as the builder of variant ``name``
     (``"<kernel_dir>/<variant>"``, lower case, e.g. ``"demo/copy16"``). It returns an
-    ``ir.Module`` (an ``ir.Kernel`` is wrapped in a one-kernel module)."""
+    ``ir.Module`` (an ``ir.Kernel`` is wrapped in a one-kernel module). ``description``: one
+    line saying what the variant is (default: the builder's docstring, see ``describe``)."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"golden name {name!r} must look like '<kernel_dir>/<variant>' "
                          "(lower-case letters, digits, '_' and '-'; exactly one '/')")
@@ -51,6 +61,10 @@ def golden(name: str):
             raise ValueError(f"golden {name!r} is registered twice: by {_qualname(old)} "
                              f"and by {_qualname(builder)}")
         GOLDENS[name] = builder
+        if description is None:
+            DESCRIPTIONS.pop(name, None)
+        else:
+            DESCRIPTIONS[name] = " ".join(description.split())
         return builder
 
     return register
@@ -72,6 +86,18 @@ def load_all() -> dict[str, Callable[[], ir.Module]]:
 def names() -> list[str]:
     """Sorted names of the registered variants (after ``load_all()``)."""
     return sorted(load_all())
+
+
+def describe(name: str) -> str:
+    """One line describing the registered variant ``name``: its ``description=``, else the
+    first paragraph of its builder's docstring (whitespace collapsed), else ``""``."""
+    load_all()
+    if name not in GOLDENS:
+        raise GoldenError(f"unknown variant {name!r} (known: {', '.join(sorted(GOLDENS))})")
+    if name in DESCRIPTIONS:
+        return DESCRIPTIONS[name]
+    doc = inspect.getdoc(GOLDENS[name]) or ""
+    return " ".join(doc.split("\n\n", 1)[0].split())
 
 
 def build_module(name: str) -> ir.Module:

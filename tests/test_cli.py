@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,9 +95,63 @@ def test_no_command_is_a_usage_error(capsys):
 def test_variants_lists_registered_names(capsys, tiny_variants):
     status, out, _ = run_cli(capsys, "variants")
     assert status == 0
-    listed = out.split()
+    listed = [line.split()[0] for line in out.splitlines()]
     assert listed == sorted(goldens.GOLDENS)
     assert set(tiny_variants) <= set(listed)
+
+
+def test_variants_describe_what_they_set(capsys):
+    """One line per variant: the name, then what it sets (preset + flags or format); every
+    registered variant has a description."""
+    from epgen.ep_goldens import FLAG_VARIANTS, GOLDEN_FORMATS
+    status, out, _ = run_cli(capsys, "variants")
+    assert status == 0
+    about = dict(line.split(None, 1) for line in out.splitlines())
+    assert set(about) == set(goldens.names())
+    assert all(text.strip() for text in about.values())
+    for name, (preset, changes) in FLAG_VARIANTS.items():
+        text = about[f"ep/{name}"]
+        assert text.startswith(f"preset {preset} + ")
+        for key, value in changes.items():
+            assert f"{key}={str(value).lower()}" in text, (name, text)
+    for preset, suffix, fmt in GOLDEN_FORMATS:
+        assert about[f"ep/{preset}_{suffix}"] == f"preset {preset} + format={fmt}"
+    assert about["ep/small"].startswith("preset small (") and "no flags" in about["ep/small"]
+    assert about["demo/copy16"].startswith("demo: ")
+    assert goldens.describe("ep/send_join_named") == about["ep/send_join_named"]
+
+
+def test_variants_matrix(capsys):
+    """``--matrix``: every flag combination once; legal ones with the arguments that build
+    them, illegal ones with the flags of the rules they break."""
+    from epgen import variants
+    status, out, _ = run_cli(capsys, "variants", "--matrix")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("# 8 flags on preset small, use_shmem=false: 44 legal, 212 "
+                               "illegal of 256")
+    rows = [line.split(None, 1) for line in lines[1:]]
+    assert len(rows) == 256 and sum(kind == "legal" for kind, _ in rows) == 44
+    by_name = {rest.split(": ", 1)[0]: (kind, rest.split(": ", 1)[1]) for kind, rest in rows}
+    assert set(by_name) == {c.name for c in variants.combinations()}
+    assert by_name["skip_a2a"] == ("legal", "--preset small --set n_ranks=1 --set "
+                                            "p2p_world_size=1 --set n_experts=8 --set "
+                                            "skip_a2a=true")
+    kind, why = by_name["has_rank_flag"]
+    assert kind == "illegal" and "has_rank_flag, ep_ord_r:" in why
+    kind, why = by_name["ep_prod_reserve+ep_send_join_named"]
+    assert kind == "illegal" and "ep_prod_reserve, ep_final_layout:" in why
+
+
+def test_matrix_line_feeds_ptx(capsys):
+    """The arguments ``variants --matrix`` prints for a combination work with ``epgen ptx``."""
+    _needs_backend()
+    _, out, _ = run_cli(capsys, "variants", "--matrix")
+    line = next(x for x in out.splitlines()
+                if x.startswith("legal    skip_a2a+has_rank_flag+ep_ord_r: "))
+    status, ptx, err = run_cli(capsys, "ptx", "--ir", *line.split(": ", 1)[1].split())
+    assert status == 0, err
+    assert "ep_dispatch_async" in ptx
 
 
 def test_default_preset_exists_and_has_a_golden():
@@ -239,6 +294,62 @@ def test_diff_of_two_variants(capsys, tiny_variants):
     lines = out.splitlines()
     assert any(x.startswith("-") and "st.release.sys" in x for x in lines), out
     assert any(x.startswith("+") and "st.relaxed.gpu" in x for x in lines), out
+
+
+def _diff_lines(out: str, sign: str, pattern: str) -> list[str]:
+    return [x for x in out.splitlines() if x.startswith(sign) and not x.startswith(sign * 3)
+            and re.search(pattern, x)]
+
+
+def test_diff_send_join_named(capsys):
+    """ep/small vs ep/send_join_named: the send joins' ``bar.sync 0`` become ``bar.sync 3,
+    256`` (three per token in ep_dispatch_async and in the fused ep_dispatch), nothing else."""
+    _needs_backend()
+    status, out, err = run_cli(capsys, "diff", "ep/small", "ep/send_join_named")
+    assert status == 1, err
+    assert out.startswith("--- ep/small.ptx\n+++ ep/send_join_named.ptx\n")
+    added = _diff_lines(out, "+", r".")
+    removed = _diff_lines(out, "-", r".")
+    assert len(added) == len(removed) == 6
+    assert all(re.fullmatch(r"\+\s*bar\.sync\s+3,\s*256;", x) for x in added), added
+    assert all(re.fullmatch(r"-\s*bar\.sync\s+0;", x) for x in removed), removed
+
+
+def test_diff_skip_a2a_shows_the_scope_change(capsys):
+    """ep/small vs ep/skip_a2a: the sys-scope count-word release and its acquire become gpu
+    scope."""
+    _needs_backend()
+    status, out, err = run_cli(capsys, "diff", "ep/small", "ep/skip_a2a")
+    assert status == 1, err
+    for op in ("st.release", "ld.acquire"):
+        assert _diff_lines(out, "-", rf"\b{re.escape(op)}\.sys\."), op
+        assert _diff_lines(out, "+", rf"\b{re.escape(op)}\.gpu\."), op
+    assert not _diff_lines(out, "+", r"\b(?:st\.release|ld\.acquire)\.sys\.")
+
+
+def test_diff_ir_of_ord_r(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "diff", "--ir", "ep/send_join_named", "ep/ord_r_named")
+    assert status == 1, err
+    assert out.startswith("--- ep/send_join_named.ir\n+++ ep/ord_r_named.ir\n")
+    assert _diff_lines(out, "+", r"rank_flag")
+
+
+def test_diff_every_pair_of_named_variants(capsys, monkeypatch):
+    """``epgen diff A B`` works for every pair of registered variants (IR text; each variant
+    built once): exit 1 and a unified diff, since no two named variants are the same; ``diff A
+    A`` is empty."""
+    import functools
+    import itertools
+    monkeypatch.setattr(cli, "_variant_text", functools.lru_cache(maxsize=None)(
+        cli._variant_text))
+    names = goldens.names()
+    for a, b in itertools.combinations(names, 2):
+        status, out, err = run_cli(capsys, "diff", "--ir", a, b)
+        assert status == 1 and err == "", (a, b, err)
+        assert out.startswith(f"--- {a}.ir\n+++ {b}.ir\n@@ "), (a, b)
+    status, out, err = run_cli(capsys, "diff", "--ir", names[-1], names[-1])
+    assert (status, out, err) == (0, "", "")
 
 
 def test_diff_unknown_variant(capsys, tiny_variants):
