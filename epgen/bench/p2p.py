@@ -549,21 +549,10 @@ def table_rows(results) -> list[dict]:
 
 
 def format_table(rows) -> str:
-    def cell(v, fmt):
-        width = int(fmt.split(".")[0])
-        return f"{'-':>{width}}" if v is None else format(v, fmt)
-    vw = max([30] + [len(r["variant"]) for r in rows])
-    lines = [f"{'shape':<8} {'T':>5} {'variant':<{vw}} {'median us':>10} {'GB/s/GPU':>9} "
-             f"{'frac link':>9} {'vs NCCL':>8}"]
-    for r in rows:
-        sp = r.get("speedup")
-        line = (f"{r['shape']:<8} {r['T']:>5} {r['variant']:<{vw}} {cell(r.get('us'), '10.1f')} "
-                f"{cell(r.get('gbps'), '9.1f')} {cell(r.get('frac'), '9.3f')} "
-                f"{'-' if sp is None else f'{sp:.2f}x':>8}")
-        if r.get("note"):
-            line += f"  ({r['note']})"
-        lines.append(line)
-    return "\n".join(lines)
+    """The P2P table: ``report.format_table`` per GPU, against the link and NCCL."""
+    from .report import format_table as table
+    return table(rows, routing=False, gbps_label="GB/s/GPU", gbps_width=9,
+                 frac_label="frac link", speedup_label="vs NCCL")
 
 
 def print_report(results, file=None) -> None:

@@ -112,20 +112,27 @@ def table_rows(results) -> list[dict]:
     return rows
 
 
-def format_table(rows) -> str:
+def format_table(rows, *, routing: bool = True, gbps_label: str = "GB/s", gbps_width: int = 8,
+                 frac_label: str = "frac copy", speedup_label: str = "vs torch") -> str:
     """Rows: dicts with ``shape, T, routing, variant, us, gbps, frac, speedup`` (None where
-    there is no number) and an optional ``note``."""
-    def cell(v, fmt):
-        width = int(fmt.split(".")[0])
-        return f"{'-':>{width}}" if v is None else format(v, fmt)
+    there is no number) and an optional ``note``; the labels name the GB/s, fraction and
+    speed-up columns (the P2P report: per GPU, of the link, vs NCCL); ``routing=False``
+    leaves that column out."""
+    def cell(v, width, prec):
+        return f"{'-':>{width}}" if v is None else f"{v:{width}.{prec}f}"
     vw = max([28] + [len(r["variant"]) for r in rows])
-    lines = [f"{'shape':<8} {'T':>5} {'routing':<8} {'variant':<{vw}} {'median us':>10} "
-             f"{'GB/s':>8} {'frac copy':>9} {'vs torch':>8}"]
+    head = [f"{'shape':<8}", f"{'T':>5}"] + ([f"{'routing':<8}"] if routing else []) + [
+        f"{'variant':<{vw}}", f"{'median us':>10}", f"{gbps_label:>{gbps_width}}",
+        f"{frac_label:>9}", f"{speedup_label:>8}"]
+    lines = [" ".join(head)]
     for r in rows:
         sp = r.get("speedup")
-        line = (f"{r['shape']:<8} {r['T']:>5} {r['routing']:<8} {r['variant']:<{vw}} "
-                f"{cell(r.get('us'), '10.1f')} {cell(r.get('gbps'), '8.1f')} "
-                f"{cell(r.get('frac'), '9.3f')} {'-' if sp is None else f'{sp:.2f}x':>8}")
+        cells = [f"{r['shape']:<8}", f"{r['T']:>5}"] + (
+            [f"{r['routing']:<8}"] if routing else []) + [
+            f"{r['variant']:<{vw}}", cell(r.get("us"), 10, 1),
+            cell(r.get("gbps"), gbps_width, 1), cell(r.get("frac"), 9, 3),
+            f"{'-' if sp is None else f'{sp:.2f}x':>8}"]
+        line = " ".join(cells)
         if r.get("note"):
             line += f"  ({r['note']})"
         lines.append(line)
