@@ -161,13 +161,14 @@ def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
     return out
 
 
-def failures(results) -> list[str]:
-    """Errors and failed checks of a run, one line each (skipped phases are not failures)."""
+def failures(results, baseline: str = "baseline") -> list[str]:
+    """Errors and failed checks of a run, one line each (skipped phases are not failures);
+    ``baseline`` names the baseline in the lines."""
     out = []
-    for s in results["shapes"]:
+    for s in results.get("shapes", []):
         b = s["baseline"]
         if "error" in b or b.get("check", "ok") != "ok":
-            out.append(f"T={s['tokens_per_rank']} baseline: {b.get('error') or b['check']}")
+            out.append(f"T={s['tokens_per_rank']} {baseline}: {b.get('error') or b['check']}")
         out += [f"T={s['tokens_per_rank']} epgen {v['label']}: {v['error']}"
                 for v in s["variants"] if "error" in v]
     return out

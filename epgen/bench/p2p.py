@@ -450,14 +450,8 @@ def run_shape(plan: Plan, T: int, devices, torch, gate, link_gbps, progress) -> 
 
 def failures(results) -> list[str]:
     """Errors and failed checks (skipped phases are not failures)."""
-    out = []
-    for s in results.get("shapes", []):
-        b = s["baseline"]
-        if "error" in b or b.get("check", "ok") != "ok":
-            out.append(f"T={s['tokens_per_rank']} nccl: {b.get('error') or b['check']}")
-        out += [f"T={s['tokens_per_rank']} epgen {v['label']}: {v['error']}"
-                for v in s["variants"] if "error" in v]
-    return out
+    from .driver import failures as run_failures
+    return run_failures(results, baseline="nccl")
 
 
 def run(plan: Plan, progress: Progress) -> dict:
