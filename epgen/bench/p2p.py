@@ -566,22 +566,9 @@ def print_report(results, file=None) -> None:
         print(f"peer copy per GPU ({c['size_mib']} MiB, cuMemcpyAsync): ring "
               f"{c['ring']['gbps_per_gpu']:.1f} GB/s (the reference), pair "
               f"{c['pair']['gbps_per_gpu']:.1f} GB/s", file=file)
-    for s in results["shapes"]:
-        b = s["baseline"]
-        bits = [f"recv_block_capacity {s['recv_block_capacity']} (largest block "
-                f"{s['largest_block']})"]
-        if "check" in b:
-            bits.append(f"nccl check: {b['check']} (vs {b['check_against']})")
-        label = s["shape"] if s["shape"].startswith("T=") \
-            else f"{s['shape']} T={s['tokens_per_rank']}"
-        print(f"{label} ({s['routing']}): " + "; ".join(bits), file=file)
-        for v in s["variants"]:
-            what = (f"checks: {v['check']}, after timing {v.get('post_check', 'skipped')}"
-                    if "check" in v else v.get("skipped") or v.get("error"))
-            lb = v["link_bytes"]
-            print(f"  {v['label']}: {v['bytes']['layout']} layout, busiest GPU "
-                  f"{lb['busiest'] / 1e6:.3f} MB over the links per round trip; {what}",
-                  file=file)
+    from .report import print_shapes
+    print_shapes(results, file, "nccl", lambda v: f"busiest GPU "
+                 f"{v['link_bytes']['busiest'] / 1e6:.3f} MB over the links per round trip")
     print(file=file)
     print(format_table(table_rows(results)), file=file)
 

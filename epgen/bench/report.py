@@ -139,6 +139,25 @@ def format_table(rows, *, routing: bool = True, gbps_label: str = "GB/s", gbps_w
     return "\n".join(lines)
 
 
+def print_shapes(results, file, baseline: str, traffic) -> None:
+    """One line per shape (block capacity, the ``baseline``'s check) and one per variant
+    (layout, ``traffic(variant)``, its checks or why it did not run)."""
+    for s in results["shapes"]:
+        b = s["baseline"]
+        bits = [f"recv_block_capacity {s['recv_block_capacity']} (largest block "
+                f"{s['largest_block']})"]
+        if "check" in b:
+            bits.append(f"{baseline} check: {b['check']} (vs {b['check_against']})")
+        label = s["shape"] if s["shape"].startswith("T=") \
+            else f"{s['shape']} T={s['tokens_per_rank']}"
+        print(f"{label} ({s['routing']}): " + "; ".join(bits), file=file)
+        for v in s["variants"]:
+            what = (f"checks: {v['check']}, after timing {v.get('post_check', 'skipped')}"
+                    if "check" in v else v.get("skipped") or v.get("error"))
+            print(f"  {v['label']}: {v['bytes']['layout']} layout, {traffic(v)}; {what}",
+                  file=file)
+
+
 def print_report(results, file=None) -> None:
     """The header (date, commit, device, copy), each shape's and variant's checks and bytes,
     then the table."""
@@ -153,20 +172,8 @@ def print_report(results, file=None) -> None:
                  if "gbps" in c.get(k, {})]
         print(f"device-to-device copy ({c['size_mib']} MiB, read + write): "
               + ", ".join(parts) + f"; reference {c['gbps']:.1f} GB/s", file=file)
-    for s in results["shapes"]:
-        b = s["baseline"]
-        bits = [f"recv_block_capacity {s['recv_block_capacity']} (largest block "
-                f"{s['largest_block']})"]
-        if "check" in b:
-            bits.append(f"baseline check: {b['check']} (vs {b['check_against']})")
-        label = s["shape"] if s["shape"].startswith("T=") \
-            else f"{s['shape']} T={s['tokens_per_rank']}"
-        print(f"{label} ({s['routing']}): " + "; ".join(bits), file=file)
-        for v in s["variants"]:
-            what = (f"checks: {v['check']}, after timing {v.get('post_check', 'skipped')}"
-                    if "check" in v else v.get("skipped") or v.get("error"))
-            print(f"  {v['label']}: {v['bytes']['layout']} layout, "
-                  f"{fmt_gb(v['bytes']['total'])} per round trip; {what}", file=file)
+    print_shapes(results, file, "baseline",
+                 lambda v: f"{fmt_gb(v['bytes']['total'])} per round trip")
     print(file=file)
     print(format_table(table_rows(results)), file=file)
 
