@@ -277,6 +277,26 @@ class RankWorld:
                 "output_scales_rows": self.cfg.layout.max_out_rows}
         return {k: v for k, v in args.items() if k in names}
 
+    def _async_args(self, rk, kernel: str = ASYNC) -> dict:
+        """The arguments of rank ``rk``'s send side (dispatch_async's parameters)."""
+        lay = self.cfg.layout
+        return {**self._format_args(kernel, rk),
+                "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
+                "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
+                "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
+                "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
+                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+
+    def _wait_args(self, rk, kernel: str = WAIT) -> dict:
+        """The arguments of rank ``rk``'s receive side (dispatch_wait's parameters)."""
+        lay = self.cfg.layout
+        return {**self._format_args(kernel, rk),
+                "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
+                "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
+                "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
+                "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
+                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+
     def dispatch_async(self):
         """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
         lay = self.cfg.layout
@@ -285,12 +305,7 @@ class RankWorld:
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
-            args = {**self._format_args(ASYNC, rk),
-                "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
-                "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
-                "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
-                "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
-                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+            args = self._async_args(rk)
             args.update(self.final_ptrs[rk.rank])
             if self.cfg.ep_prod_reserve:
                 args.update(prod_gen_p=rk.prod_buf.ptr + 8 * lay.prod_mailbox_offset,
@@ -301,14 +316,8 @@ class RankWorld:
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait."""
-        lay = self.cfg.layout
         for rk in self.ranks:
-            args = {**self._format_args(WAIT, rk),
-                "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
-                "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
-                "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
-                "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
-                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+            args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
             self._program_of(rk).launch(WAIT, self.cfg.n_sms, args, rk.stream)
@@ -316,22 +325,12 @@ class RankWorld:
 
     def dispatch_fused(self):
         """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
-        lay = self.cfg.layout
         waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
         kernel = self.program.module.kernel(FUSED)
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
-            args = {**self._format_args(FUSED, rk),
-                "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
-                "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
-                "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
-                "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
-                "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
-                "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
-                "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
-                "expert_ids": rk.expert_ids, "src_info": rk.src_info,
-                "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+            args = {**self._async_args(rk, FUSED), **self._wait_args(rk, FUSED)}
             if any(p.name == "allreduce_world_size" for p in kernel.params):
                 args["allreduce_world_size"] = len(self.rank_ids)
             self._program_of(rk).launch(FUSED, self.cfg.n_sms, args, rk.stream)
