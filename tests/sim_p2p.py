@@ -20,16 +20,14 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import sys
 
 import numpy as np
 
-import backends
 from epgen.runtime import p2p_world as p2p_mod
 from ir.types import PtrType
 
 from ir_sim import Sim
-from sim_world import FakeArray, FakeStream, fake_cuda
+from sim_world import FakeArray, FakeStream, fake_cuda, patched_cuda
 
 
 class PlacementError(AssertionError):
@@ -209,25 +207,9 @@ def fake_gpus(n_gpus: int, seed: int = 0, reach=None, max_spins: int = 20000,
     ``n_gpus`` fake GPUs on ``ir_sim.Sim(seed)``; yields the ``GpuState``."""
     sim = Sim(seed=seed, max_spins=max_spins, timeouts=timeouts)
     state = GpuState(sim, n_gpus, reach)
-    fake = fake_p2p_cuda(state)
-    saved_mod, saved_attr = sys.modules.get("backends.cuda"), getattr(backends, "cuda", None)
-    saved_program = p2p_mod.Program
     FakeGpuProgram.state = state
-    sys.modules["backends.cuda"] = fake
-    backends.cuda = fake
-    p2p_mod.Program = FakeGpuProgram
-    try:
+    with patched_cuda(fake_p2p_cuda(state), p2p_mod, FakeGpuProgram):
         yield state
-    finally:
-        p2p_mod.Program = saved_program
-        if saved_mod is not None:
-            sys.modules["backends.cuda"] = saved_mod
-        else:
-            sys.modules.pop("backends.cuda", None)
-        if saved_attr is not None:
-            backends.cuda = saved_attr
-        elif hasattr(backends, "cuda"):
-            del backends.cuda
 
 
 @contextlib.contextmanager

@@ -126,23 +126,18 @@ class FakeProgram:
 
 
 @contextlib.contextmanager
-def sim_world(cfg, seed: int = 0, max_spins: int = 20000, timeouts: bool = False,
-              **world_kwargs):
-    """An ``EmulatedWorld`` of ``cfg`` whose kernels run on ``ir_sim.Sim(seed)``."""
-    sim = Sim(seed=seed, max_spins=max_spins, timeouts=timeouts)
-    fake = fake_cuda(sim)
+def patched_cuda(fake, module, program):
+    """``backends.cuda`` replaced by ``fake`` and ``module.Program`` by ``program`` for the
+    block; both restored afterwards."""
     saved_mod, saved_attr = sys.modules.get("backends.cuda"), getattr(backends, "cuda", None)
-    saved_program = world_mod.Program
-    FakeProgram.sim = sim
+    saved_program = module.Program
     sys.modules["backends.cuda"] = fake
     backends.cuda = fake
-    world_mod.Program = FakeProgram
+    module.Program = program
     try:
-        world = world_mod.EmulatedWorld(cfg, **world_kwargs)
-        world.sim = sim
-        yield world
+        yield
     finally:
-        world_mod.Program = saved_program
+        module.Program = saved_program
         if saved_mod is not None:
             sys.modules["backends.cuda"] = saved_mod
         else:
@@ -151,3 +146,15 @@ def sim_world(cfg, seed: int = 0, max_spins: int = 20000, timeouts: bool = False
             backends.cuda = saved_attr
         elif hasattr(backends, "cuda"):
             del backends.cuda
+
+
+@contextlib.contextmanager
+def sim_world(cfg, seed: int = 0, max_spins: int = 20000, timeouts: bool = False,
+              **world_kwargs):
+    """An ``EmulatedWorld`` of ``cfg`` whose kernels run on ``ir_sim.Sim(seed)``."""
+    sim = Sim(seed=seed, max_spins=max_spins, timeouts=timeouts)
+    FakeProgram.sim = sim
+    with patched_cuda(fake_cuda(sim), world_mod, FakeProgram):
+        world = world_mod.EmulatedWorld(cfg, **world_kwargs)
+        world.sim = sim
+        yield world

@@ -8,7 +8,7 @@ import pytest
 
 import epgen
 from epgen import reference, routing
-from gpu_checks import kinds, only_rank0_records
+from world_checks import kinds, make_cfg, only_rank0_records, world_for
 
 pytestmark = pytest.mark.gpu
 
@@ -22,21 +22,6 @@ CONFIGS = [
     (8, 256, 2048, 8, 128, 512, 33),
     (8, 64, 7168, 4, 16, 512, 9),
 ]
-
-
-def make_cfg(R, E, H, K, T, threads, sms, **flags):
-    return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
-                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
-                          token_fmt=epgen.BF16Format(hid_dim=H, top_k=K), **flags)
-
-
-_worlds = {}
-
-
-def world_for(cfg):
-    if cfg not in _worlds:
-        _worlds[cfg] = epgen.EmulatedWorld(cfg)
-    return _worlds[cfg]
 
 
 def run_and_compare(cfg, toks, ids, seed):

@@ -18,7 +18,7 @@ import epgen
 from epgen import reference, routing
 from epgen.layout import RECV_COUNT_SENTINEL
 from epgen.runtime.world import GenerationCounter
-from gpu_checks import kinds, only_rank0_records
+from world_checks import kinds, make_cfg, only_rank0_records, world_for
 
 pytestmark = pytest.mark.gpu
 
@@ -36,21 +36,6 @@ CONFIGS = [
     (1, 8, 128, 2, 16, 128, 9),         # one rank: every block is its own
 ]
 STRESS = (4, 32, 128, 4, 32, 256, 9)
-
-
-def make_cfg(R, E, H, K, T, threads, sms, **flags):
-    return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
-                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
-                          token_fmt=epgen.BF16Format(hid_dim=H, top_k=K), **flags)
-
-
-_worlds = {}
-
-
-def world_for(cfg):
-    if cfg not in _worlds:
-        _worlds[cfg] = epgen.EmulatedWorld(cfg)
-    return _worlds[cfg]
 
 
 def run_and_compare(cfg, toks, ids, seed, world=None):

@@ -14,7 +14,7 @@ import pytest
 
 import epgen
 from epgen import reference, routing
-from gpu_checks import kinds, only_rank0_records
+from world_checks import kinds, only_rank0_records
 
 pytestmark = pytest.mark.gpu
 

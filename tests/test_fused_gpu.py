@@ -11,7 +11,7 @@ import epgen
 from epgen import reference, routing
 from epgen.kernels.fused_roles import FusedRolesSpec, row_checksums
 from epgen.kernels.schedule import sm_schedule
-from gpu_checks import kinds, only_rank0_records
+from world_checks import kinds, only_rank0_records
 
 pytestmark = pytest.mark.gpu
 

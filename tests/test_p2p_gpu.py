@@ -20,6 +20,7 @@ import epgen
 from epgen import reference, routing
 from epgen.formats import make_format
 from epgen.runtime.p2p_world import PeerAccessError
+from world_checks import run_only
 
 pytestmark = pytest.mark.gpu
 
@@ -241,19 +242,6 @@ def test_device_inputs(n, seed):
         world.dispatch(swapped, ids)
 
 
-def _run_only(world, ranks):
-    others = world.ranks
-    world.ranks = [rk for rk in others if rk.rank in ranks]
-    try:
-        world.dispatch_async()
-        world.dispatch_wait()
-        with pytest.raises(epgen.EPTimeoutError) as info:
-            world.check()
-    finally:
-        world.ranks = others
-    return info.value
-
-
 @pytest.mark.parametrize("flags", ["staged", "prod_reserve"])
 @by_gpus((2, 4))
 def test_missing_ranks_time_out_then_recover(n, flags, seed):
@@ -265,7 +253,7 @@ def test_missing_ranks_time_out_then_recover(n, flags, seed):
     rng = np.random.default_rng(seed)
     world.load_inputs(*routing.routing(rng, cfg, 8))
     running = set(range(n // 2))
-    err = _run_only(world, running)
+    err = run_only(world, running)
     assert {r.rank for r in err.records} <= running and err.records, f"seed {seed}: {err}"
     if flags == "staged":            # every running rank waits on a missing one's counts
         assert {r.rank for r in err.records} == running, f"seed {seed}: {err}"

@@ -27,6 +27,7 @@ from epgen.runtime.world import CapacityError, p2p_group
 
 from ir_sim import SimHang
 from sim_p2p import PlacementError, fake_gpus, sim_p2p_world
+from world_checks import run_only
 
 # (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
 SHAPES = {"R2-E4": (2, 4, 16, 2, 4, 64, 4), "R4-E8": (4, 8, 16, 2, 3, 64, 6)}
@@ -329,19 +330,6 @@ def test_device_arrays_must_be_on_their_ranks_gpu(seed):
 
 
 # ---- timeouts: one error buffer per GPU ------------------------------------------------------
-def run_only(world, ranks):
-    others = world.ranks
-    world.ranks = [rk for rk in others if rk.rank in ranks]
-    try:
-        world.dispatch_async()
-        world.dispatch_wait()
-        with pytest.raises(epgen.EPTimeoutError) as info:
-            world.check()
-    finally:
-        world.ranks = others
-    return info.value
-
-
 def test_missing_rank_times_out_then_recovers(seed):
     """Only rank 0 runs: its waits expire into GPU 0's buffer; the world raises with them,
     re-arms every buffer, and then works again."""

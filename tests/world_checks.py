@@ -1,0 +1,54 @@
+"""Helpers shared by the world tests (GPU test files and the simulator tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+import epgen
+
+
+def make_cfg(R, E, H, K, T, threads, sms, **flags):
+    """A BF16 configuration: R ranks (one P2P group), E experts, hidden H, top-k K, T tokens
+    per rank at most, ``threads`` per block, ``sms`` blocks per rank."""
+    return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
+                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                          token_fmt=epgen.BF16Format(hid_dim=H, top_k=K), **flags)
+
+
+_worlds = {}
+
+
+def world_for(cfg):
+    """One ``EmulatedWorld`` per configuration for the whole test session."""
+    if cfg not in _worlds:
+        _worlds[cfg] = epgen.EmulatedWorld(cfg)
+    return _worlds[cfg]
+
+
+def run_only(world, ranks):
+    """Run one round trip of only the ranks in ``ranks`` (the others never launch) and return
+    the ``EPTimeoutError`` it must raise; the world keeps all its ranks afterwards (``check``
+    re-armed it)."""
+    everyone = world.ranks
+    world.ranks = [rk for rk in everyone if rk.rank in ranks]
+    try:
+        world.enqueue_round_trip()
+        with pytest.raises(epgen.EPTimeoutError) as info:
+            world.check()
+    finally:
+        world.ranks = everyone
+    return info.value
+
+
+def only_rank0_records(world, toks, ids):
+    """Load every rank's inputs, run only rank 0, and return the timeout records (each from
+    rank 0)."""
+    world.load_inputs(toks, ids)
+    records = run_only(world, {0}).records
+    assert all(r.rank == 0 for r in records), records
+    return records
+
+
+def kinds(records) -> set:
+    """``(kernel, role, buffer)`` of each record."""
+    return {(r.kernel, r.role, r.buffer) for r in records}
