@@ -52,11 +52,13 @@ def test_send_join_named_uses_nb_send():
     cfg = _cfg("send_join_named")
     named, stock = _bodies(cfg)[ASYNC], _bodies(_cfg("small"))[ASYNC]
     join = rf"\bbar\.sync\s+{cfg.layout.NB_SEND},\s*{cfg.num_threads};"
-    # the comm role's per-token joins (before staging, before and after the broadcast) are
-    # all send joins: NB_SEND with the flag, barrier 0 without it
+    # with the flag the send path is the block-staged broadcast, whose three per-token joins
+    # (before staging, before and after the broadcast) are all NB_SEND; the stock warp path
+    # has no block-wide join at all
     assert _count(join, named) == 3
     assert _count(r"\bbar\.sync\s+0;", named) == 0
-    assert _count(join, stock) == 0 and _count(r"\bbar\.sync\s+0;", stock) == 3
+    assert _count(join, stock) == 0 and _count(r"\bbar\.sync\s+0;", stock) == 0
+    assert _count(r"\bbar\.warp\.sync\s+-1;", stock) >= 1
     assert _bodies(cfg)[WAIT] == _bodies(_cfg("small"))[WAIT]
 
 
@@ -90,7 +92,11 @@ def test_role_split_copy_is_three_items_per_copy_thread():
     stock = _bodies(cfg.replace(ep_copy_role_split=False))[ASYNC]
     loads = re.findall(r"\bld\.global\.nc\.v4\.b32\s+\{[^}]*\},\s*\[%rd\d+(?:\+(\d+))?\]", split)
     assert sorted(int(o or 0) for o in loads) == [0, stride, 2 * stride]
-    assert _count(r"\bld\.global\.nc\.v4\.b32", stock) == 1
+    # stock: the warp path, lane-strided loads 512 bytes apart (4 in flight, then a tail)
+    assert _count(r"\bld\.global\.nc\.v4\.b32", stock) == 5
+    stock_offs = sorted(int(o or 0) for o in re.findall(
+        r"\bld\.global\.nc\.v4\.b32\s+\{[^}]*\},\s*\[%rd\d+(?:\+(-?\d+))?\]", stock)[:4])
+    assert [b - a for a, b in zip(stock_offs, stock_offs[1:])] == [512, 512, 512], stock_offs
     assert _count(rf"\[%rd\d+\+{stride}\]", stock) == 0
     # only copy-role threads stage: tid > n_copy_threads - 1 skips the copy
     assert _count(rf"\bsetp\.gt\.u32\s+%p\d+,\s*%r\d+,\s*{stride // 16 - 1};", split) >= 1

@@ -152,9 +152,23 @@ def test_comm_roles_stride_by_their_own_warps():
         dispatch_async.copy_and_send_tokens(r, cfg, p, 2, comm_barrier_id=4)
     k = kb.build()
     ir.verify(k)
+    text = ir.print_kernel(k)
+    # the warp send path: one token per comm warp, the role's 5 warps per block, warp ids
+    # counted from the role's first thread; no block-wide join, so no barrier is declared
+    assert "%n_comm_warps:u32 = mul(sub(@nctaid.x, 2:u32), 5:u32)" in text
+    assert "div(sub(@tid.x, 96:u32), 32:u32)" in text
+    loops = [s for s in N.walk(k.role("comm").body) if isinstance(s, N.For)]
+    assert loops[0].var.name == "t" and loops[0].step.name == "n_comm_warps"
+    assert k.role("comm").barriers == ()
+    # with ep_send_join_named the block-staged broadcast keeps its join: the role's threads
+    kb = ir.KernelBuilder("m", cfg.num_threads)
+    p = dispatch_async.declare_params(kb)
+    with kb.role("comm", blocks=(2, None), threads=(96, 160)) as r:
+        dispatch_async.copy_and_send_tokens(r, cfg.replace(ep_send_join_named=True), p, 2)
+    k = kb.build()
     fan = [s for s in N.walk(k.role("comm").body) if isinstance(s, N.For) and s.var.name == "v"]
     assert fan[0].step == ir.Const(160, ir.types.u32)        # the role's 160 threads broadcast
-    assert {b.id: b.count for b in k.role("comm").barriers} == {4: 160}
+    assert {b.id: b.count for b in k.role("comm").barriers} == {3: 160}
 
 
 def test_comm_smem_base_puts_the_copy_scratch_in_dynamic_shared_memory():

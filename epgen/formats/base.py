@@ -246,6 +246,14 @@ class TokenFormat:
         a split copy override it."""
         return self.emit_copy_token_to_send_buf(r, src_row, msg, tid, split.block_size)
 
+    def emit_broadcast_token(self, r, src_row, dsts):
+        """IR of the warp send path: the calling warp reads token ``src_row`` once
+        (lane-strided) and stores its payload and scales, as ``copy_token_to_send_buf`` lays
+        them out, at every message address of ``dsts`` (u64 expressions, one per top-k slot;
+        0 = send nothing). The header is the kernel's."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.emit_broadcast_token is not implemented")
+
     def emit_copy_msg_to_output(self, *args, **kwargs):
         """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row)."""
         raise NotImplementedError(

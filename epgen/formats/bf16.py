@@ -11,6 +11,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+import ir
+from ir import types as T
+
 from .base import VECTOR_BYTES, TokenFormat, align_up
 from .registry import register_format
 
@@ -77,6 +80,30 @@ class BF16Format(TokenFormat):
         from ..kernels.common import copy_vectors
         copy_vectors(r, msg, src_row, 2 * self.hid_dim // VECTOR_BYTES, first, stride, nc=True,
                      tag="stage")
+
+    def emit_broadcast_token(self, r, src_row, dsts, unroll: int = 4):
+        """The warp send path: lane ``l`` loads vectors ``l, l + 32, ...`` of the payload,
+        ``unroll`` in flight (``ld.global.nc.v4.b32``), and stores each to every non-zero
+        destination of ``dsts`` (``st.global.v4.b32``, ``K`` per load)."""
+        from ..kernels.common import VEC
+        n_vec = 2 * self.hid_dim // VECTOR_BYTES
+        live = [d.ne(ir.Const(0, T.u64)) for d in dsts]
+        i = r.var("bc_i", T.u32, r.lane)
+
+        def body(n):
+            offs = [(i + 32 * u).cast(T.u64) * VECTOR_BYTES for u in range(n)]
+            vals = [r.load(src_row + o, VEC, cache=ir.CacheHint.NC, name="bc_v") for o in offs]
+            for o, v in zip(offs, vals):
+                for ok, d in zip(live, dsts):
+                    with r.if_(ok):
+                        r.store(ir.Cast(T.ptr_global, d + o), v)
+            r.assign(i, i + 32 * n)
+
+        if unroll > 1:
+            with r.while_(i + 32 * (unroll - 1) < n_vec):
+                body(unroll)
+        with r.while_(i < n_vec):
+            body(1)
 
     def emit_copy_token_to_send_buf_split(self, r, src_row, msg, tid, split):
         """``copy_token_to_send_buf`` with the role split (``ep_copy_role_split``): a copy

@@ -241,6 +241,25 @@ class BlockScaledFormat(TokenFormat):
         ``ld.global.nc.L2::256B.v4.b32`` per item, ``st.global.v2.b32``/``st.global.b32`` of its
         payload, ``st.global.b32``/``st.global.b8`` of the group scale by the group's first
         lane."""
+        self._quantize_token(r, src_row, first, stride,
+                             lambda off, value: r.store(msg + off, value))
+
+    def emit_broadcast_token(self, r, src_row, dsts):
+        """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
+        32, ...``, as ``emit_copy_token_to_send_buf``) and stores each item's payload and
+        each group scale to every non-zero destination of ``dsts`` (``K`` stores each)."""
+        live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) for k, d in enumerate(dsts)]
+
+        def store_all(off, value):
+            for ok, d in zip(live, dsts):
+                with r.if_(ok):
+                    r.store(ir.Cast(T.ptr_global, d + off), value)
+
+        self._quantize_token(r, src_row, r.lane, 32, store_all)
+
+    def _quantize_token(self, r, src_row, first, stride, store):
+        """The quantising loop of both send paths; ``store(byte offset in the message,
+        value)`` writes one payload item or group scale."""
         n_items = self.hid_dim // ITEM_ELEMS
         lanes = self.group_size // ITEM_ELEMS
         item_out = ITEM_ELEMS * self.element_bits // 8
@@ -256,13 +275,13 @@ class BlockScaledFormat(TokenFormat):
             group_max(r, amax, lanes)
             payload, scale = self.emit_item_quant(r, xs, amax)
             with r.if_(item < n_items):
-                dst = msg + item.cast(T.u64) * item_out
-                r.store(dst, payload[0] if len(payload) == 1
-                        else ir.Pack(T.vec(T.u32, len(payload)), tuple(payload)))
+                store(item.cast(T.u64) * item_out,
+                      payload[0] if len(payload) == 1
+                      else ir.Pack(T.vec(T.u32, len(payload)), tuple(payload)))
                 with r.if_((r.lane % lanes).eq(0)):
                     value = scale if self.scale_bytes == 4 else ir.as_expr(scale).cast(T.u8)
-                    r.store(msg + self.scales_offset + (item // lanes).cast(T.u64)
-                            * self.scale_bytes, value)
+                    store(self.scales_offset + (item // lanes).cast(T.u64) * self.scale_bytes,
+                          value)
 
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row

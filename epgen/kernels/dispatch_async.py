@@ -135,7 +135,10 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
     if split is None and not p.final and not cfg.fused_shared_expert:
-        return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
+        if cfg.ep_send_join_named:
+            # the flag names the block-wide send join; only the block-staged path has one
+            return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
+        return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
@@ -251,6 +254,90 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
                 r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
+def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int):
+    """The stock P2P send path: one warp per token, no block-wide join, so each comm block
+    has as many tokens in flight as it has warps. Comm warp ``w`` (of all comm blocks) takes
+    tokens ``w, w + n_comm_warps, ...``. Per token:
+
+    - lanes ``k < K`` load ``topk_ids[t, k]``, reserve slot ``k``'s row on its destination
+      (``atom.relaxed.gpu.add`` on the reserved counter) and compute its address (0 when
+      nothing is sent: ``skip_a2a`` on another device, or a slot past the block capacity);
+      the ``K`` addresses and ids reach every lane by ``shfl.sync.idx``;
+    - lane ``k`` writes the message header of destination ``k`` (source index, the ``K``
+      ids, zero padding: ``st.global.v4.b32``);
+    - the format reads the token once, lane-strided (``ld.global.nc.v4.b32``, several in
+      flight), and stores each piece to every destination (``K`` x ``st.global``), from
+      registers: the token never visits the send buffer or shared memory;
+    - ``bar.warp.sync``, then lane ``k`` counts its copy finished
+      (``red.release.gpu.add``), as the stock fan-out does after its warp copy.
+
+    Same slots, counters and completion as ``copy_and_send_tokens``."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    if K > 32:
+        raise ValueError(f"top_k={K}: the warp send path gives each top-k slot a lane "
+                         f"(top_k <= 32)")
+    msg_bytes = lay.msg_bytes
+    reserved, finished = p.counters, _word(p.counters, E)
+    warps = r.n_threads // 32
+    n_comm_warps = r.let("n_comm_warps", (r.n_blocks - n_signal_sms) * warps)
+    first = r.let("first_token", (r.block - n_signal_sms) * warps + r.warp)
+    with r.for_range("t", first, p.n_tokens, n_comm_warps) as t:
+        g = r.var("g", T.u32, 0)
+        addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
+        co_word = r.var("co_word", T.u32, NO_SLOT)
+        with r.if_(r.lane < K):
+            r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane), T.u32,
+                               cache=CacheHint.NC, name="g_ld"))
+            dst_rank = r.let("dst_rank", g // L)
+            e = r.let("e", g % L)
+            with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
+                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
+                r.assign(co_word, co)
+                slot = r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED, Scope.GPU,
+                                name="slot")
+                recv = load_pointer(r, p.recv_buf_ptrs,
+                                    0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
+                                    "recv_dst", peer=not cfg.skip_a2a)
+                # device guard: a slot past the block's capacity is never written (the host
+                # refuses such routings; the monitor publishes the clamped count)
+                with r.if_(slot < lay.block_capacity):
+                    row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
+                           + slot).cast(T.u64)
+                    r.assign(addr, ir.Cast(T.u64, recv + row * msg_bytes))
+        ids = [r.shfl(ShflMode.IDX, g, k, name=f"id{k}") for k in range(K)]
+        dsts = [r.shfl(ShflMode.IDX, addr, k, name=f"dst{k}") for k in range(K)]
+        with r.if_(addr.ne(ir.Const(0, T.u64))):
+            write_header(r, fmt, ir.Cast(T.ptr_global, addr), t, ids)
+        src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
+        fmt.emit_broadcast_token(r, src_row, dsts)
+        r.warp_sync()
+        with r.if_(co_word.ne(NO_SLOT)):
+            r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
+
+
+def write_header(r: ir.RoleBuilder, fmt, msg, t, ids):
+    """One thread writes a message header: the source index ``t`` in the src field and the
+    ``uint16`` top-k ids (``ids``, u32 expressions) in the topk field, padding zero, as
+    ``st.global.v4.b32`` when the fields are 16-byte multiples (else ``st.global.b32``)."""
+    zero = ir.Const(0, T.u32)
+    src_words = [ir.as_expr(t)] + [zero] * (fmt.src_info_size // 4 - 1)
+    id_words = []
+    for j in range(fmt.topk_info_size // 4):
+        pair = ids[2 * j:2 * j + 2]
+        if not pair:
+            id_words.append(zero)
+        else:
+            lo = ir.as_expr(pair[0]) & 0xFFFF
+            id_words.append(lo | (ir.as_expr(pair[1]) << 16) if len(pair) == 2 else lo)
+    for base, words in ((fmt.src_info_offset, src_words), (fmt.topk_info_offset, id_words)):
+        step = 4 if len(words) % 4 == 0 and base % 16 == 0 else 1
+        for j in range(0, len(words), step):
+            value = (words[j] if step == 1
+                     else ir.Pack(T.vec(T.u32, 4), tuple(words[j:j + 4])))
+            r.store(msg + (base + 4 * j), value)
+
+
 def active_role_split(r: ir.RoleBuilder, cfg):
     """``cfg.layout.role_split`` when ``ep_copy_role_split`` is on and the reference's
     geometry rule enables it (``H/8 == 3 * n_copy_threads``), else None (the stock copy and
@@ -303,4 +390,5 @@ def build_dispatch_async(cfg) -> ir.Kernel:
 
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
+           "warp_broadcast_tokens", "broadcast_tokens",
            "AsyncParams", "KERNEL_NAME"]
