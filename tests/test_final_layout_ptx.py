@@ -185,8 +185,11 @@ def _addr_vars(nd) -> set[str]:
 def test_rows_are_written_only_after_the_base_wait(name, buffer):
     body = list(N.walk(module(name).kernel(ASYNC).role("comm").body))
     wait = _first(body, lambda nd: isinstance(nd, N.SpinWait) and nd.site.buffer == buffer)
+    # the warp send path: lane k's row addresses (out_addr, hdr_addr, from out_dst/hdr_dst)
+    # reach every lane as dst0..dstK-1
+    written = {"hdr_addr"} | {f"dst{k}" for k in range(8)}
     peer_stores = [i for i, nd in enumerate(body) if isinstance(nd, N.Store)
-                   and _addr_vars(nd) & {"out_dst", "hdr_dst"}]
+                   and _addr_vars(nd) & written]
     assert peer_stores and min(peer_stores) > wait
 
 

@@ -246,6 +246,10 @@ class TokenFormat:
         a split copy override it."""
         return self.emit_copy_token_to_send_buf(r, src_row, msg, tid, split.block_size)
 
+    #: the message payload is the output row byte for byte (no scales), so the warp send path
+    #: can write ``ep_final_layout`` output rows with ``emit_broadcast_token``
+    payload_is_output_row = False
+
     def emit_broadcast_token(self, r, src_row, dsts):
         """IR of the warp send path: the calling warp reads token ``src_row`` once
         (lane-strided) and stores its payload and scales, as ``copy_token_to_send_buf`` lays

@@ -40,6 +40,7 @@ class BF16Format(TokenFormat):
     out_dtype = "bf16"
     host_dtype = np.uint16
     accepted_input_dtypes = ("bfloat16", "uint16")
+    payload_is_output_row = True
 
     def __attrs_post_init__(self):
         # The send is a CTA-wide 16-byte vector copy and the receive stores SIMD bf16 vectors;

@@ -134,11 +134,12 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
-    if split is None and not p.final and not cfg.fused_shared_expert:
-        if cfg.ep_send_join_named:
-            # the flag names the block-wide send join; only the block-staged path has one
+    if split is None and not cfg.fused_shared_expert:
+        # ep_send_join_named names the block-wide send join: only the staged paths have one
+        if not cfg.ep_send_join_named and (not p.final or fmt.payload_is_output_row):
+            return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
+        if not p.final:
             return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
-        return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
@@ -271,6 +272,11 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: 
     - ``bar.warp.sync``, then lane ``k`` counts its copy finished
       (``red.release.gpu.add``), as the stock fan-out does after its warp copy.
 
+    With ``ep_final_layout`` (formats whose message payload is the output row) the
+    destinations are the final output rows (``final_layout.warp_final_rows`` waits for each
+    slot's block base) and lane ``k`` writes destination ``k``'s header row, source rank
+    included, into its header array.
+
     Same slots, counters and completion as ``copy_and_send_tokens``."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
@@ -286,29 +292,39 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: 
         g = r.var("g", T.u32, 0)
         addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
         co_word = r.var("co_word", T.u32, NO_SLOT)
+        slot = r.var("slot", T.u32, 0)
+        dst_rank = r.var("dst_rank", T.u32, 0)
         with r.if_(r.lane < K):
             r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane), T.u32,
                                cache=CacheHint.NC, name="g_ld"))
-            dst_rank = r.let("dst_rank", g // L)
+            r.assign(dst_rank, g // L)
             e = r.let("e", g % L)
             with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
                 co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
                 r.assign(co_word, co)
-                slot = r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED, Scope.GPU,
-                                name="slot")
-                recv = load_pointer(r, p.recv_buf_ptrs,
-                                    0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
-                                    "recv_dst", peer=not cfg.skip_a2a)
-                # device guard: a slot past the block's capacity is never written (the host
-                # refuses such routings; the monitor publishes the clamped count)
-                with r.if_(slot < lay.block_capacity):
-                    row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
-                           + slot).cast(T.u64)
-                    r.assign(addr, ir.Cast(T.u64, recv + row * msg_bytes))
+                r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
+                                        Scope.GPU, name="slot0"))
+                if not p.final:
+                    recv = load_pointer(r, p.recv_buf_ptrs,
+                                        0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
+                                        "recv_dst", peer=not cfg.skip_a2a)
+                    # device guard: a slot past the block's capacity is never written (the
+                    # host refuses such routings; the monitor publishes the clamped count)
+                    with r.if_(slot < lay.block_capacity):
+                        row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
+                               + slot).cast(T.u64)
+                        r.assign(addr, ir.Cast(T.u64, recv + row * msg_bytes))
+        if p.final:
+            out_addr, hdr_addr = final_layout.warp_final_rows(r, cfg, p.final, co_word, slot,
+                                                              dst_rank, NO_SLOT)
+            r.assign(addr, out_addr)
+            hdr, src_rank = hdr_addr, p.my_rank
+        else:
+            hdr, src_rank = addr + fmt.src_info_offset, None
         ids = [r.shfl(ShflMode.IDX, g, k, name=f"id{k}") for k in range(K)]
         dsts = [r.shfl(ShflMode.IDX, addr, k, name=f"dst{k}") for k in range(K)]
         with r.if_(addr.ne(ir.Const(0, T.u64))):
-            write_header(r, fmt, ir.Cast(T.ptr_global, addr), t, ids)
+            write_header(r, fmt, ir.Cast(T.ptr_global, hdr), t, ids, src_rank)
         src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
         fmt.emit_broadcast_token(r, src_row, dsts)
         r.warp_sync()
@@ -316,12 +332,16 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: 
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
 
 
-def write_header(r: ir.RoleBuilder, fmt, msg, t, ids):
-    """One thread writes a message header: the source index ``t`` in the src field and the
-    ``uint16`` top-k ids (``ids``, u32 expressions) in the topk field, padding zero, as
+def write_header(r: ir.RoleBuilder, fmt, hdr, t, ids, src_rank=None):
+    """One thread writes a message header at ``hdr`` (the src field's address: a message's
+    ``src_info_offset``, or a final-layout header row): the source index ``t`` and, when
+    given, ``src_rank`` (at ``hdr_src_rank_offset``, 4) in the src field, the ``uint16``
+    top-k ids (``ids``, u32 expressions) in the topk field, padding zero; as
     ``st.global.v4.b32`` when the fields are 16-byte multiples (else ``st.global.b32``)."""
     zero = ir.Const(0, T.u32)
     src_words = [ir.as_expr(t)] + [zero] * (fmt.src_info_size // 4 - 1)
+    if src_rank is not None:
+        src_words[1] = ir.as_expr(src_rank)
     id_words = []
     for j in range(fmt.topk_info_size // 4):
         pair = ids[2 * j:2 * j + 2]
@@ -330,12 +350,13 @@ def write_header(r: ir.RoleBuilder, fmt, msg, t, ids):
         else:
             lo = ir.as_expr(pair[0]) & 0xFFFF
             id_words.append(lo | (ir.as_expr(pair[1]) << 16) if len(pair) == 2 else lo)
-    for base, words in ((fmt.src_info_offset, src_words), (fmt.topk_info_offset, id_words)):
+    topk_at = fmt.topk_info_offset - fmt.src_info_offset
+    for base, words in ((0, src_words), (topk_at, id_words)):
         step = 4 if len(words) % 4 == 0 and base % 16 == 0 else 1
         for j in range(0, len(words), step):
             value = (words[j] if step == 1
                      else ir.Pack(T.vec(T.u32, 4), tuple(words[j:j + 4])))
-            r.store(msg + (base + 4 * j), value)
+            r.store(hdr + (base + 4 * j), value)
 
 
 def active_role_split(r: ir.RoleBuilder, cfg):

@@ -34,7 +34,7 @@ from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
 from .common import (DATA_READY_FLAG, comm_sync, copy_vectors, exit_if_aborted, load_pointer,
-                     warp_inclusive_scan)
+                     lowest_set_bit, warp_inclusive_scan)
 from .common import word as _word
 
 FINAL_BASE_VALID = 1 << 31      # hand-off word: bit 31 set = the block base is published
@@ -220,6 +220,50 @@ def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_ran
                      lay.hdr_bytes // 16, r.lane, 32, unroll=1, tag="hdr")
 
 
+def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot, dst_rank,
+                    no_slot: int):
+    """The warp send path's final rows: lane ``k < K`` holds top-k slot ``k``'s counter
+    offset ``co_word`` (``no_slot`` = nothing sent), its ``slot`` and ``dst_rank``. The warp
+    waits for each slot's block base in turn, every lane on the same word (bounded, as
+    ``copy_to_final_row``: ``ld.acquire.gpu.global.b32`` of the hand-off word, or with
+    ``ep_prod_reserve`` ``ld.acquire.sys.global.b64`` of the mailbox), so a wait that gives
+    up exits the whole warp; lane ``k`` keeps its base. Returns (output row address, header
+    row address) of lane ``k``'s row ``base + slot`` as u64 vars, 0 when nothing is written
+    (no slot, or a row past the output: device guard)."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    base = r.var("row_base", T.u32, 0)
+    # the lanes still to serve, lowest first (a data-dependent loop LLVM does not unroll, so
+    # the PTX holds one copy of each wait)
+    pending = r.var("pending", T.u32, r.ballot(ir.as_expr(co_word).ne(no_slot), name="sent"))
+    with r.while_(pending.ne(0)):
+        k = lowest_set_bit(r, pending, "k_next")
+        r.assign(pending, pending & (pending - 1))
+        co = r.shfl(ir.ShflMode.IDX, co_word, k, name="co_k")
+        if cfg.ep_prod_reserve:
+            seen = r.spin_wait(_word(fl.prod_gen_p, co, 8), T.u64, CmpOp.EQ, fl.prod_gen,
+                               buffer="prod_mailbox", index=co, sem=Sem.ACQUIRE,
+                               scope=Scope.SYS, shift=GEN_SHIFT, mask=LOW32, name="mailbox")
+            value = seen.cast(T.u32)
+        else:
+            seen = r.spin_wait(_word(fl.base_handoff_p, co), T.u32, CmpOp.EQ, 1,
+                               buffer="final_base_handoff", index=co, sem=Sem.ACQUIRE,
+                               scope=Scope.GPU, shift=31, mask=1, name="handoff")
+            value = seen & (FINAL_BASE_VALID - 1)
+        with r.if_(r.lane.eq(k)):
+            r.assign(base, value)
+    out_addr = r.var("out_addr", T.u64, ir.Const(0, T.u64))
+    hdr_addr = r.var("hdr_addr", T.u64, ir.Const(0, T.u64))
+    with r.if_(ir.as_expr(co_word).ne(no_slot)):
+        row = r.let("final_row", base + slot)
+        with r.if_(row < lay.max_out_rows):
+            dst_p2p = dst_rank % cfg.p2p_world_size
+            out = load_pointer(r, fl.out_ptrs, dst_p2p, "out_dst")
+            hdr = load_pointer(r, fl.hdr_ptrs, dst_p2p, "hdr_dst")
+            r.assign(out_addr, ir.Cast(T.u64, out + row.cast(T.u64) * fmt.out_row_bytes))
+            r.assign(hdr_addr, ir.Cast(T.u64, hdr + row.cast(T.u64) * lay.hdr_bytes))
+    return out_addr, hdr_addr
+
+
 # ---- dispatch_wait: aux (wait_for_arrivals_and_compute_offsets) -------------------------------
 def group_end(cfg, e, incl) -> ir.Expr:
     """``row_offsets[e + 1]``: ``(e + 1) * R * max_tokens_per_rank`` capacity-strided, else the
@@ -302,5 +346,5 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
 
 __all__ = ["FinalAsyncParams", "declare_async_params", "declare_wait_params", "reserve_rows",
            "reserve_for_sources", "count_word", "rearm_handoff", "stage_source_rank",
-           "copy_to_final_row", "group_end", "rearm_cursors", "copy_received_headers",
+           "copy_to_final_row", "warp_final_rows", "group_end", "rearm_cursors", "copy_received_headers",
            "FINAL_BASE_VALID"]
