@@ -92,8 +92,9 @@ def test_role_split_copy_is_three_items_per_copy_thread():
     stock = _bodies(cfg.replace(ep_copy_role_split=False))[ASYNC]
     loads = re.findall(r"\bld\.global\.nc\.v4\.b32\s+\{[^}]*\},\s*\[%rd\d+(?:\+(\d+))?\]", split)
     assert sorted(int(o or 0) for o in loads) == [0, stride, 2 * stride]
-    # stock: the warp path, lane-strided loads 512 bytes apart (4 in flight, then a tail)
-    assert _count(r"\bld\.global\.nc\.v4\.b32", stock) == 5
+    # stock: the warp path, lane-strided loads 512 bytes apart (4 in flight, then a tail), in
+    # both sending roles (monitor and comm)
+    assert _count(r"\bld\.global\.nc\.v4\.b32", stock) == 10
     stock_offs = sorted(int(o or 0) for o in re.findall(
         r"\bld\.global\.nc\.v4\.b32\s+\{[^}]*\},\s*\[%rd\d+(?:\+(-?\d+))?\]", stock)[:4])
     assert [b - a for a, b in zip(stock_offs, stock_offs[1:])] == [512, 512, 512], stock_offs

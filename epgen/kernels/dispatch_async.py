@@ -52,7 +52,8 @@ def declare_params(kb: ir.KernelBuilder, cfg=None) -> AsyncParams:
     return p
 
 
-def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_warp_base: int = 0):
+def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_warp_base: int = 0,
+                                  monitors_send: bool = False):
     """Aux blocks: warp ``w`` of block ``b`` owns global expert ``b*n_warps + w``. The warp
     counts that expert's ``(token, k)`` pairs (``redux.sync.add``); lane 0 waits (bounded,
     ``ld.acquire.gpu``) until the comm warps have finished that many copies, publishes the
@@ -68,6 +69,13 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
     ``expert_idx + L * my_rank``, the rank coordinates are 0 and the release is
     ``st.release.gpu``.
 
+    ``monitors_send`` (ours; the standard kernels set it when the warp send path is used,
+    ``uses_warp_send``): after counting (and reserving), every monitor warp, with or without
+    an expert, sends its share of the tokens like a comm warp (``warp_broadcast_tokens``
+    over all the grid's warps) before it waits for its expert's copies, so the monitor
+    blocks move data too instead of only spinning. Counting and reserving come first: the
+    final layout's sends wait for block bases that monitors publish after counting.
+
     ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
     be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
     and a block's monitor warps are the role's warps, so block ``b`` owns experts
@@ -78,17 +86,23 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
         raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
                          f"warp (its thread range starts at thread {r.thread_base}, warp-"
                          f"aligned)")
+    if monitors_send and not uses_warp_send(cfg):
+        raise ValueError("monitors_send: only the warp send path (uses_warp_send) lets "
+                         "monitor warps send")
     reserved, finished = p.counters, _word(p.counters, E)
     expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
+    g = r.let("g", expert_idx + L * p.my_rank if cfg.skip_a2a else expert_idx)
+    count = r.var("count", T.u32, 0)
+    fl_off = r.var("fl_off", T.u32, 0) if p.final and not cfg.ep_prod_reserve else None
     with r.if_(expert_idx < E):
-        g = r.let("g", expert_idx + L * p.my_rank if cfg.skip_a2a else expert_idx)
-        n_ids = r.let("n_ids", p.n_tokens * K)
-        cnt = r.var("cnt", T.u32, 0)
-        with r.for_range("i", r.lane, n_ids, 32) as i:
-            tid_g = r.load(_word(p.topk_ids, i), T.u32, cache=CacheHint.NC, name="id")
-            r.assign(cnt, cnt + ir.Cast(T.u32, tid_g.eq(g)))
-        count = r.redux(ReduxOp.ADD, cnt, name="count")
-        fl_off = final_layout.reserve_rows(r, cfg, p, p.final, g, count) if p.final else None
+        r.assign(count, count_routed(r, p.topk_ids, p.n_tokens * K, g))
+        if p.final:
+            off = final_layout.reserve_rows(r, cfg, p, p.final, g, count)
+            if fl_off is not None:
+                r.assign(fl_off, off)
+    if monitors_send:
+        warp_broadcast_tokens(r, cfg, p, 0)
+    with r.if_(expert_idx < E):
         with r.if_(r.lane.eq(0)):
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
@@ -115,8 +129,37 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
                 final_layout.rearm_handoff(r, cfg, p.final, counter_offset)
 
 
+def count_routed(r: ir.RoleBuilder, topk_ids, n_ids, g, unroll: int = 8) -> ir.Var:
+    """The warp's count of ``topk_ids[0:n_ids]`` entries equal to ``g``: lane-strided
+    ``ld.global.nc.b32``, ``unroll`` in flight, then ``redux.sync.add``."""
+    n_ids = r.let("n_ids", n_ids)
+    cnt = r.var("cnt", T.u32, 0)
+    i = r.var("cnt_i", T.u32, r.lane)
+    with r.while_(i + 32 * (unroll - 1) < n_ids):
+        ids = [r.load(_word(topk_ids, i + 32 * u), T.u32, cache=CacheHint.NC, name="id")
+               for u in range(unroll)]
+        for v in ids:
+            r.assign(cnt, cnt + ir.Cast(T.u32, v.eq(g)))
+        r.assign(i, i + 32 * unroll)
+    with r.while_(i < n_ids):
+        v = r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t")
+        r.assign(cnt, cnt + ir.Cast(T.u32, v.eq(g)))
+        r.assign(i, i + 32)
+    return r.redux(ReduxOp.ADD, cnt, name="counted")
+
+
+def uses_warp_send(cfg) -> bool:
+    """Whether ``copy_and_send_tokens`` takes the warp send path (``warp_broadcast_tokens``):
+    no role split, no shared expert (both read the staged send buffer), no
+    ``ep_send_join_named`` (it names the staged paths' block-wide join), and under
+    ``ep_final_layout`` only formats whose payload is the output row."""
+    return (not cfg.layout.role_split.enabled and not cfg.fused_shared_expert
+            and not cfg.ep_send_join_named
+            and (not cfg.ep_final_layout or cfg.token_fmt.payload_is_output_row))
+
+
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
-                         comm_barrier_id: int = -1):
+                         comm_barrier_id: int = -1, monitors_send: bool = False):
     """Comm blocks: block-strided over tokens. All threads stage token ``t`` (payload by the
     format, then the header: source index and top-k ids) in send-buffer row ``t``, join
     (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
@@ -134,12 +177,13 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
-    if split is None and not cfg.fused_shared_expert:
-        # ep_send_join_named names the block-wide send join: only the staged paths have one
-        if not cfg.ep_send_join_named and (not p.final or fmt.payload_is_output_row):
-            return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
-        if not p.final:
-            return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
+    if uses_warp_send(cfg):
+        return warp_broadcast_tokens(r, cfg, p, 0 if monitors_send else n_signal_sms)
+    if monitors_send:
+        raise ValueError("monitors_send: only the warp send path (uses_warp_send) lets "
+                         "monitor warps send")
+    if split is None and not p.final and not cfg.fused_shared_expert:
+        return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
@@ -255,10 +299,11 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
                 r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
-def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int):
-    """The stock P2P send path: one warp per token, no block-wide join, so each comm block
-    has as many tokens in flight as it has warps. Comm warp ``w`` (of all comm blocks) takes
-    tokens ``w, w + n_comm_warps, ...``. Per token:
+def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: int):
+    """The stock P2P send path: one warp per token, no block-wide join, so each block has as
+    many tokens in flight as it has warps. Warp ``w`` of the sending blocks ``[first_block,
+    grid)`` (numbered from ``first_block``; 0 when the monitor blocks send too) takes tokens
+    ``w, w + n_send_warps, ...``. Per token:
 
     - lanes ``k < K`` load ``topk_ids[t, k]``, reserve slot ``k``'s row on its destination
       (``atom.relaxed.gpu.add`` on the reserved counter) and compute its address (0 when
@@ -286,9 +331,9 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: 
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
     warps = r.n_threads // 32
-    n_comm_warps = r.let("n_comm_warps", (r.n_blocks - n_signal_sms) * warps)
-    first = r.let("first_token", (r.block - n_signal_sms) * warps + r.warp)
-    with r.for_range("t", first, p.n_tokens, n_comm_warps) as t:
+    n_send_warps = r.let("n_send_warps", (r.n_blocks - first_block) * warps)
+    first = r.let("first_token", (r.block - first_block) * warps + r.warp)
+    with r.for_range("t", first, p.n_tokens, n_send_warps) as t:
         g = r.var("g", T.u32, 0)
         addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
         co_word = r.var("co_word", T.u32, NO_SLOT)
@@ -403,13 +448,14 @@ def build_dispatch_async(cfg) -> ir.Kernel:
     lay = cfg.layout
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb, cfg)
+    send_all = uses_warp_send(cfg)
     with kb.role("monitor", blocks=(0, lay.n_signal_sms)) as r:
-        monitor_and_signal_completion(r, cfg, p)
+        monitor_and_signal_completion(r, cfg, p, monitors_send=send_all)
     with kb.role("comm", blocks=(lay.n_signal_sms, None)) as r:
-        copy_and_send_tokens(r, cfg, p, lay.n_signal_sms)
+        copy_and_send_tokens(r, cfg, p, lay.n_signal_sms, monitors_send=send_all)
     return kb.build()
 
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
-           "warp_broadcast_tokens", "broadcast_tokens",
+           "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "count_routed",
            "AsyncParams", "KERNEL_NAME"]

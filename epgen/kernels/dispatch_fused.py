@@ -70,10 +70,11 @@ def build_dispatch_fused(cfg) -> ir.Kernel:
     def se_slice(r):
         return se_token_slice(r, cfg, pa.n_tokens, pa.my_rank, world)
 
+    send_all = dispatch_async.uses_warp_send(cfg)
     with kb.role("monitor", blocks=(0, n_sig)) as r:
-        dispatch_async.monitor_and_signal_completion(r, cfg, pa)
+        dispatch_async.monitor_and_signal_completion(r, cfg, pa, monitors_send=send_all)
     with kb.role("comm", blocks=(n_sig, None)) as r:
-        dispatch_async.copy_and_send_tokens(r, cfg, pa, n_sig)
+        dispatch_async.copy_and_send_tokens(r, cfg, pa, n_sig, monitors_send=send_all)
         if se:
             publish_send_buf_ready(r, cfg, pw.atomic_counter, se_slice(r)[1])
     with kb.role("aux", blocks=(last, None)) as r:

@@ -1,0 +1,118 @@
+"""How fast can one H200 read a token once and write it to K rows? The send half of the
+dispatch round trip without its protocol (no slot atomics, no monitors, no counters): the
+ceiling the warp send path (``dispatch_async.warp_broadcast_tokens``) can reach.
+
+    PYTHONPATH=. python3 benchmarks/experiments/broadcast_bw.py [--tokens 32768] [--json F]
+
+The kernel is the warp send path's data movement exactly: warp ``w`` takes tokens ``w, w +
+n_warps, ...``; lanes ``k < K`` load row ``rows[t, k]`` and the addresses reach every lane by
+``shfl``; then ``BF16Format.emit_broadcast_token`` (4 loads in flight, ``K`` stores each).
+Bytes: each token read once, each of its ``K`` rows written once. Every case is timed
+interleaved with a CuPy device-to-device copy of 1 GiB (median of CUDA-event timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H = 7168
+ROW = 2 * H
+
+
+def build_broadcast(threads: int, k: int):
+    import ir
+    from ir import CacheHint, ShflMode
+    from ir import types as T
+    from epgen.formats.bf16 import BF16Format
+
+    fmt = BF16Format(hid_dim=H, top_k=k)
+    kb = ir.KernelBuilder("bcast", threads)
+    src = kb.param("src", T.ptr_global)
+    rows = kb.param("rows", T.ptr_global)
+    dst = kb.param("dst", T.ptr_global)
+    n_tokens = kb.param("n_tokens", T.u32)
+    with kb.role("all") as r:
+        warps = threads // 32
+        first = r.let("first", r.block * warps + r.warp)
+        with r.for_range("t", first, n_tokens, r.n_blocks * warps) as t:
+            addr = r.var("addr", T.u64, ir.Const(0, T.u64))
+            with r.if_(r.lane < k):
+                row = r.load(rows + (t * k + r.lane).cast(T.u64) * 4, T.u32,
+                             cache=CacheHint.NC, name="row")
+                r.assign(addr, ir.Cast(T.u64, dst + row.cast(T.u64) * ROW))
+            dsts = [r.shfl(ShflMode.IDX, addr, j, name=f"d{j}") for j in range(k)]
+            fmt.emit_broadcast_token(r, src + t.cast(T.u64) * ROW, dsts)
+    return kb.build()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens (8 ranks x 4096)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    import cupy
+
+    import ir
+    from backends import cuda
+    from benchmarks.copy_bandwidth import time_interleaved
+    from epgen.runtime.program import Program
+
+    rng = np.random.default_rng(0)
+    t = args.tokens
+    stream = cuda.create_stream()
+    cp_stream = cupy.cuda.ExternalStream(int(stream.handle))
+    a = cupy.zeros(1 << 30, dtype=cupy.uint8)
+    b = cupy.empty_like(a)
+
+    def cupy_copy():
+        with cp_stream:
+            b[...] = a
+
+    src = cuda.to_device(rng.integers(0, 1 << 16, t * H, dtype=np.uint16))
+    dst = cuda.zeros(t * 8 * ROW, np.uint8)
+    sms = cuda.sm_count()
+    results = []
+    layouts = {
+        "permuted": lambda k: rng.permutation(t * k).astype(np.uint32),
+        "sequential": lambda k: np.arange(t * k, dtype=np.uint32),
+    }
+    cases = [(k, lay, threads, blocks)
+             for k in (8, 1) for lay in layouts
+             for threads, blocks in ((512, 136), (512, 2 * sms), (1024, sms), (256, 4 * sms))]
+    progs = {}
+    for k, lay, threads, blocks in cases:
+        key = (threads, k)
+        if key not in progs:
+            progs[key] = Program(ir.Module("bcast", (build_broadcast(threads, k),)))
+        rows = cuda.to_device(layouts[lay](k))
+        prog = progs[key]
+        kargs = {"src": src, "rows": rows, "dst": dst, "n_tokens": t}
+        ms_c, ms = time_interleaved(
+            stream, [cupy_copy, lambda: prog.launch("bcast", blocks, kargs, stream)],
+            args.iters, warmup=5)
+        nbytes = t * ROW * (1 + k)
+        copy_gbs = 2 * (1 << 30) / ms_c / 1e6
+        res = {"k": k, "rows": lay, "threads": threads, "blocks": blocks, "ms": ms,
+               "gbps": nbytes / ms / 1e6, "copy_gbps": copy_gbs,
+               "fraction_of_copy": nbytes / ms / 1e6 / copy_gbs}
+        results.append(res)
+        print(f"K={k} rows={lay:10s} {threads:4d} threads x {blocks:3d} blocks: {ms:8.3f} ms "
+              f"{res['gbps']:7.1f} GB/s = {res['fraction_of_copy']:.3f} of copy "
+              f"({copy_gbs:.0f} GB/s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
