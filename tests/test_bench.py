@@ -549,6 +549,17 @@ def test_report_table(fake_results):
     assert table[7].rstrip().endswith("1.00x")
 
 
+def test_report_table_round_trip_only_variant(fake_results):
+    """A variant timed as a round trip only (the fused kernel) gets one row, not an error."""
+    final = fake_results["shapes"][0]["variants"][1]
+    del final["dispatch_async"], final["dispatch_wait"]
+    rows = [r["variant"] for r in report.table_rows(fake_results)
+            if r["T"] == fake_results["shapes"][0]["tokens_per_rank"]]
+    assert rows.count("epgen final round trip") == 1
+    assert not any(v.startswith("epgen final dispatch") for v in rows)
+    assert "epgen default dispatch_async" in rows
+
+
 def test_format_table_notes_and_missing_numbers():
     rows = [{"shape": "decode", "T": 128, "routing": "zipf", "variant": "epgen x round trip",
              "note": "needs 9 GB"},
