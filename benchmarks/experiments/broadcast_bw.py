@@ -7,7 +7,8 @@ ceiling the warp send path (``dispatch_async.warp_broadcast_tokens``) can reach.
 The kernel is the warp send path's data movement exactly: warp ``w`` takes tokens ``w, w +
 n_warps, ...``; lanes ``k < K`` load row ``rows[t, k]`` and the addresses reach every lane by
 ``shfl``; then ``BF16Format.emit_broadcast_token`` (4 loads in flight, ``K`` stores each).
-Bytes: each token read once, each of its ``K`` rows written once. Every case is timed
+``--unroll-sweep`` times the loads in flight per lane (the kernel asks for the residency
+its grid needs, ``.minnctapersm``, as the world does). Bytes: each token read once, each of its ``K`` rows written once. Every case is timed
 interleaved with a CuPy device-to-device copy of 1 GiB (median of CUDA-event timings).
 """
 
@@ -26,7 +27,7 @@ H = 7168
 ROW = 2 * H
 
 
-def build_broadcast(threads: int, k: int):
+def build_broadcast(threads: int, k: int, unroll: int = 4):
     import ir
     from ir import CacheHint, ShflMode
     from ir import types as T
@@ -48,7 +49,7 @@ def build_broadcast(threads: int, k: int):
                              cache=CacheHint.NC, name="row")
                 r.assign(addr, ir.Cast(T.u64, dst + row.cast(T.u64) * ROW))
             dsts = [r.shfl(ShflMode.IDX, addr, j, name=f"d{j}") for j in range(k)]
-            fmt.emit_broadcast_token(r, src + t.cast(T.u64) * ROW, dsts)
+            fmt.emit_broadcast_token(r, src + t.cast(T.u64) * ROW, dsts, unroll=unroll)
     return kb.build()
 
 
@@ -57,8 +58,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=32768, help="tokens (8 ranks x 4096)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--unroll-sweep", action="store_true",
+                    help="K=8 only: loads in flight per lane 2, 4, 7, 8")
     args = ap.parse_args(argv)
 
+    import attrs
     import cupy
 
     import ir
@@ -85,14 +89,18 @@ def main(argv=None):
         "permuted": lambda k: rng.permutation(t * k).astype(np.uint32),
         "sequential": lambda k: np.arange(t * k, dtype=np.uint32),
     }
-    cases = [(k, lay, threads, blocks)
+    cases = [(k, lay, threads, blocks, 4)
              for k in (8, 1) for lay in layouts
              for threads, blocks in ((512, 136), (512, 2 * sms), (1024, sms), (256, 4 * sms))]
-    progs = {}
-    for k, lay, threads, blocks in cases:
-        key = (threads, k)
+    if args.unroll_sweep:
+        cases = [(8, "permuted", threads, blocks, u) for u in (2, 4, 7, 8)
+                 for threads, blocks in ((512, 2 * sms), (1024, sms))]
+    for k, lay, threads, blocks, unroll in cases:
+        key = (threads, k, unroll)
         if key not in progs:
-            progs[key] = Program(ir.Module("bcast", (build_broadcast(threads, k),)))
+            kern = attrs.evolve(build_broadcast(threads, k, unroll),
+                                min_blocks_per_sm=-(-blocks // sms))
+            progs[key] = Program(ir.Module("bcast", (kern,)))
         rows = cuda.to_device(layouts[lay](k))
         prog = progs[key]
         kargs = {"src": src, "rows": rows, "dst": dst, "n_tokens": t}
@@ -101,11 +109,13 @@ def main(argv=None):
             args.iters, warmup=5)
         nbytes = t * ROW * (1 + k)
         copy_gbs = 2 * (1 << 30) / ms_c / 1e6
-        res = {"k": k, "rows": lay, "threads": threads, "blocks": blocks, "ms": ms,
+        res = {"k": k, "rows": lay, "threads": threads, "blocks": blocks, "unroll": unroll,
+               "ms": ms,
                "gbps": nbytes / ms / 1e6, "copy_gbps": copy_gbs,
                "fraction_of_copy": nbytes / ms / 1e6 / copy_gbs}
         results.append(res)
-        print(f"K={k} rows={lay:10s} {threads:4d} threads x {blocks:3d} blocks: {ms:8.3f} ms "
+        print(f"K={k} rows={lay:10s} {threads:4d} threads x {blocks:3d} blocks, {unroll} loads "
+              f"in flight: {ms:8.3f} ms "
               f"{res['gbps']:7.1f} GB/s = {res['fraction_of_copy']:.3f} of copy "
               f"({copy_gbs:.0f} GB/s)", flush=True)
     if args.json:
