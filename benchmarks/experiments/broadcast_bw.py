@@ -85,6 +85,7 @@ def main(argv=None):
     dst = cuda.zeros(t * 8 * ROW, np.uint8)
     sms = cuda.sm_count()
     results = []
+    progs = {}
     layouts = {
         "permuted": lambda k: rng.permutation(t * k).astype(np.uint32),
         "sequential": lambda k: np.arange(t * k, dtype=np.uint32),
