@@ -313,7 +313,8 @@ def test_diff_send_join_named(capsys):
     assert len(_diff_lines(out, "+", named)) == 6 and not _diff_lines(out, "-", named)
     # the diff may move other barriers' lines, but adds or removes none of them
     cta = r"\bbar\.sync\s+0;"
-    assert len(_diff_lines(out, "+", cta)) == len(_diff_lines(out, "-", cta))
+    # the warp path's monitor role counts through a block histogram: two bar.sync 0 per kernel
+    assert len(_diff_lines(out, "+", cta)) + 4 == len(_diff_lines(out, "-", cta))
     # the warp path's bar.warp.sync, in its two sending roles (monitor, comm) of two kernels
     assert len(_diff_lines(out, "-", r"\bbar\.warp\.sync\b")) == 4
 

@@ -201,5 +201,12 @@ def test_monitor_counts_before_it_reserves_or_publishes():
                               and nd.scope is Scope.SYS),
                              (PROD, lambda nd: isinstance(nd, N.Store) and nd.scope is Scope.SYS)):
         body = list(N.walk(module(name).kernel(ASYNC).role("monitor").body))
-        counted = _first(body, lambda nd: isinstance(nd, N.Redux) and nd.dst.name == "counted")
+        # the block histogram: the second bar.sync 0 ends the counting, then the count load
+        joins = [i for i, nd in enumerate(body) if isinstance(nd, N.BarSync)]
+        counted = _first(body, lambda nd: isinstance(nd, N.Load) and nd.dst.name == "count")
+        assert len(joins) == 2 and joins[1] < counted, name
         assert _first(body, is_reserve) > counted, name
+        # and the monitor warps send (their slot reservations) only after reserving
+        slot = _first(body, lambda nd: isinstance(nd, N.AtomicRMW) and nd.dst is not None
+                      and nd.dst.name.startswith("slot0"))
+        assert slot > _first(body, is_reserve), name

@@ -92,16 +92,26 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_w
     reserved, finished = p.counters, _word(p.counters, E)
     expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
     g = r.let("g", expert_idx + L * p.my_rank if cfg.skip_a2a else expert_idx)
-    count = r.var("count", T.u32, 0)
     fl_off = r.var("fl_off", T.u32, 0) if p.final and not cfg.ep_prod_reserve else None
-    with r.if_(expert_idx < E):
-        r.assign(count, count_routed(r, p.topk_ids, p.n_tokens * K, g))
-        if p.final:
-            off = final_layout.reserve_rows(r, cfg, p, p.final, g, count)
-            if fl_off is not None:
-                r.assign(fl_off, off)
     if monitors_send:
+        # the count stays in the shared histogram while the warp sends (fewer live registers)
+        hist_slot = count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp)
+        if p.final:
+            with r.if_(expert_idx < E):
+                off = final_layout.reserve_rows(
+                    r, cfg, p, p.final, g, r.load(hist_slot, T.u32, name="count"))
+                if fl_off is not None:
+                    r.assign(fl_off, off)
         warp_broadcast_tokens(r, cfg, p, 0)
+        count = r.let("count", r.load(hist_slot, T.u32, name="hist_count"))
+    else:
+        count = r.var("count", T.u32, 0)
+        with r.if_(expert_idx < E):
+            r.assign(count, count_routed(r, p.topk_ids, p.n_tokens * K, g))
+            if p.final:
+                off = final_layout.reserve_rows(r, cfg, p, p.final, g, count)
+                if fl_off is not None:
+                    r.assign(fl_off, off)
     with r.if_(expert_idx < E):
         with r.if_(r.lane.eq(0)):
             dst_rank = r.let("dst_rank", g // L)
@@ -146,6 +156,41 @@ def count_routed(r: ir.RoleBuilder, topk_ids, n_ids, g, unroll: int = 8) -> ir.V
         r.assign(cnt, cnt + ir.Cast(T.u32, v.eq(g)))
         r.assign(i, i + 32)
     return r.redux(ReduxOp.ADD, cnt, name="counted")
+
+
+def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g):
+    """The shared-memory address of the count of ``topk_ids[0:n_ids]`` entries equal to
+    this warp's expert (a u32 word, valid until the role ends), the block's
+    warps owning experts ``first_g + w``: the block reads the ids once (thread-strided
+    ``ld.global.nc.b32``, 8 in flight) into a shared histogram (``red.shared.add``), one
+    ``bar.sync 0`` after zeroing it and one after counting; each warp owns its entry. The
+    role must be the whole block (``bar.sync 0``). A sixteenth of the reads of every warp
+    counting alone (``count_routed``), so the monitor warps start sending early."""
+    warps = r.n_threads // 32
+    hist = r.kb.shared_buffer("expert_hist", 4 * warps)
+    with r.if_(r.tid < warps):
+        r.store(_word(hist, r.tid), 0)
+    r.syncthreads()
+    n_ids = r.let("n_ids", n_ids)
+    i = r.var("cnt_i", T.u32, r.tid)
+    stride = r.n_threads
+
+    def tally(v):
+        rel = r.let("rel", v - first_g)
+        with r.if_(rel < warps):
+            r.red(AtomOp.ADD, _word(hist, rel), 1, Sem.RELAXED, Scope.CTA)
+
+    with r.while_(i + stride * 7 < n_ids):
+        ids = [r.load(_word(topk_ids, i + stride * u), T.u32, cache=CacheHint.NC, name="id")
+               for u in range(8)]
+        for v in ids:
+            tally(v)
+        r.assign(i, i + stride * 8)
+    with r.while_(i < n_ids):
+        tally(r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t"))
+        r.assign(i, i + stride)
+    r.syncthreads()
+    return _word(hist, r.warp)
 
 
 def uses_warp_send(cfg) -> bool:
@@ -458,4 +503,5 @@ def build_dispatch_async(cfg) -> ir.Kernel:
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
            "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "count_routed",
+           "count_block_experts",
            "AsyncParams", "KERNEL_NAME"]
