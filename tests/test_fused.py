@@ -155,10 +155,13 @@ def test_comm_roles_stride_by_their_own_warps():
     text = ir.print_kernel(k)
     # the warp send path: one token per comm warp, the role's 5 warps per block, warp ids
     # counted from the role's first thread; no block-wide join, so no barrier is declared
-    assert "%n_send_warps:u32 = mul(sub(@nctaid.x, 2:u32), 5:u32)" in text
+    assert "%n_send_blocks:u32 = sub(@nctaid.x, 2:u32)" in text
+    assert "%n_send_warps:u32 = mul(%n_send_blocks, 5:u32)" in text
     assert "div(sub(@tid.x, 96:u32), 32:u32)" in text
     loops = [s for s in N.walk(k.role("comm").body) if isinstance(s, N.For)]
-    assert loops[0].var.name == "t" and loops[0].step.name == "n_send_warps"
+    # rounds of min(32 // K, 4) = 4 tokens (small: K = 4)
+    assert loops[0].var.name == "t0"
+    assert "step=mul(%n_send_warps, 4:u32)" in text
     assert k.role("comm").barriers == ()
     # with ep_send_join_named the block-staged broadcast keeps its join: the role's threads
     kb = ir.KernelBuilder("m", cfg.num_threads)

@@ -345,27 +345,31 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
 
 
 def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: int):
-    """The stock P2P send path: one warp per token, no block-wide join, so each block has as
-    many tokens in flight as it has warps. Warp ``w`` of the sending blocks ``[first_block,
-    grid)`` (numbered from ``first_block``; 0 when the monitor blocks send too) takes tokens
-    ``w, w + n_send_warps, ...``. Per token:
+    """The stock P2P send path: each warp sends its tokens alone, no block-wide join, so
+    each block has as many tokens in flight as it has warps. The sending warps are those of
+    blocks ``[first_block, grid)`` (0 when the monitor blocks send too), numbered
+    block-fastest (``warp * n_send_blocks + block``: a few tokens still reach every block);
+    warp ``w`` takes tokens ``w, w + n_send_warps, ...`` in rounds of ``min(32 // K, 4)``, one top-k
+    slot per lane. Per round:
 
-    - lanes ``k < K`` load ``topk_ids[t, k]``, reserve slot ``k``'s row on its destination
-      (``atom.relaxed.gpu.add`` on the reserved counter) and compute its address (0 when
+    - lane ``l < rounds * K`` holds slot ``l % K`` of the round's token ``l // K``: it loads
+      ``topk_ids[t, k]``, reserves the slot's row on its destination
+      (``atom.relaxed.gpu.add`` on the reserved counter) and computes its address (0 when
       nothing is sent: ``skip_a2a`` on another device, or a slot past the block capacity);
-      the ``K`` addresses and ids reach every lane by ``shfl.sync.idx``;
-    - lane ``k`` writes the message header of destination ``k`` (source index, the ``K``
-      ids, zero padding: ``st.global.v4.b32``);
-    - the format reads the token once, lane-strided (``ld.global.nc.v4.b32``, several in
+      the round's atomics are in flight together;
+    - each lane writes its destination's message header (source index, the token's ``K``
+      ids gathered by ``shfl.sync.idx``, zero padding: ``st.global.v4.b32``);
+    - per token of the round, the ``K`` addresses reach every lane by ``shfl.sync.idx`` and
+      the format reads the token once, lane-strided (``ld.global.nc.v4.b32``, several in
       flight), and stores each piece to every destination (``K`` x ``st.global``), from
       registers: the token never visits the send buffer or shared memory;
-    - ``bar.warp.sync``, then lane ``k`` counts its copy finished
-      (``red.release.gpu.add``), as the stock fan-out does after its warp copy.
+    - ``bar.warp.sync``, then each lane counts its copy finished (``red.release.gpu.add``,
+      as the stock fan-out does after its warp copy): one release per round, not per token.
 
     With ``ep_final_layout`` (formats whose message payload is the output row) the
     destinations are the final output rows (``final_layout.warp_final_rows`` waits for each
-    slot's block base) and lane ``k`` writes destination ``k``'s header row, source rank
-    included, into its header array.
+    slot's block base) and each lane writes its header row, source rank included, into the
+    destination's header array.
 
     Same slots, counters and completion as ``copy_and_send_tokens``."""
     lay, fmt = cfg.layout, cfg.token_fmt
@@ -376,16 +380,21 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
     msg_bytes = lay.msg_bytes
     reserved, finished = p.counters, _word(p.counters, E)
     warps = r.n_threads // 32
-    n_send_warps = r.let("n_send_warps", (r.n_blocks - first_block) * warps)
-    first = r.let("first_token", (r.block - first_block) * warps + r.warp)
-    with r.for_range("t", first, p.n_tokens, n_send_warps) as t:
+    per_round = min(32 // K, 4)               # tokens per round: one top-k slot per lane
+    n_send_blocks = r.let("n_send_blocks", r.n_blocks - first_block)
+    n_send_warps = r.let("n_send_warps", n_send_blocks * warps)
+    # block-fastest numbering: few tokens (decode) still spread over every sending block
+    first = r.let("first_token", r.warp * n_send_blocks + (r.block - first_block))
+    lane_tok = r.let("lane_tok", r.lane // K)
+    with r.for_range("t0", first, p.n_tokens, n_send_warps * per_round) as t0:
+        t = r.let("t", t0 + lane_tok * n_send_warps)     # the token of this lane's slot
         g = r.var("g", T.u32, 0)
         addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
         co_word = r.var("co_word", T.u32, NO_SLOT)
         slot = r.var("slot", T.u32, 0)
         dst_rank = r.var("dst_rank", T.u32, 0)
-        with r.if_(r.lane < K):
-            r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane), T.u32,
+        with r.if_((r.lane < per_round * K) & (t < p.n_tokens)):
+            r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane % K), T.u32,
                                cache=CacheHint.NC, name="g_ld"))
             r.assign(dst_rank, g // L)
             e = r.let("e", g % L)
@@ -411,12 +420,15 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
             hdr, src_rank = hdr_addr, p.my_rank
         else:
             hdr, src_rank = addr + fmt.src_info_offset, None
-        ids = [r.shfl(ShflMode.IDX, g, k, name=f"id{k}") for k in range(K)]
-        dsts = [r.shfl(ShflMode.IDX, addr, k, name=f"dst{k}") for k in range(K)]
+        ids = [r.shfl(ShflMode.IDX, g, lane_tok * K + k, name=f"id{k}") for k in range(K)]
         with r.if_(addr.ne(ir.Const(0, T.u64))):
             write_header(r, fmt, ir.Cast(T.ptr_global, hdr), t, ids, src_rank)
-        src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
-        fmt.emit_broadcast_token(r, src_row, dsts)
+        with r.for_range("q", 0, per_round, 1) as q:
+            tq = r.let("tq", t0 + q * n_send_warps)
+            with r.if_(tq < p.n_tokens):
+                dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}") for k in range(K)]
+                fmt.emit_broadcast_token(r, p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes,
+                                         dsts)
         r.warp_sync()
         with r.if_(co_word.ne(NO_SLOT)):
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
