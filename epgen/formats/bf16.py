@@ -82,10 +82,12 @@ class BF16Format(TokenFormat):
         copy_vectors(r, msg, src_row, 2 * self.hid_dim // VECTOR_BYTES, first, stride, nc=True,
                      tag="stage")
 
-    def emit_broadcast_token(self, r, src_row, dsts, unroll: int = 4):
+    def emit_broadcast_token(self, r, src_row, dsts, unroll: int = 2):
         """The warp send path: lane ``l`` loads vectors ``l, l + 32, ...`` of the payload,
         ``unroll`` in flight (``ld.global.nc.v4.b32``), and stores each to every non-zero
-        destination of ``dsts`` (``st.global.v4.b32``, ``K`` per load)."""
+        destination of ``dsts`` (``st.global.v4.b32``, ``K`` per load). Two in flight: on the
+        H200 2, 4, 7 and 8 moved the same bytes per second (benchmarks/experiments/
+        broadcast_bw.py --unroll-sweep: the writes bound it), and 2 keeps the code small."""
         from ..kernels.common import VEC
         n_vec = 2 * self.hid_dim // VECTOR_BYTES
         live = [d.ne(ir.Const(0, T.u64)) for d in dsts]
@@ -103,8 +105,9 @@ class BF16Format(TokenFormat):
         if unroll > 1:
             with r.while_(i + 32 * (unroll - 1) < n_vec):
                 body(unroll)
-        with r.while_(i < n_vec):
-            body(1)
+        if n_vec % (32 * unroll):       # a tail only when the lanes' share is uneven
+            with r.while_(i < n_vec):
+                body(1)
 
     def emit_copy_token_to_send_buf_split(self, r, src_row, msg, tid, split):
         """``copy_token_to_send_buf`` with the role split (``ep_copy_role_split``): a copy

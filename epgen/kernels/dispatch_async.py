@@ -423,12 +423,15 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
         ids = [r.shfl(ShflMode.IDX, g, lane_tok * K + k, name=f"id{k}") for k in range(K)]
         with r.if_(addr.ne(ir.Const(0, T.u64))):
             write_header(r, fmt, ir.Cast(T.ptr_global, hdr), t, ids, src_rank)
-        with r.for_range("q", 0, per_round, 1) as q:
+        # the round's tokens: a data-dependent trip count, so LLVM keeps one copy of the
+        # broadcast loop (code size and compile time) instead of unrolling per token
+        n_in_round = r.let("n_in_round", ((p.n_tokens - t0 - 1) // n_send_warps + 1)
+                           .min(per_round))
+        with r.for_range("q", 0, n_in_round, 1) as q:
             tq = r.let("tq", t0 + q * n_send_warps)
-            with r.if_(tq < p.n_tokens):
-                dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}") for k in range(K)]
-                fmt.emit_broadcast_token(r, p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes,
-                                         dsts)
+            dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}") for k in range(K)]
+            fmt.emit_broadcast_token(r, p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes,
+                                     dsts)
         r.warp_sync()
         with r.if_(co_word.ne(NO_SLOT)):
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
