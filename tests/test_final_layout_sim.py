@@ -23,9 +23,13 @@ from ir_sim import SimHang
 from sim_world import sim_world
 
 # (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
-SHAPES = {"R2-E4": (2, 4, 16, 2, 4, 64, 4), "R4-E8": (4, 8, 16, 2, 3, 64, 6)}
+SHAPES = {"R2-E4": (2, 4, 16, 2, 4, 64, 4), "R4-E8": (4, 8, 16, 2, 3, 64, 6),
+          # the warp send path's other code shapes: 64 payload vectors (two per lane in
+          # flight, no tail loop) and K = 8 (a round of 4 tokens fills the 32 lanes)
+          "R2-E4-H512": (2, 4, 512, 2, 4, 64, 4), "R2-E8-K8": (2, 8, 16, 8, 5, 64, 5)}
 FLAGS = {
     "staged": {},
+    "ord_r": {"ep_ord_r": True, "has_rank_flag": True},
     "final_layout": {"ep_final_layout": True},
     "prod_reserve": {"ep_final_layout": True, "ep_prod_reserve": True},
 }
@@ -55,8 +59,11 @@ def random_inputs(rng, cfg, n_calls):
                                        for _ in range(cfg.n_ranks)]) for _ in range(n_calls)]
 
 
-CASES = [(shape, flags) for shape in SHAPES for flags in ("final_layout", "prod_reserve")]
+CASES = [(shape, flags) for shape in ("R2-E4", "R4-E8") for flags in ("final_layout",
+                                                                      "prod_reserve")]
 CASES.append(("R4-E8", "staged"))        # the simulator itself, on the GPU-tested kernels
+CASES += [(shape, flags) for shape in ("R2-E4-H512", "R2-E8-K8")
+          for flags in ("staged", "ord_r", "prod_reserve")]
 
 
 @pytest.mark.parametrize("shape,flags", CASES, ids=[f"{s}-{f}" for s, f in CASES])
