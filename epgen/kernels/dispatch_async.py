@@ -294,10 +294,9 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
     it). Same slots, counters and completion as the stock path. All three joins are the send
     join, so ``ep_send_join_named`` moves each to ``bar.sync 3, <threads>``."""
     lay, fmt = cfg.layout, cfg.token_fmt
-    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
-    msg_bytes = lay.msg_bytes
-    reserved, finished = p.counters, _word(p.counters, E)
-    msg = r.kb.shared_buffer("send_msg", msg_bytes)
+    E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
+    finished = _word(p.counters, E)
+    msg = r.kb.shared_buffer("send_msg", lay.msg_bytes)
     dsts = r.kb.shared_buffer("send_dst", 8 * K)
     cos = r.kb.shared_buffer("send_co", 4 * K)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
@@ -309,30 +308,16 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
             g = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="g")
             r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), g.cast(T.u16))
             dst_rank = r.let("dst_rank", g // L)
-            e = r.let("e", g % L)
             addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
             co_word = r.var("co_word", T.u32, NO_SLOT)
-            with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
-                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
-                r.assign(co_word, co)
-                slot = r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED, Scope.GPU,
-                                name="slot")
-                recv = load_pointer(r, p.recv_buf_ptrs,
-                                    0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
-                                    "recv_dst", peer=not cfg.skip_a2a)
-                # device guard: a slot past the block's capacity is never written (the host
-                # refuses such routings; the monitor publishes the clamped count)
-                with r.if_(slot < lay.block_capacity):
-                    row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
-                           + slot).cast(T.u64)
-                    r.assign(addr, ir.Cast(T.u64, recv + row * msg_bytes))
+            reserve_slot(r, cfg, p, g, dst_rank, co_word, r.var("slot", T.u32, 0), addr)
             r.store(_word(dsts, r.tid, 8), addr)
             r.store(_word(cos, r.tid), co_word)
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
         send_join(r, cfg, comm_barrier_id)
         targets = [r.load(_word(dsts, k, 8), T.u64, name=f"dst{k}") for k in range(K)]
-        with r.for_range("v", r.tid, msg_bytes // 16, r.n_threads) as v:
+        with r.for_range("v", r.tid, lay.msg_bytes // 16, r.n_threads) as v:
             x = r.load(msg + v.cast(T.u64) * 16, VEC, name="vec")
             for k, dst in enumerate(targets):
                 with r.if_(dst.ne(ir.Const(0, T.u64))):
@@ -373,12 +358,11 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
 
     Same slots, counters and completion as ``copy_and_send_tokens``."""
     lay, fmt = cfg.layout, cfg.token_fmt
-    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
     if K > 32:
         raise ValueError(f"top_k={K}: the warp send path gives each top-k slot a lane "
                          f"(top_k <= 32)")
-    msg_bytes = lay.msg_bytes
-    reserved, finished = p.counters, _word(p.counters, E)
+    finished = _word(p.counters, E)
     warps = r.n_threads // 32
     per_round = min(32 // K, 4)               # tokens per round: one top-k slot per lane
     n_send_blocks = r.let("n_send_blocks", r.n_blocks - first_block)
@@ -397,22 +381,7 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
             r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane % K), T.u32,
                                cache=CacheHint.NC, name="g_ld"))
             r.assign(dst_rank, g // L)
-            e = r.let("e", g % L)
-            with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
-                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
-                r.assign(co_word, co)
-                r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
-                                        Scope.GPU, name="slot0"))
-                if not p.final:
-                    recv = load_pointer(r, p.recv_buf_ptrs,
-                                        0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
-                                        "recv_dst", peer=not cfg.skip_a2a)
-                    # device guard: a slot past the block's capacity is never written (the
-                    # host refuses such routings; the monitor publishes the clamped count)
-                    with r.if_(slot < lay.block_capacity):
-                        row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
-                               + slot).cast(T.u64)
-                        r.assign(addr, ir.Cast(T.u64, recv + row * msg_bytes))
+            reserve_slot(r, cfg, p, g, dst_rank, co_word, slot, None if p.final else addr)
         if p.final:
             out_addr, hdr_addr = final_layout.warp_final_rows(r, cfg, p.final, co_word, slot,
                                                               dst_rank, NO_SLOT)
@@ -435,6 +404,34 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
         r.warp_sync()
         with r.if_(co_word.ne(NO_SLOT)):
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
+
+
+def reserve_slot(r: ir.RoleBuilder, cfg, p: AsyncParams, g, dst_rank, co_word, slot, addr):
+    """One top-k slot of a token routed to global expert ``g`` (on ``dst_rank``): unless
+    ``skip_a2a`` leaves it to another device, set ``co_word`` to its counter offset ``e * R +
+    dst`` and ``slot`` to the row reserved on it (``atom.relaxed.gpu.add`` on the reserved
+    counter); with ``addr`` (a u64 var; None under the final layout, whose rows come from
+    the hand-off) set it to the staged message's address in the destination's receive
+    buffer. Vars not set keep their values (``NO_SLOT``, 0: nothing sent)."""
+    lay = cfg.layout
+    L, R = lay.n_local_experts, cfg.n_ranks
+    e = r.let("e", g % L)
+    with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
+        co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
+        r.assign(co_word, co)
+        r.assign(slot, r.atomic(AtomOp.ADD, _word(p.counters, co), 1, Sem.RELAXED,
+                                Scope.GPU, name="slot0"))
+        if addr is None:
+            return
+        recv = load_pointer(r, p.recv_buf_ptrs,
+                            0 if cfg.skip_a2a else dst_rank % cfg.p2p_world_size,
+                            "recv_dst", peer=not cfg.skip_a2a)
+        # device guard: a slot past the block's capacity is never written (the host refuses
+        # such routings; the monitor publishes the clamped count)
+        with r.if_(slot < lay.block_capacity):
+            row = ((e * R + (0 if cfg.skip_a2a else p.my_rank)) * lay.block_capacity
+                   + slot).cast(T.u64)
+            r.assign(addr, ir.Cast(T.u64, recv + row * lay.msg_bytes))
 
 
 def write_header(r: ir.RoleBuilder, fmt, hdr, t, ids, src_rank=None):
