@@ -359,9 +359,6 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
     Same slots, counters and completion as ``copy_and_send_tokens``."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
-    if K > 32:
-        raise ValueError(f"top_k={K}: the warp send path gives each top-k slot a lane "
-                         f"(top_k <= 32)")
     finished = _word(p.counters, E)
     warps = r.n_threads // 32
     per_round = min(32 // K, 4)               # tokens per round: one top-k slot per lane
