@@ -52,66 +52,109 @@ def declare_params(kb: ir.KernelBuilder, cfg=None) -> AsyncParams:
     return p
 
 
-def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_warp_base: int = 0,
-                                  monitors_send: bool = False):
+def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, comm_warp_base: int = 0):
     """Aux blocks: warp ``w`` of block ``b`` owns global expert ``b*n_warps + w``. The warp
-    counts that expert's ``(token, k)`` pairs (``redux.sync.add``); lane 0 waits (bounded,
-    ``ld.acquire.gpu``) until the comm warps have finished that many copies, publishes the
-    count into the destination's receive-count word with ``st.release.sys`` (per-expert
-    completion), and re-arms its two counters. With ``ep_final_layout`` the warp first
-    reserves its block of the destination's output (``final_layout.reserve_rows``: the
-    cursor's ``atom.relaxed.sys.global.add.u64`` and the ``st.release.gpu`` base hand-off, or
-    with ``ep_prod_reserve`` the ``st.release.sys.global.b64`` early count and the reserver),
-    and the count word carries the block's offset when the layout is capacity-strided.
-    With ``ep_ord_r`` the count word is a plain store and completion is published per
-    destination rank (``ord_r.signal_rank_completion``: ``atom.acq_rel.gpu`` election, one
-    ``st.release.sys`` rank flag). Under ``skip_a2a`` the warp owns global expert
-    ``expert_idx + L * my_rank``, the rank coordinates are 0 and the release is
-    ``st.release.gpu``.
+    counts that expert's ``(token, k)`` pairs (``count_routed``: ``redux.sync.add``); lane 0
+    waits (bounded, ``ld.acquire.gpu``) until the comm warps have finished that many copies,
+    publishes the count into the destination's receive-count word with ``st.release.sys``
+    (per-expert completion), and re-arms its two counters (``signal_completion``). With
+    ``ep_final_layout`` the warp first reserves its block of the destination's output
+    (``final_layout.reserve_rows``: the cursor's ``atom.relaxed.sys.global.add.u64`` and the
+    ``st.release.gpu`` base hand-off, or with ``ep_prod_reserve`` the
+    ``st.release.sys.global.b64`` early count and the reserver), and the count word carries
+    the block's offset when the layout is capacity-strided. With ``ep_ord_r`` the count word
+    is a plain store and completion is published per destination rank
+    (``ord_r.signal_rank_completion``: ``atom.acq_rel.gpu`` election, one ``st.release.sys``
+    rank flag). Under ``skip_a2a`` the warp owns global expert ``expert_idx + L * my_rank``,
+    the rank coordinates are 0 and the release is ``st.release.gpu``.
 
-    ``monitors_send`` (ours; the standard kernels set it when the warp send path is used,
-    ``uses_warp_send``): after counting (and reserving), every monitor warp, with or without
-    an expert, sends its share of the tokens like a comm warp (``warp_broadcast_tokens``
-    over all the grid's warps) before it waits for its expert's copies, so the monitor
-    blocks move data too instead of only spinning. Counting and reserving come first: the
-    final layout's sends wait for block bases that monitors publish after counting.
+    This is the staged send paths' monitor. On the warp send path the standard kernels split
+    it around the sends (``add_send_phase``): ``count_and_reserve`` before, in role
+    ``monitor``, and ``signal_after_sends`` after, in role ``signal``, so the monitor blocks
+    send too.
 
     ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
     be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
     and a block's monitor warps are the role's warps, so block ``b`` owns experts
     ``b * role_warps + w``."""
-    lay = cfg.layout
-    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     if r.thread_base % 32 or comm_warp_base != r.thread_base // 32:
         raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
                          f"warp (its thread range starts at thread {r.thread_base}, warp-"
                          f"aligned)")
-    if monitors_send and not uses_warp_send(cfg):
-        raise ValueError("monitors_send: only the warp send path (uses_warp_send) lets "
-                         "monitor warps send")
-    reserved, finished = p.counters, _word(p.counters, E)
-    expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
-    g = r.let("g", expert_idx + L * p.my_rank if cfg.skip_a2a else expert_idx)
+    E, K = cfg.n_experts, cfg.layout.top_k
+    expert_idx, g = monitor_expert(r, cfg, p)
+    count = r.var("count", T.u32, 0)
     fl_off = r.var("fl_off", T.u32, 0) if p.final and not cfg.ep_prod_reserve else None
-    if monitors_send:
-        # the count stays in the shared histogram while the warp sends (fewer live registers)
-        hist_slot = count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp)
+    with r.if_(expert_idx < E):
+        r.assign(count, count_routed(r, p.topk_ids, p.n_tokens * K, g))
         if p.final:
-            with r.if_(expert_idx < E):
-                off = final_layout.reserve_rows(
-                    r, cfg, p, p.final, g, r.load(hist_slot, T.u32, name="count"))
-                if fl_off is not None:
-                    r.assign(fl_off, off)
-        warp_broadcast_tokens(r, cfg, p, 0)
-        count = r.let("count", r.load(hist_slot, T.u32, name="hist_count"))
-    else:
-        count = r.var("count", T.u32, 0)
+            off = final_layout.reserve_rows(r, cfg, p, p.final, g, count)
+            if fl_off is not None:
+                r.assign(fl_off, off)
+    signal_completion(r, cfg, p, expert_idx, g, count, fl_off)
+
+
+def monitor_expert(r: ir.RoleBuilder, cfg, p: AsyncParams):
+    """``(expert_idx, g)`` of this monitor warp: ``block * role_warps + warp``, and the
+    global expert it owns (``+ L * my_rank`` under ``skip_a2a``)."""
+    expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
+    g = r.let("g", expert_idx + cfg.layout.n_local_experts * p.my_rank if cfg.skip_a2a
+              else expert_idx)
+    return expert_idx, g
+
+
+MONITOR_STATE = "monitor_state"   # shared: per monitor warp its count, then its block offset
+
+
+def monitor_state(r: ir.RoleBuilder, field: int | None = None):
+    """The monitor blocks' shared state (declared once per kernel: ``2 * role_warps`` u32,
+    the counts then the capacity-strided block offsets), which carries them from role
+    ``monitor`` to role ``signal``: its base, or this warp's word ``field`` (0: count, 1:
+    offset)."""
+    warps = r.n_threads // 32
+    if not any(b.name == MONITOR_STATE for b in r.kb.shared):
+        r.kb.shared_buffer(MONITOR_STATE, 8 * warps)
+    base = ir.SharedAddr(MONITOR_STATE)
+    return base if field is None else _word(base, r.warp + field * warps)
+
+
+def count_and_reserve(r: ir.RoleBuilder, cfg, p: AsyncParams):
+    """Role ``monitor`` of the warp send path (whole monitor blocks, before the sends): the
+    counts from one shared histogram per block (``count_block_experts``) into the monitor
+    state, then with ``ep_final_layout`` the reservation (``final_layout.reserve_rows``) and,
+    capacity-strided, the block offset into the monitor state. Counting and reserving come
+    before every send: the final layout's sends wait for the block bases published here."""
+    E, K = cfg.n_experts, cfg.layout.top_k
+    expert_idx, g = monitor_expert(r, cfg, p)
+    count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp, monitor_state(r))
+    if p.final:
         with r.if_(expert_idx < E):
-            r.assign(count, count_routed(r, p.topk_ids, p.n_tokens * K, g))
-            if p.final:
-                off = final_layout.reserve_rows(r, cfg, p, p.final, g, count)
-                if fl_off is not None:
-                    r.assign(fl_off, off)
+            off = final_layout.reserve_rows(
+                r, cfg, p, p.final, g, r.load(monitor_state(r, 0), T.u32, name="count"))
+            if off is not None:
+                with r.if_(r.lane.eq(0)):
+                    r.store(monitor_state(r, 1), off)
+
+
+def signal_after_sends(r: ir.RoleBuilder, cfg, p: AsyncParams):
+    """Role ``signal`` of the warp send path (the monitor blocks, after their own sends):
+    ``signal_completion`` with the count and offset the role ``monitor`` left in the
+    monitor state."""
+    expert_idx, g = monitor_expert(r, cfg, p)
+    count = r.let("count", r.load(monitor_state(r, 0), T.u32, name="count_ld"))
+    fl_off = None
+    if p.final and not cfg.ep_prod_reserve:
+        fl_off = r.let("fl_off", r.load(monitor_state(r, 1), T.u32, name="fl_off_ld"))
+    signal_completion(r, cfg, p, expert_idx, g, count, fl_off)
+
+
+def signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, expert_idx, g, count, fl_off):
+    """The monitor warp's lane 0, for its expert (``expert_idx < E``): bounded wait until the
+    finished counter reaches ``count`` (``ld.acquire.gpu``), publish the count word (or the
+    ORD-R rank completion), re-arm the counters (and the final layout's hand-off)."""
+    lay = cfg.layout
+    E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
+    reserved, finished = p.counters, _word(p.counters, E)
     with r.if_(expert_idx < E):
         with r.if_(r.lane.eq(0)):
             dst_rank = r.let("dst_rank", g // L)
@@ -158,16 +201,15 @@ def count_routed(r: ir.RoleBuilder, topk_ids, n_ids, g, unroll: int = 8) -> ir.V
     return r.redux(ReduxOp.ADD, cnt, name="counted")
 
 
-def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g):
-    """The shared-memory address of the count of ``topk_ids[0:n_ids]`` entries equal to
-    this warp's expert (a u32 word, valid until the role ends), the block's
-    warps owning experts ``first_g + w``: the block reads the ids once (thread-strided
-    ``ld.global.nc.b32``, 8 in flight) into a shared histogram (``red.shared.add``), one
-    ``bar.sync 0`` after zeroing it and one after counting; each warp owns its entry. The
-    role must be the whole block (``bar.sync 0``). A sixteenth of the reads of every warp
-    counting alone (``count_routed``), so the monitor warps start sending early."""
+def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g, hist):
+    """Each warp's count of ``topk_ids[0:n_ids]`` entries equal to its expert, the block's
+    warps owning experts ``first_g + w``, into ``hist[w]`` (a shared array of one u32 per
+    warp): the block reads the ids once (thread-strided ``ld.global.nc.b32``, 8 in flight)
+    into that histogram (``red.shared.add``), one ``bar.sync 0`` after zeroing it and one
+    after counting. The role must be the whole block (``bar.sync 0``). A sixteenth of the
+    reads of every warp counting alone (``count_routed``), so the monitor warps start
+    sending early."""
     warps = r.n_threads // 32
-    hist = r.kb.shared_buffer("expert_hist", 4 * warps)
     with r.if_(r.tid < warps):
         r.store(_word(hist, r.tid), 0)
     r.syncthreads()
@@ -190,7 +232,6 @@ def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g):
         tally(r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t"))
         r.assign(i, i + stride)
     r.syncthreads()
-    return _word(hist, r.warp)
 
 
 def uses_warp_send(cfg) -> bool:
@@ -204,7 +245,7 @@ def uses_warp_send(cfg) -> bool:
 
 
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
-                         comm_barrier_id: int = -1, monitors_send: bool = False):
+                         comm_barrier_id: int = -1):
     """Comm blocks: block-strided over tokens. All threads stage token ``t`` (payload by the
     format, then the header: source index and top-k ids) in send-buffer row ``t``, join
     (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
@@ -223,10 +264,7 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
     if uses_warp_send(cfg):
-        return warp_broadcast_tokens(r, cfg, p, 0 if monitors_send else n_signal_sms)
-    if monitors_send:
-        raise ValueError("monitors_send: only the warp send path (uses_warp_send) lets "
-                         "monitor warps send")
+        return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
     if split is None and not p.final and not cfg.fused_shared_expert:
         return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
@@ -497,20 +535,43 @@ def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
     comm_sync(r, comm_barrier_id)
 
 
+def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None):
+    """The dispatch_async roles of a kernel (the standalone kernel, and phase 1 of the fused
+    one). Staged send paths: ``monitor`` blocks ``[0, n_signal_sms)``
+    (``monitor_and_signal_completion``) and ``comm`` blocks ``[n_signal_sms, grid)``
+    (``copy_and_send_tokens``, then ``comm_tail(r)`` if given). Warp send path
+    (``uses_warp_send``): the monitor blocks send too, so their work is split around the
+    sends: ``monitor`` ``[0, n_signal_sms)`` (``count_and_reserve``), ``comm`` ``[0, grid)``
+    (``copy_and_send_tokens`` over every block), ``signal`` ``[0, n_signal_sms)``
+    (``signal_after_sends``); a thread runs its roles in that order."""
+    n_sig = cfg.layout.n_signal_sms
+    if uses_warp_send(cfg):
+        if comm_tail is not None:
+            raise ValueError("add_send_phase: comm_tail needs a staged send path")
+        with kb.role("monitor", blocks=(0, n_sig)) as r:
+            count_and_reserve(r, cfg, p)
+        with kb.role("comm", blocks=(0, None)) as r:
+            copy_and_send_tokens(r, cfg, p, 0)
+        with kb.role("signal", blocks=(0, n_sig)) as r:
+            signal_after_sends(r, cfg, p)
+        return
+    with kb.role("monitor", blocks=(0, n_sig)) as r:
+        monitor_and_signal_completion(r, cfg, p)
+    with kb.role("comm", blocks=(n_sig, None)) as r:
+        copy_and_send_tokens(r, cfg, p, n_sig)
+        if comm_tail is not None:
+            comm_tail(r)
+
+
 def build_dispatch_async(cfg) -> ir.Kernel:
-    """The dispatch_async entry point: blocks ``[0, n_signal_sms)`` monitor, the rest send."""
-    lay = cfg.layout
+    """The dispatch_async entry point (``add_send_phase``)."""
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
-    p = declare_params(kb, cfg)
-    send_all = uses_warp_send(cfg)
-    with kb.role("monitor", blocks=(0, lay.n_signal_sms)) as r:
-        monitor_and_signal_completion(r, cfg, p, monitors_send=send_all)
-    with kb.role("comm", blocks=(lay.n_signal_sms, None)) as r:
-        copy_and_send_tokens(r, cfg, p, lay.n_signal_sms, monitors_send=send_all)
+    add_send_phase(kb, cfg, declare_params(kb, cfg))
     return kb.build()
 
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
            "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "count_routed",
-           "count_block_experts",
+           "count_block_experts", "count_and_reserve", "signal_after_sends", "signal_completion",
+           "add_send_phase",
            "AsyncParams", "KERNEL_NAME"]

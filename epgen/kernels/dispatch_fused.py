@@ -5,6 +5,8 @@ other).
     phase 1  blocks [0, n_signal_sms)         monitor   monitor_and_signal_completion
              blocks [n_signal_sms, grid)      comm      copy_and_send_tokens
                                                         (+ publish_send_buf_ready with SE)
+             (warp send path: monitor [0, n_signal_sms) count_and_reserve, comm [0, grid),
+             signal [0, n_signal_sms) signal_after_sends: dispatch_async.add_send_phase)
     phase 2  block  grid - 1                  aux       wait_for_arrivals_and_compute_offsets
              blocks [0, grid - 1)             pack      pack_shared_expert_inputs (SE only)
                                               copy      copy_received_tokens_to_output
@@ -70,13 +72,9 @@ def build_dispatch_fused(cfg) -> ir.Kernel:
     def se_slice(r):
         return se_token_slice(r, cfg, pa.n_tokens, pa.my_rank, world)
 
-    send_all = dispatch_async.uses_warp_send(cfg)
-    with kb.role("monitor", blocks=(0, n_sig)) as r:
-        dispatch_async.monitor_and_signal_completion(r, cfg, pa, monitors_send=send_all)
-    with kb.role("comm", blocks=(n_sig, None)) as r:
-        dispatch_async.copy_and_send_tokens(r, cfg, pa, n_sig, monitors_send=send_all)
-        if se:
-            publish_send_buf_ready(r, cfg, pw.atomic_counter, se_slice(r)[1])
+    dispatch_async.add_send_phase(
+        kb, cfg, pa, comm_tail=(lambda r: publish_send_buf_ready(
+            r, cfg, pw.atomic_counter, se_slice(r)[1])) if se else None)
     with kb.role("aux", blocks=(last, None)) as r:
         dispatch_wait.wait_for_arrivals_and_compute_offsets(
             r, kb, cfg, pw, reserved_shared_expert_tokens=se_slice(r)[1] if se else None)
