@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the whole GPU tier, then the issue-6 benchmark set, each step
+# under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
+# repository root; a step that fails or times out is reported and the next one still runs.
+#
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all]   (default all)
+#
+# About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
+# under `timeout 590`, or two calls, "tests" then "bench", when the budget is tight.
+set -u
+OUT=${OUT:-gpu-session-out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+what=${1:-all}
+status=0
+
+step() {   # step NAME SECONDS COMMAND...: run, keep its output, print a one-line verdict
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    [ $rc -eq 124 ] && verdict="timed out after ${limit}s"
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="exit $rc"
+    [ $rc -ne 0 ] && status=1
+    echo "[$((SECONDS - t0))s] $name: $verdict"
+}
+
+bench() {  # bench NAME SECONDS ARGS...: epgen bench with JSON, then its table rows
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" python3 -m epgen bench "$@" --json "$OUT/$name.json"
+    grep -E "round trip|dispatch_|torch" "$OUT/$name.log" | sed 's/^/    /'
+}
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    # a per-test limit where pytest-timeout is installed (the GPU machine has it)
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
+    # shellcheck disable=SC2086
+    step gpu-tests 280 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test tests/
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/gpu-tests.log" | tail -15 | sed 's/^/    /'
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    bench bf16 150 --tokens 128,4096 --variant default --variant fused \
+        --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+    bench flags-prefill 90 --tokens 4096 --variant ord_r=ep_ord_r,has_rank_flag \
+        --variant send_join_named=ep_send_join_named --no-post-check --no-baseline
+    for fmt in NVFP4 BlockwiseFP8; do
+        bench "$fmt" 90 --set format=$fmt --tokens 128,4096 --no-baseline --no-post-check
+    done
+    bench zipf 90 --tokens 4096 --routing zipf --variant default \
+        --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+fi
+exit $status
