@@ -1,7 +1,17 @@
 """``dispatch_async``: the monitor (aux) blocks count tokens per expert and publish the
-receive counts; the comm blocks stage each token in the send buffer and copy it to every
-destination's receive buffer (reference page: ``monitor_and_signal_completion``,
-``copy_and_send_tokens``)."""
+receive counts; the comm blocks copy each token to every destination's receive buffer
+(reference page: ``monitor_and_signal_completion``, ``copy_and_send_tokens``).
+
+Send paths (``copy_and_send_tokens`` picks one; ``uses_warp_send`` is the rule):
+
+- the warp path (``warp_broadcast_tokens``, the stock one): each warp reads a token once and
+  stores it from registers to its ``K`` destinations, no block-wide join; the monitor blocks
+  send too, their work split into roles around the sends (``add_send_phase``: ``monitor``,
+  ``comm`` over every block, ``signal``);
+- the block-staged paths, kept where a flag needs them: ``broadcast_tokens`` (shared-memory
+  staging, ``ep_send_join_named``) and the send-buffer staging with a warp per destination
+  (``ep_copy_role_split``, the shared expert, the quantising formats' final layout).
+"""
 
 from __future__ import annotations
 
