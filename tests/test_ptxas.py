@@ -160,3 +160,34 @@ def test_missing_ptxas_raises(tmp_path, monkeypatch):
     monkeypatch.setattr(ptxas_module, "find_ptxas", lambda: None)
     with pytest.raises(PtxasError, match="ptxas not found"):
         assemble(".version 8.6\n")
+
+
+def test_spawn_retries_transient_errors_only(tmp_path, monkeypatch):
+    """A spawn failing with a transient errno (EFAULT was seen in CI) is retried; a lasting
+    or a non-transient failure is a PtxasError naming the executable."""
+    import errno
+    import subprocess
+    from backends.nvptx import ptxas as px
+    calls = []
+    real_run = subprocess.run
+
+    def flaky(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 1:
+            raise OSError(errno.EFAULT, "Bad address")
+        return real_run(["true"], **kw)
+    monkeypatch.setattr(px.subprocess, "run", flaky)
+    monkeypatch.setattr(px, "parse_report", lambda log, arch: "parsed")
+    assert px.assemble("// ptx", ptxas=tmp_path / "ptxas") == "parsed" and len(calls) == 2
+
+    def always(err):
+        def run(cmd, **kw):
+            calls.append(cmd)
+            raise OSError(err, "boom")
+        return run
+    for err, attempts in ((errno.EFAULT, px.SPAWN_ATTEMPTS), (errno.ENOENT, 1)):
+        calls.clear()
+        monkeypatch.setattr(px.subprocess, "run", always(err))
+        with pytest.raises(px.PtxasError, match="cannot run ptxas at .*ptxas"):
+            px.assemble("// ptx", ptxas=tmp_path / "ptxas")
+        assert len(calls) == attempts

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import attrs
@@ -94,6 +96,24 @@ def parse_report(log: str, arch: str) -> PtxasReport:
     return PtxasReport(arch, {k: KernelResources(**v) for k, v in kernels.items()}, log)
 
 
+# exec failures that are the machine's, not the command's (seen: EFAULT once in a few thousand
+# spawns on a loaded CI box); retried a few times before they become a PtxasError
+TRANSIENT_ERRNOS = frozenset({errno.EFAULT, errno.EAGAIN, errno.ETXTBSY, errno.ENOMEM, errno.EINTR})
+SPAWN_ATTEMPTS = 3
+
+
+def _run(cmd: list[str], exe) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)``, retrying a spawn that fails with a transient errno."""
+    for attempt in range(SPAWN_ATTEMPTS):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            if e.errno not in TRANSIENT_ERRNOS or attempt == SPAWN_ATTEMPTS - 1:
+                raise PtxasError(f"cannot run ptxas at {exe}: {e}") from e
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def assemble(ptx: str, arch: str = "sm_90", ptxas: str | Path | None = None) -> PtxasReport:
     """Assemble ``ptx`` for ``arch`` with ``ptxas -v``; raises PtxasError on failure."""
     exe = ptxas or find_ptxas()
@@ -104,10 +124,7 @@ def assemble(ptx: str, arch: str = "sm_90", ptxas: str | Path | None = None) -> 
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
         cmd = [str(exe), f"-arch={arch}", "-v", "-o", str(Path(tmp) / "kernel.cubin"), str(src)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise PtxasError(f"cannot run ptxas at {exe}: {e}") from e
+        proc = _run(cmd, exe)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise PtxasError(f"ptxas -arch={arch} failed (exit {proc.returncode}):\n{log}")
