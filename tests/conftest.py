@@ -180,3 +180,16 @@ def golden_manifest(request) -> dict[str, str] | None:
 @pytest.fixture
 def golden(request, golden_manifest) -> Golden:
     return Golden(update=request.config.getoption("update_golden"))
+
+
+@pytest.fixture(scope="module")
+def ptxas():
+    """The ptxas executable (``find_ptxas``); without one the test skips, or fails under CI."""
+    from backends.nvptx import find_ptxas
+    exe = find_ptxas()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("ptxas not found (CI is set): install nvidia-cuda-nvcc or set EPGEN_PTXAS")
+        pytest.skip("ptxas not found")
+    return exe
+

@@ -5,14 +5,13 @@ formats' bit-exactness relies on; and the CLI selecting a format by name."""
 from __future__ import annotations
 
 import functools
-import os
 import re
 
 import pytest
 
 import epgen
 import ir
-from backends.nvptx import assemble, check_ptx, emit_ptx, find_ptxas
+from backends.nvptx import assemble, check_ptx, emit_ptx
 from epgen import cli
 from epgen.formats import make_format
 
@@ -40,16 +39,6 @@ def entry(ptx: str, name: str) -> str:
     start = ptx.index(f".entry {name}(")
     nxt = ptx.find(".entry ", start + 1)
     return ptx[start:nxt if nxt > 0 else len(ptx)]
-
-
-@pytest.fixture(scope="module")
-def ptxas():
-    exe = find_ptxas()
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("ptxas not found (CI is set)")
-        pytest.skip("ptxas not found")
-    return exe
 
 
 @pytest.mark.parametrize("fmt", QUANT)

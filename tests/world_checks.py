@@ -1,6 +1,9 @@
-"""Helpers shared by the world tests (GPU test files and the simulator tests)."""
+"""Helpers shared by the world tests (GPU test files and the simulator tests), and the
+check that a command-line import stays light."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -52,3 +55,17 @@ def only_rank0_records(world, toks, ids):
 def kinds(records) -> set:
     """``(kernel, role, buffer)`` of each record."""
     return {(r.kernel, r.role, r.buffer) for r in records}
+
+
+def assert_imports_light(code: str, repo: str) -> None:
+    """Run ``code`` in a fresh interpreter (``PYTHONPATH=repo``); it must print the sorted
+    list of heavy modules it loaded, and that list must be empty."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-c", code + "; print(sorted(x for x in ('torch', "
+                          "'cupy', 'matplotlib', 'cuda.core', 'backends.cuda') "
+                          "if x in sys.modules))"], capture_output=True, text=True, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": repo}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
