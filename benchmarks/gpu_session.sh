@@ -3,7 +3,10 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all]   (default all)
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency]
+#
+# (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
+# "latency": the round trip from 1 to 128 tokens per rank)
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
 # under `timeout 590`, or two calls, "tests" then "bench", when the budget is tight.
@@ -50,6 +53,25 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         bench "$fmt" 90 --set format=$fmt --tokens 128,4096 --no-baseline --no-post-check
     done
     bench zipf 90 --tokens 4096 --routing zipf --variant default \
+        --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+fi
+if [ "$what" = formats ]; then
+    # the quantising formats alone: their GPU tests, the quantiser's broadcast pattern with
+    # 1, 2 and 4 items in flight (no protocol), then their round trips
+    step formats-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_formats_gpu.py
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/formats-tests.log" | tail -15 \
+        | sed 's/^/    /'
+    step broadcast-formats 120 python3 benchmarks/experiments/broadcast_bw.py \
+        --format NVFP4 --format BlockwiseFP8 --json "$OUT/broadcast-formats.json"
+    sed 's/^/    /' "$OUT/broadcast-formats.log"
+    for fmt in NVFP4 BlockwiseFP8; do
+        bench "$fmt" 90 --set format=$fmt --tokens 128,4096 --no-baseline --no-post-check
+    done
+fi
+if [ "$what" = latency ]; then
+    # the round trip's floor: decode-sized calls down to one token per rank
+    bench latency 150 --sweep-tokens 1,4,16,64,128 --variant default --variant fused \
         --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
 fi
 exit $status

@@ -107,10 +107,19 @@ def test_fp8_wait_pads_and_transposes():
     text = ir.print_module(epgen.build_module(cfg))
     wait = text[text.index("kernel ep_dispatch_wait"):]
     assert "shared pad_totals[128]" in wait
-    # rows rounded up to 4 per expert, scale g of row r at (g * output_scales_rows + r) * 4
+    # rows rounded up to 4 per expert, scale g of row r at (g * output_scales_rows + r) * 4,
+    # stored a tile at a time: adjacent threads take adjacent rows (ts_j = i % 128) of one
+    # scale vector, whose message address lane 0 left in shared memory
     assert "mul(div(add(sub(%pad_hi, %pad_lo), 3:u32), 4:u32), 4:u32)" in wait
-    assert ("st.global [ptradd($output_scales, mul(add(mul(cvt.u64(%rs_g), "
-            "cvt.u64($output_scales_rows)), cvt.u64(%row)), 4:u64))]") in wait
+    assert "st.shared [ptradd(&tile_msgs, cvt.u64(mul(%j, 8:u32)))], %msg" in wait
+    assert "%ts_j:u32 = rem(%ts_i, 128:u32)" in wait
+    assert "%ts_row:u32 = add(%tile_row0, %ts_j)" in wait
+    for q in range(4):
+        g = "cvt.u64(%ts_g)" if q == 0 else f"cvt.u64(add(%ts_g, {q}:u32))"
+        assert (f"st.global [ptradd($output_scales, mul(add(mul({g}, "
+                f"cvt.u64($output_scales_rows)), cvt.u64(%ts_row)), 4:u64))], "
+                f"extract(%ts_w, {q})") in wait
+    assert "rs_g" not in wait          # no per-message scale stores left
 
 
 @pytest.mark.parametrize("fmt", QUANT)

@@ -263,6 +263,24 @@ class TokenFormat:
         raise NotImplementedError(
             f"{type(self).__name__}.emit_copy_msg_to_output is not implemented")
 
+    #: True: dispatch_wait copies the scales of a whole tile at once, after its messages'
+    #: payloads (``emit_copy_tile_scales``), and ``emit_copy_msg_to_output`` takes
+    #: ``scales=False``; the message addresses of the tile wait in shared memory
+    #: (``tile_smem_bytes``)
+    copies_scales_per_tile = False
+
+    def tile_smem_bytes(self, tile_tokens: int) -> int:
+        """Shared bytes dispatch_wait keeps per tile for ``emit_copy_tile_scales``: one u64
+        message address per tile token, or 0."""
+        return 8 * tile_tokens if self.copies_scales_per_tile else 0
+
+    def emit_copy_tile_scales(self, r, tile_msgs, row0, n_rows, tile_tokens, first, stride):
+        """IR of the tile-wide scale copy (``copies_scales_per_tile``): the tile's ``n_rows``
+        messages (u64 addresses at ``tile_msgs``, shared) land in output rows ``row0 + j``;
+        this thread takes work items ``first, first + stride, ...``."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.emit_copy_tile_scales is not implemented")
+
     def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
         """IR of ``pad_expert_offsets`` (the whole dispatch_wait aux block, after the prefix
         sum; ``comm_barrier_id`` as the caller's ``comm_sync``). Default: no padding."""

@@ -20,6 +20,8 @@ Host side: the inputs are bfloat16 (uint16 bits); output rows are uint8 (``out_r
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 import ml_dtypes
 import numpy as np
@@ -33,6 +35,9 @@ from .bf16 import bf16_bits
 from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
 
 ITEM_ELEMS = 8               # bf16 elements per 16-byte input load (reference src_width)
+#: 16-byte input items each lane of the warp send path loads before quantising them
+#: (``emit_broadcast_token``; benchmarks/experiments/broadcast_bw.py --format sweeps it)
+QUANT_ITEMS_IN_FLIGHT = 2
 
 
 @attrs.frozen
@@ -244,10 +249,11 @@ class BlockScaledFormat(TokenFormat):
         self._quantize_token(r, src_row, first, stride,
                              lambda off, value: r.store(msg + off, value))
 
-    def emit_broadcast_token(self, r, src_row, dsts):
+    def emit_broadcast_token(self, r, src_row, dsts, unroll: int | None = None):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
-        32, ...``, as ``emit_copy_token_to_send_buf``) and stores each item's payload and
-        each group scale to every non-zero destination of ``dsts`` (``K`` stores each)."""
+        32, ...``, ``unroll`` of them in flight, as ``emit_copy_token_to_send_buf``) and
+        stores each item's payload and each group scale to every non-zero destination of
+        ``dsts`` (``K`` stores each)."""
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) for k, d in enumerate(dsts)]
 
         def store_all(off, value):
@@ -255,42 +261,57 @@ class BlockScaledFormat(TokenFormat):
                 with r.if_(ok):
                     r.store(ir.Cast(T.ptr_global, d + off), value)
 
-        self._quantize_token(r, src_row, r.lane, 32, store_all)
+        self._quantize_token(r, src_row, r.lane, 32, store_all,
+                             QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll)
 
-    def _quantize_token(self, r, src_row, first, stride, store):
+    def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1):
         """The quantising loop of both send paths; ``store(byte offset in the message,
-        value)`` writes one payload item or group scale."""
+        value)`` writes one payload item or group scale. Each trip loads ``unroll`` items
+        (``first + j * stride``, ``j < unroll``) before quantising any of them, so that many
+        16-byte loads per lane are in flight."""
+        if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+            raise ValueError(f"{self.name}: unroll (items in flight per lane) must be a "
+                             f"positive integer, got {unroll!r}")
         n_items = self.hid_dim // ITEM_ELEMS
         lanes = self.group_size // ITEM_ELEMS
         item_out = ITEM_ELEMS * self.element_bits // 8
         vec = T.vec(T.u32, 4)
-        with r.for_range("q_warp_item", first - r.lane, n_items, stride) as warp_item:
-            item = r.let("q_item", warp_item + r.lane)
-            src = src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES
+        with r.for_range("q_warp_item", first - r.lane, n_items, stride * unroll) as warp_item:
+            items = [r.let("q_item", warp_item + r.lane + j * stride) for j in range(unroll)]
             # nc.L2::256B is inline PTX: LLVM splits a plain invariant v4 load whose lanes are
             # used one by one into scalar loads and drops the .nc on re-vectorising them
-            words = r.load(src, vec, cache=CacheHint.NC_L2_256, name="q_in")
-            xs = bf16x8_to_f32(r, words)
-            amax = abs_max(r, xs)
-            group_max(r, amax, lanes)
-            payload, scale = self.emit_item_quant(r, xs, amax)
-            with r.if_(item < n_items):
-                store(item.cast(T.u64) * item_out,
-                      payload[0] if len(payload) == 1
-                      else ir.Pack(T.vec(T.u32, len(payload)), tuple(payload)))
-                with r.if_((r.lane % lanes).eq(0)):
-                    value = scale if self.scale_bytes == 4 else ir.as_expr(scale).cast(T.u8)
-                    store(self.scales_offset + (item // lanes).cast(T.u64) * self.scale_bytes,
-                          value)
+            loaded = [r.load(src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES, vec,
+                             cache=CacheHint.NC_L2_256, name="q_in") for item in items]
+            for item, words in zip(items, loaded):
+                xs = bf16x8_to_f32(r, words)
+                amax = abs_max(r, xs)
+                group_max(r, amax, lanes)
+                payload, scale = self.emit_item_quant(r, xs, amax)
+                with r.if_(item < n_items):
+                    store(item.cast(T.u64) * item_out,
+                          payload[0] if len(payload) == 1
+                          else ir.Pack(T.vec(T.u32, len(payload)), tuple(payload)))
+                    with r.if_((r.lane % lanes).eq(0)):
+                        value = scale if self.scale_bytes == 4 else ir.as_expr(scale).cast(T.u8)
+                        store(self.scales_offset + (item // lanes).cast(T.u64)
+                              * self.scale_bytes, value)
 
-    def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
+    @property
+    def copies_scales_per_tile(self) -> bool:
+        """Transposed scales are copied a tile at a time (``emit_copy_tile_scales``)."""
+        return self.scales_transposed
+
+    def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
-        ``row`` (lane-strided 16-byte vectors) and the scales into ``output_scales`` (a kernel
-        parameter): transposed ``[groups, output_scales_rows]`` with one ``st.global.b32`` per
-        scale, or row-major ``[M, groups]`` with lane-strided copies."""
+        ``row`` (lane-strided 16-byte vectors) and, unless ``scales`` is False, the scales into
+        ``output_scales`` (a kernel parameter): transposed ``[groups, output_scales_rows]``
+        with one ``st.global.b32`` per scale, or row-major ``[M, groups]`` with lane-strided
+        copies."""
         from ..kernels.common import copy_vectors
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
         copy_vectors(r, dst, msg, self.payload_bytes // VECTOR_BYTES, r.lane, 32, tag="recv")
+        if not scales:
+            return
         out_scales = kernel_param(r, "output_scales", T.ptr_global)
         src = msg + self.scales_offset
         if self.scales_transposed:
@@ -310,6 +331,37 @@ class BlockScaledFormat(TokenFormat):
         with r.for_range("rs_i", r.lane, nbytes // width, 32) as i:
             r.store(dst + i.cast(T.u64) * width,
                     r.load(src + i.cast(T.u64) * width, dtype, name="rs_v"))
+
+    def emit_copy_tile_scales(self, r, tile_msgs, row0, n_rows, tile_tokens, first, stride):
+        """The transposed scales of a whole tile, so that the stores coalesce: work item
+        ``i`` is tile row ``j = i % tile_tokens`` and scale vector ``v = i // tile_tokens``
+        (16 bytes: ``16 // scale_bytes`` groups). The thread loads the row's message address
+        (``ld.shared.u64``) and the vector (``ld.global.v4.b32``), then stores each group
+        ``g`` to ``output_scales[g, row0 + j]`` (``st.global.b32``): 32 adjacent rows of one
+        group per warp store, where the per-message copy writes 32 groups ``4 *
+        output_scales_rows`` bytes apart."""
+        if not self.scales_transposed or self.scale_bytes != 4:
+            raise NotImplementedError(f"{self.name}: the tile-wide scale copy handles "
+                                      f"transposed 4-byte scales only")
+        out_scales = kernel_param(r, "output_scales", T.ptr_global)
+        m = kernel_param(r, "output_scales_rows", T.u32).cast(T.u64)
+        per_vec = VECTOR_BYTES // self.scale_bytes
+        n_vec = -(-self.n_scale_groups // per_vec)
+        with r.for_range("ts_i", first, n_vec * tile_tokens, stride) as i:
+            j = r.let("ts_j", i % tile_tokens)
+            with r.if_(j < n_rows):
+                v = r.let("ts_v", i // tile_tokens)
+                msg = r.load(tile_msgs + (j * 8).cast(T.u64), T.u64, name="ts_msg", peer=True)
+                words = r.load(ir.Cast(T.ptr_global, msg) + self.scales_offset
+                               + v.cast(T.u64) * VECTOR_BYTES, T.vec(T.u32, 4), name="ts_w")
+                row = r.let("ts_row", row0 + j).cast(T.u64)
+                ragged = self.n_scale_groups % per_vec   # the last vector holds padding
+                g0 = r.let("ts_g", v * per_vec)
+                for q in range(per_vec):
+                    g = g0 + q if q else g0
+                    with r.if_(g < self.n_scale_groups) if ragged else contextlib.nullcontext():
+                        r.store(out_scales + (g.cast(T.u64) * m + row) * self.scale_bytes,
+                                ir.Extract(words, q))
 
     def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
         """``pad_expert_offsets``: no padding (``expert_m_padding == 1``)."""

@@ -149,8 +149,11 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
 
 def copy_scratch_bytes(cfg) -> int:
     """Shared scratch bytes of ``copy_received_tokens_to_output`` (its dynamic shared memory
-    past ``comm_smem_base`` when that is given): the rank prefixes and the tile values."""
-    return -(-4 * max(cfg.n_ranks, 1) // 16) * 16 + 16
+    past ``comm_smem_base`` when that is given): the rank prefixes, the tile values and the
+    format's per-tile message addresses (``tile_smem_bytes``)."""
+    fmt = cfg.token_fmt
+    tile = -(-fmt.tile_smem_bytes(fmt.dispatch_wait_tile_shape[0]) // 16) * 16
+    return -(-4 * max(cfg.n_ranks, 1) // 16) * 16 + 16 + tile
 
 
 def check_l1_release(cfg, l1_arrival_ptr, token_block: int, atomic_pad: int, delta: int):
@@ -206,7 +209,10 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     ``w, w + n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
     rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]``
     of block ``[e, r]``; the format copies the payload and the lane whose top-k id is this
-    expert writes ``src_info[row] = (source index, k)``. The last block to finish lowers the
+    expert writes ``src_info[row] = (source index, k)``. A format that copies scales per tile
+    (``copies_scales_per_tile``: transposed scales) gets each message's address in shared
+    memory (lane 0, ``st.shared.u64``) and, after the tile's barrier, the whole role copies
+    the tile's scales (``emit_copy_tile_scales``). The last block to finish lowers the
     flag. With ``fused_shared_expert`` expert ``e``'s rows start at ``row_offsets[e + 1]``.
 
     Fused-kernel role parameters: the role's ``ThreadRange`` is ``comm_thread_base`` /
@@ -232,6 +238,8 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     scratch = Scratch(kb, comm_smem_base)
     prefix = scratch.buffer("rank_prefix", 4 * max(R, 1))
     vals = scratch.buffer("tile_vals", 16)          # [start row, tile id, expert (L: done)]
+    tile_msgs = scratch.buffer("tile_msgs", fmt.tile_smem_bytes(TT)) \
+        if fmt.copies_scales_per_tile else None
     with r.if_(r.tid.eq(0)):
         r.spin_wait(_word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
                     buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
@@ -285,7 +293,12 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
             slot = ((e * R + rank_coord) * lay.block_capacity + (tok - base_r)).cast(T.u64)
             msg = r.let("msg", p.recv_buf_p + slot * lay.msg_bytes, peer=not cfg.skip_a2a)
             row = r.let("row", start + tok)
-            fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens)
+            if tile_msgs is None:
+                fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens)
+            else:
+                with r.if_(r.lane.eq(0)):
+                    r.store(tile_msgs + (j * 8).cast(T.u64), msg)
+                fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens, scales=False)
             with r.if_(r.lane < K):
                 gid = r.load(msg + fmt.topk_info_offset + (r.lane * 2).cast(T.u64), T.u16,
                              name="gid16")
@@ -294,6 +307,12 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                     r.store(_word(p.src_info, row * 2), src_idx)
                     r.store(_word(p.src_info, row * 2 + 1), r.lane)
         comm_sync(r, comm_barrier_id)
+        if tile_msgs is not None:
+            # the next tile's addresses are stored only after warp 0's claim barrier
+            fmt.emit_copy_tile_scales(r, tile_msgs, r.let("tile_row0", start + ts), n_in_tile,
+                                      TT, r.tid, r.n_threads)
+            if emit_l1_release:
+                comm_sync(r, comm_barrier_id)
         if emit_l1_release:
             emit_l1_arrival_release(r, l1_arrival_ptr, e, n_in_tile, l1_release_token_block,
                                     l1_release_atomic_pad, l1_release_delta)
