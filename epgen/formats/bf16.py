@@ -132,11 +132,11 @@ class BF16Format(TokenFormat):
 
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output
-        row ``row`` (lane-strided 16-byte vectors)."""
+        row ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``)."""
         from ir import types as T
-        from ..kernels.common import copy_vectors
+        from ..kernels.common import warp_copy
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
-        copy_vectors(r, dst, msg, 2 * self.hid_dim // VECTOR_BYTES, r.lane, 32, tag="recv")
+        warp_copy(r, dst, msg, 2 * self.hid_dim // VECTOR_BYTES, tag="recv")
 
     def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
         """``pad_expert_offsets``: BF16 rows are not padded (no code)."""

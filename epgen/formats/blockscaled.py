@@ -330,13 +330,13 @@ class BlockScaledFormat(TokenFormat):
 
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
-        ``row`` (lane-strided 16-byte vectors) and, unless ``scales`` is False, the scales into
+        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``) and, unless ``scales`` is False, the scales into
         ``output_scales`` (a kernel parameter): transposed ``[groups, output_scales_rows]``
         with one ``st.global.b32`` per scale, or row-major ``[M, groups]`` with lane-strided
         copies."""
-        from ..kernels.common import copy_vectors
+        from ..kernels.common import copy_vectors, warp_copy
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
-        copy_vectors(r, dst, msg, self.payload_bytes // VECTOR_BYTES, r.lane, 32, tag="recv")
+        warp_copy(r, dst, msg, self.payload_bytes // VECTOR_BYTES, tag="recv")
         if not scales:
             return
         out_scales = kernel_param(r, "output_scales", T.ptr_global)

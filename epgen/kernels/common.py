@@ -22,10 +22,11 @@ def word(base, index, nbytes: int = 4):
 
 
 def copy_vectors(r: ir.RoleBuilder, dst, src, n_vec, first, stride, *, unroll: int = 4,
-                 nc: bool = False, tag: str = "cp"):
+                 nc: bool = False, tag: str = "cp", tail: bool = True):
     """Copy ``n_vec`` 16-byte vectors ``src -> dst``; this thread takes vectors ``first,
     first + stride, ...`` and keeps ``unroll`` loads in flight (``ld.global{.nc}.v4.b32`` then
-    ``st.global.v4.b32``). ``n_vec``, ``first`` and ``stride`` are u32."""
+    ``st.global.v4.b32``). ``n_vec``, ``first`` and ``stride`` are u32. ``tail=False`` omits
+    the one-at-a-time loop after the unrolled one (the caller knows it never runs)."""
     hint = CacheHint.NC if nc else CacheHint.NONE
     i = r.var(f"{tag}_i", T.u32, first)
     if unroll > 1:
@@ -35,10 +36,38 @@ def copy_vectors(r: ir.RoleBuilder, dst, src, n_vec, first, stride, *, unroll: i
             for u, v in enumerate(vals):
                 r.store(dst + (i + stride * u).cast(T.u64) * VEC_BYTES, v)
             r.assign(i, i + stride * unroll)
+    if not tail and unroll > 1:
+        return
     with r.while_(i < n_vec):
         v = r.load(src + i.cast(T.u64) * VEC_BYTES, VEC, cache=hint, name=f"{tag}_t")
         r.store(dst + i.cast(T.u64) * VEC_BYTES, v)
         r.assign(i, i + stride)
+
+
+#: 16-byte loads each lane of a warp copy (``warp_copy``) keeps in flight; None: the largest
+#: divisor <= 8 of the lane's share, so the copy has no tail trip
+RECV_LOADS_IN_FLIGHT = None
+
+
+def warp_copy_unroll(n_vec: int) -> int:
+    """Loads in flight per lane for a warp copy of ``n_vec`` vectors: ``RECV_LOADS_IN_FLIGHT``
+    when set, else the largest divisor <= 8 of ``n_vec / 32`` when the lanes' share is even
+    (BF16 H=7168: 28 per lane, 7 in flight, 4 trips), else 4."""
+    if RECV_LOADS_IN_FLIGHT is not None:
+        return RECV_LOADS_IN_FLIGHT
+    if n_vec % 32:
+        return 4
+    share = n_vec // 32
+    return max(d for d in range(1, 9) if share % d == 0)
+
+
+def warp_copy(r: ir.RoleBuilder, dst, src, n_vec: int, tag: str = "cp"):
+    """The calling warp copies ``n_vec`` 16-byte vectors ``src -> dst``, lane ``l`` vectors
+    ``l, l + 32, ...``, ``warp_copy_unroll(n_vec)`` loads in flight (``ld.global.v4.b32``
+    then ``st.global.v4.b32``); no tail loop when the unrolled trips cover every vector."""
+    unroll = warp_copy_unroll(n_vec)
+    copy_vectors(r, dst, src, n_vec, r.lane, 32, unroll=unroll, tag=tag,
+                 tail=n_vec % (32 * unroll) != 0)
 
 
 def warp_inclusive_scan(r: ir.RoleBuilder, value, name: str = "scan") -> ir.Var:
