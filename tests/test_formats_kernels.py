@@ -149,3 +149,71 @@ def test_ir_text_round_trips(fmt):
     module = module_and_ptx(SHAPES[0], fmt)[0]
     text = ir.print_module(module)
     assert ir.parse_module(text) == module
+
+
+def test_fp8_tile_scales_guard_the_padding_groups():
+    # H = 384: 3 scale groups in one 16-byte vector, so the fourth lane of the vector is
+    # message padding and must not be stored; H = 512 fills the vector (no guard)
+    for H, guarded in ((384, True), (512, False)):
+        cfg = make_cfg((2, 16, H, 4, 32, 256, 9), "BlockwiseFP8")
+        text = ir.print_module(epgen.build_module(cfg))
+        start = text.index("kernel ep_dispatch_wait")
+        end = text.find("kernel ", start + 1)
+        wait = text[start:end if end > 0 else None]
+        assert ("if lt(add(%ts_g, 3:u32), 3:u32)" in wait) is guarded, H
+        assert wait.count("extract(%ts_w, ") == 4
+
+
+def test_tile_scale_scratch_is_counted_for_the_fused_kernel():
+    from epgen.kernels.dispatch_wait import copy_scratch_bytes
+    base = copy_scratch_bytes(make_cfg(SHAPES[0], "BF16"))
+    for fmt in QUANT:
+        want = base + (8 * 128 if fmt == "BlockwiseFP8" else 0)   # one address per tile row
+        assert copy_scratch_bytes(make_cfg(SHAPES[0], fmt)) == want, fmt
+
+
+@pytest.mark.parametrize("share,want", [(28, 7), (14, 7), (7, 7), (16, 8), (1, 1), (11, 1)])
+def test_warp_copy_keeps_the_lanes_share_in_flight(share, want):
+    from epgen.kernels import common
+    assert common.warp_copy_unroll(32 * share) == want
+    assert common.warp_copy_unroll(32 * share + 16) == 4      # uneven share: 4 and a tail
+
+
+def test_warp_copy_override(monkeypatch):
+    from epgen.kernels import common
+    monkeypatch.setattr(common, "RECV_LOADS_IN_FLIGHT", 2)
+    assert common.warp_copy_unroll(896) == 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(unroll=0), "unroll .* must be a positive integer"),
+    (dict(unroll=True), "unroll .* must be a positive integer"),
+    (dict(unroll=2, prefetch=True), "prefetch needs unroll == 1"),
+])
+def test_quantiser_refuses_bad_items_in_flight(kwargs, match):
+    fmt = make_format("NVFP4", 256, 4)
+    kb = ir.KernelBuilder("q", 32)
+    src = kb.param("src", ir.types.ptr_global)
+    with kb.role("all") as r:
+        with pytest.raises(ValueError, match=match):
+            fmt.emit_broadcast_token(r, src, [ir.Const(0, ir.types.u64)] * 4, **kwargs)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_quantiser_items_in_flight(prefetch):
+    # unroll 2: both items' loads come before the first item's quantisation; prefetch: the
+    # next trip's load comes before the current item's
+    fmt = make_format("BlockwiseFP8", 1024, 2)
+    kb = ir.KernelBuilder("q", 32)
+    src = kb.param("src", ir.types.ptr_global)
+    dst = kb.param("dst", ir.types.u64)
+    with kb.role("all") as r:
+        fmt.emit_broadcast_token(r, src, [dst, dst], unroll=1 if prefetch else 2,
+                                 prefetch=prefetch)
+    text = ir.print_module(ir.Module("q", (kb.build(),)))
+    loop = text[text.index("for %q_warp_item"):]
+    first_quant = loop.index("div(")
+    loads = [m.start() for m in re.finditer(r"= ld\.global\.nc\.L2::256B", loop)]
+    assert len(loads) == (1 if prefetch else 2) and all(a < first_quant for a in loads)
+    if prefetch:
+        assert "%q_first" in text and "%q_cur = %q_next" in loop
