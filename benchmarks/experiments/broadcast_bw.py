@@ -9,8 +9,7 @@ n_warps, ...``; lanes ``k < K`` load row ``rows[t, k]`` and the addresses reach 
 ``shfl``; then ``BF16Format.emit_broadcast_token`` (4 loads in flight, ``K`` stores each).
 ``--format NVFP4`` (or ``BlockwiseFP8``, ``MXFP8``) times a quantising format's broadcast
 instead (its ``emit_broadcast_token``: quantise once, store payload and scales ``K`` times)
-with 1 or 2 items loaded per trip, or 1 and the next trip's item prefetched, at 512 and 1024
-threads per block. ``--unroll-sweep`` times the loads in flight per lane (the kernel asks for the residency
+with 1 or 2 items loaded per trip, at 512 and 1024 threads per block. ``--unroll-sweep`` times the loads in flight per lane (the kernel asks for the residency
 its grid needs, ``.minnctapersm``, as the world does). Bytes: each token read once, each of its ``K`` rows written once. Every case is timed
 interleaved with a CuPy device-to-device copy of 1 GiB (median of CUDA-event timings).
 """
@@ -30,8 +29,7 @@ H = 7168
 ROW = 2 * H
 
 
-def build_broadcast(threads: int, k: int, unroll: int = 4, fmt_name: str = "BF16",
-                    prefetch: bool = False):
+def build_broadcast(threads: int, k: int, unroll: int = 4, fmt_name: str = "BF16"):
     """The kernel ``bcast``: BF16 rows copied, or a quantising format's payload and scales
     (``fmt_name``; rows ``fmt.token_size`` bytes apart, ``unroll`` items in flight)."""
     import ir
@@ -56,8 +54,7 @@ def build_broadcast(threads: int, k: int, unroll: int = 4, fmt_name: str = "BF16
                              cache=CacheHint.NC, name="row")
                 r.assign(addr, ir.Cast(T.u64, dst + row.cast(T.u64) * out_row))
             dsts = [r.shfl(ShflMode.IDX, addr, j, name=f"d{j}") for j in range(k)]
-            extra = {"prefetch": prefetch} if fmt_name != "BF16" else {}
-            fmt.emit_broadcast_token(r, src + t.cast(T.u64) * ROW, dsts, unroll=unroll, **extra)
+            fmt.emit_broadcast_token(r, src + t.cast(T.u64) * ROW, dsts, unroll=unroll)
     return kb.build()
 
 
@@ -76,7 +73,7 @@ def main(argv=None):
                     help="K=8 only: loads in flight per lane 2, 4, 7, 8")
     ap.add_argument("--format", action="append", default=[],
                     help="a quantising format (BlockwiseFP8, NVFP4, MXFP8; repeatable): K=8, "
-                         "1 or 2 items per trip, or 1 plus a prefetch; the token quantised once and "
+                         "1 or 2 items per trip; the token quantised once and "
                          "stored K times (emit_broadcast_token)")
     args = ap.parse_args(argv)
 
@@ -114,15 +111,14 @@ def main(argv=None):
     if args.unroll_sweep:
         cases = [(8, "permuted", threads, blocks, u) for u in (2, 4, 7, 8)
                  for threads, blocks in ((512, 2 * sms), (1024, sms))]
-    cases = [c + ("BF16", False) for c in cases]
+    cases = [c + ("BF16",) for c in cases]
     if args.format:
-        cases = [(8, "permuted", threads, blocks, u, f, pf) for f in args.format
-                 for threads, blocks in ((512, 2 * sms), (1024, sms))
-                 for u, pf in ((1, False), (2, False), (1, True))]
-    for k, lay, threads, blocks, unroll, fmt_name, prefetch in cases:
-        key = (threads, k, unroll, fmt_name, prefetch)
+        cases = [(8, "permuted", threads, blocks, u, f) for f in args.format
+                 for threads, blocks in ((512, 2 * sms), (1024, sms)) for u in (1, 2)]
+    for k, lay, threads, blocks, unroll, fmt_name in cases:
+        key = (threads, k, unroll, fmt_name)
         if key not in progs:
-            kern = attrs.evolve(build_broadcast(threads, k, unroll, fmt_name, prefetch),
+            kern = attrs.evolve(build_broadcast(threads, k, unroll, fmt_name),
                                 min_blocks_per_sm=-(-blocks // sms))
             progs[key] = Program(ir.Module("bcast", (kern,)))
         rows = cuda.to_device(layouts[lay](k))
@@ -136,12 +132,12 @@ def main(argv=None):
         nbytes = t * (ROW + k * out_row_bytes(fmt_name))
         copy_gbs = 2 * (1 << 30) / ms_c / 1e6
         res = {"format": fmt_name, "k": k, "rows": lay, "threads": threads, "blocks": blocks,
-               "unroll": unroll, "prefetch": prefetch, "ms": ms,
+               "unroll": unroll, "ms": ms,
                "gbps": nbytes / ms / 1e6, "copy_gbps": copy_gbs,
                "fraction_of_copy": nbytes / ms / 1e6 / copy_gbs}
         results.append(res)
         print(f"{fmt_name} K={k} rows={lay:10s} {threads:4d} threads x {blocks:3d} blocks, "
-              f"{unroll} in flight{' + prefetch' if prefetch else ''}: {ms:8.3f} ms "
+              f"{unroll} in flight: {ms:8.3f} ms "
               f"{res['gbps']:7.1f} GB/s = {res['fraction_of_copy']:.3f} of copy "
               f"({copy_gbs:.0f} GB/s)", flush=True)
     if args.json:

@@ -36,10 +36,10 @@ from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
 
 ITEM_ELEMS = 8               # bf16 elements per 16-byte input load (reference src_width)
 #: 16-byte input items each lane of the warp send path loads before quantising them
-#: (``emit_broadcast_token``; benchmarks/experiments/broadcast_bw.py --format sweeps it)
+#: (``emit_broadcast_token``). 1: on the H200, 2 spilled registers under the co-residency
+#: cap and ran slower, and prefetching the next item (commit cd5e691) gained nothing
+#: (benchmarks/experiments/broadcast_bw.py --format, docs/PERF.md)
 QUANT_ITEMS_IN_FLIGHT = 1
-#: the warp send path loads each lane's next item before quantising the current one
-QUANT_PREFETCH = False
 
 
 @attrs.frozen
@@ -251,13 +251,11 @@ class BlockScaledFormat(TokenFormat):
         self._quantize_token(r, src_row, first, stride,
                              lambda off, value: r.store(msg + off, value))
 
-    def emit_broadcast_token(self, r, src_row, dsts, unroll: int | None = None,
-                             prefetch: bool | None = None):
+    def emit_broadcast_token(self, r, src_row, dsts, unroll: int | None = None):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
-        32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` and ``prefetch`` as
-        ``_quantize_token``, default ``QUANT_ITEMS_IN_FLIGHT`` / ``QUANT_PREFETCH``) and
-        stores each item's payload and each group scale to every non-zero destination of
-        ``dsts`` (``K`` stores each)."""
+        32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
+        ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
+        every non-zero destination of ``dsts`` (``K`` stores each)."""
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) for k, d in enumerate(dsts)]
 
         def store_all(off, value):
@@ -266,42 +264,25 @@ class BlockScaledFormat(TokenFormat):
                     r.store(ir.Cast(T.ptr_global, d + off), value)
 
         self._quantize_token(r, src_row, r.lane, 32, store_all,
-                             QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll,
-                             QUANT_PREFETCH if prefetch is None else prefetch)
+                             QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll)
 
-    def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1,
-                        prefetch: bool = False):
+    def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1):
         """The quantising loop of both send paths; ``store(byte offset in the message,
         value)`` writes one payload item or group scale. Each trip loads ``unroll`` items
-        (``first + j * stride``, ``j < unroll``) before quantising any of them; with
-        ``prefetch`` (``unroll`` 1 only) each trip first loads the next trip's item, so one
-        more 16-byte load per lane is in flight for 4 more registers (the last trip's
-        prefetch re-reads the token's last item)."""
+        (``first + j * stride``, ``j < unroll``) before quantising any of them."""
         if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
             raise ValueError(f"{self.name}: unroll (items in flight per lane) must be a "
                              f"positive integer, got {unroll!r}")
-        if prefetch and unroll != 1:
-            raise ValueError(f"{self.name}: prefetch needs unroll == 1, got {unroll!r}")
         n_items = self.hid_dim // ITEM_ELEMS
         vec = T.vec(T.u32, 4)
-
-        def load_item(item, name="q_in"):
-            # nc.L2::256B is inline PTX: LLVM splits a plain invariant v4 load whose lanes are
-            # used one by one into scalar loads and drops the .nc on re-vectorising them
-            return r.load(src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES, vec,
-                          cache=CacheHint.NC_L2_256, name=name)
-
-        cur = r.var("q_cur", vec, load_item(first, "q_first")) if prefetch else None
         with r.for_range("q_warp_item", first - r.lane, n_items, stride * unroll) as warp_item:
             items = [r.let("q_item", warp_item + r.lane + j * stride) for j in range(unroll)]
-            if prefetch:
-                nxt = load_item(items[0] + stride, "q_next")
-                self._quantize_item(r, items[0], cur, store)
-                r.assign(cur, nxt)
-            else:
-                loaded = [load_item(item) for item in items]
-                for item, words in zip(items, loaded):
-                    self._quantize_item(r, item, words, store)
+            # nc.L2::256B is inline PTX: LLVM splits a plain invariant v4 load whose lanes are
+            # used one by one into scalar loads and drops the .nc on re-vectorising them
+            loaded = [r.load(src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES, vec,
+                             cache=CacheHint.NC_L2_256, name="q_in") for item in items]
+            for item, words in zip(items, loaded):
+                self._quantize_item(r, item, words, store)
 
     def _quantize_item(self, r, item, words, store):
         """One 16-byte input item ``words`` (8 bf16) of index ``item``: its group maximum
