@@ -143,6 +143,7 @@ def fake_p2p_cuda(state: GpuState):
     m.get_device = lambda device=None: FakeGpu(state, int(device or 0))
     m.arch = lambda device=None: "sm_90"
     m.pointer_device = lambda x: getattr(x, "device", None)
+    m.record_event = lambda stream: stream.record()
     return m
 
 

@@ -99,6 +99,7 @@ def fake_cuda(sim: Sim) -> types.ModuleType:
 
     m.to_device = to_device
     m.sm_count = lambda device=None: 132
+    m.record_event = lambda stream: stream.record()
     m.gpu_available = lambda: False
     return m
 

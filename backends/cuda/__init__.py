@@ -22,8 +22,8 @@ from .module import (KernelAttributes, LoadedKernel, LoadedModule, kernel_attrib
                      max_active_blocks_per_sm, set_max_dynamic_shared_memory)
 from .stream import (Timer, arch, as_stream, can_access_peer, create_event, create_stream,
                      default_stream, device_count, driver_version, elapsed_ms,
-                     enable_peer_access, get_device, gpu_available, record, require_driver,
-                     sm_count, using_device)
+                     enable_peer_access, get_device, gpu_available, record, record_event,
+                     require_driver, sm_count, using_device)
 
 __all__ = [
     "CacheInfo", "CompileError", "CudaError", "CudaUnavailableError", "DeviceArray",
@@ -33,6 +33,6 @@ __all__ = [
     "default_cache_dir", "default_stream", "device_count", "driver_version", "elapsed_ms",
     "empty", "enable_peer_access", "get_device", "gpu_available", "kernel_attributes", "launch",
     "max_active_blocks_per_sm", "pack_arg", "pack_args", "peer_memory_resource",
-    "pointer_device", "record", "require_driver",
+    "pointer_device", "record", "record_event", "require_driver",
     "set_max_dynamic_shared_memory", "sm_count", "to_device", "using_device", "zeros",
 ]

@@ -295,11 +295,20 @@ def peer_memory_resource(device, peers=()):
 
 def pointer_device(obj) -> int | None:
     """The ordinal of the device whose memory ``obj`` (anything :func:`as_device_pointer`
-    accepts) lies in (``CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL``); None for a null pointer or
-    memory the driver does not know (e.g. pageable host memory)."""
+    accepts) lies in: a ``DeviceArray``'s device, a DLPack CUDA array's device id, else
+    ``CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL``; None for a null pointer or memory the driver
+    does not know (e.g. pageable host memory)."""
     address = as_device_pointer(obj)
     if not address:
         return None
+    # the array's own word first: on two H200s the driver answered 0 for a DeviceArray
+    # allocated from GPU 1's memory pool
+    if isinstance(obj, DeviceArray):
+        return int(obj.device.device_id)
+    if hasattr(obj, "__dlpack_device__"):
+        device_type, device_id = obj.__dlpack_device__()
+        if int(device_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
+            return int(device_id)
     drv = compat.driver()
     err, value = drv.cuPointerGetAttribute(
         drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, address)

@@ -15,7 +15,7 @@ from .errors import CudaError, CudaUnavailableError, check, cuda_errors
 
 __all__ = ["gpu_available", "require_driver", "device_count", "get_device", "using_device",
            "sm_count", "arch", "driver_version", "default_stream", "as_stream", "create_stream",
-           "create_event", "record", "elapsed_ms", "Timer", "enable_peer_access",
+           "create_event", "record", "record_event", "elapsed_ms", "Timer", "enable_peer_access",
            "can_access_peer"]
 
 _probe_result: tuple[bool, str] | None = None
@@ -154,12 +154,22 @@ def create_event(device=None, *, timing: bool = True):
         return dev.create_event(options=options)
 
 
-def record(stream, event=None):
-    """Record ``event`` (a new timing event when ``None``) on ``stream``; returns the event."""
+def record(stream, event=None, *, timing: bool = True):
+    """Record ``event`` (a new event, timing-enabled unless ``timing`` is False, when
+    ``None``) on ``stream``; returns the event. The stream's device is made current first:
+    cuda.core creates the event in the current context, and recording it on another
+    device's stream fails with ``CUDA_ERROR_INVALID_HANDLE`` (seen on two H200s)."""
     with cuda_errors("recording an event"):
+        stream.device.set_current()
         if event is None:
-            return stream.record(options=compat.core().EventOptions(timing_enabled=True))
+            return stream.record(options=compat.core().EventOptions(timing_enabled=timing))
         return stream.record(event)
+
+
+def record_event(stream):
+    """A new non-timing event recorded on ``stream`` (its device made current): what a
+    stream waits on to order work after another stream's, on any GPU."""
+    return record(stream, timing=False)
 
 
 def elapsed_ms(start, end) -> float:

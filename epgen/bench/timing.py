@@ -135,7 +135,7 @@ def fork_join(timing_stream, streams, gate, body) -> tuple[float, bool]:
     ``timing_stream`` (module docstring)."""
     from backends import cuda
     for s in streams:
-        timing_stream.wait(s.record())
+        timing_stream.wait(cuda.record_event(s))
     if gate is not None:
         gate.enqueue_core(timing_stream)
     start = cuda.record(timing_stream)
@@ -143,7 +143,7 @@ def fork_join(timing_stream, streams, gate, body) -> tuple[float, bool]:
         s.wait(start)
     body()
     for s in streams:
-        timing_stream.wait(s.record())
+        timing_stream.wait(cuda.record_event(s))
     end = cuda.record(timing_stream)
     overran = gate is not None and event_done(start)
     return cuda.elapsed_ms(start, end), overran

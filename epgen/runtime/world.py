@@ -321,7 +321,7 @@ class RankWorld:
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
             self._program_of(rk).launch(WAIT, self.cfg.n_sms, args, rk.stream)
-            rk.wait_done = rk.stream.record()
+            rk.wait_done = self.cuda.record_event(rk.stream)
 
     def dispatch_fused(self):
         """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
@@ -335,7 +335,7 @@ class RankWorld:
                 args["allreduce_world_size"] = len(self.rank_ids)
             self._program_of(rk).launch(FUSED, self.cfg.n_sms, args, rk.stream)
         for rk in self.ranks:
-            rk.wait_done = rk.stream.record()
+            rk.wait_done = self.cuda.record_event(rk.stream)
 
     def enqueue_round_trip(self):
         """Enqueue one round trip on every rank's stream: the fused single launch, or
