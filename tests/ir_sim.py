@@ -21,6 +21,7 @@ launch it depends on has finished.
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 import struct
@@ -112,6 +113,51 @@ def _scalar_value(data: bytes, dtype: T.DType):
     if dtype.kind == "pred":
         return bool(data[0])
     return int.from_bytes(data, "little")
+
+
+def _round_float(v, dtype: T.DType) -> float:
+    """``v`` rounded to ``dtype`` (f32: to nearest even, as the hardware's ``.rn`` results;
+    f64 as is)."""
+    import numpy as np
+    v = float(v)
+    return float(np.float32(v)) if dtype.bits == 32 else v
+
+
+def _float_binop(op, a: float, b: float, dtype: T.DType) -> float:
+    """PTX float arithmetic: ``add/sub/mul/div.rn`` (computed in double, then rounded once:
+    exact for these four in f32), ``min/max`` returning the non-NaN operand."""
+    if op is BinOpKind.MIN or op is BinOpKind.MAX:
+        if math.isnan(a):
+            return b
+        if math.isnan(b):
+            return a
+        return min(a, b) if op is BinOpKind.MIN else max(a, b)
+    if op is BinOpKind.ADD:
+        r = a + b
+    elif op is BinOpKind.SUB:
+        r = a - b
+    elif op is BinOpKind.MUL:
+        r = a * b
+    elif op is BinOpKind.DIV:
+        if b == 0:
+            r = math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) \
+                * math.copysign(1.0, b)
+        else:
+            r = a / b
+    else:
+        raise SimError(f"binop {op} on {dtype}")
+    return _round_float(r, dtype)
+
+
+def _e4m3(v: float) -> int:
+    """``cvt.rn.satfinite`` of one f32 to an e4m3 byte: nearest even, saturated to +-448,
+    NaN to 0x7F."""
+    import ml_dtypes
+    import numpy as np
+    if math.isnan(v):
+        return 0x7F
+    v = min(max(v, -448.0), 448.0)
+    return int(np.array(v, np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
 def _bits(t) -> int:
@@ -569,8 +615,8 @@ class Sim:
         f = self._fn
         if isinstance(e, N.Const):
             t = e.dtype
-            v = bool(e.value) if t.kind == "pred" else float(e.value) if t.kind == "f" \
-                else _mask(int(e.value), t.bits)
+            v = bool(e.value) if t.kind == "pred" else _round_float(e.value, t) \
+                if t.kind == "f" else _mask(int(e.value), t.bits)
             return lambda th: v
         if isinstance(e, N.Var):
             slot = self._slot(e)
@@ -641,6 +687,9 @@ class Sim:
         if isinstance(e, N.Pack):
             lanes = [f(x) for x in e.lanes]
             return lambda th: tuple(g(th) for g in lanes)
+        if isinstance(e, N.CvtE4M3x2):
+            fa, fb = f(e.a), f(e.b)
+            return lambda th: (_e4m3(fa(th)) << 8) | _e4m3(fb(th))
         raise SimError(f"the simulator does not evaluate {type(e).__name__}")
 
     # -- memory and arithmetic -----------------------------------------------------------------
@@ -728,9 +777,7 @@ class Sim:
             return {BinOpKind.AND: a and b, BinOpKind.OR: a or b,
                     BinOpKind.XOR: a != b}[op]
         if isinstance(dtype, T.DType) and dtype.kind == "f":
-            return {BinOpKind.ADD: a + b, BinOpKind.SUB: a - b, BinOpKind.MUL: a * b,
-                    BinOpKind.DIV: a / b if b else float("inf"), BinOpKind.MIN: min(a, b),
-                    BinOpKind.MAX: max(a, b)}[op]
+            return _float_binop(op, a, b, dtype)
         bits = _bits(dtype)
         signed = isinstance(dtype, T.DType) and dtype.kind == "s"
         sa, sb = (_signed(a, bits), _signed(b, bits)) if signed else (a, b)
@@ -766,6 +813,12 @@ class Sim:
     def _unop(self, op, a, dtype):
         if isinstance(dtype, T.DType) and dtype.kind == "pred" and op is UnOpKind.NOT:
             return not a
+        if isinstance(dtype, T.DType) and dtype.kind == "f":
+            if op is UnOpKind.ABS:
+                return math.fabs(a)
+            if op is UnOpKind.NEG:
+                return -a
+            raise SimError(f"unop {op} on {dtype}")
         bits = _bits(dtype)
         if op is UnOpKind.NEG:
             return _mask(-a, bits)
@@ -787,10 +840,15 @@ class Sim:
         if src.kind == "pred":
             return int(bool(v)) if dst.kind != "f" else float(bool(v))
         if dst.kind == "f":
-            return float(_signed(v, src.bits) if src.kind == "s" else v) \
-                if src.kind != "f" else float(v)
-        if src.kind == "f":
-            return _mask(int(v), dst.bits)
+            return _round_float(_signed(v, src.bits) if src.kind == "s" else v, dst) \
+                if src.kind != "f" else _round_float(v, dst)
+        if src.kind == "f":     # cvt.rzi: toward zero, saturating, NaN -> 0
+            if math.isnan(v):
+                return 0
+            lo, hi = (-(1 << (dst.bits - 1)), (1 << (dst.bits - 1)) - 1) \
+                if dst.kind == "s" else (0, (1 << dst.bits) - 1)
+            return _mask(int(min(max(math.trunc(v) if math.isfinite(v) else v, lo), hi)),
+                         dst.bits)
         if src.kind == "s" and src.bits < dst.bits:
             return _mask(_signed(v, src.bits), dst.bits)
         return _mask(v, dst.bits)

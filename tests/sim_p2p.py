@@ -27,7 +27,7 @@ from epgen.runtime import p2p_world as p2p_mod
 from ir.types import PtrType
 
 from ir_sim import Sim
-from sim_world import FakeArray, FakeStream, fake_cuda, patched_cuda
+from sim_world import FakeArray, FakeStream, fake_cuda, param_value, patched_cuda
 
 
 class PlacementError(AssertionError):
@@ -190,7 +190,7 @@ class FakeGpuProgram:
     def launch(self, name, grid, args, stream=None, shmem=0):
         self._check(name, args, stream)
         k = self.module.kernel(name)
-        params = {n: (v.ptr if isinstance(v, FakeArray) else int(v)) for n, v in args.items()}
+        params = {n: param_value(v) for n, v in args.items()}
         deps = ([stream.last] if stream.last is not None else []) + stream.waits
         stream.waits = []
         stream.last = self.state.sim.launch(k, grid, params, after=deps)

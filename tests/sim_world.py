@@ -104,6 +104,14 @@ def fake_cuda(sim: Sim) -> types.ModuleType:
     return m
 
 
+def param_value(v):
+    """A launch argument as the simulator holds it: an array's address, a float (f32
+    parameters such as NVFP4's ``input_scale``) or an int."""
+    if isinstance(v, FakeArray):
+        return v.ptr
+    return float(v) if isinstance(v, (float, np.floating)) else int(v)
+
+
 class FakeProgram:
     """``Program``'s interface (``launch``, ``blocks_per_sm``, ``module``, ``device``) on the
     simulator."""
@@ -117,7 +125,7 @@ class FakeProgram:
 
     def launch(self, name, grid, args, stream=None, shmem=0):
         k = self.module.kernel(name)
-        params = {n: (v.ptr if isinstance(v, FakeArray) else int(v)) for n, v in args.items()}
+        params = {n: param_value(v) for n, v in args.items()}
         deps = ([stream.last] if stream.last is not None else []) + stream.waits
         stream.waits = []
         stream.last = self.sim.launch(k, grid, params, after=deps)

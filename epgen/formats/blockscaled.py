@@ -309,18 +309,21 @@ class BlockScaledFormat(TokenFormat):
         """Transposed scales are copied a tile at a time (``emit_copy_tile_scales``)."""
         return self.scales_transposed
 
-    def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True):
+    def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True,
+                                out_scales=None):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
-        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``) and, unless ``scales`` is False, the scales into
-        ``output_scales`` (a kernel parameter): transposed ``[groups, output_scales_rows]``
-        with one ``st.global.b32`` per scale, or row-major ``[M, groups]`` with lane-strided
-        copies."""
+        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``) and, unless ``scales`` is
+        False, the scales into ``out_scales`` (default the kernel parameter
+        ``output_scales``; the final layout passes the destination rank's): transposed
+        ``[groups, output_scales_rows]`` with one ``st.global.b32`` per scale, or row-major
+        ``[M, groups]`` with lane-strided copies."""
         from ..kernels.common import copy_vectors, warp_copy
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
         warp_copy(r, dst, msg, self.payload_bytes // VECTOR_BYTES, tag="recv")
         if not scales:
             return
-        out_scales = kernel_param(r, "output_scales", T.ptr_global)
+        if out_scales is None:
+            out_scales = kernel_param(r, "output_scales", T.ptr_global)
         src = msg + self.scales_offset
         if self.scales_transposed:
             m = kernel_param(r, "output_scales_rows", T.u32)

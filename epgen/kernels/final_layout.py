@@ -45,7 +45,8 @@ LOW32 = 0xFFFFFFFF
 @attrs.frozen
 class FinalAsyncParams:
     """dispatch_async parameters added by ``ep_final_layout``: tables of every P2P rank's
-    grouped output and header array; the rank-local hand-off words (capacity-strided); with
+    grouped output and header array (and, for a format with output scales, its output
+    scales: ``scales_ptrs``); the rank-local hand-off words (capacity-strided); with
     ``ep_prod_reserve`` the table of every rank's prod buffer, this rank's mailboxes
     (``prod_gen_p``, the reference ``copy_and_send_tokens`` argument) and the generation."""
 
@@ -55,23 +56,25 @@ class FinalAsyncParams:
     prod_ptrs: ir.Param | None = None
     prod_gen_p: ir.Param | None = None
     prod_gen: ir.Param | None = None
+    scales_ptrs: ir.Param | None = None
 
 
 def declare_async_params(kb: ir.KernelBuilder, cfg) -> FinalAsyncParams | None:
     """The parameters of ``FinalAsyncParams``, or None without ``ep_final_layout``."""
     if not cfg.ep_final_layout:
         return None
+    tables = dict(out_ptrs=kb.param("out_ptrs", T.ptr_global),
+                  hdr_ptrs=kb.param("hdr_ptrs", T.ptr_global))
+    if cfg.token_fmt.out_scales is not None:
+        # the sender writes the scales of its rows into the destination's output scales
+        tables["scales_ptrs"] = kb.param("scales_ptrs", T.ptr_global)
     if cfg.ep_prod_reserve:
         return FinalAsyncParams(
-            out_ptrs=kb.param("out_ptrs", T.ptr_global),
-            hdr_ptrs=kb.param("hdr_ptrs", T.ptr_global),
+            **tables,
             prod_ptrs=kb.param("prod_ptrs", T.ptr_global),
             prod_gen_p=kb.param("prod_gen_p", T.ptr_global, peer=True),
             prod_gen=kb.param("prod_gen", T.u32))
-    return FinalAsyncParams(
-        out_ptrs=kb.param("out_ptrs", T.ptr_global),
-        hdr_ptrs=kb.param("hdr_ptrs", T.ptr_global),
-        base_handoff_p=kb.param("base_handoff_p", T.ptr_global))
+    return FinalAsyncParams(**tables, base_handoff_p=kb.param("base_handoff_p", T.ptr_global))
 
 
 def declare_wait_params(kb: ir.KernelBuilder, cfg) -> ir.Param | None:
@@ -196,8 +199,9 @@ def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_ran
     capacity-strided on the hand-off word ``co`` (``ld.acquire.gpu.global.b32`` until bit 31),
     with ``ep_prod_reserve`` on its mailbox ``co`` (``ld.acquire.sys.global.b64`` until the
     tag is ``prod_gen``); then row ``base + slot`` of the destination: the payload by the
-    format's ``copy_msg_to_output_tensor`` step into the destination's grouped output, and the
-    header fields (``st.global.v4.b32``) into its header array. A row past the output is never
+    format's ``copy_msg_to_output_tensor`` step into the destination's grouped output (its
+    scales, if any, into the destination's output scales: ``scales_ptrs``), and the header
+    fields (``st.global.v4.b32``) into its header array. A row past the output is never
     written (device guard)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     dst_p2p = dst_rank % cfg.p2p_world_size
@@ -214,8 +218,10 @@ def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_ran
     row = r.let("final_row", base + slot)
     out = load_pointer(r, fl.out_ptrs, dst_p2p, "out_dst")
     hdr = load_pointer(r, fl.hdr_ptrs, dst_p2p, "hdr_dst")
+    scales = {} if fl.scales_ptrs is None else \
+        {"out_scales": load_pointer(r, fl.scales_ptrs, dst_p2p, "scales_dst")}
     with r.if_(row < lay.max_out_rows):
-        fmt.emit_copy_msg_to_output(r, msg, row, out)
+        fmt.emit_copy_msg_to_output(r, msg, row, out, **scales)
         copy_vectors(r, hdr + row.cast(T.u64) * lay.hdr_bytes, msg + fmt.src_info_offset,
                      lay.hdr_bytes // 16, r.lane, 32, unroll=1, tag="hdr")
 

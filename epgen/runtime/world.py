@@ -221,13 +221,16 @@ class RankWorld:
         self.final_ptrs = {r: self._final_layout_tables(r) for r in ids}
 
     def _final_layout_tables(self, r: int) -> dict:
-        """``ep_final_layout`` pointer tables of rank ``r``: every P2P peer's grouped output
-        and header array (and prod buffer with ``ep_prod_reserve``)."""
+        """``ep_final_layout`` pointer tables of rank ``r``: every P2P peer's grouped output,
+        header array, output scales (a format with scales) and prod buffer (with
+        ``ep_prod_reserve``)."""
         cfg = self.cfg
         if not cfg.ep_final_layout:
             return {}
         out = {"out_ptrs": self._pointer_table(r, "out_tokens"),
                "hdr_ptrs": self._pointer_table(r, "hdr_buf")}
+        if cfg.token_fmt.out_scales is not None:
+            out["scales_ptrs"] = self._pointer_table(r, "out_scales")
         if cfg.ep_prod_reserve:
             out["prod_ptrs"] = self._pointer_table(r, "prod_buf")
         return out
