@@ -3,10 +3,11 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
-# "latency": the round trip from 1 to 128 tokens per rank)
+# "latency": the round trip from 1 to 128 tokens per rank; "p2p": on a multi-GPU machine, the
+# P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
 # under `timeout 590`, or two calls, "tests" then "bench", when the budget is tight.
@@ -73,5 +74,23 @@ if [ "$what" = latency ]; then
     # the round trip's floor: decode-sized calls down to one token per rank
     bench latency 150 --tokens 1,8,32,128 --variant default --variant fused \
         --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+fi
+if [ "$what" = p2p ]; then
+    # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow
+    # (the 1000-call loops included), the CLI, then the benchmark on all of its GPUs with the
+    # default preset's shapes
+    n=$(nvidia-smi -L | wc -l)
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+    head -$((n + 1)) "$OUT/topo.txt" | sed 's/^/    /'
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
+    # shellcheck disable=SC2086
+    step p2p-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
+        tests/test_p2p_gpu.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/p2p-tests.log" | tail -15 | sed 's/^/    /'
+    step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
+    step p2p-bench 200 python3 -m epgen bench --world p2p --preset default \
+        --set n_ranks="$n" --set p2p_world_size="$n" --tokens 128,4096 --variant default \
+        --variant final=ep_final_layout,ep_prod_reserve --json "$OUT/p2p-bench.json"
+    grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-bench.log" | sed 's/^/    /'
 fi
 exit $status
