@@ -6,7 +6,8 @@
 #   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
-# "latency": the round trip from 1 to 128 tokens per rank; "p2p": on a multi-GPU machine, the
+# "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
+# NVFP4's dispatch_async, where ncu exists; "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
@@ -74,6 +75,22 @@ if [ "$what" = latency ]; then
     # the round trip's floor: decode-sized calls down to one token per rank
     bench latency 150 --tokens 1,8,32,128 --variant default --variant fused \
         --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+fi
+if [ "$what" = profile ]; then
+    # where NVFP4's dispatch_async spends its time at prefill, if Nsight Compute is there: one
+    # launch of one emulated rank (ncu serialises kernels; every rank's dispatch_async is
+    # queued before any dispatch_wait, so none waits on a kernel not yet run)
+    if command -v ncu >/dev/null; then
+        step profile-nvfp4 240 ncu --kernel-name ep_dispatch_async --launch-skip 8 \
+            --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+            python3 -m epgen run --preset decode --set format=NVFP4 \
+            --set max_tokens_per_rank=4096 --calls 2
+        grep -vE "^==PROF==|^\s*$" "$OUT/profile-nvfp4.log" | tail -80 | sed 's/^/    /'
+    else
+        echo "profile: no ncu on this machine ($(ls /usr/local/cuda*/bin 2>/dev/null | \
+            grep -cE '^(ncu|nsys)$') Nsight tools under /usr/local/cuda*/bin)"
+    fi
 fi
 if [ "$what" = p2p ]; then
     # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow
