@@ -85,7 +85,7 @@ if [ "$what" = profile ]; then
             --launch-count 1 --section SpeedOfLight --section WarpStateStats \
             --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
             python3 -m epgen run --preset decode --set format=NVFP4 \
-            --set max_tokens_per_rank=4096 --calls 2
+            --set max_tokens_per_rank=4096 --set recv_block_capacity=256 --calls 2
         grep -vE "^==PROF==|^\s*$" "$OUT/profile-nvfp4.log" | tail -80 | sed 's/^/    /'
     else
         echo "profile: no ncu on this machine ($(ls /usr/local/cuda*/bin 2>/dev/null | \
