@@ -17,7 +17,7 @@ from backends.nvptx.check import entry_bodies, scope_counts
 from epgen.config import EPConfigError
 from epgen.ep_goldens import FLAG_VARIANTS, flag_variant_config
 from epgen.kernels import build_module
-from epgen.kernels.dispatch_async import AsyncParams, copy_and_send_tokens, declare_params
+from epgen.kernels.dispatch_async import copy_and_send_tokens, declare_params
 from epgen.presets import load_preset
 
 ASYNC, WAIT = "ep_dispatch_async", "ep_dispatch_wait"

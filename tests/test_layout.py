@@ -238,7 +238,6 @@ def test_counter_regions_cover_every_offset(c, flags):
     cfg = make(c, **flags)
     lay = cfg.layout
     num_threads, n_sms, E, R, max_tpr, P, H, K = c
-    L = E // R
     m = page_members(*c[:5], H, K)
     regions = lay.counter_regions()
     assert list(regions) == ["dispatch_async", "dispatch_wait", "combine_wait",

@@ -4,7 +4,6 @@ target selection. Expected PTX is spelled out literally."""
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest

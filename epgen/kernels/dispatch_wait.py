@@ -227,7 +227,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     if cfg.ep_final_layout:
         return final_layout.copy_received_headers(r, kb, cfg, p, comm_barrier_id)
     lay, fmt = cfg.layout, cfg.token_fmt
-    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    L, R, K = lay.n_local_experts, cfg.n_ranks, lay.top_k
     se = int(bool(cfg.fused_shared_expert))
     TT, KS = fmt.dispatch_wait_tile_shape
     if emit_l1_release:
