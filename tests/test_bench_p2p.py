@@ -14,6 +14,7 @@ import pytest
 from epgen import BF16Format, EPConfig, cli, reference, routing
 from epgen.bench import baseline, driver, memory, options, p2p, runner, timing
 from epgen.formats import make_format
+from epgen.presets import load_preset
 
 
 def tiny_cfg(T=8, H=16, K=2, R=2, E=4, sms=None, **flags):
@@ -412,3 +413,32 @@ def test_nccl_dispatch_on_a_numpy_torch_matches_reference(R, E, seed):
     want = reference.dispatch(cfg, toks, ids)
     for r in range(R):
         assert baseline.compare_grouping(cfg, want[r], results[r]) == [], f"seed {seed}"
+
+
+def test_p2p_variant_that_does_not_fit_a_gpu_is_skipped(fake_gpus, monkeypatch, tmp_path):
+    """A GPU whose free memory cannot hold its ranks' buffers and inputs skips the variant
+    (as the emulated benchmark skips what does not fit) with the GPU, the need and the free
+    memory named; the other GPU's fit is not enough."""
+    wm = memory.world_memory(p2p.bf16_config(load_preset("small")))
+    monkeypatch.setattr(memory, "mem_info",
+                        lambda device: ((100 << 30) if device == 0 else wm["per_rank_total"] // 2,
+                                        141 << 30))
+    path = tmp_path / "p2p.json"
+    assert cli.main(["bench", *RUN, "--json", str(path)]) == 0    # a skip is not a failure
+    res = json.loads(path.read_text())
+    assert res["failures"] == []
+    for s in res["shapes"]:
+        for v in s["variants"]:
+            assert v["skipped"].startswith("GPU 1 needs "), v["skipped"]
+            assert "of its" in v["skipped"] and "GPU 0" not in v["skipped"]
+
+
+def test_gpu_memory_shortfalls_counts_the_ranks_a_gpu_holds(monkeypatch):
+    cfg = p2p.bf16_config(load_preset("small"))
+    plan = types.SimpleNamespace(sets=3, mem_fraction=0.9)
+    per_rank = memory.world_memory(cfg)["per_rank_total"] + \
+        memory.staged_inputs_memory(cfg, 16, 3) // cfg.n_ranks
+    monkeypatch.setattr(memory, "mem_info", lambda device: (int(1.5 * per_rank / 0.9), 0))
+    assert p2p.gpu_memory_shortfalls(plan, cfg, 16, (0, 1)) == {}
+    assert p2p.gpu_memory_shortfalls(plan, cfg, 16, (0, 0)) == {
+        0: (2 * per_rank, int(1.5 * per_rank / 0.9))}

@@ -56,6 +56,7 @@ import numpy as np
 from .. import reference
 from ..formats import BF16Format
 from . import inputs, memory, runner
+from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
 from .timing import Gate, fork_join, sample, summarize
@@ -382,6 +383,23 @@ def skip_reason(plan: Plan, n_gpus: int) -> str | None:
     return None
 
 
+def gpu_memory_shortfalls(plan: Plan, cfg, T: int, devices) -> dict:
+    """Per GPU of ``devices`` (the GPU of each rank), the bytes a ``P2PWorld`` of ``cfg``
+    with its staged input sets needs there (each rank's buffers, ``memory.world_memory``,
+    times the ranks the GPU holds) when that is more than ``plan.mem_fraction`` of the
+    GPU's free memory: ``{gpu: (need, free)}``, empty when everything fits."""
+    wm = memory.world_memory(cfg)
+    per_rank = wm["per_rank_total"] + \
+        memory.staged_inputs_memory(cfg, T, plan.sets) // max(cfg.n_ranks, 1)
+    out = {}
+    for gpu in sorted(set(devices)):
+        need = per_rank * list(devices).count(gpu)
+        free, _total = memory.mem_info(gpu)
+        if need > plan.mem_fraction * free:
+            out[gpu] = (need, free)
+    return out
+
+
 def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, devices, gate,
                   link_gbps, progress) -> dict:
     """Build, check and time one variant's ``P2PWorld`` on ``sets``."""
@@ -396,6 +414,13 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, device
     if cap < need:
         out["skipped"] = (f"--block-capacity {cap} is smaller than the largest (expert, "
                           f"source) block of the routings ({need})")
+        progress(f"  epgen {variant.label} skipped: {out['skipped']}")
+        return out
+    short = gpu_memory_shortfalls(plan, cfg, T, devices)
+    if short:
+        out["skipped"] = "; ".join(
+            f"GPU {g} needs {fmt_gb(n)}, more than {plan.mem_fraction:.0%} of its "
+            f"{fmt_gb(f)} free" for g, (n, f) in short.items())
         progress(f"  epgen {variant.label} skipped: {out['skipped']}")
         return out
     try:
