@@ -90,3 +90,17 @@ def test_row_checksum_model():
     want = [sum(int(w) * (2 * i + 1) for i, w in enumerate(row)) % 2**32 for row in words]
     assert row_checksums(rows).tolist() == want
     assert row_checksums(rows[:0]).shape == (0,)
+
+
+def test_tile_scales_land_before_the_l1_release():
+    """BlockwiseFP8 copies its scales a tile at a time after the tile's barrier: the comm
+    role then needs one more barrier before warp 0 publishes the tile's rows on the L1
+    arrival counter, and room for the tile's message addresses in its dynamic shared
+    memory."""
+    from epgen.formats import make_format
+    cfg = small().replace(token_fmt=make_format("BlockwiseFP8", 256, 4))
+    text = ir.print_module(ir.Module("m", (build_fused_roles(cfg, FusedRolesSpec()),)))
+    scales = text.index("for %ts_i")
+    release = text.index("red.release.gpu", scales)
+    assert "bar.sync comm id=1" in text[scales:release]
+    assert dynamic_smem_bytes(cfg) == dynamic_smem_bytes(small()) + 8 * 128
