@@ -3,7 +3,8 @@
 float arithmetic rounds as the hardware's ``.rn`` instructions and whose ``cvt.rn.satfinite
 .e4m3x2`` matches the PTX), against the numpy reference, bit for bit (payload, scales,
 offsets, src_info), over back-to-back calls, with the flags that change where scales go:
-staged, ORD-R, the fused kernel (with the shared expert), the final layout (the sender writes
+staged, ORD-R, ``skip_a2a`` (one device), the fused kernel (with the shared expert), the final
+layout (the sender writes
 each row's scales into the destination's output scales: ``scales_ptrs``) and prod reserve.
 
 Shapes: BlockwiseFP8 with H = 384 (3 scale groups: the tile scale copy's padding guard) and
@@ -26,6 +27,7 @@ CASES = [("BlockwiseFP8", 384), ("BlockwiseFP8", 512), ("NVFP4", 64), ("MXFP8", 
 FLAGS = {
     "staged": {},
     "ord_r": {"ep_ord_r": True, "has_rank_flag": True},
+    "skip_a2a": {"skip_a2a": True},
     "fused_se": {"fused_shared_expert": True},
     "final_layout": {"ep_final_layout": True},
     "prod_reserve": {"ep_final_layout": True, "ep_prod_reserve": True},
@@ -33,8 +35,9 @@ FLAGS = {
 
 
 def make_cfg(fmt, H, **flags):
-    return epgen.EPConfig(num_threads=64, n_sms=5, n_experts=4, n_ranks=2,
-                          max_tokens_per_rank=4, p2p_world_size=2, use_shmem=False,
+    R = 1 if flags.get("skip_a2a") else 2      # the per-device instantiation (protocol 7.3)
+    return epgen.EPConfig(num_threads=64, n_sms=5, n_experts=2 * R, n_ranks=R,
+                          max_tokens_per_rank=4, p2p_world_size=R, use_shmem=False,
                           token_fmt=make_format(fmt, H, 2), **flags)
 
 
