@@ -3,11 +3,12 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
-# NVFP4's dispatch_async, where ncu exists; "p2p": on a multi-GPU machine, the
+# NVFP4's dispatch_async, where ncu exists; "send-ab": the send path's register experiment
+# (destinations in shared memory, 2 quantiser items per trip); "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
@@ -91,6 +92,24 @@ if [ "$what" = profile ]; then
         echo "profile: no ncu on this machine ($(ls /usr/local/cuda*/bin 2>/dev/null | \
             grep -cE '^(ncu|nsys)$') Nsight tools under /usr/local/cuda*/bin)"
     fi
+fi
+if [ "$what" = send-ab ]; then
+    # the warp send path's register experiment, same call: destinations in registers (as
+    # shipped) or in shared memory (dispatch_async.SEND_DSTS_IN_SHARED), with 1 or 2
+    # quantiser items per trip (blockscaled.QUANT_ITEMS_IN_FLIGHT); prefill, every format
+    for fmt in NVFP4 BlockwiseFP8 BF16; do
+        for case in "False 1" "True 1" "True 2"; do
+            set -- $case
+            [ "$fmt" = BF16 ] && [ "$2" = 2 ] && continue    # no quantiser
+            name="send-ab-$fmt-$1-$2"
+            step "$name" 80 python3 benchmarks/experiments/with_settings.py \
+                "epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=$1" \
+                "epgen.formats.blockscaled.QUANT_ITEMS_IN_FLIGHT=$2" -- bench \
+                --set format=$fmt --tokens 4096 --no-baseline --no-post-check \
+                --json "$OUT/$name.json"
+            grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
+        done
+    done
 fi
 if [ "$what" = p2p ]; then
     # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow

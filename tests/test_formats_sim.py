@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import epgen
+import ir
 from epgen import reference, routing
 from epgen.formats import make_format
 
@@ -48,7 +49,8 @@ def run_calls(cfg, seed, n_calls=3, input_scale=1.0):
             counts = [int(rng.integers(0, cfg.max_tokens_per_rank + 1))
                       for _ in range(cfg.n_ranks)]
             toks, ids = routing.routing(rng, cfg, counts)
-            kw = {"input_scale": input_scale} if cfg.token_fmt.uses_input_scale else {}
+            kw = {"input_scale": input_scale} \
+                if getattr(cfg.token_fmt, "uses_input_scale", False) else {}
             got = world.dispatch(toks, ids, **kw)
             want = reference.dispatch(cfg, toks, ids, **kw)
             try:
@@ -67,3 +69,19 @@ def test_formats_match_reference(fmt, H, flags, seed):
 @pytest.mark.parametrize("input_scale", [0.25, 3.0])
 def test_nvfp4_input_scale(input_scale, seed):
     run_calls(make_cfg("NVFP4", 64), seed, n_calls=2, input_scale=input_scale)
+
+
+@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
+                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
+@pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "prod_reserve"])
+def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
+    """``SEND_DSTS_IN_SHARED`` (off by default, an experiment for the H200): each lane leaves
+    its destination in shared memory and every store loads it back; same results."""
+    from epgen.kernels import dispatch_async
+    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", True)
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    text = ir.print_module(epgen.build_module(cfg))
+    warp_path = dispatch_async.uses_warp_send(cfg)     # the staged paths have no such table
+    assert ("shared send_dsts[512]" in text) is warp_path
+    assert ("ld.shared [ptradd(%warp_dsts" in text) is warp_path
+    run_calls(cfg, seed, n_calls=2)

@@ -37,6 +37,12 @@ import numpy as np
 VECTOR_BYTES = 16
 
 
+def dst_address(d):
+    """A destination of ``emit_broadcast_token``'s ``dsts``: the expression itself, or what a
+    callable entry emits (its load, at the point of use)."""
+    return d() if callable(d) else d
+
+
 def align_up(x: int, a: int) -> int:
     """Smallest multiple of ``a`` that is ``>= x``."""
     return (x + a - 1) // a * a
@@ -253,8 +259,9 @@ class TokenFormat:
     def emit_broadcast_token(self, r, src_row, dsts):
         """IR of the warp send path: the calling warp reads token ``src_row`` once
         (lane-strided) and stores its payload and scales, as ``copy_token_to_send_buf`` lays
-        them out, at every message address of ``dsts`` (u64 expressions, one per top-k slot;
-        0 = send nothing). The header is the kernel's."""
+        them out, at every message address of ``dsts`` (one per top-k slot, 0 = send
+        nothing: u64 expressions, or callables that emit the address's load at each use,
+        ``dst_address``). The header is the kernel's."""
         raise NotImplementedError(
             f"{type(self).__name__}.emit_broadcast_token is not implemented")
 

@@ -14,7 +14,7 @@ import numpy as np
 import ir
 from ir import types as T
 
-from .base import VECTOR_BYTES, TokenFormat, align_up
+from .base import VECTOR_BYTES, TokenFormat, align_up, dst_address
 from .registry import register_format
 
 
@@ -90,15 +90,15 @@ class BF16Format(TokenFormat):
         broadcast_bw.py --unroll-sweep: the writes bound it), and 2 keeps the code small."""
         from ..kernels.common import VEC
         n_vec = 2 * self.hid_dim // VECTOR_BYTES
-        live = [d.ne(ir.Const(0, T.u64)) for d in dsts]
         i = r.var("bc_i", T.u32, r.lane)
 
         def body(n):
             offs = [(i + 32 * u).cast(T.u64) * VECTOR_BYTES for u in range(n)]
             vals = [r.load(src_row + o, VEC, cache=ir.CacheHint.NC, name="bc_v") for o in offs]
             for o, v in zip(offs, vals):
-                for ok, d in zip(live, dsts):
-                    with r.if_(ok):
+                for d in dsts:
+                    d = dst_address(d)
+                    with r.if_(d.ne(ir.Const(0, T.u64))):
                         r.store(ir.Cast(T.ptr_global, d + o), v)
             r.assign(i, i + 32 * n)
 

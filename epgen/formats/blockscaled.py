@@ -30,7 +30,7 @@ import ir
 from ir import CacheHint
 from ir import types as T
 
-from .base import VECTOR_BYTES, TokenFormat, align_up
+from .base import VECTOR_BYTES, TokenFormat, align_up, dst_address
 from .bf16 import bf16_bits
 from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
 
@@ -256,11 +256,14 @@ class BlockScaledFormat(TokenFormat):
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
         ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
         every non-zero destination of ``dsts`` (``K`` stores each)."""
-        live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) for k, d in enumerate(dsts)]
+        held = not any(callable(d) for d in dsts)
+        live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) if held else None
+                for k, d in enumerate(dsts)]
 
         def store_all(off, value):
             for ok, d in zip(live, dsts):
-                with r.if_(ok):
+                d = dst_address(d)
+                with r.if_(ok if held else d.ne(ir.Const(0, T.u64))):
                     r.store(ir.Cast(T.ptr_global, d + off), value)
 
         self._quantize_token(r, src_row, r.lane, 32, store_all,

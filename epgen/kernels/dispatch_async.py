@@ -15,6 +15,8 @@ Send paths (``copy_and_send_tokens`` picks one; ``uses_warp_send`` is the rule):
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 import ir
@@ -325,6 +327,14 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
 
 NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this device's expert)
 
+#: The warp send path keeps each round's destination addresses in shared memory (one
+#: ``st.shared.u64`` per lane, then an ``ld.shared.u64`` before each store) instead of holding
+#: the ``K`` addresses in registers through the token's loop. Under the 64-register cap of
+#: two co-resident 512-thread blocks this removes the quantising formats' spills (ptxas: 20-28
+#: bytes -> 0), which a second item per trip needs; off until the H200 says it pays (an A/B
+#: in docs/PERF.md names the command).
+SEND_DSTS_IN_SHARED = False
+
 
 def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
                      comm_barrier_id: int = -1):
@@ -441,14 +451,29 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
         # broadcast loop (code size and compile time) instead of unrolling per token
         n_in_round = r.let("n_in_round", ((p.n_tokens - t0 - 1) // n_send_warps + 1)
                            .min(per_round))
+        if SEND_DSTS_IN_SHARED:
+            table = r.kb.shared_buffer("send_dsts", 8 * r.n_threads)
+            r.store(table + (r.tid * 8).cast(T.u64), addr)
+            r.warp_sync()
+            warp_dsts = r.let("warp_dsts", table + (r.warp * 256).cast(T.u64))
         with r.for_range("q", 0, n_in_round, 1) as q:
             tq = r.let("tq", t0 + q * n_send_warps)
-            dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}") for k in range(K)]
+            if SEND_DSTS_IN_SHARED:       # fetched at each use: nothing held across the loop
+                dsts = [functools.partial(load_dst, r, warp_dsts, q * K + k) for k in range(K)]
+            else:
+                dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}")
+                        for k in range(K)]
             fmt.emit_broadcast_token(r, p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes,
                                      dsts)
         r.warp_sync()
         with r.if_(co_word.ne(NO_SLOT)):
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
+
+
+def load_dst(r: ir.RoleBuilder, warp_dsts, index) -> ir.Var:
+    """Destination ``index`` of the warp's round (``SEND_DSTS_IN_SHARED``): the u64 its lane
+    ``index`` left in shared memory (``ld.shared.u64``)."""
+    return r.load(warp_dsts + (index * 8).cast(T.u64), T.u64, name="dst")
 
 
 def reserve_slot(r: ir.RoleBuilder, cfg, p: AsyncParams, g, dst_rank, co_word, slot, addr):
