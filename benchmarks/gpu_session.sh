@@ -124,9 +124,12 @@ if [ "$what" = p2p ]; then
         tests/test_p2p_gpu.py
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/p2p-tests.log" | tail -15 | sed 's/^/    /'
     step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
+    # a plot where matplotlib is installed (the device machine has none unless carried)
+    plot=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/p2p-bench.png")
+    # shellcheck disable=SC2086
     step p2p-bench 200 python3 -m epgen bench --world p2p --preset default \
         --set n_ranks="$n" --set p2p_world_size="$n" --tokens 128,4096 --variant default \
-        --variant final=ep_final_layout,ep_prod_reserve --json "$OUT/p2p-bench.json"
+        --variant final=ep_final_layout,ep_prod_reserve --json "$OUT/p2p-bench.json" $plot
     grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-bench.log" | sed 's/^/    /'
 fi
 exit $status

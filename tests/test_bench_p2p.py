@@ -126,7 +126,6 @@ def test_p2p_plan_devices():
     (["--devices", "0,1"], "argument --devices: only with --world p2p"),
     (["--world", "p2p", "--devices", "0,1"], "expected 8 GPU ordinals >= 0 (one per rank)"),
     (["--world", "p2p", "--devices", "a,b"], "expected GPU ordinals like 0,1,2,3"),
-    (["--world", "p2p", "--plot", "x.png"], "argument --plot: not with --world p2p"),
 ])
 def test_p2p_options_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -241,6 +240,29 @@ def test_whole_p2p_run_on_fakes(fake_gpus, tmp_path, capsys):
     assert any(x.startswith("T=16 (uniform): recv_block_capacity") for x in lines), out
     row = next(x for x in lines if x.startswith("T=16") and "epgen final" in x)
     assert row.split()[-1] == "5.00x" and "50.0" in row.split()
+
+
+def test_p2p_plot_and_nccl_rates(fake_gpus, tmp_path, capsys):
+    """NCCL gets GB/s per GPU by the staged BF16 job's link bytes (the table shows them);
+    ``--plot`` draws every variant and NCCL against tokens per rank."""
+    pytest.importorskip("matplotlib")
+    png, js = tmp_path / "p2p.png", tmp_path / "p2p.json"
+    assert cli.main(["bench", *RUN, "--json", str(js), "--plot", str(png)]) == 0
+    res = json.loads(js.read_text())
+    for s in res["shapes"]:
+        b, default = s["baseline"], s["variants"][0]
+        assert b["link_bytes"] == default["link_bytes"]      # the same job, BF16 staged
+        assert b["round_trip"]["busiest_gpu_gbps"] == pytest.approx(
+            b["link_bytes"]["busiest"] / b["round_trip"]["median_ms"] / 1e6)
+    series = p2p.plot_series(res)
+    assert list(series) == ["epgen default", "epgen final", p2p.NCCL_NAME]
+    assert [t for t, _ in series[p2p.NCCL_NAME]] == [16, 32]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    nccl_row = next(x for x in out.splitlines() if p2p.NCCL_NAME in x and "16" in x.split())
+    m = res["shapes"][0]["baseline"]["round_trip"]
+    assert f"{m['busiest_gpu_gbps']:.1f}" in nccl_row.split()
+    assert f"{m['fraction_of_link']:.3f}" in nccl_row.split()
 
 
 def test_p2p_run_reports_failures(fake_gpus, monkeypatch, capsys):

@@ -225,7 +225,7 @@ def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None =
     P2P world runs ``epgen.bench.p2p`` instead."""
     if plan.world == "p2p":
         from . import p2p
-        return p2p.execute(plan, json_path=json_path)
+        return p2p.execute(plan, json_path=json_path, plot_path=plot_path)
     progress = Progress(total=len(plan.tokens) * (1 + len(plan.variants)))
     results = run(plan, progress)
     publish(results, json_path=json_path, plot_path=plot_path, progress=progress)

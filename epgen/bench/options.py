@@ -109,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw a PNG: round-trip GB/s against tokens per rank for each variant "
-                        "and the baseline, the copy bandwidth as a line (needs matplotlib)")
+                        "and the baseline, the copy bandwidth as a line (with --world p2p: "
+                        "GB/s per GPU over the links, NCCL, the peer copy; needs matplotlib)")
 
 
 def have_matplotlib() -> bool:
@@ -168,8 +169,6 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
         parser.error("argument --plot: needs matplotlib (python3 -m pip install matplotlib)")
     world = getattr(args, "world", "emulated")
     devices = parse_devices(parser, getattr(args, "devices", None), world, base.n_ranks)
-    if world == "p2p" and args.plot:
-        parser.error("argument --plot: not with --world p2p (the JSON holds every number)")
     kw = {"variants": tuple(args.variant)} if args.variant else {}
     kw.update(world=world, devices=devices)
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,

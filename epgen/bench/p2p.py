@@ -462,6 +462,10 @@ def run_shape(plan: Plan, T: int, devices, torch, gate, link_gbps, progress) -> 
         except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
             b["error"] = f"{type(exc).__name__}: {exc}"
             progress(f"  nccl FAILED: {b['error']}")
+    if "round_trip" in b:   # GB/s by the staged BF16 job's link bytes, as epgen's default
+        nb = sets_link_bytes(bf16_config(plan.config(T, None, cap)), sets)
+        b["link_bytes"] = {k: v for k, v in nb.items() if k != "per_set"}
+        b["round_trip"].update(gpu_rates(nb, b["round_trip"]["median_ms"], link_gbps))
     out["baseline"] = b
     out["variants"] = []
     for v in plan.variants:
@@ -561,6 +565,8 @@ def table_rows(results) -> list[dict]:
         if "round_trip" in b:
             rows.append({**common, "variant": NCCL_NAME,
                          "us": 1e3 * b["round_trip"]["median_ms"], "speedup": 1.0,
+                         "gbps": b["round_trip"].get("busiest_gpu_gbps"),
+                         "frac": b["round_trip"].get("fraction_of_link"),
                          "note": None if b.get("check") == "ok" else b.get("check")})
         else:
             rows.append({**common, "variant": NCCL_NAME, "note": b.get("skipped") or b.get("error")})
@@ -598,12 +604,66 @@ def print_report(results, file=None) -> None:
     print(format_table(table_rows(results)), file=file)
 
 
-def execute(plan: Plan, *, json_path: str | None = None) -> dict:
-    """``run`` with progress on stderr, then the JSON and the report on stdout."""
+def plot_series(results) -> dict[str, list[tuple[int, float]]]:
+    """The busiest GPU's GB/s over the links against tokens per rank: one series per epgen
+    variant (``epgen <label>``), then NCCL's (by the staged BF16 job's bytes); shapes
+    without a number left out."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for s in results["shapes"]:
+        for label, m in ([(f"epgen {v['label']}", v.get("round_trip", {}))
+                          for v in s["variants"]]
+                         + [(NCCL_NAME, s["baseline"].get("round_trip", {}))]):
+            pts = series.setdefault(label, [])
+            if m.get("busiest_gpu_gbps") is not None:
+                pts.append((s["tokens_per_rank"], m["busiest_gpu_gbps"]))
+    return {k: sorted(v) for k, v in series.items() if v}
+
+
+def plot(results, path: str) -> None:
+    """Write a PNG: ``plot_series`` over tokens per rank (log 2 axis), the peer-copy
+    bandwidth per GPU as a horizontal line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    top = 0.0
+    for label, pts in plot_series(results).items():
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, "--" if label == NCCL_NAME else "-", marker="o", label=label)
+        top = max(top, *ys)
+    link = (results.get("peer_copy") or {}).get("gbps_per_gpu")
+    if link:
+        ax.axhline(link, color="black", linestyle=":", label=f"peer copy ({link:.0f} GB/s/GPU)")
+        top = max(top, link)
+    tokens = sorted({s["tokens_per_rank"] for s in results["shapes"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.minorticks_off()
+    ax.set_ylim(0, 1.1 * top or 1.0)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("GB/s per GPU over the links (busiest GPU)")
+    b = results["plan"]["base"]
+    fmt = b["token_fmt"]
+    ax.set_title(f"dispatch round trip on {len(results['devices'])} GPUs: "
+                 f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}\n"
+                 f"{results['device']['name']}, {results['date'][:10]}, "
+                 f"commit {results['git_commit']}", fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, format="png")
+
+
+def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None = None) -> dict:
+    """``run`` with progress on stderr, then the JSON, the report on stdout and the plot."""
     progress = Progress(total=len(plan.tokens) * (1 + len(plan.variants)))
     results = run(plan, progress)
     if json_path:
         write_json(results, json_path)
         progress(f"wrote {json_path}")
     print_report(results)
+    if plot_path:
+        plot(results, plot_path)
+        progress(f"wrote {plot_path}")
     return results
