@@ -7,8 +7,9 @@
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
-# NVFP4's dispatch_async, where ncu exists; "send-ab": the send path's register experiment
-# (destinations in shared memory, 2 quantiser items per trip); "p2p": on a multi-GPU machine, the
+# NVFP4's dispatch_async, where ncu exists; "send-ab": the send path's experiments
+# (destinations in shared memory, 2 quantiser items per trip, the quantised payload staged in
+# shared memory; about 8 minutes); "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
@@ -94,17 +95,19 @@ if [ "$what" = profile ]; then
     fi
 fi
 if [ "$what" = send-ab ]; then
-    # the warp send path's register experiment, same call: destinations in registers (as
-    # shipped) or in shared memory (dispatch_async.SEND_DSTS_IN_SHARED), with 1 or 2
-    # quantiser items per trip (blockscaled.QUANT_ITEMS_IN_FLIGHT); prefill, every format
+    # the warp send path's experiments, same call, prefill: destinations in registers (as
+    # shipped) or shared memory (dispatch_async.SEND_DSTS_IN_SHARED), 1 or 2 quantiser items
+    # per trip (blockscaled.QUANT_ITEMS_IN_FLIGHT), the payload straight from registers or
+    # staged in 2 KB per warp of shared memory (blockscaled.QUANT_STAGE_BYTES)
     for fmt in NVFP4 BlockwiseFP8 BF16; do
-        for case in "False 1" "True 1" "True 2"; do
+        for case in "False 1 0" "True 1 0" "True 2 0" "True 1 2048" "True 2 2048"; do
             set -- $case
-            [ "$fmt" = BF16 ] && [ "$2" = 2 ] && continue    # no quantiser
-            name="send-ab-$fmt-$1-$2"
+            [ "$fmt" = BF16 ] && { [ "$2" = 2 ] || [ "$3" != 0 ]; } && continue   # no quantiser
+            name="send-ab-$fmt-dsts$1-u$2-stage$3"
             step "$name" 80 python3 benchmarks/experiments/with_settings.py \
                 "epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=$1" \
-                "epgen.formats.blockscaled.QUANT_ITEMS_IN_FLIGHT=$2" -- bench \
+                "epgen.formats.blockscaled.QUANT_ITEMS_IN_FLIGHT=$2" \
+                "epgen.formats.blockscaled.QUANT_STAGE_BYTES=$3" -- bench \
                 --set format=$fmt --tokens 4096 --no-baseline --no-post-check \
                 --json "$OUT/$name.json"
             grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'

@@ -85,3 +85,37 @@ def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
     assert ("shared send_dsts[512]" in text) is warp_path
     assert ("ld.shared [ptradd(%warp_dsts" in text) is warp_path
     run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("fmt,H", [("BlockwiseFP8", 384), ("NVFP4", 1024), ("MXFP8", 64)],
+                         ids=["BlockwiseFP8-H384", "NVFP4-H1024", "MXFP8-H64"])
+@pytest.mark.parametrize("dsts_in_shared", [False, True])
+def test_quantised_payload_staged_in_shared_memory(fmt, H, dsts_in_shared, seed, monkeypatch):
+    """``QUANT_STAGE_BYTES`` (off by default, an experiment for the H200): the warp quantises
+    256-byte chunks of the payload into shared memory and copies them to the destinations
+    as 16-byte vectors; the last chunk may be partial (FP8 H=384: 32 + 16 items, NVFP4
+    H=1024: 64 + 64, MXFP8 H=64: one chunk of 8). Same bytes as the reference."""
+    from epgen.formats import blockscaled
+    from epgen.kernels import dispatch_async
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 256)
+    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", dsts_in_shared)
+    cfg = make_cfg(fmt, H)
+    text = ir.print_module(epgen.build_module(cfg))
+    assert "shared quant_stage[512]" in text and "for %q_chunk:u32" in text
+    run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("stage", [100, 128, 0.5, True])
+def test_staging_chunk_must_hold_whole_trips(stage):
+    fmt = make_format("BlockwiseFP8", 512, 2)          # 8 payload bytes per item
+    with pytest.raises(ValueError, match="multiple of 256 bytes"):
+        fmt.check_stage_bytes(stage)
+
+
+def test_staging_past_the_static_shared_memory_is_refused(monkeypatch):
+    from epgen.formats import blockscaled
+    from epgen.presets import load_preset
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 4096)   # 16 warps x 4 KB > 48 KB
+    cfg = load_preset("decode").replace(token_fmt=make_format("NVFP4", 7168, 8))
+    with pytest.raises(ValueError, match="QUANT_STAGE_BYTES.*past the 49152"):
+        epgen.build_module(cfg)

@@ -40,6 +40,13 @@ ITEM_ELEMS = 8               # bf16 elements per 16-byte input load (reference s
 #: cap and ran slower, and prefetching the next item (commit cd5e691) gained nothing
 #: (benchmarks/experiments/broadcast_bw.py --format, docs/PERF.md)
 QUANT_ITEMS_IN_FLIGHT = 1
+#: Bytes of payload each warp of the warp send path stages in shared memory before writing
+#: them to the destinations as 16-byte vectors (``_broadcast_staged``); 0: every item goes
+#: straight from registers to the destinations. Off until the H200 says it pays
+#: (``gpu_session.sh send-ab``); the chunk must hold whole 32-item trips.
+QUANT_STAGE_BYTES = 0
+#: static shared memory one block may declare (``.shared`` without opt-in), bytes
+STATIC_SMEM_LIMIT = 48 * 1024
 
 
 @attrs.frozen
@@ -251,11 +258,14 @@ class BlockScaledFormat(TokenFormat):
         self._quantize_token(r, src_row, first, stride,
                              lambda off, value: r.store(msg + off, value))
 
-    def emit_broadcast_token(self, r, src_row, dsts, unroll: int | None = None):
+    def emit_broadcast_token(self, r, src_row, dsts, unroll: int | None = None,
+                             stage_bytes: int | None = None):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
         ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
-        every non-zero destination of ``dsts`` (``K`` stores each)."""
+        every non-zero destination of ``dsts`` (``K`` stores each). With ``stage_bytes``
+        (default ``QUANT_STAGE_BYTES``; 0: off) the payload goes through a per-warp shared
+        buffer of that many bytes instead (``_broadcast_staged``)."""
         held = not any(callable(d) for d in dsts)
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) if held else None
                 for k, d in enumerate(dsts)]
@@ -266,46 +276,102 @@ class BlockScaledFormat(TokenFormat):
                 with r.if_(ok if held else d.ne(ir.Const(0, T.u64))):
                     r.store(ir.Cast(T.ptr_global, d + off), value)
 
-        self._quantize_token(r, src_row, r.lane, 32, store_all,
-                             QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll)
+        unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
+        stage_bytes = QUANT_STAGE_BYTES if stage_bytes is None else stage_bytes
+        if stage_bytes:
+            self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes)
+        else:
+            self._quantize_token(r, src_row, r.lane, 32, store_all, unroll)
 
-    def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1):
+    def check_stage_bytes(self, stage_bytes) -> int:
+        """Items per chunk of ``_broadcast_staged``; ``ValueError`` unless ``stage_bytes``
+        holds a whole number of 32-item trips and of 16-byte vectors."""
+        item_out = ITEM_ELEMS * self.element_bits // 8
+        if isinstance(stage_bytes, bool) or not isinstance(stage_bytes, int) \
+                or stage_bytes <= 0 or stage_bytes % (32 * item_out) \
+                or stage_bytes % VECTOR_BYTES:
+            raise ValueError(f"{self.name}: the staging chunk must be a positive multiple of "
+                             f"{32 * item_out} bytes (32 items of {item_out} payload bytes), "
+                             f"got {stage_bytes!r}")
+        return stage_bytes // item_out
+
+    def _broadcast_staged(self, r, src_row, store_all, unroll: int, stage_bytes: int):
+        """The token in chunks of ``stage_bytes`` payload bytes: the warp quantizes a chunk's
+        items into its slice of the shared buffer ``quant_stage`` (``st.shared``; the group
+        scales still go straight to every destination), ``bar.warp.sync``, then each lane
+        copies 16-byte vectors of the chunk (``ld.shared.v4.b32``) to every destination
+        (``st.global.v4.b32``): each destination gets the chunk as 512-byte warp stores, as
+        BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip."""
+        chunk_items = self.check_stage_bytes(stage_bytes)
+        item_out = ITEM_ELEMS * self.element_bits // 8
+        n_items = self.hid_dim // ITEM_ELEMS
+        buf = r.kb.shared_buffer("quant_stage", (r.n_threads // 32) * stage_bytes)
+        static = sum(b.nbytes for b in r.kb.shared)
+        if static > STATIC_SMEM_LIMIT:
+            raise ValueError(f"{self.name}: a {stage_bytes}-byte staging chunk per warp "
+                             f"(QUANT_STAGE_BYTES) takes the kernel's static shared memory to "
+                             f"{static} bytes, past the {STATIC_SMEM_LIMIT} a block may "
+                             f"declare")
+        mine = r.let("q_stage", buf + (r.warp * stage_bytes).cast(T.u64))
+        with r.for_range("q_chunk", 0, n_items, chunk_items) as c0:
+            c1 = r.let("q_chunk_end", (c0 + chunk_items).min(n_items))
+            base = r.let("q_chunk_off", c0.cast(T.u64) * item_out)
+
+            def to_stage(off, value):
+                r.store(mine + (off - base), value)
+
+            self._quantize_token(r, src_row, r.lane, 32, to_stage, unroll, start=c0, end=c1,
+                                 store_scale=store_all)
+            r.warp_sync()
+            n_vec = r.let("q_chunk_vecs", (c1 - c0) * item_out // VECTOR_BYTES)
+            with r.for_range("q_bc", r.lane, n_vec, 32) as v:
+                off = v.cast(T.u64) * VECTOR_BYTES
+                store_all(base + off, r.load(mine + off, T.vec(T.u32, 4), name="q_bc_v"))
+            r.warp_sync()
+
+    def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1, *,
+                        start=0, end=None, store_scale=None):
         """The quantising loop of both send paths; ``store(byte offset in the message,
-        value)`` writes one payload item or group scale. Each trip loads ``unroll`` items
-        (``first + j * stride``, ``j < unroll``) before quantising any of them."""
+        value)`` writes one payload item and, unless ``store_scale`` takes them, each group
+        scale. Items ``[start, end)`` (u32 expressions; default the whole token), each trip
+        loading ``unroll`` items (``first + j * stride``, ``j < unroll``) before quantising
+        any of them."""
         if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
             raise ValueError(f"{self.name}: unroll (items in flight per lane) must be a "
                              f"positive integer, got {unroll!r}")
         n_items = self.hid_dim // ITEM_ELEMS
+        end = n_items if end is None else end
         vec = T.vec(T.u32, 4)
-        with r.for_range("q_warp_item", first - r.lane, n_items, stride * unroll) as warp_item:
+        first_warp_item = first - r.lane
+        if not (isinstance(start, int) and start == 0):
+            first_warp_item = first_warp_item + start
+        with r.for_range("q_warp_item", first_warp_item, end, stride * unroll) as warp_item:
             items = [r.let("q_item", warp_item + r.lane + j * stride) for j in range(unroll)]
             # nc.L2::256B is inline PTX: LLVM splits a plain invariant v4 load whose lanes are
             # used one by one into scalar loads and drops the .nc on re-vectorising them
             loaded = [r.load(src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES, vec,
                              cache=CacheHint.NC_L2_256, name="q_in") for item in items]
             for item, words in zip(items, loaded):
-                self._quantize_item(r, item, words, store)
+                self._quantize_item(r, item, words, store, end, store_scale or store)
 
-    def _quantize_item(self, r, item, words, store):
+    def _quantize_item(self, r, item, words, store, end, store_scale):
         """One 16-byte input item ``words`` (8 bf16) of index ``item``: its group maximum
-        (``shfl.sync.bfly.b32``), the format's quantisation, and (when ``item`` is in range)
-        the payload store and, by the group's first lane, the scale store."""
-        n_items = self.hid_dim // ITEM_ELEMS
+        (``shfl.sync.bfly.b32``), the format's quantisation, and (when ``item < end``) the
+        payload store and, by the group's first lane, the scale store."""
         lanes = self.group_size // ITEM_ELEMS
         item_out = ITEM_ELEMS * self.element_bits // 8
         xs = bf16x8_to_f32(r, words)
         amax = abs_max(r, xs)
         group_max(r, amax, lanes)
         payload, scale = self.emit_item_quant(r, xs, amax)
-        with r.if_(item < n_items):
+        with r.if_(item < end):
             store(item.cast(T.u64) * item_out,
                   payload[0] if len(payload) == 1
                   else ir.Pack(T.vec(T.u32, len(payload)), tuple(payload)))
             with r.if_((r.lane % lanes).eq(0)):
                 value = scale if self.scale_bytes == 4 else ir.as_expr(scale).cast(T.u8)
-                store(self.scales_offset + (item // lanes).cast(T.u64) * self.scale_bytes,
-                      value)
+                store_scale(self.scales_offset + (item // lanes).cast(T.u64) * self.scale_bytes,
+                            value)
 
     @property
     def copies_scales_per_tile(self) -> bool:
