@@ -622,37 +622,19 @@ def plot_series(results) -> dict[str, list[tuple[int, float]]]:
 def plot(results, path: str) -> None:
     """Write a PNG: ``plot_series`` over tokens per rank (log 2 axis), the peer-copy
     bandwidth per GPU as a horizontal line."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    top = 0.0
-    for label, pts in plot_series(results).items():
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, "--" if label == NCCL_NAME else "-", marker="o", label=label)
-        top = max(top, *ys)
+    from .report import draw_plot
     link = (results.get("peer_copy") or {}).get("gbps_per_gpu")
-    if link:
-        ax.axhline(link, color="black", linestyle=":", label=f"peer copy ({link:.0f} GB/s/GPU)")
-        top = max(top, link)
-    tokens = sorted({s["tokens_per_rank"] for s in results["shapes"]})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(tokens, [str(t) for t in tokens])
-    ax.minorticks_off()
-    ax.set_ylim(0, 1.1 * top or 1.0)
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("GB/s per GPU over the links (busiest GPU)")
     b = results["plan"]["base"]
     fmt = b["token_fmt"]
-    ax.set_title(f"dispatch round trip on {len(results['devices'])} GPUs: "
-                 f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}\n"
-                 f"{results['device']['name']}, {results['date'][:10]}, "
-                 f"commit {results['git_commit']}", fontsize="medium")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.savefig(path, format="png")
+    draw_plot(plot_series(results), path,
+              tokens=sorted({s["tokens_per_rank"] for s in results["shapes"]}),
+              dashed=NCCL_NAME,
+              line=(link, f"peer copy ({link:.0f} GB/s/GPU)") if link else None,
+              ylabel="GB/s per GPU over the links (busiest GPU)",
+              title=f"dispatch round trip on {len(results['devices'])} GPUs: "
+                    f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}\n"
+                    f"{results['device']['name']}, {results['date'][:10]}, "
+                    f"commit {results['git_commit']}")
 
 
 def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None = None) -> dict:

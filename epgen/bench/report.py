@@ -214,9 +214,11 @@ def plot_series(results) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in series.items() if v}
 
 
-def plot(results, path: str) -> None:
-    """Write a PNG: ``plot_series`` as lines over tokens per rank (log 2 axis), the copy
-    bandwidth as a horizontal line."""
+def draw_plot(series: dict, path: str, *, tokens, dashed: str, line=None, ylabel: str,
+              title: str) -> None:
+    """Write a PNG: each of ``series`` (label -> [(tokens per rank, GB/s)]) as a line over
+    ``tokens`` (log 2 axis), ``dashed`` the baseline's label, ``line`` an optional
+    ``(GB/s, label)`` drawn as a horizontal reference."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -224,29 +226,38 @@ def plot(results, path: str) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     top = 0.0
-    for label, pts in plot_series(results).items():
+    for label, pts in series.items():
         xs, ys = zip(*pts)
-        style = "--" if label == BASELINE_NAME else "-"
-        ax.plot(xs, ys, style, marker="o", label=label)
+        ax.plot(xs, ys, "--" if label == dashed else "-", marker="o", label=label)
         top = max(top, *ys)
-    copy = results.get("copy", {}).get("gbps")
-    if copy:
-        ax.axhline(copy, color="black", linestyle=":", label=f"device copy ({copy:.0f} GB/s)")
-        top = max(top, copy)
-    tokens = sorted({s["tokens_per_rank"] for s in results["shapes"]})
+    if line is not None and line[0]:
+        ax.axhline(line[0], color="black", linestyle=":", label=line[1])
+        top = max(top, line[0])
     ax.set_xscale("log", base=2)
     ax.set_xticks(tokens, [str(t) for t in tokens])
     ax.minorticks_off()
     ax.set_ylim(0, 1.1 * top or 1.0)
     ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("GB/s (each by the bytes it must move)")
-    b = results["plan"]["base"]
-    fmt = b["token_fmt"]
-    routing = {s["routing"] for s in results["shapes"]}
-    ax.set_title(f"dispatch round trip: {b['n_ranks']} emulated ranks, E={b['n_experts']}, "
-                 f"H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}, "
-                 f"{'/'.join(sorted(routing))} routing\n{results['device']['name']}, "
-                 f"{results['date'][:10]}, commit {results['git_commit']}", fontsize="medium")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path, format="png")
+
+
+def plot(results, path: str) -> None:
+    """Write a PNG: ``plot_series`` as lines over tokens per rank (log 2 axis), the copy
+    bandwidth as a horizontal line."""
+    copy = results.get("copy", {}).get("gbps")
+    b = results["plan"]["base"]
+    fmt = b["token_fmt"]
+    routing = {s["routing"] for s in results["shapes"]}
+    draw_plot(plot_series(results), path,
+              tokens=sorted({s["tokens_per_rank"] for s in results["shapes"]}),
+              dashed=BASELINE_NAME,
+              line=(copy, f"device copy ({copy:.0f} GB/s)") if copy else None,
+              ylabel="GB/s (each by the bytes it must move)",
+              title=f"dispatch round trip: {b['n_ranks']} emulated ranks, E={b['n_experts']}, "
+                    f"H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}, "
+                    f"{'/'.join(sorted(routing))} routing\n{results['device']['name']}, "
+                    f"{results['date'][:10]}, commit {results['git_commit']}")
