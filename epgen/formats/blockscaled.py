@@ -89,6 +89,11 @@ class BlockScaledFormat(TokenFormat):
         return VECTOR_BYTES * 8 // self.element_bits
 
     @property
+    def item_out_bytes(self) -> int:
+        """Payload bytes of one 8-element input item (8 for 8-bit elements, 4 for 4-bit)."""
+        return ITEM_ELEMS * self.element_bits // 8
+
+    @property
     def hid_dim_multiple(self) -> int:
         """``hid_dim`` must be a multiple of this: of ``group_size`` and of ``vector_elems``."""
         return int(np.lcm(self.group_size, self.vector_elems))
@@ -286,7 +291,7 @@ class BlockScaledFormat(TokenFormat):
     def check_stage_bytes(self, stage_bytes) -> int:
         """Items per chunk of ``_broadcast_staged``; ``ValueError`` unless ``stage_bytes``
         holds a whole number of 32-item trips and of 16-byte vectors."""
-        item_out = ITEM_ELEMS * self.element_bits // 8
+        item_out = self.item_out_bytes
         if isinstance(stage_bytes, bool) or not isinstance(stage_bytes, int) \
                 or stage_bytes <= 0 or stage_bytes % (32 * item_out) \
                 or stage_bytes % VECTOR_BYTES:
@@ -303,7 +308,7 @@ class BlockScaledFormat(TokenFormat):
         (``st.global.v4.b32``): each destination gets the chunk as 512-byte warp stores, as
         BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip."""
         chunk_items = self.check_stage_bytes(stage_bytes)
-        item_out = ITEM_ELEMS * self.element_bits // 8
+        item_out = self.item_out_bytes
         n_items = self.hid_dim // ITEM_ELEMS
         buf = r.kb.shared_buffer("quant_stage", (r.n_threads // 32) * stage_bytes)
         static = sum(b.nbytes for b in r.kb.shared)
@@ -359,7 +364,7 @@ class BlockScaledFormat(TokenFormat):
         (``shfl.sync.bfly.b32``), the format's quantisation, and (when ``item < end``) the
         payload store and, by the group's first lane, the scale store."""
         lanes = self.group_size // ITEM_ELEMS
-        item_out = ITEM_ELEMS * self.element_bits // 8
+        item_out = self.item_out_bytes
         xs = bf16x8_to_f32(r, words)
         amax = abs_max(r, xs)
         group_max(r, amax, lanes)
