@@ -139,3 +139,17 @@ def exit_if_aborted(r: ir.RoleBuilder, err_buf):
     flag = r.load(word(err_buf, diag.ABORT_WORD), T.u32, Sem.RELAXED, Scope.SYS, name="aborted")
     with r.if_(flag.ne(0)):
         r.return_()
+
+
+def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf, comm_barrier_id: int = -1):
+    """A dispatch_wait copy block's start: thread 0 waits (bounded, ``ld.acquire.gpu``, 32 ns
+    back-off) for the aux block's ready flag (Region E of ``ctr``), the comm barrier, then
+    every thread leaves together if a wait has expired (``exit_if_aborted``)."""
+    from ir import CmpOp, Scope, Sem
+    lay = cfg.layout
+    with r.if_(r.tid.eq(0)):
+        r.spin_wait(word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
+                    buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
+                    scope=Scope.GPU, backoff_ns=32)
+    comm_sync(r, comm_barrier_id)
+    exit_if_aborted(r, err_buf)

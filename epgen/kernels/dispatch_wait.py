@@ -13,8 +13,7 @@ from ir import types as T
 
 from . import final_layout
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
-                     exit_if_aborted,
-                     lowest_set_bit)
+                     exit_if_aborted, lowest_set_bit, wait_ready_flag)
 from .common import word as _word
 from .schedule import claim_next_tile, fill_sm_schedule, first_expert, load_expert_tiles
 from .scratch import Scratch
@@ -240,12 +239,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     vals = scratch.buffer("tile_vals", 16)          # [start row, tile id, expert (L: done)]
     tile_msgs = scratch.buffer("tile_msgs", fmt.tile_smem_bytes(TT)) \
         if fmt.copies_scales_per_tile else None
-    with r.if_(r.tid.eq(0)):
-        r.spin_wait(_word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
-                    buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
-                    scope=Scope.GPU, backoff_ns=32)
-    comm_sync(r, comm_barrier_id)
-    exit_if_aborted(r, p.err_buf)
+    wait_ready_flag(r, cfg, ctr, p.err_buf, comm_barrier_id)
     # warp 0's claim state (registers; meaningful in warp 0 only)
     cur_e = r.var("cur_e", T.u32, L)
     cur_tiles = r.var("cur_tiles", T.u32, 0)

@@ -33,8 +33,8 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
-from .common import (DATA_READY_FLAG, comm_sync, copy_vectors, exit_if_aborted, load_pointer,
-                     lowest_set_bit, warp_inclusive_scan)
+from .common import (comm_sync, copy_vectors, exit_if_aborted, load_pointer, lowest_set_bit,
+                     wait_ready_flag, warp_inclusive_scan)
 from .common import word as _word
 
 FINAL_BASE_VALID = 1 << 31      # hand-off word: bit 31 set = the block base is published
@@ -307,12 +307,7 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
     vals = kb.shared_buffer("tile_vals", 8)
     e = r.let("e", r.block % L)
     g = r.let("g", p.my_rank * L + e)
-    with r.if_(r.tid.eq(0)):
-        r.spin_wait(_word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
-                    buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
-                    scope=Scope.GPU, backoff_ns=32)
-    comm_sync(r, comm_barrier_id)
-    exit_if_aborted(r, p.err_buf)
+    wait_ready_flag(r, cfg, ctr, p.err_buf, comm_barrier_id)
     with r.if_(r.tid.eq(0)):
         r.store(vals, r.load(_word(p.row_offsets, e), T.u32, name="expert_start"))
         r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,

@@ -59,8 +59,7 @@ from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from .diagnostics import DiagBuffer
 from .program import Program
-from .world import (CapacityError, GenerationCounter, RankWorld, _Rank, p2p_group,
-                    resolve_fused)
+from .world import CapacityError, GenerationCounter, RankWorld, _Rank, p2p_group
 
 
 class PeerAccessError(RuntimeError):
@@ -177,14 +176,8 @@ class P2PWorld(RankWorld):
     def __init__(self, cfg, arch: str | None = None, devices=None,
                  timeout_ns: int | None = None, fused: bool | None = None,
                  input_scale: float = 1.0):
-        fused = resolve_fused(cfg, fused, "P2PWorld")
-        cfg.require_p2p_only()
-        from backends import cuda
-        self.fused = fused
-        self.cfg = cfg
-        self.cuda = cuda
-        self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
-        self.input_scale = input_scale
+        self._init_common(cfg, fused, "P2PWorld", timeout_ns, input_scale)
+        cuda = self.cuda
         self.devices = assign_devices(cfg.n_ranks, devices, cuda.device_count())
         self.device_ids = sorted(set(self.devices))
         check_peer_access(cfg, self.devices, cuda.can_access_peer)

@@ -190,6 +190,18 @@ class RankWorld:
     launches a rank's kernels, which error buffer they report into, and how expired waits
     are collected; the defaults are those of one GPU (``program``, ``err``)."""
 
+    def _init_common(self, cfg, fused, world: str, timeout_ns, input_scale):
+        """The constructor prologue every world shares: the ``fused`` rule, the transport
+        check, and ``fused``, ``cfg``, ``cuda``, ``timeout_ns``, ``input_scale``."""
+        fused = resolve_fused(cfg, fused, world)
+        cfg.require_p2p_only()
+        from backends import cuda
+        self.fused = fused
+        self.cfg = cfg
+        self.cuda = cuda
+        self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
+        self.input_scale = input_scale
+
     # -- hooks -----------------------------------------------------------------------------------
     def _program_of(self, rk):
         """The ``Program`` that launches rank ``rk``'s kernels."""
@@ -420,14 +432,8 @@ class EmulatedWorld(RankWorld):
                  fused: bool | None = None, input_scale: float = 1.0,
                  devices: int | None = None):
         self.rank_ids = participants(cfg, devices)
-        fused = resolve_fused(cfg, fused, "EmulatedWorld")
-        cfg.require_p2p_only()
-        from backends import cuda
-        self.fused = fused
-        self.cfg = cfg
-        self.cuda = cuda
-        self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
-        self.input_scale = input_scale
+        self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale)
+        cuda = self.cuda
         self.program = Program(co_resident(build_module(cfg), len(self.rank_ids) * cfg.n_sms,
                                            cuda.sm_count(device)), arch=arch, device=device)
         self.device = self.program.device
