@@ -112,10 +112,66 @@ def test_staging_chunk_must_hold_whole_trips(stage):
         fmt.check_stage_bytes(stage)
 
 
-def test_staging_past_the_static_shared_memory_is_refused(monkeypatch):
-    from epgen.formats import blockscaled
+@pytest.mark.parametrize("preset,fmt,want", [
+    ("decode", "NVFP4", 2048), ("decode", "BlockwiseFP8", 2048),       # 16 warps x 2 KB fit
+    ("default", "NVFP4", 1152), ("default", "BlockwiseFP8", 1024)])    # 32 warps: what fits
+def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want):
+    """The default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred) shrinks to whole trips that
+    fit 48 KB of static shared memory with the block's other buffers; the kernel builds."""
     from epgen.presets import load_preset
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 4096)   # 16 warps x 4 KB > 48 KB
-    cfg = load_preset("decode").replace(token_fmt=make_format("NVFP4", 7168, 8))
-    with pytest.raises(ValueError, match="QUANT_STAGE_BYTES.*past the 49152"):
-        epgen.build_module(cfg)
+    cfg = load_preset(preset)
+    cfg = cfg.replace(token_fmt=make_format(fmt, 7168, cfg.layout.top_k))
+    text = ir.print_module(epgen.build_module(cfg))
+    warps = cfg.num_threads // 32
+    assert f"shared quant_stage[{warps * want}]" in text
+
+
+def test_staging_chunk_rules():
+    fmt = make_format("NVFP4", 7168, 8)                 # 4 payload bytes per item: 128 / trip
+    assert fmt.stage_chunk_bytes(2048, 16, 4224) == 2048
+    # (49152 - 8448) // 32 = 1272 bytes of room per warp: 9 trips of 128 bytes
+    assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1152
+    fp8 = make_format("BlockwiseFP8", 7168, 8)          # 8 bytes per item: 256 per trip
+    assert fp8.stage_chunk_bytes(2048, 32, 8448) == 1024
+    assert fmt.stage_chunk_bytes(0, 16, 0) == 0
+    assert fmt.stage_chunk_bytes(2048, 1024, 49152 - 100) == 0   # not one trip: no staging
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):
+        fmt.stage_chunk_bytes(100, 16, 0)
+
+
+@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
+                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
+@pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "fused_se"])
+@pytest.mark.parametrize("header_first", [True, False])
+def test_tile_flat_copy(fmt, H, flags, header_first, seed, monkeypatch):
+    """``dispatch_wait.TILE_FLAT_COPY`` (off by default, an experiment for the H200): the
+    copy role copies each tile's payloads block-wide from the addresses the warps left in
+    shared memory (tiles of 1-8 rows here: the unrolled loop and its tail); with the header
+    loaded before or after the payload (``HEADER_LOADS_FIRST``). Same results; the fused
+    kernel puts the address table in its dynamic shared memory."""
+    from epgen.kernels import dispatch_wait
+    monkeypatch.setattr(dispatch_wait, "TILE_FLAT_COPY", True)
+    monkeypatch.setattr(dispatch_wait, "HEADER_LOADS_FIRST", header_first)
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    text = ir.print_module(epgen.build_module(cfg))
+    assert "%tp_i" in text
+    # no per-message payload copy is left, except the shared expert's own rows (fused_se)
+    assert ("%recv_i" in text) is (flags == "fused_se")
+    run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+@pytest.mark.parametrize("items", [1, 2])
+def test_unstaged_send_path(fmt, H, items, seed, monkeypatch):
+    """The send path before the fourth session's defaults (still selectable, and the A/B's
+    baseline): no staging (``QUANT_STAGE_BYTES = 0``), the destinations held in registers,
+    1 or 2 items per trip. Same bytes as the reference."""
+    from epgen.formats import blockscaled
+    from epgen.kernels import dispatch_async
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 0)
+    monkeypatch.setattr(blockscaled, "QUANT_ITEMS_IN_FLIGHT", items)
+    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", False)
+    cfg = make_cfg(fmt, H)
+    text = ir.print_module(epgen.build_module(cfg))
+    assert "quant_stage" not in text and "send_dsts" not in text
+    run_calls(cfg, seed, n_calls=2)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 
+import math
+
 import attrs
 import ml_dtypes
 import numpy as np
@@ -36,15 +38,18 @@ from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
 
 ITEM_ELEMS = 8               # bf16 elements per 16-byte input load (reference src_width)
 #: 16-byte input items each lane of the warp send path loads before quantising them
-#: (``emit_broadcast_token``). 1: on the H200, 2 spilled registers under the co-residency
-#: cap and ran slower, and prefetching the next item (commit cd5e691) gained nothing
-#: (benchmarks/experiments/broadcast_bw.py --format, docs/PERF.md)
-QUANT_ITEMS_IN_FLIGHT = 1
-#: Bytes of payload each warp of the warp send path stages in shared memory before writing
-#: them to the destinations as 16-byte vectors (``_broadcast_staged``); 0: every item goes
-#: straight from registers to the destinations. Off until the H200 says it pays
-#: (``gpu_session.sh send-ab``); the chunk must hold whole 32-item trips.
-QUANT_STAGE_BYTES = 0
+#: (``emit_broadcast_token``). 2, with the payload staged in shared memory and the
+#: destinations in shared memory (``dispatch_async.SEND_DSTS_IN_SHARED``): the H200 A/B of
+#: 2026-11-29 (docs/PERF.md, fourth session) measured NVFP4's prefill round trip 0.675 -> 0.742
+#: of copy and BlockwiseFP8's 0.745 -> 0.760 with all three, against 1 item straight from
+#: registers; without the staging, 2 items spilled and ran slower (third session).
+QUANT_ITEMS_IN_FLIGHT = 2
+#: Preferred bytes of payload each warp of the warp send path stages in shared memory before
+#: writing them to the destinations as 16-byte vectors (``_broadcast_staged``); the chunk used
+#: is the largest whole number of 32-item trips up to this that fits the block's static shared
+#: memory (``stage_chunk_bytes``: 2048 for 512-thread blocks, less for 1024), and 0 turns the
+#: staging off (every item straight from registers to the destinations).
+QUANT_STAGE_BYTES = 2048
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -282,11 +287,26 @@ class BlockScaledFormat(TokenFormat):
                     r.store(ir.Cast(T.ptr_global, d + off), value)
 
         unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
-        stage_bytes = QUANT_STAGE_BYTES if stage_bytes is None else stage_bytes
+        if stage_bytes is None:
+            stage_bytes = self.stage_chunk_bytes(
+                QUANT_STAGE_BYTES, r.n_threads // 32, sum(b.nbytes for b in r.kb.shared))
         if stage_bytes:
             self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes)
         else:
             self._quantize_token(r, src_row, r.lane, 32, store_all, unroll)
+
+    def stage_chunk_bytes(self, preferred: int, warps: int, static_used: int) -> int:
+        """The staging chunk the warp send path uses by default: the largest multiple of a
+        32-item trip's payload (and of 16 bytes) up to ``preferred`` whose ``warps`` copies
+        fit the static shared memory left after ``static_used`` bytes; 0 (no staging) when
+        ``preferred`` is 0 or not even one trip fits."""
+        if not preferred:
+            return 0
+        self.check_stage_bytes(preferred)
+        trip = 32 * self.item_out_bytes
+        step = trip * VECTOR_BYTES // math.gcd(trip, VECTOR_BYTES)
+        room = (STATIC_SMEM_LIMIT - static_used) // max(warps, 1)
+        return max(0, min(preferred, room) // step * step)
 
     def check_stage_bytes(self, stage_bytes) -> int:
         """Items per chunk of ``_broadcast_staged``; ``ValueError`` unless ``stage_bytes``
@@ -383,17 +403,25 @@ class BlockScaledFormat(TokenFormat):
         """Transposed scales are copied a tile at a time (``emit_copy_tile_scales``)."""
         return self.scales_transposed
 
+    @property
+    def payload_vectors(self) -> int:
+        """16-byte vectors of the payload (message bytes ``[0, payload_bytes)`` = the output
+        row)."""
+        return self.payload_bytes // VECTOR_BYTES
+
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True,
-                                out_scales=None):
+                                out_scales=None, payload: bool = True):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
-        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``) and, unless ``scales`` is
-        False, the scales into ``out_scales`` (default the kernel parameter
-        ``output_scales``; the final layout passes the destination rank's): transposed
-        ``[groups, output_scales_rows]`` with one ``st.global.b32`` per scale, or row-major
-        ``[M, groups]`` with lane-strided copies."""
+        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``; not with ``payload=False``,
+        when the caller copies payloads a tile at a time) and, unless ``scales`` is False, the
+        scales into ``out_scales`` (default the kernel parameter ``output_scales``; the final
+        layout passes the destination rank's): transposed ``[groups, output_scales_rows]`` with
+        one ``st.global.b32`` per scale, or row-major ``[M, groups]`` with lane-strided
+        copies."""
         from ..kernels.common import copy_vectors, warp_copy
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
-        warp_copy(r, dst, msg, self.payload_bytes // VECTOR_BYTES, tag="recv")
+        if payload:
+            warp_copy(r, dst, msg, self.payload_vectors, tag="recv")
         if not scales:
             return
         if out_scales is None:

@@ -331,9 +331,10 @@ NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this dev
 #: ``st.shared.u64`` per lane, then an ``ld.shared.u64`` before each store) instead of holding
 #: the ``K`` addresses in registers through the token's loop. Under the 64-register cap of
 #: two co-resident 512-thread blocks this removes the quantising formats' spills (ptxas: 20-28
-#: bytes -> 0), which a second item per trip needs; off until the H200 says it pays (an A/B
-#: in docs/PERF.md names the command).
-SEND_DSTS_IN_SHARED = False
+#: bytes -> 0), which their two items per trip need (``blockscaled.QUANT_ITEMS_IN_FLIGHT``);
+#: BF16's prefill round trip is the same either way on the H200 (0.837 / 0.838 of copy, A/B
+#: of 2026-11-29 in docs/PERF.md).
+SEND_DSTS_IN_SHARED = True
 
 
 def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
