@@ -3,15 +3,14 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|wait-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists; "send-ab": the send path's experiments
 # (destinations in shared memory, 2 quantiser items per trip, the quantised payload staged in
 # shared memory; about 8 minutes; since the fourth session all three are the defaults);
-# "wait-ab": dispatch_wait's copy experiments (header first, block-wide tile copy; about 4
-# minutes); "p2p": on a multi-GPU machine, the
+# "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
@@ -140,26 +139,6 @@ if [ "$what" = p2p ]; then
         --set n_ranks="$n" --set p2p_world_size="$n" --tokens 128,4096 --variant default \
         --variant final=ep_final_layout,ep_prod_reserve --json "$OUT/p2p-bench.json" $plot
     grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-bench.log" | sed 's/^/    /'
-fi
-if [ "$what" = wait-ab ]; then
-    # dispatch_wait's copy, same call, prefill: the header loaded after the payload (as
-    # before) or first (dispatch_wait.HEADER_LOADS_FIRST), and the per-message warp copy or
-    # the block-wide tile copy (TILE_FLAT_COPY) with 4 or 6 loads in flight per thread
-    for fmt in BF16 NVFP4 BlockwiseFP8; do
-        for case in "False False 4" "True False 4" "True True 4" "True True 6"; do
-            set -- $case
-            [ "$fmt" != BF16 ] && [ "$1" = False ] && continue
-            [ "$fmt" != BF16 ] && [ "$3" = 6 ] && continue
-            name="wait-ab-$fmt-hdr$1-flat$2-u$3"
-            step "$name" 80 python3 benchmarks/experiments/with_settings.py \
-                "epgen.kernels.dispatch_wait.HEADER_LOADS_FIRST=$1" \
-                "epgen.kernels.dispatch_wait.TILE_FLAT_COPY=$2" \
-                "epgen.kernels.dispatch_wait.TILE_FLAT_LOADS_IN_FLIGHT=$3" -- bench \
-                --set format=$fmt --tokens 4096 --no-baseline --no-post-check \
-                --json "$OUT/$name.json"
-            grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
-        done
-    done
 fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 exit $status

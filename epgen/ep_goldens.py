@@ -53,9 +53,9 @@ def _preset_description(preset: str) -> str:
 
 def flag_variant_config(name: str):
     """The ``EPConfig`` of flag variant ``name`` (a key of ``FLAG_VARIANTS``)."""
-    from .presets import config_from_dict, preset_data
+    from .presets import config_from_dict, preset_data, with_overrides
     preset, changes = FLAG_VARIANTS[name]
-    table = {**preset_data(preset), **changes}
+    table = with_overrides(preset_data(preset), changes)
     table.pop("description", None)
     return config_from_dict(table)
 

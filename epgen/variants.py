@@ -125,7 +125,7 @@ def _default(name: str):
 
 def combination(flags: Iterable[str]) -> Combination:
     """The combination that sets exactly ``flags`` (names from ``MATRIX_FLAGS``)."""
-    from .presets import config_from_dict, preset_data
+    from .presets import config_from_dict, preset_data, with_overrides
 
     flags = set(flags)
     unknown = flags - set(MATRIX_FLAGS)
@@ -134,7 +134,7 @@ def combination(flags: Iterable[str]) -> Combination:
                          f"(known: {', '.join(MATRIX_FLAGS)})")
     ordered = tuple(f for f in MATRIX_FLAGS if f in flags)
     changes = {**base_changes(ordered), **{f: f in flags for f in MATRIX_FLAGS}, **FIXED}
-    table = {**preset_data(BASE_PRESET), **changes}
+    table = with_overrides(preset_data(BASE_PRESET), changes)
     try:
         return Combination(ordered, changes, config_from_dict(table), None)
     except EPConfigError as e:

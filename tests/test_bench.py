@@ -16,6 +16,7 @@ import pytest
 from world_checks import assert_imports_light
 
 from epgen import BF16Format, EPConfig, cli, presets, reference, routing
+from epgen.formats import make_format
 from epgen.bench import (baseline, driver, inputs, memory, options, plan, report, runner,
                          timing, traffic)
 
@@ -78,7 +79,9 @@ def test_bytes_per_variant_of_a_plan():
 def test_round_trip_bytes_design_figures():
     """The floors quoted in issue 6 (copy 4.24 TB/s): ~2.8 ms staged and ~1.0 ms final layout
     at prefill, ~87 us staged and ~31 us final layout at decode."""
-    p = plan.Plan(base=DECODE, tokens=(128, 4096))
+    # at the reference alignment (16); the decode preset's 128 is checked below
+    reference_fmt = make_format("BF16", 7168, 8)
+    p = plan.Plan(base=DECODE.replace(token_fmt=reference_fmt), tokens=(128, 4096))
     prefill = traffic.round_trip_bytes(p.config(4096), 4096)
     # 32768 tokens of 14336 B; 262144 messages of 14336 + 16 + 16 = 14368 B; 262144 rows
     assert prefill["input"] == 32768 * 14336
@@ -93,6 +96,10 @@ def test_round_trip_bytes_design_figures():
         pytest.approx(86.7e-6, rel=0.01)
     assert traffic.round_trip_bytes(p.config(128, final), 128)["total"] / 4.24e12 == \
         pytest.approx(31e-6, rel=0.02)
+    # the decode preset's 128-byte fields: 14336 + 128 + 128 = 14592 B per message
+    preset = traffic.round_trip_bytes(plan.Plan(base=DECODE, tokens=(4096,)).config(4096), 4096)
+    assert preset["messages"] == 262144 * 14592
+    assert preset["total"] - prefill["total"] == 2 * 262144 * (14592 - 14368)
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -115,10 +122,11 @@ def test_world_memory_matches_layout():
 def test_prefill_memory_needs_a_bounded_block_capacity():
     p = plan.Plan(base=DECODE, tokens=(4096,))
     full = memory.world_memory(p.config(4096))
-    assert full["per_rank"]["recv_buf"] == 32 * 8 * 4096 * 14368          # ~15 GB per rank
+    msg = DECODE.layout.msg_bytes                     # 14592: the preset's 128-byte fields
+    assert full["per_rank"]["recv_buf"] == 32 * 8 * 4096 * msg             # ~15 GB per rank
     assert full["total"] > 139 * memory.GiB                                # more than an H200
     fit = memory.world_memory(p.config(4096, block_capacity=192))
-    assert fit["per_rank"]["recv_buf"] == 32 * 8 * 192 * 14368
+    assert fit["per_rank"]["recv_buf"] == 32 * 8 * 192 * msg
     assert fit["total"] < 20e9
     assert p.config(4096, block_capacity=4096).recv_block_capacity is None   # = full
     assert p.config(4096, block_capacity=5000).recv_block_capacity is None

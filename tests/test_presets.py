@@ -22,9 +22,11 @@ EXPECTED = {
     "small": dict(n_experts=16, n_ranks=2, hid_dim=256, top_k=4, max_tokens_per_rank=32,
                   num_threads=256, n_sms=9, p2p_world_size=2, use_shmem=False),
     "decode": dict(n_experts=256, n_ranks=8, hid_dim=7168, top_k=8, max_tokens_per_rank=128,
-                   num_threads=512, n_sms=33, p2p_world_size=8, use_shmem=False),
+                   num_threads=512, n_sms=33, p2p_world_size=8, use_shmem=False,
+                   alignment=128),
     "prefill": dict(n_experts=256, n_ranks=8, hid_dim=7168, top_k=8, max_tokens_per_rank=4096,
-                    num_threads=512, n_sms=33, p2p_world_size=8, use_shmem=False),
+                    num_threads=512, n_sms=33, p2p_world_size=8, use_shmem=False,
+                    alignment=128),
 }
 
 
@@ -62,6 +64,30 @@ def test_emulation_presets_fit_one_h200(name):
     cfg = load_preset(name)
     assert cfg.n_ranks == 8
     assert cfg.n_ranks * cfg.n_sms <= H200_SMS * (MAX_THREADS_PER_SM // cfg.num_threads)
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ({}, 128),                                        # the preset's own (BF16) alignment
+    ({"format": "BF16"}, 128),                        # the same format: kept
+    ({"format": "NVFP4"}, 16),                        # another format: that format's default
+    ({"format": "BlockwiseFP8", "alignment": 64}, 64),   # said explicitly: kept
+    ({"alignment": 32}, 32)])
+def test_a_preset_alignment_belongs_to_its_format(overrides, want):
+    from epgen.presets import with_overrides
+    cfg = config_from_dict(with_overrides(preset_data("prefill"), overrides))
+    assert cfg.token_fmt.alignment == want
+    assert cfg.token_fmt.name == overrides.get("format", "BF16")
+
+
+def test_cli_set_format_takes_the_format_alignment(capsys):
+    """``epgen inspect --preset decode --set format=NVFP4``: the quantising format gets its
+    default alignment (16), not the BF16 preset's 128."""
+    from epgen import cli
+    assert cli.main(["inspect", "--preset", "decode", "--set", "format=NVFP4", "--json"]) == 0
+    import json
+    report = json.loads(capsys.readouterr().out)
+    text = json.dumps(report)
+    assert '"alignment": 16' in text and '"alignment": 128' not in text
 
 
 def test_unknown_preset():

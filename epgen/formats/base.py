@@ -268,12 +268,11 @@ class TokenFormat:
     @property
     def payload_vectors(self) -> int:
         """16-byte vectors of the payload, which sits at message byte 0 and is copied verbatim
-        to output row byte 0 (dispatch_wait's ``TILE_FLAT_COPY`` copies these block-wide)."""
+        to output row byte 0."""
         raise NotImplementedError(f"{type(self).__name__}.payload_vectors is not implemented")
 
     def emit_copy_msg_to_output(self, *args, **kwargs):
-        """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row; with
-        ``payload=False`` only what is copied besides the payload)."""
+        """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row)."""
         raise NotImplementedError(
             f"{type(self).__name__}.emit_copy_msg_to_output is not implemented")
 

@@ -135,14 +135,11 @@ class BF16Format(TokenFormat):
         """16-byte vectors of the payload (message bytes ``[0, 2H)`` = the output row)."""
         return 2 * self.hid_dim // VECTOR_BYTES
 
-    def emit_copy_msg_to_output(self, r, msg, row, output_tokens, payload: bool = True):
+    def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output
-        row ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``); ``payload=False``
-        (the caller copies payloads a tile at a time): nothing."""
+        row ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``)."""
         from ir import types as T
         from ..kernels.common import warp_copy
-        if not payload:
-            return
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
         warp_copy(r, dst, msg, self.payload_vectors, tag="recv")
 

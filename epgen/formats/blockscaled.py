@@ -410,18 +410,16 @@ class BlockScaledFormat(TokenFormat):
         return self.payload_bytes // VECTOR_BYTES
 
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True,
-                                out_scales=None, payload: bool = True):
+                                out_scales=None):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
-        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``; not with ``payload=False``,
-        when the caller copies payloads a tile at a time) and, unless ``scales`` is False, the
-        scales into ``out_scales`` (default the kernel parameter ``output_scales``; the final
-        layout passes the destination rank's): transposed ``[groups, output_scales_rows]`` with
-        one ``st.global.b32`` per scale, or row-major ``[M, groups]`` with lane-strided
-        copies."""
+        ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``) and, unless ``scales`` is
+        False, the scales into ``out_scales`` (default the kernel parameter
+        ``output_scales``; the final layout passes the destination rank's): transposed
+        ``[groups, output_scales_rows]`` with one ``st.global.b32`` per scale, or row-major
+        ``[M, groups]`` with lane-strided copies."""
         from ..kernels.common import copy_vectors, warp_copy
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
-        if payload:
-            warp_copy(r, dst, msg, self.payload_vectors, tag="recv")
+        warp_copy(r, dst, msg, self.payload_vectors, tag="recv")
         if not scales:
             return
         if out_scales is None:

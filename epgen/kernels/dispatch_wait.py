@@ -12,8 +12,8 @@ from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
 from . import final_layout
-from .common import (DATA_READY_FLAG, SENTINEL, VEC, VEC_BYTES, block_inclusive_scan,
-                     comm_sync, exit_if_aborted, lowest_set_bit, wait_ready_flag)
+from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
+                     exit_if_aborted, lowest_set_bit, wait_ready_flag)
 from .common import word as _word
 from .schedule import claim_next_tile, fill_sm_schedule, first_expert, load_expert_tiles
 from .scratch import Scratch
@@ -147,73 +147,18 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
 
 
 #: The copy warps load a message's header (top-k ids, source index) before its payload, so
-#: the two dependent round trips that followed each payload copy hide behind it (False: after
-#: the payload, as the reference orders it; kept for the A/B in docs/PERF.md).
+#: the two dependent round trips that followed each payload copy could hide behind it (False:
+#: after the payload, as the reference orders it). Measured neutral on the H200 (BF16 wait
+#: 1955.5 vs 1951.7 us, docs/PERF.md fourth session); kept, as it costs nothing.
 HEADER_LOADS_FIRST = True
-
-#: Experiment (off until an H200 A/B says it pays): the copy role copies each tile's payloads
-#: block-wide instead of one warp per message. The warps first leave each message's address in
-#: shared memory (and do its header and any per-message scales), then after a barrier every
-#: thread takes 16-byte vectors ``tid, tid + threads, ...`` of the tile's concatenated payloads
-#: (``copy_tile_payloads``), so the block's threads finish a tile within one trip of each other
-#: where the per-message warps finish up to a message apart before the tile's barrier.
-TILE_FLAT_COPY = False
-#: 16-byte loads each thread of ``copy_tile_payloads`` keeps in flight (4: no spills under the
-#: 64-register cap for BF16 and BlockwiseFP8; 7 spilled 36-76 bytes, ptxas)
-TILE_FLAT_LOADS_IN_FLIGHT = 4
-
-
-def tile_msgs_bytes(cfg) -> int:
-    """Shared bytes of the tile's message addresses: the format's (``tile_smem_bytes``), or
-    one u64 per tile token for ``TILE_FLAT_COPY``."""
-    fmt = cfg.token_fmt
-    TT = fmt.dispatch_wait_tile_shape[0]
-    return max(fmt.tile_smem_bytes(TT), 8 * TT if TILE_FLAT_COPY else 0)
-
 
 def copy_scratch_bytes(cfg) -> int:
     """Shared scratch bytes of ``copy_received_tokens_to_output`` (its dynamic shared memory
     past ``comm_smem_base`` when that is given): the rank prefixes, the tile values and the
-    per-tile message addresses (``tile_msgs_bytes``)."""
-    tile = -(-tile_msgs_bytes(cfg) // 16) * 16
+    format's per-tile message addresses (``tile_smem_bytes``)."""
+    fmt = cfg.token_fmt
+    tile = -(-fmt.tile_smem_bytes(fmt.dispatch_wait_tile_shape[0]) // 16) * 16
     return -(-4 * max(cfg.n_ranks, 1) // 16) * 16 + 16 + tile
-
-
-def copy_tile_payloads(r: ir.RoleBuilder, fmt, tile_msgs, output_tokens, row0, n_rows,
-                       first, stride, tag: str = "tp"):
-    """``TILE_FLAT_COPY``: the payloads of a tile's ``n_rows`` messages (u64 addresses at
-    ``tile_msgs``, shared) into output rows ``row0 + j``, as one array of ``n_rows *
-    payload_vectors`` 16-byte vectors of which this thread takes ``first, first + stride,
-    ...`` with ``TILE_FLAT_LOADS_IN_FLIGHT`` loads in flight: vector ``v`` is vector ``v %
-    payload_vectors`` of message ``v // payload_vectors`` (``ld.shared.u64`` of its address,
-    ``ld.global.v4.b32``, ``st.global.v4.b32``)."""
-    pv = fmt.payload_vectors
-    unroll = TILE_FLAT_LOADS_IN_FLIGHT
-    n_vec = r.let(f"{tag}_n", n_rows * pv)
-
-    def split(v):
-        j = ir.as_expr(v) // pv
-        return j, (ir.as_expr(v) - j * pv).cast(T.u64) * VEC_BYTES
-
-    def load(v, name):
-        j, c = split(v)
-        msg = r.load(tile_msgs + (j * 8).cast(T.u64), T.u64, name=f"{tag}_msg", peer=True)
-        return r.load(ir.Cast(T.ptr_global, msg + c), VEC, name=name)
-
-    def store(v, x):
-        # the destination is computed again after the loads, not held through their latency
-        j, c = split(v)
-        r.store(output_tokens + (row0 + j).cast(T.u64) * fmt.out_row_bytes + c, x)
-
-    i = r.var(f"{tag}_i", T.u32, first)
-    with r.while_(i + stride * (unroll - 1) < n_vec):
-        vals = [load(i + stride * u if u else i, f"{tag}_v") for u in range(unroll)]
-        for u, x in enumerate(vals):
-            store(i + stride * u if u else i, x)
-        r.assign(i, i + stride * unroll)
-    with r.while_(i < n_vec):
-        store(i, load(i, f"{tag}_t"))
-        r.assign(i, i + stride)
 
 
 def check_l1_release(cfg, l1_arrival_ptr, token_block: int, atomic_pad: int, delta: int):
@@ -299,9 +244,8 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     scratch = Scratch(kb, comm_smem_base)
     prefix = scratch.buffer("rank_prefix", 4 * max(R, 1))
     vals = scratch.buffer("tile_vals", 16)          # [start row, tile id, expert (L: done)]
-    flat = TILE_FLAT_COPY
-    tile_msgs = scratch.buffer("tile_msgs", tile_msgs_bytes(cfg)) \
-        if fmt.copies_scales_per_tile or flat else None
+    tile_msgs = scratch.buffer("tile_msgs", fmt.tile_smem_bytes(TT)) \
+        if fmt.copies_scales_per_tile else None
     wait_ready_flag(r, cfg, ctr, p.err_buf, comm_barrier_id)
     # warp 0's claim state (registers; meaningful in warp 0 only)
     cur_e = r.var("cur_e", T.u32, L)
@@ -366,8 +310,6 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                 with r.if_(r.lane.eq(0)):
                     r.store(tile_msgs + (j * 8).cast(T.u64), msg)
             extras = {"scales": False} if fmt.copies_scales_per_tile else {}
-            if flat:
-                extras["payload"] = False
             fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens, **extras)
             if not HEADER_LOADS_FIRST:
                 load_header()
@@ -375,17 +317,13 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                 r.store(_word(p.src_info, row * 2), src_idx)
                 r.store(_word(p.src_info, row * 2 + 1), r.lane)
         comm_sync(r, comm_barrier_id)
-        # after the barrier, the block-wide parts of the tile; the next tile's addresses are
-        # stored only after warp 0's claim barrier, so they stay valid until then
-        if flat:
-            copy_tile_payloads(r, fmt, tile_msgs, p.output_tokens, r.let("tp_row0", start + ts),
-                               n_in_tile, r.tid, r.n_threads)
         if fmt.copies_scales_per_tile:
+            # the next tile's addresses are stored only after warp 0's claim barrier
             fmt.emit_copy_tile_scales(r, tile_msgs, r.let("tile_row0", start + ts), n_in_tile,
                                       TT, r.tid, r.n_threads)
+            if emit_l1_release:
+                comm_sync(r, comm_barrier_id)
         if emit_l1_release:
-            if flat or fmt.copies_scales_per_tile:
-                comm_sync(r, comm_barrier_id)   # the rows have landed
             emit_l1_arrival_release(r, l1_arrival_ptr, e, n_in_tile, l1_release_token_block,
                                     l1_release_atomic_pad, l1_release_delta)
     with r.if_(r.tid.eq(0)):

@@ -57,6 +57,18 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".toml"))
 
 
+def with_overrides(data: dict, overrides: dict) -> dict:
+    """``data`` (a preset table) with ``overrides`` applied. A preset's ``alignment`` belongs to
+    its format: when the overrides change ``format`` and say no ``alignment``, the new format
+    takes its default alignment (``decode`` and ``prefill`` set 128 for BF16, which the
+    quantising formats measured slower with: docs/PERF.md)."""
+    out = {**data, **overrides}
+    if "format" in overrides and "alignment" not in overrides \
+            and overrides["format"] != data.get("format"):
+        out.pop("alignment", None)
+    return out
+
+
 def preset_data(name: str) -> dict:
     """The table of preset ``name`` as stored (``description`` included)."""
     if name not in preset_names():
