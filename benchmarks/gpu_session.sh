@@ -55,14 +55,14 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     bench bf16 150 --tokens 128,4096 --variant default --variant fused \
-        --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
     bench flags-prefill 90 --tokens 4096 --variant ord_r=ep_ord_r,has_rank_flag \
         --variant send_join_named=ep_send_join_named --no-post-check --no-baseline
     for fmt in NVFP4 BlockwiseFP8; do
         bench "$fmt" 90 --set format=$fmt --tokens 128,4096 --no-baseline --no-post-check
     done
     bench zipf 90 --tokens 4096 --routing zipf --variant default \
-        --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
 fi
 if [ "$what" = formats ]; then
     # the quantising formats alone: their GPU tests, the quantiser's broadcast pattern with
@@ -81,7 +81,7 @@ fi
 if [ "$what" = latency ]; then
     # the round trip's floor: decode-sized calls down to one token per rank
     bench latency 150 --tokens 1,8,32,128 --variant default --variant fused \
-        --variant prod=ep_final_layout,ep_prod_reserve --no-post-check
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
 fi
 if [ "$what" = profile ]; then
     # where NVFP4's dispatch_async spends its time at prefill, if Nsight Compute is there: one

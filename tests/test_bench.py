@@ -298,6 +298,23 @@ def test_parse_variant():
             plan.parse_variant(bad)
 
 
+def test_variant_alignment():
+    """``alignment:16`` in a variant rebuilds the token format with that alignment (the final
+    layout's header rows and the messages shrink), everything else as the base."""
+    v = plan.parse_variant("prod=ep_final_layout,ep_prod_reserve,alignment:16")
+    assert dict(v.overrides)["alignment"] == 16
+    p = plan.Plan(base=DECODE, tokens=(4096,))
+    assert p.config(4096).token_fmt.alignment == 128              # the preset's
+    cfg = p.config(4096, v)
+    assert cfg.token_fmt.alignment == 16 and cfg.ep_final_layout and cfg.ep_prod_reserve
+    assert (cfg.token_fmt.name, cfg.token_fmt.hid_dim, cfg.token_fmt.top_k) == ("BF16", 7168, 8)
+    assert cfg.layout.msg_bytes == 14368 and p.config(4096).layout.msg_bytes == 14592
+    with pytest.raises(ValueError, match="alignment needs a value"):
+        plan.parse_variant("alignment")
+    with pytest.raises(ValueError, match="power of two"):
+        p.config(4096, plan.parse_variant("alignment:24"))
+
+
 def test_plan_configs_and_defaults():
     assert plan.shape_name(128) == "decode" and plan.shape_name(4096) == "prefill"
     assert plan.shape_name(1000) == "T=1000"

@@ -9,12 +9,16 @@ separated by commas, each a bool parameter's name (set to true, e.g. ``ep_final_
 ``ep_ord_r:false``) for a key of ``VARIANT_KEYS``; ``LABEL`` names it in the table, the JSON
 and the plot (default: ``SPEC``). Parameters that change the inputs or the buffers' sizing
 (ranks, experts, the token format, tokens per rank, the block capacity) are the same for all
-variants of a run: set them with ``--preset``/``--set`` and ``--block-capacity``.
+variants of a run: set them with ``--preset``/``--set`` and ``--block-capacity``; the one
+exception is the format's ``alignment`` (message and header field padding: the same inputs,
+each variant's own buffers), e.g. ``prod=ep_final_layout,ep_prod_reserve,alignment:16``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import attrs
 
 from ..config import BOOL_PARAMS, EPConfig
 from ..presets import parse_value
@@ -26,7 +30,12 @@ DEFAULT_VARIANT = "default"
 WORLD_KEYS = ("fused",)
 """Variant keys that choose how the world runs, not the configuration (``fused``: the single
 launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait)."""
-VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS
+FORMAT_VARIANT_KEYS = ("alignment",)
+"""Variant keys of the token format (``alignment:16``: the final layout's header rows grow
+with the field alignment, and the H200 ran it faster at the reference's 16 than at the
+``decode``/``prefill`` presets' 128, docs/PERF.md fourth session)."""
+VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS \
+    + FORMAT_VARIANT_KEYS
 """Parameters a variant may change."""
 ROUTINGS = ("uniform", "zipf")
 WORLDS = ("emulated", "p2p")
@@ -174,6 +183,9 @@ class Plan:
             else int(block_capacity)
         overrides = {k: v for k, v in (variant.overrides if variant is not None else ())
                      if k not in WORLD_KEYS}
+        fmt_changes = {k: overrides.pop(k) for k in FORMAT_VARIANT_KEYS if k in overrides}
+        if fmt_changes:
+            overrides["token_fmt"] = attrs.evolve(self.base.token_fmt, **fmt_changes)
         return self.base.replace(max_tokens_per_rank=tokens_per_rank, recv_block_capacity=cap,
                                  **overrides)
 
