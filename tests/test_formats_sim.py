@@ -165,3 +165,24 @@ def test_unstaged_send_path(fmt, H, items, seed, monkeypatch):
     text = ir.print_module(epgen.build_module(cfg))
     assert "quant_stage" not in text and "send_dsts" not in text
     run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("fmt,H,stage", [("BlockwiseFP8", 384, 256), ("BlockwiseFP8", 512, 512),
+                                         ("NVFP4", 1024, 256), ("NVFP4", 64, 2048),
+                                         ("MXFP8", 64, 256)],
+                         ids=["FP8-H384-tail", "FP8-H512", "NVFP4-H1024", "NVFP4-H64",
+                              "MXFP8-H64-tail"])
+@pytest.mark.parametrize("flags", ["staged", "ord_r"])
+def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed, monkeypatch):
+    """``QUANT_STAGE_SCALES`` (off by default, an experiment for the H200): each chunk's group
+    scales are staged in shared memory beside its payload and copied to the destinations in
+    wide units (16 bytes where a chunk's scales allow), the last partial unit scale by scale
+    (FP8 H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2 one-byte scales). Same bytes
+    as the reference."""
+    from epgen.formats import blockscaled
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", stage)
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", True)
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    text = ir.print_module(epgen.build_module(cfg))
+    assert "shared quant_stage_scales[" in text and "for %q_sc:u32" in text
+    run_calls(cfg, seed, n_calls=2)

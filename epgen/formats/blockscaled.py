@@ -50,6 +50,12 @@ QUANT_ITEMS_IN_FLIGHT = 2
 #: memory (``stage_chunk_bytes``: 2048 for 512-thread blocks, less for 1024), and 0 turns the
 #: staging off (every item straight from registers to the destinations).
 QUANT_STAGE_BYTES = 2048
+#: With the staging: the chunk's group scales go to the warp's shared slice too and reach the
+#: destinations as wide stores after the payload (``_copy_staged_scales``), instead of one
+#: store per group from its first lane to each destination. The scale stores are most of the
+#: send's store instructions (NVFP4: 128 of 160 per 2 KB chunk and lane, FP8: 64 of 96); this
+#: makes them 8. Off until the H200 says it pays (docs/PERF.md names the A/B).
+QUANT_STAGE_SCALES = False
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -306,7 +312,15 @@ class BlockScaledFormat(TokenFormat):
         trip = 32 * self.item_out_bytes
         step = trip * VECTOR_BYTES // math.gcd(trip, VECTOR_BYTES)
         room = (STATIC_SMEM_LIMIT - static_used) // max(warps, 1)
+        if QUANT_STAGE_SCALES:     # each chunk's scales beside it (rounded up to 16 bytes)
+            room -= self.chunk_scale_bytes(min(preferred, room)) + VECTOR_BYTES
         return max(0, min(preferred, room) // step * step)
+
+    def chunk_scale_bytes(self, stage_bytes: int) -> int:
+        """Scale bytes of the groups of one ``stage_bytes`` payload chunk (``QUANT_STAGE_SCALES``
+        stages them beside the payload)."""
+        items = stage_bytes // self.item_out_bytes
+        return -(-items // (self.group_size // ITEM_ELEMS)) * self.scale_bytes
 
     def check_stage_bytes(self, stage_bytes) -> int:
         """Items per chunk of ``_broadcast_staged``; ``ValueError`` unless ``stage_bytes``
@@ -331,6 +345,10 @@ class BlockScaledFormat(TokenFormat):
         item_out = self.item_out_bytes
         n_items = self.hid_dim // ITEM_ELEMS
         buf = r.kb.shared_buffer("quant_stage", (r.n_threads // 32) * stage_bytes)
+        lanes = self.group_size // ITEM_ELEMS
+        sc_bytes = -(-self.chunk_scale_bytes(stage_bytes) // VECTOR_BYTES) * VECTOR_BYTES
+        sbuf = r.kb.shared_buffer("quant_stage_scales", (r.n_threads // 32) * sc_bytes) \
+            if QUANT_STAGE_SCALES else None
         static = sum(b.nbytes for b in r.kb.shared)
         if static > STATIC_SMEM_LIMIT:
             raise ValueError(f"{self.name}: a {stage_bytes}-byte staging chunk per warp "
@@ -338,6 +356,8 @@ class BlockScaledFormat(TokenFormat):
                              f"{static} bytes, past the {STATIC_SMEM_LIMIT} a block may "
                              f"declare")
         mine = r.let("q_stage", buf + (r.warp * stage_bytes).cast(T.u64))
+        my_scales = r.let("q_stage_sc", sbuf + (r.warp * sc_bytes).cast(T.u64)) \
+            if sbuf is not None else None
         with r.for_range("q_chunk", 0, n_items, chunk_items) as c0:
             c1 = r.let("q_chunk_end", (c0 + chunk_items).min(n_items))
             base = r.let("q_chunk_off", c0.cast(T.u64) * item_out)
@@ -345,14 +365,45 @@ class BlockScaledFormat(TokenFormat):
             def to_stage(off, value):
                 r.store(mine + (off - base), value)
 
+            to_scales = store_all
+            if my_scales is not None:
+                sc_base = r.let("q_chunk_sc", (c0 // lanes).cast(T.u64) * self.scale_bytes
+                                + self.scales_offset)
+
+                def to_scales(off, value):
+                    r.store(my_scales + (off - sc_base), value)
+
             self._quantize_token(r, src_row, r.lane, 32, to_stage, unroll, start=c0, end=c1,
-                                 store_scale=store_all)
+                                 store_scale=to_scales)
             r.warp_sync()
             n_vec = r.let("q_chunk_vecs", (c1 - c0) * item_out // VECTOR_BYTES)
             with r.for_range("q_bc", r.lane, n_vec, 32) as v:
                 off = v.cast(T.u64) * VECTOR_BYTES
                 store_all(base + off, r.load(mine + off, T.vec(T.u32, 4), name="q_bc_v"))
+            if my_scales is not None:
+                self._copy_staged_scales(r, my_scales, sc_base, (c1 - c0) // lanes,
+                                         self.chunk_scale_bytes(stage_bytes), store_all)
             r.warp_sync()
+
+    def _copy_staged_scales(self, r, staged, dst_off, n_groups, chunk_bytes: int, store_all):
+        """``QUANT_STAGE_SCALES``: the chunk's ``n_groups`` scales from the warp's shared slice
+        ``staged`` to message offset ``dst_off`` of every destination, lane-strided, in units
+        of the widest power of two up to 16 bytes that divides a whole chunk's ``chunk_bytes``
+        (so every unit is aligned in the message), then the last partial unit's scales one by
+        one (``ld.shared`` then ``K`` x ``st.global``)."""
+        unit = next(w for w in (16, 8, 4, 2, 1) if chunk_bytes % w == 0)
+        unit = max(unit, self.scale_bytes)
+        nbytes = r.let("q_sc_bytes", n_groups * self.scale_bytes)
+        dtypes = {16: T.vec(T.u32, 4), 8: T.u64, 4: T.u32, 2: T.u16, 1: T.u8}
+        n_units = r.let("q_sc_units", nbytes // unit)
+        with r.for_range("q_sc", r.lane, n_units, 32) as u:
+            off = u.cast(T.u64) * unit
+            store_all(dst_off + off, r.load(staged + off, dtypes[unit], name="q_sc_v"))
+        if unit > self.scale_bytes:
+            sb = self.scale_bytes
+            with r.for_range("q_sc_t", n_units * (unit // sb) + r.lane, n_groups, 32) as g:
+                off = g.cast(T.u64) * sb
+                store_all(dst_off + off, r.load(staged + off, dtypes[sb], name="q_sc_t"))
 
     def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1, *,
                         start=0, end=None, store_scale=None):
