@@ -114,7 +114,7 @@ def test_staging_chunk_must_hold_whole_trips(stage):
 
 @pytest.mark.parametrize("preset,fmt,want", [
     ("decode", "NVFP4", 2048), ("decode", "BlockwiseFP8", 2048),       # 16 warps x 2 KB fit
-    ("default", "NVFP4", 1152), ("default", "BlockwiseFP8", 1024)])    # 32 warps: what fits
+    ("default", "NVFP4", 1024), ("default", "BlockwiseFP8", 1024)])    # 32 warps: what fits
 def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want):
     """The default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred) shrinks to whole trips that
     fit 48 KB of static shared memory with the block's other buffers; the kernel builds."""
@@ -126,13 +126,17 @@ def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want):
     assert f"shared quant_stage[{warps * want}]" in text
 
 
-def test_staging_chunk_rules():
+def test_staging_chunk_rules(monkeypatch):
     fmt = make_format("NVFP4", 7168, 8)                 # 4 payload bytes per item: 128 / trip
     assert fmt.stage_chunk_bytes(2048, 16, 4224) == 2048
-    # (49152 - 8448) // 32 = 1272 bytes of room per warp: 9 trips of 128 bytes
-    assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1152
+    # (49152 - 8448) // 32 = 1272 bytes of room per warp, less the scales of a 1272-byte
+    # chunk (318 items: 159 one-byte scales) and 16 bytes of rounding: 1097, 8 trips of 128
+    assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1024
     fp8 = make_format("BlockwiseFP8", 7168, 8)          # 8 bytes per item: 256 per trip
     assert fp8.stage_chunk_bytes(2048, 32, 8448) == 1024
+    from epgen.formats import blockscaled
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", False)   # the payload alone:
+    assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1152             # 9 trips fit
     assert fmt.stage_chunk_bytes(0, 16, 0) == 0
     assert fmt.stage_chunk_bytes(2048, 1024, 49152 - 100) == 0   # not one trip: no staging
     with pytest.raises(ValueError, match="multiple of 128 bytes"):
@@ -173,16 +177,18 @@ def test_unstaged_send_path(fmt, H, items, seed, monkeypatch):
                          ids=["FP8-H384-tail", "FP8-H512", "NVFP4-H1024", "NVFP4-H64",
                               "MXFP8-H64-tail"])
 @pytest.mark.parametrize("flags", ["staged", "ord_r"])
-def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed, monkeypatch):
-    """``QUANT_STAGE_SCALES`` (off by default, an experiment for the H200): each chunk's group
-    scales are staged in shared memory beside its payload and copied to the destinations in
-    wide units (16 bytes where a chunk's scales allow), the last partial unit scale by scale
-    (FP8 H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2 one-byte scales). Same bytes
-    as the reference."""
+@pytest.mark.parametrize("scales_staged", [True, False])
+def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, seed, monkeypatch):
+    """``QUANT_STAGE_SCALES`` (the default since the fourth session): each chunk's group scales
+    are staged in shared memory beside its payload and copied to the destinations in wide
+    units (16 bytes where a chunk's scales allow), the last partial unit scale by scale (FP8
+    H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2 one-byte scales); or (False)
+    each scale straight to the destinations. Same bytes as the reference."""
     from epgen.formats import blockscaled
     monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", stage)
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", True)
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", scales_staged)
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     text = ir.print_module(epgen.build_module(cfg))
-    assert "shared quant_stage_scales[" in text and "for %q_sc:u32" in text
+    assert ("shared quant_stage_scales[" in text) is scales_staged
+    assert ("for %q_sc:u32" in text) is scales_staged
     run_calls(cfg, seed, n_calls=2)

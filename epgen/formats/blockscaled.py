@@ -52,10 +52,12 @@ QUANT_ITEMS_IN_FLIGHT = 2
 QUANT_STAGE_BYTES = 2048
 #: With the staging: the chunk's group scales go to the warp's shared slice too and reach the
 #: destinations as wide stores after the payload (``_copy_staged_scales``), instead of one
-#: store per group from its first lane to each destination. The scale stores are most of the
+#: store per group from its first lane to each destination. The scale stores were most of the
 #: send's store instructions (NVFP4: 128 of 160 per 2 KB chunk and lane, FP8: 64 of 96); this
-#: makes them 8. Off until the H200 says it pays (docs/PERF.md names the A/B).
-QUANT_STAGE_SCALES = False
+#: makes them 8. H200 A/B at prefill (docs/PERF.md, fourth session, run 24): NVFP4 round trip
+#: 1165.9 -> 1078.4 us (0.739 -> 0.799 of copy), BlockwiseFP8 1946.6 -> 1797.2 us (0.763 ->
+#: 0.826). False: each scale straight to the destinations.
+QUANT_STAGE_SCALES = True
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
 
