@@ -306,8 +306,9 @@ class BlockScaledFormat(TokenFormat):
     def stage_chunk_bytes(self, preferred: int, warps: int, static_used: int) -> int:
         """The staging chunk the warp send path uses by default: the largest multiple of a
         32-item trip's payload (and of 16 bytes) up to ``preferred`` whose ``warps`` copies
-        fit the static shared memory left after ``static_used`` bytes; 0 (no staging) when
-        ``preferred`` is 0 or not even one trip fits."""
+        (with their scales, ``QUANT_STAGE_SCALES``) fit the static shared memory left after
+        ``static_used`` bytes; 0 (no staging) when ``preferred`` is 0 or not even one trip
+        fits."""
         if not preferred:
             return 0
         self.check_stage_bytes(preferred)

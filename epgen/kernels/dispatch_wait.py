@@ -214,8 +214,9 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     ``w, w + n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
     rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]``
     of block ``[e, r]``; lanes ``k < K`` load the header's top-k id ``k`` and source index
-    before the format copies the payload (their latency hides behind the copy), then the lane
-    whose top-k id is this expert writes ``src_info[row] = (source index, k)``. A format that copies scales per tile
+    before the format copies the payload (``HEADER_LOADS_FIRST``), then the lane whose top-k
+    id is this expert writes ``src_info[row] = (source index, k)``. A format that copies
+    scales per tile
     (``copies_scales_per_tile``: transposed scales) gets each message's address in shared
     memory (lane 0, ``st.shared.u64``) and, after the tile's barrier, the whole role copies
     the tile's scales (``emit_copy_tile_scales``). The last block to finish lowers the
