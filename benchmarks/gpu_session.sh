@@ -3,13 +3,14 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|join-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists; "send-ab": the send path's experiments
 # (destinations in shared memory, 2 quantiser items per trip, the quantised payload staged in
 # shared memory; about 8 minutes; since the fourth session all three are the defaults);
+# "join-ab": ep_send_join_named with and without the two-buffer pipeline (about 4 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
@@ -139,6 +140,20 @@ if [ "$what" = p2p ]; then
         --set n_ranks="$n" --set p2p_world_size="$n" --tokens 128,4096 --variant default \
         --variant final=ep_final_layout,ep_prod_reserve --json "$OUT/p2p-bench.json" $plot
     grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-bench.log" | sed 's/^/    /'
+fi
+if [ "$what" = join-ab ]; then
+    # ep_send_join_named's block-staged broadcast, same call, prefill: three joins per token
+    # (as shipped) or the two-buffer pipeline with one (dispatch_async.SEND_JOIN_PIPELINE)
+    for fmt in BF16 NVFP4 BlockwiseFP8; do
+        for pipe in False True; do
+            name="join-ab-$fmt-pipeline$pipe"
+            step "$name" 80 python3 benchmarks/experiments/with_settings.py \
+                "epgen.kernels.dispatch_async.SEND_JOIN_PIPELINE=$pipe" -- bench \
+                --set format=$fmt --tokens 4096 --variant named=ep_send_join_named \
+                --no-baseline --no-post-check --json "$OUT/$name.json"
+            grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
+        done
+    done
 fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 exit $status

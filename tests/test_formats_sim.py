@@ -192,3 +192,21 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, see
     assert ("shared quant_stage_scales[" in text) is scales_staged
     assert ("for %q_sc:u32" in text) is scales_staged
     run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
+                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
+@pytest.mark.parametrize("flags", [{}, {"ep_ord_r": True, "has_rank_flag": True}],
+                         ids=["send_join_named", "send_join_named+ord_r"])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_send_join_named_pipeline(fmt, H, flags, pipelined, seed, monkeypatch):
+    """``ep_send_join_named`` keeps the block-staged broadcast; ``SEND_JOIN_PIPELINE`` (off by
+    default, an experiment for the H200) runs it with two shared buffers and one join per
+    token. Up to 8 tokens per rank over 3 comm blocks: each block alternates its buffers.
+    Same results as the reference either way."""
+    from epgen.kernels import dispatch_async
+    monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
+    cfg = make_cfg(fmt, H, ep_send_join_named=True, **flags).replace(max_tokens_per_rank=8)
+    text = ir.print_module(epgen.build_module(cfg))
+    assert ("%t_next" in text) is pipelined
+    run_calls(cfg, seed, n_calls=2)

@@ -337,6 +337,92 @@ NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this dev
 SEND_DSTS_IN_SHARED = True
 
 
+#: Experiment (off until an H200 A/B says it pays): the block-staged broadcast
+#: (``broadcast_tokens``, the path ``ep_send_join_named`` keeps) as a two-stage pipeline with
+#: one send join per token instead of three: while the block broadcasts token ``t`` from one
+#: shared buffer, it stages its next token into the other (``broadcast_tokens_pipelined``).
+SEND_JOIN_PIPELINE = False
+
+
+def stage_token(r: ir.RoleBuilder, cfg, p: AsyncParams, t, msg, dsts, cos):
+    """The whole block stages token ``t`` in the shared message ``msg`` (the format's payload,
+    then its header: threads ``k < K`` write top-k id ``k``, reserve slot ``k``'s row
+    (``reserve_slot``) and leave its address in ``dsts[k]`` and its counter in ``cos[k]``,
+    thread 0 the source index)."""
+    fmt, K, L = cfg.token_fmt, cfg.layout.top_k, cfg.layout.n_local_experts
+    src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
+    fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
+    with r.if_(r.tid < K):
+        g = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="g")
+        r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), g.cast(T.u16))
+        dst_rank = r.let("dst_rank", g // L)
+        addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
+        co_word = r.var("co_word", T.u32, NO_SLOT)
+        reserve_slot(r, cfg, p, g, dst_rank, co_word, r.var("slot", T.u32, 0), addr)
+        r.store(_word(dsts, r.tid, 8), addr)
+        r.store(_word(cos, r.tid), co_word)
+    with r.if_(r.tid.eq(0)):
+        r.store(msg + fmt.src_info_offset, t)
+
+
+def broadcast_staged_token(r: ir.RoleBuilder, cfg, msg, dsts):
+    """Every thread stores its 16-byte vectors of the staged message ``msg`` to each non-zero
+    destination of ``dsts`` (``ld.shared.v4`` then ``K`` x ``st.global.v4``)."""
+    K, msg_bytes = cfg.layout.top_k, cfg.layout.msg_bytes
+    targets = [r.load(_word(dsts, k, 8), T.u64, name=f"dst{k}") for k in range(K)]
+    with r.for_range("v", r.tid, msg_bytes // 16, r.n_threads) as v:
+        x = r.load(msg + v.cast(T.u64) * 16, VEC, name="vec")
+        for dst in targets:
+            with r.if_(dst.ne(ir.Const(0, T.u64))):
+                r.store(ir.Cast(T.ptr_global, dst + v.cast(T.u64) * 16), x)
+
+
+def count_staged_copies(r: ir.RoleBuilder, cfg, p: AsyncParams, cos):
+    """After the join that follows a broadcast: threads ``k < K`` count copy ``k`` finished
+    (``red.release.gpu.add``; the barrier orders every thread's stores before it)."""
+    finished = _word(p.counters, cfg.n_experts)
+    with r.if_(r.tid < cfg.layout.top_k):
+        co = r.load(_word(cos, r.tid), T.u32, name="co_done")
+        with r.if_(co.ne(NO_SLOT)):
+            r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+
+def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
+                               comm_barrier_id: int = -1):
+    """``SEND_JOIN_PIPELINE``: ``broadcast_tokens`` with two shared buffers. The block stages
+    its first token, joins; then per token ``t``: stage the block's next token into the other
+    buffer (``stage_token``), broadcast ``t`` (``broadcast_staged_token``), one send join,
+    count ``t``'s copies finished (``count_staged_copies``). A buffer is written only after
+    the join that ends the broadcast that read it; the same threads ``k < K`` read a
+    buffer's counter word before they stage the next token into it. Same slots, counters,
+    bytes and completion as ``broadcast_tokens``."""
+    lay, K = cfg.layout, cfg.layout.top_k
+    msg_stride = -(-lay.msg_bytes // 16) * 16
+    msgs = r.kb.shared_buffer("send_msg", 2 * msg_stride)
+    dsts = r.kb.shared_buffer("send_dst", 2 * 8 * K)
+    cos = r.kb.shared_buffer("send_co", 2 * 4 * K)
+
+    def buffers(b):
+        return (msgs + (b * msg_stride).cast(T.u64), dsts + (b * 8 * K).cast(T.u64),
+                cos + (b * 4 * K).cast(T.u64))
+
+    n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
+    first = r.let("t_first", r.block - n_signal_sms)
+    with r.if_(first < p.n_tokens):
+        stage_token(r, cfg, p, first, *buffers(ir.Const(0, T.u32)))
+    send_join(r, cfg, comm_barrier_id)
+    b = r.var("send_buf", T.u32, 0)
+    with r.for_range("t", first, p.n_tokens, n_comm) as t:
+        nxt = r.let("t_next", t + n_comm)
+        with r.if_(nxt < p.n_tokens):
+            stage_token(r, cfg, p, nxt, *buffers(1 - b))
+        msg, dst, co = buffers(b)
+        broadcast_staged_token(r, cfg, msg, dst)
+        send_join(r, cfg, comm_barrier_id)
+        count_staged_copies(r, cfg, p, co)
+        r.assign(b, 1 - b)
+
+
 def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
                      comm_barrier_id: int = -1):
     """``copy_and_send_tokens``' P2P path when the send buffer is not needed afterwards (no
@@ -352,40 +438,20 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
     copy finished (``red.release.gpu.add``: the barrier orders every thread's stores before
     it). Same slots, counters and completion as the stock path. All three joins are the send
     join, so ``ep_send_join_named`` moves each to ``bar.sync 3, <threads>``."""
-    lay, fmt = cfg.layout, cfg.token_fmt
-    E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
-    finished = _word(p.counters, E)
+    if SEND_JOIN_PIPELINE:
+        return broadcast_tokens_pipelined(r, cfg, p, n_signal_sms, comm_barrier_id)
+    lay, K = cfg.layout, cfg.layout.top_k
     msg = r.kb.shared_buffer("send_msg", lay.msg_bytes)
     dsts = r.kb.shared_buffer("send_dst", 8 * K)
     cos = r.kb.shared_buffer("send_co", 4 * K)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         send_join(r, cfg, comm_barrier_id)
-        src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
-        fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
-        with r.if_(r.tid < K):
-            g = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="g")
-            r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), g.cast(T.u16))
-            dst_rank = r.let("dst_rank", g // L)
-            addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
-            co_word = r.var("co_word", T.u32, NO_SLOT)
-            reserve_slot(r, cfg, p, g, dst_rank, co_word, r.var("slot", T.u32, 0), addr)
-            r.store(_word(dsts, r.tid, 8), addr)
-            r.store(_word(cos, r.tid), co_word)
-        with r.if_(r.tid.eq(0)):
-            r.store(msg + fmt.src_info_offset, t)
+        stage_token(r, cfg, p, t, msg, dsts, cos)
         send_join(r, cfg, comm_barrier_id)
-        targets = [r.load(_word(dsts, k, 8), T.u64, name=f"dst{k}") for k in range(K)]
-        with r.for_range("v", r.tid, lay.msg_bytes // 16, r.n_threads) as v:
-            x = r.load(msg + v.cast(T.u64) * 16, VEC, name="vec")
-            for k, dst in enumerate(targets):
-                with r.if_(dst.ne(ir.Const(0, T.u64))):
-                    r.store(ir.Cast(T.ptr_global, dst + v.cast(T.u64) * 16), x)
+        broadcast_staged_token(r, cfg, msg, dsts)
         send_join(r, cfg, comm_barrier_id)
-        with r.if_(r.tid < K):
-            co = r.load(_word(cos, r.tid), T.u32, name="co_done")
-            with r.if_(co.ne(NO_SLOT)):
-                r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+        count_staged_copies(r, cfg, p, cos)
 
 
 def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: int):
