@@ -7,9 +7,9 @@
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
-# NVFP4's dispatch_async, where ncu exists; "send-ab": the send path's experiments
-# (destinations in shared memory, 2 quantiser items per trip, the quantised payload staged in
-# shared memory; about 8 minutes; since the fourth session all three are the defaults);
+# NVFP4's dispatch_async, where ncu exists; "send-ab": the quantising send's settings around
+# the shipped ones (scales staged or not, items per trip, chunk size, the old registers path,
+# alignment 128; about 6 minutes);
 # "join-ab": ep_send_join_named with and without the two-buffer pipeline (about 4 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
@@ -101,45 +101,27 @@ if [ "$what" = profile ]; then
     fi
 fi
 if [ "$what" = send-ab ]; then
-    # the warp send path's experiments, same call, prefill: destinations in registers (as
-    # shipped) or shared memory (dispatch_async.SEND_DSTS_IN_SHARED), 1 or 2 quantiser items
-    # per trip (blockscaled.QUANT_ITEMS_IN_FLIGHT), the payload straight from registers or
-    # staged in 2 KB per warp of shared memory (blockscaled.QUANT_STAGE_BYTES)
-    for fmt in NVFP4 BlockwiseFP8 BF16; do
-        for case in "False 1 0" "True 1 0" "True 2 0" "True 1 2048" "True 2 2048"; do
-            set -- $case
-            [ "$fmt" = BF16 ] && { [ "$2" = 2 ] || [ "$3" != 0 ]; } && continue   # no quantiser
-            name="send-ab-$fmt-dsts$1-u$2-stage$3"
-            step "$name" 80 python3 benchmarks/experiments/with_settings.py \
-                "epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=$1" \
-                "epgen.formats.blockscaled.QUANT_ITEMS_IN_FLIGHT=$2" \
-                "epgen.formats.blockscaled.QUANT_STAGE_BYTES=$3" -- bench \
-                --set format=$fmt --tokens 4096 --no-baseline --no-post-check \
-                --json "$OUT/$name.json"
-            grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
-        done
+    # the quantising send's settings around the shipped ones, same call, prefill (the fourth
+    # session's A/B chose the defaults: docs/PERF.md steps 10 and 13): as shipped; the scales
+    # straight to the destinations; 1 item per trip; a 1 KB staging chunk; the registers path
+    # of the third session; the format at BF16's alignment 128. NAME SETTINGS... -- BENCH ARGS
+    qa() {
+        local name="send-ab-$1"
+        shift
+        step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" \
+            --tokens 4096 --no-baseline --no-post-check --json "$OUT/$name.json"
+        grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
+    }
+    B=epgen.formats.blockscaled
+    for fmt in NVFP4 BlockwiseFP8; do
+        qa "$fmt-shipped" -- bench --set format=$fmt
+        qa "$fmt-scales-direct" "$B.QUANT_STAGE_SCALES=False" -- bench --set format=$fmt
+        qa "$fmt-u1" "$B.QUANT_ITEMS_IN_FLIGHT=1" -- bench --set format=$fmt
+        qa "$fmt-stage1024" "$B.QUANT_STAGE_BYTES=1024" -- bench --set format=$fmt
+        qa "$fmt-registers" "$B.QUANT_STAGE_BYTES=0" "$B.QUANT_ITEMS_IN_FLIGHT=1" \
+            "epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=False" -- bench --set format=$fmt
+        qa "$fmt-align128" -- bench --set format=$fmt --set alignment=128
     done
-fi
-if [ "$what" = p2p ]; then
-    # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow
-    # (the 1000-call loops included), the CLI, then the benchmark on all of its GPUs with the
-    # default preset's shapes
-    n=$(nvidia-smi -L | wc -l)
-    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-    head -$((n + 1)) "$OUT/topo.txt" | sed 's/^/    /'
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
-    # shellcheck disable=SC2086
-    step p2p-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_p2p_gpu.py
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/p2p-tests.log" | tail -15 | sed 's/^/    /'
-    step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
-    # a plot where matplotlib is installed (the device machine has none unless carried)
-    plot=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/p2p-bench.png")
-    # shellcheck disable=SC2086
-    step p2p-bench 200 python3 -m epgen bench --world p2p --preset default \
-        --set n_ranks="$n" --set p2p_world_size="$n" --tokens 128,4096 --variant default \
-        --variant final=ep_final_layout,ep_prod_reserve --json "$OUT/p2p-bench.json" $plot
-    grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-bench.log" | sed 's/^/    /'
 fi
 if [ "$what" = join-ab ]; then
     # ep_send_join_named's block-staged broadcast, same call, prefill: three joins per token
