@@ -3,13 +3,15 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|join-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|send-ab|recv-ab|join-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists; "send-ab": the quantising send's settings around
 # the shipped ones (scales staged or not, items per trip, chunk size, the old registers path,
 # alignment 128; about 6 minutes);
+# "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
+# formats at other message alignments (about 6 minutes);
 # "join-ab": ep_send_join_named with and without the two-buffer pipeline (about 4 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
@@ -122,6 +124,33 @@ if [ "$what" = send-ab ]; then
             "epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=False" -- bench --set format=$fmt
         qa "$fmt-align128" -- bench --set format=$fmt --set alignment=128
     done
+fi
+if [ "$what" = recv-ab ]; then
+    # dispatch_wait's receive orders of the fifth session, same call, prefill: as shipped,
+    # then each switched off (the tile claim after the tile; the row-major scales after the
+    # payload; the transposed tile scales one item at a time); then the formats at other
+    # message alignments (NVFP4 4096 B at 32, 4352 B at 128; BlockwiseFP8 7680 B at 128)
+    ra() {
+        local name="recv-ab-$1"
+        shift
+        step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" \
+            --tokens 4096 --no-baseline --no-post-check --json "$OUT/$name.json"
+        grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
+    }
+    B=epgen.formats.blockscaled
+    W=epgen.kernels.dispatch_wait
+    ra BF16-shipped -- bench
+    ra BF16-claim-after "$W.CLAIM_AHEAD=False" -- bench
+    for fmt in NVFP4 BlockwiseFP8; do
+        ra "$fmt-shipped" -- bench --set format=$fmt
+        ra "$fmt-claim-after" "$W.CLAIM_AHEAD=False" -- bench --set format=$fmt
+    done
+    ra NVFP4-scales-after "$B.RECV_SCALES_WITH_PAYLOAD=False" -- bench --set format=NVFP4
+    ra BlockwiseFP8-tile-scales-serial "$B.TILE_SCALES_ALL_IN_FLIGHT=False" -- \
+        bench --set format=BlockwiseFP8
+    ra NVFP4-align32 -- bench --set format=NVFP4 --set alignment=32
+    ra NVFP4-align128 -- bench --set format=NVFP4 --set alignment=128
+    ra BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
 fi
 if [ "$what" = join-ab ]; then
     # ep_send_join_named's block-staged broadcast, same call, prefill: three joins per token

@@ -210,3 +210,41 @@ def test_send_join_named_pipeline(fmt, H, flags, pipelined, seed, monkeypatch):
     text = ir.print_module(epgen.build_module(cfg))
     assert ("%t_next" in text) is pipelined
     run_calls(cfg, seed, n_calls=2)
+
+
+#: shapes whose row-major scales are whole 16-byte vectors, so dispatch_wait copies them in
+#: the payload's trip (``RECV_SCALES_WITH_PAYLOAD``): NVFP4 H=256 (8 payload vectors and 1
+#: scale vector, the scale in the payload's 32-lane slot: the ``selp`` path), MXFP8 H=512
+#: (32 payload vectors, then a ragged slot of 1)
+SEGMENT_CASES = [("NVFP4", 256), ("MXFP8", 512)]
+
+
+@pytest.mark.parametrize("fmt,H", SEGMENT_CASES, ids=[f"{f}-H{h}" for f, h in SEGMENT_CASES])
+@pytest.mark.parametrize("flags", FLAGS, ids=list(FLAGS))
+def test_scales_copied_with_the_payload(fmt, H, flags, seed):
+    """Row-major scales of whole vectors ride in the payload's loads (``warp_copy_segments``);
+    every flag that moves scales, against the reference."""
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    assert cfg.token_fmt.scales_ride_with_payload
+    run_calls(cfg, seed, n_calls=2)
+
+
+RECV_SWITCHES = {
+    "scales_after_payload": ("epgen.formats.blockscaled", "RECV_SCALES_WITH_PAYLOAD"),
+    "tile_scales_one_at_a_time": ("epgen.formats.blockscaled", "TILE_SCALES_ALL_IN_FLIGHT"),
+    "claim_after_tile": ("epgen.kernels.dispatch_wait", "CLAIM_AHEAD"),
+}
+
+
+@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES + SEGMENT_CASES,
+                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES + SEGMENT_CASES])
+@pytest.mark.parametrize("switch", RECV_SWITCHES)
+@pytest.mark.parametrize("flags", ["staged", "fused_se"])
+def test_receive_copy_switched_off(fmt, H, switch, flags, seed, monkeypatch):
+    """The receive side's earlier orders, each still selectable for the A/B (docs/PERF.md,
+    fifth session): the scales after the payload, the tile scales one item at a time, the
+    tile claim after the tile. Same results."""
+    import importlib
+    module, name = RECV_SWITCHES[switch]
+    monkeypatch.setattr(importlib.import_module(module), name, False)
+    run_calls(make_cfg(fmt, H, **FLAGS[flags]), seed, n_calls=2)

@@ -58,6 +58,17 @@ QUANT_STAGE_BYTES = 2048
 #: 1165.9 -> 1078.4 us (0.739 -> 0.799 of copy), BlockwiseFP8 1946.6 -> 1797.2 us (0.763 ->
 #: 0.826). False: each scale straight to the destinations.
 QUANT_STAGE_SCALES = True
+#: dispatch_wait, row-major scales (NVFP4, MXFP8): a warp copies a message's payload and its
+#: scales as one run of vectors, every load of a trip in flight before the stores
+#: (``common.warp_copy_segments``: NVFP4's 252 vectors are one trip of 8 per lane), instead
+#: of the payload copy and then the scale copy, a second dependent round trip per message.
+#: False: the payload, then the scales.
+RECV_SCALES_WITH_PAYLOAD = True
+#: dispatch_wait, transposed scales (BlockwiseFP8): the tile-wide scale copy
+#: (``emit_copy_tile_scales``) issues all of a thread's work items' loads before their
+#: stores (BlockwiseFP8 at 512 threads: 4 items), instead of one item's round trip at a time.
+#: False: the one-at-a-time loop.
+TILE_SCALES_ALL_IN_FLIGHT = True
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -463,6 +474,15 @@ class BlockScaledFormat(TokenFormat):
         row)."""
         return self.payload_bytes // VECTOR_BYTES
 
+    @property
+    def scales_ride_with_payload(self) -> bool:
+        """``RECV_SCALES_WITH_PAYLOAD`` applies: row-major output scales of whole 16-byte
+        vectors that follow the payload in the message without a gap, so one run of message
+        vectors feeds both output tensors (``common.warp_copy_segments``)."""
+        return (RECV_SCALES_WITH_PAYLOAD and not self.scales_transposed
+                and self.scales_offset == self.payload_bytes
+                and self.out_scale_bytes_per_row % VECTOR_BYTES == 0)
+
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens, scales: bool = True,
                                 out_scales=None):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output row
@@ -471,8 +491,16 @@ class BlockScaledFormat(TokenFormat):
         ``output_scales``; the final layout passes the destination rank's): transposed
         ``[groups, output_scales_rows]`` with one ``st.global.b32`` per scale, or row-major
         ``[M, groups]`` with lane-strided copies."""
-        from ..kernels.common import copy_vectors, warp_copy
+        from ..kernels.common import copy_vectors, warp_copy, warp_copy_segments
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
+        if scales and self.scales_ride_with_payload:
+            if out_scales is None:
+                out_scales = kernel_param(r, "output_scales", T.ptr_global)
+            nbytes = self.out_scale_bytes_per_row
+            warp_copy_segments(r, msg, [(dst, self.payload_vectors),
+                                        (out_scales + row.cast(T.u64) * nbytes,
+                                         nbytes // VECTOR_BYTES)], tag="recv")
+            return
         warp_copy(r, dst, msg, self.payload_vectors, tag="recv")
         if not scales:
             return
@@ -504,7 +532,9 @@ class BlockScaledFormat(TokenFormat):
         (``ld.shared.u64``) and the vector (``ld.global.v4.b32``), then stores each group
         ``g`` to ``output_scales[g, row0 + j]`` (``st.global.b32``): 32 adjacent rows of one
         group per warp store, where the per-message copy writes 32 groups ``4 *
-        output_scales_rows`` bytes apart."""
+        output_scales_rows`` bytes apart. With ``TILE_SCALES_ALL_IN_FLIGHT`` (and a constant
+        ``stride``) the thread's items are unrolled: every item's two loads (past the tile's
+        items: a clamped valid one) before any item's guarded stores."""
         if not self.scales_transposed or self.scale_bytes != 4:
             raise NotImplementedError(f"{self.name}: the tile-wide scale copy handles "
                                       f"transposed 4-byte scales only")
@@ -512,21 +542,42 @@ class BlockScaledFormat(TokenFormat):
         m = kernel_param(r, "output_scales_rows", T.u32).cast(T.u64)
         per_vec = VECTOR_BYTES // self.scale_bytes
         n_vec = -(-self.n_scale_groups // per_vec)
-        with r.for_range("ts_i", first, n_vec * tile_tokens, stride) as i:
+        n_items = n_vec * tile_tokens
+        ragged = self.n_scale_groups % per_vec   # the last vector holds padding
+
+        def load_item(i, j):
+            v = r.let("ts_v", i // tile_tokens)
+            msg = r.load(tile_msgs + (j * 8).cast(T.u64), T.u64, name="ts_msg", peer=True)
+            return v, r.load(ir.Cast(T.ptr_global, msg) + self.scales_offset
+                             + v.cast(T.u64) * VECTOR_BYTES, T.vec(T.u32, 4), name="ts_w")
+
+        def store_item(v, j, words):
+            row = r.let("ts_row", row0 + j).cast(T.u64)
+            g0 = r.let("ts_g", v * per_vec)
+            for q in range(per_vec):
+                g = g0 + q if q else g0
+                with r.if_(g < self.n_scale_groups) if ragged else contextlib.nullcontext():
+                    r.store(out_scales + (g.cast(T.u64) * m + row) * self.scale_bytes,
+                            ir.Extract(words, q))
+
+        if TILE_SCALES_ALL_IN_FLIGHT and isinstance(stride, int):
+            # every item's loads first (clamped to a valid item), then the guarded stores
+            items = []
+            for u in range(-(-n_items // stride)):
+                i = r.let("ts_i", first + stride * u if u else first)
+                ok = r.let("ts_ok", (i < n_items) & ((i % tile_tokens) < n_rows))
+                i_c = i.min(n_items - 1) if (u + 1) * stride > n_items else i
+                j = r.let("ts_j", (i_c % tile_tokens).min(n_rows - 1))
+                items.append((ok, j) + load_item(i_c, j))
+            for ok, j, v, words in items:
+                with r.if_(ok):
+                    store_item(v, j, words)
+            return
+        with r.for_range("ts_i", first, n_items, stride) as i:
             j = r.let("ts_j", i % tile_tokens)
             with r.if_(j < n_rows):
-                v = r.let("ts_v", i // tile_tokens)
-                msg = r.load(tile_msgs + (j * 8).cast(T.u64), T.u64, name="ts_msg", peer=True)
-                words = r.load(ir.Cast(T.ptr_global, msg) + self.scales_offset
-                               + v.cast(T.u64) * VECTOR_BYTES, T.vec(T.u32, 4), name="ts_w")
-                row = r.let("ts_row", row0 + j).cast(T.u64)
-                ragged = self.n_scale_groups % per_vec   # the last vector holds padding
-                g0 = r.let("ts_g", v * per_vec)
-                for q in range(per_vec):
-                    g = g0 + q if q else g0
-                    with r.if_(g < self.n_scale_groups) if ragged else contextlib.nullcontext():
-                        r.store(out_scales + (g.cast(T.u64) * m + row) * self.scale_bytes,
-                                ir.Extract(words, q))
+                v, words = load_item(i, j)
+                store_item(v, j, words)
 
     def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
         """``pad_expert_offsets``: no padding (``expert_m_padding == 1``)."""

@@ -3,6 +3,8 @@ lowest-set-bit, and the sentinel of the receive-count words."""
 
 from __future__ import annotations
 
+import contextlib
+
 import ir
 from ir import CacheHint, ShflMode
 from ir import types as T
@@ -68,6 +70,48 @@ def warp_copy(r: ir.RoleBuilder, dst, src, n_vec: int, tag: str = "cp"):
     unroll = warp_copy_unroll(n_vec)
     copy_vectors(r, dst, src, n_vec, r.lane, 32, unroll=unroll, tag=tag,
                  tail=n_vec % (32 * unroll) != 0)
+
+
+def warp_copy_segments(r: ir.RoleBuilder, src, segments, *, max_in_flight: int = 8,
+                       tag: str = "cps"):
+    """The calling warp copies the contiguous 16-byte vectors at ``src`` into consecutive
+    destination segments ``[(dst, n_vec), ...]``: source vector ``i`` goes to the segment it
+    falls in (a message's payload and its row-major scales, one source run, two output
+    tensors). Lane ``l`` takes vectors ``l, l + 32, ...``, fully unrolled in trips of at most
+    ``max_in_flight`` (the lane's share split evenly): every ``ld.global.v4.b32`` of a trip
+    is issued before its ``st.global.v4.b32``, so the scales ride in the payload's round
+    trip instead of a second one. Past the end a lane loads the last vector again and stores
+    nothing."""
+    n_vec = sum(n for _, n in segments)
+    share = -(-n_vec // 32)
+    trips = -(-share // max_in_flight)
+    per_trip = -(-share // trips)
+    starts = [sum(n for _, n in segments[:s]) for s in range(len(segments))]
+
+    def dst_of(k: int, i):
+        """Destination of vector ``i = lane + 32 k``: static when slot ``k``'s 32 vectors
+        lie in one segment, else a ``selp`` on ``i``."""
+        lo, hi = 32 * k, min(32 * k + 31, n_vec - 1)
+        seg = [s for s in range(len(segments))
+               if starts[s] <= hi and lo < starts[s] + segments[s][1]]
+        addr = None
+        for s in reversed(seg):
+            here = segments[s][0] + (i - starts[s] if starts[s] else i).cast(T.u64) * VEC_BYTES
+            addr = here if addr is None else ir.Select(i >= starts[s + 1], addr, here)
+        return addr
+
+    for t in range(trips):
+        slots = [k for k in range(t * per_trip, min((t + 1) * per_trip, share))]
+        idx, vals = [], []
+        for k in slots:
+            i = r.let(f"{tag}_i", r.lane + 32 * k if k else r.lane)
+            ragged = 32 * k + 31 >= n_vec
+            at = i.min(n_vec - 1) if ragged else i
+            idx.append((k, i, ragged))
+            vals.append(r.load(src + at.cast(T.u64) * VEC_BYTES, VEC, name=f"{tag}_v"))
+        for (k, i, ragged), v in zip(idx, vals):
+            with r.if_(i < n_vec) if ragged else contextlib.nullcontext():
+                r.store(dst_of(k, i), v)
 
 
 def warp_inclusive_scan(r: ir.RoleBuilder, value, name: str = "scan") -> ir.Var:
