@@ -112,7 +112,10 @@ def test_fp8_wait_pads_and_transposes():
     # scale vector, whose message address lane 0 left in shared memory
     assert "mul(div(add(sub(%pad_hi, %pad_lo), 3:u32), 4:u32), 4:u32)" in wait
     assert "st.shared [ptradd(&tile_msgs, cvt.u64(mul(%j, 8:u32)))], %msg" in wait
-    assert "%ts_j:u32 = rem(%ts_i, 128:u32)" in wait
+    # (all of a thread's items in flight: its item index clamped to the tile's last, the
+    # row to the tile's last row, the stores guarded by ts_ok)
+    assert "%ts_j:u32 = min(rem(min(%ts_i, 127:u32), 128:u32), sub(%n_in_tile, 1:u32))" in wait
+    assert "%ts_ok:pred = and(lt(%ts_i, 128:u32), lt(rem(%ts_i, 128:u32), %n_in_tile))" in wait
     assert "%ts_row:u32 = add(%tile_row0, %ts_j)" in wait
     for q in range(4):
         g = "cvt.u64(%ts_g)" if q == 0 else f"cvt.u64(add(%ts_g, {q}:u32))"

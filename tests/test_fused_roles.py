@@ -100,7 +100,7 @@ def test_tile_scales_land_before_the_l1_release():
     from epgen.formats import make_format
     cfg = small().replace(token_fmt=make_format("BlockwiseFP8", 256, 4))
     text = ir.print_module(ir.Module("m", (build_fused_roles(cfg, FusedRolesSpec()),)))
-    scales = text.index("for %ts_i")
+    scales = text.index("%ts_i:u32")      # the tile scale copy (unrolled or a loop)
     release = text.index("red.release.gpu", scales)
     assert "bar.sync comm id=1" in text[scales:release]
     assert dynamic_smem_bytes(cfg) == dynamic_smem_bytes(small()) + 8 * 128

@@ -337,11 +337,13 @@ NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this dev
 SEND_DSTS_IN_SHARED = True
 
 
-#: Experiment (off until an H200 A/B says it pays): the block-staged broadcast
-#: (``broadcast_tokens``, the path ``ep_send_join_named`` keeps) as a two-stage pipeline with
-#: one send join per token instead of three: while the block broadcasts token ``t`` from one
-#: shared buffer, it stages its next token into the other (``broadcast_tokens_pipelined``).
-SEND_JOIN_PIPELINE = False
+#: The block-staged broadcast (``broadcast_tokens``, the path ``ep_send_join_named`` keeps)
+#: as a two-stage pipeline with one send join per token instead of three: while the block
+#: broadcasts token ``t`` from one shared buffer, it stages its next token into the other
+#: (``broadcast_tokens_pipelined``). H200 A/B at prefill (docs/PERF.md, fifth session, run
+#: 25): ``ep_send_join_named`` round trip BF16 0.764 -> 0.799 of copy, NVFP4 0.475 -> 0.533,
+#: BlockwiseFP8 0.603 -> 0.663. False: three joins per token, one buffer.
+SEND_JOIN_PIPELINE = True
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p: AsyncParams, t, msg, dsts, cos):
