@@ -11,7 +11,7 @@
 # the shipped ones (scales staged or not, items per trip, chunk size, the old registers path,
 # alignment 128; about 6 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
-# formats at other message alignments (about 6 minutes);
+# formats at other message alignments (about 3 minutes);
 # "join-ab": ep_send_join_named with and without the two-buffer pipeline (about 4 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
@@ -127,9 +127,10 @@ if [ "$what" = send-ab ]; then
 fi
 if [ "$what" = recv-ab ]; then
     # dispatch_wait's receive orders of the fifth session, same call, prefill: as shipped,
-    # then each switched off (the tile claim after the tile; the row-major scales after the
-    # payload; the transposed tile scales one item at a time); then the formats at other
-    # message alignments (NVFP4 4096 B at 32, 4352 B at 128; BlockwiseFP8 7680 B at 128)
+    # then each switched off (the row-major scales after the payload; the transposed tile
+    # scales one item at a time); then the formats at other message alignments (NVFP4 4096 B
+    # at 32, 4352 B at 128; BlockwiseFP8 7680 B at 128). Run 26 (6e626f9) also ran a tile
+    # claim issued a tile ahead (neutral, removed)
     ra() {
         local name="recv-ab-$1"
         shift
@@ -138,12 +139,8 @@ if [ "$what" = recv-ab ]; then
         grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
     }
     B=epgen.formats.blockscaled
-    W=epgen.kernels.dispatch_wait
-    ra BF16-shipped -- bench
-    ra BF16-claim-after "$W.CLAIM_AHEAD=False" -- bench
     for fmt in NVFP4 BlockwiseFP8; do
         ra "$fmt-shipped" -- bench --set format=$fmt
-        ra "$fmt-claim-after" "$W.CLAIM_AHEAD=False" -- bench --set format=$fmt
     done
     ra NVFP4-scales-after "$B.RECV_SCALES_WITH_PAYLOAD=False" -- bench --set format=NVFP4
     ra BlockwiseFP8-tile-scales-serial "$B.TILE_SCALES_ALL_IN_FLIGHT=False" -- \

@@ -232,7 +232,6 @@ def test_scales_copied_with_the_payload(fmt, H, flags, seed):
 RECV_SWITCHES = {
     "scales_after_payload": ("epgen.formats.blockscaled", "RECV_SCALES_WITH_PAYLOAD"),
     "tile_scales_one_at_a_time": ("epgen.formats.blockscaled", "TILE_SCALES_ALL_IN_FLIGHT"),
-    "claim_after_tile": ("epgen.kernels.dispatch_wait", "CLAIM_AHEAD"),
 }
 
 
@@ -242,8 +241,8 @@ RECV_SWITCHES = {
 @pytest.mark.parametrize("flags", ["staged", "fused_se"])
 def test_receive_copy_switched_off(fmt, H, switch, flags, seed, monkeypatch):
     """The receive side's earlier orders, each still selectable for the A/B (docs/PERF.md,
-    fifth session): the scales after the payload, the tile scales one item at a time, the
-    tile claim after the tile. Same results."""
+    fifth session): the scales after the payload, the tile scales one item at a time. Same
+    results."""
     import importlib
     module, name = RECV_SWITCHES[switch]
     monkeypatch.setattr(importlib.import_module(module), name, False)

@@ -15,8 +15,7 @@ from . import final_layout
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted, lowest_set_bit, wait_ready_flag)
 from .common import word as _word
-from .schedule import (claim_next_tile, fill_sm_schedule, first_expert, issue_claim,
-                       load_expert_tiles)
+from .schedule import claim_next_tile, fill_sm_schedule, first_expert, load_expert_tiles
 from .scratch import Scratch
 from .ord_r import acquire_rank_flags, rearm_rank_flags
 
@@ -152,11 +151,6 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
 #: after the payload, as the reference orders it). Measured neutral on the H200 (BF16 wait
 #: 1955.5 vs 1951.7 us, docs/PERF.md fourth session); kept, as it costs nothing.
 HEADER_LOADS_FIRST = True
-#: Warp 0 issues the atomic that claims the block's next tile before copying its share of the
-#: current one and resolves it after the tile (``schedule.issue_claim``, ``claim_next_tile(
-#: prefetched=...)``), so the tile barrier no longer waits for a claim's round trip. Each
-#: tile id is still handed out by one ``fetch_add`` and copied by the block that got it.
-CLAIM_AHEAD = True
 
 def copy_scratch_bytes(cfg) -> int:
     """Shared scratch bytes of ``copy_received_tokens_to_output`` (its dynamic shared memory
@@ -259,16 +253,13 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     cur_tiles = r.var("cur_tiles", T.u32, 0)
     claim = r.var("claim", T.u32, 0)
     loaded_e = r.var("loaded_e", T.u32, L)
-    pre = r.var("claim_pre", T.u32, 0) if CLAIM_AHEAD else None
     with r.if_(r.warp.eq(0)):
         r.assign(cur_e, first_expert(r, cfg, ctr).min(L))
         with r.if_(cur_e < L):
             r.assign(cur_tiles, load_expert_tiles(r, cfg, ctr, cur_e))
-        if pre is not None:
-            issue_claim(r, cfg, ctr, cur_e, pre)
     with r.while_(ir.Const(1, T.pred)):
         with r.if_(r.warp.eq(0)):
-            claim_next_tile(r, cfg, ctr, cur_e, cur_tiles, claim, prefetched=pre)
+            claim_next_tile(r, cfg, ctr, cur_e, cur_tiles, claim)
             with r.if_((cur_e < L) & cur_e.ne(loaded_e)):
                 with r.if_(r.lane < R):
                     r.store(_word(prefix, r.lane),
@@ -291,9 +282,6 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
         total = r.let("total", r.load(_word(prefix, R - 1), T.u32, name="total_ld"))
         ts = r.let("ts", (tile // KS if KS > 1 else tile) * TT)
         n_in_tile = r.let("n_in_tile", (total - ts).min(TT))
-        if pre is not None:   # the next tile's claim, in flight while this one is copied
-            with r.if_(r.warp.eq(0)):
-                issue_claim(r, cfg, ctr, cur_e, pre)
         with r.for_range("j", r.warp, n_in_tile, n_warps) as j:
             tok = r.let("tok", ts + j)
             mine = r.var("below", T.pred, ir.Const(0, T.pred))

@@ -111,39 +111,23 @@ def expert_tiles(total, tile_tokens: int, k_splits: int):
     return n * k_splits if k_splits > 1 else n
 
 
-def issue_claim(r: ir.RoleBuilder, cfg, ctr, cur_e, into: ir.Var):
-    """Lane 0 of warp 0: ``atom.acquire.gpu.add`` of 1 on expert ``cur_e``'s tile counter
-    (when ``cur_e < L``), the old value into the u32 var ``into``, for
-    ``claim_next_tile(prefetched=into)`` to resolve later: the claim's round trip then runs
-    under whatever the warp does in between."""
-    work = _word(ctr, cfg.layout.work_counter_offset)
-    with r.if_(r.lane.eq(0) & (cur_e < cfg.layout.n_local_experts)):
-        r.assign(into, r.atomic(AtomOp.ADD, _word(work, cur_e), 1, Sem.ACQUIRE, Scope.GPU,
-                                name="claim_pre_old"))
-
-
 def claim_next_tile(r: ir.RoleBuilder, cfg, ctr, cur_e: ir.Var, cur_tiles: ir.Var,
-                    claim: ir.Var, name: str = "claim", prefetched: ir.Var | None = None):
+                    claim: ir.Var, name: str = "claim"):
     """Warp 0 of a copy block (all 32 lanes, warp-uniform): claim the next tile, starting on
     expert ``cur_e`` (``cur_tiles`` its tile count), moving on to later experts when it is
     exhausted. On return ``cur_e`` is the expert (``L``: no work left), ``claim`` the tile id
-    and ``cur_tiles`` that expert's tile count. ``prefetched``: the result of an
-    ``issue_claim`` on the same ``cur_e``, which stands for the first claim's atomic."""
+    and ``cur_tiles`` that expert's tile count."""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R = lay.n_local_experts, cfg.n_ranks
     TT, KS = fmt.dispatch_wait_tile_shape
     work = _word(ctr, lay.work_counter_offset)
     totals = _word(ctr, lay.rank_prefix_offset + (R - 1))
     found = r.var(f"{name}_found", T.pred, ir.Const(0, T.pred))
-    pending = None if prefetched is None else r.var(f"{name}_pending", T.pred,
-                                                    ir.Const(1, T.pred))
     with r.while_(~found & (cur_e < L)):
-        got = r.var(f"{name}_got", T.u32, 0 if prefetched is None else prefetched)
-        with r.if_(r.lane.eq(0) if pending is None else r.lane.eq(0) & ~pending):
+        got = r.var(f"{name}_got", T.u32, 0)
+        with r.if_(r.lane.eq(0)):
             r.assign(got, r.atomic(AtomOp.ADD, _word(work, cur_e), 1, Sem.ACQUIRE, Scope.GPU,
                                    name=f"{name}_old"))
-        if pending is not None:
-            r.assign(pending, ir.Const(0, T.pred))
         r.assign(claim, r.shfl(ShflMode.IDX, got, 0, name=f"{name}_b"))
         with r.if_(claim < cur_tiles):
             r.assign(found, ir.Const(1, T.pred))
@@ -179,5 +163,5 @@ def load_expert_tiles(r: ir.RoleBuilder, cfg, ctr, e) -> ir.Expr:
     return expert_tiles(tot, TT, KS)
 
 
-__all__ = ["sm_schedule", "fill_sm_schedule", "first_expert", "issue_claim",
-           "claim_next_tile", "expert_tiles", "load_expert_tiles"]
+__all__ = ["sm_schedule", "fill_sm_schedule", "first_expert", "claim_next_tile",
+           "expert_tiles", "load_expert_tiles"]
