@@ -61,7 +61,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
     bench flags-prefill 90 --tokens 4096 --variant ord_r=ep_ord_r,has_rank_flag \
         --variant send_join_named=ep_send_join_named --no-post-check --no-baseline
-    for fmt in NVFP4 BlockwiseFP8; do
+    for fmt in NVFP4 BlockwiseFP8 MXFP8; do
         bench "$fmt" 90 --set format=$fmt --tokens 128,4096 --no-baseline --no-post-check
     done
     bench zipf 90 --tokens 4096 --routing zipf --variant default \

@@ -10,8 +10,8 @@ import golden_util
 from epgen import BF16Format, EPConfig, EPConfigError
 from epgen.formats import FORMATS, format_class, format_names, make_format, register_format
 from epgen.presets import tomllib  # tomllib, or tomli on Python 3.10
-from epgen.presets import (PresetError, config_from_dict, config_params, config_to_dict,
-                           load_preset, parse_value, preset_data, preset_names)
+from epgen.presets import (META_KEYS, PresetError, config_from_dict, config_params,
+                           config_to_dict, load_preset, parse_value, preset_data, preset_names)
 
 H200_SMS = 132
 MAX_THREADS_PER_SM = 2048
@@ -39,7 +39,9 @@ def test_preset_names():
 def test_every_preset_loads_validates_and_builds(name):
     data = preset_data(name)
     assert isinstance(data.get("description"), str) and data["description"]
-    assert set(data) - {"description"} <= set(config_params())
+    assert set(data) - set(META_KEYS) <= set(config_params())
+    for fmt, alignment in data.get("format_alignment", {}).items():   # each names a format
+        assert format_class(fmt).name == fmt and isinstance(alignment, int)
     cfg = load_preset(name)
     assert isinstance(cfg, EPConfig)
     cfg.require_p2p_only()
@@ -69,25 +71,45 @@ def test_emulation_presets_fit_one_h200(name):
 @pytest.mark.parametrize("overrides,want", [
     ({}, 128),                                        # the preset's own (BF16) alignment
     ({"format": "BF16"}, 128),                        # the same format: kept
-    ({"format": "NVFP4"}, 16),                        # another format: that format's default
+    ({"format": "BlockwiseFP8"}, 16),                 # another format: that format's default
+    ({"format": "NVFP4"}, 32),                        # ... unless format_alignment names it
+    ({"format": "nvfp4"}, 32),                        # (format names in any case)
+    ({"format": "NVFP4", "alignment": 16}, 16),       # said explicitly: kept
     ({"format": "BlockwiseFP8", "alignment": 64}, 64),   # said explicitly: kept
     ({"alignment": 32}, 32)])
 def test_a_preset_alignment_belongs_to_its_format(overrides, want):
     from epgen.presets import with_overrides
     cfg = config_from_dict(with_overrides(preset_data("prefill"), overrides))
     assert cfg.token_fmt.alignment == want
-    assert cfg.token_fmt.name == overrides.get("format", "BF16")
+    assert cfg.token_fmt.name.lower() == overrides.get("format", "BF16").lower()
 
 
-def test_cli_set_format_takes_the_format_alignment(capsys):
-    """``epgen inspect --preset decode --set format=NVFP4``: the quantising format gets its
-    default alignment (16), not the BF16 preset's 128."""
+@pytest.mark.parametrize("table", [32, "NVFP4=32", [32]])
+def test_format_alignment_must_be_a_table(table):
+    from epgen.presets import with_overrides
+    data = {**preset_data("prefill"), "format_alignment": table}
+    with pytest.raises(EPConfigError, match="format_alignment must be a table"):
+        with_overrides(data, {"format": "NVFP4"})
+
+
+def test_format_alignment_value_is_checked_as_an_alignment():
+    from epgen.presets import with_overrides
+    data = {**preset_data("prefill"), "format_alignment": {"NVFP4": 24}}
+    with pytest.raises(ValueError, match="alignment must be a power of two"):
+        config_from_dict(with_overrides(data, {"format": "NVFP4"}))
+
+
+@pytest.mark.parametrize("fmt,want", [("BlockwiseFP8", 16), ("NVFP4", 32)])
+def test_cli_set_format_takes_the_format_alignment(fmt, want, capsys):
+    """``epgen inspect --preset decode --set format=...``: the quantising format gets the
+    preset's ``format_alignment`` for it or its default alignment (16), not the BF16 preset's
+    128."""
     from epgen import cli
-    assert cli.main(["inspect", "--preset", "decode", "--set", "format=NVFP4", "--json"]) == 0
+    assert cli.main(["inspect", "--preset", "decode", "--set", f"format={fmt}", "--json"]) == 0
     import json
     report = json.loads(capsys.readouterr().out)
     text = json.dumps(report)
-    assert '"alignment": 16' in text and '"alignment": 128' not in text
+    assert f'"alignment": {want}' in text and '"alignment": 128' not in text
 
 
 def test_unknown_preset():

@@ -33,8 +33,9 @@ from ..formats import TokenFormat, format_class
 
 FORMAT_KEYS = ("format", "hid_dim", "top_k", "alignment")
 """Keys of a flat table that describe the token format."""
-META_KEYS = ("description",)
-"""Keys of a preset file that are not parameters."""
+META_KEYS = ("description", "format_alignment")
+"""Keys of a preset file that are not parameters (``format_alignment``: the alignment a
+``--set format=`` takes for each named format, ``with_overrides``)."""
 _FORMAT_INT_KEYS = ("hid_dim", "top_k", "alignment")
 _NONE = object()
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -60,12 +61,21 @@ def preset_names() -> list[str]:
 def with_overrides(data: dict, overrides: dict) -> dict:
     """``data`` (a preset table) with ``overrides`` applied. A preset's ``alignment`` belongs to
     its format: when the overrides change ``format`` and say no ``alignment``, the new format
-    takes its default alignment (``decode`` and ``prefill`` set 128 for BF16, which the
-    quantising formats measured slower with: docs/PERF.md)."""
+    takes the alignment the preset's ``format_alignment`` table names for it (a format name,
+    any case, to an alignment), else the format's default (``decode`` and ``prefill`` set 128
+    for BF16 and 32 for NVFP4, each measured fastest on the H200: docs/PERF.md)."""
     out = {**data, **overrides}
     if "format" in overrides and "alignment" not in overrides \
             and overrides["format"] != data.get("format"):
         out.pop("alignment", None)
+        table = data.get("format_alignment", {})
+        if not isinstance(table, dict):
+            raise EPConfigError([(("format_alignment",), f"format_alignment must be a table "
+                                  f"of format name = alignment, got {table!r}")])
+        name = str(overrides["format"]).lower()
+        chosen = [a for f, a in table.items() if f.lower() == name]
+        if chosen:
+            out["alignment"] = chosen[0]
     return out
 
 
