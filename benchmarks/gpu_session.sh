@@ -12,7 +12,8 @@
 # alignment 128; about 6 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
-# "join-ab": ep_send_join_named with and without the two-buffer pipeline (about 4 minutes);
+# "join-ab": ep_send_join_named as shipped, with SEND_JOIN_PREFETCH and with three joins per
+# token (about 2 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
@@ -150,17 +151,19 @@ if [ "$what" = recv-ab ]; then
     ra BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
 fi
 if [ "$what" = join-ab ]; then
-    # ep_send_join_named's block-staged broadcast, same call, prefill: three joins per token
-    # (as shipped) or the two-buffer pipeline with one (dispatch_async.SEND_JOIN_PIPELINE)
-    for fmt in BF16 NVFP4 BlockwiseFP8; do
-        for pipe in False True; do
-            name="join-ab-$fmt-pipeline$pipe"
-            step "$name" 80 python3 benchmarks/experiments/with_settings.py \
-                "epgen.kernels.dispatch_async.SEND_JOIN_PIPELINE=$pipe" -- bench \
-                --set format=$fmt --tokens 4096 --variant named=ep_send_join_named \
-                --no-baseline --no-post-check --json "$OUT/$name.json"
-            grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
-        done
+    # ep_send_join_named's block-staged broadcast, same call, prefill, BF16: as shipped (the
+    # two-buffer pipeline, run 25's winner), with the next token's loads and reservations
+    # issued before the broadcast (SEND_JOIN_PREFETCH), and three joins per token
+    D=epgen.kernels.dispatch_async
+    for arm in "shipped" "prefetch $D.SEND_JOIN_PREFETCH=True" \
+            "three-joins $D.SEND_JOIN_PIPELINE=False"; do
+        set -- $arm
+        name="join-ab-BF16-$1"
+        shift
+        step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" -- bench \
+            --tokens 4096 --variant named=ep_send_join_named --no-baseline --no-post-check \
+            --json "$OUT/$name.json"
+        grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
     done
 fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"

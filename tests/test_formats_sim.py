@@ -194,21 +194,30 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, see
     run_calls(cfg, seed, n_calls=2)
 
 
-@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
-                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
+NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
+NAMED_MODES = {"three_joins": (False, False), "pipelined": (True, False),
+               "pipelined_prefetch": (True, True)}
+
+
+@pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
 @pytest.mark.parametrize("flags", [{}, {"ep_ord_r": True, "has_rank_flag": True}],
                          ids=["send_join_named", "send_join_named+ord_r"])
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_send_join_named_pipeline(fmt, H, flags, pipelined, seed, monkeypatch):
-    """``ep_send_join_named`` keeps the block-staged broadcast; ``SEND_JOIN_PIPELINE`` (off by
-    default, an experiment for the H200) runs it with two shared buffers and one join per
-    token. Up to 8 tokens per rank over 3 comm blocks: each block alternates its buffers.
-    Same results as the reference either way."""
+@pytest.mark.parametrize("mode", NAMED_MODES)
+def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
+    """``ep_send_join_named`` keeps the block-staged broadcast: with ``SEND_JOIN_PIPELINE``
+    (the default) two shared buffers and one join per token, without it three joins per
+    token; ``SEND_JOIN_PREFETCH`` (an experiment for the H200) also issues the next token's
+    loads and slot reservations before the current broadcast (BF16; the quantising formats
+    stage as before). Up to 8 tokens per rank over 3 comm blocks: each block alternates its
+    buffers. Same results as the reference every way."""
     from epgen.kernels import dispatch_async
+    pipelined, prefetch = NAMED_MODES[mode]
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
+    monkeypatch.setattr(dispatch_async, "SEND_JOIN_PREFETCH", prefetch)
     cfg = make_cfg(fmt, H, ep_send_join_named=True, **flags).replace(max_tokens_per_rank=8)
     text = ir.print_module(epgen.build_module(cfg))
     assert ("%t_next" in text) is pipelined
+    assert ("%g_ahead" in text) is (prefetch and fmt == "BF16")
     run_calls(cfg, seed, n_calls=2)
 
 

@@ -252,6 +252,19 @@ class TokenFormat:
         a split copy override it."""
         return self.emit_copy_token_to_send_buf(r, src_row, msg, tid, split.block_size)
 
+    #: ``emit_stage_loads`` exists: the pipelined block-staged send may issue a token's input
+    #: loads before the current token's broadcast and store them to shared memory after it
+    #: (``dispatch_async.SEND_JOIN_PREFETCH``)
+    splits_staging = False
+
+    def emit_stage_loads(self, r, src_row, first, stride: int):
+        """IR of the first half of ``emit_copy_token_to_send_buf`` (``splits_staging``): this
+        thread's input loads, issued now; returns ``store(msg)``, which emits their stores
+        into the staged message ``msg`` where it is called."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.emit_stage_loads is not implemented (splits_staging is "
+            f"False)")
+
     #: the message payload is the output row byte for byte (no scales), so the warp send path
     #: can write ``ep_final_layout`` output rows with ``emit_broadcast_token``
     payload_is_output_row = False

@@ -82,6 +82,31 @@ class BF16Format(TokenFormat):
         copy_vectors(r, msg, src_row, 2 * self.hid_dim // VECTOR_BYTES, first, stride, nc=True,
                      tag="stage")
 
+    splits_staging = True
+
+    def emit_stage_loads(self, r, src_row, first, stride: int):
+        """The pipelined block-staged send's first half of ``emit_copy_token_to_send_buf``
+        (``dispatch_async.SEND_JOIN_PREFETCH``): this thread issues its
+        ``ld.global.nc.v4.b32`` of vectors ``first, first + stride, ...`` now (past the
+        payload's end it loads the last vector again) and returns ``store(msg)``, which emits
+        their ``st.shared.v4.b32`` (those past the end skipped) where it is called."""
+        import contextlib
+        from ..kernels.common import VEC
+        n_vec = 2 * self.hid_dim // VECTOR_BYTES
+        loads = []
+        for u in range(-(-n_vec // stride)):
+            i = r.let("pf_i", first + stride * u if u else first)
+            ragged = (u + 1) * stride > n_vec
+            at = i.min(n_vec - 1) if ragged else i
+            loads.append((i, ragged, r.load(src_row + at.cast(T.u64) * VECTOR_BYTES, VEC,
+                                            cache=ir.CacheHint.NC, name="pf_v")))
+
+        def store(msg):
+            for i, ragged, v in loads:
+                with r.if_(i < n_vec) if ragged else contextlib.nullcontext():
+                    r.store(msg + i.cast(T.u64) * VECTOR_BYTES, v)
+        return store
+
     def emit_broadcast_token(self, r, src_row, dsts, unroll: int = 2):
         """The warp send path: lane ``l`` loads vectors ``l, l + 32, ...`` of the payload,
         ``unroll`` in flight (``ld.global.nc.v4.b32``), and stores each to every non-zero

@@ -344,6 +344,12 @@ SEND_DSTS_IN_SHARED = True
 #: 25): ``ep_send_join_named`` round trip BF16 0.764 -> 0.799 of copy, NVFP4 0.475 -> 0.533,
 #: BlockwiseFP8 0.603 -> 0.663. False: three joins per token, one buffer.
 SEND_JOIN_PIPELINE = True
+#: Experiment (off until an H200 A/B says it pays), with ``SEND_JOIN_PIPELINE``, for formats
+#: that split their staging (``splits_staging``: BF16): the next token's input loads and its
+#: slot reservations are issued before the current token's broadcast and land in shared
+#: memory after it (``begin_staging``), its top-k ids loaded a token earlier still, so the
+#: round trips that preceded each broadcast run under it. Same slots, bytes and completion.
+SEND_JOIN_PREFETCH = False
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p: AsyncParams, t, msg, dsts, cos):
@@ -365,6 +371,53 @@ def stage_token(r: ir.RoleBuilder, cfg, p: AsyncParams, t, msg, dsts, cos):
         r.store(_word(cos, r.tid), co_word)
     with r.if_(r.tid.eq(0)):
         r.store(msg + fmt.src_info_offset, t)
+
+
+def prefetch_topk_id(r: ir.RoleBuilder, cfg, p: AsyncParams, t) -> ir.Var:
+    """``SEND_JOIN_PREFETCH``: threads ``k < K`` load top-k id ``k`` of token ``t`` (when
+    ``t < n_tokens``) into a u32 var that ``begin_staging`` consumes and reloads."""
+    K = cfg.layout.top_k
+    g = r.var("g_ahead", T.u32, 0)
+    with r.if_((r.tid < K) & (t < p.n_tokens)):
+        r.assign(g, r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC,
+                           name="g_pf"))
+    return g
+
+
+def begin_staging(r: ir.RoleBuilder, cfg, p: AsyncParams, t, n_comm, g_ahead):
+    """``SEND_JOIN_PREFETCH``: ``stage_token`` for token ``t`` in two halves around the
+    current token's broadcast. Now: the block's loads of ``t``'s input row (row ``min(t,
+    n_tokens - 1)``: always a valid address), and threads ``k < K`` reserve slot ``k``
+    (``reserve_slot``) with the top-k id ``g_ahead`` holds, then load the id of token ``t +
+    n_comm`` into it. Returns ``finish(msg, dsts, cos)``: when ``t < n_tokens``, the payload
+    stores, the header's top-k ids and source index, the destinations and counters, as
+    ``stage_token`` leaves them."""
+    fmt, K, L = cfg.token_fmt, cfg.layout.top_k, cfg.layout.n_local_experts
+    live = r.let("stage_live", t < p.n_tokens)
+    row = r.let("stage_row", t.min(p.n_tokens - 1))
+    store_payload = fmt.emit_stage_loads(r, p.input_tokens + row.cast(T.u64)
+                                         * fmt.input_row_bytes, r.tid, r.n_threads)
+    g = r.let("g_next", g_ahead)
+    addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
+    co_word = r.var("co_word", T.u32, NO_SLOT)
+    with r.if_(live & (r.tid < K)):
+        reserve_slot(r, cfg, p, g, r.let("dst_rank", g // L), co_word,
+                     r.var("slot", T.u32, 0), addr)
+        after = r.let("t_after", t + n_comm)
+        with r.if_(after < p.n_tokens):
+            r.assign(g_ahead, r.load(_word(p.topk_ids, after * K + r.tid), T.u32,
+                                     cache=CacheHint.NC, name="g_pf"))
+
+    def finish(msg, dsts, cos):
+        with r.if_(live):
+            store_payload(msg)
+            with r.if_(r.tid < K):
+                r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), g.cast(T.u16))
+                r.store(_word(dsts, r.tid, 8), addr)
+                r.store(_word(cos, r.tid), co_word)
+            with r.if_(r.tid.eq(0)):
+                r.store(msg + fmt.src_info_offset, t)
+    return finish
 
 
 def broadcast_staged_token(r: ir.RoleBuilder, cfg, msg, dsts):
@@ -412,14 +465,21 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_
     first = r.let("t_first", r.block - n_signal_sms)
     with r.if_(first < p.n_tokens):
         stage_token(r, cfg, p, first, *buffers(ir.Const(0, T.u32)))
+    prefetch = SEND_JOIN_PREFETCH and cfg.token_fmt.splits_staging
+    g_ahead = prefetch_topk_id(r, cfg, p, first + n_comm) if prefetch else None
     send_join(r, cfg, comm_barrier_id)
     b = r.var("send_buf", T.u32, 0)
     with r.for_range("t", first, p.n_tokens, n_comm) as t:
         nxt = r.let("t_next", t + n_comm)
-        with r.if_(nxt < p.n_tokens):
-            stage_token(r, cfg, p, nxt, *buffers(1 - b))
+        if prefetch:
+            finish = begin_staging(r, cfg, p, nxt, n_comm, g_ahead)
+        else:
+            with r.if_(nxt < p.n_tokens):
+                stage_token(r, cfg, p, nxt, *buffers(1 - b))
         msg, dst, co = buffers(b)
         broadcast_staged_token(r, cfg, msg, dst)
+        if prefetch:
+            finish(*buffers(1 - b))
         send_join(r, cfg, comm_barrier_id)
         count_staged_copies(r, cfg, p, co)
         r.assign(b, 1 - b)
