@@ -206,9 +206,9 @@ NAMED_MODES = {"three_joins": (False, False), "pipelined": (True, False),
 def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
     """``ep_send_join_named`` keeps the block-staged broadcast: with ``SEND_JOIN_PIPELINE``
     (the default) two shared buffers and one join per token, without it three joins per
-    token; ``SEND_JOIN_PREFETCH`` (an experiment for the H200) also issues the next token's
-    loads and slot reservations before the current broadcast (BF16; the quantising formats
-    stage as before). Up to 8 tokens per rank over 3 comm blocks: each block alternates its
+    token; ``SEND_JOIN_PREFETCH`` (the default with it) also issues the next token's loads
+    and slot reservations before the current broadcast (BF16; the quantising formats stage as
+    before). Up to 8 tokens per rank over 3 comm blocks: each block alternates its
     buffers. Same results as the reference every way."""
     from epgen.kernels import dispatch_async
     pipelined, prefetch = NAMED_MODES[mode]

@@ -344,12 +344,14 @@ SEND_DSTS_IN_SHARED = True
 #: 25): ``ep_send_join_named`` round trip BF16 0.764 -> 0.799 of copy, NVFP4 0.475 -> 0.533,
 #: BlockwiseFP8 0.603 -> 0.663. False: three joins per token, one buffer.
 SEND_JOIN_PIPELINE = True
-#: Experiment (off until an H200 A/B says it pays), with ``SEND_JOIN_PIPELINE``, for formats
-#: that split their staging (``splits_staging``: BF16): the next token's input loads and its
-#: slot reservations are issued before the current token's broadcast and land in shared
-#: memory after it (``begin_staging``), its top-k ids loaded a token earlier still, so the
-#: round trips that preceded each broadcast run under it. Same slots, bytes and completion.
-SEND_JOIN_PREFETCH = False
+#: With ``SEND_JOIN_PIPELINE``, for formats that split their staging (``splits_staging``:
+#: BF16): the next token's input loads and its slot reservations are issued before the
+#: current token's broadcast and land in shared memory after it (``begin_staging``), its
+#: top-k ids loaded a token earlier still, so the round trips that preceded each broadcast
+#: run under it. Same slots, bytes and completion. H200 A/B at prefill (docs/PERF.md, fifth
+#: session, run 30): ``ep_send_join_named`` BF16 round trip 0.802 -> 0.822 of copy (async
+#: 0.644 -> 0.675). False: each token staged whole before the broadcast.
+SEND_JOIN_PREFETCH = True
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p: AsyncParams, t, msg, dsts, cos):
