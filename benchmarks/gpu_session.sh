@@ -12,8 +12,8 @@
 # alignment 128; about 6 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
-# "join-ab": ep_send_join_named as shipped, with SEND_JOIN_PREFETCH and with three joins per
-# token (about 2 minutes);
+# "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
+# per token (about 2 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
@@ -103,68 +103,56 @@ if [ "$what" = profile ]; then
             grep -cE '^(ncu|nsys)$') Nsight tools under /usr/local/cuda*/bin)"
     fi
 fi
+ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm, module constants set by
+           # with_settings.py, then its round-trip and phase rows
+    local name=$1
+    shift
+    step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" \
+        --tokens 4096 --no-baseline --no-post-check --json "$OUT/$name.json"
+    grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
+}
+B=epgen.formats.blockscaled
+D=epgen.kernels.dispatch_async
 if [ "$what" = send-ab ]; then
-    # the quantising send's settings around the shipped ones, same call, prefill (the fourth
-    # session's A/B chose the defaults: docs/PERF.md steps 10 and 13): as shipped; the scales
-    # straight to the destinations; 1 item per trip; a 1 KB staging chunk; the registers path
-    # of the third session; the format at BF16's alignment 128. NAME SETTINGS... -- BENCH ARGS
-    qa() {
-        local name="send-ab-$1"
-        shift
-        step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" \
-            --tokens 4096 --no-baseline --no-post-check --json "$OUT/$name.json"
-        grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
-    }
-    B=epgen.formats.blockscaled
+    # the quantising send's settings around the shipped ones, same call (the fourth session's
+    # A/B chose the defaults: docs/PERF.md steps 10 and 13): as shipped; the scales straight
+    # to the destinations; 1 item per trip; a 1 KB staging chunk; the registers path of the
+    # third session; the format at BF16's alignment 128
     for fmt in NVFP4 BlockwiseFP8; do
-        qa "$fmt-shipped" -- bench --set format=$fmt
-        qa "$fmt-scales-direct" "$B.QUANT_STAGE_SCALES=False" -- bench --set format=$fmt
-        qa "$fmt-u1" "$B.QUANT_ITEMS_IN_FLIGHT=1" -- bench --set format=$fmt
-        qa "$fmt-stage1024" "$B.QUANT_STAGE_BYTES=1024" -- bench --set format=$fmt
-        qa "$fmt-registers" "$B.QUANT_STAGE_BYTES=0" "$B.QUANT_ITEMS_IN_FLIGHT=1" \
-            "epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=False" -- bench --set format=$fmt
-        qa "$fmt-align128" -- bench --set format=$fmt --set alignment=128
+        ab "send-ab-$fmt-shipped" -- bench --set format=$fmt
+        ab "send-ab-$fmt-scales-direct" "$B.QUANT_STAGE_SCALES=False" -- bench --set format=$fmt
+        ab "send-ab-$fmt-u1" "$B.QUANT_ITEMS_IN_FLIGHT=1" -- bench --set format=$fmt
+        ab "send-ab-$fmt-stage1024" "$B.QUANT_STAGE_BYTES=1024" -- bench --set format=$fmt
+        ab "send-ab-$fmt-registers" "$B.QUANT_STAGE_BYTES=0" "$B.QUANT_ITEMS_IN_FLIGHT=1" \
+            "$D.SEND_DSTS_IN_SHARED=False" -- bench --set format=$fmt
+        ab "send-ab-$fmt-align128" -- bench --set format=$fmt --set alignment=128
     done
 fi
 if [ "$what" = recv-ab ]; then
-    # dispatch_wait's receive orders of the fifth session, same call, prefill: as shipped,
-    # then each switched off (the row-major scales after the payload; the transposed tile
-    # scales one item at a time); then the formats at other message alignments (NVFP4 4096 B
-    # at 32, 4352 B at 128; BlockwiseFP8 7680 B at 128). Run 26 (6e626f9) also ran a tile
-    # claim issued a tile ahead (neutral, removed)
-    ra() {
-        local name="recv-ab-$1"
-        shift
-        step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" \
-            --tokens 4096 --no-baseline --no-post-check --json "$OUT/$name.json"
-        grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
-    }
-    B=epgen.formats.blockscaled
+    # dispatch_wait's receive orders of the fifth session, same call: as shipped, then each
+    # switched off (the row-major scales after the payload; the transposed tile scales one
+    # item at a time); then the formats at other message alignments (NVFP4 4064 B at 16,
+    # 4352 B at 128; BlockwiseFP8 7680 B at 128). Run 26 (6e626f9) also ran a tile claim
+    # issued a tile ahead (neutral, removed)
     for fmt in NVFP4 BlockwiseFP8; do
-        ra "$fmt-shipped" -- bench --set format=$fmt
+        ab "recv-ab-$fmt-shipped" -- bench --set format=$fmt
     done
-    ra NVFP4-scales-after "$B.RECV_SCALES_WITH_PAYLOAD=False" -- bench --set format=NVFP4
-    ra BlockwiseFP8-tile-scales-serial "$B.TILE_SCALES_ALL_IN_FLIGHT=False" -- \
+    ab recv-ab-NVFP4-scales-after "$B.RECV_SCALES_WITH_PAYLOAD=False" -- \
+        bench --set format=NVFP4
+    ab recv-ab-BlockwiseFP8-tile-scales-serial "$B.TILE_SCALES_ALL_IN_FLIGHT=False" -- \
         bench --set format=BlockwiseFP8
-    ra NVFP4-align32 -- bench --set format=NVFP4 --set alignment=32
-    ra NVFP4-align128 -- bench --set format=NVFP4 --set alignment=128
-    ra BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
+    ab recv-ab-NVFP4-align16 -- bench --set format=NVFP4 --set alignment=16
+    ab recv-ab-NVFP4-align128 -- bench --set format=NVFP4 --set alignment=128
+    ab recv-ab-BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
 fi
 if [ "$what" = join-ab ]; then
-    # ep_send_join_named's block-staged broadcast, same call, prefill, BF16: as shipped (the
-    # two-buffer pipeline, run 25's winner), with the next token's loads and reservations
-    # issued before the broadcast (SEND_JOIN_PREFETCH), and three joins per token
-    D=epgen.kernels.dispatch_async
-    for arm in "shipped" "prefetch $D.SEND_JOIN_PREFETCH=True" \
-            "three-joins $D.SEND_JOIN_PIPELINE=False"; do
-        set -- $arm
-        name="join-ab-BF16-$1"
-        shift
-        step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" -- bench \
-            --tokens 4096 --variant named=ep_send_join_named --no-baseline --no-post-check \
-            --json "$OUT/$name.json"
-        grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
-    done
+    # ep_send_join_named's block-staged broadcast, same call, BF16: as shipped (the two-buffer
+    # pipeline with the next token's loads and reservations issued before the broadcast, runs
+    # 25 and 30), without the prefetch, and with three joins per token
+    named=(--variant named=ep_send_join_named)
+    ab join-ab-BF16-shipped -- bench "${named[@]}"
+    ab join-ab-BF16-no-prefetch "$D.SEND_JOIN_PREFETCH=False" -- bench "${named[@]}"
+    ab join-ab-BF16-three-joins "$D.SEND_JOIN_PIPELINE=False" -- bench "${named[@]}"
 fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 exit $status
