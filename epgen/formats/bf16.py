@@ -90,21 +90,14 @@ class BF16Format(TokenFormat):
         ``ld.global.nc.v4.b32`` of vectors ``first, first + stride, ...`` now (past the
         payload's end it loads the last vector again) and returns ``store(msg)``, which emits
         their ``st.shared.v4.b32`` (those past the end skipped) where it is called."""
-        import contextlib
-        from ..kernels.common import VEC
+        from ..kernels.common import issue_vector_loads, store_vector_loads
         n_vec = 2 * self.hid_dim // VECTOR_BYTES
-        loads = []
-        for u in range(-(-n_vec // stride)):
-            i = r.let("pf_i", first + stride * u if u else first)
-            ragged = (u + 1) * stride > n_vec
-            at = i.min(n_vec - 1) if ragged else i
-            loads.append((i, ragged, r.load(src_row + at.cast(T.u64) * VECTOR_BYTES, VEC,
-                                            cache=ir.CacheHint.NC, name="pf_v")))
+        loads = issue_vector_loads(r, src_row, n_vec, first, stride - 1, stride,
+                                   -(-n_vec // stride), nc=True, tag="pf")
 
         def store(msg):
-            for i, ragged, v in loads:
-                with r.if_(i < n_vec) if ragged else contextlib.nullcontext():
-                    r.store(msg + i.cast(T.u64) * VECTOR_BYTES, v)
+            store_vector_loads(r, loads, n_vec,
+                               lambda u, i: msg + i.cast(T.u64) * VECTOR_BYTES)
         return store
 
     def emit_broadcast_token(self, r, src_row, dsts, unroll: int = 2):

@@ -101,17 +101,38 @@ def warp_copy_segments(r: ir.RoleBuilder, src, segments, *, max_in_flight: int =
         return addr
 
     for t in range(trips):
-        slots = [k for k in range(t * per_trip, min((t + 1) * per_trip, share))]
-        idx, vals = [], []
-        for k in slots:
-            i = r.let(f"{tag}_i", r.lane + 32 * k if k else r.lane)
-            ragged = 32 * k + 31 >= n_vec
-            at = i.min(n_vec - 1) if ragged else i
-            idx.append((k, i, ragged))
-            vals.append(r.load(src + at.cast(T.u64) * VEC_BYTES, VEC, name=f"{tag}_v"))
-        for (k, i, ragged), v in zip(idx, vals):
-            with r.if_(i < n_vec) if ragged else contextlib.nullcontext():
-                r.store(dst_of(k, i), v)
+        k0 = t * per_trip
+        loads = issue_vector_loads(r, src, n_vec, r.lane, 31, 32, min(per_trip, share - k0),
+                                   offset=32 * k0, tag=tag)
+        store_vector_loads(r, loads, n_vec,
+                           lambda u, i, k0=k0: dst_of(k0 + u, i))
+
+
+def issue_vector_loads(r: ir.RoleBuilder, src, n_vec: int, first, first_max: int,
+                       stride: int, count: int, *, offset: int = 0, nc: bool = False,
+                       tag: str = "v"):
+    """This thread's ``ld.global{.nc}.v4.b32`` of vectors ``i = first + offset + stride * u``,
+    ``u < count``, all issued now (``first`` is at most ``first_max``; a vector that may lie
+    past ``n_vec`` loads vector ``min(i, n_vec - 1)`` instead). Returns ``[(i, ragged,
+    value)]`` for ``store_vector_loads``."""
+    hint = CacheHint.NC if nc else CacheHint.NONE
+    loads = []
+    for u in range(count):
+        step = offset + stride * u
+        i = r.let(f"{tag}_i", first + step if step else first)
+        ragged = first_max + step >= n_vec
+        at = i.min(n_vec - 1) if ragged else i
+        loads.append((i, ragged, r.load(src + at.cast(T.u64) * VEC_BYTES, VEC, cache=hint,
+                                        name=f"{tag}_v")))
+    return loads
+
+
+def store_vector_loads(r: ir.RoleBuilder, loads, n_vec: int, dst_of):
+    """The stores of ``issue_vector_loads``' values: value ``u`` (vector ``i``) to
+    ``dst_of(u, i)``, the vectors past ``n_vec`` skipped."""
+    for u, (i, ragged, v) in enumerate(loads):
+        with r.if_(i < n_vec) if ragged else contextlib.nullcontext():
+            r.store(dst_of(u, i), v)
 
 
 def warp_inclusive_scan(r: ir.RoleBuilder, value, name: str = "scan") -> ir.Var:
