@@ -7,9 +7,8 @@
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
-# NVFP4's dispatch_async, where ncu exists; "send-ab": the quantising send's settings around
-# the shipped ones (scales staged or not, items per trip, chunk size, the old registers path,
-# alignment 128; about 6 minutes);
+# NVFP4's dispatch_async, where ncu exists; "send-ab": the quantising send as shipped and
+# with the next chunk's first items prefetched (QUANT_PREFETCH_CHUNK 1, 2; about 4 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
@@ -114,18 +113,14 @@ ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm, module cons
 B=epgen.formats.blockscaled
 D=epgen.kernels.dispatch_async
 if [ "$what" = send-ab ]; then
-    # the quantising send's settings around the shipped ones, same call (the fourth session's
-    # A/B chose the defaults: docs/PERF.md steps 10 and 13): as shipped; the scales straight
-    # to the destinations; 1 item per trip; a 1 KB staging chunk; the registers path of the
-    # third session; the format at BF16's alignment 128
-    for fmt in NVFP4 BlockwiseFP8; do
+    # the quantising send, same call: as shipped, then with 1 and 2 of the next chunk's
+    # first-trip items loaded before the current chunk's stores (QUANT_PREFETCH_CHUNK). The
+    # earlier arms (scales straight to the destinations, 1 item per trip, 1 KB chunks, the
+    # registers path, alignment 128) ran in runs 19, 24, 26 and 29: docs/PERF.md
+    for fmt in NVFP4 BlockwiseFP8 MXFP8; do
         ab "send-ab-$fmt-shipped" -- bench --set format=$fmt
-        ab "send-ab-$fmt-scales-direct" "$B.QUANT_STAGE_SCALES=False" -- bench --set format=$fmt
-        ab "send-ab-$fmt-u1" "$B.QUANT_ITEMS_IN_FLIGHT=1" -- bench --set format=$fmt
-        ab "send-ab-$fmt-stage1024" "$B.QUANT_STAGE_BYTES=1024" -- bench --set format=$fmt
-        ab "send-ab-$fmt-registers" "$B.QUANT_STAGE_BYTES=0" "$B.QUANT_ITEMS_IN_FLIGHT=1" \
-            "$D.SEND_DSTS_IN_SHARED=False" -- bench --set format=$fmt
-        ab "send-ab-$fmt-align128" -- bench --set format=$fmt --set alignment=128
+        ab "send-ab-$fmt-prefetch1" "$B.QUANT_PREFETCH_CHUNK=1" -- bench --set format=$fmt
+        ab "send-ab-$fmt-prefetch2" "$B.QUANT_PREFETCH_CHUNK=2" -- bench --set format=$fmt
     done
 fi
 if [ "$what" = recv-ab ]; then
