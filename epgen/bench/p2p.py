@@ -622,19 +622,16 @@ def plot_series(results) -> dict[str, list[tuple[int, float]]]:
 def plot(results, path: str) -> None:
     """Write a PNG: ``plot_series`` over tokens per rank (log 2 axis), the peer-copy
     bandwidth per GPU as a horizontal line."""
-    from .report import draw_plot
+    from .report import draw_results_plot
     link = (results.get("peer_copy") or {}).get("gbps_per_gpu")
     b = results["plan"]["base"]
     fmt = b["token_fmt"]
-    draw_plot(plot_series(results), path,
-              tokens=sorted({s["tokens_per_rank"] for s in results["shapes"]}),
-              dashed=NCCL_NAME,
-              line=(link, f"peer copy ({link:.0f} GB/s/GPU)") if link else None,
-              ylabel="GB/s per GPU over the links (busiest GPU)",
-              title=f"dispatch round trip on {len(results['devices'])} GPUs: "
-                    f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}\n"
-                    f"{results['device']['name']}, {results['date'][:10]}, "
-                    f"commit {results['git_commit']}")
+    draw_results_plot(results, plot_series(results), path, dashed=NCCL_NAME,
+                      line=(link, f"peer copy ({link:.0f} GB/s/GPU)") if link else None,
+                      ylabel="GB/s per GPU over the links (busiest GPU)",
+                      heading=f"dispatch round trip on {len(results['devices'])} GPUs: "
+                              f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, "
+                              f"{fmt['name']}")
 
 
 def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None = None) -> dict:

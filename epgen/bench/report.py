@@ -245,6 +245,16 @@ def draw_plot(series: dict, path: str, *, tokens, dashed: str, line=None, ylabel
     fig.savefig(path, format="png")
 
 
+def draw_results_plot(results, series: dict, path: str, *, dashed: str, line, ylabel: str,
+                      heading: str) -> None:
+    """``draw_plot`` of a benchmark's ``results``: over its shapes' tokens per rank, titled
+    ``heading`` and, on a second line, the device, date and commit of the run."""
+    draw_plot(series, path, tokens=sorted({s["tokens_per_rank"] for s in results["shapes"]}),
+              dashed=dashed, line=line, ylabel=ylabel,
+              title=f"{heading}\n{results['device']['name']}, {results['date'][:10]}, "
+                    f"commit {results['git_commit']}")
+
+
 def plot(results, path: str) -> None:
     """Write a PNG: ``plot_series`` as lines over tokens per rank (log 2 axis), the copy
     bandwidth as a horizontal line."""
@@ -252,12 +262,9 @@ def plot(results, path: str) -> None:
     b = results["plan"]["base"]
     fmt = b["token_fmt"]
     routing = {s["routing"] for s in results["shapes"]}
-    draw_plot(plot_series(results), path,
-              tokens=sorted({s["tokens_per_rank"] for s in results["shapes"]}),
-              dashed=BASELINE_NAME,
-              line=(copy, f"device copy ({copy:.0f} GB/s)") if copy else None,
-              ylabel="GB/s (each by the bytes it must move)",
-              title=f"dispatch round trip: {b['n_ranks']} emulated ranks, E={b['n_experts']}, "
-                    f"H={fmt['hid_dim']}, K={fmt['top_k']}, {fmt['name']}, "
-                    f"{'/'.join(sorted(routing))} routing\n{results['device']['name']}, "
-                    f"{results['date'][:10]}, commit {results['git_commit']}")
+    draw_results_plot(results, plot_series(results), path, dashed=BASELINE_NAME,
+                      line=(copy, f"device copy ({copy:.0f} GB/s)") if copy else None,
+                      ylabel="GB/s (each by the bytes it must move)",
+                      heading=f"dispatch round trip: {b['n_ranks']} emulated ranks, "
+                              f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, "
+                              f"{fmt['name']}, {'/'.join(sorted(routing))} routing")
