@@ -149,5 +149,32 @@ if [ "$what" = join-ab ]; then
     ab join-ab-BF16-no-prefetch "$D.SEND_JOIN_PREFETCH=False" -- bench "${named[@]}"
     ab join-ab-BF16-three-joins "$D.SEND_JOIN_PIPELINE=False" -- bench "${named[@]}"
 fi
+if [ "$what" = p2p ]; then
+    # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow
+    # (the 1000-call loops included), the CLI, then the benchmark on all of its GPUs with the
+    # default preset's shapes (BF16 staged and final layout at both shapes, then the quantising
+    # formats at prefill)
+    n=$(nvidia-smi -L | wc -l)
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+    head -$((n + 1)) "$OUT/topo.txt" | sed 's/^/    /'
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
+    # shellcheck disable=SC2086
+    step p2p-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
+        tests/test_p2p_gpu.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/p2p-tests.log" | tail -15 | sed 's/^/    /'
+    step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
+    p2p=(--world p2p --preset default --set n_ranks="$n" --set p2p_world_size="$n")
+    # a plot where matplotlib is installed (the device machine has none unless carried)
+    plot=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/p2p-bench.png")
+    # shellcheck disable=SC2086
+    step p2p-bench 200 python3 -m epgen bench "${p2p[@]}" --tokens 128,4096 \
+        --variant default --variant final=ep_final_layout,ep_prod_reserve \
+        --json "$OUT/p2p-bench.json" $plot
+    grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-bench.log" | sed 's/^/    /'
+    step p2p-formats 150 python3 -m epgen bench "${p2p[@]}" --tokens 4096 \
+        --set format=NVFP4 --variant default --variant final=ep_final_layout,ep_prod_reserve \
+        --json "$OUT/p2p-formats.json"
+    grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-formats.log" | sed 's/^/    /'
+fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 exit $status
