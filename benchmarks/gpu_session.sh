@@ -11,8 +11,9 @@
 # with the next chunk's first items prefetched (QUANT_PREFETCH_CHUNK 1, 2; about 4 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
-# "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
-# per token (about 2 minutes);
+# "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH, with three joins
+# per token, and with the finished copies counted once per block (SEND_JOIN_DEFER_COUNTS;
+# BF16 and NVFP4; about 3 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 6 minutes)
 #
@@ -148,6 +149,10 @@ if [ "$what" = join-ab ]; then
     ab join-ab-BF16-shipped -- bench "${named[@]}"
     ab join-ab-BF16-no-prefetch "$D.SEND_JOIN_PREFETCH=False" -- bench "${named[@]}"
     ab join-ab-BF16-three-joins "$D.SEND_JOIN_PIPELINE=False" -- bench "${named[@]}"
+    ab join-ab-BF16-deferred-counts "$D.SEND_JOIN_DEFER_COUNTS=True" -- bench "${named[@]}"
+    ab join-ab-NVFP4-shipped -- bench "${named[@]}" --set format=NVFP4
+    ab join-ab-NVFP4-deferred-counts "$D.SEND_JOIN_DEFER_COUNTS=True" -- \
+        bench "${named[@]}" --set format=NVFP4
 fi
 if [ "$what" = p2p ]; then
     # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow
