@@ -260,31 +260,3 @@ def test_receive_copy_switched_off(fmt, H, switch, flags, seed, monkeypatch):
     module, name = RECV_SWITCHES[switch]
     monkeypatch.setattr(importlib.import_module(module), name, False)
     run_calls(make_cfg(fmt, H, **FLAGS[flags]), seed, n_calls=2)
-
-
-@pytest.mark.parametrize("fmt,H,stage", [("BlockwiseFP8", 384, 256), ("NVFP4", 1024, 256),
-                                         ("NVFP4", 64, 2048), ("MXFP8", 64, 256)],
-                         ids=["FP8-H384-tail", "NVFP4-H1024", "NVFP4-H64", "MXFP8-H64-tail"])
-@pytest.mark.parametrize("items,prefetched", [(1, 1), (2, 1), (2, 2)])
-@pytest.mark.parametrize("flags", ["staged", "ord_r"])
-def test_next_chunk_prefetched(fmt, H, stage, items, prefetched, flags, seed, monkeypatch):
-    """``QUANT_PREFETCH_CHUNK`` (an experiment for the H200): the warp issues the loads of
-    the next chunk's first trip's first items before copying the current chunk to the
-    destinations (past the token's last chunk they reload its last item); chunks of 1 or 2
-    trips, a partial last chunk (FP8 H=384: 32 + 16 items), a token shorter than one trip
-    (NVFP4 H=64). Same bytes as the reference."""
-    from epgen.formats import blockscaled
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", stage)
-    monkeypatch.setattr(blockscaled, "QUANT_ITEMS_IN_FLIGHT", items)
-    monkeypatch.setattr(blockscaled, "QUANT_PREFETCH_CHUNK", prefetched)
-    cfg = make_cfg(fmt, H, **FLAGS[flags])
-    text = ir.print_module(epgen.build_module(cfg))
-    assert "%q_pre_in" in text and "%q_pre:v4.u32" in text
-    run_calls(cfg, seed, n_calls=2)
-
-
-@pytest.mark.parametrize("n", [-1, 3, True, 1.0])
-def test_prefetch_items_rule(n):
-    from epgen.formats.blockscaled import check_prefetch_items
-    with pytest.raises(ValueError, match="QUANT_PREFETCH_CHUNK must be an integer from 0 to"):
-        check_prefetch_items(n, 2)

@@ -69,23 +69,8 @@ RECV_SCALES_WITH_PAYLOAD = True
 #: stores (BlockwiseFP8 at 512 threads: 4 items), instead of one item's round trip at a time.
 #: False: the one-at-a-time loop.
 TILE_SCALES_ALL_IN_FLIGHT = True
-#: Experiment (0, off, until an H200 A/B says it pays), with the staging: each warp issues the
-#: input loads of this many of the next chunk's first-trip items (at most
-#: ``QUANT_ITEMS_IN_FLIGHT``) before it copies the current chunk to the destinations, so their
-#: round trip runs under the chunk's stores instead of after them (``_broadcast_staged``; as
-#: many more 16-byte values live per lane: ptxas at the prefill preset, 1 item: NVFP4 no
-#: spills, BlockwiseFP8 and MXFP8 20 -> 40 bytes; 2 items: NVFP4 12, the FP8 formats 52-56).
-QUANT_PREFETCH_CHUNK = 0
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
-
-
-def check_prefetch_items(n, unroll: int) -> int:
-    """``QUANT_PREFETCH_CHUNK``: ``ValueError`` unless an integer in ``[0, unroll]``."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= unroll:
-        raise ValueError(f"QUANT_PREFETCH_CHUNK must be an integer from 0 to "
-                         f"QUANT_ITEMS_IN_FLIGHT ({unroll}), got {n!r}")
-    return n
 
 
 @attrs.frozen
@@ -387,9 +372,6 @@ class BlockScaledFormat(TokenFormat):
         mine = r.let("q_stage", buf + (r.warp * stage_bytes).cast(T.u64))
         my_scales = r.let("q_stage_sc", sbuf + (r.warp * sc_bytes).cast(T.u64)) \
             if sbuf is not None else None
-        n_pre = check_prefetch_items(QUANT_PREFETCH_CHUNK, unroll)
-        pre = [r.var("q_pre", v.dtype, v) for v in self._trip_loads(r, src_row, 0, n_pre)] \
-            if n_pre else None
         with r.for_range("q_chunk", 0, n_items, chunk_items) as c0:
             c1 = r.let("q_chunk_end", (c0 + chunk_items).min(n_items))
             base = r.let("q_chunk_off", c0.cast(T.u64) * item_out)
@@ -406,11 +388,8 @@ class BlockScaledFormat(TokenFormat):
                     r.store(my_scales + (off - sc_base), value)
 
             self._quantize_token(r, src_row, r.lane, 32, to_stage, unroll, start=c0, end=c1,
-                                 store_scale=to_scales, first_loaded=pre)
+                                 store_scale=to_scales)
             r.warp_sync()
-            if pre is not None:    # the next chunk's first trip (past the token: clamped)
-                for var, v in zip(pre, self._trip_loads(r, src_row, c1, n_pre)):
-                    r.assign(var, v)
             n_vec = r.let("q_chunk_vecs", (c1 - c0) * item_out // VECTOR_BYTES)
             with r.for_range("q_bc", r.lane, n_vec, 32) as v:
                 off = v.cast(T.u64) * VECTOR_BYTES
@@ -440,24 +419,13 @@ class BlockScaledFormat(TokenFormat):
                 off = g.cast(T.u64) * sb
                 store_all(dst_off + off, r.load(staged + off, dtypes[sb], name="q_sc_t"))
 
-    def _trip_loads(self, r, src_row, start, count: int, name: str = "q_pre_in"):
-        """A warp's input loads of the first ``count`` items of the trip at item ``start``
-        (lane ``l``: items ``start + l + 32 j``, ``j < count``, clamped to the token's last
-        item), as ``_quantize_token`` issues them."""
-        n_items = self.hid_dim // ITEM_ELEMS
-        return [r.load(src_row + (start + r.lane + 32 * j if j else start + r.lane)
-                       .min(n_items - 1).cast(T.u64) * VECTOR_BYTES, T.vec(T.u32, 4),
-                       cache=CacheHint.NC_L2_256, name=name) for j in range(count)]
-
     def _quantize_token(self, r, src_row, first, stride, store, unroll: int = 1, *,
-                        start=0, end=None, store_scale=None, first_loaded=None):
+                        start=0, end=None, store_scale=None):
         """The quantising loop of both send paths; ``store(byte offset in the message,
         value)`` writes one payload item and, unless ``store_scale`` takes them, each group
         scale. Items ``[start, end)`` (u32 expressions; default the whole token), each trip
         loading ``unroll`` items (``first + j * stride``, ``j < unroll``) before quantising
-        any of them. ``first_loaded``: the first trip's first loaded items (``_trip_loads``;
-        the warp path, ``first`` the lane, ``stride`` 32), which that trip quantises instead of
-        loading them (it loads the rest)."""
+        any of them."""
         if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
             raise ValueError(f"{self.name}: unroll (items in flight per lane) must be a "
                              f"positive integer, got {unroll!r}")
@@ -467,16 +435,6 @@ class BlockScaledFormat(TokenFormat):
         first_warp_item = first - r.lane
         if not (isinstance(start, int) and start == 0):
             first_warp_item = first_warp_item + start
-        if first_loaded is not None:
-            items = [r.let("q_item", first_warp_item + r.lane + j * stride)
-                     for j in range(unroll)]
-            loaded = list(first_loaded) + [
-                r.load(src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES, vec,
-                       cache=CacheHint.NC_L2_256, name="q_in")
-                for item in items[len(first_loaded):]]
-            for item, words in zip(items, loaded):
-                self._quantize_item(r, item, words, store, end, store_scale or store)
-            first_warp_item = first_warp_item + stride * unroll
         with r.for_range("q_warp_item", first_warp_item, end, stride * unroll) as warp_item:
             items = [r.let("q_item", warp_item + r.lane + j * stride) for j in range(unroll)]
             # nc.L2::256B is inline PTX: LLVM splits a plain invariant v4 load whose lanes are
