@@ -10,12 +10,11 @@
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
-# "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH, with three joins
-# per token, and with the finished copies counted once per block (SEND_JOIN_DEFER_COUNTS;
-# BF16 and NVFP4; about 3 minutes);
+# "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
+# per token (about 2 minutes; run 33 also counted the finished copies once per block);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
-# two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 31,
+# two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
 # each recorded in docs/PERF.md; the mode went with the last of its experiments.
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
@@ -139,10 +138,6 @@ if [ "$what" = join-ab ]; then
     ab join-ab-BF16-shipped -- bench "${named[@]}"
     ab join-ab-BF16-no-prefetch "$D.SEND_JOIN_PREFETCH=False" -- bench "${named[@]}"
     ab join-ab-BF16-three-joins "$D.SEND_JOIN_PIPELINE=False" -- bench "${named[@]}"
-    ab join-ab-BF16-deferred-counts "$D.SEND_JOIN_DEFER_COUNTS=True" -- bench "${named[@]}"
-    ab join-ab-NVFP4-shipped -- bench "${named[@]}" --set format=NVFP4
-    ab join-ab-NVFP4-deferred-counts "$D.SEND_JOIN_DEFER_COUNTS=True" -- \
-        bench "${named[@]}" --set format=NVFP4
 fi
 if [ "$what" = p2p ]; then
     # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow

@@ -50,12 +50,9 @@ def test_flag_variant_verifies(name):
 # ---- ep_send_join_named ------------------------------------------------------------------
 def _send_joins() -> int:
     """``bar.sync`` joins in the block-staged broadcast's code: two with the two-buffer
-    pipeline (``dispatch_async.SEND_JOIN_PIPELINE``), three without; one more before the
-    deferred counts' release (``SEND_JOIN_DEFER_COUNTS``)."""
+    pipeline (``dispatch_async.SEND_JOIN_PIPELINE``), three without."""
     from epgen.kernels import dispatch_async
-    if not dispatch_async.SEND_JOIN_PIPELINE:
-        return 3
-    return 3 if dispatch_async.SEND_JOIN_DEFER_COUNTS else 2
+    return 2 if dispatch_async.SEND_JOIN_PIPELINE else 3
 
 
 def test_send_join_named_uses_nb_send():

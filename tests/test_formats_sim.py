@@ -195,9 +195,8 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, see
 
 
 NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
-NAMED_MODES = {"three_joins": (False, False, False), "pipelined": (True, False, False),
-               "pipelined_prefetch": (True, True, False),
-               "pipelined_prefetch_deferred_counts": (True, True, True)}
+NAMED_MODES = {"three_joins": (False, False), "pipelined": (True, False),
+               "pipelined_prefetch": (True, True)}
 
 
 @pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
@@ -209,19 +208,16 @@ def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
     (the default) two shared buffers and one join per token, without it three joins per
     token; ``SEND_JOIN_PREFETCH`` (the default with it) also issues the next token's loads
     and slot reservations before the current broadcast (BF16; the quantising formats stage as
-    before); ``SEND_JOIN_DEFER_COUNTS`` counts the finished copies in a shared table released
-    once per block. Up to 8 tokens per rank over 3 comm blocks: each block alternates its
+    before). Up to 8 tokens per rank over 3 comm blocks: each block alternates its
     buffers. Same results as the reference every way."""
     from epgen.kernels import dispatch_async
-    pipelined, prefetch, deferred = NAMED_MODES[mode]
+    pipelined, prefetch = NAMED_MODES[mode]
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PREFETCH", prefetch)
-    monkeypatch.setattr(dispatch_async, "SEND_JOIN_DEFER_COUNTS", deferred)
     cfg = make_cfg(fmt, H, ep_send_join_named=True, **flags).replace(max_tokens_per_rank=8)
     text = ir.print_module(epgen.build_module(cfg))
     assert ("%t_next" in text) is pipelined
     assert ("%g_ahead" in text) is (prefetch and fmt == "BF16")
-    assert ("send_done" in text) is deferred
     run_calls(cfg, seed, n_calls=2)
 
 

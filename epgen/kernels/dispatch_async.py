@@ -352,15 +352,6 @@ SEND_JOIN_PIPELINE = True
 #: session, run 30): ``ep_send_join_named`` BF16 round trip 0.802 -> 0.822 of copy (async
 #: 0.644 -> 0.675). False: each token staged whole before the broadcast.
 SEND_JOIN_PREFETCH = True
-#: The block-staged broadcast counts each copy finished in a per-block shared table
-#: (``red.shared.add``, no fence) and releases the table once, after the block's last token
-#: (``DeferredCopyCounts``), instead of a ``red.release.gpu.add`` per copy after every
-#: token's join. The per-token release's fence waits for the token's stores to drain, and the
-#: warp that issues it then starts the next token's share late, which holds back the next join:
-#: one block moves about one token at a time. The finished counters reach the same values;
-#: the signal waits for all of them anyway (dispatch_wait needs every count word). False: a
-#: release per copy, per token.
-SEND_JOIN_DEFER_COUNTS = False
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p: AsyncParams, t, msg, dsts, cos):
@@ -443,42 +434,14 @@ def broadcast_staged_token(r: ir.RoleBuilder, cfg, msg, dsts):
                 r.store(ir.Cast(T.ptr_global, dst + v.cast(T.u64) * 16), x)
 
 
-def count_staged_copies(r: ir.RoleBuilder, cfg, p: AsyncParams, cos, deferred=None):
+def count_staged_copies(r: ir.RoleBuilder, cfg, p: AsyncParams, cos):
     """After the join that follows a broadcast: threads ``k < K`` count copy ``k`` finished
-    (``red.release.gpu.add``; the barrier orders every thread's stores before it), or with
-    ``deferred`` (a ``DeferredCopyCounts``) into its shared table (``red.shared.add``)."""
+    (``red.release.gpu.add``; the barrier orders every thread's stores before it)."""
     finished = _word(p.counters, cfg.n_experts)
     with r.if_(r.tid < cfg.layout.top_k):
         co = r.load(_word(cos, r.tid), T.u32, name="co_done")
         with r.if_(co.ne(NO_SLOT)):
-            if deferred is None:
-                r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
-            else:
-                deferred.add(co)
-
-
-class DeferredCopyCounts:
-    """``SEND_JOIN_DEFER_COUNTS``: the block's finished copies per counter (``e * R + dst``),
-    in a shared table of ``E`` u32 that the block zeroes before its first join (``st.shared``)
-    and adds to without a fence (``red.shared.add``); ``release`` (after a join that follows
-    the block's last broadcast) adds each non-zero entry to its finished counter with one
-    ``red.release.gpu.add`` (the barrier orders every thread's stores before it)."""
-
-    def __init__(self, r: ir.RoleBuilder, cfg, p: AsyncParams):
-        self.r, self.p, self.n = r, p, cfg.n_experts
-        self.table = r.kb.shared_buffer("send_done", 4 * self.n)
-        with r.for_range("done_i", r.tid, self.n, r.n_threads) as i:
-            r.store(_word(self.table, i), 0)
-
-    def add(self, co):
-        self.r.red(AtomOp.ADD, _word(self.table, co), 1, Sem.RELAXED, Scope.CTA)
-
-    def release(self):
-        r, finished = self.r, _word(self.p.counters, self.n)
-        with r.for_range("done_i", r.tid, self.n, r.n_threads) as i:
-            done = r.load(_word(self.table, i), T.u32, name="done")
-            with r.if_(done.ne(0)):
-                r.red(AtomOp.ADD, _word(finished, i), done, Sem.RELEASE, Scope.GPU)
+            r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
 def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
@@ -500,7 +463,6 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_
         return (msgs + (b * msg_stride).cast(T.u64), dsts + (b * 8 * K).cast(T.u64),
                 cos + (b * 4 * K).cast(T.u64))
 
-    deferred = DeferredCopyCounts(r, cfg, p) if SEND_JOIN_DEFER_COUNTS else None
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     first = r.let("t_first", r.block - n_signal_sms)
     with r.if_(first < p.n_tokens):
@@ -521,11 +483,8 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_
         if prefetch:
             finish(*buffers(1 - b))
         send_join(r, cfg, comm_barrier_id)
-        count_staged_copies(r, cfg, p, co, deferred)
+        count_staged_copies(r, cfg, p, co)
         r.assign(b, 1 - b)
-    if deferred is not None:
-        send_join(r, cfg, comm_barrier_id)
-        deferred.release()
 
 
 def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
