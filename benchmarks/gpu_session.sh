@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
@@ -12,6 +12,8 @@
 # formats at other message alignments (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
 # per token (about 2 minutes; run 33 also counted the finished copies once per block);
+# "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
+# BF16 variant and each quantising format (about 4 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
 # two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
@@ -138,6 +140,22 @@ if [ "$what" = join-ab ]; then
     ab join-ab-BF16-shipped -- bench "${named[@]}"
     ab join-ab-BF16-no-prefetch "$D.SEND_JOIN_PREFETCH=False" -- bench "${named[@]}"
     ab join-ab-BF16-three-joins "$D.SEND_JOIN_PIPELINE=False" -- bench "${named[@]}"
+fi
+if [ "$what" = geometry ]; then
+    # the prefill preset's geometry (33 blocks x 512 threads per rank: two blocks per SM)
+    # against 66 x 256 (four per SM, the same warps per SM; 256 is the least num_threads
+    # with E=256): every BF16 variant, then each quantising format, each pair in one process
+    g=num_threads:256,n_sms:66
+    bench geometry-BF16 200 --tokens 4096 --variant default --variant "g256=$g" \
+        --variant fused --variant "fused256=fused,$g" \
+        --variant named=ep_send_join_named --variant "named256=ep_send_join_named,$g" \
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+        --variant "prod256=ep_final_layout,ep_prod_reserve,alignment:16,$g" \
+        --no-post-check --no-baseline
+    for fmt in NVFP4 BlockwiseFP8 MXFP8; do
+        bench "geometry-$fmt" 90 --set format=$fmt --tokens 4096 --variant default \
+            --variant "g256=$g" --no-baseline --no-post-check
+    done
 fi
 if [ "$what" = p2p ]; then
     # a multi-GPU machine (nvidia-h200-x2/-x4/-x8): topology, every P2P test its GPUs allow
