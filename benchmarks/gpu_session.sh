@@ -3,11 +3,13 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|count-ab|recv-ab|join-ab|geometry|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
+# "count-ab": the monitors' count of the top-k ids with one id per load against four
+# (MONITOR_COUNT_VECTORS; every format at prefill, about 4 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
@@ -115,6 +117,15 @@ ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm, module cons
 }
 B=epgen.formats.blockscaled
 D=epgen.kernels.dispatch_async
+if [ "$what" = count-ab ]; then
+    # the monitor blocks' count of the top-k ids, same call, prefill: one id per load (as
+    # shipped) against four (MONITOR_COUNT_VECTORS=4); the formats first (their fixed
+    # per-call part weighs most, docs/PERF.md sixth session), BF16 last
+    for fmt in NVFP4 MXFP8 BlockwiseFP8 BF16; do
+        ab "count-ab-$fmt-shipped" -- bench --set format=$fmt
+        ab "count-ab-$fmt-vectors4" "$D.MONITOR_COUNT_VECTORS=4" -- bench --set format=$fmt
+    done
+fi
 if [ "$what" = recv-ab ]; then
     # dispatch_wait's receive orders of the fifth session, same call: as shipped, then each
     # switched off (the row-major scales after the payload; the transposed tile scales one
