@@ -3,13 +3,11 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|count-ab|recv-ab|join-ab|geometry|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
-# "count-ab": the monitors' count of the top-k ids with one id per load against four
-# (MONITOR_COUNT_VECTORS; every format at prefill, about 4 minutes);
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
@@ -19,7 +17,8 @@
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
 # two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
-# each recorded in docs/PERF.md; the mode went with the last of its experiments.
+# each recorded in docs/PERF.md; the mode went with the last of its experiments, as did
+# "count-ab" (run 37).
 #
 # About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
 # under `timeout 590`, or two calls, "tests" then "bench", when the budget is tight.
@@ -117,15 +116,6 @@ ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm, module cons
 }
 B=epgen.formats.blockscaled
 D=epgen.kernels.dispatch_async
-if [ "$what" = count-ab ]; then
-    # the monitor blocks' count of the top-k ids, same call, prefill: one id per load (as
-    # shipped) against four (MONITOR_COUNT_VECTORS=4); the formats first (their fixed
-    # per-call part weighs most, docs/PERF.md sixth session), BF16 last
-    for fmt in NVFP4 MXFP8 BlockwiseFP8 BF16; do
-        ab "count-ab-$fmt-shipped" -- bench --set format=$fmt
-        ab "count-ab-$fmt-vectors4" "$D.MONITOR_COUNT_VECTORS=4" -- bench --set format=$fmt
-    done
-fi
 if [ "$what" = recv-ab ]; then
     # dispatch_wait's receive orders of the fifth session, same call: as shipped, then each
     # switched off (the row-major scales after the payload; the transposed tile scales one

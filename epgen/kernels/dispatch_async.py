@@ -213,79 +213,37 @@ def count_routed(r: ir.RoleBuilder, topk_ids, n_ids, g, unroll: int = 8) -> ir.V
     return r.redux(ReduxOp.ADD, cnt, name="counted")
 
 
-#: Experiment (0, off, until an H200 A/B says it pays): the monitor blocks' count of the
-#: top-k ids (``count_block_experts``) reads four ids per load (``ld.global.nc.v4.b32``, this
-#: many loads in flight) instead of one (8 in flight). At prefill a monitor block reads all
-#: 32768 ids of its rank before its first send: 8 dependent round trips under the other
-#: blocks' send traffic become 4 (with 4 vectors in flight; 8 in flight add ~0.1 s to the
-#: default preset's code generation). 0: one id per load, 8 in flight.
-MONITOR_COUNT_VECTORS = 0
-
-
 def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g, hist):
     """Each warp's count of ``topk_ids[0:n_ids]`` entries equal to its expert, the block's
     warps owning experts ``first_g + w``, into ``hist[w]`` (a shared array of one u32 per
-    warp): the block reads the ids once, thread-strided (``count_ids_by_vectors``; with
-    ``MONITOR_COUNT_VECTORS = 0`` one ``ld.global.nc.b32`` per id, 8 in flight) into that
-    histogram (``red.shared.add``), one ``bar.sync 0`` after zeroing it and one after
-    counting. The role must be the whole block (``bar.sync 0``). A sixteenth of the reads of
-    every warp counting alone (``count_routed``), so the monitor warps start sending early."""
+    warp): the block reads the ids once (thread-strided ``ld.global.nc.b32``, 8 in flight)
+    into that histogram (``red.shared.add``), one ``bar.sync 0`` after zeroing it and one
+    after counting. The role must be the whole block (``bar.sync 0``). A sixteenth of the
+    reads of every warp counting alone (``count_routed``), so the monitor warps start
+    sending early."""
     warps = r.n_threads // 32
     with r.if_(r.tid < warps):
         r.store(_word(hist, r.tid), 0)
     r.syncthreads()
     n_ids = r.let("n_ids", n_ids)
+    i = r.var("cnt_i", T.u32, r.tid)
+    stride = r.n_threads
 
     def tally(v):
         rel = r.let("rel", v - first_g)
         with r.if_(rel < warps):
             r.red(AtomOp.ADD, _word(hist, rel), 1, Sem.RELAXED, Scope.CTA)
 
-    if MONITOR_COUNT_VECTORS:
-        count_ids_by_vectors(r, topk_ids, n_ids, tally, MONITOR_COUNT_VECTORS)
-    else:
-        i = r.var("cnt_i", T.u32, r.tid)
-        stride = r.n_threads
-        with r.while_(i + stride * 7 < n_ids):
-            ids = [r.load(_word(topk_ids, i + stride * u), T.u32, cache=CacheHint.NC,
-                          name="id") for u in range(8)]
-            for v in ids:
-                tally(v)
-            r.assign(i, i + stride * 8)
-        with r.while_(i < n_ids):
-            tally(r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t"))
-            r.assign(i, i + stride)
-    r.syncthreads()
-
-
-def count_ids_by_vectors(r: ir.RoleBuilder, topk_ids, n_ids, tally, unroll: int):
-    """``MONITOR_COUNT_VECTORS``: ``tally`` every id of ``topk_ids[0:n_ids]`` once, the block
-    thread-strided: the 0-3 ids before the first 16-byte boundary one per thread
-    (``ld.global.nc.b32``), then whole vectors of four (``ld.global.nc.v4.b32``, ``unroll``
-    in flight), then the 0-3 ids after the last whole vector."""
-    stride = r.n_threads
-    misalign = r.let("ids_misalign", (ir.Cast(T.u64, topk_ids) & 15).cast(T.u32))
-    head = r.let("ids_head", (((16 - misalign) & 15) // 4).min(n_ids))
-    with r.if_(r.tid < head):
-        tally(r.load(_word(topk_ids, r.tid), T.u32, cache=CacheHint.NC, name="id_h"))
-    vecs = r.let("ids_vecs", topk_ids + (head * 4).cast(T.u64))
-    n_vec = r.let("n_id_vecs", (n_ids - head) // 4)
-    i = r.var("cnt_v", T.u32, r.tid)
-    with r.while_(i + stride * (unroll - 1) < n_vec):
-        loaded = [r.load(_word(vecs, (i + stride * u) * 4), VEC, cache=CacheHint.NC,
-                         name="ids") for u in range(unroll)]
-        for v in loaded:
-            for c in range(4):
-                tally(ir.Extract(v, c))
-        r.assign(i, i + stride * unroll)
-    with r.while_(i < n_vec):
-        v = r.load(_word(vecs, i * 4), VEC, cache=CacheHint.NC, name="ids_t")
-        for c in range(4):
-            tally(ir.Extract(v, c))
+    with r.while_(i + stride * 7 < n_ids):
+        ids = [r.load(_word(topk_ids, i + stride * u), T.u32, cache=CacheHint.NC, name="id")
+               for u in range(8)]
+        for v in ids:
+            tally(v)
+        r.assign(i, i + stride * 8)
+    with r.while_(i < n_ids):
+        tally(r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t"))
         r.assign(i, i + stride)
-    tail = r.let("ids_tail", head + n_vec * 4 + r.tid)
-    with r.if_(tail < n_ids):
-        tally(r.load(_word(topk_ids, tail), T.u32, cache=CacheHint.NC, name="id_e"))
+    r.syncthreads()
 
 
 def uses_warp_send(cfg) -> bool:
