@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|graph-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
@@ -14,6 +14,8 @@
 # per token (about 2 minutes; run 33 also counted the finished copies once per block);
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
 # BF16 variant and each quantising format (about 4 minutes);
+# "graph-ab": the round trip as a CUDA-graph replay against stream launches, its GPU tests
+# first (about 6 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
 # two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
@@ -89,6 +91,22 @@ if [ "$what" = latency ]; then
     # the round trip's floor: decode-sized calls down to one token per rank
     bench latency 150 --tokens 1,8,32,128 --variant default --variant fused \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
+fi
+if [ "$what" = graph-ab ]; then
+    # the round trip replayed as a captured CUDA graph (RoundTripGraph) against the same
+    # variant's stream launches, same call: its GPU tests, then BF16's variants and each
+    # quantising format at both shapes
+    step graph-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graph_gpu.py
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/graph-tests.log" | tail -15 \
+        | sed 's/^/    /'
+    bench graph-bf16 200 --tokens 128,4096 --variant default --variant graph=graph \
+        --variant fused --variant fused_graph=fused,graph \
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+        --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph --no-post-check
+    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
+        bench "graph-$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
+            --variant graph=graph --no-baseline --no-post-check
+    done
 fi
 if [ "$what" = profile ]; then
     # where NVFP4's dispatch_async spends its time at prefill, if Nsight Compute is there: one

@@ -712,6 +712,10 @@ def test_fused_variant_is_a_world_option_not_a_config_field():
     assert v.world_options == {"fused": True}
     v2 = P.parse_variant("x=fused:false,ep_send_join_named")
     assert v2.world_options == {"fused": False}
+    v3 = P.parse_variant("g=graph,ep_ord_r,has_rank_flag")
+    assert v3.world_options == {"graph": True}
+    assert not hasattr(P.Plan(base=DECODE, tokens=(128,), variants=(v3,)).config(128, v3),
+                       "graph")
     p = P.Plan(base=DECODE, tokens=(128,), variants=(v,))
     cfg = p.config(128, v)
     assert not hasattr(cfg, "fused")

@@ -27,9 +27,11 @@ SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
 """At most this many tokens per rank: decode-like default iteration counts."""
 DEFAULT_VARIANT = "default"
-WORLD_KEYS = ("fused",)
+WORLD_KEYS = ("fused", "graph")
 """Variant keys that choose how the world runs, not the configuration (``fused``: the single
-launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait)."""
+launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait; ``graph``: the
+round trip replayed as a captured CUDA graph, ``RoundTripGraph``, and timed as the round
+trip only)."""
 FORMAT_VARIANT_KEYS = ("alignment",)
 """Variant keys of the token format (``alignment:16``: the final layout's header rows grow
 with the field alignment, and the H200 ran it faster at the reference's 16 than at the
@@ -104,7 +106,7 @@ class Variant:
 
     @property
     def world_options(self) -> dict:
-        """Keyword arguments for ``EmulatedWorld`` (``WORLD_KEYS``)."""
+        """Keyword arguments for ``runner.measure_world`` (``WORLD_KEYS``)."""
         return {k: v for k, v in self.overrides if k in WORLD_KEYS}
 
     def describe(self) -> dict:

@@ -60,12 +60,15 @@ class StagedInputs:
 
 def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch=None,
                   post_check: bool = True, progress, fused: bool | None = None,
-                  world_factory=None) -> dict:
+                  graph: bool = False, world_factory=None) -> dict:
     """Build the world (``world_factory()``, default an ``EmulatedWorld`` on ``device``,
     single-launch with ``fused``), check it against the reference on set 0, time
     dispatch_async, dispatch_wait and the round trip (fork/join over the rank streams,
     rotated staged inputs; the timing stream on ``world.device``; the fused world has only
-    the round trip), check the last round trip's output. Raises when a check fails."""
+    the round trip), check the last round trip's output. Raises when a check fails.
+
+    With ``graph`` only the round trip is timed, as the replay of a ``RoundTripGraph``
+    (one captured per input set, ``world.capture_round_trip``) on the timing stream."""
     from backends import cuda
 
     from ..runtime.world import EmulatedWorld
@@ -76,6 +79,7 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
     device = world.device
     res["build_s"] = time.perf_counter() - t0
     staged = None
+    graphs = []
     try:
         progress("  epgen: correctness check on set 0 (world.dispatch vs reference.dispatch)")
         reference.assert_match(cfg, reference.dispatch(cfg, *sets[0]), world.dispatch(*sets[0]))
@@ -100,7 +104,21 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
             staged.use(i)
             return fork_join(ts, streams, gate, world.enqueue_round_trip)
 
-        phases = (("round_trip", round_once),) if world.fused else (
+        if graph:
+            for j in range(len(staged.sets)):
+                staged.use(j)
+                graphs.append(world.capture_round_trip(stream=ts))
+
+        def graph_once(i):
+            g = graphs[staged.use(i)]
+            g.refresh()
+            g.follow_world(ts)
+            ms, over = fork_join(ts, [], gate, lambda: g.replay(ts))
+            g.lead_world(ts)
+            return ms, over
+
+        phases = (("round_trip", graph_once),) if graph else \
+            (("round_trip", round_once),) if world.fused else (
             ("dispatch_async", async_once), ("dispatch_wait", wait_once),
             ("round_trip", round_once))
         for name, once in phases:
@@ -116,6 +134,8 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
         if staged is not None:
             staged.restore()
         world.synchronize()
+        for g in graphs:
+            g.close()
         staged = world = None                # drop the buffers before trimming the pool
         gc.collect()
         device.sync()

@@ -71,6 +71,13 @@ class GenerationCounter:
         self.value += 1
         return self.value
 
+    def reserve(self, n: int) -> None:
+        """Make sure the next ``n`` values come without a wrap (wrapping now if they would
+        not): a CUDA-graph capture records ``n`` calls and cannot synchronise inside."""
+        if self.value + n > self.limit:
+            self.on_wrap()
+            self.value = 0
+
 
 def region_a_blocks(region_a, L: int, R: int) -> tuple[np.ndarray, np.ndarray]:
     """``(counts[L, R], block_starts[L, R])`` from dispatch_wait's Region A (pair ``w = e*R +
@@ -360,6 +367,13 @@ class RankWorld:
         else:
             self.dispatch_async()
             self.dispatch_wait()
+
+    def capture_round_trip(self, calls: int = 1, stream=None):
+        """A ``RoundTripGraph`` of ``calls`` round trips of every rank (``graph.py``): the
+        launches ``enqueue_round_trip`` makes, recorded once and replayed by
+        ``graph.launch()`` with one ``cuGraphLaunch``."""
+        from .graph import RoundTripGraph
+        return RoundTripGraph(self, calls, stream)
 
     def synchronize(self):
         for rk in self.ranks:

@@ -1,0 +1,169 @@
+"""``RoundTripGraph``: a world's round trip captured once as a CUDA graph and replayed with one
+``cuGraphLaunch`` (issue 6: CUDA-graph capture of the round trip, part of the public API)::
+
+    world = EmulatedWorld(cfg)
+    world.load_inputs(tokens, topk_ids)
+    graph = world.capture_round_trip()      # records the launches; nothing runs
+    graph.launch()                          # every rank's round trip, one launch
+    world.check()
+    results = world.results()
+    world.load_inputs(tokens2, topk_ids2)   # same token counts: the same graph serves
+    graph.launch()
+
+What is captured: the launches ``enqueue_round_trip`` makes (every rank's dispatch_async
+then dispatch_wait, or the fused ``ep_dispatch``), ``calls`` times, with the world's ordering
+between calls (each rank's dispatch_async of call n+1 after every rank's call n); inside the
+graph that ordering and each rank's async -> wait are graph edges, not events between
+streams. The launch arguments are frozen: each rank's input buffers and token count, the
+input scale, the timeout. New inputs loaded into the world's buffers with ``load_inputs``
+replay as they are; a changed token count, input buffer, input scale or timeout makes
+``launch`` raise ``ValueError`` (capture again).
+
+Ordering with the rest of the world: a replay starts after everything already enqueued on
+the world's rank streams, and every rank stream waits for its end, so stream calls
+(``dispatch``, ``enqueue_round_trip``), ``check``, ``results`` and replays mix freely.
+
+``ep_prod_reserve``: every call needs a new generation (``prod_gen``), a launch argument. Each
+``launch`` after the first records the launches again with the next generations and
+updates the instantiated graph in place (``cuGraphExecUpdate``; host work only, nothing runs
+twice).
+"""
+
+from __future__ import annotations
+
+import operator
+
+from backends.cuda import graph as cuda_graph
+
+
+class RoundTripGraph:
+    """``calls`` round trips of every rank of ``world`` as one instantiated CUDA graph (module
+    docstring). ``launch(stream=None)`` replays it (on its own stream by default);
+    ``close()`` frees it."""
+
+    def __init__(self, world, calls: int = 1, stream=None):
+        try:
+            if isinstance(calls, bool):
+                raise TypeError
+            calls = operator.index(calls)
+        except TypeError:
+            raise ValueError(f"calls must be a positive integer (round trips per replay), "
+                             f"got {calls!r}") from None
+        if calls < 1:
+            raise ValueError(f"calls must be a positive integer (round trips per replay), "
+                             f"got {calls}")
+        from backends import cuda
+        self.world = world
+        self.calls = calls
+        self.cuda = cuda
+        self.stream = stream if stream is not None else cuda.create_stream(world.device)
+        self.frozen = self._state()
+        self.exec = None
+        self.exec = self._instantiate()
+        self.fresh = True      # the generations recorded at capture are not used yet
+
+    # -- capture ---------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        """What the captured launches froze, by name (compared at every launch)."""
+        w = self.world
+        out = {"timeout_ns": w.timeout_ns, "input_scale": w.input_scale}
+        for rk in w.ranks:
+            out[f"rank {rk.rank} n_tokens"] = rk.n_tokens
+            out[f"rank {rk.rank} tokens buffer"] = rk.tokens.ptr
+            out[f"rank {rk.rank} topk_ids buffer"] = rk.topk_ids.ptr
+        return out
+
+    def _record(self):
+        """The ``Captured`` graph of ``calls`` round trips: the origin stream forks into every
+        rank stream, the world enqueues its launches, every rank stream joins back. The rank
+        streams' last-call events are set aside during the capture (a captured stream may
+        not wait on an event recorded outside it) and put back after."""
+        w, cuda = self.world, self.cuda
+        if w.cfg.ep_prod_reserve:
+            w.prod_gen.reserve(self.calls)   # a wrap (synchronising) cannot run in a capture
+        saved = [rk.wait_done for rk in w.ranks]
+        for rk in w.ranks:
+            rk.wait_done = None
+        try:
+            with cuda_graph.capture(self.stream) as cap:
+                fork = cuda.record_event(self.stream)
+                for rk in w.ranks:
+                    rk.stream.wait(fork)
+                for _ in range(self.calls):
+                    w.enqueue_round_trip()
+                for rk in w.ranks:
+                    self.stream.wait(cuda.record_event(rk.stream))
+        finally:
+            for rk, ev in zip(w.ranks, saved):
+                rk.wait_done = ev
+        return cap
+
+    def _instantiate(self):
+        cap = self._record()
+        try:
+            return cuda_graph.GraphExec(cap.graph)
+        finally:
+            cap.destroy()
+
+    # -- launch ----------------------------------------------------------------------------------
+    def check_unchanged(self) -> None:
+        """``ValueError`` naming the first launch argument that changed since the capture."""
+        now = self._state()
+        for key, was in self.frozen.items():
+            if now[key] != was:
+                raise ValueError(f"RoundTripGraph: {key} changed since the capture ({was!r} -> "
+                                 f"{now[key]!r}); the graph's launch arguments are frozen: "
+                                 f"capture again (world.capture_round_trip())")
+
+    def refresh(self) -> None:
+        """Before a replay: with ``ep_prod_reserve``, record the launches again with the next
+        generations and update the instantiated graph (re-instantiate if the driver refuses
+        the update); nothing otherwise."""
+        self.check_unchanged()
+        if not self.world.cfg.ep_prod_reserve:
+            return
+        if self.fresh:
+            self.fresh = False
+            return
+        cap = self._record()
+        try:
+            if not self.exec.update(cap.graph):
+                old, self.exec = self.exec, cuda_graph.GraphExec(cap.graph)
+                old.destroy()
+        finally:
+            cap.destroy()
+
+    def follow_world(self, stream) -> None:
+        """``stream`` waits for everything already enqueued on the world's rank streams."""
+        for rk in self.world.ranks:
+            stream.wait(self.cuda.record_event(rk.stream))
+
+    def replay(self, stream) -> None:
+        """Enqueue the graph on ``stream`` (``cuGraphLaunch``) and nothing else."""
+        self.exec.launch(stream)
+
+    def lead_world(self, stream) -> None:
+        """Every rank stream waits for ``stream``'s work so far (the replay): later stream
+        calls, ``check`` and ``results`` come after it."""
+        done = self.cuda.record_event(stream)
+        for rk in self.world.ranks:
+            rk.stream.wait(done)
+            rk.wait_done = done
+
+    def launch(self, stream=None) -> None:
+        """One replay: ``refresh``, then on ``stream`` (default: the graph's own)
+        ``follow_world``, ``replay``, ``lead_world``. Asynchronous, like ``enqueue_round_trip``;
+        ``world.check()`` synchronises and reports expired waits."""
+        if self.exec is None:
+            raise ValueError("RoundTripGraph: launch after close()")
+        stream = self.stream if stream is None else stream
+        self.refresh()
+        self.follow_world(stream)
+        self.replay(stream)
+        self.lead_world(stream)
+
+    def close(self) -> None:
+        """Free the instantiated graph (after its replays have finished: ``world.check()``)."""
+        if self.exec is not None:
+            self.exec.destroy()
+            self.exec = None
