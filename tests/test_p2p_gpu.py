@@ -1,8 +1,8 @@
 """``P2PWorld`` on real GPUs (one per rank) against the numpy reference, bit-exact (rows inside
 an (expert, source) block may come in any order): every flag variant and token format on 1, 2,
 4 and 8 GPUs as the machine has them (``multigpu(n)``: skipped with "needs n GPUs"), the
-routing edge cases, 1000 back-to-back calls, missing ranks timing out on several GPUs, inputs
-on the wrong GPU, and the CLI.
+routing edge cases, 1000 back-to-back calls, the round trip as a CUDA graph across the GPUs,
+missing ranks timing out on several GPUs, inputs on the wrong GPU, and the CLI.
 
 On one GPU: ``P2PWorld`` with one rank (the ``n_gpus=1`` cases), and several ranks sharing
 GPU 0 (``devices=[0, 0, ...]``: the per-GPU programs, pools, pointer tables and error buffers
@@ -191,6 +191,36 @@ def test_ranks_sharing_gpu0(n, flags, seed):
     for call in range(20):
         toks, ids = routing.routing(rng, cfg, random_counts(rng, cfg))
         run_and_compare(world, toks, ids, seed, f", {flags}, call {call}")
+
+
+@pytest.mark.parametrize("flags", ["staged", "fused", "prod_reserve"])
+@by_gpus()
+def test_graph_replays(n, flags, seed):
+    """The round trip captured once as a CUDA graph across the GPUs (``RoundTripGraph``) and
+    replayed with new inputs, a stream call between replays: every call matches."""
+    cfg = make_cfg(n, STRESS, **FLAGS[flags])
+    world = world_for(cfg, **flag_kwargs(flags))
+    rng = np.random.default_rng(seed)
+    T = cfg.max_tokens_per_rank
+    toks, ids = routing.routing(rng, cfg, T)
+    world.load_inputs(toks, ids)
+    graph = world.capture_round_trip()
+    try:
+        for call in range(4):
+            toks, ids = routing.routing(rng, cfg, T)
+            if call == 1:
+                got = world.dispatch(toks, ids)
+            else:
+                world.load_inputs(toks, ids)
+                graph.launch()
+                world.check()
+                got = world.results()
+            try:
+                reference.assert_match(cfg, reference.dispatch(cfg, toks, ids), got)
+            except AssertionError as exc:
+                raise AssertionError(f"seed {seed}, {flags}, call {call}: {exc}") from None
+    finally:
+        graph.close()
 
 
 def test_one_rank_matches_emulated_world(seed):

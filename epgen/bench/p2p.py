@@ -424,10 +424,13 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, device
         progress(f"  epgen {variant.label} skipped: {out['skipped']}")
         return out
     try:
+        opts = variant.world_options
         r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), gate,
                                  arch=plan.arch, post_check=plan.post_check, progress=progress,
+                                 graph=opts.get("graph", False),
                                  world_factory=lambda: P2PWorld(cfg, arch=plan.arch,
-                                                                devices=devices))
+                                                                devices=devices,
+                                                                fused=opts.get("fused")))
     except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
         out["error"] = f"{type(exc).__name__}: {exc}"
         progress(f"  epgen {variant.label} FAILED: {out['error']}")

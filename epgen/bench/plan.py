@@ -12,6 +12,7 @@ and the plot (default: ``SPEC``). Parameters that change the inputs or the buffe
 variants of a run: set them with ``--preset``/``--set`` and ``--block-capacity``; the one
 exception is the format's ``alignment`` (message and header field padding: the same inputs,
 each variant's own buffers), e.g. ``prod=ep_final_layout,ep_prod_reserve,alignment:16``.
+The ``WORLD_KEYS`` choose how the world runs: ``fused``, ``graph`` (e.g. ``g=fused,graph``).
 """
 
 from __future__ import annotations
