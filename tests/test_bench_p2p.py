@@ -167,9 +167,13 @@ def test_bench_p2p_without_gpu_is_a_clear_error(capsys):
 
 
 # ---- a whole run, device phases faked --------------------------------------------------------------
+GRAPH_SEEN = []
+
+
 def _fake_world(cfg, sets, iters, warmup, gate, *, device=None, arch=None, post_check=True,
-                progress=None, world_factory=None):
+                progress=None, graph=False, world_factory=None):
     assert callable(world_factory)
+    GRAPH_SEEN.append(graph)
     rt = 0.05 if cfg.ep_final_layout else 0.1
     s = timing.summarize
     return {"check": "ok", "post_check": "ok", "build_s": 0.1,
@@ -213,6 +217,13 @@ def fake_gpus(monkeypatch):
 
 RUN = ("--world", "p2p", "--preset", "small", "--tokens", "16,32", "--no-gate",
        "--variant", "default", "--variant", "final=ep_final_layout,ep_prod_reserve")
+
+
+def test_graph_variant_reaches_the_timing(fake_gpus, capsys):
+    del GRAPH_SEEN[:]
+    assert cli.main(["bench", "--world", "p2p", "--preset", "small", "--tokens", "16",
+                     "--no-gate", "--variant", "default", "--variant", "g=graph"]) == 0
+    assert GRAPH_SEEN == [False, True]
 
 
 def test_whole_p2p_run_on_fakes(fake_gpus, tmp_path, capsys):
