@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|graph-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
@@ -15,7 +15,8 @@
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
 # BF16 variant and each quantising format (about 4 minutes);
 # "graph-ab": the round trip as a CUDA-graph replay against stream launches, its GPU tests
-# first (about 6 minutes);
+# first (about 6 minutes); "pdl-ab": the formats' fused launch with and without the graph,
+# then dispatch_wait as a programmatic dependent launch (about 8 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
 # two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
@@ -106,6 +107,27 @@ if [ "$what" = graph-ab ]; then
     for fmt in NVFP4 MXFP8 BlockwiseFP8; do
         bench "graph-$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
             --variant graph=graph --no-baseline --no-post-check
+    done
+fi
+if [ "$what" = pdl-ab ]; then
+    # the formats' fused single launch with and without the graph; then dispatch_wait as a
+    # programmatic dependent launch of dispatch_async (world.WAIT_PDL) against the shipped
+    # launch, stream and graph, same call
+    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
+        bench "fused-$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
+            --variant graph=graph --variant fused --variant fused_graph=fused,graph \
+            --no-baseline --no-post-check
+    done
+    for fmt in BF16 NVFP4 MXFP8; do
+        for arm in shipped pdl; do
+            pdl=$([ $arm = pdl ] && echo True || echo False)
+            step "pdl-$fmt-$arm" 90 python3 benchmarks/experiments/with_settings.py \
+                epgen.runtime.world.WAIT_PDL=$pdl -- bench --set format=$fmt \
+                --tokens 128,4096 --variant default --variant graph=graph --no-baseline \
+                --json "$OUT/pdl-$fmt-$arm.json"
+            grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/pdl-$fmt-$arm.log" \
+                | sed 's/^/    /'
+        done
     done
 fi
 if [ "$what" = profile ]; then

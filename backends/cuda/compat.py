@@ -103,14 +103,23 @@ def _dims(label: str, value) -> int | tuple[int, ...]:
     return operator.index(value)
 
 
-def launch_config(grid, block, shmem: int = 0, *, cluster=None, cooperative: bool = False):
-    """A ``LaunchConfig`` with the keyword names of the installed cuda.core."""
+def launch_config(grid, block, shmem: int = 0, *, cluster=None, cooperative: bool = False,
+                  programmatic: bool = False):
+    """A ``LaunchConfig`` with the keyword names of the installed cuda.core. ``programmatic``:
+    programmatic dependent launch (PDL, ``programmatic_stream_serialization``): the kernel
+    may start once every block of the previous kernel on its stream has triggered or exited
+    (cuda.core 1.x; ``CudaUnavailableError`` on an older one)."""
     kwargs = {"grid": _dims("grid", grid), "block": _dims("block", block),
               "shmem_size": operator.index(shmem)}
     if cluster is not None:
         kwargs["cluster"] = _dims("cluster", cluster)
     if cooperative:
         kwargs["is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"] = True
+    if programmatic:
+        if not CUDA_CORE_GE_1_0:
+            raise CudaUnavailableError("programmatic dependent launch needs cuda-core 1.0 or "
+                                       "later (LaunchConfig.programmatic_stream_serialization)")
+        kwargs["programmatic_stream_serialization"] = True
     return core().LaunchConfig(**kwargs)
 
 

@@ -221,13 +221,14 @@ def _check_sizes(packed: tuple, sizes: Sequence[int] | None, kernel_name: str) -
 def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0, *,
            param_types: Sequence | None = None, param_names: Sequence[str] | None = None,
            int_scalars: bool = False, cluster=None, cooperative: bool = False,
-           sync: bool = False) -> None:
+           programmatic: bool = False, sync: bool = False) -> None:
     """Launch ``kernel`` (a :class:`LoadedKernel` or a cuda.core ``Kernel``).
 
     ``grid``/``block`` are ints or up-to-3 tuples; ``shmem`` is the dynamic shared memory in
     bytes (the kernel's limit is raised when above 48 KiB); ``stream`` defaults to the device's
     default stream. Arguments are packed with ``param_types`` (or the ``LoadedKernel``'s) by
-    :func:`pack_args`, else checked by :func:`check_untyped_args`. With ``sync`` the stream is
+    :func:`pack_args`, else checked by :func:`check_untyped_args`. ``programmatic``: a
+    programmatic dependent launch (``compat.launch_config``). With ``sync`` the stream is
     synchronised so a fault in the kernel raises :class:`CudaError` here.
     """
     if isinstance(kernel, LoadedKernel):
@@ -248,7 +249,7 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
         _ensure_dynamic_smem(kernel, shmem)
         stream = as_stream(stream, dev)
         config = compat.launch_config(grid, block, shmem, cluster=cluster,
-                                      cooperative=cooperative)
+                                      cooperative=cooperative, programmatic=programmatic)
         with cuda_errors(f"launching kernel {kname}"):
             compat.core().launch(stream, config, core_kernel, *packed)
         if sync:

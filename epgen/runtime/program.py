@@ -30,7 +30,8 @@ class Program:
                 param_names=[p.name for p in k.params])
         return self._kernels[name]
 
-    def launch(self, name: str, grid: int, args: dict, stream=None, shmem: int = 0):
+    def launch(self, name: str, grid: int, args: dict, stream=None, shmem: int = 0, *,
+               programmatic: bool = False):
         k = self.module.kernel(name)
         names = [p.name for p in k.params]
         missing = [n for n in names if n not in args]
@@ -38,7 +39,7 @@ class Program:
         if missing or extra:
             raise TypeError(f"kernel {name}: missing arguments {missing}, unknown {extra}")
         self.kernel(name).launch(grid, k.block_threads, [args[n] for n in names], stream,
-                                 shmem, int_scalars=True)
+                                 shmem, int_scalars=True, programmatic=programmatic)
 
     def blocks_per_sm(self, name: str, shmem: int = 0) -> int:
         """How many blocks of ``name`` one SM holds at once (the driver's occupancy answer)."""

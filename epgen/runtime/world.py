@@ -46,6 +46,14 @@ from .diagnostics import DiagBuffer
 from .program import Program
 
 
+#: Experiment (off): each rank's dispatch_wait launched as a programmatic dependent launch
+#: (PDL) of its dispatch_async, on streams and inside a captured graph. dispatch_async
+#: triggers implicitly (each block at its exit), so the wait's grid may start once every
+#: async block has exited, before the async grid's completion is processed; the wait relies
+#: on nothing but its acquire-polled flags (no ``griddepcontrol.wait`` needed).
+WAIT_PDL = False
+
+
 class CapacityError(ValueError):
     """The ranks' grids cannot all be resident on the GPU at once (their spin-waits could
     deadlock): the message names the parameters to change."""
@@ -342,7 +350,8 @@ class RankWorld:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
-            self._program_of(rk).launch(WAIT, self.cfg.n_sms, args, rk.stream)
+            self._program_of(rk).launch(WAIT, self.cfg.n_sms, args, rk.stream,
+                                        programmatic=WAIT_PDL)
             rk.wait_done = self.cuda.record_event(rk.stream)
 
     def dispatch_fused(self):
