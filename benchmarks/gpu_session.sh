@@ -16,15 +16,15 @@
 # BF16 variant and each quantising format (about 4 minutes);
 # "graph-ab": the round trip as a CUDA-graph replay against stream launches, its GPU tests
 # first (about 6 minutes); "pdl-ab": the formats' fused launch with and without the graph,
-# then dispatch_wait as a programmatic dependent launch (about 8 minutes);
+# then dispatch_wait with and without the programmatic dependent launch (about 9 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
 # two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
 # each recorded in docs/PERF.md; the mode went with the last of its experiments, as did
 # "count-ab" (run 37).
 #
-# About 8.5 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~5 min): one device call
-# under `timeout 590`, or two calls, "tests" then "bench", when the budget is tight.
+# About 10 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~6.5 min): two device calls,
+# "tests" then "bench" (each under `timeout 590`).
 set -u
 OUT=${OUT:-gpu-session-out}
 # the device tool returns at most 8 files: every log and JSON goes under $OUT/files, and the
@@ -64,14 +64,20 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/gpu-tests.log" | tail -15 | sed 's/^/    /'
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    bench bf16 150 --tokens 128,4096 --variant default --variant fused \
-        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
-    bench flags-prefill 90 --tokens 4096 --variant ord_r=ep_ord_r,has_rank_flag \
-        --variant send_join_named=ep_send_join_named --no-post-check --no-baseline
+    # every variant as stream launches and as a replay of its captured CUDA graph ("graph")
+    bench bf16 200 --tokens 128,4096 --variant default --variant graph=graph --variant fused \
+        --variant fused_graph=fused,graph \
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+        --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph --no-post-check
+    bench flags-prefill 100 --tokens 4096 --variant ord_r=ep_ord_r,has_rank_flag \
+        --variant ord_r_graph=ep_ord_r,has_rank_flag,graph \
+        --variant send_join_named=ep_send_join_named \
+        --variant send_join_named_graph=ep_send_join_named,graph --no-post-check --no-baseline
     for fmt in NVFP4 BlockwiseFP8 MXFP8; do
-        bench "$fmt" 90 --set format=$fmt --tokens 128,4096 --no-baseline --no-post-check
+        bench "$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
+            --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
     done
-    bench zipf 90 --tokens 4096 --routing zipf --variant default \
+    bench zipf 100 --tokens 4096 --routing zipf --variant default --variant graph=graph \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
 fi
 if [ "$what" = formats ]; then
@@ -110,22 +116,21 @@ if [ "$what" = graph-ab ]; then
     done
 fi
 if [ "$what" = pdl-ab ]; then
-    # the formats' fused single launch with and without the graph; then dispatch_wait as a
-    # programmatic dependent launch of dispatch_async (world.WAIT_PDL) against the shipped
-    # launch, stream and graph, same call
+    # the formats' fused launch with and without the graph; then dispatch_wait launched as a
+    # programmatic dependent launch of dispatch_async (world.WAIT_PDL, shipped) against a
+    # plain launch, streams and graph, same call (run 39)
     for fmt in NVFP4 MXFP8 BlockwiseFP8; do
         bench "fused-$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
             --variant graph=graph --variant fused --variant fused_graph=fused,graph \
             --no-baseline --no-post-check
     done
     for fmt in BF16 NVFP4 MXFP8; do
-        for arm in shipped pdl; do
-            pdl=$([ $arm = pdl ] && echo True || echo False)
-            step "pdl-$fmt-$arm" 90 python3 benchmarks/experiments/with_settings.py \
+        for pdl in False True; do
+            step "pdl-$fmt-$pdl" 90 python3 benchmarks/experiments/with_settings.py \
                 epgen.runtime.world.WAIT_PDL=$pdl -- bench --set format=$fmt \
                 --tokens 128,4096 --variant default --variant graph=graph --no-baseline \
-                --json "$OUT/pdl-$fmt-$arm.json"
-            grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/pdl-$fmt-$arm.log" \
+                --json "$OUT/pdl-$fmt-$pdl.json"
+            grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/pdl-$fmt-$pdl.log" \
                 | sed 's/^/    /'
         done
     done

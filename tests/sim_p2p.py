@@ -152,6 +152,7 @@ class FakeGpuProgram:
 
     state: GpuState = None
     blocks = 64
+    programmatic_ok = True    # the simulator orders a launch after its dependencies anyway
 
     def __init__(self, module, arch=None, device=None, ptx=None):
         self.module = module
@@ -187,7 +188,7 @@ class FakeGpuProgram:
                             f"{name} on GPU {self.device}: {p.name}[{i}] points into GPU "
                             f"{gpu}'s memory ({where}), which GPU {self.device} cannot access")
 
-    def launch(self, name, grid, args, stream=None, shmem=0):
+    def launch(self, name, grid, args, stream=None, shmem=0, *, programmatic=False):
         self._check(name, args, stream)
         k = self.module.kernel(name)
         params = {n: param_value(v) for n, v in args.items()}

@@ -113,17 +113,22 @@ def param_value(v):
 
 
 class FakeProgram:
-    """``Program``'s interface (``launch``, ``blocks_per_sm``, ``module``, ``device``) on the
-    simulator."""
+    """``Program``'s interface (``launch``, ``blocks_per_sm``, ``module``, ``device``,
+    ``programmatic_ok``) on the simulator."""
 
     sim: Sim = None
+    #: the simulator starts a launch after its dependencies have finished, which is also
+    #: what a programmatic dependent launch with an implicit trigger waits for
+    programmatic_ok = True
 
     def __init__(self, module, arch=None, device=None):
         self.module = module
         self.device = "sim"
         self.sim = FakeProgram.sim        # the simulator of the world being built
+        self.launched = []                # (kernel name, programmatic) of every launch
 
-    def launch(self, name, grid, args, stream=None, shmem=0):
+    def launch(self, name, grid, args, stream=None, shmem=0, *, programmatic=False):
+        self.launched.append((name, programmatic))
         k = self.module.kernel(name)
         params = {n: param_value(v) for n, v in args.items()}
         deps = ([stream.last] if stream.last is not None else []) + stream.waits

@@ -325,6 +325,19 @@ def test_launch_config_accepts_numpy_dims():
         compat.launch_config((1, 1, 1, 1), 32)
 
 
+def test_launch_config_programmatic(monkeypatch):
+    try:
+        compat.core()
+    except CudaUnavailableError as exc:
+        pytest.skip(str(exc))
+    if compat.CUDA_CORE_GE_1_0:
+        assert compat.launch_config(1, 32, programmatic=True).programmatic_stream_serialization
+        assert not compat.launch_config(1, 32).programmatic_stream_serialization
+    monkeypatch.setattr(compat, "CUDA_CORE_GE_1_0", False)
+    with pytest.raises(CudaUnavailableError, match="cuda-core 1.0"):
+        compat.launch_config(1, 32, programmatic=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU tests
 

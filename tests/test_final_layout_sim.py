@@ -200,3 +200,18 @@ def test_missing_rank_times_out_then_recovers(flags, where, seed):
         assert all(r.rank == 0 for r in info.value.records)
         world.reset()
         run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_dispatch_wait_is_a_programmatic_dependent_launch(pdl, seed, monkeypatch):
+    """Each rank's dispatch_wait is launched with PDL (``world.WAIT_PDL``), its dispatch_async
+    never (its predecessors are other ranks' waits, joined by events); results unchanged."""
+    from epgen.runtime import world as world_mod
+    monkeypatch.setattr(world_mod, "WAIT_PDL", pdl)
+    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS["staged"])
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed) as world:
+        run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
+        launched = world.program.launched
+    assert sorted(set(launched)) == [("ep_dispatch_async", False), ("ep_dispatch_wait", pdl)]
+    assert len(launched) == 2 * 2 * cfg.n_ranks

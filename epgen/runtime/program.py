@@ -21,6 +21,12 @@ class Program:
         self.ptx = ptx if ptx is not None else nvptx.emit_ptx(module, arch=self.arch)
         self.loaded = cuda.LoadedModule(self.ptx, self.arch, device=self.device, name=module.name)
         self._kernels = {}
+        from backends.cuda import compat
+        #: whether ``launch(..., programmatic=True)`` can be a programmatic dependent launch
+        #: here: a Hopper-or-later device (PDL is sm_90+) and cuda-core 1.0+ (its LaunchConfig
+        #: field)
+        self.programmatic_ok = (compat.CUDA_CORE_GE_1_0
+                                and self.device.compute_capability[0] >= 9)
 
     def kernel(self, name: str):
         if name not in self._kernels:

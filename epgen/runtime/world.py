@@ -46,12 +46,17 @@ from .diagnostics import DiagBuffer
 from .program import Program
 
 
-#: Experiment (off): each rank's dispatch_wait launched as a programmatic dependent launch
-#: (PDL) of its dispatch_async, on streams and inside a captured graph. dispatch_async
-#: triggers implicitly (each block at its exit), so the wait's grid may start once every
-#: async block has exited, before the async grid's completion is processed; the wait relies
-#: on nothing but its acquire-polled flags (no ``griddepcontrol.wait`` needed).
-WAIT_PDL = False
+#: Each rank's dispatch_wait is launched as a programmatic dependent launch (PDL) of its
+#: dispatch_async, on the rank streams and inside a captured graph, where the device and
+#: cuda-core allow it (``Program.programmatic_ok``). dispatch_async triggers implicitly (each
+#: block at its exit), so the wait's grid may start once every async block has exited,
+#: before the async grid's completion is processed. The wait needs nothing from that
+#: boundary: everything it reads from any rank's dispatch_async, its own included, comes
+#: behind an acquire-polled count word or flag (the other ranks' asyncs are never ordered
+#: before it by a kernel boundary either), so there is no ``griddepcontrol.wait``. Measured
+#: on the H200 (docs/PERF.md, seventh session, step 24): decode round trip 3-5 us faster on
+#: streams, prefill within noise, a graph replay unchanged.
+WAIT_PDL = True
 
 
 class CapacityError(ValueError):
@@ -345,13 +350,15 @@ class RankWorld:
             self._program_of(rk).launch(ASYNC, self.cfg.n_sms, args, rk.stream)
 
     def dispatch_wait(self):
-        """Enqueue every rank's dispatch_wait."""
+        """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
+        dispatch_async where possible, ``WAIT_PDL``)."""
         for rk in self.ranks:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
-            self._program_of(rk).launch(WAIT, self.cfg.n_sms, args, rk.stream,
-                                        programmatic=WAIT_PDL)
+            program = self._program_of(rk)
+            program.launch(WAIT, self.cfg.n_sms, args, rk.stream,
+                           programmatic=WAIT_PDL and program.programmatic_ok)
             rk.wait_done = self.cuda.record_event(rk.stream)
 
     def dispatch_fused(self):
