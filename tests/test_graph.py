@@ -195,3 +195,11 @@ def test_launch_after_close_is_refused(fake):
     assert log[-1][0] == "destroy exec"
     with pytest.raises(ValueError, match="after close"):
         g.launch()
+
+
+def test_with_block_closes_the_graph(fake):
+    log, _ = fake
+    with G.RoundTripGraph(World(log), stream=Stream("origin", log)) as g:
+        g.launch()
+        assert g.exec is not None
+    assert g.exec is None and log[-1][0] == "destroy exec"

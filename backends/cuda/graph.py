@@ -52,6 +52,8 @@ def capture(origin) -> Iterator[Captured]:
     try:
         yield out
     except BaseException:
+        # leave capture mode so the stream stays usable; the block's own error is the one
+        # to report, so these two results are not raised over it
         err, graph = drv.cuStreamEndCapture(h)
         if int(err) == 0 and graph is not None and int(graph) != 0:
             drv.cuGraphDestroy(graph)

@@ -39,7 +39,7 @@ from backends.cuda import graph as cuda_graph
 class RoundTripGraph:
     """``calls`` round trips of every rank of ``world`` as one instantiated CUDA graph (module
     docstring). ``launch(stream=None)`` replays it (on its own stream by default);
-    ``close()`` frees it."""
+    ``close()`` (or the end of a ``with`` block) frees it."""
 
     def __init__(self, world, calls: int = 1, stream=None):
         try:
@@ -163,7 +163,15 @@ class RoundTripGraph:
         self.lead_world(stream)
 
     def close(self) -> None:
-        """Free the instantiated graph (after its replays have finished: ``world.check()``)."""
+        """Free the instantiated graph (a replay still running finishes first: the driver
+        frees an in-flight graph on completion). ``with world.capture_round_trip() as g:``
+        closes it at the end of the block."""
         if self.exec is not None:
             self.exec.destroy()
             self.exec = None
+
+    def __enter__(self) -> RoundTripGraph:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
