@@ -6,7 +6,7 @@
 #   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
-# "latency": the round trip from 1 to 128 tokens per rank; "profile": Nsight Compute on
+# "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
@@ -96,8 +96,10 @@ if [ "$what" = formats ]; then
 fi
 if [ "$what" = latency ]; then
     # the round trip's floor: decode-sized calls down to one token per rank
-    bench latency 150 --tokens 1,8,32,128 --variant default --variant fused \
-        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check
+    bench latency 200 --tokens 1,8,32,128 --variant default --variant graph=graph \
+        --variant fused --variant fused_graph=fused,graph \
+        --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+        --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph --no-post-check
 fi
 if [ "$what" = graph-ab ]; then
     # the round trip replayed as a captured CUDA graph (RoundTripGraph) against the same
