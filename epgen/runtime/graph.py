@@ -31,7 +31,7 @@ twice).
 
 from __future__ import annotations
 
-import operator
+import numbers
 
 from backends.cuda import graph as cuda_graph
 
@@ -42,23 +42,15 @@ class RoundTripGraph:
     ``close()`` (or the end of a ``with`` block) frees it."""
 
     def __init__(self, world, calls: int = 1, stream=None):
-        try:
-            if isinstance(calls, bool):
-                raise TypeError
-            calls = operator.index(calls)
-        except TypeError:
+        if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1:
             raise ValueError(f"calls must be a positive integer (round trips per replay), "
-                             f"got {calls!r}") from None
-        if calls < 1:
-            raise ValueError(f"calls must be a positive integer (round trips per replay), "
-                             f"got {calls}")
+                             f"got {calls!r}")
         from backends import cuda
         self.world = world
-        self.calls = calls
+        self.calls = int(calls)
         self.cuda = cuda
         self.stream = stream if stream is not None else cuda.create_stream(world.device)
         self.frozen = self._state()
-        self.exec = None
         self.exec = self._instantiate()
         self.fresh = True      # the generations recorded at capture are not used yet
 
