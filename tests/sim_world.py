@@ -21,6 +21,8 @@ import numpy as np
 import backends
 from epgen.runtime import world as world_mod
 
+import sim_graph
+from epgen.runtime import graph as graph_mod
 from ir_sim import Sim
 
 
@@ -71,8 +73,7 @@ class FakeStream:
         self.waits = []
 
     def wait(self, event):
-        if event.launch is not None:
-            self.waits.append(event.launch)
+        sim_graph.wait(self, event.launch)
 
     def record(self):
         return FakeEvent(self.last)
@@ -131,9 +132,7 @@ class FakeProgram:
         self.launched.append((name, programmatic))
         k = self.module.kernel(name)
         params = {n: param_value(v) for n, v in args.items()}
-        deps = ([stream.last] if stream.last is not None else []) + stream.waits
-        stream.waits = []
-        stream.last = self.sim.launch(k, grid, params, after=deps)
+        sim_graph.launch(self.sim, stream, k, grid, params)
 
     def blocks_per_sm(self, name, shmem=0):
         return 64
@@ -165,10 +164,16 @@ def patched_cuda(fake, module, program):
 @contextlib.contextmanager
 def sim_world(cfg, seed: int = 0, max_spins: int = 20000, timeouts: bool = False,
               **world_kwargs):
-    """An ``EmulatedWorld`` of ``cfg`` whose kernels run on ``ir_sim.Sim(seed)``."""
+    """An ``EmulatedWorld`` of ``cfg`` whose kernels run on ``ir_sim.Sim(seed)``; its
+    ``capture_round_trip`` graphs too (``sim_graph``)."""
     sim = Sim(seed=seed, max_spins=max_spins, timeouts=timeouts)
     FakeProgram.sim = sim
-    with patched_cuda(fake_cuda(sim), world_mod, FakeProgram):
-        world = world_mod.EmulatedWorld(cfg, **world_kwargs)
-        world.sim = sim
-        yield world
+    real_graphs = graph_mod.cuda_graph
+    graph_mod.cuda_graph = sim_graph.module       # RoundTripGraph captures on the simulator
+    try:
+        with patched_cuda(fake_cuda(sim), world_mod, FakeProgram):
+            world = world_mod.EmulatedWorld(cfg, **world_kwargs)
+            world.sim = sim
+            yield world
+    finally:
+        graph_mod.cuda_graph = real_graphs
