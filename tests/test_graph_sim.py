@@ -71,3 +71,36 @@ def test_three_calls_per_graph_with_prod_reserve(seed):
         check(world, cfg, toks, ids, seed, "stream call after the replays")
     assert graph.exec is None                     # closed by the with block
     assert sim_graph.Recorder.nodes is None
+
+
+FORMAT_CASES = [("NVFP4", 64, "staged"), ("BlockwiseFP8", 384, "fused_se"),
+                ("MXFP8", 64, "skip_a2a")]
+
+
+@pytest.mark.parametrize("fmt,H,flags", FORMAT_CASES,
+                         ids=[f"{f}-{g}" for f, _, g in FORMAT_CASES])
+def test_formats_fused_and_skip_a2a_replays(fmt, H, flags, seed):
+    """The quantising formats (NVFP4 with an input scale frozen into the graph), the fused
+    single launch (the shared expert) and a ``skip_a2a`` device, replayed."""
+    import test_formats_sim as F
+    cfg = F.make_cfg(fmt, H, **F.FLAGS[flags])
+    rng = np.random.default_rng(seed)
+    counts = [int(rng.integers(1, cfg.max_tokens_per_rank + 1)) for _ in range(cfg.n_ranks)]
+    scale = 0.5 if getattr(cfg.token_fmt, "uses_input_scale", False) else 1.0
+    with sim_world(cfg, seed) as world:
+        world.input_scale = scale
+        toks, ids = routing.routing(rng, cfg, counts)
+        world.load_inputs(toks, ids)
+        with world.capture_round_trip() as graph:
+            for call in range(2):
+                toks, ids = routing.routing(rng, cfg, counts)
+                world.load_inputs(toks, ids)
+                graph.launch()
+                world.check()
+                want = reference.dispatch(cfg, toks, ids, input_scale=scale)
+                try:
+                    reference.assert_match(cfg, want, world.results())
+                except AssertionError as exc:
+                    raise AssertionError(f"seed {seed}, {fmt} {flags} call {call}: "
+                                         f"{exc}") from None
+            assert graph.exec.replays == 2
