@@ -256,6 +256,31 @@ def uses_warp_send(cfg) -> bool:
             and (not cfg.ep_final_layout or cfg.token_fmt.payload_is_output_row))
 
 
+#: The block-staged broadcast (``broadcast_tokens``: ``ep_send_join_named``) on every block,
+#: as the warp send path: the monitor blocks count their experts and reserve first
+#: (``count_and_reserve``), send their share of the tokens, then signal
+#: (``signal_after_sends``), instead of leaving the sends to the ``grid - n_signal_sms``
+#: comm blocks (17 of the prefill preset's 33). Same slots, counters and completion.
+#: False (the default until measured on the H200): the monitor blocks only count and signal
+#: (``monitor_and_signal_completion``).
+STAGED_SEND_ALL_BLOCKS = False
+
+
+def uses_block_broadcast(cfg) -> bool:
+    """Whether ``copy_and_send_tokens`` takes the block-staged broadcast
+    (``broadcast_tokens``): a staged path (``uses_warp_send`` false) without the role split,
+    the final layout or the shared expert, which read the staged send buffer."""
+    return (not uses_warp_send(cfg) and not cfg.layout.role_split.enabled
+            and not cfg.ep_final_layout and not cfg.fused_shared_expert)
+
+
+def sends_from_every_block(cfg) -> bool:
+    """Whether the monitor blocks send too (``add_send_phase`` splits their work around the
+    sends): the warp send path always, the block-staged broadcast with
+    ``STAGED_SEND_ALL_BLOCKS``."""
+    return uses_warp_send(cfg) or (STAGED_SEND_ALL_BLOCKS and uses_block_broadcast(cfg))
+
+
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
                          comm_barrier_id: int = -1):
     """Comm blocks: block-strided over tokens. All threads stage token ``t`` (payload by the
@@ -277,7 +302,7 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     split = active_role_split(r, cfg)
     if uses_warp_send(cfg):
         return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
-    if split is None and not p.final and not cfg.fused_shared_expert:
+    if uses_block_broadcast(cfg):
         return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
@@ -709,11 +734,13 @@ def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None):
     (``uses_warp_send``): the monitor blocks send too, so their work is split around the
     sends: ``monitor`` ``[0, n_signal_sms)`` (``count_and_reserve``), ``comm`` ``[0, grid)``
     (``copy_and_send_tokens`` over every block), ``signal`` ``[0, n_signal_sms)``
-    (``signal_after_sends``); a thread runs its roles in that order."""
+    (``signal_after_sends``); a thread runs its roles in that order. The block-staged
+    broadcast does the same with ``STAGED_SEND_ALL_BLOCKS`` (``sends_from_every_block``)."""
     n_sig = cfg.layout.n_signal_sms
-    if uses_warp_send(cfg):
+    if sends_from_every_block(cfg):
         if comm_tail is not None:
-            raise ValueError("add_send_phase: comm_tail needs a staged send path")
+            raise ValueError("add_send_phase: comm_tail needs comm blocks that do not "
+                             "monitor (the shared expert's staged path)")
         with kb.role("monitor", blocks=(0, n_sig)) as r:
             count_and_reserve(r, cfg, p)
         with kb.role("comm", blocks=(0, None)) as r:
@@ -737,7 +764,8 @@ def build_dispatch_async(cfg) -> ir.Kernel:
 
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
-           "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "count_routed",
+           "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "uses_block_broadcast",
+           "sends_from_every_block", "count_routed",
            "count_block_experts", "count_and_reserve", "signal_after_sends", "signal_completion",
            "add_send_phase",
            "AsyncParams", "KERNEL_NAME"]
