@@ -3,13 +3,15 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|split-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays; "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
+# "split-ab": warps sharing a token at decode and ep_send_join_named on every block, each
+# against its old path, with their GPU tests (about 8 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
 # per token (about 2 minutes; run 33 also counted the finished copies once per block);
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
@@ -179,6 +181,37 @@ if [ "$what" = recv-ab ]; then
     ab recv-ab-NVFP4-align16 -- bench --set format=NVFP4 --set alignment=16
     ab recv-ab-NVFP4-align128 -- bench --set format=NVFP4 --set alignment=128
     ab recv-ab-BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
+fi
+if [ "$what" = split-ab ]; then
+    # the eighth session's two send-path levers, same call: first their GPU tests (each
+    # switch set by the test); then decode with 1 and 4 warps per token
+    # (SEND_WARPS_PER_TOKEN_MAX) in every format, stream, graph, fused and fused graph;
+    # then ep_send_join_named at prefill with the monitor blocks sending or not
+    # (STAGED_SEND_ALL_BLOCKS), BF16 and NVFP4
+    step split-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_token_split_gpu.py
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/split-tests.log" | tail -15 \
+        | sed 's/^/    /'
+    for fmt in BF16 NVFP4 MXFP8 BlockwiseFP8; do
+        for n in 1 4; do
+            step "split-$fmt-$n" 100 python3 benchmarks/experiments/with_settings.py \
+                "$D.SEND_WARPS_PER_TOKEN_MAX=$n" -- bench --set format=$fmt --tokens 128 \
+                --variant default --variant graph=graph --variant fused \
+                --variant fused_graph=fused,graph --no-baseline --no-post-check \
+                --json "$OUT/split-$fmt-$n.json"
+            grep -E "^decode .*(round|dispatch)" "$OUT/split-$fmt-$n.log" | sed 's/^/    /'
+        done
+    done
+    for fmt in BF16 NVFP4; do
+        for all in False True; do
+            step "named-$fmt-$all" 130 python3 benchmarks/experiments/with_settings.py \
+                "$D.STAGED_SEND_ALL_BLOCKS=$all" -- bench --set format=$fmt --tokens 4096 \
+                --variant named=ep_send_join_named \
+                --variant named_graph=ep_send_join_named,graph --no-baseline --no-post-check \
+                --json "$OUT/named-$fmt-$all.json"
+            grep -E "^prefill .*(round|dispatch)" "$OUT/named-$fmt-$all.log" | sed 's/^/    /'
+        done
+    done
 fi
 if [ "$what" = join-ab ]; then
     # ep_send_join_named's block-staged broadcast, same call, BF16: as shipped (the two-buffer

@@ -189,10 +189,12 @@ class RoleBuilder:
         self._emit(N.Fence(sem, scope))
 
     # -- barriers and warps --------------------------------------------------------------------
-    def named_barrier(self, name: str, id: int, count: int | None = -1) -> N.NamedBarrier:
+    def named_barrier(self, name: str, id: int, count: int | None = -1,
+                      group: bool = False) -> N.NamedBarrier:
         """Declare a barrier this role owns; ``count`` defaults to the role's thread count
-        (``None``: the whole CTA, ``bar.sync id``)."""
-        b = N.NamedBarrier(name, id, self.n_threads if count == -1 else count)
+        (``None``: the whole CTA, ``bar.sync id``); ``group``: a warp-group barrier of
+        ``count`` of the role's threads (``NamedBarrier.group``)."""
+        b = N.NamedBarrier(name, id, self.n_threads if count == -1 else count, group)
         self.barriers.append(b)
         return b
 

@@ -319,11 +319,14 @@ class Fence:
 @attrs.frozen
 class NamedBarrier:
     """A hardware barrier a role owns: id 0..15 and its thread count (``None`` = every thread
-    of the CTA, the form ``bar.sync id``)."""
+    of the CTA, the form ``bar.sync id``). ``group``: a warp-group barrier, ``count`` threads
+    out of the role's (whole warps, dividing them): each group of the role's warps syncs on
+    an id of its own, so the role declares one such barrier per group."""
 
     name: str
     id: int
     count: int | None
+    group: bool = False
 
 
 @attrs.frozen

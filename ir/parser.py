@@ -455,8 +455,9 @@ class _Parser:
 
     def barrier(self, ln: _Line) -> N.NamedBarrier:
         bname = ln.name()
-        kv = ln.keyed({"id": ln.int, "count": ln.count}, required=("id", "count"))
-        return N.NamedBarrier(bname, kv["id"], kv["count"])
+        kv = ln.keyed({"id": ln.int, "count": ln.count, "group": ln.bool},
+                      required=("id", "count"))
+        return N.NamedBarrier(bname, kv["id"], kv["count"], kv.get("group", False))
 
     def mode(self, q, op, enum, prefix=("sync",)):
         if len(q) != len(prefix) + 1 or tuple(q[:-1]) != prefix:

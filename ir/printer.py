@@ -36,7 +36,7 @@ Statements (``[...]`` marks an optional part; ``dst`` is a variable):
   ``st[.sem][.scope][.space] [addr], value`` (weak loads/stores print no ``.sem``);
 - ``dst = atom.sem[.scope][.space].op [addr], value`` (``red...`` without ``dst``),
   ``dst = atom.sem[.scope][.space].cas [addr], compare, value``; ``fence.sem[.scope]``;
-- ``bar.sync|bar.arrive NAME id=N count=N|all``; ``bar.warp.sync 0xffffffff``;
+- ``bar.sync|bar.arrive NAME id=N count=N|all [group=true]``; ``bar.warp.sync 0xffffffff``;
 - ``dst = shfl.sync.MODE value, lane mask=0x.. width=N``, ``dst = vote.sync.ballot p mask=..``,
   ``dst = vote.sync.any|all|uni p mask=..``, ``dst = redux.sync.OP value mask=..``;
 - ``nanosleep ns``; ``if c {`` / ``} else {`` / ``}``; ``for %i:u32 in [start, stop) step=s {``;
@@ -266,7 +266,7 @@ class Printer:
         return text + f" shift={s.shift} mask={hexmask(s.mask)} backoff_ns={s.backoff_ns}"
 
     def barrier_ref(self, b: N.NamedBarrier) -> str:
-        return f"{name(b.name)} id={b.id} count={count(b.count)}"
+        return f"{name(b.name)} id={b.id} count={count(b.count)}" + group_key(b)
 
     def stmt(self, s, depth: int = 0) -> list[str]:
         """The lines of ``s`` (nested bodies included) indented ``depth`` levels."""
@@ -332,7 +332,12 @@ def site_decl(s: N.SiteInfo) -> str:
 
 
 def barrier_decl(b: N.NamedBarrier) -> str:
-    return f"barrier {name(b.name)} id={b.id} count={count(b.count)}"
+    return f"barrier {name(b.name)} id={b.id} count={count(b.count)}" + group_key(b)
+
+
+def group_key(b: N.NamedBarrier) -> str:
+    """`` group=true`` for a warp-group barrier, else nothing."""
+    return " group=true" if b.group else ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ role (``None`` for kernel-level rules), the offending node and the rule it break
 
 Rules:
 
-- barriers: id in 0..15; a counted barrier counts a multiple of 32 threads, exactly its role's;
+- barriers: id in 0..15; a counted barrier counts a multiple of 32 threads, exactly its role's
+  (a ``group`` barrier: a proper divisor of its role's, one group of its warps);
   ``count=None`` (``bar.sync id``: the whole CTA) only in a role covering the whole block; roles
   that can run at once in one block (blocks may overlap, threads disjoint) use distinct ids;
   ``bar.sync``/``bar.arrive`` only on a barrier the role declares;
@@ -191,6 +192,8 @@ class _RoleChecker:
             self.add(b, f"barrier id {b.id} is outside 0..{N_BARRIERS - 1}")
         lo, hi = _threads(self.k, self.role)
         if b.count is None:
+            if b.group:
+                self.add(b, "a group barrier needs a thread count (count=all is the CTA)")
             if (lo, hi) != (0, self.k.block_threads):
                 self.add(b, f"count=all (bar.sync {b.id}: the whole CTA) needs a role covering "
                             f"the whole block [0, {self.k.block_threads}), not threads "
@@ -198,7 +201,11 @@ class _RoleChecker:
             return
         if b.count % 32:
             self.add(b, f"barrier count {b.count} is not a multiple of 32")
-        if b.count != self.n_threads:
+        if b.group:
+            if b.count >= self.n_threads or self.n_threads % b.count:
+                self.add(b, f"group barrier count {b.count} must be a proper divisor of the "
+                            f"role's thread count {self.n_threads} (one group of its warps)")
+        elif b.count != self.n_threads:
             self.add(b, f"barrier count {b.count} differs from the role's thread count "
                         f"{self.n_threads}")
 

@@ -42,9 +42,9 @@ def make_cfg(fmt, H, **flags):
                           token_fmt=make_format(fmt, H, 2), **flags)
 
 
-def run_calls(cfg, seed, n_calls=3, input_scale=1.0):
+def run_calls(cfg, seed, n_calls=3, input_scale=1.0, **world_kwargs):
     rng = np.random.default_rng(seed)
-    with sim_world(cfg, seed) as world:
+    with sim_world(cfg, seed, **world_kwargs) as world:
         for call in range(n_calls):
             counts = [int(rng.integers(0, cfg.max_tokens_per_rank + 1))
                       for _ in range(cfg.n_ranks)]

@@ -269,12 +269,14 @@ class TokenFormat:
     #: can write ``ep_final_layout`` output rows with ``emit_broadcast_token``
     payload_is_output_row = False
 
-    def emit_broadcast_token(self, r, src_row, dsts):
+    def emit_broadcast_token(self, r, src_row, dsts, part=None):
         """IR of the warp send path: the calling warp reads token ``src_row`` once
         (lane-strided) and stores its payload and scales, as ``copy_token_to_send_buf`` lays
         them out, at every message address of ``dsts`` (one per top-k slot, 0 = send
         nothing: u64 expressions, or callables that emit the address's load at each use,
-        ``dst_address``). The header is the kernel's."""
+        ``dst_address``). The header is the kernel's. ``part = (index, count)`` (a
+        warp-uniform u32 expression and a power of two): ``count`` warps share the token and
+        this one moves share ``index`` of it; together they move it all, once."""
         raise NotImplementedError(
             f"{type(self).__name__}.emit_broadcast_token is not implemented")
 

@@ -100,18 +100,31 @@ class BF16Format(TokenFormat):
                                lambda u, i: msg + i.cast(T.u64) * VECTOR_BYTES)
         return store
 
-    def emit_broadcast_token(self, r, src_row, dsts, unroll: int = 2):
+    def emit_broadcast_token(self, r, src_row, dsts, part=None, unroll: int = 2):
         """The warp send path: lane ``l`` loads vectors ``l, l + 32, ...`` of the payload,
         ``unroll`` in flight (``ld.global.nc.v4.b32``), and stores each to every non-zero
         destination of ``dsts`` (``st.global.v4.b32``, ``K`` per load). Two in flight: on the
         H200 2, 4, 7 and 8 moved the same bytes per second (benchmarks/experiments/
-        broadcast_bw.py --unroll-sweep: the writes bound it), and 2 keeps the code small."""
+        broadcast_bw.py --unroll-sweep: the writes bound it), and 2 keeps the code small.
+        With ``part = (index, count)`` the warp takes the ``index``-th of ``count`` equal runs
+        of vectors (``ceil(n / count)`` each; the last may be shorter), lane-strided the same
+        way."""
         from ..kernels.common import VEC
         n_vec = 2 * self.hid_dim // VECTOR_BYTES
-        i = r.var("bc_i", T.u32, r.lane)
+        if part is None:
+            i, end = r.var("bc_i", T.u32, r.lane), n_vec
+        else:
+            share = -(-n_vec // part[1])
+            first = r.let("bc_first", part[0] * share)
+            i = r.var("bc_i", T.u32, first + r.lane)
+            end = r.let("bc_end", (first + share).min(n_vec))
 
         def body(n):
-            offs = [(i + 32 * u).cast(T.u64) * VECTOR_BYTES for u in range(n)]
+            if part is None:
+                offs = [(i + 32 * u).cast(T.u64) * VECTOR_BYTES for u in range(n)]
+            else:      # u64 offsets: LLVM folds the unrolled vectors' into the address
+                base = i.cast(T.u64) * VECTOR_BYTES
+                offs = [base + 32 * u * VECTOR_BYTES if u else base for u in range(n)]
             vals = [r.load(src_row + o, VEC, cache=ir.CacheHint.NC, name="bc_v") for o in offs]
             for o, v in zip(offs, vals):
                 for d in dsts:
@@ -121,10 +134,10 @@ class BF16Format(TokenFormat):
             r.assign(i, i + 32 * n)
 
         if unroll > 1:
-            with r.while_(i + 32 * (unroll - 1) < n_vec):
+            with r.while_(i + 32 * (unroll - 1) < end):
                 body(unroll)
-        if n_vec % (32 * unroll):       # a tail only when the lanes' share is uneven
-            with r.while_(i < n_vec):
+        if part is not None or n_vec % (32 * unroll):   # a tail when the lanes' share is uneven
+            with r.while_(i < end):
                 body(1)
 
     def emit_copy_token_to_send_buf_split(self, r, src_row, msg, tid, split):

@@ -287,14 +287,17 @@ class BlockScaledFormat(TokenFormat):
         self._quantize_token(r, src_row, first, stride,
                              lambda off, value: r.store(msg + off, value))
 
-    def emit_broadcast_token(self, r, src_row, dsts, unroll: int | None = None,
+    def emit_broadcast_token(self, r, src_row, dsts, part=None, unroll: int | None = None,
                              stage_bytes: int | None = None):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
         ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
         every non-zero destination of ``dsts`` (``K`` stores each). With ``stage_bytes``
         (default ``QUANT_STAGE_BYTES``; 0: off) the payload goes through a per-warp shared
-        buffer of that many bytes instead (``_broadcast_staged``)."""
+        buffer of that many bytes instead (``_broadcast_staged``). With ``part = (index,
+        count)`` the warp takes every ``count``-th staging chunk from chunk ``index``, the
+        default chunk shrunk to about a ``count``-th of the payload so that each warp has one
+        (unstaged: every ``count``-th run of 32 items: groups never straddle warps)."""
         held = not any(callable(d) for d in dsts)
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) if held else None
                 for k, d in enumerate(dsts)]
@@ -307,12 +310,26 @@ class BlockScaledFormat(TokenFormat):
 
         unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
         if stage_bytes is None:
+            preferred = QUANT_STAGE_BYTES
+            if part is not None:
+                preferred = min(preferred, self.part_chunk_bytes(part[1]))
             stage_bytes = self.stage_chunk_bytes(
-                QUANT_STAGE_BYTES, r.n_threads // 32, sum(b.nbytes for b in r.kb.shared))
+                preferred, r.n_threads // 32, sum(b.nbytes for b in r.kb.shared))
         if stage_bytes:
-            self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes)
-        else:
+            self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes, part)
+        elif part is None:
             self._quantize_token(r, src_row, r.lane, 32, store_all, unroll)
+        else:
+            self._quantize_token(r, src_row, r.lane + part[0] * 32, 32 * part[1], store_all,
+                                 unroll)
+
+    def part_chunk_bytes(self, count: int) -> int:
+        """A ``count``-th of the payload, rounded up to whole 32-item trips and 16-byte
+        vectors: the staging chunk that gives each of ``count`` warps sharing a token one."""
+        trip = 32 * self.item_out_bytes
+        step = trip * VECTOR_BYTES // math.gcd(trip, VECTOR_BYTES)
+        share = -(-self.payload_bytes // count)
+        return -(-share // step) * step
 
     def stage_chunk_bytes(self, preferred: int, warps: int, static_used: int) -> int:
         """The staging chunk the warp send path uses by default: the largest multiple of a
@@ -348,8 +365,10 @@ class BlockScaledFormat(TokenFormat):
                              f"got {stage_bytes!r}")
         return stage_bytes // item_out
 
-    def _broadcast_staged(self, r, src_row, store_all, unroll: int, stage_bytes: int):
-        """The token in chunks of ``stage_bytes`` payload bytes: the warp quantizes a chunk's
+    def _broadcast_staged(self, r, src_row, store_all, unroll: int, stage_bytes: int,
+                          part=None):
+        """The token in chunks of ``stage_bytes`` payload bytes (with ``part = (index,
+        count)``: chunks ``index, index + count, ...``): the warp quantizes a chunk's
         items into its slice of the shared buffer ``quant_stage`` (``st.shared``; the group
         scales still go straight to every destination), ``bar.warp.sync``, then each lane
         copies 16-byte vectors of the chunk (``ld.shared.v4.b32``) to every destination
@@ -372,7 +391,9 @@ class BlockScaledFormat(TokenFormat):
         mine = r.let("q_stage", buf + (r.warp * stage_bytes).cast(T.u64))
         my_scales = r.let("q_stage_sc", sbuf + (r.warp * sc_bytes).cast(T.u64)) \
             if sbuf is not None else None
-        with r.for_range("q_chunk", 0, n_items, chunk_items) as c0:
+        first, step = (0, chunk_items) if part is None else \
+            (part[0] * chunk_items, part[1] * chunk_items)
+        with r.for_range("q_chunk", first, n_items, step) as c0:
             c1 = r.let("q_chunk_end", (c0 + chunk_items).min(n_items))
             base = r.let("q_chunk_off", c0.cast(T.u64) * item_out)
 

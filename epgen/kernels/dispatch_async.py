@@ -148,22 +148,25 @@ def count_and_reserve(r: ir.RoleBuilder, cfg, p: AsyncParams):
                     r.store(monitor_state(r, 1), off)
 
 
-def signal_after_sends(r: ir.RoleBuilder, cfg, p: AsyncParams):
+def signal_after_sends(r: ir.RoleBuilder, cfg, p: AsyncParams, token_warps: int = 1):
     """Role ``signal`` of the warp send path (the monitor blocks, after their own sends):
     ``signal_completion`` with the count and offset the role ``monitor`` left in the
-    monitor state."""
+    monitor state; ``token_warps`` as the sends'."""
     expert_idx, g = monitor_expert(r, cfg, p)
     count = r.let("count", r.load(monitor_state(r, 0), T.u32, name="count_ld"))
     fl_off = None
     if p.final and not cfg.ep_prod_reserve:
         fl_off = r.let("fl_off", r.load(monitor_state(r, 1), T.u32, name="fl_off_ld"))
-    signal_completion(r, cfg, p, expert_idx, g, count, fl_off)
+    signal_completion(r, cfg, p, expert_idx, g, count, fl_off, token_warps)
 
 
-def signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, expert_idx, g, count, fl_off):
+def signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, expert_idx, g, count, fl_off,
+                      token_warps: int = 1):
     """The monitor warp's lane 0, for its expert (``expert_idx < E``): bounded wait until the
-    finished counter reaches ``count`` (``ld.acquire.gpu``), publish the count word (or the
-    ORD-R rank completion), re-arm the counters (and the final layout's hand-off)."""
+    finished counter reaches ``count`` (``ld.acquire.gpu``; ``token_warps * count`` when
+    that many warps share each token and each counts its share of a copy), publish the
+    count word (or the ORD-R rank completion), re-arm the counters (and the final layout's
+    hand-off)."""
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     reserved, finished = p.counters, _word(p.counters, E)
@@ -173,7 +176,8 @@ def signal_completion(r: ir.RoleBuilder, cfg, p: AsyncParams, expert_idx, g, cou
             e = r.let("e", g % L)
             signal_offset = r.let("signal_offset", e * R + (0 if cfg.skip_a2a else p.my_rank))
             counter_offset = r.let("counter_offset", e * R + (0 if cfg.skip_a2a else dst_rank))
-            r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ, count,
+            r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ,
+                        count * token_warps if token_warps > 1 else count,
                         buffer="expert_finished_counter", index=counter_offset,
                         sem=Sem.ACQUIRE, scope=Scope.GPU)
             dst_p2p = dst_rank % cfg.p2p_world_size
@@ -282,7 +286,7 @@ def sends_from_every_block(cfg) -> bool:
 
 
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
-                         comm_barrier_id: int = -1):
+                         comm_barrier_id: int = -1, token_warps: int = 1):
     """Comm blocks: block-strided over tokens. All threads stage token ``t`` (payload by the
     format, then the header: source index and top-k ids) in send-buffer row ``t``, join
     (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
@@ -301,7 +305,7 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
     if uses_warp_send(cfg):
-        return warp_broadcast_tokens(r, cfg, p, n_signal_sms)
+        return warp_broadcast_tokens(r, cfg, p, n_signal_sms, token_warps)
     if uses_block_broadcast(cfg):
         return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
@@ -543,7 +547,48 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
         count_staged_copies(r, cfg, p, cos)
 
 
-def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: int):
+#: The most warps that may share one token on the warp send path (``send_warps_per_token``):
+#: when the sending warps outnumber a call's tokens (decode: 128 tokens per rank, 528 warps),
+#: a token's quantising loop or copy runs on that many warps of one block at once instead of
+#: one warp. 1: one warp per token.
+SEND_WARPS_PER_TOKEN_MAX = 1
+#: The first hardware barrier id of the token groups' barriers (one id per group of a block:
+#: ids ``[TOKEN_GROUP_BARRIER_BASE, 16)``; ids below it are the kernels' other barriers).
+TOKEN_GROUP_BARRIER_BASE = 4
+
+
+def send_warps_per_token(cfg) -> int:
+    """Warps per token on the warp send path: the largest power of two up to
+    ``SEND_WARPS_PER_TOKEN_MAX`` that divides a block's warps, leaves at most
+    ``16 - TOKEN_GROUP_BARRIER_BASE`` groups per block, and still gives every token of a
+    full call (``max_tokens_per_rank``) a group of its own over the grid's ``n_sms`` blocks;
+    1 under ``ep_final_layout`` (its rows come from the monitors' hand-off, per warp)."""
+    warps = cfg.num_threads // 32
+    n = 1
+    if cfg.ep_final_layout:
+        return n
+    while (2 * n <= SEND_WARPS_PER_TOKEN_MAX and warps % (2 * n) == 0
+           and warps // (2 * n) <= 16 - TOKEN_GROUP_BARRIER_BASE
+           and cfg.n_sms * warps // (2 * n) >= cfg.max_tokens_per_rank):
+        n *= 2
+    return n
+
+
+def token_group_sync(r: ir.RoleBuilder, group, token_warps: int):
+    """``bar.sync <id>, <32 token_warps>`` on the barrier of the warp's token group ``group``
+    (a warp-uniform u32): one ``NamedBarrier(group=True)`` per group of the role's warps,
+    ids from ``TOKEN_GROUP_BARRIER_BASE``, each under its own branch."""
+    n_groups = r.n_threads // 32 // token_warps
+    for i in range(n_groups):
+        name = f"token_group{i}"
+        bar = next((b for b in r.barriers if b.name == name), None) or \
+            r.named_barrier(name, TOKEN_GROUP_BARRIER_BASE + i, 32 * token_warps, group=True)
+        with r.if_(group.eq(i)):
+            r.bar_sync(bar)
+
+
+def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: int,
+                          token_warps: int = 1):
     """The stock P2P send path: each warp sends its tokens alone, no block-wide join, so
     each block has as many tokens in flight as it has warps. The sending warps are those of
     blocks ``[first_block, grid)`` (0 when the monitor blocks send too), numbered
@@ -570,16 +615,36 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
     slot's block base) and each lane writes its header row, source rank included, into the
     destination's header array.
 
+    With ``token_warps`` ``n > 1`` (``send_warps_per_token``) a group of ``n`` adjacent
+    warps of a block takes the place of each warp above (groups numbered block-fastest):
+    the group's first warp (part 0) reserves the slots and writes the headers, leaves the
+    addresses and counter offsets in shared memory, and a group barrier
+    (``token_group_sync``) hands them to the other parts; each part then moves its share of
+    each token (``part=(index, n)`` of the format's broadcast) and counts its share of each
+    copy finished, so a copy's finished counter gains ``n`` (the monitor waits for ``n``
+    times its count: ``signal_completion``); a second group barrier ends the round before
+    part 0 writes the next round's addresses.
+
     Same slots, counters and completion as ``copy_and_send_tokens``."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
     finished = _word(p.counters, E)
     warps = r.n_threads // 32
+    split = token_warps > 1
+    if split and (warps % token_warps or p.final):
+        raise ValueError(f"token_warps={token_warps} must divide the role's {warps} warps, "
+                         f"and the final layout keeps one warp per token")
     per_round = min(32 // K, 4)               # tokens per round: one top-k slot per lane
     n_send_blocks = r.let("n_send_blocks", r.n_blocks - first_block)
-    n_send_warps = r.let("n_send_warps", n_send_blocks * warps)
     # block-fastest numbering: few tokens (decode) still spread over every sending block
-    first = r.let("first_token", r.warp * n_send_blocks + (r.block - first_block))
+    if split:
+        part = r.let("token_part", r.warp % token_warps)
+        group = r.let("token_group", r.warp // token_warps)
+        n_send_warps = r.let("n_send_groups", n_send_blocks * (warps // token_warps))
+        first = r.let("first_token", group * n_send_blocks + (r.block - first_block))
+    else:
+        n_send_warps = r.let("n_send_warps", n_send_blocks * warps)
+        first = r.let("first_token", r.warp * n_send_blocks + (r.block - first_block))
     lane_tok = r.let("lane_tok", r.lane // K)
     with r.for_range("t0", first, p.n_tokens, n_send_warps * per_round) as t0:
         t = r.let("t", t0 + lane_tok * n_send_warps)     # the token of this lane's slot
@@ -588,7 +653,8 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
         co_word = r.var("co_word", T.u32, NO_SLOT)
         slot = r.var("slot", T.u32, 0)
         dst_rank = r.var("dst_rank", T.u32, 0)
-        with r.if_((r.lane < per_round * K) & (t < p.n_tokens)):
+        reserves = (r.lane < per_round * K) & (t < p.n_tokens)
+        with r.if_(reserves & part.eq(0) if split else reserves):
             r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane % K), T.u32,
                                cache=CacheHint.NC, name="g_ld"))
             r.assign(dst_rank, g // L)
@@ -607,23 +673,38 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
         # broadcast loop (code size and compile time) instead of unrolling per token
         n_in_round = r.let("n_in_round", ((p.n_tokens - t0 - 1) // n_send_warps + 1)
                            .min(per_round))
-        if SEND_DSTS_IN_SHARED:
+        if split:      # part 0's addresses and counter offsets, to the group's other warps
+            table = r.kb.shared_buffer("send_dsts", 8 * r.n_threads)
+            cos = r.kb.shared_buffer("send_cos", 4 * r.n_threads)
+            with r.if_(part.eq(0)):
+                r.store(table + (r.tid * 8).cast(T.u64), addr)
+                r.store(_word(cos, r.tid), co_word)
+            token_group_sync(r, group, token_warps)
+            lead = r.let("lead_lane", (r.warp - part) * 32 + r.lane)
+            r.assign(co_word, r.load(_word(cos, lead), T.u32, name="co_lead"))
+            warp_dsts = r.let("warp_dsts", table + ((r.warp - part) * 256).cast(T.u64))
+        elif SEND_DSTS_IN_SHARED:
             table = r.kb.shared_buffer("send_dsts", 8 * r.n_threads)
             r.store(table + (r.tid * 8).cast(T.u64), addr)
             r.warp_sync()
             warp_dsts = r.let("warp_dsts", table + (r.warp * 256).cast(T.u64))
         with r.for_range("q", 0, n_in_round, 1) as q:
             tq = r.let("tq", t0 + q * n_send_warps)
-            if SEND_DSTS_IN_SHARED:       # fetched at each use: nothing held across the loop
+            if SEND_DSTS_IN_SHARED or split:  # fetched at each use: nothing held across the loop
                 dsts = [functools.partial(load_dst, r, warp_dsts, q * K + k) for k in range(K)]
             else:
                 dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}")
                         for k in range(K)]
-            fmt.emit_broadcast_token(r, p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes,
-                                     dsts)
+            src = p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes
+            if split:
+                fmt.emit_broadcast_token(r, src, dsts, part=(part, token_warps))
+            else:
+                fmt.emit_broadcast_token(r, src, dsts)
         r.warp_sync()
         with r.if_(co_word.ne(NO_SLOT)):
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)
+        if split:      # every part is done with the round's table before part 0 rewrites it
+            token_group_sync(r, group, token_warps)
 
 
 def load_dst(r: ir.RoleBuilder, warp_dsts, index) -> ir.Var:
@@ -743,10 +824,11 @@ def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None):
                              "monitor (the shared expert's staged path)")
         with kb.role("monitor", blocks=(0, n_sig)) as r:
             count_and_reserve(r, cfg, p)
+        token_warps = send_warps_per_token(cfg) if uses_warp_send(cfg) else 1
         with kb.role("comm", blocks=(0, None)) as r:
-            copy_and_send_tokens(r, cfg, p, 0)
+            copy_and_send_tokens(r, cfg, p, 0, token_warps=token_warps)
         with kb.role("signal", blocks=(0, n_sig)) as r:
-            signal_after_sends(r, cfg, p)
+            signal_after_sends(r, cfg, p, token_warps)
         return
     with kb.role("monitor", blocks=(0, n_sig)) as r:
         monitor_and_signal_completion(r, cfg, p)
@@ -765,7 +847,7 @@ def build_dispatch_async(cfg) -> ir.Kernel:
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
            "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "uses_block_broadcast",
-           "sends_from_every_block", "count_routed",
+           "sends_from_every_block", "send_warps_per_token", "count_routed",
            "count_block_experts", "count_and_reserve", "signal_after_sends", "signal_completion",
            "add_send_phase",
            "AsyncParams", "KERNEL_NAME"]

@@ -1,0 +1,109 @@
+"""The eighth session's send-path levers on the GPU, against the numpy reference bit for bit,
+with real memory ordering:
+
+- warps sharing a token on the warp send path (``dispatch_async.SEND_WARPS_PER_TOKEN_MAX``,
+  ``send_warps_per_token``): the decode preset (128 tokens per rank, 4 warps per token) in
+  every format, stream launches, the fused launch and graph replays; the formats' test
+  shapes with ORD-R and ``skip_a2a``;
+- ``ep_send_join_named``'s block-staged broadcast on every block
+  (``dispatch_async.STAGED_SEND_ALL_BLOCKS``): every format, with ORD-R.
+
+Each test sets the switch itself (``monkeypatch``), so it checks the path whatever the
+shipped default is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import epgen
+from epgen import reference, routing
+from epgen.formats import make_format
+from epgen.kernels import dispatch_async
+from epgen.presets import load_preset
+
+from test_formats_gpu import MANY, SMALL, WIDE, make_cfg
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ("BF16", "NVFP4", "MXFP8", "BlockwiseFP8")
+
+
+def decode_cfg(fmt):
+    cfg = load_preset("decode")
+    return cfg if fmt == "BF16" else cfg.replace(token_fmt=make_format(fmt, 7168, 8))
+
+
+def shape_cfg(shape, fmt, **flags):
+    if fmt == "BF16":
+        cfg = make_cfg(shape, "NVFP4", **flags)
+        return cfg.replace(token_fmt=make_format("BF16", cfg.token_fmt.hid_dim,
+                                                 cfg.token_fmt.top_k))
+    return make_cfg(shape, fmt, **flags)
+
+
+def check_calls(world, cfg, seed, n_calls=3, full=False, graph=False):
+    """``n_calls`` round trips (every rank full with ``full``, else random counts), each
+    against the reference; with ``graph`` each after the first is a replay of a captured
+    graph (inputs rewritten in place)."""
+    rng = np.random.default_rng(seed)
+    captured = None
+    try:
+        for call in range(n_calls):
+            counts = [cfg.max_tokens_per_rank if full else
+                      int(rng.integers(0, cfg.max_tokens_per_rank + 1))
+                      for _ in range(cfg.n_ranks)]
+            if graph:      # a graph freezes the token counts: every call full
+                counts = [cfg.max_tokens_per_rank] * cfg.n_ranks
+            toks, ids = routing.routing(rng, cfg, counts)
+            if graph and captured is not None:
+                world.load_inputs(toks, ids)
+                captured.launch()
+                world.check("graph replay")
+                got = world.results()
+            else:
+                got = world.dispatch(toks, ids)
+                if graph:
+                    captured = world.capture_round_trip()
+            want = reference.dispatch(cfg, toks, ids)
+            try:
+                reference.assert_match(cfg, want, got)
+            except AssertionError as exc:
+                raise AssertionError(f"seed {seed}, {cfg.token_fmt.name}, call {call}: "
+                                     f"{exc}") from None
+    finally:
+        if captured is not None:
+            captured.close()
+
+
+@pytest.mark.parametrize("launch", ["stream", "fused", "graph"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_with_four_warps_per_token(fmt, launch, seed, monkeypatch):
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
+    cfg = decode_cfg(fmt)
+    assert dispatch_async.send_warps_per_token(cfg) == 4
+    world = epgen.EmulatedWorld(cfg, fused=launch == "fused")
+    check_calls(world, cfg, seed, n_calls=3, full=True, graph=launch == "graph")
+
+
+@pytest.mark.parametrize("flags", [{}, dict(ep_ord_r=True, has_rank_flag=True),
+                                   dict(skip_a2a=True)], ids=["plain", "ord_r", "skip_a2a"])
+@pytest.mark.parametrize("shape", [SMALL, WIDE, MANY], ids=["small", "wide", "many"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_split_tokens_on_the_format_shapes(fmt, shape, flags, seed, monkeypatch):
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
+    cfg = shape_cfg(shape, fmt, **flags)
+    assert dispatch_async.send_warps_per_token(cfg) > 1
+    check_calls(epgen.EmulatedWorld(cfg), cfg, seed)
+
+
+@pytest.mark.parametrize("flags", [{}, dict(ep_ord_r=True, has_rank_flag=True)],
+                         ids=["plain", "ord_r"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_named_join_on_every_block(fmt, flags, seed, monkeypatch):
+    monkeypatch.setattr(dispatch_async, "STAGED_SEND_ALL_BLOCKS", True)
+    cfg = shape_cfg(MANY, fmt, ep_send_join_named=True, **flags)
+    assert dispatch_async.sends_from_every_block(cfg)
+    check_calls(epgen.EmulatedWorld(cfg), cfg, seed, full=False)
+    check_calls(epgen.EmulatedWorld(cfg, fused=True), cfg, seed + 1, n_calls=2)

@@ -1,0 +1,89 @@
+"""Warps sharing a token on the warp send path (``dispatch_async.SEND_WARPS_PER_TOKEN_MAX``,
+``send_warps_per_token``) end to end on the CPU simulator: part 0 of each group reserves and
+writes the headers, a group barrier hands the addresses to the other parts, every part
+moves its share of the token and counts its share of each copy, and the monitors wait for
+``token_warps`` times their count. Every format, against the numpy reference bit for bit,
+over back-to-back calls, with the flags that keep the warp path (staged, ORD-R,
+``skip_a2a``) and the fused single launch.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import epgen
+import ir
+from epgen.kernels import dispatch_async
+from epgen.presets import load_preset
+from backends import nvptx
+
+from sim_world import sim_world
+from test_formats_sim import FLAGS, make_cfg, run_calls
+
+#: (format, H): BF16 with a tail past the parts' even share (H=576); the quantising formats
+#: at sizes where every part gets a chunk (BlockwiseFP8 384: a partial second chunk)
+SPLIT_CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384), ("BlockwiseFP8", 512),
+               ("NVFP4", 1024), ("MXFP8", 512)]
+SPLIT_FLAGS = ["staged", "ord_r", "skip_a2a"]
+
+
+def split_cfg(fmt, H, token_warps, monkeypatch, **flags):
+    """``make_cfg`` with ``token_warps`` warps per block (one group per block) and
+    ``SEND_WARPS_PER_TOKEN_MAX`` raised so that ``send_warps_per_token`` picks them."""
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", token_warps)
+    cfg = make_cfg(fmt, H, **flags).replace(num_threads=32 * token_warps)
+    assert dispatch_async.send_warps_per_token(cfg) == token_warps
+    return cfg
+
+
+@pytest.mark.parametrize("token_warps", [2, 4])
+@pytest.mark.parametrize("flags", SPLIT_FLAGS)
+@pytest.mark.parametrize("fmt,H", SPLIT_CASES, ids=[f"{f}-H{h}" for f, h in SPLIT_CASES])
+def test_split_tokens_match_reference(fmt, H, flags, token_warps, seed, monkeypatch):
+    cfg = split_cfg(fmt, H, token_warps, monkeypatch, **FLAGS[flags])
+    text = ir.print_module(epgen.build_module(cfg))
+    assert "barrier token_group0 id=4 count=%d group=true" % (32 * token_warps) in text
+    run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("fmt,H", [("BF16", 512), ("NVFP4", 1024)], ids=["BF16", "NVFP4"])
+def test_split_tokens_fused_launch(fmt, H, seed, monkeypatch):
+    cfg = split_cfg(fmt, H, 2, monkeypatch)
+    run_calls(cfg, seed, n_calls=2, fused=True)
+
+
+def test_rule_picks_the_most_warps_that_keep_a_group_per_token(monkeypatch):
+    """Decode (128 tokens per rank, 33 blocks x 16 warps): 4 warps per token (132 groups);
+    8 would leave 66 groups for 128 tokens. Prefill keeps one warp per token; so do the
+    final layout and the default maximum."""
+    decode, prefill = load_preset("decode"), load_preset("prefill")
+    assert dispatch_async.send_warps_per_token(decode) == dispatch_async.SEND_WARPS_PER_TOKEN_MAX
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 8)
+    assert dispatch_async.send_warps_per_token(decode) == 4
+    assert dispatch_async.send_warps_per_token(prefill) == 1
+    assert dispatch_async.send_warps_per_token(decode.replace(ep_final_layout=True)) == 1
+    # at most 16 - TOKEN_GROUP_BARRIER_BASE = 12 groups per block: 1024 threads need 4 warps
+    # per group (8 groups), not 2 (16)
+    wide = decode.replace(num_threads=1024, n_sms=64, max_tokens_per_rank=32)
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 2)
+    assert dispatch_async.send_warps_per_token(wide) == 1
+
+
+def test_split_decode_ptx(monkeypatch):
+    """The decode preset with 4 warps per token: four group barriers of 128 threads, each
+    synced twice per round, and the monitors' finished target four times their count."""
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
+    cfg = load_preset("decode")
+    module = epgen.build_module(cfg)
+    assert ir.check(module) == []
+    ptx = nvptx.emit_ptx(module)
+    nvptx.check_ptx(module, ptx)
+    comm = module.kernel(dispatch_async.KERNEL_NAME).role("comm")
+    assert [(b.id, b.count, b.group) for b in comm.barriers] == \
+        [(4 + i, 128, True) for i in range(4)]
+    for i in range(4):
+        assert len(re.findall(rf"\bbar\.sync\s+{4 + i},\s*128;", ptx)) == 2 * 2   # both kernels
+    text = ir.print_kernel(module.kernel(dispatch_async.KERNEL_NAME))
+    assert re.search(r"spin_wait\.acquire\.gpu\.global\.u32 .* eq mul\(%count, 4:u32\)", text)
