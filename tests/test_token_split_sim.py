@@ -67,6 +67,8 @@ def test_rule_picks_the_most_warps_that_keep_a_group_per_token(monkeypatch):
     # at most 16 - TOKEN_GROUP_BARRIER_BASE = 12 groups per block: 1024 threads need 4 warps
     # per group (8 groups), not 2 (16)
     wide = decode.replace(num_threads=1024, n_sms=64, max_tokens_per_rank=32)
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
+    assert dispatch_async.send_warps_per_token(wide) == 4
     monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 2)
     assert dispatch_async.send_warps_per_token(wide) == 1
 

@@ -564,14 +564,12 @@ def send_warps_per_token(cfg) -> int:
     full call (``max_tokens_per_rank``) a group of its own over the grid's ``n_sms`` blocks;
     1 under ``ep_final_layout`` (its rows come from the monitors' hand-off, per warp)."""
     warps = cfg.num_threads // 32
-    n = 1
     if cfg.ep_final_layout:
-        return n
-    while (2 * n <= SEND_WARPS_PER_TOKEN_MAX and warps % (2 * n) == 0
-           and warps // (2 * n) <= 16 - TOKEN_GROUP_BARRIER_BASE
-           and cfg.n_sms * warps // (2 * n) >= cfg.max_tokens_per_rank):
-        n *= 2
-    return n
+        return 1
+    fits = [n for n in (2 ** i for i in range(1, 6)) if n <= SEND_WARPS_PER_TOKEN_MAX
+            and warps % n == 0 and warps // n <= 16 - TOKEN_GROUP_BARRIER_BASE
+            and cfg.n_sms * warps // n >= cfg.max_tokens_per_rank]
+    return max(fits, default=1)
 
 
 def token_group_sync(r: ir.RoleBuilder, group, token_warps: int):
