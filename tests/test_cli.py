@@ -305,10 +305,11 @@ def test_diff_send_join_named(capsys):
     """ep/small vs ep/send_join_named: the flag swaps the warp send path (no block-wide join)
     for the block-staged broadcast whose joins are ``bar.sync 3, 256``, in ep_dispatch_async
     and in the fused ep_dispatch: per kernel two with the two-buffer pipeline (after the
-    first token's staging, then one per token), three per token without it; no ``bar.sync
-    0`` is added."""
+    first token's staging, then one per token), three per token without it; the warp
+    path's token-group barriers go."""
     _needs_backend()
     from epgen.kernels import dispatch_async
+    from epgen.presets import load_preset
     status, out, err = run_cli(capsys, "diff", "ep/small", "ep/send_join_named")
     assert status == 1, err
     assert out.startswith("--- ep/small.ptx\n+++ ep/send_join_named.ptx\n")
@@ -317,11 +318,19 @@ def test_diff_send_join_named(capsys):
     assert len(_diff_lines(out, "+", named)) == 2 * joins and not _diff_lines(out, "-", named)
     # the diff may move other barriers' lines, but adds or removes none of them
     cta = r"\bbar\.sync\s+0;"
-    # the warp path's monitor role counts through a block histogram: two bar.sync 0 per kernel
-    assert len(_diff_lines(out, "+", cta)) + 4 == len(_diff_lines(out, "-", cta))
-    # the warp path's bar.warp.sync, two per kernel (its comm role covers every block): after
-    # the round's destinations reach shared memory (SEND_DSTS_IN_SHARED), before its release
-    assert len(_diff_lines(out, "-", r"\bbar\.warp\.sync\b")) == 4
+    # the warp path's monitor role counts through a block histogram (two bar.sync 0 per
+    # kernel); with STAGED_SEND_ALL_BLOCKS the named path's monitor role does the same
+    monitor_syncs = 0 if dispatch_async.STAGED_SEND_ALL_BLOCKS else 4
+    assert len(_diff_lines(out, "+", cta)) + monitor_syncs == len(_diff_lines(out, "-", cta))
+    # the warp path's bar.warp.sync per kernel (its comm role covers every block): after the
+    # round's destinations reach shared memory (SEND_DSTS_IN_SHARED; a token-group barrier
+    # instead when warps share tokens), before its release
+    n = dispatch_async.send_warps_per_token(load_preset("small"))
+    assert len(_diff_lines(out, "-", r"\bbar\.warp\.sync\b")) == (2 if n > 1 else 4)
+    # the token groups' barriers: each group's twice per round, in both kernels
+    groups = load_preset("small").num_threads // 32 // n if n > 1 else 0
+    group_syncs = _diff_lines(out, "-", rf"\bbar\.sync\s+\d+,\s*{32 * n};")
+    assert len(group_syncs) == 2 * 2 * groups and not _diff_lines(out, "+", r"\bbar\.sync\s+[4-9]")
 
 
 def test_diff_skip_a2a_shows_the_scope_change(capsys):

@@ -35,6 +35,7 @@ def test_with_settings_refuses_bad_settings(setting, match):
 
 def test_with_settings_changes_the_generated_code(monkeypatch, capsys):
     monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", False)
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 1)   # shared tables too
     ws = load("with_settings")
     assert ws.main(["--", "ptx", "--preset", "small"]) == 0
     plain = capsys.readouterr().out

@@ -112,14 +112,19 @@ def test_staging_chunk_must_hold_whole_trips(stage):
         fmt.check_stage_bytes(stage)
 
 
-@pytest.mark.parametrize("preset,fmt,want", [
-    ("decode", "NVFP4", 2048), ("decode", "BlockwiseFP8", 2048),       # 16 warps x 2 KB fit
-    ("default", "NVFP4", 1024), ("default", "BlockwiseFP8", 1024)])    # 32 warps: what fits
-def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want):
-    """The default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred) shrinks to whole trips that
+@pytest.mark.parametrize("preset,fmt,want,token_warps", [
+    ("prefill", "NVFP4", 2048, 1), ("prefill", "BlockwiseFP8", 2048, 1),  # 16 warps x 2 KB fit
+    ("decode", "NVFP4", 896, 4), ("decode", "BlockwiseFP8", 1792, 4),     # a quarter payload
+    ("default", "NVFP4", 896, 4),               # 32 warps: a quarter of the payload fits
+    ("default", "BlockwiseFP8", 1024, 4)])      # 32 warps: what fits
+def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps):
+    """The default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred; when warps share a token,
+    their share of the payload, ``part_chunk_bytes``, if smaller) shrinks to whole trips that
     fit 48 KB of static shared memory with the block's other buffers; the kernel builds."""
+    from epgen.kernels import dispatch_async
     from epgen.presets import load_preset
     cfg = load_preset(preset)
+    assert dispatch_async.send_warps_per_token(cfg) == token_warps
     cfg = cfg.replace(token_fmt=make_format(fmt, 7168, cfg.layout.top_k))
     text = ir.print_module(epgen.build_module(cfg))
     warps = cfg.num_threads // 32
@@ -156,18 +161,23 @@ def test_header_loaded_after_the_payload(fmt, H, flags, seed, monkeypatch):
 
 @pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
 @pytest.mark.parametrize("items", [1, 2])
-def test_unstaged_send_path(fmt, H, items, seed, monkeypatch):
+@pytest.mark.parametrize("token_warps", [1, 2])
+def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
     """The send path before the fourth session's defaults (still selectable, and the A/B's
-    baseline): no staging (``QUANT_STAGE_BYTES = 0``), the destinations held in registers,
-    1 or 2 items per trip. Same bytes as the reference."""
+    baseline): no staging (``QUANT_STAGE_BYTES = 0``), the destinations held in registers
+    (in shared memory when warps share tokens: the group's hand-off), 1 or 2 items per trip,
+    one or two warps per token (``SEND_WARPS_PER_TOKEN_MAX``). Same bytes as the reference."""
     from epgen.formats import blockscaled
     from epgen.kernels import dispatch_async
     monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 0)
     monkeypatch.setattr(blockscaled, "QUANT_ITEMS_IN_FLIGHT", items)
     monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", False)
+    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", token_warps)
     cfg = make_cfg(fmt, H)
+    assert dispatch_async.send_warps_per_token(cfg) == token_warps
     text = ir.print_module(epgen.build_module(cfg))
-    assert "quant_stage" not in text and "send_dsts" not in text
+    assert "quant_stage" not in text
+    assert ("send_dsts" in text) is (token_warps > 1)
     run_calls(cfg, seed, n_calls=2)
 
 

@@ -264,10 +264,11 @@ def uses_warp_send(cfg) -> bool:
 #: as the warp send path: the monitor blocks count their experts and reserve first
 #: (``count_and_reserve``), send their share of the tokens, then signal
 #: (``signal_after_sends``), instead of leaving the sends to the ``grid - n_signal_sms``
-#: comm blocks (17 of the prefill preset's 33). Same slots, counters and completion.
-#: False (the default until measured on the H200): the monitor blocks only count and signal
-#: (``monitor_and_signal_completion``).
-STAGED_SEND_ALL_BLOCKS = False
+#: comm blocks (17 of the prefill preset's 33). Same slots, counters and completion. H200 A/B
+#: at prefill (docs/PERF.md, eighth session, run 42): ``ep_send_join_named`` round trip BF16
+#: 0.817 -> 0.896 of copy (async 0.671 -> 0.846), NVFP4 0.536 -> 0.770. False: the monitor
+#: blocks only count and signal (``monitor_and_signal_completion``).
+STAGED_SEND_ALL_BLOCKS = True
 
 
 def uses_block_broadcast(cfg) -> bool:
@@ -550,8 +551,11 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
 #: The most warps that may share one token on the warp send path (``send_warps_per_token``):
 #: when the sending warps outnumber a call's tokens (decode: 128 tokens per rank, 528 warps),
 #: a token's quantising loop or copy runs on that many warps of one block at once instead of
-#: one warp. 1: one warp per token.
-SEND_WARPS_PER_TOKEN_MAX = 1
+#: one warp. H200 A/B at decode (docs/PERF.md, eighth session, run 42), 1 -> 4, fused graph
+#: round trip: NVFP4 58.3 -> 49.8 us (0.464 -> 0.543 of copy), MXFP8 77.8 -> 70.9 (0.596 ->
+#: 0.655), BlockwiseFP8 82.9 -> 73.1 (0.560 -> 0.635); BF16 graph 124.6 -> 120.2 (0.702 ->
+#: 0.728). 1: one warp per token.
+SEND_WARPS_PER_TOKEN_MAX = 4
 #: The first hardware barrier id of the token groups' barriers (one id per group of a block:
 #: ids ``[TOKEN_GROUP_BARRIER_BASE, 16)``; ids below it are the kernels' other barriers).
 TOKEN_GROUP_BARRIER_BASE = 4
