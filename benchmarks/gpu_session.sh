@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|split-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|split-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays; "profile": Nsight Compute on
@@ -12,6 +12,8 @@
 # formats at other message alignments (about 3 minutes);
 # "split-ab": warps sharing a token at decode and ep_send_join_named on every block, each
 # against its old path, with their GPU tests (about 8 minutes);
+# "named-ab": ep_send_join_named for the quantising formats, their next token's loads issued
+# ahead or not (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
 # per token (about 2 minutes; run 33 also counted the finished copies once per block);
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
@@ -211,6 +213,21 @@ if [ "$what" = split-ab ]; then
                 --json "$OUT/named-$fmt-$all.json"
             grep -E "^prefill .*(round|dispatch)" "$OUT/named-$fmt-$all.log" | sed 's/^/    /'
         done
+    done
+fi
+if [ "$what" = named-ab ]; then
+    # ep_send_join_named for the quantising formats at prefill (every block sends, run 43):
+    # the next token's input loads issued before the current broadcast and quantised after it
+    # (blockscaled.STAGE_LOADS_AHEAD, shipped) against staging each token whole, NVFP4 and
+    # BlockwiseFP8; MXFP8 as shipped
+    for arm in NVFP4:False NVFP4:True BlockwiseFP8:False BlockwiseFP8:True MXFP8:True; do
+        fmt=${arm%%:*}
+        ahead=${arm##*:}
+        step "named-$fmt-$ahead" 80 python3 benchmarks/experiments/with_settings.py \
+            "$B.STAGE_LOADS_AHEAD=$ahead" -- bench --set format=$fmt --tokens 4096 \
+            --variant named=ep_send_join_named --no-baseline --no-post-check \
+            --json "$OUT/named-$fmt-$ahead.json"
+        grep -E "^prefill .*(round|dispatch)" "$OUT/named-$fmt-$ahead.log" | sed 's/^/    /'
     done
 fi
 if [ "$what" = join-ab ]; then

@@ -205,10 +205,12 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, see
 
 
 NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
-#: (SEND_JOIN_PIPELINE, SEND_JOIN_PREFETCH, STAGED_SEND_ALL_BLOCKS)
-NAMED_MODES = {"three_joins": (False, False, True), "pipelined": (True, False, True),
-               "pipelined_prefetch": (True, True, True),
-               "comm_blocks_only": (True, True, False)}
+#: (SEND_JOIN_PIPELINE, SEND_JOIN_PREFETCH, STAGED_SEND_ALL_BLOCKS, blockscaled
+#: STAGE_LOADS_AHEAD)
+NAMED_MODES = {"three_joins": (False, False, True, True), "pipelined": (True, False, True, True),
+               "pipelined_prefetch": (True, True, True, True),
+               "formats_staged_whole": (True, True, True, False),
+               "comm_blocks_only": (True, True, False, True)}
 
 
 @pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
@@ -219,12 +221,14 @@ def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
     """``ep_send_join_named`` keeps the block-staged broadcast: with ``SEND_JOIN_PIPELINE``
     (the default) two shared buffers and one join per token, without it three joins per
     token; ``SEND_JOIN_PREFETCH`` (the default with it) also issues the next token's loads
-    and slot reservations before the current broadcast (BF16; the quantising formats stage as
-    before). ``STAGED_SEND_ALL_BLOCKS`` (the default) has the monitor blocks send too,
+    and slot reservations before the current broadcast (the quantising formats quantise them
+    after it, ``blockscaled.STAGE_LOADS_AHEAD``; without it they stage whole). ``STAGED_SEND_ALL_BLOCKS`` (the default) has the monitor blocks send too,
     between their count and their signal. Up to 8 tokens per rank over 3 or 4 sending
     blocks: each block alternates its buffers. Same results as the reference every way."""
+    from epgen.formats import blockscaled
     from epgen.kernels import dispatch_async
-    pipelined, prefetch, all_blocks = NAMED_MODES[mode]
+    pipelined, prefetch, all_blocks, ahead = NAMED_MODES[mode]
+    monkeypatch.setattr(blockscaled, "STAGE_LOADS_AHEAD", ahead)
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PREFETCH", prefetch)
     monkeypatch.setattr(dispatch_async, "STAGED_SEND_ALL_BLOCKS", all_blocks)
@@ -232,7 +236,8 @@ def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
     module = epgen.build_module(cfg)
     text = ir.print_module(module)
     assert ("%t_next" in text) is pipelined
-    assert ("%g_ahead" in text) is (prefetch and fmt == "BF16")
+    assert ("%g_ahead" in text) is (prefetch and (fmt == "BF16" or ahead))
+    assert ("%sq_item" in text) is (prefetch and fmt != "BF16" and ahead)
     roles = [r.name for r in module.kernel(dispatch_async.KERNEL_NAME).roles]
     assert roles == (["monitor", "comm", "signal"] if all_blocks else ["monitor", "comm"])
     run_calls(cfg, seed, n_calls=2)

@@ -69,6 +69,11 @@ RECV_SCALES_WITH_PAYLOAD = True
 #: stores (BlockwiseFP8 at 512 threads: 4 items), instead of one item's round trip at a time.
 #: False: the one-at-a-time loop.
 TILE_SCALES_ALL_IN_FLIGHT = True
+#: ``ep_send_join_named``'s pipelined block-staged send (``dispatch_async.SEND_JOIN_PREFETCH``):
+#: the next token's input loads are issued before the current token's broadcast and
+#: quantised into the shared message after it (``emit_stage_loads``), as BF16's are, instead
+#: of the whole quantising copy after the broadcast. False: staged whole.
+STAGE_LOADS_AHEAD = True
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -276,6 +281,36 @@ class BlockScaledFormat(TokenFormat):
         maximum. Returns (payload u32 words, little-endian: 2 for 8-bit elements, 1 for
         4-bit; the group scale as stored: an f32 or a u32 holding a byte)."""
         raise NotImplementedError
+
+    @property
+    def splits_staging(self) -> bool:
+        """``STAGE_LOADS_AHEAD``: ``emit_stage_loads`` is used."""
+        return STAGE_LOADS_AHEAD
+
+    def emit_stage_loads(self, r, src_row, first, stride: int):
+        """The pipelined block-staged send's first half of ``emit_copy_token_to_send_buf``
+        (``dispatch_async.SEND_JOIN_PREFETCH``): this thread issues the
+        ``ld.global.nc.L2::256B.v4.b32`` of its items ``first, first + stride, ...`` now (an
+        item past the end loads the last one again) and returns ``store(msg)``, which
+        quantises them (the group maximum by shuffles, as ``_quantize_item``) and stores
+        their payload and scales into the staged message ``msg`` where it is called.
+        ``stride`` (the role's threads) must be a multiple of 32."""
+        n_items = self.hid_dim // ITEM_ELEMS
+        if stride % 32:
+            raise ValueError(f"{self.name}: emit_stage_loads needs whole warps (stride "
+                             f"{stride} is not a multiple of 32)")
+        items = [r.let("sq_item", first + j * stride if j else first)
+                 for j in range(-(-n_items // stride))]
+        loaded = [r.load(src_row + item.min(n_items - 1).cast(T.u64) * VECTOR_BYTES,
+                         T.vec(T.u32, 4), cache=CacheHint.NC_L2_256, name="sq_in")
+                  for item in items]
+
+        def store(msg):
+            def put(off, value):
+                r.store(msg + off, value)
+            for item, words in zip(items, loaded):
+                self._quantize_item(r, item, words, put, n_items, put)
+        return store
 
     def emit_copy_token_to_send_buf(self, r, src_row, msg, first, stride):
         """``copy_token_to_send_buf``: quantize one token into ``msg``. Thread ``first`` takes
