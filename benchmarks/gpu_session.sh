@@ -3,15 +3,18 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|profile|recv-ab|split-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
-# "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays; "profile": Nsight Compute on
+# "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
+# ("latency-nvfp4": NVFP4's, about a minute); "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
 # "split-ab": warps sharing a token at decode and ep_send_join_named on every block, each
 # against its old path, with their GPU tests (about 8 minutes);
+# "block-ab": the block-staged broadcast as BF16's, MXFP8's and BlockwiseFP8's prefill send
+# path against the warp path, with its GPU tests, then "latency-nvfp4" (about 5 minutes);
 # "named-ab": ep_send_join_named for the quantising formats, their next token's loads issued
 # ahead or not (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
@@ -104,6 +107,12 @@ if [ "$what" = latency ]; then
         --variant fused --variant fused_graph=fused,graph \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
         --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph --no-post-check
+fi
+if [ "$what" = latency-nvfp4 ]; then
+    # NVFP4's round trip from 1 to 128 tokens per rank (its decode target is the one left):
+    # the chain's floor against the bytes
+    bench latency-nvfp4 150 --set format=NVFP4 --tokens 1,8,32,128 --variant default \
+        --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
 fi
 if [ "$what" = graph-ab ]; then
     # the round trip replayed as a captured CUDA graph (RoundTripGraph) against the same
@@ -229,6 +238,25 @@ if [ "$what" = named-ab ]; then
             --json "$OUT/named-$fmt-$ahead.json"
         grep -E "^prefill .*(round|dispatch)" "$OUT/named-$fmt-$ahead.log" | sed 's/^/    /'
     done
+fi
+if [ "$what" = block-ab ]; then
+    # the block-staged broadcast as the staged variants' prefill send path for BF16, MXFP8
+    # and BlockwiseFP8 (dispatch_async.prefers_block_broadcast, shipped): its GPU tests,
+    # then each format's default round trip with it and with the warp path
+    # (BLOCK_BROADCAST_FORMATS=()), same call; then NVFP4's latency sweep
+    step block-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_token_split_gpu.py -k block_broadcast
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/block-tests.log" | tail -15 \
+        | sed 's/^/    /'
+    for fmt in BF16 MXFP8 BlockwiseFP8; do
+        for arm in block warp; do
+            setting="$D.BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK=16"
+            [ $arm = warp ] && setting="$D.BLOCK_BROADCAST_FORMATS=()"
+            ab "block-$fmt-$arm" "$setting" -- bench --set format=$fmt
+        done
+    done
+    bench latency-nvfp4 150 --set format=NVFP4 --tokens 1,8,32,128 --variant default \
+        --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
 fi
 if [ "$what" = join-ab ]; then
     # ep_send_join_named's block-staged broadcast, same call, BF16: as shipped (the two-buffer

@@ -117,12 +117,16 @@ def test_staging_chunk_must_hold_whole_trips(stage):
     ("decode", "NVFP4", 896, 4), ("decode", "BlockwiseFP8", 1792, 4),     # a quarter payload
     ("default", "NVFP4", 896, 4),               # 32 warps: a quarter of the payload fits
     ("default", "BlockwiseFP8", 1024, 4)])      # 32 warps: what fits
-def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps):
-    """The default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred; when warps share a token,
-    their share of the payload, ``part_chunk_bytes``, if smaller) shrinks to whole trips that
-    fit 48 KB of static shared memory with the block's other buffers; the kernel builds."""
+def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps,
+                                                     monkeypatch):
+    """The warp send path's default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred; when warps
+    share a token, their share of the payload, ``part_chunk_bytes``, if smaller) shrinks to
+    whole trips that fit 48 KB of static shared memory with the block's other buffers; the
+    kernel builds. (Prefill BlockwiseFP8 takes the block-staged broadcast by default:
+    ``BLOCK_BROADCAST_FORMATS`` emptied here.)"""
     from epgen.kernels import dispatch_async
     from epgen.presets import load_preset
+    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_FORMATS", ())
     cfg = load_preset(preset)
     assert dispatch_async.send_warps_per_token(cfg) == token_warps
     cfg = cfg.replace(token_fmt=make_format(fmt, 7168, cfg.layout.top_k))

@@ -6,7 +6,10 @@ with real memory ordering:
   every format, stream launches, the fused launch and graph replays; the formats' test
   shapes with ORD-R and ``skip_a2a``;
 - ``ep_send_join_named``'s block-staged broadcast on every block
-  (``dispatch_async.STAGED_SEND_ALL_BLOCKS``): every format, with ORD-R.
+  (``dispatch_async.STAGED_SEND_ALL_BLOCKS``): every format, with ORD-R;
+- the same broadcast as the default send path of BF16, MXFP8 and BlockwiseFP8 at
+  prefill-sized calls (``prefers_block_broadcast``): stream, fused and graph launches, with
+  ORD-R and ``skip_a2a``.
 
 Each test sets the switch itself (``monkeypatch``), so it checks the path whatever the
 shipped default is.
@@ -107,3 +110,20 @@ def test_named_join_on_every_block(fmt, flags, seed, monkeypatch):
     assert dispatch_async.sends_from_every_block(cfg)
     check_calls(epgen.EmulatedWorld(cfg), cfg, seed, full=False)
     check_calls(epgen.EmulatedWorld(cfg, fused=True), cfg, seed + 1, n_calls=2)
+
+
+#: a prefill-like geometry for the block-staged broadcast as the default send path
+#: (``prefers_block_broadcast``): 256 tokens per rank over 9 blocks (16 or more per block),
+#: 8 local experts
+BLOCK_SHAPE = (4, 32, 2048, 8, 256, 256, 9)
+
+
+@pytest.mark.parametrize("launch", ["stream", "fused", "graph"])
+@pytest.mark.parametrize("flags", [{}, dict(ep_ord_r=True, has_rank_flag=True),
+                                   dict(skip_a2a=True)], ids=["plain", "ord_r", "skip_a2a"])
+@pytest.mark.parametrize("fmt", ["BF16", "MXFP8", "BlockwiseFP8"])
+def test_block_broadcast_as_the_default_path(fmt, flags, launch, seed):
+    cfg = shape_cfg(BLOCK_SHAPE, fmt, **flags)
+    assert dispatch_async.prefers_block_broadcast(cfg)
+    world = epgen.EmulatedWorld(cfg, fused=launch == "fused")
+    check_calls(world, cfg, seed, n_calls=3, full=launch == "graph", graph=launch == "graph")

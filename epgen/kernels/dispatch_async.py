@@ -250,14 +250,39 @@ def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g, hist):
     r.syncthreads()
 
 
+#: Formats whose block-staged broadcast (every block sending, ``STAGED_SEND_ALL_BLOCKS``)
+#: moves prefill-sized calls faster than the warp send path, so the staged variants take it
+#: (``prefers_block_broadcast``). Measured as ``ep_send_join_named``, the same code with
+#: barrier 3 for 0 (docs/PERF.md, eighth session, runs 41-43): round trip BF16 0.896 against
+#: the warp path's 0.885, MXFP8 0.881 / 0.846, BlockwiseFP8 0.872 / 0.837; NVFP4 0.828 /
+#: 0.848 stays on the warp path. Empty: the warp path for every format.
+BLOCK_BROADCAST_FORMATS = ("BF16", "MXFP8", "BlockwiseFP8")
+#: ... when a full call gives every block at least this many tokens (``max_tokens_per_rank
+#: >= this * n_sms``: the prefill preset's 4096 over 33 blocks, not decode's 128), where one
+#: token in flight per block is no limit; decode-sized calls keep the warp path (and its
+#: warps sharing tokens).
+BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK = 16
+
+
+def prefers_block_broadcast(cfg) -> bool:
+    """Whether a staged variant that could take the warp send path takes the block-staged
+    broadcast instead: its format in ``BLOCK_BROADCAST_FORMATS``, a prefill-sized
+    ``max_tokens_per_rank`` (``BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK`` per block), not the
+    final layout (the block-staged broadcast writes receive buffers only)."""
+    return (cfg.token_fmt.name in BLOCK_BROADCAST_FORMATS and not cfg.ep_final_layout
+            and cfg.max_tokens_per_rank >= BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK * cfg.n_sms)
+
+
 def uses_warp_send(cfg) -> bool:
     """Whether ``copy_and_send_tokens`` takes the warp send path (``warp_broadcast_tokens``):
     no role split, no shared expert (both read the staged send buffer), no
-    ``ep_send_join_named`` (it names the staged paths' block-wide join), and under
-    ``ep_final_layout`` only formats whose payload is the output row."""
+    ``ep_send_join_named`` (it names the staged paths' block-wide join), under
+    ``ep_final_layout`` only formats whose payload is the output row, and not where the
+    block-staged broadcast is faster (``prefers_block_broadcast``)."""
     return (not cfg.layout.role_split.enabled and not cfg.fused_shared_expert
             and not cfg.ep_send_join_named
-            and (not cfg.ep_final_layout or cfg.token_fmt.payload_is_output_row))
+            and (not cfg.ep_final_layout or cfg.token_fmt.payload_is_output_row)
+            and not prefers_block_broadcast(cfg))
 
 
 #: The block-staged broadcast (``broadcast_tokens``: ``ep_send_join_named``) on every block,
@@ -849,7 +874,8 @@ def build_dispatch_async(cfg) -> ir.Kernel:
 
 __all__ = ["build_dispatch_async", "monitor_and_signal_completion", "copy_and_send_tokens",
            "warp_broadcast_tokens", "broadcast_tokens", "uses_warp_send", "uses_block_broadcast",
-           "sends_from_every_block", "send_warps_per_token", "count_routed",
+           "sends_from_every_block", "send_warps_per_token", "prefers_block_broadcast",
+           "count_routed",
            "count_block_experts", "count_and_reserve", "signal_after_sends", "signal_completion",
            "add_send_phase",
            "AsyncParams", "KERNEL_NAME"]

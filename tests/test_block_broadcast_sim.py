@@ -1,0 +1,58 @@
+"""The block-staged broadcast as the staged variants' send path where it is faster
+(``dispatch_async.prefers_block_broadcast``: BF16, MXFP8 and BlockwiseFP8 at prefill-sized
+calls) on the CPU simulator against the numpy reference, bit for bit, over back-to-back
+calls: staged, ORD-R, ``skip_a2a`` and the fused launch; and the rule itself."""
+
+from __future__ import annotations
+
+import pytest
+
+import epgen
+import ir
+from epgen.formats import make_format
+from epgen.kernels import dispatch_async
+from epgen.presets import load_preset
+
+from test_formats_sim import FLAGS, make_cfg, run_calls
+
+CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384), ("MXFP8", 512)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
+@pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a"])
+@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+def test_block_broadcast_matches_reference(fmt, H, flags, fused, seed, monkeypatch):
+    # the simulator's calls are small: every call counts as prefill-sized
+    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK", 0)
+    # up to 16 tokens per rank over 5 blocks: each block alternates its two buffers
+    cfg = make_cfg(fmt, H, **FLAGS[flags]).replace(max_tokens_per_rank=16)
+    assert dispatch_async.prefers_block_broadcast(cfg)
+    assert not dispatch_async.uses_warp_send(cfg) and dispatch_async.uses_block_broadcast(cfg)
+    module = epgen.build_module(cfg)
+    roles = [r.name for r in module.kernel(dispatch_async.KERNEL_NAME).roles]
+    assert roles == ["monitor", "comm", "signal"]
+    text = ir.print_module(module)
+    assert "shared send_msg[" in text and "token_group" not in text
+    run_calls(cfg, seed, n_calls=2, fused=fused)
+
+
+def test_rule():
+    """Prefill (4096 tokens over 33 blocks) takes the block-staged broadcast for BF16, MXFP8
+    and BlockwiseFP8, not NVFP4; decode (128 tokens) and the final layout keep the warp
+    path; an empty BLOCK_BROADCAST_FORMATS gives the warp path everywhere."""
+    prefill, decode = load_preset("prefill"), load_preset("decode")
+
+    def with_fmt(cfg, name):
+        return cfg.replace(token_fmt=make_format(name, 7168, 8))
+
+    for name, want in [("BF16", True), ("MXFP8", True), ("BlockwiseFP8", True),
+                       ("NVFP4", False)]:
+        assert dispatch_async.prefers_block_broadcast(with_fmt(prefill, name)) is want, name
+        assert not dispatch_async.prefers_block_broadcast(with_fmt(decode, name)), name
+    assert not dispatch_async.prefers_block_broadcast(prefill.replace(ep_final_layout=True))
+    assert dispatch_async.uses_warp_send(prefill.replace(ep_final_layout=True))
+
+
+def test_no_formats_means_the_warp_path(monkeypatch):
+    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_FORMATS", ())
+    assert dispatch_async.uses_warp_send(load_preset("prefill"))
