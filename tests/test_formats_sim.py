@@ -115,8 +115,8 @@ def test_staging_chunk_must_hold_whole_trips(stage):
 @pytest.mark.parametrize("preset,fmt,want,token_warps", [
     ("prefill", "NVFP4", 2048, 1), ("prefill", "BlockwiseFP8", 2048, 1),  # 16 warps x 2 KB fit
     ("decode", "NVFP4", 896, 4), ("decode", "BlockwiseFP8", 1792, 4),     # a quarter payload
-    ("default", "NVFP4", 896, 4),               # 32 warps: a quarter of the payload fits
-    ("default", "BlockwiseFP8", 1024, 4)])      # 32 warps: what fits
+    ("default", "NVFP4", 1024, 1),              # 32 warps (one per token): what fits
+    ("default", "BlockwiseFP8", 1024, 1)])      # 32 warps: what fits
 def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps,
                                                      monkeypatch):
     """The warp send path's default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred; when warps

@@ -167,6 +167,7 @@ def test_spawn_retries_transient_errors_only(tmp_path, monkeypatch):
         return real_run(["true"], **kw)
     monkeypatch.setattr(px.subprocess, "run", flaky)
     monkeypatch.setattr(px, "parse_report", lambda log, arch: "parsed")
+    monkeypatch.setattr(px, "splits_compile", lambda exe: False)     # no --help spawn
     assert px.assemble("// ptx", ptxas=tmp_path / "ptxas") == "parsed" and len(calls) == 2
 
     def always(err):
@@ -180,3 +181,18 @@ def test_spawn_retries_transient_errors_only(tmp_path, monkeypatch):
         with pytest.raises(px.PtxasError, match="cannot run ptxas at .*ptxas"):
             px.assemble("// ptx", ptxas=tmp_path / "ptxas")
         assert len(calls) == attempts
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_split_compile_only_where_ptxas_lists_it(tmp_path, listed):
+    """``--split-compile 0`` is passed exactly when the executable's ``--help`` lists it."""
+    from backends.nvptx import ptxas as px
+    args = tmp_path / "args"
+    exe = tmp_path / "ptxas"
+    help_text = "--split-compile <N>" if listed else "--verbose"
+    exe.write_text(f"#!/bin/sh\nif [ \"$1\" = --help ]; then echo '{help_text}'; exit 0; fi\n"
+                   f"echo \"$@\" > {args}\n")
+    exe.chmod(0o755)
+    px.assemble("// ptx", ptxas=exe)
+    assert ("--split-compile 0" in args.read_text()) is listed
+    assert px.splits_compile(str(exe)) is listed

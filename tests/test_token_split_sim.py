@@ -64,11 +64,16 @@ def test_rule_picks_the_most_warps_that_keep_a_group_per_token(monkeypatch):
     assert dispatch_async.send_warps_per_token(decode) == 4
     assert dispatch_async.send_warps_per_token(prefill) == 1
     assert dispatch_async.send_warps_per_token(decode.replace(ep_final_layout=True)) == 1
-    # at most 16 - TOKEN_GROUP_BARRIER_BASE = 12 groups per block: 1024 threads need 4 warps
-    # per group (8 groups), not 2 (16)
+    # at most MAX_TOKEN_GROUPS = 4 groups per block: 1024 threads need 8 warps per group,
+    # beyond the maximum of 4 (the default preset keeps one warp per token)
     wide = decode.replace(num_threads=1024, n_sms=64, max_tokens_per_rank=32)
+    assert dispatch_async.send_warps_per_token(wide) == 8
+    assert dispatch_async.send_warps_per_token(load_preset("default")) == 8
     monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
-    assert dispatch_async.send_warps_per_token(wide) == 4
+    assert dispatch_async.send_warps_per_token(wide) == 1
+    assert dispatch_async.send_warps_per_token(load_preset("default")) == 1
+    # ... and never more than 16 - TOKEN_GROUP_BARRIER_BASE = 12 barrier ids
+    monkeypatch.setattr(dispatch_async, "MAX_TOKEN_GROUPS", 16)
     monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 2)
     assert dispatch_async.send_warps_per_token(wide) == 1
 

@@ -584,19 +584,26 @@ SEND_WARPS_PER_TOKEN_MAX = 4
 #: The first hardware barrier id of the token groups' barriers (one id per group of a block:
 #: ids ``[TOKEN_GROUP_BARRIER_BASE, 16)``; ids below it are the kernels' other barriers).
 TOKEN_GROUP_BARRIER_BASE = 4
+#: The most token groups per block. Each group's barrier is a branch of its own
+#: (``token_group_sync``) at two sites per kernel, so the groups multiply code: the default
+#: preset's 32 warps in 8 groups took its generation from 0.8-1.0 s to 1.05-1.14 s on the
+#: development machine (eighth session) for a split never measured at that geometry. The
+#: measured one, decode's 16 warps in 4 groups, is kept.
+MAX_TOKEN_GROUPS = 4
 
 
 def send_warps_per_token(cfg) -> int:
     """Warps per token on the warp send path: the largest power of two up to
     ``SEND_WARPS_PER_TOKEN_MAX`` that divides a block's warps, leaves at most
-    ``16 - TOKEN_GROUP_BARRIER_BASE`` groups per block, and still gives every token of a
-    full call (``max_tokens_per_rank``) a group of its own over the grid's ``n_sms`` blocks;
-    1 under ``ep_final_layout`` (its rows come from the monitors' hand-off, per warp)."""
+    ``MAX_TOKEN_GROUPS`` groups per block, and still gives every token of a full call
+    (``max_tokens_per_rank``) a group of its own over the grid's ``n_sms`` blocks; 1 under
+    ``ep_final_layout`` (its rows come from the monitors' hand-off, per warp)."""
     warps = cfg.num_threads // 32
     if cfg.ep_final_layout:
         return 1
     fits = [n for n in (2 ** i for i in range(1, 6)) if n <= SEND_WARPS_PER_TOKEN_MAX
-            and warps % n == 0 and warps // n <= 16 - TOKEN_GROUP_BARRIER_BASE
+            and warps % n == 0
+            and warps // n <= min(MAX_TOKEN_GROUPS, 16 - TOKEN_GROUP_BARRIER_BASE)
             and cfg.n_sms * warps // n >= cfg.max_tokens_per_rank]
     return max(fits, default=1)
 
