@@ -252,10 +252,10 @@ def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g, hist):
 
 #: Formats whose block-staged broadcast (every block sending, ``STAGED_SEND_ALL_BLOCKS``)
 #: moves prefill-sized calls faster than the warp send path, so the staged variants take it
-#: (``prefers_block_broadcast``). Measured as ``ep_send_join_named``, the same code with
-#: barrier 3 for 0 (docs/PERF.md, eighth session, runs 41-43): round trip BF16 0.896 against
-#: the warp path's 0.885, MXFP8 0.881 / 0.846, BlockwiseFP8 0.872 / 0.837; NVFP4 0.828 /
-#: 0.848 stays on the warp path. Empty: the warp path for every format.
+#: (``prefers_block_broadcast``). H200 A/B at prefill, default variant (docs/PERF.md, eighth
+#: session, run 44), round trip against the warp path: BF16 0.898 / 0.882, MXFP8 0.880 /
+#: 0.846, BlockwiseFP8 0.869 / 0.835; NVFP4 (as ``ep_send_join_named``, run 43) 0.828 against
+#: the warp path's 0.848 stays on the warp path. Empty: the warp path for every format.
 BLOCK_BROADCAST_FORMATS = ("BF16", "MXFP8", "BlockwiseFP8")
 #: ... when a full call gives every block at least this many tokens (``max_tokens_per_rank
 #: >= this * n_sms``: the prefill preset's 4096 over 33 blocks, not decode's 128), where one
