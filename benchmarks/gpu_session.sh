@@ -108,11 +108,13 @@ if [ "$what" = latency ]; then
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
         --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph --no-post-check
 fi
-if [ "$what" = latency-nvfp4 ]; then
-    # NVFP4's round trip from 1 to 128 tokens per rank (its decode target is the one left):
-    # the chain's floor against the bytes
+latency_nvfp4() {   # NVFP4's round trip from 1 to 128 tokens per rank (its decode target
+                    # is the one left): the chain's floor against the bytes
     bench latency-nvfp4 150 --set format=NVFP4 --tokens 1,8,32,128 --variant default \
         --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
+}
+if [ "$what" = latency-nvfp4 ]; then
+    latency_nvfp4
 fi
 if [ "$what" = graph-ab ]; then
     # the round trip replayed as a captured CUDA graph (RoundTripGraph) against the same
@@ -232,11 +234,8 @@ if [ "$what" = named-ab ]; then
     for arm in NVFP4:False NVFP4:True BlockwiseFP8:False BlockwiseFP8:True MXFP8:True; do
         fmt=${arm%%:*}
         ahead=${arm##*:}
-        step "named-$fmt-$ahead" 80 python3 benchmarks/experiments/with_settings.py \
-            "$B.STAGE_LOADS_AHEAD=$ahead" -- bench --set format=$fmt --tokens 4096 \
-            --variant named=ep_send_join_named --no-baseline --no-post-check \
-            --json "$OUT/named-$fmt-$ahead.json"
-        grep -E "^prefill .*(round|dispatch)" "$OUT/named-$fmt-$ahead.log" | sed 's/^/    /'
+        ab "named-$fmt-$ahead" "$B.STAGE_LOADS_AHEAD=$ahead" -- bench --set format=$fmt \
+            --variant named=ep_send_join_named
     done
 fi
 if [ "$what" = block-ab ]; then
@@ -255,8 +254,7 @@ if [ "$what" = block-ab ]; then
             ab "block-$fmt-$arm" "$setting" -- bench --set format=$fmt
         done
     done
-    bench latency-nvfp4 150 --set format=NVFP4 --tokens 1,8,32,128 --variant default \
-        --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
+    latency_nvfp4
 fi
 if [ "$what" = join-ab ]; then
     # ep_send_join_named's block-staged broadcast, same call, BF16: as shipped (the two-buffer

@@ -198,6 +198,13 @@ class RoleBuilder:
         self.barriers.append(b)
         return b
 
+    def barrier(self, name: str, id: int, count: int | None = -1,
+                group: bool = False) -> N.NamedBarrier:
+        """The role's barrier ``id``: the one already declared with that id (whatever its
+        name), else ``named_barrier(name, id, count, group)``."""
+        return next((b for b in self.barriers if b.id == id), None) or \
+            self.named_barrier(name, id, count, group)
+
     def bar_sync(self, barrier: N.NamedBarrier):
         self._emit(N.BarSync(barrier))
 
@@ -206,8 +213,7 @@ class RoleBuilder:
 
     def syncthreads(self):
         """``bar.sync 0``: the whole CTA (declares barrier 0 on first use)."""
-        b = next((b for b in self.barriers if b.id == 0), None) or self.named_barrier("cta", 0, None)
-        self.bar_sync(b)
+        self.bar_sync(self.barrier("cta", 0, None))
 
     def warp_sync(self, mask: int = 0xFFFFFFFF):
         self._emit(N.WarpSync(mask))

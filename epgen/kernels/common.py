@@ -153,8 +153,7 @@ def comm_sync(r: ir.RoleBuilder, comm_barrier_id: int = -1):
     if comm_barrier_id < 0:
         r.syncthreads()
         return
-    b = next((b for b in r.barriers if b.id == comm_barrier_id), None)
-    r.bar_sync(b or r.named_barrier("comm", comm_barrier_id))
+    r.bar_sync(r.barrier("comm", comm_barrier_id))
 
 
 def block_inclusive_scan(r: ir.RoleBuilder, value, warp_totals: ir.Expr, n_warps: int,

@@ -614,9 +614,8 @@ def token_group_sync(r: ir.RoleBuilder, group, token_warps: int):
     ids from ``TOKEN_GROUP_BARRIER_BASE``, each under its own branch."""
     n_groups = r.n_threads // 32 // token_warps
     for i in range(n_groups):
-        name = f"token_group{i}"
-        bar = next((b for b in r.barriers if b.name == name), None) or \
-            r.named_barrier(name, TOKEN_GROUP_BARRIER_BASE + i, 32 * token_warps, group=True)
+        bar = r.barrier(f"token_group{i}", TOKEN_GROUP_BARRIER_BASE + i, 32 * token_warps,
+                        group=True)
         with r.if_(group.eq(i)):
             r.bar_sync(bar)
 
@@ -834,9 +833,7 @@ def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
     own named barrier ``NB_SEND`` (``bar.sync 3, <num_threads>``; reference
     ``named_barrier[num_threads](NB_SEND)``)."""
     if cfg.ep_send_join_named:
-        nb = cfg.layout.NB_SEND
-        r.bar_sync(next((b for b in r.barriers if b.id == nb), None)
-                   or r.named_barrier("send_join", nb))
+        r.bar_sync(r.barrier("send_join", cfg.layout.NB_SEND))
         return
     comm_sync(r, comm_barrier_id)
 
