@@ -3,11 +3,12 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
-# ("latency-nvfp4": NVFP4's, about a minute); "profile": Nsight Compute on
+# ("latency-nvfp4": NVFP4's, about a minute); "trace": the trace points' GPU tests and
+# `epgen run --trace` timelines of decode calls, then "latency-nvfp4" (about 4 minutes); "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
@@ -114,6 +115,27 @@ latency_nvfp4() {   # NVFP4's round trip from 1 to 128 tokens per rank (its deco
         --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
 }
 if [ "$what" = latency-nvfp4 ]; then
+    latency_nvfp4
+fi
+trace_runs() {   # trace_runs NAME ARGS...: `epgen run --trace` (20 calls), its timeline
+    local name=$1
+    shift
+    step "trace-$name" 120 python3 -m epgen run --trace --calls 20 --seed 7 "$@"
+    sed -n '/^trace points/,$p' "$OUT/trace-$name.log" | sed 's/^/    /'
+}
+if [ "$what" = trace ]; then
+    # where the decode round trip's time goes: the trace points' GPU tests, then the
+    # timeline of NVFP4 (the decode target left) and BF16 at decode, and NVFP4 at 1 token
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
+    # shellcheck disable=SC2086
+    step trace-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
+        tests/test_trace_gpu.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/trace-tests.log" | tail -5 | sed 's/^/    /'
+    nvfp4=(--preset decode --set format=NVFP4)
+    trace_runs nvfp4-fused-graph "${nvfp4[@]}" --fused --graph
+    trace_runs nvfp4-graph "${nvfp4[@]}" --graph
+    trace_runs nvfp4-1-fused-graph "${nvfp4[@]}" --tokens 1 --fused --graph
+    trace_runs bf16-fused-graph --preset decode --fused --graph
     latency_nvfp4
 fi
 if [ "$what" = graph-ab ]; then

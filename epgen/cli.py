@@ -244,6 +244,14 @@ def args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", action="store_true",
                    help="capture the round trip once as a CUDA graph (RoundTripGraph) and "
                         "replay it for every call, new inputs loaded into the same buffers")
+    p.add_argument("--fused", action="store_true",
+                   help="run the fused single launch (ep_dispatch) instead of dispatch_async "
+                        "then dispatch_wait")
+    p.add_argument("--trace", action="store_true",
+                   help="build the kernels with trace points (epgen.kernels.trace) and print "
+                        "where each call's time went: per role and hand-off, the first and "
+                        "last block there (us after the call's first stamp), the median over "
+                        "the calls")
     _add_world(p)
 
 
@@ -278,13 +286,15 @@ def _devices(args: argparse.Namespace, n_ranks: int):
     return devices
 
 
-def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 1.0):
-    """The world ``--world`` names: ``EmulatedWorld`` or ``P2PWorld`` (``devices``)."""
+def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 1.0,
+               fused: bool | None = None):
+    """The world ``--world`` names: ``EmulatedWorld`` or ``P2PWorld`` (``devices``);
+    ``fused`` as the worlds take it (None: their default)."""
     if kind == "p2p":
         from epgen.runtime.p2p_world import P2PWorld
-        return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale)
+        return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused)
     from epgen.runtime.world import EmulatedWorld
-    return EmulatedWorld(cfg, arch=arch, input_scale=input_scale)
+    return EmulatedWorld(cfg, arch=arch, input_scale=input_scale, fused=fused)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -311,15 +321,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.token_fmt.check_input_scale(args.input_scale)
         except ValueError as e:
             args.parser.error(f"argument --input-scale: {e}")
-    world = make_world(args.world, cfg, arch=args.arch, devices=devices,
-                       input_scale=args.input_scale)
+    from epgen.kernels import trace
+    from epgen.runtime import trace as runtime_trace
+
+    traced = trace.ENABLED
+    trace.ENABLED = traced or args.trace
+    try:
+        world = make_world(args.world, cfg, arch=args.arch, devices=devices,
+                           input_scale=args.input_scale, fused=True if args.fused else None)
+    finally:
+        trace.ENABLED = traced
     where = ("emulated ranks" if args.world == "emulated" else
              f"ranks on GPUs {','.join(map(str, world.devices))} (P2P)")
     print(f"{cfg.n_ranks} {where}, {tokens} tokens/rank, seed {seed}"
+          + (", the fused single launch" if world.fused else "")
           + (", each call a CUDA-graph replay" if args.graph else ""))
     graph = None
+    timelines = []
     for call in range(args.calls):
         toks, ids = routing.routing(rng, cfg, tokens, weights)
+        if args.trace:
+            runtime_trace.arm(world)
         t0 = time.perf_counter()
         if args.graph:
             world.load_inputs(toks, ids)
@@ -331,6 +353,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             got = world.dispatch(toks, ids)
         dt = time.perf_counter() - t0
+        if args.trace:
+            timelines.append(runtime_trace.read(world))
         want = reference.dispatch(cfg, toks, ids, input_scale=args.input_scale)
         diffs = [d for x, a in zip(want, got)
                  for d in reference.compare(cfg, x, a)]
@@ -340,6 +364,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if diffs:
             print("\n".join("  " + d for d in diffs[:10]))
             raise CommandError(f"results differ from the reference (seed {seed})")
+    if timelines:
+        print(runtime_trace.format_rows(
+            runtime_trace.median_rows(timelines),
+            f"trace points, median of {len(timelines)} calls (us after each call's first "
+            f"stamp; blocks: rank x block pairs there)"))
     return 0
 
 

@@ -295,6 +295,10 @@ class KernelBuilder:
         self.roles: list[N.Role] = []
         self.sites: list[N.SiteInfo] = []
         self.diag: dict | None = None
+        #: callables ``hook(rb, "begin" | "end")`` run as each role opens (before its body)
+        #: and closes (after it, at the role's top level): instrumentation such as
+        #: ``epgen.kernels.trace`` adds statements there
+        self.role_hooks: list = []
         self._names: dict[str, int] = {}
 
     def param(self, name: str, dtype: T.Type, peer: bool = False) -> N.Param:
@@ -343,7 +347,11 @@ class KernelBuilder:
         if isinstance(threads, tuple):
             threads = N.ThreadRange(*threads)
         rb = RoleBuilder(self, name, blocks or N.BlockRange(), threads)
+        for hook in self.role_hooks:
+            hook(rb, "begin")
         yield rb
+        for hook in self.role_hooks:
+            hook(rb, "end")
         self.roles.append(rb.build())
 
     def build(self) -> N.Kernel:

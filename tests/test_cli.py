@@ -385,6 +385,15 @@ def test_run_without_gpu_is_a_clear_error(capsys):
     assert err.startswith("epgen: error:") and "GPU" in err
 
 
+def test_run_fused_with_final_layout_is_refused_before_any_gpu_work(capsys):
+    status, _, err = run_cli(capsys, "run", "--preset", "small", "--set",
+                             "ep_final_layout=true", "--fused", "--trace")
+    assert status == 1
+    assert "fused=True with ep_final_layout=True" in err
+    from epgen.kernels import trace
+    assert not trace.ENABLED       # --trace's build knob restored on the error path too
+
+
 def test_run_rejects_bad_token_count(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["run", "--preset", "small", "--tokens", "33"])

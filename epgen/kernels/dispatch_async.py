@@ -23,7 +23,7 @@ import ir
 from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode
 from ir import types as T
 
-from . import final_layout
+from . import final_layout, trace
 from .common import VEC, comm_sync, copy_vectors, load_pointer
 from .common import word as _word
 from .ord_r import signal_rank_completion
@@ -872,7 +872,9 @@ def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None):
 def build_dispatch_async(cfg) -> ir.Kernel:
     """The dispatch_async entry point (``add_send_phase``)."""
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
-    add_send_phase(kb, cfg, declare_params(kb, cfg))
+    p = declare_params(kb, cfg)
+    trace.instrument(kb, p.my_rank)
+    add_send_phase(kb, cfg, p)
     return kb.build()
 
 

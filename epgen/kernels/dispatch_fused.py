@@ -24,7 +24,7 @@ from __future__ import annotations
 import ir
 from ir import types as T
 
-from . import dispatch_async, dispatch_wait
+from . import dispatch_async, dispatch_wait, trace
 from .shared_expert import (pack_shared_expert_inputs, publish_send_buf_ready,
                             se_token_slice, send_buf_ready_ptr)
 
@@ -66,6 +66,7 @@ def build_dispatch_fused(cfg) -> ir.Kernel:
     pa = dispatch_async.declare_params(view)
     pw = dispatch_wait.declare_params(view, cfg)
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None
+    trace.instrument(kb, pa.my_rank)
     n_sig = lay.n_signal_sms
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
 

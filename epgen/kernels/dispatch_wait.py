@@ -11,7 +11,7 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
-from . import final_layout
+from . import final_layout, trace
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted, lowest_set_bit, wait_ready_flag)
 from .common import word as _word
@@ -101,6 +101,7 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
                                           comm_barrier_id), None
     else:
         c, block_off = wait_for_count_words(r, cfg, p, comm_barrier_id)
+    trace.stamp(r, "aux.counts_seen")
     incl = block_inclusive_scan(r, c, totals, r.n_threads // 32, "incl", comm_barrier_id)
     e = r.let("e", tid // R)
     with r.if_(tid < E):
@@ -126,6 +127,7 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         if flag_readers_per_block != 1:
             n_readers = n_readers * flag_readers_per_block
         r.store(_word(ctr, lay.cleanup_counter_offset), n_readers)
+        trace.stamp(r, "aux.flag_raised")      # before the store: no reader can precede it
         r.store(_word(ctr, lay.ready_flag_offset), DATA_READY_FLAG, Sem.RELEASE, Scope.GPU)
     with r.if_(tid < E):
         # incl and raw_start count routed rows only; aligned (the expert's padded start) also
@@ -248,6 +250,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     tile_msgs = scratch.buffer("tile_msgs", fmt.tile_smem_bytes(TT)) \
         if fmt.copies_scales_per_tile else None
     wait_ready_flag(r, cfg, ctr, p.err_buf, comm_barrier_id)
+    trace.stamp(r, "copy.flag_seen")
     # warp 0's claim state (registers; meaningful in warp 0 only)
     cur_e = r.var("cur_e", T.u32, L)
     cur_tiles = r.var("cur_tiles", T.u32, 0)
@@ -273,6 +276,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                 r.store(vals + 4, claim)
                 r.store(vals + 8, cur_e)
         comm_sync(r, comm_barrier_id)
+        trace.stamp(r, "copy.tile")
         e = r.let("e", r.load(vals + 8, T.u32, name="e_ld"))
         with r.if_(e >= L):
             r.break_()
@@ -361,6 +365,7 @@ def build_dispatch_wait(cfg) -> ir.Kernel:
                          "it); build the fused kernel (epgen.kernels.build_dispatch_fused)")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb, cfg)
+    trace.instrument(kb, p.my_rank)
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     with kb.role("copy", blocks=(0, last)) as r:
         copy_received_tokens_to_output(r, kb, cfg, p)

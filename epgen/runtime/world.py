@@ -38,10 +38,11 @@ import numpy as np
 
 from .. import reference
 from ..layout import EP_DATA_READY_FLAG
-from ..kernels import build_module
+from ..kernels import build_module, trace
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from . import trace as runtime_trace
 from .diagnostics import DiagBuffer
 from .program import Program
 
@@ -192,6 +193,7 @@ class _Rank:
         self.prod_buf = zp(lay.prod_buf_words, np.uint64)        # ep_prod_reserve
         self.n_tokens = 0
         self.wait_done = None
+        self.trace_bufs = {}        # kernel name -> trace buffer (kernels built with tracing)
 
     def counter_ptr(self, region) -> int:
         return self.counters.ptr + 4 * region.offset
@@ -312,10 +314,17 @@ class RankWorld:
                 "output_scales_rows": self.cfg.layout.max_out_rows}
         return {k: v for k, v in args.items() if k in names}
 
+    def _trace_args(self, kernel: str, rk) -> dict:
+        """``trace_buf`` when ``kernel`` was built with trace points (``epgen.kernels.trace``):
+        rank ``rk``'s buffer of that kernel (``epgen.runtime.trace``)."""
+        if not any(p.name == trace.PARAM for p in self.program.module.kernel(kernel).params):
+            return {}
+        return {trace.PARAM: runtime_trace.buffer(self, rk, kernel)}
+
     def _async_args(self, rk, kernel: str = ASYNC) -> dict:
         """The arguments of rank ``rk``'s send side (dispatch_async's parameters)."""
         lay = self.cfg.layout
-        return {**self._format_args(kernel, rk),
+        return {**self._format_args(kernel, rk), **self._trace_args(kernel, rk),
                 "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
@@ -325,7 +334,7 @@ class RankWorld:
     def _wait_args(self, rk, kernel: str = WAIT) -> dict:
         """The arguments of rank ``rk``'s receive side (dispatch_wait's parameters)."""
         lay = self.cfg.layout
-        return {**self._format_args(kernel, rk),
+        return {**self._format_args(kernel, rk), **self._trace_args(kernel, rk),
                 "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
