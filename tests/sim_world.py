@@ -90,9 +90,20 @@ class FakeEvent:
 def fake_cuda(sim: Sim) -> types.ModuleType:
     m = types.ModuleType("backends.cuda")
     m.create_stream = lambda device=None: FakeStream(sim)
-    m.zeros = lambda shape, dtype, device=None, stream=None: FakeArray(sim, shape, dtype)
+
+    def refuse_while_capturing():
+        # as the device memory pool does: no stream-ordered allocation during a capture
+        if sim_graph.Recorder.nodes is not None:
+            raise RuntimeError("sim: no memory operations on a capturing stream")
+
+    def zeros(shape, dtype, device=None, stream=None):
+        refuse_while_capturing()
+        return FakeArray(sim, shape, dtype)
+
+    m.zeros = zeros
 
     def to_device(host, device=None, stream=None):
+        refuse_while_capturing()
         host = np.ascontiguousarray(host)
         a = FakeArray(sim, host.shape, host.dtype)
         sim.mem.put(a.ptr, host)

@@ -1,8 +1,8 @@
 """The host side of the kernels' trace points (``epgen.kernels.trace``): each rank's trace
 buffers, armed before a call and read after it into a ``Timeline``.
 
-A world whose kernels declare ``trace_buf`` (built with ``trace.ENABLED``) passes each
-rank's buffer of that kernel (``buffer``); ``arm(world)`` resets every buffer (first slots
+A world whose kernels declare ``trace_buf`` (built with ``trace.ENABLED``) allocates each
+rank's buffer of each such kernel when it is made (``allocate``) and passes it; ``arm(world)`` resets every buffer (first slots
 ~0, last slots 0) and ``read(world)`` decodes them once the world has synchronised."""
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ def armed(n_ranks: int, grid: int) -> np.ndarray:
     return a
 
 
-def buffer(world, rk, kernel: str):
-    """Rank ``rk``'s trace buffer of ``kernel`` (allocated and armed on first use)."""
-    bufs = rk.trace_bufs
-    if kernel not in bufs:
-        host = armed(world.cfg.n_ranks, world.cfg.n_sms)
-        bufs[kernel] = world.cuda.to_device(host.reshape(-1), device=rk.device,
-                                            stream=rk.stream)
-    return bufs[kernel]
+def allocate(world) -> None:
+    """Every rank's armed trace buffer of each kernel of ``world.program`` that declares
+    ``trace_buf``: a world's constructor calls it, as no allocation may happen while a
+    round trip is being captured as a graph."""
+    host = armed(world.cfg.n_ranks, world.cfg.n_sms).reshape(-1)
+    for kernel in world.program.module.kernels:
+        if any(p.name == trace.PARAM for p in kernel.params):
+            for rk in world.ranks:
+                rk.trace_bufs[kernel.name] = world.cuda.to_device(host, device=rk.device,
+                                                                  stream=rk.stream)
 
 
 def arm(world) -> None:
@@ -70,14 +72,16 @@ class Timeline:
 
 
 def read(world) -> Timeline:
-    """The stamps of the last call (the caller has synchronised the world)."""
+    """The stamps of the last call, of the kernels it ran (the caller has synchronised the
+    world)."""
     n, grid = world.cfg.n_ranks, world.cfg.n_sms
     stamps = {}
     for rk in world.ranks:
         for kernel, buf in rk.trace_bufs.items():
             own = buf.to_host().reshape(n, grid, len(trace.POINTS), 2)[rk.rank]
             stamps.setdefault(kernel, armed(n, grid))[rk.rank] = own
-    return Timeline(stamps)
+    # the kernels the call ran (a two-kernel world does not launch the fused one)
+    return Timeline({k: s for k, s in stamps.items() if (s[..., 0] != UNSTAMPED).any()})
 
 
 def median_rows(timelines: list[Timeline]) -> list[tuple[str, str, float, float, int]]:
@@ -103,4 +107,4 @@ def format_rows(rows, title: str = "") -> str:
     return "\n".join(lines)
 
 
-__all__ = ["armed", "buffer", "arm", "Timeline", "read", "median_rows", "format_rows"]
+__all__ = ["armed", "allocate", "arm", "Timeline", "read", "median_rows", "format_rows"]

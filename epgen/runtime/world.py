@@ -207,7 +207,8 @@ class RankWorld:
     A subclass's ``__init__`` sets ``cfg``, ``rank_ids`` (each participant's ``my_rank``),
     ``cuda``, ``fused``, ``timeout_ns``,
     ``input_scale``, ``program`` (a ``Program`` of the world's IR module), ``ranks``
-    (``_Rank``), then calls ``_build_pointer_tables()`` and sets ``prod_gen``. The hooks
+    (``_Rank``), then calls ``_build_pointer_tables()`` (which allocates the trace buffers
+    too) and sets ``prod_gen``. The hooks
     ``_program_of(rk)``, ``_err_of(rk)`` and ``_raise_timeouts(context)`` say which program
     launches a rank's kernels, which error buffer they report into, and how expired waits
     are collected; the defaults are those of one GPU (``program``, ``err``)."""
@@ -246,13 +247,15 @@ class RankWorld:
 
     def _build_pointer_tables(self):
         """Every rank's tables: receive buffers, receive-count words, and the
-        ``ep_final_layout`` ones (``_final_layout_tables``)."""
+        ``ep_final_layout`` ones (``_final_layout_tables``); then, for kernels built with trace
+        points, every rank's trace buffers (``epgen.runtime.trace.allocate``)."""
         # under skip_a2a P == 1, so a device's tables hold only its own buffers (the host
         # passes only local pointers)
         ids = self.rank_ids
         self.recv_buf_ptrs = [self._pointer_table(r, "recv_buf") for r in ids]
         self.recv_count_ptrs = [self._pointer_table(r, "recv_count") for r in ids]
         self.final_ptrs = {r: self._final_layout_tables(r) for r in ids}
+        runtime_trace.allocate(self)     # kernels built with trace points only
 
     def _final_layout_tables(self, r: int) -> dict:
         """``ep_final_layout`` pointer tables of rank ``r``: every P2P peer's grouped output,
@@ -319,7 +322,7 @@ class RankWorld:
         rank ``rk``'s buffer of that kernel (``epgen.runtime.trace``)."""
         if not any(p.name == trace.PARAM for p in self.program.module.kernel(kernel).params):
             return {}
-        return {trace.PARAM: runtime_trace.buffer(self, rk, kernel)}
+        return {trace.PARAM: rk.trace_bufs[kernel]}
 
     def _async_args(self, rk, kernel: str = ASYNC) -> dict:
         """The arguments of rank ``rk``'s send side (dispatch_async's parameters)."""
