@@ -3,12 +3,14 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
 # ("latency-nvfp4": NVFP4's, about a minute); "trace": the trace points' GPU tests and
-# `epgen run --trace` timelines of decode calls, then "latency-nvfp4" (about 4 minutes); "profile": Nsight Compute on
+# `epgen run --trace` timelines of decode calls, then "latency-nvfp4" (about 4 minutes);
+# "batch-ab": every rank's grid in one launch against one launch per rank, its GPU tests,
+# decode and prefill A/B arms and a batched timeline (about 5 minutes); "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
@@ -123,6 +125,24 @@ trace_runs() {   # trace_runs NAME ARGS...: `epgen run --trace` (20 calls), its 
     step "trace-$name" 120 python3 -m epgen run --trace --calls 20 --seed 7 "$@"
     sed -n '/^trace points/,$p' "$OUT/trace-$name.log" | sed 's/^/    /'
 }
+if [ "$what" = batch-ab ]; then
+    # every rank's grid in one launch (EmulatedWorld(batched=True)) against one launch per
+    # rank: its GPU tests, then the same-call A/B at decode (NVFP4, BF16) and prefill (NVFP4,
+    # BF16), then the batched NVFP4 decode timeline
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
+    # shellcheck disable=SC2086
+    step batch-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
+        tests/test_rank_batch_gpu.py tests/test_trace_gpu.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/batch-tests.log" | tail -8 | sed 's/^/    /'
+    arms=(--variant default --variant batched=batched --variant graph=graph
+          --variant batched_graph=batched,graph --variant fused_graph=fused,graph
+          --variant batched_fused_graph=batched,fused,graph)
+    bench batch-nvfp4 150 --set format=NVFP4 --tokens 1,128,4096 "${arms[@]}" \
+        --no-baseline --no-post-check
+    bench batch-bf16 150 --tokens 128,4096 "${arms[@]}" --no-post-check
+    trace_runs nvfp4-batched-fused-graph --preset decode --set format=NVFP4 --batched \
+        --fused --graph
+fi
 if [ "$what" = trace ]; then
     # where the decode round trip's time goes: the trace points' GPU tests, then the
     # timeline of NVFP4 (the decode target left) and BF16 at decode, and NVFP4 at 1 token

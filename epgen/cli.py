@@ -247,6 +247,9 @@ def args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused", action="store_true",
                    help="run the fused single launch (ep_dispatch) instead of dispatch_async "
                         "then dispatch_wait")
+    p.add_argument("--batched", action="store_true",
+                   help="launch every rank's grid of a kernel as one grid (emulated ranks "
+                        "only): the ranks start together, as on their own GPUs")
     p.add_argument("--trace", action="store_true",
                    help="build the kernels with trace points (epgen.kernels.trace) and print "
                         "where each call's time went: per role and hand-off, the first and "
@@ -287,14 +290,19 @@ def _devices(args: argparse.Namespace, n_ranks: int):
 
 
 def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 1.0,
-               fused: bool | None = None):
+               fused: bool | None = None, batched: bool = False):
     """The world ``--world`` names: ``EmulatedWorld`` or ``P2PWorld`` (``devices``);
-    ``fused`` as the worlds take it (None: their default)."""
+    ``fused`` as the worlds take it (None: their default); ``batched`` (one launch for
+    every rank) is the emulated world's only."""
     if kind == "p2p":
+        if batched:
+            raise CommandError("--batched: one launch for every rank needs the ranks on one "
+                               "GPU (--world emulated)")
         from epgen.runtime.p2p_world import P2PWorld
         return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused)
     from epgen.runtime.world import EmulatedWorld
-    return EmulatedWorld(cfg, arch=arch, input_scale=input_scale, fused=fused)
+    return EmulatedWorld(cfg, arch=arch, input_scale=input_scale, fused=fused,
+                         batched=batched)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -328,13 +336,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace.ENABLED = traced or args.trace
     try:
         world = make_world(args.world, cfg, arch=args.arch, devices=devices,
-                           input_scale=args.input_scale, fused=True if args.fused else None)
+                           input_scale=args.input_scale, fused=True if args.fused else None,
+                           batched=args.batched)
     finally:
         trace.ENABLED = traced
     where = ("emulated ranks" if args.world == "emulated" else
              f"ranks on GPUs {','.join(map(str, world.devices))} (P2P)")
     print(f"{cfg.n_ranks} {where}, {tokens} tokens/rank, seed {seed}"
           + (", the fused single launch" if world.fused else "")
+          + (", every rank in one launch" if world.batched else "")
           + (", each call a CUDA-graph replay" if args.graph else ""))
     graph = None
     timelines = []

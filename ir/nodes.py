@@ -555,10 +555,31 @@ class SiteInfo:
 
 
 @attrs.frozen
+class RankBatch:
+    """A rank-batched launch: the grids of ``ranks`` ranks, ``blocks`` blocks each, run as one
+    grid of ``ranks * blocks`` blocks. The kernel then takes one by-value parameter,
+    ``.param .align 8 .b8 rank_args[ranks * len(params) * 8]``: row ``q`` holds rank ``q``'s
+    arguments, one 8-byte slot per parameter in declaration order (``RANK_ARG_BYTES``;
+    integers and pointers zero-extended, ``f32`` as its bits in the low half). Block ``b``
+    is block ``b % blocks`` of rank ``b / blocks``: ``%ctaid.x`` reads the former,
+    ``%nctaid.x`` reads ``blocks``, and a parameter reads its slot of that rank's row
+    (``ld.param`` at a register address). Nothing else changes: every rank's blocks start
+    with one launch instead of one launch per rank."""
+
+    ranks: int
+    blocks: int
+
+
+RANK_ARG_BYTES = 8
+
+
+@attrs.frozen
 class Kernel:
     """An entry point (``.visible .entry name``) launched with ``block_threads`` threads per
     block (``.maxntid``); ``min_blocks_per_sm`` becomes ``.minnctapersm``.
-    ``dynamic_shared`` declares the extern dynamic shared array ``dyn_smem``."""
+    ``dynamic_shared`` declares the extern dynamic shared array ``dyn_smem``. ``rank_batch``
+    (``RankBatch``): launched for several ranks at once, its parameters read from one
+    by-value table."""
 
     name: str
     params: tuple
@@ -568,6 +589,7 @@ class Kernel:
     dynamic_shared: bool = False
     min_blocks_per_sm: int | None = None
     sites: tuple = ()
+    rank_batch: RankBatch | None = None
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -594,6 +616,16 @@ class Module:
             if k.name == name:
                 return k
         raise KeyError(name)
+
+
+def batch_ranks(m: Module, ranks: int, blocks: int) -> Module:
+    """``m`` with every kernel rank-batched (``RankBatch(ranks, blocks)``): one launch of
+    ``ranks * blocks`` blocks runs every rank's grid."""
+    for what, v in (("ranks", ranks), ("blocks", blocks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"batch_ranks: {what} must be a positive int, got {v!r}")
+    batch = RankBatch(ranks, blocks)
+    return Module(m.name, tuple(attrs.evolve(k, rank_batch=batch) for k in m.kernels))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,7 +234,10 @@ class _Parser:
         ln.expect("kernel")
         kname = ln.name()
         hdr = ln.keyed({"block_threads": ln.int, "min_blocks_per_sm": ln.int,
-                        "dynamic_shared": ln.bool}, required=("block_threads",))
+                        "dynamic_shared": ln.bool, "batch_ranks": ln.int,
+                        "batch_blocks": ln.int}, required=("block_threads",))
+        if ("batch_ranks" in hdr) != ("batch_blocks" in hdr):
+            ln.fail("batch_ranks and batch_blocks come together")
         ln.expect("{")
         ln.end()
         self.params, self.vars = {}, {}
@@ -269,7 +272,9 @@ class _Parser:
             ln.end()
         return N.Kernel(kname, tuple(params), hdr["block_threads"], tuple(roles), tuple(shared),
                         hdr.get("dynamic_shared", False), hdr.get("min_blocks_per_sm"),
-                        tuple(sites))
+                        tuple(sites),
+                        N.RankBatch(hdr["batch_ranks"], hdr["batch_blocks"])
+                        if "batch_ranks" in hdr else None)
 
     def role(self, ln: _Line) -> N.Role:
         rname = ln.name()

@@ -316,6 +316,8 @@ def kernel_header(k: N.Kernel) -> str:
         text += f" min_blocks_per_sm={k.min_blocks_per_sm}"
     if k.dynamic_shared:
         text += " dynamic_shared=true"
+    if k.rank_batch is not None:
+        text += f" batch_ranks={k.rank_batch.ranks} batch_blocks={k.rank_batch.blocks}"
     return text
 
 

@@ -169,6 +169,10 @@ class _Thread:
         self.launch = launch
         self.block = block
         self.tid = tid
+        # a rank-batched launch (ir.RankBatch): the rank's block index and arguments
+        self.vblock = block % launch.vgrid
+        self.params = launch.rank_params[block // launch.vgrid] \
+            if launch.rank_params is not None else launch.params
         self.vars: dict = {}
         self.gen = None
         self.waiting = None     # None (runnable), "bar" or "warp"
@@ -189,7 +193,13 @@ class _Launch:
         self.bar_wait: dict = {}        # (block, barrier id) -> threads waiting
         self.bar_count: dict = {}       # (block, barrier id) -> its thread count (None: all)
         self.warp_wait: dict = {}       # (block, warp) -> lanes at a warp collective
-        names = [p.name for p in kernel.params]
+        batch = kernel.rank_batch
+        self.vgrid = grid if batch is None else batch.blocks   # %nctaid.x
+        self.rank_params = None         # per rank: its arguments (read from the table)
+        if batch is not None and grid != batch.ranks * batch.blocks:
+            raise TypeError(f"kernel {kernel.name}: rank-batched for {batch.ranks} x "
+                            f"{batch.blocks} blocks, launched with {grid}")
+        names = [p.name for p in kernel.params] if batch is None else ["rank_args"]
         missing = [n for n in names if n not in params]
         extra = sorted(set(params) - set(names))
         if missing or extra:
@@ -226,6 +236,12 @@ class Sim:
 
     def _start(self, la: _Launch):
         la.started = True
+        batch = la.kernel.rank_batch
+        if batch is not None:    # the by-value table, as the kernel reads it at its start
+            from epgen.runtime import rank_table
+            words = self.mem.get(la.params["rank_args"], batch.ranks * len(la.kernel.params),
+                                 "u8")
+            la.rank_params = rank_table.unpack(la.kernel, words)
         for b in range(la.grid):
             shared = {}
             for buf in la.kernel.shared:
@@ -386,9 +402,9 @@ class Sim:
 
     def _in_role(self, th, role) -> bool:
         b = role.blocks
-        if th.block < self._fn(b.start)(th):
+        if th.vblock < self._fn(b.start)(th):
             return False
-        if b.stop is not None and th.block >= self._fn(b.stop)(th):
+        if b.stop is not None and th.vblock >= self._fn(b.stop)(th):
             return False
         if role.threads is not None:
             return role.threads.base <= th.tid < role.threads.base + role.threads.count
@@ -589,7 +605,7 @@ class Sim:
             values = {"magic": diag.RECORD_MAGIC,
                       "kernel_tag": diag.kernel_tag(th.launch.kernel.name),
                       "site_id": s.site.site_id, "rank": self._fn(s.rank)(th),
-                      "block": th.block, "thread": th.tid, "warp": th.tid // 32,
+                      "block": th.vblock, "thread": th.tid, "warp": th.tid // 32,
                       "smid": th.block % 132, "index": self._fn(s.site.index)(th),
                       "expected": want, "last_seen": seen, "elapsed_ns": polls}
             first = diag.HEADER_WORDS + slot * diag.RECORD_WORDS
@@ -625,18 +641,18 @@ class Sim:
             name = e.name
             is_float = isinstance(e.dtype, T.DType) and e.dtype.kind == "f"
             m = (1 << _bits(e.dtype)) - 1
-            return (lambda th: th.launch.params[name]) if is_float \
-                else (lambda th: int(th.launch.params[name]) & m)
+            return (lambda th: th.params[name]) if is_float \
+                else (lambda th: int(th.params[name]) & m)
         if isinstance(e, N.SRegRead):
             r = e.sreg
             if r is SReg.TID_X:
                 return lambda th: th.tid
             if r is SReg.CTAID_X:
-                return lambda th: th.block
+                return lambda th: th.vblock
             if r is SReg.LANEID:
                 return lambda th: th.tid & 31
             if r is SReg.NCTAID_X:
-                return lambda th: th.launch.grid
+                return lambda th: th.launch.vgrid
             return lambda th: self._sreg(th, r)
         if isinstance(e, N.BinOp):
             fa, fb, op, dt = f(e.a), f(e.b), e.op, e.a.dtype
@@ -750,11 +766,11 @@ class Sim:
         if r is SReg.TID_X:
             return th.tid
         if r is SReg.CTAID_X:
-            return th.block
+            return th.vblock
         if r is SReg.NTID_X:
             return th.launch.kernel.block_threads
         if r is SReg.NCTAID_X:
-            return th.launch.grid
+            return th.launch.vgrid
         if r is SReg.LANEID:
             return th.tid % 32
         if r is SReg.WARPID:

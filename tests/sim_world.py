@@ -145,6 +145,18 @@ class FakeProgram:
         params = {n: param_value(v) for n, v in args.items()}
         sim_graph.launch(self.sim, stream, k, grid, params)
 
+    def launch_ranks(self, name, grid, rows, stream=None, *, programmatic=False):
+        """``Program.launch_ranks`` on the simulator: the table packed as the real one is,
+        copied into simulator memory at the call (the driver copies by-value arguments),
+        one launch of every rank's blocks."""
+        from epgen.runtime import rank_table
+        self.launched.append((name, programmatic))
+        k = self.module.kernel(name)
+        table = rank_table.pack(k, rows, lambda p, v: param_value(v))
+        ptr = self.sim.mem.alloc(table.nbytes, 8)
+        self.sim.mem.put(ptr, table)
+        sim_graph.launch(self.sim, stream, k, grid * k.rank_batch.ranks, {"rank_args": ptr})
+
     def blocks_per_sm(self, name, shmem=0):
         return 64
 

@@ -25,12 +25,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import compat
-from .errors import cuda_errors
+from .errors import check, cuda_errors
 from .memory import as_device_pointer
 from .module import LoadedKernel, _param_sizes, set_max_dynamic_shared_memory
 from .stream import as_stream, using_device
 
-__all__ = ["launch", "pack_args", "pack_arg", "check_untyped_args", "type_name"]
+__all__ = ["launch", "launch_by_value", "pack_args", "pack_arg", "check_untyped_args",
+           "type_name"]
 
 _INT_TYPES = {f"{kind}{bits}": (kind, bits) for kind in "usb" for bits in (8, 16, 32, 64)}
 _UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
@@ -267,3 +268,41 @@ def _ensure_dynamic_smem(kernel, shmem: int) -> None:
         kernel._dynamic_smem_ok = shmem
     else:
         set_max_dynamic_shared_memory(kernel, shmem)
+
+
+def launch_by_value(kernel: LoadedKernel, grid: int, block: int, param: np.ndarray,
+                    stream=None, *, programmatic: bool = False) -> None:
+    """Launch ``kernel``, whose one parameter is a by-value byte array, with ``param`` (a
+    contiguous numpy array of exactly that many bytes): ``cuLaunchKernelEx`` with the
+    address of the bytes, which cuda.core's ``launch`` cannot pass (structs by value are not
+    supported there). The driver copies the bytes at the call, so ``param`` may change right
+    after; a stream capture records them. ``programmatic``: a programmatic dependent launch
+    (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``)."""
+    from .graph import stream_handle
+    from .module import cufunction
+
+    data = np.ascontiguousarray(param)
+    sizes = kernel.param_sizes()
+    if sizes is not None and list(sizes) != [data.nbytes]:
+        raise ValueError(f"kernel {kernel.name!r} takes parameters of {list(sizes)} bytes, "
+                         f"got one of {data.nbytes} bytes")
+    drv = compat.driver()
+    with using_device(kernel.device) as dev:
+        stream = as_stream(stream, dev)
+        config = drv.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = int(grid), 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = int(block), 1, 1
+        config.sharedMemBytes = 0
+        config.hStream = stream_handle(stream)
+        if programmatic:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+        else:
+            config.numAttrs = 0
+        addresses = np.array([data.ctypes.data], dtype=np.uint64)   # void *kernelParams[1]
+        with cuda_errors(f"launching kernel {kernel.name!r}"):
+            check(drv.cuLaunchKernelEx(config, cufunction(kernel), addresses.ctypes.data, 0),
+                  "cuLaunchKernelEx")

@@ -21,7 +21,7 @@ from ir.enums import (BinOpKind, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode
                       UnOpKind)
 from ir.types import PtrType, VecType
 
-from . import atomics, spin_wait
+from . import atomics, rank_batch, spin_wait
 from .errors import LoweringError
 from .inline_asm import constraint
 from .inline_asm import inline_ptx
@@ -101,19 +101,29 @@ class KernelLowering:
 
     def __init__(self, module: L.Module, kernel: N.Kernel, target: Target):
         self.module, self.kernel, self.target = module, kernel, target
-        fnty = L.FunctionType(VOID, [llvm_type(p.dtype) for p in kernel.params])
+        if kernel.rank_batch is not None:
+            rank_batch.check(kernel)
+            fnty = rank_batch.function_type(kernel, VOID)
+        else:
+            fnty = L.FunctionType(VOID, [llvm_type(p.dtype) for p in kernel.params])
         self.fn = L.Function(module, fnty, kernel.name)
         self.fn.calling_convention = "ptx_kernel"
         self.params = {}
-        for arg, p in zip(self.fn.args, kernel.params):
-            arg.name = p.name
-            self.params[p.name] = arg
+        if kernel.rank_batch is None:
+            for arg, p in zip(self.fn.args, kernel.params):
+                arg.name = p.name
+                self.params[p.name] = arg
         self.allocas = L.IRBuilder(self.fn.append_basic_block("entry"))
         self.vars: dict[str, tuple[N.Var, L.Value]] = {}
         self.loop_exits: list[L.Block] = []
         self.b = L.IRBuilder(self.fn.append_basic_block("body"))
         self.allocas.branch(self.b.block)
         self.allocas.position_at_start(self.allocas.block)
+        self.rank_row = None
+        if kernel.rank_batch is not None:
+            table = self.fn.args[0]
+            rank_batch.mark_table(table)
+            self.rank_row = rank_batch.row_address(self.b, kernel, table)
 
     def lower(self) -> L.Function:
         for role in self.kernel.roles:
@@ -172,6 +182,10 @@ class KernelLowering:
         self.b.store(value, self.var_slot(var))
 
     def sreg(self, sreg: SReg) -> L.Value:
+        if self.kernel.rank_batch is not None:
+            local = rank_batch.virtual_sreg(self.b, self.kernel, sreg)
+            if local is not None:
+                return local
         intrinsic, _ = SREGS[sreg]
         return call(self.b, intrinsic, name=sreg.value)
 
@@ -263,7 +277,9 @@ def lower_const(cx, e: N.Const) -> L.Value:
 
 @_lowers(EXPR_LOWERINGS, N.Param)
 def lower_param(cx, e: N.Param) -> L.Value:
-    """``ld.param`` of the kernel argument."""
+    """``ld.param`` of the kernel argument (of its slot in the rank row: ``rank_batch``)."""
+    if cx.rank_row is not None:
+        return rank_batch.load_param(cx.b, cx.kernel, cx.rank_row, e, llvm_type)
     if e.name not in cx.params:
         raise LoweringError(f"no parameter {e.name!r}")
     return cx.params[e.name]

@@ -15,7 +15,8 @@ VARIANT_HELP = (
     "a variant to time, repeatable (default: one, 'default': the configuration as given). "
     "SPEC is 'default' or comma-separated items: a bool parameter's name sets it to true "
     "(ep_final_layout), KEY:VALUE sets num_threads, n_sms, timeout_ns or a bool "
-    "(num_threads:1024, ep_ord_r:false); 'fused' runs the single-launch kernel, 'graph' "
+    "(num_threads:1024, ep_ord_r:false); 'fused' runs the single-launch kernel, 'batched' "
+    "launches every rank's grid at once (one launch, EmulatedWorld only), 'graph' "
     "replays the round trip as a captured CUDA graph (round trip timed only); LABEL names "
     "it in the table, JSON and plot (default: SPEC). E.g. --variant default --variant "
     "final=ep_final_layout,ep_prod_reserve --variant g=graph")

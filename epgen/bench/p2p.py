@@ -423,8 +423,13 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, device
             f"{fmt_gb(f)} free" for g, (n, f) in short.items())
         progress(f"  epgen {variant.label} skipped: {out['skipped']}")
         return out
+    opts = variant.world_options
+    if opts.get("batched"):
+        out["error"] = "batched: one launch for every rank needs the ranks on one GPU " \
+                       "(EmulatedWorld); a P2P world launches on each rank's GPU"
+        progress(f"  epgen {variant.label} FAILED: {out['error']}")
+        return out
     try:
-        opts = variant.world_options
         r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), gate,
                                  arch=plan.arch, post_check=plan.post_check, progress=progress,
                                  graph=opts.get("graph", False),

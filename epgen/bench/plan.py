@@ -12,7 +12,8 @@ and the plot (default: ``SPEC``). Parameters that change the inputs or the buffe
 variants of a run: set them with ``--preset``/``--set`` and ``--block-capacity``; the one
 exception is the format's ``alignment`` (message and header field padding: the same inputs,
 each variant's own buffers), e.g. ``prod=ep_final_layout,ep_prod_reserve,alignment:16``.
-The ``WORLD_KEYS`` choose how the world runs: ``fused``, ``graph`` (e.g. ``g=fused,graph``).
+The ``WORLD_KEYS`` choose how the world runs: ``fused``, ``graph``, ``batched`` (e.g.
+``g=fused,graph``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
 """At most this many tokens per rank: decode-like default iteration counts."""
 DEFAULT_VARIANT = "default"
-WORLD_KEYS = ("fused", "graph")
+WORLD_KEYS = ("fused", "graph", "batched")
 """Variant keys that choose how the world runs, not the configuration (``fused``: the single
-launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait; ``graph``: the
+launch ``ep_dispatch`` per rank instead of dispatch_async + dispatch_wait; ``batched``: every
+rank's grid in one launch, ``EmulatedWorld(batched=True)``; ``graph``: the
 round trip replayed as a captured CUDA graph, ``RoundTripGraph``, and timed as the round
 trip only)."""
 FORMAT_VARIANT_KEYS = ("alignment",)

@@ -60,9 +60,9 @@ class StagedInputs:
 
 def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch=None,
                   post_check: bool = True, progress, fused: bool | None = None,
-                  graph: bool = False, world_factory=None) -> dict:
+                  graph: bool = False, batched: bool = False, world_factory=None) -> dict:
     """Build the world (``world_factory()``, default an ``EmulatedWorld`` on ``device``,
-    single-launch with ``fused``), check it against the reference on set 0, time
+    single-launch with ``fused``, every rank in one launch with ``batched``), check it against the reference on set 0, time
     dispatch_async, dispatch_wait and the round trip (fork/join over the rank streams,
     rotated staged inputs; the timing stream on ``world.device``; the fused world has only
     the round trip), check the last round trip's output. Raises when a check fails.
@@ -75,7 +75,7 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
     res = {}
     t0 = time.perf_counter()
     world = (world_factory or (lambda: EmulatedWorld(cfg, arch=arch, device=device,
-                                                      fused=fused)))()
+                                                      fused=fused, batched=batched)))()
     device = world.device
     res["build_s"] = time.perf_counter() - t0
     staged = None

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ir
 
+from . import rank_table
+
 
 class Program:
     """``module`` lowered to PTX for ``arch`` (default: the device's), compiled (with the cubin
     cache) and loaded on ``device``. ``launch(kernel, grid, args)`` takes ``args`` as a dict
     keyed by the IR parameter names, so an argument can never land in the wrong slot.
     ``ptx``: ``module`` already lowered for ``arch`` (a world loading one module on several
-    GPUs lowers it once)."""
+    GPUs lowers it once). A rank-batched module (``ir.batch_ranks``) launches with
+    ``launch_ranks``."""
 
     def __init__(self, module: ir.Module, arch: str | None = None, device=None,
                  ptx: str | None = None):
@@ -31,10 +34,31 @@ class Program:
     def kernel(self, name: str):
         if name not in self._kernels:
             k = self.module.kernel(name)
-            self._kernels[name] = self.loaded.kernel(
-                name, param_types=[p.dtype for p in k.params],
-                param_names=[p.name for p in k.params])
+            if k.rank_batch is not None:      # one by-value table (launch_ranks)
+                self._kernels[name] = self.loaded.kernel(name)
+            else:
+                self._kernels[name] = self.loaded.kernel(
+                    name, param_types=[p.dtype for p in k.params],
+                    param_names=[p.name for p in k.params])
         return self._kernels[name]
+
+    def launch_ranks(self, name: str, grid: int, rows: list[dict], stream=None, *,
+                     programmatic: bool = False):
+        """One launch of a rank-batched kernel (``ir.RankBatch``) for every rank: ``rows``
+        holds each rank's arguments by IR parameter name, ``grid`` is one rank's grid; the
+        arguments travel by value in the kernel's table (``rank_table.pack``)."""
+        from backends.cuda.launch import launch_by_value, pack_arg
+        k = self.module.kernel(name)
+        if k.rank_batch is None:
+            raise ValueError(f"kernel {name}: launch_ranks needs a rank-batched kernel "
+                             f"(ir.batch_ranks)")
+        if grid != k.rank_batch.blocks:
+            raise ValueError(f"kernel {name}: built for {k.rank_batch.blocks} blocks per rank, "
+                             f"launched with {grid}")
+        table = rank_table.pack(k, rows, lambda p, v: pack_arg(p.dtype, v, name=p.name,
+                                                               int_scalars=True))
+        launch_by_value(self.kernel(name), grid * k.rank_batch.ranks, k.block_threads, table,
+                        stream, programmatic=programmatic)
 
     def launch(self, name: str, grid: int, args: dict, stream=None, shmem: int = 0, *,
                programmatic: bool = False):

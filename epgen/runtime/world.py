@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import ir
+
 from .. import reference
 from ..layout import EP_DATA_READY_FLAG
 from ..kernels import build_module, trace
@@ -213,6 +215,9 @@ class RankWorld:
     launches a rank's kernels, which error buffer they report into, and how expired waits
     are collected; the defaults are those of one GPU (``program``, ``err``)."""
 
+    #: every rank's grid in one launch (``EmulatedWorld(batched=True)``; one GPU only)
+    batched = False
+
     def _init_common(self, cfg, fused, world: str, timeout_ns, input_scale):
         """The constructor prologue every world shares: the ``fused`` rule, the transport
         check, and ``fused``, ``cfg``, ``cuda``, ``timeout_ns``, ``input_scale``."""
@@ -349,6 +354,7 @@ class RankWorld:
         lay = self.cfg.layout
         waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
         gen = self.prod_gen.next() if self.cfg.ep_prod_reserve else None
+        rows = []
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
@@ -359,33 +365,62 @@ class RankWorld:
                             prod_gen=gen)
             elif self.cfg.ep_final_layout:
                 args.update(base_handoff_p=rk.counter_ptr(lay.final_layout_region))
-            self._program_of(rk).launch(ASYNC, self.cfg.n_sms, args, rk.stream)
+            rows.append(args)
+        self._launch_ranks(ASYNC, rows, first=True)
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
         dispatch_async where possible, ``WAIT_PDL``)."""
+        rows = []
         for rk in self.ranks:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
-            program = self._program_of(rk)
-            program.launch(WAIT, self.cfg.n_sms, args, rk.stream,
-                           programmatic=WAIT_PDL and program.programmatic_ok)
-            rk.wait_done = self.cuda.record_event(rk.stream)
+            rows.append(args)
+        self._launch_ranks(WAIT, rows, last=True, programmatic=WAIT_PDL)
 
     def dispatch_fused(self):
         """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
         waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
         kernel = self.program.module.kernel(FUSED)
+        rows = []
         for rk in self.ranks:
             for ev in waits:
                 rk.stream.wait(ev)
             args = {**self._async_args(rk, FUSED), **self._wait_args(rk, FUSED)}
             if any(p.name == "allreduce_world_size" for p in kernel.params):
                 args["allreduce_world_size"] = len(self.rank_ids)
-            self._program_of(rk).launch(FUSED, self.cfg.n_sms, args, rk.stream)
-        for rk in self.ranks:
-            rk.wait_done = self.cuda.record_event(rk.stream)
+            rows.append(args)
+        self._launch_ranks(FUSED, rows, first=True, last=True)
+
+    def _launch_ranks(self, kernel: str, rows: list, *, first: bool = False,
+                      last: bool = False, programmatic: bool = False):
+        """Every rank's launch of ``kernel`` (``rows[i]``: the arguments of ``ranks[i]``):
+        one per rank on its own stream, ``last`` recording each rank's ``wait_done``. A
+        ``batched`` world makes one launch of every rank's blocks (``Program.launch_ranks``)
+        on the first rank's stream: ``first``, after every rank stream's work so far (its
+        inputs); ``last``, with every other rank stream waiting for it and ``wait_done`` the
+        event after it. ``programmatic``: where the program can (``programmatic_ok``)."""
+        if not self.batched:
+            for rk, args in zip(self.ranks, rows):
+                program = self._program_of(rk)
+                program.launch(kernel, self.cfg.n_sms, args, rk.stream,
+                               programmatic=programmatic and program.programmatic_ok)
+                if last:
+                    rk.wait_done = self.cuda.record_event(rk.stream)
+            return
+        lead = self.ranks[0].stream
+        if first:
+            for rk in self.ranks[1:]:
+                lead.wait(self.cuda.record_event(rk.stream))
+        self.program.launch_ranks(kernel, self.cfg.n_sms, rows, lead,
+                                  programmatic=programmatic and self.program.programmatic_ok)
+        if last:
+            done = self.cuda.record_event(lead)
+            for rk in self.ranks:
+                if rk.stream is not lead:
+                    rk.stream.wait(done)
+                rk.wait_done = done
 
     def enqueue_round_trip(self):
         """Enqueue one round trip on every rank's stream: the fused single launch, or
@@ -468,16 +503,29 @@ class EmulatedWorld(RankWorld):
     ``fused=True``; default: fused exactly when ``cfg.fused_shared_expert``) and returns, per
     rank, the same ``reference.RankResult`` structure as ``epgen.reference.dispatch`` (with
     the output scales of the quantising formats; compare against ``reference.dispatch(...,
-    input_scale=world.input_scale)``)."""
+    input_scale=world.input_scale)``).
+
+    ``batched=True`` launches every rank's grid of a kernel as one grid (``ir.batch_ranks``:
+    each rank's arguments travel by value in one table; ``Program.launch_ranks``) on the
+    first rank's stream, instead of one launch per rank stream. On one GPU the eight launches
+    of a call start their blocks one after another, about 1.5 us apart on the H200 (run 47's
+    trace), a delay that ranks on their own GPUs do not have; one launch starts every
+    rank's blocks together."""
 
     def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
                  fused: bool | None = None, input_scale: float = 1.0,
-                 devices: int | None = None):
+                 devices: int | None = None, batched: bool = False):
         self.rank_ids = participants(cfg, devices)
         self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale)
+        if not isinstance(batched, bool):
+            raise ValueError(f"EmulatedWorld: batched must be a bool, got {batched!r}")
+        self.batched = batched
         cuda = self.cuda
-        self.program = Program(co_resident(build_module(cfg), len(self.rank_ids) * cfg.n_sms,
-                                           cuda.sm_count(device)), arch=arch, device=device)
+        module = co_resident(build_module(cfg), len(self.rank_ids) * cfg.n_sms,
+                             cuda.sm_count(device))
+        if batched:
+            module = ir.batch_ranks(module, len(self.rank_ids), cfg.n_sms)
+        self.program = Program(module, arch=arch, device=device)
         self.device = self.program.device
         self._check_capacity()
         self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
