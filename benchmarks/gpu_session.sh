@@ -33,7 +33,7 @@
 # each recorded in docs/PERF.md; the mode went with the last of its experiments, as did
 # "count-ab" (run 37).
 #
-# About 10 minutes for "all" on one H200 (tests ~3.5 min, benchmarks ~6.5 min): two device calls,
+# About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min): two device calls,
 # "tests" then "bench" (each under `timeout 590`).
 set -u
 OUT=${OUT:-gpu-session-out}
@@ -74,18 +74,23 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/gpu-tests.log" | tail -15 | sed 's/^/    /'
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    # every variant as stream launches and as a replay of its captured CUDA graph ("graph")
-    bench bf16 200 --tokens 128,4096 --variant default --variant graph=graph --variant fused \
-        --variant fused_graph=fused,graph \
+    # every variant as stream launches, as a replay of its captured CUDA graph ("graph") and
+    # with every rank's grid in one launch ("batched")
+    bench bf16 260 --tokens 128,4096 --variant default --variant graph=graph --variant fused \
+        --variant fused_graph=fused,graph --variant batched=batched \
+        --variant batched_fused=batched,fused \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
-        --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph --no-post-check
+        --variant prod_graph=ep_final_layout,ep_prod_reserve,alignment:16,graph \
+        --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
+        --no-post-check
     bench flags-prefill 100 --tokens 4096 --variant ord_r=ep_ord_r,has_rank_flag \
         --variant ord_r_graph=ep_ord_r,has_rank_flag,graph \
         --variant send_join_named=ep_send_join_named \
         --variant send_join_named_graph=ep_send_join_named,graph --no-post-check --no-baseline
     for fmt in NVFP4 BlockwiseFP8 MXFP8; do
-        bench "$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
-            --variant graph=graph --variant fused_graph=fused,graph --no-baseline --no-post-check
+        bench "$fmt" 130 --set format=$fmt --tokens 128,4096 --variant default \
+            --variant graph=graph --variant fused_graph=fused,graph --variant batched=batched \
+            --variant batched_fused=batched,fused --no-baseline --no-post-check
     done
     bench zipf 100 --tokens 4096 --routing zipf --variant default --variant graph=graph \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 --no-post-check

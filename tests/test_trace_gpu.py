@@ -65,8 +65,9 @@ def test_traced_round_trip_matches_and_orders(traced, fused, fmt, graph, seed):
     world = epgen.EmulatedWorld(cfg, fused=fused)
     rng = np.random.default_rng(seed)
     replay = None
+    n = int(rng.integers(1, T + 1))       # one count: a graph replays the captured one
     for call in range(3):
-        toks, ids = routing.routing(rng, cfg, int(rng.integers(1, T + 1)))
+        toks, ids = routing.routing(rng, cfg, n if graph else int(rng.integers(1, T + 1)))
         runtime_trace.arm(world)
         if graph:
             world.load_inputs(toks, ids)
