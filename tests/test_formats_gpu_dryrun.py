@@ -38,6 +38,7 @@ class FakeRank:
 class FakeWorld:
     input_scale = EmulatedWorld.input_scale            # the real property (validation)
     broken = False
+    fused = batched = False
 
     def __init__(self, cfg, arch=None, input_scale=1.0, **kw):
         self.cfg = cfg
