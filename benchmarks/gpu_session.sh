@@ -3,14 +3,16 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
 # ("latency-nvfp4": NVFP4's, about a minute); "trace": the trace points' GPU tests and
 # `epgen run --trace` timelines of decode calls, then "latency-nvfp4" (about 4 minutes);
 # "batch-ab": every rank's grid in one launch against one launch per rank, its GPU tests,
-# decode and prefill A/B arms and a batched timeline (about 5 minutes); "profile": Nsight Compute on
+# decode and prefill A/B arms and a batched timeline (about 5 minutes); "format-variants":
+# the quantising formats' ORD-R, fused and final+prod round trips at prefill (about 3
+# minutes); "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
 # formats at other message alignments (about 3 minutes);
@@ -130,6 +132,16 @@ trace_runs() {   # trace_runs NAME ARGS...: `epgen run --trace` (20 calls), its 
     step "trace-$name" 120 python3 -m epgen run --trace --calls 20 --seed 7 "$@"
     sed -n '/^trace points/,$p' "$OUT/trace-$name.log" | sed 's/^/    /'
 }
+if [ "$what" = format-variants ]; then
+    # the quantising formats' other variants at prefill (every variant must reach 0.85):
+    # ORD-R and the fused launch on streams, final+prod
+    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
+        bench "variants-$fmt" 75 --set format=$fmt --tokens 4096 \
+            --variant ord_r=ep_ord_r,has_rank_flag --variant fused \
+            --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+            --no-baseline --no-post-check
+    done
+fi
 if [ "$what" = batch-ab ]; then
     # every rank's grid in one launch (EmulatedWorld(batched=True)) against one launch per
     # rank: its GPU tests, then the same-call A/B at decode (NVFP4, BF16) and prefill (NVFP4,
