@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -45,3 +46,17 @@ def test_with_settings_changes_the_generated_code(monkeypatch, capsys):
     assert dispatch_async.SEND_DSTS_IN_SHARED is True
     assert "send_dsts" not in plain
     assert "send_dsts" in shared and re.search(r"ld\.shared\.(v[24]\.)?[bu]64", shared)
+
+
+def test_gpu_session_settings_name_existing_constants():
+    """Every ``$B.NAME=`` / ``$D.NAME=`` arm of benchmarks/gpu_session.sh names a constant
+    that exists (a renamed knob would make the A/B arm fail only on the GPU machine)."""
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    modules = dict(re.findall(r"^([A-Z])=(epgen[\w.]+)$", script, re.M))
+    used = set(re.findall(r"\$([A-Z])\.([A-Z][A-Z0-9_]*)=", script))
+    assert used, "no settings found: the pattern no longer matches the script"
+    ws = load("with_settings")
+    for var, name in sorted(used):
+        module = importlib.import_module(modules[var])
+        assert hasattr(module, name), f"gpu_session.sh sets ${var}.{name}: no such constant"
+        ws.apply(f"{modules[var]}.{name}={getattr(module, name)!r}")   # the form it accepts

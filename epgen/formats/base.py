@@ -268,6 +268,10 @@ class TokenFormat:
     #: the message payload is the output row byte for byte (no scales), so the warp send path
     #: can write ``ep_final_layout`` output rows with ``emit_broadcast_token``
     payload_is_output_row = False
+    #: ``emit_broadcast_token`` takes ``scale_dsts``: the payload to output rows, the scales
+    #: to the same slots' rows of the output scales (``ep_final_layout`` on the warp send
+    #: path, ``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``)
+    broadcasts_final_rows = False
 
     def emit_broadcast_token(self, r, src_row, dsts, part=None):
         """IR of the warp send path: the calling warp reads token ``src_row`` once

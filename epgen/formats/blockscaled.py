@@ -323,7 +323,7 @@ class BlockScaledFormat(TokenFormat):
                              lambda off, value: r.store(msg + off, value))
 
     def emit_broadcast_token(self, r, src_row, dsts, part=None, unroll: int | None = None,
-                             stage_bytes: int | None = None):
+                             stage_bytes: int | None = None, scale_dsts=None):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
         ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
@@ -332,17 +332,33 @@ class BlockScaledFormat(TokenFormat):
         buffer of that many bytes instead (``_broadcast_staged``). With ``part = (index,
         count)`` the warp takes every ``count``-th staging chunk from chunk ``index``, the
         default chunk shrunk to about a ``count``-th of the payload so that each warp has one
-        (unstaged: every ``count``-th run of 32 items: groups never straddle warps)."""
+        (unstaged: every ``count``-th run of 32 items: groups never straddle warps).
+
+        ``scale_dsts`` (``ep_final_layout``, ``broadcasts_final_rows``): ``dsts`` are output
+        rows and ``scale_dsts`` the same slots' rows of the row-major output scales, so the
+        payload goes to ``dsts[k] + offset`` and a scale at message offset ``off`` to
+        ``scale_dsts[k] + off - scales_offset`` (None: both into the message at
+        ``dsts[k]``)."""
         held = not any(callable(d) for d in dsts)
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) if held else None
                 for k, d in enumerate(dsts)]
 
-        def store_all(off, value):
-            for ok, d in zip(live, dsts):
-                d = dst_address(d)
-                with r.if_(ok if held else d.ne(ir.Const(0, T.u64))):
-                    r.store(ir.Cast(T.ptr_global, d + off), value)
+        def storer(targets, rebase=None):
+            def store(off, value):
+                for ok, d in zip(live, targets):
+                    d = dst_address(d)
+                    with r.if_(ok if held else d.ne(ir.Const(0, T.u64))):
+                        at = off if rebase is None else off - rebase
+                        r.store(ir.Cast(T.ptr_global, d + at), value)
+            return store
 
+        store_all = storer(dsts)
+        store_scale = None
+        if scale_dsts is not None:
+            if not self.broadcasts_final_rows:
+                raise ValueError(f"{self.name}: scale_dsts needs row-major output scales of "
+                                 f"whole 16-byte rows (broadcasts_final_rows)")
+            store_scale = storer(scale_dsts, self.scales_offset)
         unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
         if stage_bytes is None:
             preferred = QUANT_STAGE_BYTES
@@ -351,12 +367,21 @@ class BlockScaledFormat(TokenFormat):
             stage_bytes = self.stage_chunk_bytes(
                 preferred, r.n_threads // 32, sum(b.nbytes for b in r.kb.shared))
         if stage_bytes:
-            self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes, part)
+            self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes, part,
+                                   store_scale=store_scale)
         elif part is None:
-            self._quantize_token(r, src_row, r.lane, 32, store_all, unroll)
+            self._quantize_token(r, src_row, r.lane, 32, store_all, unroll,
+                                 store_scale=store_scale)
         else:
             self._quantize_token(r, src_row, r.lane + part[0] * 32, 32 * part[1], store_all,
-                                 unroll)
+                                 unroll, store_scale=store_scale)
+
+    @property
+    def broadcasts_final_rows(self) -> bool:
+        """``emit_broadcast_token`` can write ``ep_final_layout`` rows (``scale_dsts``):
+        row-major output scales whose rows are whole 16-byte vectors, so the staged scale
+        copies (up to 16 bytes a store) stay aligned in them."""
+        return not self.scales_transposed and self.out_scale_bytes_per_row % VECTOR_BYTES == 0
 
     def part_chunk_bytes(self, count: int) -> int:
         """A ``count``-th of the payload, rounded up to whole 32-item trips and 16-byte
@@ -401,14 +426,16 @@ class BlockScaledFormat(TokenFormat):
         return stage_bytes // item_out
 
     def _broadcast_staged(self, r, src_row, store_all, unroll: int, stage_bytes: int,
-                          part=None):
+                          part=None, store_scale=None):
         """The token in chunks of ``stage_bytes`` payload bytes (with ``part = (index,
         count)``: chunks ``index, index + count, ...``): the warp quantizes a chunk's
         items into its slice of the shared buffer ``quant_stage`` (``st.shared``; the group
         scales still go straight to every destination), ``bar.warp.sync``, then each lane
         copies 16-byte vectors of the chunk (``ld.shared.v4.b32``) to every destination
         (``st.global.v4.b32``): each destination gets the chunk as 512-byte warp stores, as
-        BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip."""
+        BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip. ``store_scale``:
+        where the scales go, by message offset (default ``store_all``)."""
+        store_scale = store_scale or store_all
         chunk_items = self.check_stage_bytes(stage_bytes)
         item_out = self.item_out_bytes
         n_items = self.hid_dim // ITEM_ELEMS
@@ -435,7 +462,7 @@ class BlockScaledFormat(TokenFormat):
             def to_stage(off, value):
                 r.store(mine + (off - base), value)
 
-            to_scales = store_all
+            to_scales = store_scale
             if my_scales is not None:
                 sc_base = r.let("q_chunk_sc", (c0 // lanes).cast(T.u64) * self.scale_bytes
                                 + self.scales_offset)
@@ -452,7 +479,7 @@ class BlockScaledFormat(TokenFormat):
                 store_all(base + off, r.load(mine + off, T.vec(T.u32, 4), name="q_bc_v"))
             if my_scales is not None:
                 self._copy_staged_scales(r, my_scales, sc_base, (c1 - c0) // lanes,
-                                         self.chunk_scale_bytes(stage_bytes), store_all)
+                                         self.chunk_scale_bytes(stage_bytes), store_scale)
             r.warp_sync()
 
     def _copy_staged_scales(self, r, staged, dst_off, n_groups, chunk_bytes: int, store_all):

@@ -281,8 +281,26 @@ def uses_warp_send(cfg) -> bool:
     block-staged broadcast is faster (``prefers_block_broadcast``)."""
     return (not cfg.layout.role_split.enabled and not cfg.fused_shared_expert
             and not cfg.ep_send_join_named
-            and (not cfg.ep_final_layout or cfg.token_fmt.payload_is_output_row)
+            and (not cfg.ep_final_layout or writes_final_rows_by_warp(cfg.token_fmt))
             and not prefers_block_broadcast(cfg))
+
+
+#: ``ep_final_layout`` for the block-scaled formats with row-major output scales (NVFP4,
+#: MXFP8: ``broadcasts_final_rows``) on the warp send path: each warp quantizes its token
+#: once and writes the payload to the K output rows and the scales to their rows of the
+#: output scales, instead of the staged path (the block stages one token in the send buffer,
+#: then a warp per slot copies the message: run 51 measured NVFP4's final+prod at 0.213 of
+#: copy, MXFP8's at 0.295, against BF16's 0.78 on the warp path). Simulator-tested; not run
+#: on a GPU yet (docs/PERF.md, ninth session), so off.
+WARP_FINAL_ROWS_WITH_SCALES = False
+
+
+def writes_final_rows_by_warp(fmt) -> bool:
+    """Whether the warp send path can write ``fmt``'s ``ep_final_layout`` rows: its payload
+    is the output row (BF16), or, with ``WARP_FINAL_ROWS_WITH_SCALES``, its broadcast also
+    writes the rows' scales (``broadcasts_final_rows``)."""
+    return fmt.payload_is_output_row or (WARP_FINAL_ROWS_WITH_SCALES
+                                         and fmt.broadcasts_final_rows)
 
 
 #: The block-staged broadcast (``broadcast_tokens``: ``ep_send_join_named``) on every block,
@@ -692,9 +710,10 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
                                cache=CacheHint.NC, name="g_ld"))
             r.assign(dst_rank, g // L)
             reserve_slot(r, cfg, p, g, dst_rank, co_word, slot, None if p.final else addr)
+        scale_addr = None
         if p.final:
-            out_addr, hdr_addr = final_layout.warp_final_rows(r, cfg, p.final, co_word, slot,
-                                                              dst_rank, NO_SLOT)
+            out_addr, hdr_addr, scale_addr = final_layout.warp_final_rows(
+                r, cfg, p.final, co_word, slot, dst_rank, NO_SLOT)
             r.assign(addr, out_addr)
             hdr, src_rank = hdr_addr, p.my_rank
         else:
@@ -719,20 +738,32 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
         elif SEND_DSTS_IN_SHARED:
             table = r.kb.shared_buffer("send_dsts", 8 * r.n_threads)
             r.store(table + (r.tid * 8).cast(T.u64), addr)
+            if scale_addr is not None:
+                scale_table = r.kb.shared_buffer("send_scale_dsts", 8 * r.n_threads)
+                r.store(scale_table + (r.tid * 8).cast(T.u64), scale_addr)
+                warp_scale_dsts = r.let("warp_scale_dsts",
+                                        scale_table + (r.warp * 256).cast(T.u64))
             r.warp_sync()
             warp_dsts = r.let("warp_dsts", table + (r.warp * 256).cast(T.u64))
         with r.for_range("q", 0, n_in_round, 1) as q:
             tq = r.let("tq", t0 + q * n_send_warps)
+            scales = {}
             if SEND_DSTS_IN_SHARED or split:  # fetched at each use: nothing held across the loop
                 dsts = [functools.partial(load_dst, r, warp_dsts, q * K + k) for k in range(K)]
+                if scale_addr is not None:
+                    scales["scale_dsts"] = [functools.partial(load_dst, r, warp_scale_dsts,
+                                                              q * K + k) for k in range(K)]
             else:
                 dsts = [r.shfl(ShflMode.IDX, addr, q * K + k, name=f"dst{k}")
                         for k in range(K)]
+                if scale_addr is not None:
+                    scales["scale_dsts"] = [r.shfl(ShflMode.IDX, scale_addr, q * K + k,
+                                                   name=f"sdst{k}") for k in range(K)]
             src = p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes
             if split:
                 fmt.emit_broadcast_token(r, src, dsts, part=(part, token_warps))
             else:
-                fmt.emit_broadcast_token(r, src, dsts)
+                fmt.emit_broadcast_token(r, src, dsts, **scales)
         r.warp_sync()
         with r.if_(co_word.ne(NO_SLOT)):
             r.red(AtomOp.ADD, _word(finished, co_word), 1, Sem.RELEASE, Scope.GPU)

@@ -234,8 +234,9 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
     ``copy_to_final_row``: ``ld.acquire.gpu.global.b32`` of the hand-off word, or with
     ``ep_prod_reserve`` ``ld.acquire.sys.global.b64`` of the mailbox), so a wait that gives
     up exits the whole warp; lane ``k`` keeps its base. Returns (output row address, header
-    row address) of lane ``k``'s row ``base + slot`` as u64 vars, 0 when nothing is written
-    (no slot, or a row past the output: device guard)."""
+    row address, output-scales row address) of lane ``k``'s row ``base + slot`` as u64 vars,
+    0 when nothing is written (no slot, or a row past the output: device guard); the last is
+    None for a format without output scales (row-major ones: ``broadcasts_final_rows``)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     base = r.var("row_base", T.u32, 0)
     # the lanes still to serve, lowest first (a data-dependent loop LLVM does not unroll, so
@@ -259,6 +260,8 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
             r.assign(base, value)
     out_addr = r.var("out_addr", T.u64, ir.Const(0, T.u64))
     hdr_addr = r.var("hdr_addr", T.u64, ir.Const(0, T.u64))
+    scale_addr = r.var("scale_addr", T.u64, ir.Const(0, T.u64)) \
+        if fl.scales_ptrs is not None else None
     with r.if_(ir.as_expr(co_word).ne(no_slot)):
         row = r.let("final_row", base + slot)
         with r.if_(row < lay.max_out_rows):
@@ -267,7 +270,11 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
             hdr = load_pointer(r, fl.hdr_ptrs, dst_p2p, "hdr_dst")
             r.assign(out_addr, ir.Cast(T.u64, out + row.cast(T.u64) * fmt.out_row_bytes))
             r.assign(hdr_addr, ir.Cast(T.u64, hdr + row.cast(T.u64) * lay.hdr_bytes))
-    return out_addr, hdr_addr
+            if scale_addr is not None:
+                scales = load_pointer(r, fl.scales_ptrs, dst_p2p, "scales_dst")
+                r.assign(scale_addr, ir.Cast(T.u64, scales + row.cast(T.u64)
+                                             * fmt.out_scale_bytes_per_row))
+    return out_addr, hdr_addr, scale_addr
 
 
 # ---- dispatch_wait: aux (wait_for_arrivals_and_compute_offsets) -------------------------------

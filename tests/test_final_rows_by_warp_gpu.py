@@ -1,0 +1,50 @@
+"""``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES`` on the GPU (off by default, so these tests
+switch it on): NVFP4's and MXFP8's ``ep_final_layout`` rows and output scales written by the
+warp send path, against the reference, with and without ``ep_prod_reserve``, on streams and
+as graph replays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import epgen
+from epgen import reference, routing
+from epgen.formats import make_format
+from epgen.kernels import dispatch_async
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_sms)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
+@pytest.mark.parametrize("prod", [False, True], ids=["final", "final_prod"])
+@pytest.mark.parametrize("fmt", ["NVFP4", "MXFP8"])
+def test_final_rows_by_warp(fmt, prod, graph, seed, monkeypatch):
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
+    R, E, H, K, T, threads, sms = SHAPE
+    cfg = epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
+                         max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                         token_fmt=make_format(fmt, H, K), ep_final_layout=True,
+                         ep_prod_reserve=prod)
+    assert dispatch_async.uses_warp_send(cfg)
+    world = epgen.EmulatedWorld(cfg)
+    rng = np.random.default_rng(seed)
+    counts = [int(rng.integers(0, T + 1)) for _ in range(R)]
+    replay = None
+    for call in range(3):
+        toks, ids = routing.routing(rng, cfg, counts)
+        if graph:
+            world.load_inputs(toks, ids)
+            if replay is None:
+                replay = world.capture_round_trip()
+            replay.launch()
+            world.check()
+            got = world.results()
+        else:
+            got = world.dispatch(toks, ids)
+        try:
+            reference.assert_match(cfg, reference.dispatch(cfg, toks, ids), got)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None

@@ -1,0 +1,83 @@
+"""``ep_final_layout`` for the block-scaled formats with row-major output scales on the warp
+send path (``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``): each warp writes the payload to
+the K output rows and the scales to their rows of the output scales
+(``emit_broadcast_token(scale_dsts=...)``). On the simulator against the reference, with the
+destinations in shared memory or in registers, the payload staged or not, the scales staged
+or not; which formats and configurations take the path."""
+
+from __future__ import annotations
+
+import pytest
+
+import ir
+from epgen.formats import make_format
+from epgen.kernels import build_module, dispatch_async
+
+from test_formats_sim import FLAGS, make_cfg, run_calls
+
+#: row-major scales whose rows are whole 16-byte vectors (``broadcasts_final_rows``)
+CASES = [("NVFP4", 256), ("NVFP4", 512), ("MXFP8", 512)]
+FINAL = ["final_layout", "prod_reserve"]
+
+
+@pytest.fixture
+def on(monkeypatch):
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
+
+
+def shared_names(cfg):
+    k = build_module(cfg).kernel("ep_dispatch_async")
+    return {b.name for b in k.shared}
+
+
+@pytest.mark.parametrize("flags", FINAL)
+@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+def test_final_rows_by_warp_match_the_reference(on, fmt, H, flags, seed):
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    assert dispatch_async.uses_warp_send(cfg)
+    assert "send_scale_dsts" in shared_names(cfg)
+    run_calls(cfg, seed)
+
+
+@pytest.mark.parametrize("dsts_in_shared", [False, True])
+@pytest.mark.parametrize("stage_bytes", [None, 0], ids=["staged", "unstaged"])
+@pytest.mark.parametrize("scales_staged", [True, False])
+@pytest.mark.parametrize("fmt,H", [("NVFP4", 512), ("MXFP8", 512)],
+                         ids=["NVFP4-H512", "MXFP8-H512"])
+def test_final_rows_by_warp_every_store_path(on, fmt, H, dsts_in_shared, stage_bytes,
+                                             scales_staged, seed, monkeypatch):
+    from epgen.formats import blockscaled
+    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", dsts_in_shared)
+    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", scales_staged)
+    if stage_bytes is not None:
+        monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", stage_bytes)
+    cfg = make_cfg(fmt, H, **FLAGS["prod_reserve"])
+    assert ("send_scale_dsts" in shared_names(cfg)) == dsts_in_shared
+    run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("flags", FINAL)
+@pytest.mark.parametrize("fmt,H", CASES + [("BlockwiseFP8", 512), ("NVFP4", 64)],
+                         ids=lambda v: str(v))
+def test_which_configurations_take_the_path(fmt, H, flags, monkeypatch):
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    row_major_rows = cfg.token_fmt.broadcasts_final_rows
+    assert row_major_rows == ((fmt, H) in CASES)   # BlockwiseFP8: transposed; NVFP4 H=64: 4 B
+    assert not dispatch_async.uses_warp_send(cfg)  # off by default: the staged path
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
+    assert dispatch_async.uses_warp_send(cfg) == row_major_rows
+
+
+def test_off_keeps_the_staged_kernels():
+    cfg = make_cfg("NVFP4", 512, **FLAGS["prod_reserve"])
+    assert "send_scale_dsts" not in shared_names(cfg)
+
+
+def test_transposed_scales_are_refused():
+    fmt = make_format("BlockwiseFP8", 512, 2)
+    kb = ir.KernelBuilder("k", 32)
+    src = kb.param("src", ir.types.ptr_global)
+    with kb.role("r") as r:
+        with pytest.raises(ValueError, match="scale_dsts needs row-major output scales"):
+            fmt.emit_broadcast_token(r, src, [ir.Const(0, ir.types.u64)] * 2,
+                                     scale_dsts=[ir.Const(0, ir.types.u64)] * 2)
