@@ -354,12 +354,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             runtime_trace.arm(world)
         t0 = time.perf_counter()
         if args.graph:
-            world.load_inputs(toks, ids)
-            if graph is None:
-                graph = world.capture_round_trip()
-            graph.launch()
-            world.check()
-            got = world.results()
+            graph, got = world.dispatch_replayed(toks, ids, graph)
         else:
             got = world.dispatch(toks, ids)
         dt = time.perf_counter() - t0

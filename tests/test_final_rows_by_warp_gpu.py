@@ -36,12 +36,7 @@ def test_final_rows_by_warp(fmt, prod, graph, seed, monkeypatch):
     for call in range(3):
         toks, ids = routing.routing(rng, cfg, counts)
         if graph:
-            world.load_inputs(toks, ids)
-            if replay is None:
-                replay = world.capture_round_trip()
-            replay.launch()
-            world.check()
-            got = world.results()
+            replay, got = world.dispatch_replayed(toks, ids, replay)
         else:
             got = world.dispatch(toks, ids)
         try:

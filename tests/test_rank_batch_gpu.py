@@ -38,12 +38,7 @@ def run_calls(world, rng, seed, graph: bool, calls: int = 3):
             counts = [int(rng.integers(0, T + 1)) for _ in range(cfg.n_ranks)]
         toks, ids = routing.routing(rng, cfg, counts)
         if graph:
-            world.load_inputs(toks, ids)
-            if replay is None:
-                replay = world.capture_round_trip()
-            replay.launch()
-            world.check()
-            got = world.results()
+            replay, got = world.dispatch_replayed(toks, ids, replay)
         else:
             got = world.dispatch(toks, ids)
         want = reference.dispatch(cfg, toks, ids, input_scale=world.input_scale)

@@ -70,12 +70,7 @@ def test_traced_round_trip_matches_and_orders(traced, fused, fmt, graph, seed):
         toks, ids = routing.routing(rng, cfg, n if graph else int(rng.integers(1, T + 1)))
         runtime_trace.arm(world)
         if graph:
-            world.load_inputs(toks, ids)
-            if replay is None:
-                replay = world.capture_round_trip()
-            replay.launch()
-            world.check()
-            got = world.results()
+            replay, got = world.dispatch_replayed(toks, ids, replay)
         else:
             got = world.dispatch(toks, ids)
         msg = f"seed {seed}, call {call}"

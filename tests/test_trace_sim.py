@@ -71,12 +71,7 @@ def test_every_role_stamped_in_protocol_order(traced, fused, flags, graph, seed)
             toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
             runtime_trace.arm(world)
             if graph:      # the buffers exist before the capture, which may not allocate
-                world.load_inputs(toks, ids)
-                if replay is None:
-                    replay = world.capture_round_trip()
-                replay.launch()
-                world.check()
-                got = world.results()
+                replay, got = world.dispatch_replayed(toks, ids, replay)
             else:
                 got = world.dispatch(toks, ids)
             try:

@@ -472,6 +472,17 @@ class RankWorld:
         self.check()
         return self.results()
 
+    def dispatch_replayed(self, tokens, topk_ids, graph=None) -> tuple:
+        """``dispatch`` as a replay of ``graph`` (a ``RoundTripGraph`` of this world; None:
+        captured now, after the inputs are loaded): returns ``(graph, results)``, the graph
+        to pass to the next call (same token counts; see ``RoundTripGraph``)."""
+        self.load_inputs(tokens, topk_ids)
+        if graph is None:
+            graph = self.capture_round_trip()
+        graph.launch()
+        self.check()
+        return graph, self.results()
+
     def results(self) -> list:
         cfg, lay = self.cfg, self.cfg.layout
         L, R = lay.n_local_experts, cfg.n_ranks
