@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen import reference, routing
-from epgen.formats import make_format
 from epgen.kernels import dispatch_async
+from world_checks import checked_calls, make_cfg
 
 pytestmark = pytest.mark.gpu
 
@@ -24,22 +23,9 @@ SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_
 def test_final_rows_by_warp(fmt, prod, graph, seed, monkeypatch):
     monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
     R, E, H, K, T, threads, sms = SHAPE
-    cfg = epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
-                         max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
-                         token_fmt=make_format(fmt, H, K), ep_final_layout=True,
-                         ep_prod_reserve=prod)
+    cfg = make_cfg(*SHAPE, fmt=fmt, ep_final_layout=True, ep_prod_reserve=prod)
     assert dispatch_async.uses_warp_send(cfg)
-    world = epgen.EmulatedWorld(cfg)
     rng = np.random.default_rng(seed)
     counts = [int(rng.integers(0, T + 1)) for _ in range(R)]
-    replay = None
-    for call in range(3):
-        toks, ids = routing.routing(rng, cfg, counts)
-        if graph:
-            replay, got = world.dispatch_replayed(toks, ids, replay)
-        else:
-            got = world.dispatch(toks, ids)
-        try:
-            reference.assert_match(cfg, reference.dispatch(cfg, toks, ids), got)
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
+    for _ in checked_calls(epgen.EmulatedWorld(cfg), rng, seed, counts, 3, graph):
+        pass

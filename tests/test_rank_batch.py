@@ -44,7 +44,7 @@ def test_lowering_reads_every_parameter_from_the_rank_row():
         params = re.findall(r"\.param [^\n]*", body.split(")")[0])
         assert params == [f".param .align 8 .b8 {k.name}_param_0[{8 * n * 8}]"], params
         # every parameter load is from the table at a register address, never a named slot
-        assert f"mov.b64" in body and f"{k.name}_param_0;" in body
+        assert "mov.b64" in body and f"{k.name}_param_0;" in body
         assert not re.search(rf"ld\.param[^\n]*\[{k.name}_param_\d+", body)
         assert re.search(r"ld\.param\.b(32|64)\s+%r\w*, \[%rd\d+(\+\d+)?\]", body)
         # the rank is ctaid / n_sms, the rank-local block ctaid % n_sms; no local copy

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen import cli, reference, routing
-from epgen.formats import make_format
-from world_checks import make_cfg
+from epgen import cli
+from world_checks import checked_calls, make_cfg
 
 pytestmark = pytest.mark.gpu
 
@@ -21,31 +20,17 @@ SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_
 
 
 def config(fmt: str, **flags):
-    if fmt == "BF16":
-        return make_cfg(*SHAPE, **flags)
-    R, E, H, K, T, threads, sms = SHAPE
-    return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
-                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
-                          token_fmt=make_format(fmt, H, K), **flags)
+    return make_cfg(*SHAPE, fmt=fmt, **flags)
 
 
 def run_calls(world, rng, seed, graph: bool, calls: int = 3):
+    """``calls`` checked round trips, new token counts per call (a graph keeps its own)."""
     cfg, T = world.cfg, world.cfg.max_tokens_per_rank
-    replay = None
-    counts = None
-    for call in range(calls):
-        if not graph or counts is None:
-            counts = [int(rng.integers(0, T + 1)) for _ in range(cfg.n_ranks)]
-        toks, ids = routing.routing(rng, cfg, counts)
-        if graph:
-            replay, got = world.dispatch_replayed(toks, ids, replay)
-        else:
-            got = world.dispatch(toks, ids)
-        want = reference.dispatch(cfg, toks, ids, input_scale=world.input_scale)
-        try:
-            reference.assert_match(cfg, want, got)
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
+    counts = [int(rng.integers(0, T + 1)) for _ in range(cfg.n_ranks)]
+    fresh = (lambda call: counts) if graph else \
+        (lambda call: [int(rng.integers(0, T + 1)) for _ in range(cfg.n_ranks)])
+    for _ in checked_calls(world, rng, seed, fresh, calls, graph):
+        pass
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])

@@ -10,12 +10,35 @@ import pytest
 import epgen
 
 
-def make_cfg(R, E, H, K, T, threads, sms, **flags):
-    """A BF16 configuration: R ranks (one P2P group), E experts, hidden H, top-k K, T tokens
-    per rank at most, ``threads`` per block, ``sms`` blocks per rank."""
+def make_cfg(R, E, H, K, T, threads, sms, fmt: str = "BF16", **flags):
+    """A configuration: R ranks (one P2P group), E experts, hidden H, top-k K, T tokens per
+    rank at most, ``threads`` per block, ``sms`` blocks per rank, token format ``fmt``."""
+    from epgen.formats import make_format
     return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
                           max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
-                          token_fmt=epgen.BF16Format(hid_dim=H, top_k=K), **flags)
+                          token_fmt=make_format(fmt, H, K), **flags)
+
+
+def checked_calls(world, rng, seed, counts, calls: int, graph: bool):
+    """``calls`` round trips of ``world`` with fresh inputs of ``counts`` tokens per rank
+    (a list, or a callable giving one per call), each as a stream call or, with ``graph``,
+    a replay of one captured graph (``dispatch_replayed``), compared with the reference;
+    the failure names the seed and the call. Yields ``call`` after each check."""
+    from epgen import reference, routing
+    replay = None
+    for call in range(calls):
+        toks, ids = routing.routing(rng, world.cfg, counts(call) if callable(counts)
+                                    else counts)
+        if graph:
+            replay, got = world.dispatch_replayed(toks, ids, replay)
+        else:
+            got = world.dispatch(toks, ids)
+        want = reference.dispatch(world.cfg, toks, ids, input_scale=world.input_scale)
+        try:
+            reference.assert_match(world.cfg, want, got)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
+        yield call
 
 
 _worlds = {}
