@@ -172,3 +172,15 @@ def test_unbatched_module_unchanged():
     m = build_module(cfg)
     assert all(k.rank_batch is None for k in m.kernels)
     assert attrs.evolve(ir.batch_ranks(m, 8, 33).kernels[0], rank_batch=None) == m.kernels[0]
+
+
+@pytest.mark.parametrize("flags", ["skip_a2a", "fused_se", "final_layout"])
+def test_batched_formats_and_flags(flags, seed):
+    """A quantising format (an f32 parameter in the table: NVFP4's input scale), one-device
+    ``skip_a2a`` (a table of one row), the shared expert's fused kernel, the final layout."""
+    from test_formats_sim import FLAGS as FORMAT_FLAGS
+    from test_formats_sim import make_cfg as format_cfg
+    from test_formats_sim import run_calls
+    cfg = format_cfg("NVFP4", 256, **FORMAT_FLAGS[flags])
+    fused = True if flags == "fused_se" else None
+    run_calls(cfg, seed, n_calls=2, input_scale=0.75, batched=True, fused=fused)
