@@ -12,8 +12,8 @@
 # "batch-ab": every rank's grid in one launch against one launch per rank, its GPU tests,
 # decode and prefill A/B arms and a batched timeline (about 5 minutes); "format-variants":
 # the quantising formats' ORD-R, fused and final+prod round trips at prefill (about 3
-# minutes); "final-ab": NVFP4's and MXFP8's final+prod with the warp send path writing the
-# rows and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 3 minutes);
+# minutes); "final-ab": the formats' final+prod with the warp send path writing the rows
+# and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
 # "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
@@ -240,14 +240,14 @@ ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm, module cons
 B=epgen.formats.blockscaled
 D=epgen.kernels.dispatch_async
 if [ "$what" = final-ab ]; then
-    # NVFP4's and MXFP8's final+prod on the warp send path (WARP_FINAL_ROWS_WITH_SCALES)
-    # against the staged path, its GPU tests first (about 3 minutes)
+    # the formats' final+prod on the warp send path (WARP_FINAL_ROWS_WITH_SCALES) against
+    # the staged path, its GPU tests first (about 4 minutes)
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
     # shellcheck disable=SC2086
     step final-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
         tests/test_final_rows_by_warp_gpu.py
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/final-tests.log" | tail -8 | sed 's/^/    /'
-    for fmt in NVFP4 MXFP8; do
+    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
         for on in True False; do
             ab "final-$fmt-$on" $D.WARP_FINAL_ROWS_WITH_SCALES=$on -- bench --set format=$fmt \
                 --variant prod=ep_final_layout,ep_prod_reserve,alignment:16

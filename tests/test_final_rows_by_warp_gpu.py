@@ -1,7 +1,7 @@
 """``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES`` on the GPU (off by default, so these tests
-switch it on): NVFP4's and MXFP8's ``ep_final_layout`` rows and output scales written by the
-warp send path, against the reference, with and without ``ep_prod_reserve``, on streams and
-as graph replays."""
+switch it on): NVFP4's, MXFP8's and BlockwiseFP8's (transposed scales) ``ep_final_layout``
+rows and output scales written by the warp send path, against the reference, with and
+without ``ep_prod_reserve``, on streams and as graph replays."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_
 
 @pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
 @pytest.mark.parametrize("prod", [False, True], ids=["final", "final_prod"])
-@pytest.mark.parametrize("fmt", ["NVFP4", "MXFP8"])
+@pytest.mark.parametrize("fmt", ["NVFP4", "MXFP8", "BlockwiseFP8"])
 def test_final_rows_by_warp(fmt, prod, graph, seed, monkeypatch):
     monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
     R, E, H, K, T, threads, sms = SHAPE

@@ -1,6 +1,6 @@
-"""``ep_final_layout`` for the block-scaled formats with row-major output scales on the warp
-send path (``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``): each warp writes the payload to
-the K output rows and the scales to their rows of the output scales
+"""``ep_final_layout`` for the block-scaled formats on the warp send path
+(``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``): each warp writes the payload to the K
+output rows and the scales to their places in the output scales, row-major or transposed
 (``emit_broadcast_token(scale_dsts=...)``). On the simulator against the reference, with the
 destinations in shared memory or in registers, the payload staged or not, the scales staged
 or not; which formats and configurations take the path."""
@@ -15,8 +15,10 @@ from epgen.kernels import build_module, dispatch_async
 
 from test_formats_sim import FLAGS, make_cfg, run_calls
 
-#: row-major scales whose rows are whole 16-byte vectors (``broadcasts_final_rows``)
-CASES = [("NVFP4", 256), ("NVFP4", 512), ("MXFP8", 512)]
+#: ``broadcasts_final_rows``: row-major scales whose rows are whole 16-byte vectors, and
+#: BlockwiseFP8's transposed scales (one store per scale)
+CASES = [("NVFP4", 256), ("NVFP4", 512), ("MXFP8", 512), ("BlockwiseFP8", 384),
+         ("BlockwiseFP8", 512)]
 FINAL = ["final_layout", "prod_reserve"]
 
 
@@ -42,8 +44,8 @@ def test_final_rows_by_warp_match_the_reference(on, fmt, H, flags, seed):
 @pytest.mark.parametrize("dsts_in_shared", [False, True])
 @pytest.mark.parametrize("stage_bytes", [None, 0], ids=["staged", "unstaged"])
 @pytest.mark.parametrize("scales_staged", [True, False])
-@pytest.mark.parametrize("fmt,H", [("NVFP4", 512), ("MXFP8", 512)],
-                         ids=["NVFP4-H512", "MXFP8-H512"])
+@pytest.mark.parametrize("fmt,H", [("NVFP4", 512), ("MXFP8", 512), ("BlockwiseFP8", 512)],
+                         ids=["NVFP4-H512", "MXFP8-H512", "BlockwiseFP8-H512"])
 def test_final_rows_by_warp_every_store_path(on, fmt, H, dsts_in_shared, stage_bytes,
                                              scales_staged, seed, monkeypatch):
     from epgen.formats import blockscaled
@@ -57,15 +59,15 @@ def test_final_rows_by_warp_every_store_path(on, fmt, H, dsts_in_shared, stage_b
 
 
 @pytest.mark.parametrize("flags", FINAL)
-@pytest.mark.parametrize("fmt,H", CASES + [("BlockwiseFP8", 512), ("NVFP4", 64)],
+@pytest.mark.parametrize("fmt,H", CASES + [("NVFP4", 64), ("MXFP8", 64)],
                          ids=lambda v: str(v))
 def test_which_configurations_take_the_path(fmt, H, flags, monkeypatch):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
-    row_major_rows = cfg.token_fmt.broadcasts_final_rows
-    assert row_major_rows == ((fmt, H) in CASES)   # BlockwiseFP8: transposed; NVFP4 H=64: 4 B
+    can = cfg.token_fmt.broadcasts_final_rows
+    assert can == ((fmt, H) in CASES)        # NVFP4 H=64 and MXFP8 H=64: 4- and 2-byte rows
     assert not dispatch_async.uses_warp_send(cfg)  # off by default: the staged path
     monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
-    assert dispatch_async.uses_warp_send(cfg) == row_major_rows
+    assert dispatch_async.uses_warp_send(cfg) == can
 
 
 def test_off_keeps_the_staged_kernels():
@@ -73,11 +75,11 @@ def test_off_keeps_the_staged_kernels():
     assert "send_scale_dsts" not in shared_names(cfg)
 
 
-def test_transposed_scales_are_refused():
-    fmt = make_format("BlockwiseFP8", 512, 2)
+def test_scales_of_ragged_rows_are_refused():
+    fmt = make_format("NVFP4", 64, 2)                  # 4 scale bytes per row
     kb = ir.KernelBuilder("k", 32)
     src = kb.param("src", ir.types.ptr_global)
     with kb.role("r") as r:
-        with pytest.raises(ValueError, match="scale_dsts needs row-major output scales"):
+        with pytest.raises(ValueError, match="scale_dsts needs output scales whose rows"):
             fmt.emit_broadcast_token(r, src, [ir.Const(0, ir.types.u64)] * 2,
                                      scale_dsts=[ir.Const(0, ir.types.u64)] * 2)

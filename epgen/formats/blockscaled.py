@@ -335,30 +335,31 @@ class BlockScaledFormat(TokenFormat):
         (unstaged: every ``count``-th run of 32 items: groups never straddle warps).
 
         ``scale_dsts`` (``ep_final_layout``, ``broadcasts_final_rows``): ``dsts`` are output
-        rows and ``scale_dsts`` the same slots' rows of the row-major output scales, so the
-        payload goes to ``dsts[k] + offset`` and a scale at message offset ``off`` to
-        ``scale_dsts[k] + off - scales_offset`` (None: both into the message at
-        ``dsts[k]``)."""
+        rows and ``scale_dsts`` the addresses of the same rows' first scale in the output
+        scales, so the payload goes to ``dsts[k] + offset`` and a scale at message offset
+        ``off`` to ``scale_dsts[k] + final_scale_place(off)`` (None: both into the message
+        at ``dsts[k]``)."""
         held = not any(callable(d) for d in dsts)
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) if held else None
                 for k, d in enumerate(dsts)]
 
-        def storer(targets, rebase=None):
+        def storer(targets, place=None):
             def store(off, value):
                 for ok, d in zip(live, targets):
                     d = dst_address(d)
                     with r.if_(ok if held else d.ne(ir.Const(0, T.u64))):
-                        at = off if rebase is None else off - rebase
-                        r.store(ir.Cast(T.ptr_global, d + at), value)
+                        r.store(ir.Cast(T.ptr_global, d + (off if place is None
+                                                            else place(off))), value)
             return store
 
         store_all = storer(dsts)
         store_scale = None
         if scale_dsts is not None:
             if not self.broadcasts_final_rows:
-                raise ValueError(f"{self.name}: scale_dsts needs row-major output scales of "
-                                 f"whole 16-byte rows (broadcasts_final_rows)")
-            store_scale = storer(scale_dsts, self.scales_offset)
+                raise ValueError(f"{self.name}: scale_dsts needs output scales whose rows are "
+                                 f"whole 16-byte vectors, or transposed ones "
+                                 f"(broadcasts_final_rows)")
+            store_scale = storer(scale_dsts, self.final_scale_place(r))
         unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
         if stage_bytes is None:
             preferred = QUANT_STAGE_BYTES
@@ -368,7 +369,9 @@ class BlockScaledFormat(TokenFormat):
                 preferred, r.n_threads // 32, sum(b.nbytes for b in r.kb.shared))
         if stage_bytes:
             self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes, part,
-                                   store_scale=store_scale)
+                                   store_scale=store_scale,
+                                   scattered_scales=scale_dsts is not None
+                                   and self.scales_transposed)
         elif part is None:
             self._quantize_token(r, src_row, r.lane, 32, store_all, unroll,
                                  store_scale=store_scale)
@@ -379,9 +382,27 @@ class BlockScaledFormat(TokenFormat):
     @property
     def broadcasts_final_rows(self) -> bool:
         """``emit_broadcast_token`` can write ``ep_final_layout`` rows (``scale_dsts``):
-        row-major output scales whose rows are whole 16-byte vectors, so the staged scale
-        copies (up to 16 bytes a store) stay aligned in them."""
-        return not self.scales_transposed and self.out_scale_bytes_per_row % VECTOR_BYTES == 0
+        transposed output scales (one store per scale), or row-major ones whose rows are
+        whole 16-byte vectors, so the staged scale copies (up to 16 bytes a store) stay
+        aligned in them."""
+        return self.scales_transposed or self.out_scale_bytes_per_row % VECTOR_BYTES == 0
+
+    def out_scale_row_offset(self, row) -> ir.Expr:
+        """Byte offset of output row ``row``'s first scale in the output scales (u64):
+        ``row * scale bytes per row`` row-major, ``row * scale_bytes`` transposed."""
+        per_row = self.scale_bytes if self.scales_transposed else self.out_scale_bytes_per_row
+        return ir.as_expr(row).cast(T.u64) * per_row
+
+    def final_scale_place(self, r):
+        """Where a scale at message offset ``off`` (a u64 expression) lands from its output
+        row's first scale: ``off - scales_offset`` row-major; transposed
+        (``[groups, output_scales_rows]``), group ``g`` of the row ``g *
+        output_scales_rows`` scales further."""
+        if not self.scales_transposed:
+            return lambda off: off - self.scales_offset
+        rows = kernel_param(r, "output_scales_rows", T.u32)
+        return lambda off: ((off - self.scales_offset) // self.scale_bytes
+                            * (rows.cast(T.u64) * self.scale_bytes))
 
     def part_chunk_bytes(self, count: int) -> int:
         """A ``count``-th of the payload, rounded up to whole 32-item trips and 16-byte
@@ -426,7 +447,7 @@ class BlockScaledFormat(TokenFormat):
         return stage_bytes // item_out
 
     def _broadcast_staged(self, r, src_row, store_all, unroll: int, stage_bytes: int,
-                          part=None, store_scale=None):
+                          part=None, store_scale=None, scattered_scales: bool = False):
         """The token in chunks of ``stage_bytes`` payload bytes (with ``part = (index,
         count)``: chunks ``index, index + count, ...``): the warp quantizes a chunk's
         items into its slice of the shared buffer ``quant_stage`` (``st.shared``; the group
@@ -434,7 +455,8 @@ class BlockScaledFormat(TokenFormat):
         copies 16-byte vectors of the chunk (``ld.shared.v4.b32``) to every destination
         (``st.global.v4.b32``): each destination gets the chunk as 512-byte warp stores, as
         BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip. ``store_scale``:
-        where the scales go, by message offset (default ``store_all``)."""
+        where the scales go, by message offset (default ``store_all``);
+        ``scattered_scales``: one scale per store (not contiguous where they go)."""
         store_scale = store_scale or store_all
         chunk_items = self.check_stage_bytes(stage_bytes)
         item_out = self.item_out_bytes
@@ -479,17 +501,22 @@ class BlockScaledFormat(TokenFormat):
                 store_all(base + off, r.load(mine + off, T.vec(T.u32, 4), name="q_bc_v"))
             if my_scales is not None:
                 self._copy_staged_scales(r, my_scales, sc_base, (c1 - c0) // lanes,
-                                         self.chunk_scale_bytes(stage_bytes), store_scale)
+                                         self.chunk_scale_bytes(stage_bytes), store_scale,
+                                         one_per_store=scattered_scales)
             r.warp_sync()
 
-    def _copy_staged_scales(self, r, staged, dst_off, n_groups, chunk_bytes: int, store_all):
+    def _copy_staged_scales(self, r, staged, dst_off, n_groups, chunk_bytes: int, store_all,
+                            one_per_store: bool = False):
         """``QUANT_STAGE_SCALES``: the chunk's ``n_groups`` scales from the warp's shared slice
         ``staged`` to message offset ``dst_off`` of every destination, lane-strided, in units
         of the widest power of two up to 16 bytes that divides a whole chunk's ``chunk_bytes``
         (so every unit is aligned in the message), then the last partial unit's scales one by
-        one (``ld.shared`` then ``K`` x ``st.global``)."""
+        one (``ld.shared`` then ``K`` x ``st.global``). ``one_per_store``: one scale per
+        store (the final layout's transposed scales are not contiguous)."""
         unit = next(w for w in (16, 8, 4, 2, 1) if chunk_bytes % w == 0)
         unit = max(unit, self.scale_bytes)
+        if one_per_store:
+            unit = self.scale_bytes
         nbytes = r.let("q_sc_bytes", n_groups * self.scale_bytes)
         dtypes = {16: T.vec(T.u32, 4), 8: T.u64, 4: T.u32, 2: T.u16, 1: T.u8}
         n_units = r.let("q_sc_units", nbytes // unit)

@@ -285,13 +285,14 @@ def uses_warp_send(cfg) -> bool:
             and not prefers_block_broadcast(cfg))
 
 
-#: ``ep_final_layout`` for the block-scaled formats with row-major output scales (NVFP4,
-#: MXFP8: ``broadcasts_final_rows``) on the warp send path: each warp quantizes its token
-#: once and writes the payload to the K output rows and the scales to their rows of the
-#: output scales, instead of the staged path (the block stages one token in the send buffer,
-#: then a warp per slot copies the message: run 51 measured NVFP4's final+prod at 0.213 of
-#: copy, MXFP8's at 0.295, against BF16's 0.78 on the warp path). Simulator-tested; not run
-#: on a GPU yet (docs/PERF.md, ninth session), so off.
+#: ``ep_final_layout`` for the block-scaled formats (``broadcasts_final_rows``: NVFP4,
+#: MXFP8, BlockwiseFP8's transposed scales) on the warp send path: each warp quantizes its
+#: token once and writes the payload to the K output rows and the scales to those rows'
+#: places in the output scales, instead of the staged path (the block stages one token in
+#: the send buffer, then a warp per slot copies the message: run 51 measured final+prod at
+#: prefill at 0.213 of copy for NVFP4, 0.295 MXFP8, 0.226 BlockwiseFP8, against BF16's 0.78
+#: on the warp path). Simulator-tested; not run on a GPU yet (docs/PERF.md, ninth session),
+#: so off.
 WARP_FINAL_ROWS_WITH_SCALES = False
 
 

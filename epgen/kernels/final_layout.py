@@ -235,8 +235,9 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
     ``ep_prod_reserve`` ``ld.acquire.sys.global.b64`` of the mailbox), so a wait that gives
     up exits the whole warp; lane ``k`` keeps its base. Returns (output row address, header
     row address, output-scales row address) of lane ``k``'s row ``base + slot`` as u64 vars,
-    0 when nothing is written (no slot, or a row past the output: device guard); the last is
-    None for a format without output scales (row-major ones: ``broadcasts_final_rows``)."""
+    0 when nothing is written (no slot, or a row past the output: device guard); the last
+    (the row's first scale, ``out_scale_row_offset``) is None for a format without output
+    scales."""
     lay, fmt = cfg.layout, cfg.token_fmt
     base = r.var("row_base", T.u32, 0)
     # the lanes still to serve, lowest first (a data-dependent loop LLVM does not unroll, so
@@ -272,8 +273,7 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
             r.assign(hdr_addr, ir.Cast(T.u64, hdr + row.cast(T.u64) * lay.hdr_bytes))
             if scale_addr is not None:
                 scales = load_pointer(r, fl.scales_ptrs, dst_p2p, "scales_dst")
-                r.assign(scale_addr, ir.Cast(T.u64, scales + row.cast(T.u64)
-                                             * fmt.out_scale_bytes_per_row))
+                r.assign(scale_addr, ir.Cast(T.u64, scales + fmt.out_scale_row_offset(row)))
     return out_addr, hdr_addr, scale_addr
 
 
