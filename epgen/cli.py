@@ -126,21 +126,37 @@ def args_ptx(p: argparse.ArgumentParser) -> None:
                         f"'{PROG} variants'); not with --preset/--set")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--ir", action="store_true", help="print the IR text instead of PTX")
+    p.add_argument("--batched", action="store_true",
+                   help="the rank-batched kernels (one launch for every rank: parameters in "
+                        "one by-value table of n_ranks rows, n_sms blocks per rank), as "
+                        "'epgen run --batched' launches them")
+    p.add_argument("--trace", action="store_true",
+                   help="the kernels with trace points, as 'epgen run --trace' builds them")
 
 
 def cmd_ptx(args: argparse.Namespace) -> int:
     if args.variant is not None:
-        if args.preset is not None or args.sets:
-            args.parser.error("argument --variant: not allowed with --preset or --set")
+        if args.preset is not None or args.sets or args.batched or args.trace:
+            args.parser.error("argument --variant: not allowed with --preset, --set, "
+                              "--batched or --trace")
         _check_variant(args.parser, "--variant", args.variant)
         text = _variant_text(args.variant, args.arch, args.ir)
     else:
-        import epgen
+        import ir
+        from backends.nvptx import emit_ptx
         from epgen import goldens
+        from epgen.kernels import build_module, trace
 
         cfg, _ = _config(args)
-        text = (goldens.print_ir(epgen.build_module(cfg)) if args.ir
-                else epgen.emit_ptx(cfg, arch=args.arch))
+        traced = trace.ENABLED
+        trace.ENABLED = traced or args.trace
+        try:
+            module = build_module(cfg)
+        finally:
+            trace.ENABLED = traced
+        if args.batched:
+            module = ir.batch_ranks(module, cfg.n_ranks, cfg.n_sms)
+        text = goldens.print_ir(module) if args.ir else emit_ptx(module, arch=args.arch)
     _write(text, args.output)
     return 0
 

@@ -206,11 +206,31 @@ def test_ptx_set_flag_and_format(capsys):
     assert ".entry ep_dispatch_async(" in out
 
 
-@pytest.mark.parametrize("option", [["--preset", "small"], ["--set", "n_sms=20"]])
+@pytest.mark.parametrize("option", [["--preset", "small"], ["--set", "n_sms=20"],
+                                    ["--batched"], ["--trace"]])
 def test_variant_excludes_preset_and_set(capsys, option):
     status, out, err = run_cli(capsys, "ptx", "--variant", "demo/copy16", *option)
     assert status == 2 and out == ""
-    assert "--variant" in err and "not allowed with --preset or --set" in err
+    assert "--variant" in err and "not allowed with --preset, --set, --batched" in err
+
+
+def test_ptx_batched_and_traced(capsys):
+    _needs_backend()
+    cfg = presets.load_preset("small")
+    plain = run_cli(capsys, "ptx", "--preset", "small")[1]
+    status, batched, err = run_cli(capsys, "ptx", "--preset", "small", "--batched")
+    assert status == 0, err
+    n = len(epgen.build_module(cfg).kernel("ep_dispatch_async").params)
+    assert f".param .align 8 .b8 ep_dispatch_async_param_0[{cfg.n_ranks * n * 8}]" in batched
+    assert "ep_dispatch_async_param_1" in plain and "ep_dispatch_async_param_1" not in batched
+    status, text, err = run_cli(capsys, "ptx", "--preset", "small", "--batched", "--ir")
+    assert f"batch_ranks={cfg.n_ranks} batch_blocks={cfg.n_sms}" in text
+    status, traced, err = run_cli(capsys, "ptx", "--preset", "small", "--trace")
+    assert status == 0, err
+    assert "red.relaxed.gpu.global.min.u64" in traced
+    assert "red.relaxed.gpu.global.min.u64" not in plain
+    from epgen.kernels import trace
+    assert not trace.ENABLED
 
 
 def test_ptx_ir_text_of_a_preset(capsys):
