@@ -148,12 +148,8 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         from epgen.kernels import build_module, trace
 
         cfg, _ = _config(args)
-        traced = trace.ENABLED
-        trace.ENABLED = traced or args.trace
-        try:
+        with trace.enabled(args.trace):
             module = build_module(cfg)
-        finally:
-            trace.ENABLED = traced
         if args.batched:
             module = ir.batch_ranks(module, cfg.n_ranks, cfg.n_sms)
         text = goldens.print_ir(module) if args.ir else emit_ptx(module, arch=args.arch)
@@ -348,14 +344,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from epgen.kernels import trace
     from epgen.runtime import trace as runtime_trace
 
-    traced = trace.ENABLED
-    trace.ENABLED = traced or args.trace
-    try:
+    with trace.enabled(args.trace):
         world = make_world(args.world, cfg, arch=args.arch, devices=devices,
                            input_scale=args.input_scale, fused=True if args.fused else None,
                            batched=args.batched)
-    finally:
-        trace.ENABLED = traced
     where = ("emulated ranks" if args.world == "emulated" else
              f"ranks on GPUs {','.join(map(str, world.devices))} (P2P)")
     print(f"{cfg.n_ranks} {where}, {tokens} tokens/rank, seed {seed}"

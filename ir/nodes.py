@@ -569,6 +569,11 @@ class RankBatch:
     ranks: int
     blocks: int
 
+    def __attrs_post_init__(self):
+        for what, v in (("ranks", self.ranks), ("blocks", self.blocks)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"batch_ranks: {what} must be a positive int, got {v!r}")
+
 
 RANK_ARG_BYTES = 8
 
@@ -620,10 +625,8 @@ class Module:
 
 def batch_ranks(m: Module, ranks: int, blocks: int) -> Module:
     """``m`` with every kernel rank-batched (``RankBatch(ranks, blocks)``): one launch of
-    ``ranks * blocks`` blocks runs every rank's grid."""
-    for what, v in (("ranks", ranks), ("blocks", blocks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"batch_ranks: {what} must be a positive int, got {v!r}")
+    ``ranks * blocks`` blocks runs every rank's grid (``ValueError`` unless both are
+    positive ints)."""
     batch = RankBatch(ranks, blocks)
     return Module(m.name, tuple(attrs.evolve(k, rank_batch=batch) for k in m.kernels))
 

@@ -108,19 +108,18 @@ class KernelLowering:
             fnty = L.FunctionType(VOID, [llvm_type(p.dtype) for p in kernel.params])
         self.fn = L.Function(module, fnty, kernel.name)
         self.fn.calling_convention = "ptx_kernel"
-        self.params = {}
-        if kernel.rank_batch is None:
-            for arg, p in zip(self.fn.args, kernel.params):
-                arg.name = p.name
-                self.params[p.name] = arg
         self.allocas = L.IRBuilder(self.fn.append_basic_block("entry"))
         self.vars: dict[str, tuple[N.Var, L.Value]] = {}
         self.loop_exits: list[L.Block] = []
         self.b = L.IRBuilder(self.fn.append_basic_block("body"))
         self.allocas.branch(self.b.block)
         self.allocas.position_at_start(self.allocas.block)
-        self.rank_row = None
-        if kernel.rank_batch is not None:
+        self.params, self.rank_row = {}, None
+        if kernel.rank_batch is None:
+            for arg, p in zip(self.fn.args, kernel.params):
+                arg.name = p.name
+                self.params[p.name] = arg
+        else:
             table = self.fn.args[0]
             rank_batch.mark_table(table)
             self.rank_row = rank_batch.row_address(self.b, kernel, table)

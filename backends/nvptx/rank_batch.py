@@ -45,10 +45,7 @@ def table_bytes(kernel: N.Kernel) -> int:
 
 def check(kernel: N.Kernel) -> None:
     """``LoweringError`` unless every parameter fits a slot and the table fits CUDA's limit."""
-    batch = kernel.rank_batch
-    if batch.ranks < 1 or batch.blocks < 1:
-        raise LoweringError(f"kernel {kernel.name}: rank_batch needs ranks >= 1 and blocks >= 1, "
-                            f"got {batch.ranks} x {batch.blocks}")
+    batch = kernel.rank_batch     # (ranks and blocks are checked by RankBatch itself)
     for p in kernel.params:
         if isinstance(p.dtype, T.VecType) or (not isinstance(p.dtype, T.PtrType)
                                                and p.dtype.bits > 8 * N.RANK_ARG_BYTES):
@@ -90,7 +87,7 @@ def load_param(b: L.IRBuilder, kernel: N.Kernel, row: L.Value, p: N.Param,
     """Parameter ``p`` where it is used: ``ld.param`` of its slot in the rank row (loaded at
     each use, as the constant-bank operands of an ordinary kernel are, so no register holds
     it across the kernel)."""
-    i = kernel.params.index(p) if p in kernel.params else _index(kernel, p.name)
+    i = _index(kernel, p.name)
     slot = b.gep(row, [L.Constant(I64, i * N.RANK_ARG_BYTES)], source_etype=I8,
                  name=f"{p.name}.slot")
     word = b.load(slot, typ=I64, name=f"{p.name}.word")

@@ -22,6 +22,7 @@ against an untraced bench.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import ir
@@ -71,9 +72,17 @@ def stamp(r: ir.RoleBuilder, point: str) -> None:
         r.red(AtomOp.MAX, slot + 8, now, Sem.RELAXED, Scope.GPU, dtype=T.u64)
 
 
-def words(n_ranks: int, grid: int) -> int:
-    """u64 words of one kernel's trace buffer."""
-    return n_ranks * grid * len(POINTS) * 2
+@contextlib.contextmanager
+def enabled(on: bool = True):
+    """``with trace.enabled(flag):`` build kernels with trace points when ``flag`` (or when
+    ``ENABLED`` already is); ``ENABLED`` is restored afterwards, errors included."""
+    global ENABLED
+    was = ENABLED
+    ENABLED = was or bool(on)
+    try:
+        yield
+    finally:
+        ENABLED = was
 
 
-__all__ = ["ENABLED", "POINTS", "PARAM", "instrument", "stamp", "words"]
+__all__ = ["ENABLED", "POINTS", "PARAM", "instrument", "stamp", "enabled"]

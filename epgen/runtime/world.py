@@ -325,9 +325,8 @@ class RankWorld:
     def _trace_args(self, kernel: str, rk) -> dict:
         """``trace_buf`` when ``kernel`` was built with trace points (``epgen.kernels.trace``):
         rank ``rk``'s buffer of that kernel (``epgen.runtime.trace``)."""
-        if not any(p.name == trace.PARAM for p in self.program.module.kernel(kernel).params):
-            return {}
-        return {trace.PARAM: rk.trace_bufs[kernel]}
+        buf = rk.trace_bufs.get(kernel)      # allocated exactly for the traced kernels
+        return {} if buf is None else {trace.PARAM: buf}
 
     def _async_args(self, rk, kernel: str = ASYNC) -> dict:
         """The arguments of rank ``rk``'s send side (dispatch_async's parameters)."""
