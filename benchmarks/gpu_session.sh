@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -14,6 +14,9 @@
 # the quantising formats' ORD-R, fused and final+prod round trips at prefill (about 3
 # minutes); "final-ab": the formats' final+prod with the warp send path writing the rows
 # and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
+# "e2m1-ab": NVFP4's e2m1 encoder by one rounding addition against the threshold count
+# (E2M1_BY_ROUNDING_ADD), decode and prefill, with the formats' GPU tests and the formats'
+# final+prod rows (about 7 minutes);
 # "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
@@ -252,6 +255,31 @@ if [ "$what" = final-ab ]; then
             ab "final-$fmt-$on" $D.WARP_FINAL_ROWS_WITH_SCALES=$on -- bench --set format=$fmt \
                 --variant prod=ep_final_layout,ep_prod_reserve,alignment:16
         done
+    done
+fi
+if [ "$what" = e2m1-ab ]; then
+    # the e2m1 encoder (quant_ir.E2M1_BY_ROUNDING_ADD) on and off, same call, NVFP4 at both
+    # shapes; first the formats' GPU tests (bit-exact against the reference) and the final
+    # rows' (warp and staged paths), then the formats' final+prod as shipped
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
+    # shellcheck disable=SC2086
+    step e2m1-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
+        tests/test_formats_gpu.py tests/test_final_rows_by_warp_gpu.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/e2m1-tests.log" | tail -8 | sed 's/^/    /'
+    for on in True False; do
+        step "e2m1-$on" 120 python3 benchmarks/experiments/with_settings.py \
+            epgen.formats.quant_ir.E2M1_BY_ROUNDING_ADD=$on -- bench --set format=NVFP4 \
+            --tokens 128,4096 --variant default --variant graph=graph \
+            --variant batched_fused=batched,fused \
+            --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check \
+            --json "$OUT/e2m1-$on.json"
+        grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/e2m1-$on.log" | sed 's/^/    /'
+    done
+    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
+        bench "final-$fmt" 90 --set format=$fmt --tokens 128,4096 \
+            --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+            --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
+            --no-baseline --no-post-check
     done
 fi
 if [ "$what" = recv-ab ]; then

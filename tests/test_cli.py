@@ -113,7 +113,8 @@ def test_variants_describe_what_they_set(capsys):
         text = about[f"ep/{name}"]
         assert text.startswith(f"preset {preset} + ")
         for key, value in changes.items():
-            assert f"{key}={str(value).lower()}" in text, (name, text)
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            assert f"{key}={shown}" in text, (name, text)
     for preset, suffix, fmt in GOLDEN_FORMATS:
         assert about[f"ep/{preset}_{suffix}"] == f"preset {preset} + format={fmt}"
     assert about["ep/small"].startswith("preset small (") and "no flags" in about["ep/small"]

@@ -1,5 +1,5 @@
 """``ep_final_layout`` for the block-scaled formats on the warp send path
-(``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``): each warp writes the payload to the K
+(``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``, on by default): each warp writes the payload to the K
 output rows and the scales to their places in the output scales, row-major or transposed
 (``emit_broadcast_token(scale_dsts=...)``). On the simulator against the reference, with the
 destinations in shared memory or in registers, the payload staged or not, the scales staged
@@ -65,14 +65,17 @@ def test_which_configurations_take_the_path(fmt, H, flags, monkeypatch):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     can = cfg.token_fmt.broadcasts_final_rows
     assert can == ((fmt, H) in CASES)        # NVFP4 H=64 and MXFP8 H=64: 4- and 2-byte rows
-    assert not dispatch_async.uses_warp_send(cfg)  # off by default: the staged path
-    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", True)
-    assert dispatch_async.uses_warp_send(cfg) == can
+    assert dispatch_async.uses_warp_send(cfg) == can   # on by default
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", False)
+    assert not dispatch_async.uses_warp_send(cfg)      # off: the staged path
 
 
-def test_off_keeps_the_staged_kernels():
+def test_off_keeps_the_staged_kernels(monkeypatch):
     cfg = make_cfg("NVFP4", 512, **FLAGS["prod_reserve"])
+    assert "send_scale_dsts" in shared_names(cfg)
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", False)
     assert "send_scale_dsts" not in shared_names(cfg)
+    run_calls(cfg, 1, n_calls=1)
 
 
 def test_scales_of_ragged_rows_are_refused():

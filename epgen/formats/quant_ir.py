@@ -8,8 +8,10 @@ contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
 - bf16 -> f32: ``shl.b32`` / ``and.b32`` (a bf16 is the upper half of an f32);
 - amax: ``abs.f32`` (``and.b32 .., 0x7fffffff``), ``max.f32``, ``shfl.sync.bfly.b32``;
 - e4m3: ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), after a ``max.f32``/``min.f32`` clamp;
-- e2m1: ``setp.{gt,ge}.f32`` against the rounding thresholds, ``selp``, ``add``/``or``/``shl``
-  (sm_90 has no e2m1 conversion; ``cvt...e2m1x2.f32`` is sm_100a+);
+- e2m1: ``min.f32``/``max.f32``, ``and.b32``, one ``add.rn.f32`` against a power of two that
+  leaves e2m1's step as the sum's ulp, integer ``sub``/``shr``/``add`` (sm_90 has no e2m1
+  conversion; ``cvt...e2m1x2.f32`` is sm_100a+); ``E2M1_BY_ROUNDING_ADD = False`` gives the
+  earlier threshold count (``setp.{gt,ge}.f32``, ``selp``, ``add``);
 - e8m0 (rounded up) and e4m3/e8m0 -> f32: integer ``shr``/``and``/``shl``/``selp``, ``mov.b32``.
 """
 
@@ -121,20 +123,52 @@ def e4m3_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
 #: upper code is even (round to nearest even). Past 5 everything is 6 (saturation).
 E2M1_THRESHOLDS = ((0.25, CmpOp.GT), (0.75, CmpOp.GE), (1.25, CmpOp.GT), (1.75, CmpOp.GE),
                    (2.5, CmpOp.GT), (3.5, CmpOp.GE), (5.0, CmpOp.GT))
+FP4_SATURATION = 6.0
+
+
+#: True: ``e2m1_nibble`` rounds with one f32 addition (``e2m1_by_rounding_add``, about 14
+#: instructions an element); False: the threshold count (``e2m1_by_thresholds``, about 29).
+#: Same codes for every f32 (tests/test_formats_quant.py); the switch is for the GPU A/B.
+E2M1_BY_ROUNDING_ADD = True
 
 
 def e2m1_nibble(r: ir.RoleBuilder, v, name: str) -> ir.Var:
     """The e2m1 code (u32 in ``[0, 15]``: sign bit 3, magnitude code bits 0-2) of the f32
-    ``v``, rounded to nearest even and saturated to +-6. A NaN gives +0 (no comparison holds
-    and its sign is dropped); -0 and negatives that round to zero give -0 (code 8)."""
-    v = ir.as_expr(v)
+    ``v``, rounded to nearest even and saturated to +-6. A NaN gives +0 (its sign is
+    dropped); -0 and negatives that round to zero give -0 (code 8)."""
+    v = r.let(f"{name}_q", v)
     a = r.let(f"{name}_abs", ir.UnOp(UnOpKind.ABS, v))
+    magnitude = (e2m1_by_rounding_add if E2M1_BY_ROUNDING_ADD else e2m1_by_thresholds)(r, a, name)
+    sign = (ir.Bitcast(T.u32, v) >> 31) << 3
+    return r.let(name, ir.Select(v.eq(v), magnitude | sign, u32(0)))
+
+
+def e2m1_by_thresholds(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
+    """The magnitude code of ``a = |v|`` as the number of ``E2M1_THRESHOLDS`` that hold:
+    ``setp.{gt,ge}.f32``, ``selp``, ``add`` per threshold. NaN gives 0."""
     code = None
     for threshold, op in E2M1_THRESHOLDS:
         step = ir.Cmp(op, a, f32(threshold)).cast(T.u32)
         code = step if code is None else code + step
-    sign = ir.Select(v.eq(v), ir.Bitcast(T.u32, v) >> 31, u32(0))
-    return r.let(name, code | (sign << 3))
+    return code
+
+
+def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
+    """The magnitude code of ``a = |v|`` by one rounding addition (``min.f32``, ``max.f32``,
+    ``and.b32``, ``add.rn.f32``, integer ``sub``/``shr``/``add``).
+
+    With ``s = min(a, 6)`` in the binade ``[2^e, 2^(e+1))`` (``e`` in 0..2; ``e = 0`` also for
+    ``s < 1``), e2m1's step there is ``2^(e-1)``, the ulp of f32 at ``c = 2^(e+22)``. So
+    ``c + s`` rounds ``s`` to e2m1 once, to nearest even, and ``bits(c + s) - bits(c)`` is
+    ``n = round(s / 2^(e-1))`` (2..4 for ``s >= 1``, 0..2 below). The code is ``n + 2e``:
+    1.0, 1.5, 2.0 are codes 2, 3, 4 at ``e = 0``; 2, 3, 4 are 4, 5, 6 at ``e = 1``; 4, 6 are
+    6, 7 at ``e = 2``; below 1, ``n`` itself (0, 0.5, 1.0 are 0, 1, 2). ``min.f32`` turns
+    +inf into 6 and a NaN into 6 (the caller drops NaN)."""
+    s = r.let(f"{name}_sat", ir.as_expr(a).min(f32(FP4_SATURATION)))
+    e_bits = r.let(f"{name}_ebits", ir.Bitcast(T.u32, s.max(f32(1.0))) & 0x7F800000)
+    c = r.let(f"{name}_c", e_bits + (22 << 23))
+    rounded = ir.Bitcast(T.u32, s + ir.Bitcast(F32, c))
+    return rounded - c + (e_bits >> 22) - 254
 
 
 # ---- e8m0 ----------------------------------------------------------------------------------

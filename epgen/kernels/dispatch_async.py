@@ -289,11 +289,11 @@ def uses_warp_send(cfg) -> bool:
 #: MXFP8, BlockwiseFP8's transposed scales) on the warp send path: each warp quantizes its
 #: token once and writes the payload to the K output rows and the scales to those rows'
 #: places in the output scales, instead of the staged path (the block stages one token in
-#: the send buffer, then a warp per slot copies the message: run 51 measured final+prod at
-#: prefill at 0.213 of copy for NVFP4, 0.295 MXFP8, 0.226 BlockwiseFP8, against BF16's 0.78
-#: on the warp path). Simulator-tested; not run on a GPU yet (docs/PERF.md, ninth session),
-#: so off.
-WARP_FINAL_ROWS_WITH_SCALES = False
+#: the send buffer, then a warp per slot copies the message). Run 52 (H200, final+prod at
+#: prefill, same call): NVFP4 0.212 -> 0.643 of copy, MXFP8 0.299 -> 0.686, BlockwiseFP8
+#: 0.225 -> 0.328 (docs/PERF.md, tenth session). False keeps the staged path (the one
+#: formats whose scale rows are not whole 16-byte vectors always take).
+WARP_FINAL_ROWS_WITH_SCALES = True
 
 
 def writes_final_rows_by_warp(fmt) -> bool:
