@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|scales-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -16,7 +16,9 @@
 # and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
 # "e2m1-ab": NVFP4's e2m1 encoder by one rounding addition against the threshold count
 # (E2M1_BY_ROUNDING_ADD), decode and prefill, with the formats' GPU tests and the formats'
-# final+prod rows (about 7 minutes);
+# final+prod rows (about 7 minutes); "scales-ab": BlockwiseFP8's final+prod with the
+# transposed scales in the header rows (layout.FINAL_SCALES_IN_HEADER_ROWS, written
+# transposed by dispatch_wait) against each scale stored in place by the sender (2 minutes);
 # "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
@@ -280,6 +282,18 @@ if [ "$what" = e2m1-ab ]; then
             --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
             --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
             --no-baseline --no-post-check
+    done
+fi
+if [ "$what" = scales-ab ]; then
+    # BlockwiseFP8's final layout: the transposed scales through the header rows (shipped)
+    # against one store per scale in its transposed place, same call, both shapes
+    for on in True False; do
+        step "scales-$on" 100 python3 benchmarks/experiments/with_settings.py \
+            epgen.layout.FINAL_SCALES_IN_HEADER_ROWS=$on -- bench --set format=BlockwiseFP8 \
+            --tokens 128,4096 --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+            --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
+            --no-baseline --no-post-check --json "$OUT/scales-$on.json"
+        grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/scales-$on.log" | sed 's/^/    /'
     done
 fi
 if [ "$what" = recv-ab ]; then

@@ -34,6 +34,10 @@ EP_COPY_SRC_WIDTH = 8          # elements per copy item of the role split
 EP_DATA_READY_FLAG = 1024      # value of the dispatch_wait ready flag (Region E)
 RECV_COUNT_SENTINEL = 2**64 - 1   # "not yet published" (``UInt64.MAX_FINITE``)
 REGION_ALIGN_WORDS = 32        # ours: counter regions start on a 128-byte line
+#: ours: ``ep_final_layout`` with transposed output scales (BlockwiseFP8) carries each row's
+#: scales in its header row, and dispatch_wait writes them transposed a tile at a time
+#: (``hdr_scale_bytes``); False: the senders store each scale in its transposed place
+FINAL_SCALES_IN_HEADER_ROWS = True
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -481,9 +485,29 @@ class Layout:
         """Ours: bytes of one row of the final-layout header array: the message's header
         fields as they are staged (``msg_size() - token_size``): int32 source token index at
         0, int32 source rank at ``hdr_src_rank_offset`` (the padding of the source-index
-        field), uint16 top-k ids from ``hdr_topk_offset``. A multiple of 16."""
+        field), uint16 top-k ids from ``hdr_topk_offset``; then, for a format with transposed
+        output scales, the row's scales (``hdr_scale_bytes`` at ``hdr_scales_offset``). A
+        multiple of 16."""
+        return self.hdr_scales_offset + self.hdr_scale_bytes
+
+    @property
+    def hdr_scales_offset(self) -> int:
+        """Ours: byte offset of the row's scales in a header row (after the header fields)."""
         fmt = self.cfg.token_fmt
         return fmt.msg_size() - fmt.src_info_offset
+
+    @property
+    def hdr_scale_bytes(self) -> int:
+        """Ours: bytes of a header row that hold the row's scales, row-major as in the message
+        (rounded up to 16), for a format whose output scales are transposed (BlockwiseFP8,
+        ``[groups, M]``): a sender's K rows' scales land 4 bytes each in ``groups`` places
+        ``4 M`` bytes apart, so the senders leave them here and dispatch_wait's header pass
+        writes each tile's scales transposed, 32 adjacent rows per warp store
+        (``final_layout.copy_received_headers``). 0 for other formats."""
+        fmt = self.cfg.token_fmt
+        if not (FINAL_SCALES_IN_HEADER_ROWS and getattr(fmt, "scales_transposed", False)):
+            return 0
+        return -(-fmt.n_scale_groups * fmt.scale_bytes // 16) * 16
 
     @property
     def hdr_src_rank_offset(self) -> int:

@@ -70,12 +70,50 @@ def test_which_configurations_take_the_path(fmt, H, flags, monkeypatch):
     assert not dispatch_async.uses_warp_send(cfg)      # off: the staged path
 
 
-def test_off_keeps_the_staged_kernels(monkeypatch):
-    cfg = make_cfg("NVFP4", 512, **FLAGS["prod_reserve"])
+@pytest.mark.parametrize("flags", FINAL)
+@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+def test_off_keeps_the_staged_kernels(fmt, H, flags, seed, monkeypatch):
+    """Switched off, the staged path (one token per block, a warp per slot copying the
+    message; BlockwiseFP8's scales into the header rows too) still matches the reference."""
+    cfg = make_cfg(fmt, H, **FLAGS[flags])
     assert "send_scale_dsts" in shared_names(cfg)
     monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", False)
     assert "send_scale_dsts" not in shared_names(cfg)
-    run_calls(cfg, 1, n_calls=1)
+    run_calls(cfg, seed, n_calls=2)
+
+
+@pytest.mark.parametrize("by_warp", [True, False], ids=["warp", "staged"])
+def test_transposed_scales_travel_in_the_header_rows(by_warp, seed, monkeypatch):
+    """BlockwiseFP8 (transposed output scales): the senders write each row's scales
+    row-major into its header row (``hdr_scale_bytes``), and dispatch_wait's header pass
+    writes each tile's scales transposed; a wait that skips that pass leaves the output
+    scales wrong."""
+    from epgen.formats import blockscaled
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", by_warp)
+    cfg = make_cfg("BlockwiseFP8", 512, **FLAGS["prod_reserve"])
+    lay = cfg.layout
+    assert lay.hdr_scale_bytes == 16 and lay.hdr_bytes == lay.hdr_scales_offset + 16
+    text = ir.print_module(build_module(cfg))
+    wait = text[text.index("kernel ep_dispatch_wait"):]
+    assert "shared tile_hdr_rows[" in wait
+    run_calls(cfg, seed, n_calls=1)
+    monkeypatch.setattr(blockscaled.BlockScaledFormat, "emit_copy_tile_scales",
+                        lambda *a, **k: None)
+    with pytest.raises(AssertionError):
+        run_calls(cfg, seed, n_calls=1)
+
+
+@pytest.mark.parametrize("by_warp", [True, False], ids=["warp", "staged"])
+def test_transposed_scales_stored_in_place_when_switched_off(by_warp, seed, monkeypatch):
+    """``layout.FINAL_SCALES_IN_HEADER_ROWS = False`` (the A/B's other arm): header rows
+    without scales, each scale stored in its transposed place by the sender."""
+    from epgen import layout
+    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", by_warp)
+    monkeypatch.setattr(layout, "FINAL_SCALES_IN_HEADER_ROWS", False)
+    cfg = make_cfg("BlockwiseFP8", 512, **FLAGS["prod_reserve"])
+    assert cfg.layout.hdr_scale_bytes == 0
+    assert "tile_hdr_rows" not in ir.print_module(build_module(cfg))
+    run_calls(cfg, seed, n_calls=2)
 
 
 def test_scales_of_ragged_rows_are_refused():

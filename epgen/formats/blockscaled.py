@@ -323,7 +323,8 @@ class BlockScaledFormat(TokenFormat):
                              lambda off, value: r.store(msg + off, value))
 
     def emit_broadcast_token(self, r, src_row, dsts, part=None, unroll: int | None = None,
-                             stage_bytes: int | None = None, scale_dsts=None):
+                             stage_bytes: int | None = None, scale_dsts=None,
+                             scales_row_major: bool = False):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
         ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
@@ -338,7 +339,9 @@ class BlockScaledFormat(TokenFormat):
         rows and ``scale_dsts`` the addresses of the same rows' first scale in the output
         scales, so the payload goes to ``dsts[k] + offset`` and a scale at message offset
         ``off`` to ``scale_dsts[k] + final_scale_place(off)`` (None: both into the message
-        at ``dsts[k]``)."""
+        at ``dsts[k]``). ``scales_row_major``: the scales go row-major to ``scale_dsts``
+        whatever the output's scale layout (``off - scales_offset``: the header rows'
+        ``hdr_scale_bytes`` of a transposed format)."""
         held = not any(callable(d) for d in dsts)
         live = [r.let(f"live{k}", d.ne(ir.Const(0, T.u64))) if held else None
                 for k, d in enumerate(dsts)]
@@ -359,7 +362,8 @@ class BlockScaledFormat(TokenFormat):
                 raise ValueError(f"{self.name}: scale_dsts needs output scales whose rows are "
                                  f"whole 16-byte vectors, or transposed ones "
                                  f"(broadcasts_final_rows)")
-            store_scale = storer(scale_dsts, self.final_scale_place(r))
+            store_scale = storer(scale_dsts, (lambda off: off - self.scales_offset)
+                                 if scales_row_major else self.final_scale_place(r))
         unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
         if stage_bytes is None:
             preferred = QUANT_STAGE_BYTES
@@ -371,7 +375,7 @@ class BlockScaledFormat(TokenFormat):
             self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes, part,
                                    store_scale=store_scale,
                                    scattered_scales=scale_dsts is not None
-                                   and self.scales_transposed)
+                                   and self.scales_transposed and not scales_row_major)
         elif part is None:
             self._quantize_token(r, src_row, r.lane, 32, store_all, unroll,
                                  store_scale=store_scale)
@@ -635,7 +639,8 @@ class BlockScaledFormat(TokenFormat):
             r.store(dst + i.cast(T.u64) * width,
                     r.load(src + i.cast(T.u64) * width, dtype, name="rs_v"))
 
-    def emit_copy_tile_scales(self, r, tile_msgs, row0, n_rows, tile_tokens, first, stride):
+    def emit_copy_tile_scales(self, r, tile_msgs, row0, n_rows, tile_tokens, first, stride,
+                              scales_at: int | None = None):
         """The transposed scales of a whole tile, so that the stores coalesce: work item
         ``i`` is tile row ``j = i % tile_tokens`` and scale vector ``v = i // tile_tokens``
         (16 bytes: ``16 // scale_bytes`` groups). The thread loads the row's message address
@@ -644,10 +649,13 @@ class BlockScaledFormat(TokenFormat):
         group per warp store, where the per-message copy writes 32 groups ``4 *
         output_scales_rows`` bytes apart. With ``TILE_SCALES_ALL_IN_FLIGHT`` (and a constant
         ``stride``) the thread's items are unrolled: every item's two loads (past the tile's
-        items: a clamped valid one) before any item's guarded stores."""
+        items: a clamped valid one) before any item's guarded stores. ``scales_at``: the
+        scales' byte offset from each address (default the message's ``scales_offset``; the
+        final layout's header rows: ``hdr_scales_offset``)."""
         if not self.scales_transposed or self.scale_bytes != 4:
             raise NotImplementedError(f"{self.name}: the tile-wide scale copy handles "
                                       f"transposed 4-byte scales only")
+        at = self.scales_offset if scales_at is None else scales_at
         out_scales = kernel_param(r, "output_scales", T.ptr_global)
         m = kernel_param(r, "output_scales_rows", T.u32).cast(T.u64)
         per_vec = VECTOR_BYTES // self.scale_bytes
@@ -658,7 +666,7 @@ class BlockScaledFormat(TokenFormat):
         def load_item(i, j):
             v = r.let("ts_v", i // tile_tokens)
             msg = r.load(tile_msgs + (j * 8).cast(T.u64), T.u64, name="ts_msg", peer=True)
-            return v, r.load(ir.Cast(T.ptr_global, msg) + self.scales_offset
+            return v, r.load(ir.Cast(T.ptr_global, msg) + at
                              + v.cast(T.u64) * VECTOR_BYTES, T.vec(T.u32, 4), name="ts_w")
 
         def store_item(v, j, words):

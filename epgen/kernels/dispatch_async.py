@@ -761,6 +761,8 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, first_block: i
                     scales["scale_dsts"] = [r.shfl(ShflMode.IDX, scale_addr, q * K + k,
                                                    name=f"sdst{k}") for k in range(K)]
             src = p.input_tokens + tq.cast(T.u64) * fmt.input_row_bytes
+            if scales:     # transposed scales go row-major into the header rows
+                scales["scales_row_major"] = bool(cfg.layout.hdr_scale_bytes)
             if split:
                 fmt.emit_broadcast_token(r, src, dsts, part=(part, token_warps))
             else:

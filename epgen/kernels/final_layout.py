@@ -200,9 +200,9 @@ def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_ran
     with ``ep_prod_reserve`` on its mailbox ``co`` (``ld.acquire.sys.global.b64`` until the
     tag is ``prod_gen``); then row ``base + slot`` of the destination: the payload by the
     format's ``copy_msg_to_output_tensor`` step into the destination's grouped output (its
-    scales, if any, into the destination's output scales: ``scales_ptrs``), and the header
-    fields (``st.global.v4.b32``) into its header array. A row past the output is never
-    written (device guard)."""
+    scales, if any, into the destination's output scales: ``scales_ptrs``; transposed ones
+    into the header row, ``hdr_scale_bytes``), and the header fields (``st.global.v4.b32``)
+    into its header array. A row past the output is never written (device guard)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     dst_p2p = dst_rank % cfg.p2p_world_size
     if cfg.ep_prod_reserve:
@@ -221,9 +221,15 @@ def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_ran
     scales = {} if fl.scales_ptrs is None else \
         {"out_scales": load_pointer(r, fl.scales_ptrs, dst_p2p, "scales_dst")}
     with r.if_(row < lay.max_out_rows):
-        fmt.emit_copy_msg_to_output(r, msg, row, out, **scales)
-        copy_vectors(r, hdr + row.cast(T.u64) * lay.hdr_bytes, msg + fmt.src_info_offset,
-                     lay.hdr_bytes // 16, r.lane, 32, unroll=1, tag="hdr")
+        hdr_row = r.let("hdr_row", hdr + row.cast(T.u64) * lay.hdr_bytes)
+        if lay.hdr_scale_bytes:     # transposed scales: row-major into the header row
+            fmt.emit_copy_msg_to_output(r, msg, row, out, scales=False)
+            copy_vectors(r, hdr_row + lay.hdr_scales_offset, msg + fmt.scales_offset,
+                         lay.hdr_scale_bytes // 16, r.lane, 32, unroll=1, tag="hdr_sc")
+        else:
+            fmt.emit_copy_msg_to_output(r, msg, row, out, **scales)
+        copy_vectors(r, hdr_row, msg + fmt.src_info_offset, lay.hdr_scales_offset // 16,
+                     r.lane, 32, unroll=1, tag="hdr")
 
 
 def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot, dst_rank,
@@ -234,10 +240,11 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
     ``copy_to_final_row``: ``ld.acquire.gpu.global.b32`` of the hand-off word, or with
     ``ep_prod_reserve`` ``ld.acquire.sys.global.b64`` of the mailbox), so a wait that gives
     up exits the whole warp; lane ``k`` keeps its base. Returns (output row address, header
-    row address, output-scales row address) of lane ``k``'s row ``base + slot`` as u64 vars,
-    0 when nothing is written (no slot, or a row past the output: device guard); the last
-    (the row's first scale, ``out_scale_row_offset``) is None for a format without output
-    scales."""
+    row address, scales address) of lane ``k``'s row ``base + slot`` as u64 vars, 0 when
+    nothing is written (no slot, or a row past the output: device guard); the last is the
+    row's first scale in the destination's output scales (``out_scale_row_offset``), or in
+    its header row where the layout keeps them there (``hdr_scale_bytes``: transposed
+    scales, written row-major), and None for a format without output scales."""
     lay, fmt = cfg.layout, cfg.token_fmt
     base = r.var("row_base", T.u32, 0)
     # the lanes still to serve, lowest first (a data-dependent loop LLVM does not unroll, so
@@ -271,7 +278,9 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
             hdr = load_pointer(r, fl.hdr_ptrs, dst_p2p, "hdr_dst")
             r.assign(out_addr, ir.Cast(T.u64, out + row.cast(T.u64) * fmt.out_row_bytes))
             r.assign(hdr_addr, ir.Cast(T.u64, hdr + row.cast(T.u64) * lay.hdr_bytes))
-            if scale_addr is not None:
+            if scale_addr is not None and lay.hdr_scale_bytes:
+                r.assign(scale_addr, hdr_addr + lay.hdr_scales_offset)
+            elif scale_addr is not None:
                 scales = load_pointer(r, fl.scales_ptrs, dst_p2p, "scales_dst")
                 r.assign(scale_addr, ir.Cast(T.u64, scales + fmt.out_scale_row_offset(row)))
     return out_addr, hdr_addr, scale_addr
@@ -305,13 +314,20 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
     128-row tiles of the expert's dense range ``[row_offsets[e], + total)``
     (``atom.acquire.gpu.add``); warp ``w`` takes rows ``w, w + n_warps, ...`` of a tile, its
     lanes ``< K`` read the row's top-k ids from the header array (``ld.global.u16``) and the
-    lane matching this expert writes ``src_info[row] = (source index, k)``. No vector access.
-    The last block to finish lowers the flag."""
+    lane matching this expert writes ``src_info[row] = (source index, k)``. Where the header
+    rows hold the scales (``hdr_scale_bytes``: transposed output scales), lane 0 of each
+    row's warp leaves the row's header address in shared memory (``st.shared.u64``) and,
+    after the tile's barrier, the block writes the tile's scales transposed
+    (``emit_copy_tile_scales``: ``ld.global.v4.b32`` of a row's 16 bytes, ``st.global.b32``
+    of 32 adjacent rows of one group per warp store). The last block to finish lowers the
+    flag."""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R, K = lay.n_local_experts, cfg.n_ranks, lay.top_k
     tile_tokens = fmt.dispatch_wait_tile_shape[0]
     ctr = p.atomic_counter
     vals = kb.shared_buffer("tile_vals", 8)
+    tile_rows = kb.shared_buffer("tile_hdr_rows", 8 * tile_tokens) \
+        if lay.hdr_scale_bytes else None
     e = r.let("e", r.block % L)
     g = r.let("g", p.my_rank * L + e)
     wait_ready_flag(r, cfg, ctr, p.err_buf, comm_barrier_id)
@@ -332,6 +348,9 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
         with r.for_range("j", r.warp, n_in_tile, lay.n_warps) as j:
             row = r.let("row", start + ts + j)
             hdr = r.let("hdr", p.hdr_p + row.cast(T.u64) * lay.hdr_bytes, peer=True)
+            if tile_rows is not None:
+                with r.if_(r.lane.eq(0)):
+                    r.store(tile_rows + (j * 8).cast(T.u64), hdr)
             with r.if_(r.lane < K):
                 gid = r.load(hdr + lay.hdr_topk_offset + (r.lane * 2).cast(T.u64), T.u16,
                              name="gid16")
@@ -340,6 +359,11 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
                     r.store(_word(p.src_info, row * 2), src_idx)
                     r.store(_word(p.src_info, row * 2 + 1), r.lane)
         comm_sync(r, comm_barrier_id)
+        if tile_rows is not None:
+            # the next tile's addresses are stored only after the claim's barrier below
+            fmt.emit_copy_tile_scales(r, tile_rows, r.let("tile_row0", start + ts), n_in_tile,
+                                      tile_tokens, r.tid, r.n_threads,
+                                      scales_at=lay.hdr_scales_offset)
         with r.if_(r.tid.eq(0)):
             r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
                                        Sem.ACQUIRE, Scope.GPU, name="claim"))
