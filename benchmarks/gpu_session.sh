@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|scales-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -19,6 +19,9 @@
 # final+prod rows (about 7 minutes); "scales-ab": BlockwiseFP8's final+prod with the
 # transposed scales in the header rows (layout.FINAL_SCALES_IN_HEADER_ROWS, written
 # transposed by dispatch_wait) against each scale stored in place by the sender (2 minutes);
+# "header-ab": the final layout's header pass with a thread per row
+# (final_layout.HEADER_ROW_PER_THREAD) against a warp per row, BF16 (with the baseline),
+# NVFP4 and BlockwiseFP8 final+prod, then NVFP4's decode rows again (about 5 minutes);
 # "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
 # "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
@@ -295,6 +298,27 @@ if [ "$what" = scales-ab ]; then
             --no-baseline --no-post-check --json "$OUT/scales-$on.json"
         grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/scales-$on.log" | sed 's/^/    /'
     done
+fi
+if [ "$what" = header-ab ]; then
+    # dispatch_wait's header pass under ep_final_layout: a thread per row (shipped) against
+    # a warp per row, same call, both shapes; then NVFP4's decode round trips once more
+    prod=ep_final_layout,ep_prod_reserve,alignment:16
+    for on in True False; do
+        for fmt in BF16 NVFP4 BlockwiseFP8; do
+            extra=(--no-baseline)
+            [ "$fmt" = BF16 ] && extra=()
+            step "header-$fmt-$on" 100 python3 benchmarks/experiments/with_settings.py \
+                epgen.kernels.final_layout.HEADER_ROW_PER_THREAD=$on -- bench \
+                --set format=$fmt --tokens 128,4096 --variant prod=$prod \
+                --variant prod_batched=$prod,batched "${extra[@]}" --no-post-check \
+                --json "$OUT/header-$fmt-$on.json"
+            grep -E "^(decode|prefill) .*(round|dispatch|torch)" "$OUT/header-$fmt-$on.log" \
+                | sed 's/^/    /'
+        done
+    done
+    bench nvfp4-decode 90 --set format=NVFP4 --tokens 128 --variant default \
+        --variant graph=graph --variant batched_fused=batched,fused \
+        --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check
 fi
 if [ "$what" = recv-ab ]; then
     # dispatch_wait's receive orders of the fifth session, same call: as shipped, then each

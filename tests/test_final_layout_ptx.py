@@ -154,7 +154,11 @@ def test_peer_written_words_are_peer_params():
 @pytest.mark.parametrize("name", [FINAL, PROD])
 def test_dispatch_wait_has_no_payload_copy(name):
     assert vector_accesses(BASE, WAIT), "the staged wait copies payload with .v4 accesses"
-    assert vector_accesses(name, WAIT) == []
+    # the header pass's vectors: each row's top-k ids loaded at once (ld .v2/.v4, as
+    # LLVM narrows it) and its (source index, k) stored as one st.global.v2.b32; no
+    # 16-byte store (the payload copy's)
+    assert sorted(set(vector_accesses(name, WAIT))) in (
+        ["ld.global.v2.b32", "st.global.v2.b32"], ["ld.global.v4.b32", "st.global.v2.b32"])
     used = params_used(module(name).kernel(WAIT))
     assert "output_tokens" not in used and "recv_buf_p" not in used
     assert {"hdr_p", "src_info"} <= used

@@ -27,6 +27,9 @@ reservation order, as in the reference's staging buffer.
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import attrs
 
 import ir
@@ -311,22 +314,23 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
     """Comm blocks of dispatch_wait under ``ep_final_layout``: the payload is already in
     place, so nothing but ``src_info`` is written. Block ``b`` serves local expert
     ``b % L``: thread 0 waits (bounded, ``ld.acquire.gpu``) for the ready flag and claims
-    128-row tiles of the expert's dense range ``[row_offsets[e], + total)``
-    (``atom.acquire.gpu.add``); warp ``w`` takes rows ``w, w + n_warps, ...`` of a tile, its
-    lanes ``< K`` read the row's top-k ids from the header array (``ld.global.u16``) and the
-    lane matching this expert writes ``src_info[row] = (source index, k)``. Where the header
-    rows hold the scales (``hdr_scale_bytes``: transposed output scales), lane 0 of each
-    row's warp leaves the row's header address in shared memory (``st.shared.u64``) and,
-    after the tile's barrier, the block writes the tile's scales transposed
-    (``emit_copy_tile_scales``: ``ld.global.v4.b32`` of a row's 16 bytes, ``st.global.b32``
-    of 32 adjacent rows of one group per warp store). The last block to finish lowers the
-    flag."""
+    tiles of one row per thread of the expert's dense range ``[row_offsets[e], + total)``
+    (``atom.acquire.gpu.add``); thread ``j`` reads row ``j``'s top-k ids from the header
+    array (``ld.global.v4.b32``, 8 ids a vector), finds the slot ``k`` whose id is this
+    expert's, and writes ``src_info[row] = (source index, k)`` (``ld.global.u32``,
+    ``st.global.v2.b32``). Where the header rows hold the scales (``hdr_scale_bytes``:
+    transposed output scales), thread ``j`` leaves its row's header address in shared memory
+    (``st.shared.u64``) and, after the tile's barrier, the block writes the tile's scales
+    transposed in chunks of up to 128 rows (``emit_copy_tile_scales``: ``ld.global.v4.b32``
+    of a row's 16 bytes, ``st.global.b32`` of 32 adjacent rows of one group per warp store).
+    The last block to finish lowers the flag. (``HEADER_ROW_PER_THREAD = False``: a warp
+    per row in tiles of 128 rows, lanes ``< K`` loading one id each, ``ld.global.u16``.)"""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R, K = lay.n_local_experts, cfg.n_ranks, lay.top_k
-    tile_tokens = fmt.dispatch_wait_tile_shape[0]
+    rows_per_tile = r.n_threads if HEADER_ROW_PER_THREAD else fmt.dispatch_wait_tile_shape[0]
     ctr = p.atomic_counter
     vals = kb.shared_buffer("tile_vals", 8)
-    tile_rows = kb.shared_buffer("tile_hdr_rows", 8 * tile_tokens) \
+    tile_rows = kb.shared_buffer("tile_hdr_rows", 8 * rows_per_tile) \
         if lay.hdr_scale_bytes else None
     e = r.let("e", r.block % L)
     g = r.let("g", p.my_rank * L + e)
@@ -341,29 +345,23 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
     total = r.let("total", r.load(_word(ctr, lay.rank_prefix_offset + e * R + (R - 1)), T.u32,
                                   name="total_ld"))
     with r.while_(ir.Const(1, T.pred)):
-        ts = r.let("ts", tile * tile_tokens)
+        ts = r.let("ts", tile * rows_per_tile)
         with r.if_(ts >= total):
             r.break_()
-        n_in_tile = r.let("n_in_tile", (total - ts).min(tile_tokens))
-        with r.for_range("j", r.warp, n_in_tile, lay.n_warps) as j:
-            row = r.let("row", start + ts + j)
-            hdr = r.let("hdr", p.hdr_p + row.cast(T.u64) * lay.hdr_bytes, peer=True)
-            if tile_rows is not None:
-                with r.if_(r.lane.eq(0)):
-                    r.store(tile_rows + (j * 8).cast(T.u64), hdr)
-            with r.if_(r.lane < K):
-                gid = r.load(hdr + lay.hdr_topk_offset + (r.lane * 2).cast(T.u64), T.u16,
-                             name="gid16")
-                with r.if_(gid.eq(g.cast(T.u16))):
-                    src_idx = r.load(hdr, T.u32, name="src_idx")
-                    r.store(_word(p.src_info, row * 2), src_idx)
-                    r.store(_word(p.src_info, row * 2 + 1), r.lane)
+        n_in_tile = r.let("n_in_tile", (total - ts).min(rows_per_tile))
+        (_header_row_per_thread if HEADER_ROW_PER_THREAD else _header_row_per_warp)(
+            r, cfg, p, start + ts, n_in_tile, g, tile_rows)
         comm_sync(r, comm_barrier_id)
         if tile_rows is not None:
             # the next tile's addresses are stored only after the claim's barrier below
-            fmt.emit_copy_tile_scales(r, tile_rows, r.let("tile_row0", start + ts), n_in_tile,
-                                      tile_tokens, r.tid, r.n_threads,
-                                      scales_at=lay.hdr_scales_offset)
+            chunk = math.gcd(rows_per_tile, SCALE_CHUNK_ROWS)
+            for c in range(0, rows_per_tile, chunk):
+                # a chunk past the tile's rows is skipped: the copy's clamped loads need a row
+                with r.if_(n_in_tile > c) if c else contextlib.nullcontext():
+                    fmt.emit_copy_tile_scales(r, tile_rows + c * 8,
+                                              r.let("tile_row0", start + ts + c),
+                                              (n_in_tile - c).min(chunk), chunk, r.tid,
+                                              r.n_threads, scales_at=lay.hdr_scales_offset)
         with r.if_(r.tid.eq(0)):
             r.store(vals + 4, r.atomic(AtomOp.ADD, _word(ctr, lay.work_counter_offset + e), 1,
                                        Sem.ACQUIRE, Scope.GPU, name="claim"))
@@ -374,6 +372,68 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
                        Sem.RELAXED, Scope.GPU, name="cleanup_old")
         with r.if_(old.eq(1)):
             r.store(_word(ctr, lay.ready_flag_offset), 0)
+
+
+#: dispatch_wait's final-layout header pass with one thread per row (tiles of one row per
+#: thread: the 16-byte id vectors searched in registers); False: the earlier warp per row
+#: (tiles of 128 rows, lanes ``< K`` each load one id), the A/B's other arm.
+HEADER_ROW_PER_THREAD = True
+#: rows per ``emit_copy_tile_scales`` call of the header pass (the staged copy's tile: its
+#: items unrolled per thread stay few), where a tile has one row per thread
+SCALE_CHUNK_ROWS = 128
+
+
+def _header_row_per_thread(r: ir.RoleBuilder, cfg, p, row0, n_rows, g, tile_rows):
+    """Thread ``j < n_rows``: row ``row0 + j``'s ``src_info`` from its header row (and its
+    header address into ``tile_rows[j]``)."""
+    lay = cfg.layout
+    with r.if_(r.tid < n_rows):
+        row = r.let("row", row0 + r.tid)
+        hdr = r.let("hdr", p.hdr_p + row.cast(T.u64) * lay.hdr_bytes, peer=True)
+        if tile_rows is not None:
+            r.store(tile_rows + (r.tid * 8).cast(T.u64), hdr)
+        k = _slot_of_expert(r, hdr + lay.hdr_topk_offset, lay.top_k, g)
+        with r.if_(k < lay.top_k):
+            src_idx = r.load(hdr, T.u32, name="src_idx")
+            r.store(_word(p.src_info, row * 2), ir.Pack(T.vec(T.u32, 2), (src_idx, k)))
+
+
+def _header_row_per_warp(r: ir.RoleBuilder, cfg, p, row0, n_rows, g, tile_rows):
+    """Warp ``w``: rows ``row0 + w, + n_warps, ...``; lane ``k < K`` loads id ``k``
+    (``ld.global.u16``) and the matching lane writes the row's ``src_info``."""
+    lay = cfg.layout
+    with r.for_range("j", r.warp, n_rows, lay.n_warps) as j:
+        row = r.let("row", row0 + j)
+        hdr = r.let("hdr", p.hdr_p + row.cast(T.u64) * lay.hdr_bytes, peer=True)
+        if tile_rows is not None:
+            with r.if_(r.lane.eq(0)):
+                r.store(tile_rows + (j * 8).cast(T.u64), hdr)
+        with r.if_(r.lane < lay.top_k):
+            gid = r.load(hdr + lay.hdr_topk_offset + (r.lane * 2).cast(T.u64), T.u16,
+                         name="gid16")
+            with r.if_(gid.eq(g.cast(T.u16))):
+                src_idx = r.load(hdr, T.u32, name="src_idx")
+                r.store(_word(p.src_info, row * 2), src_idx)
+                r.store(_word(p.src_info, row * 2 + 1), r.lane)
+
+
+def _slot_of_expert(r: ir.RoleBuilder, ids_addr, K: int, g) -> ir.Var:
+    """The top-k slot (u32) whose uint16 id at ``ids_addr`` is ``g``, or ``K`` when none is:
+    the ids as 16-byte vectors (``ld.global.v4.b32``; the field is a multiple of 16 bytes),
+    each half-word compared in turn (``selp``)."""
+    k = r.var("k_hit", T.u32, K)
+    g16 = ir.as_expr(g) & 0xFFFF
+    for v in range(-(-K // 8)):
+        words = r.load(ids_addr + 16 * v, T.vec(T.u32, 4), name="ids_v")
+        for q in range(4):
+            word = ir.Extract(words, q)
+            for half in range(2):
+                slot = 8 * v + 2 * q + half
+                if slot >= K:
+                    break
+                gid = (word >> 16) if half else (word & 0xFFFF)
+                r.assign(k, ir.Select(gid.eq(g16), ir.Const(slot, T.u32), k))
+    return k
 
 
 __all__ = ["FinalAsyncParams", "declare_async_params", "declare_wait_params", "reserve_rows",
