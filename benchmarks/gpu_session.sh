@@ -302,6 +302,12 @@ fi
 if [ "$what" = header-ab ]; then
     # dispatch_wait's header pass under ep_final_layout: a thread per row (shipped) against
     # a warp per row, same call, both shapes; then NVFP4's decode round trips once more
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
+    # shellcheck disable=SC2086
+    step header-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
+        tests/test_final_layout_gpu.py tests/test_final_rows_by_warp_gpu.py \
+        tests/test_graph_gpu.py tests/test_rank_batch_gpu.py -k "final or prod"
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/header-tests.log" | tail -8 | sed 's/^/    /'
     prod=ep_final_layout,ep_prod_reserve,alignment:16
     for on in True False; do
         for fmt in BF16 NVFP4 BlockwiseFP8; do
