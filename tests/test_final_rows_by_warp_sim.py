@@ -1,9 +1,10 @@
 """``ep_final_layout`` for the block-scaled formats on the warp send path
-(``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``, on by default): each warp writes the payload to the K
-output rows and the scales to their places in the output scales, row-major or transposed
-(``emit_broadcast_token(scale_dsts=...)``). On the simulator against the reference, with the
-destinations in shared memory or in registers, the payload staged or not, the scales staged
-or not; which formats and configurations take the path."""
+(``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``, on by default): each warp writes the
+payload to the K output rows and the scales to their places: the output scales (row-major)
+or the header rows (BlockwiseFP8's transposed scales, which dispatch_wait's header pass
+writes transposed). On the simulator against the reference, with the destinations in shared
+memory or in registers, the payload staged or not, the scales staged or not; the staged
+path it replaced; which formats and configurations take the path."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from epgen.kernels import build_module, dispatch_async
 from test_formats_sim import FLAGS, make_cfg, run_calls
 
 #: ``broadcasts_final_rows``: row-major scales whose rows are whole 16-byte vectors, and
-#: BlockwiseFP8's transposed scales (one store per scale)
+#: BlockwiseFP8's transposed scales (through the header rows)
 CASES = [("NVFP4", 256), ("NVFP4", 512), ("MXFP8", 512), ("BlockwiseFP8", 384),
          ("BlockwiseFP8", 512)]
 FINAL = ["final_layout", "prod_reserve"]

@@ -386,9 +386,9 @@ class BlockScaledFormat(TokenFormat):
     @property
     def broadcasts_final_rows(self) -> bool:
         """``emit_broadcast_token`` can write ``ep_final_layout`` rows (``scale_dsts``):
-        transposed output scales (one store per scale), or row-major ones whose rows are
-        whole 16-byte vectors, so the staged scale copies (up to 16 bytes a store) stay
-        aligned in them."""
+        transposed output scales (row-major into the header rows, ``scales_row_major``, or
+        one store per scale in place), or row-major ones whose rows are whole 16-byte
+        vectors, so the staged scale copies (up to 16 bytes a store) stay aligned in them."""
         return self.scales_transposed or self.out_scale_bytes_per_row % VECTOR_BYTES == 0
 
     def out_scale_row_offset(self, row) -> ir.Expr:

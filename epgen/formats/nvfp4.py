@@ -11,9 +11,9 @@ Per group of 16 bf16 values ``x`` (in f32), with ``g = input_scale``::
     mult  = 0 if amax == 0 else g / float(s)       (div.rn.f32; s == 0 gives +inf)
     nib_i = e2m1(x_i * mult)                       (nearest even, saturated to +-6, NaN -> +0)
 
-sm_90 has no e2m1 conversion (``cvt...e2m1x2.f32`` is sm_100a+), so ``e2m1`` is a threshold
-count in IR arithmetic (``quant_ir.e2m1_nibble``) and ``float(s)`` an integer decode
-(``quant_ir.e4m3_to_f32``). Message: ``[0, align_up(H/2, A))`` the packed nibbles,
+sm_90 has no e2m1 conversion (``cvt...e2m1x2.f32`` is sm_100a+), so ``e2m1`` is one rounding
+``add.rn.f32`` and integer arithmetic in IR (``quant_ir.e2m1_nibble``) and ``float(s)`` an
+integer decode (``quant_ir.e4m3_to_f32``). Message: ``[0, align_up(H/2, A))`` the packed nibbles,
 ``[scales_offset, +align_up(H/16, A))`` the e4m3 scale bytes, then the header. Output: packed
 rows ``[M, H/2]`` and the plain row-major scales ``[M, H/16]`` (uint8 e4m3 bits). The
 reference's 5-D tcgen05/TMA scale layout and ``output_scales_offset`` are not implemented; no
@@ -109,7 +109,7 @@ class NVFP4Format(BlockScaledFormat):
     def emit_item_quant(self, r, xs, amax):
         """``mul.rn.f32``, ``div.rn.f32``, ``cvt.rn.satfinite.e4m3x2.f32`` (the scale byte),
         its integer decode, ``div.rn.f32`` (the multiplier), then per element ``mul.rn.f32``
-        and the e2m1 threshold count; 8 nibbles make one u32."""
+        and the e2m1 encoding (``quant_ir.e2m1_nibble``); 8 nibbles make one u32."""
         g = kernel_param(r, "input_scale", T.f32)
         code = e4m3_byte(r, (g * amax) / f32(FP4_MAX), "nv_scale")
         sdec = e4m3_to_f32(r, code, "nv_sdec")

@@ -326,7 +326,7 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
     The last block to finish lowers the flag. (``HEADER_ROW_PER_THREAD = False``: a warp
     per row in tiles of 128 rows, lanes ``< K`` loading one id each, ``ld.global.u16``.)"""
     lay, fmt = cfg.layout, cfg.token_fmt
-    L, R, K = lay.n_local_experts, cfg.n_ranks, lay.top_k
+    L, R = lay.n_local_experts, cfg.n_ranks
     rows_per_tile = r.n_threads if HEADER_ROW_PER_THREAD else fmt.dispatch_wait_tile_shape[0]
     ctr = p.atomic_counter
     vals = kb.shared_buffer("tile_vals", 8)
