@@ -11,8 +11,8 @@
 # `epgen run --trace` timelines of decode calls, then "latency-nvfp4" (about 4 minutes);
 # "batch-ab": every rank's grid in one launch against one launch per rank, its GPU tests,
 # decode and prefill A/B arms and a batched timeline (about 5 minutes); "format-variants":
-# the quantising formats' ORD-R, fused and final+prod round trips at prefill (about 3
-# minutes); "final-ab": the formats' final+prod with the warp send path writing the rows
+# the quantising formats' ORD-R, ep_send_join_named, fused and final+prod round trips at
+# prefill, streams, graphs and batched (about 5 minutes); "final-ab": the formats' final+prod with the warp send path writing the rows
 # and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
 # "e2m1-ab": NVFP4's e2m1 encoder by one rounding addition against the threshold count
 # (E2M1_BY_ROUNDING_ADD), decode and prefill, with the formats' GPU tests and the formats'
@@ -144,11 +144,16 @@ trace_runs() {   # trace_runs NAME ARGS...: `epgen run --trace` (20 calls), its 
 }
 if [ "$what" = format-variants ]; then
     # the quantising formats' other variants at prefill (every variant must reach 0.85):
-    # ORD-R and the fused launch on streams, final+prod
+    # ORD-R, ep_send_join_named and the fused launch, on streams and as graphs, final+prod
+    # on streams and batched
     for fmt in NVFP4 MXFP8 BlockwiseFP8; do
-        bench "variants-$fmt" 75 --set format=$fmt --tokens 4096 \
-            --variant ord_r=ep_ord_r,has_rank_flag --variant fused \
+        bench "variants-$fmt" 150 --set format=$fmt --tokens 4096 \
+            --variant ord_r=ep_ord_r,has_rank_flag \
+            --variant ord_r_graph=ep_ord_r,has_rank_flag,graph \
+            --variant send_join_named=ep_send_join_named --variant fused \
+            --variant fused_graph=fused,graph \
             --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+            --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
             --no-baseline --no-post-check
     done
 fi

@@ -126,9 +126,10 @@ E2M1_THRESHOLDS = ((0.25, CmpOp.GT), (0.75, CmpOp.GE), (1.25, CmpOp.GT), (1.75, 
 FP4_SATURATION = 6.0
 
 
-#: True: ``e2m1_nibble`` rounds with one f32 addition (``e2m1_by_rounding_add``, about 14
-#: instructions an element); False: the threshold count (``e2m1_by_thresholds``, about 29).
-#: Same codes for every f32 (tests/test_formats_quant.py); the switch is for the GPU A/B.
+#: True: ``e2m1_nibble`` rounds with one f32 addition (``e2m1_by_rounding_add``: 16-17 PTX
+#: instructions an element with its multiply); False: the threshold count
+#: (``e2m1_by_thresholds``, 27-29). Same codes for every f32 (tests/test_formats_quant.py);
+#: the switch is for the GPU A/B.
 E2M1_BY_ROUNDING_ADD = True
 
 
