@@ -19,7 +19,6 @@ from epgen.kernels import dispatch_async
 from epgen.presets import load_preset
 from backends import nvptx
 
-from sim_world import sim_world
 from test_formats_sim import FLAGS, make_cfg, run_calls
 
 #: (format, H): BF16 with a tail past the parts' even share (H=576); the quantising formats
