@@ -78,12 +78,29 @@ bench() {  # bench NAME SECONDS ARGS...: epgen bench with JSON, then its table r
     grep -E "round trip|dispatch_|torch" "$OUT/$name.log" | sed 's/^/    /'
 }
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    # a per-test limit where pytest-timeout is installed (the GPU machine has it)
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
+gpu_tests() {  # gpu_tests NAME SECONDS PYTEST ARGS...: GPU tests (each under LIMIT seconds
+               # where pytest-timeout is installed, as on the GPU machine; default 150),
+               # then their tally
+    local name=$1 limit=$2
+    shift 2
+    local per_test
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${LIMIT:-150}")
     # shellcheck disable=SC2086
-    step gpu-tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test tests/
-    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/gpu-tests.log" | tail -15 | sed 's/^/    /'
+    step "$name" "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider $per_test "$@"
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/$name.log" | tail -15 | sed 's/^/    /'
+}
+
+arm() {    # arm NAME SECONDS SETTINGS... -- BENCH ARGS: one A/B arm, module constants set by
+           # with_settings.py, with JSON, then its round-trip, phase and baseline rows
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" python3 benchmarks/experiments/with_settings.py "$@" \
+        --json "$OUT/$name.json"
+    grep -E "^(decode|prefill) .*(round|dispatch|torch)" "$OUT/$name.log" | sed 's/^/    /'
+}
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    gpu_tests gpu-tests 420 tests/
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     # every variant as stream launches, as a replay of its captured CUDA graph ("graph") and
@@ -110,10 +127,7 @@ fi
 if [ "$what" = formats ]; then
     # the quantising formats alone: their GPU tests, the quantiser's broadcast pattern with
     # 1, 2 and 4 items in flight (no protocol), then their round trips
-    step formats-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_formats_gpu.py
-    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/formats-tests.log" | tail -15 \
-        | sed 's/^/    /'
+    gpu_tests formats-tests 200 tests/test_formats_gpu.py
     step broadcast-formats 120 python3 benchmarks/experiments/broadcast_bw.py \
         --format NVFP4 --format BlockwiseFP8 --json "$OUT/broadcast-formats.json"
     sed 's/^/    /' "$OUT/broadcast-formats.log"
@@ -161,11 +175,7 @@ if [ "$what" = batch-ab ]; then
     # every rank's grid in one launch (EmulatedWorld(batched=True)) against one launch per
     # rank: its GPU tests, then the same-call A/B at decode (NVFP4, BF16) and prefill (NVFP4,
     # BF16), then the batched NVFP4 decode timeline
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
-    # shellcheck disable=SC2086
-    step batch-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_rank_batch_gpu.py tests/test_trace_gpu.py
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/batch-tests.log" | tail -8 | sed 's/^/    /'
+    gpu_tests batch-tests 240 tests/test_rank_batch_gpu.py tests/test_trace_gpu.py
     arms=(--variant default --variant batched=batched --variant graph=graph
           --variant batched_graph=batched,graph --variant fused_graph=fused,graph
           --variant batched_fused_graph=batched,fused,graph)
@@ -178,11 +188,7 @@ fi
 if [ "$what" = trace ]; then
     # where the decode round trip's time goes: the trace points' GPU tests, then the
     # timeline of NVFP4 (the decode target left) and BF16 at decode, and NVFP4 at 1 token
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
-    # shellcheck disable=SC2086
-    step trace-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_trace_gpu.py
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/trace-tests.log" | tail -5 | sed 's/^/    /'
+    gpu_tests trace-tests 200 tests/test_trace_gpu.py
     nvfp4=(--preset decode --set format=NVFP4)
     trace_runs nvfp4-fused-graph "${nvfp4[@]}" --fused --graph
     trace_runs nvfp4-graph "${nvfp4[@]}" --graph
@@ -194,9 +200,7 @@ if [ "$what" = graph-ab ]; then
     # the round trip replayed as a captured CUDA graph (RoundTripGraph) against the same
     # variant's stream launches, same call: its GPU tests, then BF16's variants and each
     # quantising format at both shapes
-    step graph-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graph_gpu.py
-    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/graph-tests.log" | tail -15 \
-        | sed 's/^/    /'
+    gpu_tests graph-tests 200 tests/test_graph_gpu.py
     bench graph-bf16 200 --tokens 128,4096 --variant default --variant graph=graph \
         --variant fused --variant fused_graph=fused,graph \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
@@ -217,12 +221,9 @@ if [ "$what" = pdl-ab ]; then
     done
     for fmt in BF16 NVFP4 MXFP8; do
         for pdl in False True; do
-            step "pdl-$fmt-$pdl" 90 python3 benchmarks/experiments/with_settings.py \
-                epgen.runtime.world.WAIT_PDL=$pdl -- bench --set format=$fmt \
-                --tokens 128,4096 --variant default --variant graph=graph --no-baseline \
-                --json "$OUT/pdl-$fmt-$pdl.json"
-            grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/pdl-$fmt-$pdl.log" \
-                | sed 's/^/    /'
+            arm "pdl-$fmt-$pdl" 90 epgen.runtime.world.WAIT_PDL=$pdl -- bench \
+                --set format=$fmt --tokens 128,4096 --variant default --variant graph=graph \
+                --no-baseline
         done
     done
 fi
@@ -242,24 +243,17 @@ if [ "$what" = profile ]; then
             grep -cE '^(ncu|nsys)$') Nsight tools under /usr/local/cuda*/bin)"
     fi
 fi
-ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm, module constants set by
-           # with_settings.py, then its round-trip and phase rows
+ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm (``arm`` at 4096 tokens)
     local name=$1
     shift
-    step "$name" 80 python3 benchmarks/experiments/with_settings.py "$@" \
-        --tokens 4096 --no-baseline --no-post-check --json "$OUT/$name.json"
-    grep -E "^prefill .*(round|dispatch)" "$OUT/$name.log" | sed 's/^/    /'
+    arm "$name" 80 "$@" --tokens 4096 --no-baseline --no-post-check
 }
 B=epgen.formats.blockscaled
 D=epgen.kernels.dispatch_async
 if [ "$what" = final-ab ]; then
     # the formats' final+prod on the warp send path (WARP_FINAL_ROWS_WITH_SCALES) against
     # the staged path, its GPU tests first (about 4 minutes)
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
-    # shellcheck disable=SC2086
-    step final-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_final_rows_by_warp_gpu.py
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/final-tests.log" | tail -8 | sed 's/^/    /'
+    gpu_tests final-tests 150 tests/test_final_rows_by_warp_gpu.py
     for fmt in NVFP4 MXFP8 BlockwiseFP8; do
         for on in True False; do
             ab "final-$fmt-$on" $D.WARP_FINAL_ROWS_WITH_SCALES=$on -- bench --set format=$fmt \
@@ -271,19 +265,12 @@ if [ "$what" = e2m1-ab ]; then
     # the e2m1 encoder (quant_ir.E2M1_BY_ROUNDING_ADD) on and off, same call, NVFP4 at both
     # shapes; first the formats' GPU tests (bit-exact against the reference) and the final
     # rows' (warp and staged paths), then the formats' final+prod as shipped
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
-    # shellcheck disable=SC2086
-    step e2m1-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_formats_gpu.py tests/test_final_rows_by_warp_gpu.py
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/e2m1-tests.log" | tail -8 | sed 's/^/    /'
+    gpu_tests e2m1-tests 240 tests/test_formats_gpu.py tests/test_final_rows_by_warp_gpu.py
     for on in True False; do
-        step "e2m1-$on" 120 python3 benchmarks/experiments/with_settings.py \
-            epgen.formats.quant_ir.E2M1_BY_ROUNDING_ADD=$on -- bench --set format=NVFP4 \
-            --tokens 128,4096 --variant default --variant graph=graph \
+        arm "e2m1-$on" 120 epgen.formats.quant_ir.E2M1_BY_ROUNDING_ADD=$on -- bench \
+            --set format=NVFP4 --tokens 128,4096 --variant default --variant graph=graph \
             --variant batched_fused=batched,fused \
-            --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check \
-            --json "$OUT/e2m1-$on.json"
-        grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/e2m1-$on.log" | sed 's/^/    /'
+            --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check
     done
     for fmt in NVFP4 MXFP8 BlockwiseFP8; do
         bench "final-$fmt" 90 --set format=$fmt --tokens 128,4096 \
@@ -296,35 +283,27 @@ if [ "$what" = scales-ab ]; then
     # BlockwiseFP8's final layout: the transposed scales through the header rows (shipped)
     # against one store per scale in its transposed place, same call, both shapes
     for on in True False; do
-        step "scales-$on" 100 python3 benchmarks/experiments/with_settings.py \
-            epgen.layout.FINAL_SCALES_IN_HEADER_ROWS=$on -- bench --set format=BlockwiseFP8 \
-            --tokens 128,4096 --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
+        arm "scales-$on" 100 epgen.layout.FINAL_SCALES_IN_HEADER_ROWS=$on -- bench \
+            --set format=BlockwiseFP8 --tokens 128,4096 \
+            --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
             --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
-            --no-baseline --no-post-check --json "$OUT/scales-$on.json"
-        grep -E "^(decode|prefill) .*(round|dispatch)" "$OUT/scales-$on.log" | sed 's/^/    /'
+            --no-baseline --no-post-check
     done
 fi
 if [ "$what" = header-ab ]; then
     # dispatch_wait's header pass under ep_final_layout: a thread per row (shipped) against
     # a warp per row, same call, both shapes; then NVFP4's decode round trips once more
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")
-    # shellcheck disable=SC2086
-    step header-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_final_layout_gpu.py tests/test_final_rows_by_warp_gpu.py \
-        tests/test_graph_gpu.py tests/test_rank_batch_gpu.py -k "final or prod"
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/header-tests.log" | tail -8 | sed 's/^/    /'
+    gpu_tests header-tests 200 tests/test_final_layout_gpu.py \
+        tests/test_final_rows_by_warp_gpu.py tests/test_graph_gpu.py \
+        tests/test_rank_batch_gpu.py -k "final or prod"
     prod=ep_final_layout,ep_prod_reserve,alignment:16
     for on in True False; do
         for fmt in BF16 NVFP4 BlockwiseFP8; do
             extra=(--no-baseline)
             [ "$fmt" = BF16 ] && extra=()
-            step "header-$fmt-$on" 100 python3 benchmarks/experiments/with_settings.py \
-                epgen.kernels.final_layout.HEADER_ROW_PER_THREAD=$on -- bench \
-                --set format=$fmt --tokens 128,4096 --variant prod=$prod \
-                --variant prod_batched=$prod,batched "${extra[@]}" --no-post-check \
-                --json "$OUT/header-$fmt-$on.json"
-            grep -E "^(decode|prefill) .*(round|dispatch|torch)" "$OUT/header-$fmt-$on.log" \
-                | sed 's/^/    /'
+            arm "header-$fmt-$on" 100 epgen.kernels.final_layout.HEADER_ROW_PER_THREAD=$on \
+                -- bench --set format=$fmt --tokens 128,4096 --variant prod=$prod \
+                --variant prod_batched=$prod,batched "${extra[@]}" --no-post-check
         done
     done
     bench nvfp4-decode 90 --set format=NVFP4 --tokens 128 --variant default \
@@ -354,28 +333,19 @@ if [ "$what" = split-ab ]; then
     # (SEND_WARPS_PER_TOKEN_MAX) in every format, stream, graph, fused and fused graph;
     # then ep_send_join_named at prefill with the monitor blocks sending or not
     # (STAGED_SEND_ALL_BLOCKS), BF16 and NVFP4
-    step split-tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_token_split_gpu.py
-    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/split-tests.log" | tail -15 \
-        | sed 's/^/    /'
+    gpu_tests split-tests 240 tests/test_token_split_gpu.py
     for fmt in BF16 NVFP4 MXFP8 BlockwiseFP8; do
         for n in 1 4; do
-            step "split-$fmt-$n" 100 python3 benchmarks/experiments/with_settings.py \
-                "$D.SEND_WARPS_PER_TOKEN_MAX=$n" -- bench --set format=$fmt --tokens 128 \
-                --variant default --variant graph=graph --variant fused \
-                --variant fused_graph=fused,graph --no-baseline --no-post-check \
-                --json "$OUT/split-$fmt-$n.json"
-            grep -E "^decode .*(round|dispatch)" "$OUT/split-$fmt-$n.log" | sed 's/^/    /'
+            arm "split-$fmt-$n" 100 "$D.SEND_WARPS_PER_TOKEN_MAX=$n" -- bench \
+                --set format=$fmt --tokens 128 --variant default --variant graph=graph \
+                --variant fused --variant fused_graph=fused,graph --no-baseline --no-post-check
         done
     done
     for fmt in BF16 NVFP4; do
         for all in False True; do
-            step "named-$fmt-$all" 130 python3 benchmarks/experiments/with_settings.py \
-                "$D.STAGED_SEND_ALL_BLOCKS=$all" -- bench --set format=$fmt --tokens 4096 \
-                --variant named=ep_send_join_named \
-                --variant named_graph=ep_send_join_named,graph --no-baseline --no-post-check \
-                --json "$OUT/named-$fmt-$all.json"
-            grep -E "^prefill .*(round|dispatch)" "$OUT/named-$fmt-$all.log" | sed 's/^/    /'
+            arm "named-$fmt-$all" 130 "$D.STAGED_SEND_ALL_BLOCKS=$all" -- bench \
+                --set format=$fmt --tokens 4096 --variant named=ep_send_join_named \
+                --variant named_graph=ep_send_join_named,graph --no-baseline --no-post-check
         done
     done
 fi
@@ -396,10 +366,7 @@ if [ "$what" = block-ab ]; then
     # and BlockwiseFP8 (dispatch_async.prefers_block_broadcast, shipped): its GPU tests,
     # then each format's default round trip with it and with the warp path
     # (BLOCK_BROADCAST_FORMATS=()), same call; then NVFP4's latency sweep
-    step block-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_token_split_gpu.py -k block_broadcast
-    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/block-tests.log" | tail -15 \
-        | sed 's/^/    /'
+    gpu_tests block-tests 150 tests/test_token_split_gpu.py -k block_broadcast
     for fmt in BF16 MXFP8 BlockwiseFP8; do
         for arm in block warp; do
             setting="$D.BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK=16"
@@ -442,11 +409,7 @@ if [ "$what" = p2p ]; then
     n=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
     head -$((n + 1)) "$OUT/topo.txt" | sed 's/^/    /'
-    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
-    # shellcheck disable=SC2086
-    step p2p-tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider $per_test \
-        tests/test_p2p_gpu.py
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/p2p-tests.log" | tail -15 | sed 's/^/    /'
+    LIMIT=120 gpu_tests p2p-tests 300 tests/test_p2p_gpu.py
     step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
     p2p=(--world p2p --preset default --set n_ranks="$n" --set p2p_world_size="$n")
     # a plot where matplotlib is installed (the device machine has none unless carried)
