@@ -507,7 +507,7 @@ class Layout:
         fmt = self.cfg.token_fmt
         if not (FINAL_SCALES_IN_HEADER_ROWS and getattr(fmt, "scales_transposed", False)):
             return 0
-        return -(-fmt.n_scale_groups * fmt.scale_bytes // 16) * 16
+        return _align(fmt.n_scale_groups * fmt.scale_bytes, 16)
 
     @property
     def hdr_src_rank_offset(self) -> int:
