@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|nvfp4-scale-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -16,7 +16,11 @@
 # and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
 # "e2m1-ab": NVFP4's e2m1 encoder by one rounding addition against the threshold count
 # (E2M1_BY_ROUNDING_ADD), decode and prefill, with the formats' GPU tests and the formats'
-# final+prod rows (about 7 minutes); "scales-ab": BlockwiseFP8's final+prod with the
+# final+prod rows (about 7 minutes); "nvfp4-scale-ab": NVFP4's group scale by a multiply and
+# two fma and a cvt decode against div.rn.f32 and the integer decode
+# (nvfp4.GROUP_SCALE_BY_FMA_AND_CVT), its GPU tests first (the quotient on every input of its
+# domain), then every staged NVFP4 variant at prefill and the decode graph (about 7 minutes);
+# "scales-ab": BlockwiseFP8's final+prod with the
 # transposed scales in the header rows (layout.FINAL_SCALES_IN_HEADER_ROWS, written
 # transposed by dispatch_wait) against each scale stored in place by the sender (2 minutes);
 # "header-ab": the final layout's header pass with a thread per row
@@ -259,6 +263,26 @@ if [ "$what" = final-ab ]; then
             ab "final-$fmt-$on" $D.WARP_FINAL_ROWS_WITH_SCALES=$on -- bench --set format=$fmt \
                 --variant prod=ep_final_layout,ep_prod_reserve,alignment:16
         done
+    done
+fi
+if [ "$what" = nvfp4-scale-ab ]; then
+    # NVFP4's group scale (nvfp4.GROUP_SCALE_BY_FMA_AND_CVT) on and off, same call: the
+    # hardware checks of its arithmetic and the formats' GPU tests, then every staged variant
+    # at prefill (streams and graphs) and the batched fused graph at decode
+    gpu_tests nvfp4-scale-tests 240 tests/test_quant_ops_gpu.py tests/test_formats_gpu.py \
+        tests/test_final_rows_by_warp_gpu.py
+    for on in True False; do
+        arm "nvscale-prefill-$on" 150 epgen.formats.nvfp4.GROUP_SCALE_BY_FMA_AND_CVT=$on -- \
+            bench --set format=NVFP4 --tokens 4096 --variant default --variant graph=graph \
+            --variant ord_r=ep_ord_r,has_rank_flag --variant ord_r_graph=ep_ord_r,has_rank_flag,graph \
+            --variant send_join_named=ep_send_join_named \
+            --variant send_join_named_graph=ep_send_join_named,graph \
+            --variant fused --variant fused_graph=fused,graph --no-baseline --no-post-check
+    done
+    for on in True False; do
+        arm "nvscale-decode-$on" 60 epgen.formats.nvfp4.GROUP_SCALE_BY_FMA_AND_CVT=$on -- \
+            bench --set format=NVFP4 --tokens 128 --variant batched_fused_graph=batched,fused,graph \
+            --no-baseline --no-post-check
     done
 fi
 if [ "$what" = e2m1-ab ]; then

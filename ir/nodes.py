@@ -225,8 +225,33 @@ class CvtE4M3x2(ExprOps):
     dtype = T.u16
 
 
+@attrs.frozen
+class CvtE4M3ToF32(ExprOps):
+    """``cvt.rn.f16x2.e4m3x2`` (sm_89+) of the u16 ``a``, then ``cvt.f32.f16`` of the lower
+    half: the e4m3 byte in ``a``'s low byte as an f32, exactly (every e4m3 value is an f16);
+    the upper byte is ignored, the NaN codes 0x7f/0xff give NaN."""
+
+    a: Expr
+
+    dtype = T.f32
+
+
+@attrs.frozen
+class Fma(ExprOps):
+    """``fma.rn.f32 d, a, b, c`` (``.f64`` for f64 operands): ``a * b + c`` rounded once, to
+    nearest even."""
+
+    a: Expr
+    b: Expr
+    c: Expr
+
+    @property
+    def dtype(self) -> Type:
+        return self.a.dtype
+
+
 Expr = Union[Const, Param, Var, SRegRead, BinOp, UnOp, Cmp, Select, Cast, Bitcast, PtrAdd,
-             SharedAddr, Extract, Pack, CvtE4M3x2]
+             SharedAddr, Extract, Pack, CvtE4M3x2, CvtE4M3ToF32, Fma]
 
 
 def as_expr(value, dtype: Type | None = None):

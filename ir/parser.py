@@ -16,7 +16,7 @@ from . import nodes as N
 from . import types as T
 from .enums import (AtomOp, BinOpKind, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode, Space,
                     SReg, UnOpKind, VoteMode)
-from .printer import CVT_E4M3X2
+from .printer import CVT_E4M3_TO_F32, CVT_E4M3X2
 
 
 class ParseError(ValueError):
@@ -680,6 +680,8 @@ class _Parser:
                 return N.UnOp(_UNOPS[v], *self.args(1))
             if v == "selp":
                 return N.Select(*self.args(3))
+            if v == "fma":
+                return N.Fma(*self.args(3))
             if v == "ptradd":
                 return N.PtrAdd(*self.args(2))
             if v == "extract":
@@ -691,6 +693,8 @@ class _Parser:
                 return N.Extract(vec, index)
         elif v == CVT_E4M3X2:
             return N.CvtE4M3x2(*self.args(2))
+        elif v == CVT_E4M3_TO_F32:
+            return N.CvtE4M3ToF32(*self.args(1))
         elif head == "cvt":
             return N.Cast(ln.type(rest), *self.args(1))
         elif head == "bitcast":

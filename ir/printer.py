@@ -64,6 +64,7 @@ from .enums import CacheHint, Sem, Space
 from .types import PtrType
 
 CVT_E4M3X2 = "cvt.rn.satfinite.e4m3x2.f32"
+CVT_E4M3_TO_F32 = "cvt.f32.e4m3"
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NUMBER_WORDS = ("inf", "nan")  # read as numbers, so names spelled so are quoted
 INDENT = "  "
@@ -176,6 +177,10 @@ class Printer:
                 return self.call(f"pack.{e.dtype}", *(self.expr(x) for x in e.lanes))
             case N.CvtE4M3x2():
                 return self.call(CVT_E4M3X2, self.expr(e.a), self.expr(e.b))
+            case N.CvtE4M3ToF32():
+                return self.call(CVT_E4M3_TO_F32, self.expr(e.a))
+            case N.Fma():
+                return self.call("fma", self.expr(e.a), self.expr(e.b), self.expr(e.c))
         raise TypeError(f"not an IR expression: {e!r}")
 
     # -- statements ----------------------------------------------------------------------------

@@ -245,6 +245,13 @@ class _RoleChecker:
             case N.CvtE4M3x2():
                 self.same_type(e, (e.a, e.b), "cvt.rn.satfinite.e4m3x2.f32 operands",
                                want=T.f32)
+            case N.CvtE4M3ToF32():
+                self.same_type(e, (e.a,), "cvt.rn.f16x2.e4m3x2 operand", want=T.u16)
+            case N.Fma():
+                t = _type(e.a)
+                if t is not None and t not in (T.f32, T.f64):
+                    self.add(e, f"fma operands have type {t}, not f32 or f64")
+                self.same_type(e, (e.a, e.b, e.c), "fma operands")
             case N.Bitcast():
                 t = _type(e.a)
                 if t is not None and t.bits != e.dtype.bits:

@@ -160,6 +160,25 @@ def _e4m3(v: float) -> int:
     return int(np.array(v, np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
+def _e4m3_value(code: int) -> float:
+    """``cvt.rn.f16x2.e4m3x2`` then ``cvt.f32.f16``: the value of the e4m3 byte ``code``."""
+    import ml_dtypes
+    import numpy as np
+    return float(np.array(code, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+def _fma(a: float, b: float, c: float, dtype: T.DType) -> float:
+    """``fma.rn``: ``a * b + c`` rounded once to ``dtype`` (f32: ``ir_numpy.fma_f32``; f64:
+    the exact sum by fractions, rounded by ``float``)."""
+    if dtype.bits == 32:
+        from ir_numpy import fma_f32
+        return float(fma_f32(a, b, c))
+    from fractions import Fraction
+    exact = (Fraction(a) * Fraction(b) + Fraction(c)
+             if all(math.isfinite(v) for v in (a, b, c)) else None)
+    return a * b + c if exact is None or exact == 0 else float(exact)
+
+
 def _bits(t) -> int:
     return 64 if isinstance(t, PtrType) else t.bits
 
@@ -706,6 +725,12 @@ class Sim:
         if isinstance(e, N.CvtE4M3x2):
             fa, fb = f(e.a), f(e.b)
             return lambda th: (_e4m3(fa(th)) << 8) | _e4m3(fb(th))
+        if isinstance(e, N.CvtE4M3ToF32):
+            fa = f(e.a)
+            return lambda th: _e4m3_value(fa(th) & 0xFF)
+        if isinstance(e, N.Fma):
+            fa, fb, fc, dt = f(e.a), f(e.b), f(e.c), e.dtype
+            return lambda th: _fma(fa(th), fb(th), fc(th), dt)
         raise SimError(f"the simulator does not evaluate {type(e).__name__}")
 
     # -- memory and arithmetic -----------------------------------------------------------------

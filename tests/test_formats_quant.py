@@ -340,6 +340,94 @@ def test_e4m3_decode_every_code():
     assert (got.view(np.uint32) == want.view(np.uint32)).all()
 
 
+def test_e4m3_decode_by_cvt_every_code():
+    """``e4m3_to_f32_by_cvt`` (``cvt.rn.f16x2.e4m3x2``, modelled by ml_dtypes) gives the integer
+    decode's value for every code the scale path produces, and reads only the low byte."""
+    by_cvt = ir_numpy.Compiled(lambda r, c: Q.e4m3_to_f32_by_cvt(r, c, "d"), {"c": T.u32})
+    by_int = ir_numpy.Compiled(lambda r, c: Q.e4m3_to_f32(r, c, "d"), {"c": T.u32})
+    codes = np.arange(0x7F, dtype=np.uint32)
+    got = by_cvt.value(by_cvt(c=codes | np.uint32(0xAB00)))
+    want = by_int.value(by_int(c=codes))
+    assert (got.view(np.uint32) == want.view(np.uint32)).all()
+    assert "CvtE4M3ToF32" in str(by_cvt.stmts) and "CvtE4M3ToF32" not in str(by_int.stmts)
+
+
+def _exact_rn32(v) -> np.float32:
+    """The float32 nearest the exact rational ``v`` (ties to the even significand)."""
+    from fractions import Fraction
+    r = np.float32(float(v))
+    cands = [np.nextafter(r, np.float32(-np.inf)), r, np.nextafter(r, np.float32(np.inf))]
+    dist = [abs(Fraction(float(c)) - v) for c in cands]
+    best = min(dist)
+    ties = [c for c, d in zip(cands, dist) if d == best]
+    return min(ties, key=lambda c: int(np.array(c).view(np.uint32)) & 1)
+
+
+def test_fma_model_rounds_once(seed):
+    """``ir_numpy.fma_f32`` (the model of ``fma.rn.f32`` the quantiser tests use) is the exact
+    ``a * b + c`` rounded once, on random operands and on sums built to sit on an f32 tie
+    (where rounding through f64 first would be wrong)."""
+    from fractions import Fraction
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal(3000) * 2.0 ** rng.integers(-20, 20, 3000)).astype(np.float32)
+    b = (rng.standard_normal(3000) * 2.0 ** rng.integers(-20, 20, 3000)).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(3000) * 2.0 ** -20)) \
+        .astype(np.float32)
+    # ties: c = 1 + 2^-24 (the midpoint of 1 and its successor), a * b = +-2^-60
+    a = np.concatenate([a, np.float32([2.0 ** -30, -(2.0 ** -30), 2.0 ** -30])])
+    b = np.concatenate([b, np.float32([2.0 ** -30, 2.0 ** -30, -(2.0 ** -30)])])
+    c = np.concatenate([c, np.float32([1.0, 1.0, 1.0]) + np.float32(2.0 ** -23)])
+    got = ir_numpy.fma_f32(a, b, c)
+    for i in range(len(a)):
+        want = _exact_rn32(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i])))
+        assert got[i].view(np.uint32) == want.view(np.uint32), \
+            f"seed {seed}: fma({a[i]!r}, {b[i]!r}, {c[i]!r}) = {got[i]!r}, exact {want!r}"
+
+
+DIV6 = ir_numpy.Compiled(lambda r, x: Q.quotient_by_fma(r, x, 6.0, "q"), {"x": T.f32})
+SMALLEST_NORMAL_QUOTIENT = np.float32(6 * 2.0 ** -126)
+
+
+def _div6_check(bits: np.ndarray):
+    """``quotient_by_fma(x, 6)`` against ``div.rn.f32`` (numpy's float32 division): the same
+    bits wherever the quotient is normal, the same e4m3 scale code everywhere."""
+    x = bits.view(np.float32)
+    got = DIV6.value(DIV6(x=x))
+    want = x / np.float32(6)
+    normal = x >= SMALLEST_NORMAL_QUOTIENT
+    bad = np.flatnonzero(normal & (got.view(np.uint32) != want.view(np.uint32)))
+    assert bad.size == 0, [(float(x[i]), float(got[i]), float(want[i])) for i in bad[:5]]
+    codes = lambda q: np.minimum(q, np.float32(448)).astype(E4M3).view(np.uint8)
+    assert (codes(got) == codes(want)).all()
+
+
+def test_quotient_by_fma_on_the_scale_domain(seed):
+    """``x / 6`` by ``quotient_by_fma`` over NVFP4's clamped ``g * amax`` in ``[0, 4096]``:
+    every pattern of the binades around 1 and 448 * 6, six times every e4m3 value and
+    midpoint (the ties of the scale's rounding) with their neighbours, the subnormal edge,
+    and a random sample of the rest (EPGEN_EXHAUSTIVE=1: every pattern)."""
+    rng = np.random.default_rng(seed)
+    e4m3 = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(np.float64)
+    points = np.concatenate([e4m3, (e4m3[1:] + e4m3[:-1]) / 2]) * 6
+    pb = points.astype(np.float32).view(np.uint32)
+    near = (pb[:, None] + np.arange(-3, 4, dtype=np.int64)[None, :]).reshape(-1)
+    binades = np.arange(126 << 23, 128 << 23, dtype=np.uint32)          # [0.5, 2)
+    top = np.arange(137 << 23, 139 << 23, 7, dtype=np.uint32)           # [1024, 4096)
+    edge = np.arange(0x00FFFFF0, 0x01000010, dtype=np.uint32)          # 6 * 2^-126 nearby
+    sample = rng.integers(0, 0x45800001, 1 << 20, dtype=np.uint32)
+    _div6_check(np.concatenate([near.clip(0, 0x45800000).astype(np.uint32), binades, top,
+                                edge, sample, np.uint32([0, 0x45800000])]))
+
+
+@pytest.mark.skipif(not os.environ.get("EPGEN_EXHAUSTIVE"),
+                    reason="all 1.17e9 patterns of [0, 4096] take minutes; set EPGEN_EXHAUSTIVE=1")
+def test_quotient_by_fma_every_pattern_of_the_scale_domain():
+    step = 1 << 24
+    for start in range(0, 0x45800001, step):
+        _div6_check(np.arange(start, min(start + step, 0x45800001), dtype=np.uint64)
+                    .astype(np.uint32))
+
+
 def test_e4m3_byte_packing_order():
     """e4m3_pairs puts element i in byte i (the model of the cvt: a -> upper, b -> lower)."""
     qs = [T.f32] * 8
@@ -433,6 +521,47 @@ def test_item_quant_ir_matches_reference(cls, input_scale, nonfinite, seed):
         assert (s.view(np.uint32) == want.view(np.uint32)).all(), f"seed {seed}"
     else:
         assert (s.astype(np.uint8) == want).all(), f"seed {seed}: scales differ"
+
+
+@pytest.mark.parametrize("fma_and_cvt", [True, False], ids=["fma-cvt", "div-decode"])
+@pytest.mark.parametrize("input_scale", [6.0, 0.75, 1536.0, 3.0e-3])
+def test_nvfp4_group_scale_paths_at_e4m3_ties(fma_and_cvt, input_scale, seed, monkeypatch):
+    """Both group-scale paths of NVFP4's ``emit_item_quant`` (``GROUP_SCALE_BY_FMA_AND_CVT``)
+    give the reference's scale bytes and payload where the scale's rounding is hardest: group
+    maxima with ``g * amax / 6`` on every e4m3 value and midpoint (ties to even), a bf16 ulp
+    either side, past the 448 saturation, overflowing f32 (``g * amax = inf``), subnormal,
+    zero."""
+    from epgen.formats import nvfp4
+    monkeypatch.setattr(nvfp4, "GROUP_SCALE_BY_FMA_AND_CVT", fma_and_cvt)
+    rng = np.random.default_rng(seed)
+    f = NVFP4Format(512, 4)
+    e4m3 = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(np.float64)
+    targets = np.concatenate([e4m3, (e4m3[1:] + e4m3[:-1]) / 2, [500.0, 1e4]])
+    amax = (targets * 6 / input_scale).astype(ml_dtypes.bfloat16)
+    bits = amax.view(np.uint16).astype(np.int32)
+    amax = np.concatenate([bits - 1, bits, bits + 1]).clip(0, 0x7F7F).astype(np.uint16) \
+        .view(ml_dtypes.bfloat16).astype(np.float32)
+    amax = np.concatenate([amax, np.float32([0.0, 3.3895314e38, 2.0 ** -133])])
+    n_groups = -(-amax.size // f.n_scale_groups) * f.n_scale_groups
+    amax = np.resize(amax, n_groups)
+    groups = amax[:, None] * rng.uniform(-1, 1, (n_groups, f.group_size)).astype(np.float32)
+    groups[:, rng.integers(0, f.group_size)] = amax * np.where(rng.random(n_groups) < 0.5, 1, -1)
+    x = groups.reshape(-1, f.hid_dim).astype(ml_dtypes.bfloat16).astype(np.float32)
+    want_payload, want_scales = f.quantize(x, input_scale)
+    items = x.reshape(-1, 8)
+    item_amax = np.fmax.reduce(np.abs(x.reshape(-1, 16)), axis=1).repeat(2)
+    c = ir_numpy.Compiled(lambda r, *vs: f.emit_item_quant(r, vs[:8], vs[8]),
+                          {f"x{i}": T.f32 for i in range(8)} | {"amax": T.f32},
+                          {"input_scale": T.f32})
+    env = c(**{f"x{i}": items[:, i] for i in range(8)}, amax=item_amax,
+            input_scale=np.float32(input_scale))
+    words, scale = c.result
+    got = np.stack([np.asarray(c.value(env, w), np.uint32) for w in words], axis=1)
+    scales = np.asarray(c.value(env, scale))[::2].astype(np.uint8)
+    assert (scales == want_scales.reshape(-1)).all(), f"seed {seed}: scales differ"
+    assert (got.view(np.uint8).reshape(want_payload.shape) == want_payload).all(), \
+        f"seed {seed}: payload differs"
+    assert ("Fma(" in str(c.stmts)) == fma_and_cvt
 
 
 # ---- encode/decode and the reference dispatch --------------------------------------------------

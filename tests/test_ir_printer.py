@@ -46,7 +46,8 @@ def kitchen_sink() -> N.Kernel:
     exprs += [N.Cmp(op, i, n) for op in CmpOp]
     exprs += [N.Select(pr, i, n), N.Bitcast(T.f32, i), N.Cast(T.f32, f),
               N.Extract(vec, 3), N.Pack(T.vec(T.u32, 2), (i, n)),
-              N.CvtE4M3x2(f, C(-0.5, T.f32)),
+              N.CvtE4M3x2(f, C(-0.5, T.f32)), N.CvtE4M3ToF32(N.Cast(T.u16, i)),
+              N.Fma(f, C(-0.5, T.f32), f),
               N.Cast(T.u64, tile), N.Cast(T.u64, dyn),
               N.Param("undeclared", T.s64, peer=True), N.Param("n", T.u64)]
 

@@ -635,6 +635,31 @@ def test_load_with_l2_prefetch_hint_emits_exact_line():
     assert any(ln.startswith("ld.global.nc.L2::256B.b64 ") for ln in lines)
 
 
+def test_fma_line():
+    """``Fma(a, b, c)`` is one ``fma.rn.f32`` (``.f64`` for f64) with the operands in order."""
+    ptx = emit_ptx(_unary_kernel(T.f32, lambda x, y: N.Fma(x, y, N.Const(0.5, T.f32))))
+    m = re.search(r"(?m)^\tld\.global\.b32 \t(%r\d+), \[%rd\d+\];$", ptx)
+    line = re.search(r"(?m)^\tfma\.rn\.f32 \t%r\d+, (%r\d+), (%r\d+), 0f3F000000;$", ptx)
+    assert m and line and line.group(1) == m.group(1), ptx
+    ptx64 = emit_ptx(_unary_kernel(T.f64, lambda x, y: N.Fma(x, y, x)))
+    assert re.search(r"(?m)^\tfma\.rn\.f64 \t%rd\d+, %rd\d+, %rd\d+, %rd\d+;$", ptx64), ptx64
+
+
+def test_cvt_e4m3_to_f32_lines():
+    """``CvtE4M3ToF32(code)`` is one inline block: ``cvt.rn.f16x2.e4m3x2`` of the u16 into a
+    scoped register, its low half by ``mov.b32 {lo, hi}``, then ``cvt.f32.f16`` into the f32
+    result; sm_80 has no such instruction."""
+    k = _unary_kernel(T.u16, lambda x, y: N.CvtE4M3ToF32(x))
+    ptx = emit_ptx(k)
+    ld = re.search(r"(?m)^\tld\.global\.b16 \t(%rs\d+), \[%rd\d+\];$", ptx)
+    blk = re.search(r"\{ \.reg \.b32 f16x2; \.reg \.b16 lo, hi; cvt\.rn\.f16x2\.e4m3x2 f16x2, "
+                    r"(%rs\d+); mov\.b32 \{lo, hi\}, f16x2; cvt\.f32\.f16 (%r\d+), lo; \}", ptx)
+    assert ld and blk and blk.group(1) == ld.group(1), ptx
+    assert re.search(rf"(?m)^\tst\.global\.b32 \t\[%rd\d+\], {re.escape(blk.group(2))};$", ptx)
+    with pytest.raises(LoweringError, match="e4m3x2 needs sm_89 or newer, not sm_80"):
+        emit_ptx(k, arch="sm_80")
+
+
 def test_cvt_e4m3x2_line():
     """``CvtE4M3x2(a, b)`` is one inline ``cvt.rn.satfinite.e4m3x2.f32`` with ``a`` the first
     source operand (the upper byte) and ``b`` the second (the lower byte), its b16 result

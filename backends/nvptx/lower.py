@@ -495,6 +495,32 @@ def lower_cvt_e4m3x2(cx, e: N.CvtE4M3x2) -> L.Value:
                       [cx.expr(e.a), cx.expr(e.b)], I16, ordered=False, name="e4m3x2")
 
 
+@_lowers(EXPR_LOWERINGS, N.CvtE4M3ToF32)
+def lower_cvt_e4m3_to_f32(cx, e: N.CvtE4M3ToF32) -> L.Value:
+    """``cvt.rn.f16x2.e4m3x2`` of the u16 operand into a scoped ``.b32``, ``mov.b32 {lo, hi}``,
+    ``cvt.f32.f16`` of ``lo`` (inline PTX: LLVM 22 has no fp8 intrinsic); pure. Needs sm_89
+    or newer."""
+    if not cx.target.has_fp8_cvt:
+        raise LoweringError(f"cvt.rn.f16x2.e4m3x2 needs sm_89 or newer, not {cx.target.arch}")
+    if e.a.dtype != T.u16:
+        raise LoweringError(f"cvt.rn.f16x2.e4m3x2 takes a u16, not {e.a.dtype}")
+    return inline_ptx(cx.b, "{ .reg .b32 f16x2; .reg .b16 lo, hi; "
+                            "cvt.rn.f16x2.e4m3x2 f16x2, $1; mov.b32 {lo, hi}, f16x2; "
+                            "cvt.f32.f16 $0, lo; }",
+                      [cx.expr(e.a)], L.FloatType(), ordered=False, name="e4m3_f32")
+
+
+@_lowers(EXPR_LOWERINGS, N.Fma)
+def lower_fma(cx, e: N.Fma) -> L.Value:
+    """``fma.rn.f32`` / ``fma.rn.f64`` (``llvm.fma``)."""
+    if e.dtype not in (T.f32, T.f64):
+        raise LoweringError(f"fma takes f32 or f64 operands, not {e.dtype}")
+    a, b, c = (cx.expr(x) for x in (e.a, e.b, e.c))
+    if not a.type == b.type == c.type:
+        raise LoweringError(f"fma operand types differ ({e.a.dtype}, {e.b.dtype}, {e.c.dtype})")
+    return call(cx.b, f"llvm.fma.{type_suffix(a.type)}", (a, b, c), a.type, "fma")
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory
 

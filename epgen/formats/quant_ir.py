@@ -12,7 +12,9 @@ contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
   leaves e2m1's step as the sum's ulp, integer ``sub``/``shr``/``add`` (sm_90 has no e2m1
   conversion; ``cvt...e2m1x2.f32`` is sm_100a+); ``E2M1_BY_ROUNDING_ADD = False`` gives the
   earlier threshold count (``setp.{gt,ge}.f32``, ``selp``, ``add``);
-- e8m0 (rounded up) and e4m3/e8m0 -> f32: integer ``shr``/``and``/``shl``/``selp``, ``mov.b32``.
+- e8m0 (rounded up) and e4m3/e8m0 -> f32: integer ``shr``/``and``/``shl``/``selp``, ``mov.b32``;
+  e4m3 -> f32 also as ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (``e4m3_to_f32_by_cvt``);
+- a quotient by a constant as ``mul.rn.f32`` and two ``fma.rn.f32`` (``quotient_by_fma``).
 """
 
 from __future__ import annotations
@@ -114,6 +116,27 @@ def e4m3_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
     normal = ir.Bitcast(F32, ((e + 120) << 23) | (m << 20))
     sub = m.cast(F32) * f32(2.0 ** -9)
     return r.let(name, ir.Select(e.eq(0), sub, normal))
+
+
+def e4m3_to_f32_by_cvt(r: ir.RoleBuilder, code, name: str) -> ir.Var:
+    """The value of the e4m3 code in the low byte of ``code`` (a u32 or u16 expression) as
+    f32, exactly, by the hardware: ``cvt.rn.f16x2.e4m3x2`` and ``cvt.f32.f16`` (sm_89+; two
+    instructions against ``e4m3_to_f32``'s integer decode, whose ``cvt.rn.f32.u32`` of the
+    subnormal branch is a quarter-rate I2F)."""
+    code = ir.as_expr(code)
+    return r.let(name, ir.CvtE4M3ToF32(code if code.dtype == T.u16 else code.cast(T.u16)))
+
+
+def quotient_by_fma(r: ir.RoleBuilder, x, d: float, name: str) -> ir.Var:
+    """``x / d`` for an f32 constant ``d`` without ``div.rn.f32`` (Markstein): ``y = RN(1/d)``,
+    ``q0 = x * y``, ``rem = fma(-q0, d, x)`` (exact), ``q = fma(rem, y, q0)``. That is
+    ``div.rn.f32``'s result wherever the quotient is normal (for ``d = 6``: every f32 ``x`` in
+    ``[0, 4096]``, tests/test_formats_quant.py, all of them with ``EPGEN_EXHAUSTIVE=1``); a
+    subnormal quotient may be an ulp off, and infinities give NaN, so callers clamp ``x``."""
+    y = f32(np.float32(1) / np.float32(d))
+    q0 = r.let(f"{name}_q0", ir.as_expr(x) * y)
+    rem = r.let(f"{name}_rem", ir.Fma(ir.UnOp(UnOpKind.NEG, q0), f32(d), ir.as_expr(x)))
+    return r.let(name, ir.Fma(rem, y, q0))
 
 
 # ---- e2m1 ----------------------------------------------------------------------------------
