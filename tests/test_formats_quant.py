@@ -486,6 +486,24 @@ def special_groups(rng, f: BlockScaledFormat, n: int, nonfinite: bool = False) -
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def run_item_quant(f: BlockScaledFormat, x: np.ndarray, input_scale):
+    """``f.emit_item_quant`` (the IR inside the send path's quantiser) evaluated on every
+    8-element item of the f32 tokens ``x`` with its group's amax: the payload bytes (shaped as
+    ``f.quantize``'s), one scale per group (the value the IR returns) and the IR evaluated."""
+    items = x.reshape(-1, 8)                                        # [n_items, 8]
+    amax = np.fmax.reduce(np.abs(x.reshape(-1, f.group_size)), axis=1, initial=np.float32(0))
+    amax = amax.repeat(f.group_size // 8)                           # per item
+    params = {"input_scale": T.f32} if f.uses_input_scale else {}
+    c = ir_numpy.Compiled(lambda r, *vs: f.emit_item_quant(r, vs[:8], vs[8]),
+                          {f"x{i}": T.f32 for i in range(8)} | {"amax": T.f32}, params)
+    env = c(**{f"x{i}": items[:, i] for i in range(8)}, amax=amax,
+            **({"input_scale": np.float32(input_scale)} if params else {}))
+    words, scale = c.result
+    got = np.stack([np.asarray(c.value(env, w), np.uint32) for w in words], axis=1)
+    payload = got.view(np.uint8).reshape(x.shape[0], -1)
+    return payload, np.asarray(c.value(env, scale))[::f.group_size // 8], c.stmts
+
+
 @by_fmt
 @pytest.mark.parametrize("input_scale", [1.0, 0.37, 2000.0])
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan-inf"])
@@ -498,29 +516,14 @@ def test_item_quant_ir_matches_reference(cls, input_scale, nonfinite, seed):
     rng = np.random.default_rng(seed)
     f = cls(512, 4)
     x = special_groups(rng, f, 64, nonfinite)
+    payload, scales, _ = run_item_quant(f, x, input_scale)
     want_payload, want_scales = f.quantize(x, input_scale)
-    items = x.reshape(-1, 8)                                        # [n_items, 8]
-    g = x.reshape(-1, f.group_size)
-    amax = np.fmax.reduce(np.abs(g), axis=1, initial=np.float32(0))
-    amax = amax.repeat(f.group_size // 8)                           # per item
-    params = {"input_scale": T.f32} if cls.uses_input_scale else {}
-    inputs = {f"x{i}": T.f32 for i in range(8)} | {"amax": T.f32}
-
-    def build(r, *vs):
-        return f.emit_item_quant(r, vs[:8], vs[8])
-    c = ir_numpy.Compiled(build, inputs, params)
-    env = c(**{f"x{i}": items[:, i] for i in range(8)}, amax=amax,
-            **({"input_scale": np.float32(input_scale)} if params else {}))
-    words, scale = c.result
-    got = np.stack([np.asarray(c.value(env, w), np.uint32) for w in words], axis=1)
-    assert (got.view(np.uint8).reshape(want_payload.shape) == want_payload).all(), \
-        f"seed {seed}: payload differs"
-    s = np.asarray(c.value(env, scale))[::f.group_size // 8]
+    assert (payload == want_payload).all(), f"seed {seed}: payload differs"
     want = want_scales.reshape(-1)
     if f.scale_bytes == 4:
-        assert (s.view(np.uint32) == want.view(np.uint32)).all(), f"seed {seed}"
+        assert (scales.view(np.uint32) == want.view(np.uint32)).all(), f"seed {seed}"
     else:
-        assert (s.astype(np.uint8) == want).all(), f"seed {seed}: scales differ"
+        assert (scales.astype(np.uint8) == want).all(), f"seed {seed}: scales differ"
 
 
 @pytest.mark.parametrize("fma_and_cvt", [True, False], ids=["fma-cvt", "div-decode"])
@@ -547,21 +550,12 @@ def test_nvfp4_group_scale_paths_at_e4m3_ties(fma_and_cvt, input_scale, seed, mo
     groups = amax[:, None] * rng.uniform(-1, 1, (n_groups, f.group_size)).astype(np.float32)
     groups[:, rng.integers(0, f.group_size)] = amax * np.where(rng.random(n_groups) < 0.5, 1, -1)
     x = groups.reshape(-1, f.hid_dim).astype(ml_dtypes.bfloat16).astype(np.float32)
+    payload, scales, stmts = run_item_quant(f, x, input_scale)
     want_payload, want_scales = f.quantize(x, input_scale)
-    items = x.reshape(-1, 8)
-    item_amax = np.fmax.reduce(np.abs(x.reshape(-1, 16)), axis=1).repeat(2)
-    c = ir_numpy.Compiled(lambda r, *vs: f.emit_item_quant(r, vs[:8], vs[8]),
-                          {f"x{i}": T.f32 for i in range(8)} | {"amax": T.f32},
-                          {"input_scale": T.f32})
-    env = c(**{f"x{i}": items[:, i] for i in range(8)}, amax=item_amax,
-            input_scale=np.float32(input_scale))
-    words, scale = c.result
-    got = np.stack([np.asarray(c.value(env, w), np.uint32) for w in words], axis=1)
-    scales = np.asarray(c.value(env, scale))[::2].astype(np.uint8)
-    assert (scales == want_scales.reshape(-1)).all(), f"seed {seed}: scales differ"
-    assert (got.view(np.uint8).reshape(want_payload.shape) == want_payload).all(), \
-        f"seed {seed}: payload differs"
-    assert ("Fma(" in str(c.stmts)) == fma_and_cvt
+    assert (scales.astype(np.uint8) == want_scales.reshape(-1)).all(), \
+        f"seed {seed}: scales differ"
+    assert (payload == want_payload).all(), f"seed {seed}: payload differs"
+    assert ("Fma(" in str(stmts)) == fma_and_cvt
 
 
 # ---- encode/decode and the reference dispatch --------------------------------------------------
