@@ -10,6 +10,7 @@ from .config import EPConfig, EPConfigError
 from .errors import EPTimeoutError
 from .formats import BF16Format, BlockwiseFP8Format, MXFP8Format, NVFP4Format, TokenFormat
 from .layout import Layout
+from .tuning import Tuning, TuningError
 
 
 def build_module(cfg):
@@ -36,5 +37,5 @@ def __getattr__(name):
 
 
 __all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "BlockwiseFP8Format",
-           "NVFP4Format", "MXFP8Format", "TokenFormat", "Layout", "reference", "build_module",
+           "NVFP4Format", "MXFP8Format", "TokenFormat", "Layout", "Tuning", "TuningError", "reference", "build_module",
            "emit_ptx", "EmulatedWorld", "P2PWorld"]

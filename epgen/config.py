@@ -25,6 +25,7 @@ import numpy as np
 
 from .formats.base import TokenFormat
 from .layout import MAX_GPUS_PER_NODE, WARP_SIZE, Layout, ceildiv
+from .tuning import Tuning, tuning_from_dict
 
 #: Most threads per block on NVIDIA, and the reference's ``WARP_SIZE**2`` bound on E.
 MAX_THREADS = 1024
@@ -87,6 +88,8 @@ class EPConfig:
     ep_send_join_named: bool = _bool_field(False)
     timeout_ns: int = _int_field(default=2_000_000_000)
     recv_block_capacity: int | None = attrs.field(default=None)
+    #: ours, not a reference parameter: the code-generation choices (``epgen.tuning``)
+    tuning: Tuning = attrs.field(factory=Tuning, converter=tuning_from_dict)
 
     def __attrs_post_init__(self):
         bad = self._type_violations()
@@ -239,5 +242,5 @@ class EPConfig:
         out = {}
         for f in attrs.fields(type(self)):
             v = getattr(self, f.name)
-            out[f.name] = v.describe() if isinstance(v, TokenFormat) else v
+            out[f.name] = v.describe() if isinstance(v, (TokenFormat, Tuning)) else v
         return out

@@ -13,7 +13,8 @@ default), the token format as ``format = "BF16"`` with ``hid_dim``, ``top_k`` an
     top_k = 8
 
 ``config_from_dict`` builds an ``EPConfig`` from such a table (or from ``cfg.describe()``,
-whose ``token_fmt`` is a nested table); ``config_to_dict`` is its inverse; ``parse_value``
+whose ``token_fmt`` is a nested table); a nested ``[tuning]`` table sets ``EPConfig.tuning``
+(``epgen.Tuning``'s fields); ``config_to_dict`` is its inverse; ``parse_value``
 turns the text of ``epgen --set key=value`` into the value the table holds.
 """
 
@@ -33,6 +34,8 @@ from ..formats import TokenFormat, format_class
 
 FORMAT_KEYS = ("format", "hid_dim", "top_k", "alignment")
 """Keys of a flat table that describe the token format."""
+NESTED_PARAMS = ("token_fmt", "tuning")
+"""``EPConfig`` fields that are objects (a nested table in ``describe()``), not flat keys."""
 META_KEYS = ("description", "format_alignment")
 """Keys of a preset file that are not parameters (``format_alignment``: the alignment a
 ``--set format=`` takes for each named format, ``with_overrides``)."""
@@ -48,7 +51,7 @@ class PresetError(ValueError):
 def config_params() -> tuple[str, ...]:
     """Every key a flat table may hold: the ``EPConfig`` parameters other than ``token_fmt``,
     then ``FORMAT_KEYS``."""
-    fields = tuple(f.name for f in attrs.fields(EPConfig) if f.name != "token_fmt")
+    fields = tuple(f.name for f in attrs.fields(EPConfig) if f.name not in NESTED_PARAMS)
     return fields + FORMAT_KEYS
 
 
@@ -103,6 +106,7 @@ def config_from_dict(d: dict) -> EPConfig:
     naming the parameters."""
     d = {k: v for k, v in d.items() if k not in META_KEYS}
     fmt = d.pop("token_fmt", None)
+    tuning = {"tuning": d.pop("tuning")} if "tuning" in d else {}
     derived = {}
     if isinstance(fmt, dict):
         derived = dict(fmt)
@@ -120,7 +124,7 @@ def config_from_dict(d: dict) -> EPConfig:
     if bad:
         raise EPConfigError(bad)
     if isinstance(fmt, TokenFormat):
-        return EPConfig(token_fmt=fmt, **d)
+        return EPConfig(token_fmt=fmt, **tuning, **d)
     try:
         fmt_cls = format_class(d.pop("format"))
     except ValueError as e:
@@ -136,15 +140,18 @@ def config_from_dict(d: dict) -> EPConfig:
              for k, v in derived.items() if have.get(k, _NONE) != v]
     if wrong:
         raise EPConfigError(wrong)
-    return EPConfig(token_fmt=token_fmt, **d)
+    return EPConfig(token_fmt=token_fmt, **tuning, **d)
 
 
 def config_to_dict(cfg: EPConfig) -> dict:
     """The flat table of ``cfg``: every parameter, then ``format``, ``hid_dim``, ``top_k``,
     ``alignment``. ``config_from_dict(config_to_dict(cfg)) == cfg``."""
-    out = {f.name: getattr(cfg, f.name) for f in attrs.fields(EPConfig) if f.name != "token_fmt"}
+    out = {f.name: getattr(cfg, f.name) for f in attrs.fields(EPConfig)
+           if f.name not in NESTED_PARAMS}
     fmt = cfg.token_fmt
     out.update(format=fmt.name, hid_dim=fmt.hid_dim, top_k=fmt.top_k, alignment=fmt.alignment)
+    if cfg.tuning.changed():
+        out["tuning"] = cfg.tuning.changed()
     return out
 
 
