@@ -12,23 +12,27 @@ from __future__ import annotations
 
 BACKENDS = ("cuda", "sim")
 
-#: the largest ``sim_work`` a simulated world accepts. The ``small`` preset (2 ranks x 9
-#: blocks x 256 threads, 32 tokens of H=256, top-4) is 12,800 and costs about 1.8 s per round
-#: trip here (docs/sim.md); the limit is 40 times that, a few minutes per call. The
-#: ``default`` preset (8 x 132 x 1024 threads, 128 tokens of H=7168, top-8) is 8.4 million.
-SIM_WORK_LIMIT = 512_000
+#: ``sim_work`` of the ``small`` preset (2 ranks x 9 blocks x 256 threads, 32 tokens of
+#: H=256, top-4): about 1.4 s per round trip on one core of a 2-core development machine
+SMALL_PRESET_WORK = 8_704
+
+#: the largest ``sim_work`` a simulated world accepts: about 46 x the ``small`` preset,
+#: roughly half a minute per round trip at the measured ~75 us per unit (docs/sim.md). The
+#: ``default`` preset (8 x 132 x 1024 threads, 128 tokens of H=7168, top-8) is 4,751,360.
+SIM_WORK_LIMIT = 400_000
 
 
 def sim_work(cfg, participants: int | None = None) -> int:
     """The work of one simulated round trip, in units that each cost the interpreter about
-    the same: every thread of every participant's grid (``participants`` x ``n_sms`` x
-    ``num_threads``), plus every 16-byte vector of the token rows sent (``participants`` x
-    ``max_tokens_per_rank`` x ``top_k`` x ``hid_dim`` / 8)."""
+    75 us (measured: the cost grows linearly in both terms): every thread of every
+    participant's grid (``participants`` x ``n_sms`` x ``num_threads``), plus half of every
+    16-byte vector of the token rows sent (``participants`` x ``max_tokens_per_rank`` x
+    ``top_k`` x ``hid_dim`` / 8 vectors, each costing about half a thread)."""
     fmt = cfg.token_fmt
     n = cfg.n_ranks if participants is None else participants
     threads = n * cfg.n_sms * cfg.num_threads
     vectors = n * cfg.max_tokens_per_rank * fmt.top_k * fmt.hid_dim // 8
-    return threads + vectors
+    return threads + vectors // 2
 
 
 def check_sim_size(cfg, world: str, participants: int | None = None,
@@ -42,15 +46,9 @@ def check_sim_size(cfg, world: str, participants: int | None = None,
             f"{world}: backend='sim': this configuration is too large to simulate: "
             f"{n} ranks x n_sms={cfg.n_sms} x num_threads={cfg.num_threads} threads + "
             f"{n} x {cfg.max_tokens_per_rank} tokens x top_k={fmt.top_k} x "
-            f"hid_dim={fmt.hid_dim} / 8 vectors = {work:,} work units, over the simulator's "
-            f"limit of {limit:,} (about {limit // sim_work_of_small():,} x the small preset); "
-            f"lower n_sms, num_threads, max_tokens_per_rank or hid_dim, or run on a GPU "
-            f"(backend='cuda')")
-
-
-def sim_work_of_small() -> int:
-    """``sim_work`` of the ``small`` preset (12,800)."""
-    return 2 * 9 * 256 + 2 * 32 * 4 * 256 // 8
+            f"hid_dim={fmt.hid_dim} / 16 = {work:,} work units, over the simulator's "
+            f"limit of {limit:,} (the small preset is {SMALL_PRESET_WORK:,}); lower n_sms, "
+            f"num_threads, max_tokens_per_rank or hid_dim, or run on a GPU (backend='cuda')")
 
 
 def resolve(backend, cfg, world: str, *, participants: int | None = None,
