@@ -9,7 +9,7 @@ Host copies and memsets are synchronous: each first runs every launch queued on 
 stream waits only for that stream's work, so the simulator orders more strongly, never less.
 What it does not model: allocation failures and pools (every allocation succeeds and is
 never freed: a world lives for one process), memory bandwidth, access permissions (tests
-that need placement checks build them on top, see ``tests/sim_p2p.py``).
+that need placement checks add them in a ``Machine`` subclass).
 """
 
 from __future__ import annotations
