@@ -19,9 +19,10 @@ Launches may depend on other launches (stream order): a launch's threads start o
 launch it depends on has finished.
 
 Cost: every thread is a Python generator stepped one statement group at a time, so a launch
-costs roughly a few microseconds per executed IR statement per thread; a grid of a few
-thousand threads moving a few hundred kilobytes runs in seconds, a full-size GPU grid would
-take hours (``epgen`` refuses such configurations before running them).
+costs a few microseconds per executed IR statement per thread, on one core: a grid of a few
+thousand threads moving a few hundred kilobytes runs in seconds, and the cost grows linearly
+with the threads and the bytes moved. A full-size grid (a million threads) is not what it is
+for; ``epgen`` refuses configurations past a size limit before running them.
 """
 
 from __future__ import annotations

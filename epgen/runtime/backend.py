@@ -16,15 +16,16 @@ BACKENDS = ("cuda", "sim")
 #: H=256, top-4): about 1.4 s per round trip on one core of a 2-core development machine
 SMALL_PRESET_WORK = 8_704
 
-#: the largest ``sim_work`` a simulated world accepts: about 46 x the ``small`` preset,
-#: roughly half a minute per round trip at the measured ~75 us per unit (docs/sim.md). The
-#: ``default`` preset (8 x 132 x 1024 threads, 128 tokens of H=7168, top-8) is 4,751,360.
-SIM_WORK_LIMIT = 400_000
+#: the largest ``sim_work`` a simulated world accepts: about 34 x the ``small`` preset,
+#: roughly half a minute and 1.5 GB per round trip (measured: 274,432 units, 540k threads,
+#: took 26 s and 1.25 GB; docs/sim.md). The ``default`` preset (8 x 132 x 1024 threads, 128
+#: tokens of H=7168, top-8) is 4,751,360.
+SIM_WORK_LIMIT = 300_000
 
 
 def sim_work(cfg, participants: int | None = None) -> int:
     """The work of one simulated round trip, in units that each cost the interpreter about
-    75 us (measured: the cost grows linearly in both terms): every thread of every
+    75-95 us (measured: the cost grows about linearly in both terms): every thread of every
     participant's grid (``participants`` x ``n_sms`` x ``num_threads``), plus half of every
     16-byte vector of the token rows sent (``participants`` x ``max_tokens_per_rank`` x
     ``top_k`` x ``hid_dim`` / 8 vectors, each costing about half a thread)."""
