@@ -212,3 +212,27 @@ def test_cli_run_backend_usage_errors(argv, message, capsys):
         cli.main(["run", "--preset", "small", *argv])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+TINY_SETS = ["--set", "n_experts=4", "--set", "hid_dim=16", "--set", "top_k=2",
+             "--set", "max_tokens_per_rank=4", "--set", "num_threads=64", "--set", "n_sms=4"]
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--graph"], "2 emulated ranks, 4 tokens/rank, seed {seed}, each call a CUDA-graph "
+                  "replay, simulated on the CPU"),
+    (["--batched"], "2 emulated ranks, 4 tokens/rank, seed {seed}, every rank in one launch, "
+                    "simulated on the CPU"),
+    (["--fused"], "2 emulated ranks, 4 tokens/rank, seed {seed}, the fused single launch, "
+                  "simulated on the CPU"),
+    (["--world", "p2p", "--graph"], "2 ranks on GPUs 0,1 (P2P), 4 tokens/rank, seed {seed}, "
+                                    "each call a CUDA-graph replay, simulated on the CPU"),
+])
+def test_cli_run_sim_options_run_as_on_a_gpu(argv, phrase, capsys, seed):
+    from epgen import cli
+    status = cli.main(["run", "--backend", "sim", "--preset", "small", *TINY_SETS,
+                       "--calls", "2", "--seed", str(seed), *argv])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.startswith(phrase.format(seed=seed)), out
+    assert out.count("matches the reference") == 2, out
