@@ -10,6 +10,9 @@ configuration would take too long to interpret (``sim_work``, ``SIM_WORK_LIMIT``
 
 from __future__ import annotations
 
+from backends import cuda as cuda_backend
+from backends import sim as sim_backend
+
 BACKENDS = ("cuda", "sim")
 
 #: ``sim_work`` of the ``small`` preset (2 ranks x 9 blocks x 256 threads, 32 tokens of
@@ -65,14 +68,12 @@ def resolve(backend, cfg, world: str, *, participants: int | None = None,
             if sim_seed is not None:
                 raise ValueError(f"{world}: sim_seed={sim_seed!r} applies only with "
                                  f"backend='sim'")
-            from backends import cuda
-            return cuda
+            return cuda_backend
         if sim_seed is not None and (isinstance(sim_seed, bool)
                                      or not isinstance(sim_seed, int)):
             raise ValueError(f"{world}: sim_seed must be an integer, got {sim_seed!r}")
         check_sim_size(cfg, world, participants)
-        from backends import sim
-        return sim.Machine(seed=0 if sim_seed is None else sim_seed, n_gpus=n_gpus)
+        return sim_backend.Machine(seed=0 if sim_seed is None else sim_seed, n_gpus=n_gpus)
     if not getattr(backend, "RUNS_IR", False):
         raise ValueError(f"{world}: backend must be one of {', '.join(map(repr, BACKENDS))} "
                          f"or a backends.sim.Machine, got {backend!r}")

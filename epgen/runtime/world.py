@@ -44,6 +44,7 @@ from ..kernels import build_module, trace
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from . import backend as backends_of
 from . import trace as runtime_trace
 from .diagnostics import DiagBuffer
 from .program import Program
@@ -224,7 +225,6 @@ class RankWorld:
         check, the backend (``runtime.backend.resolve``: ``cuda`` is ``backends.cuda`` or a
         ``backends.sim.Machine``), and ``fused``, ``cfg``, ``cuda``, ``timeout_ns``,
         ``input_scale``."""
-        from . import backend as backends_of
         cuda = backends_of.resolve(backend, cfg, world, participants=participants,
                                    sim_seed=sim_seed, n_gpus=n_gpus)
         fused = resolve_fused(cfg, fused, world)
