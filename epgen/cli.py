@@ -268,9 +268,15 @@ def args_run(p: argparse.ArgumentParser) -> None:
                         "last block there (us after the call's first stamp), the median over "
                         "the calls")
     _add_world(p)
+    p.add_argument("--backend", choices=RUN_BACKENDS, default="cuda",
+                   help="cuda: run on the GPU (the default); sim: interpret the kernels' IR on "
+                        "the CPU (backends.sim; no GPU or CUDA driver needed, --seed also "
+                        "seeds the simulator's interleaving, --arch is ignored; only small "
+                        "configurations, e.g. --preset small)")
 
 
 WORLDS = ("emulated", "p2p")
+RUN_BACKENDS = ("cuda", "sim")
 
 
 def _add_world(p: argparse.ArgumentParser) -> None:
@@ -302,19 +308,23 @@ def _devices(args: argparse.Namespace, n_ranks: int):
 
 
 def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 1.0,
-               fused: bool | None = None, batched: bool = False):
+               fused: bool | None = None, batched: bool = False, backend: str = "cuda",
+               sim_seed: int | None = None):
     """The world ``--world`` names: ``EmulatedWorld`` or ``P2PWorld`` (``devices``);
     ``fused`` as the worlds take it (None: their default); ``batched`` (one launch for
-    every rank) is the emulated world's only."""
+    every rank) is the emulated world's only; ``backend`` and ``sim_seed`` as the worlds
+    take them (``--backend sim``: the CPU simulator)."""
+    sim = {} if backend == "cuda" else {"backend": backend, "sim_seed": sim_seed}
     if kind == "p2p":
         if batched:
             raise CommandError("--batched: one launch for every rank needs the ranks on one "
                                "GPU (--world emulated)")
         from epgen.runtime.p2p_world import P2PWorld
-        return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused)
+        return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused,
+                        **sim)
     from epgen.runtime.world import EmulatedWorld
     return EmulatedWorld(cfg, arch=arch, input_scale=input_scale, fused=fused,
-                         batched=batched)
+                         batched=batched, **sim)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -341,19 +351,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.token_fmt.check_input_scale(args.input_scale)
         except ValueError as e:
             args.parser.error(f"argument --input-scale: {e}")
+    if args.backend == "sim" and args.trace:
+        args.parser.error("argument --trace: the simulator has no clock (--backend sim "
+                          "stamps the interpreter's step count, not time); run on a GPU")
     from epgen.kernels import trace
     from epgen.runtime import trace as runtime_trace
 
     with trace.enabled(args.trace):
         world = make_world(args.world, cfg, arch=args.arch, devices=devices,
                            input_scale=args.input_scale, fused=True if args.fused else None,
-                           batched=args.batched)
+                           batched=args.batched, backend=args.backend,
+                           sim_seed=seed if args.backend == "sim" else None)
     where = ("emulated ranks" if args.world == "emulated" else
              f"ranks on GPUs {','.join(map(str, world.devices))} (P2P)")
     print(f"{cfg.n_ranks} {where}, {tokens} tokens/rank, seed {seed}"
           + (", the fused single launch" if world.fused else "")
           + (", every rank in one launch" if world.batched else "")
-          + (", each call a CUDA-graph replay" if args.graph else ""))
+          + (", each call a CUDA-graph replay" if args.graph else "")
+          + (", simulated on the CPU (backends.sim)" if args.backend == "sim" else ""))
     graph = None
     timelines = []
     for call in range(args.calls):
@@ -447,7 +462,8 @@ COMMANDS: dict[str, Command] = {
     "diff": Command("unified diff of two variants' PTX (exit 1 when they differ)",
                     args_diff, cmd_diff),
     "run": Command("run the kernels on the GPU (emulated ranks, or one GPU per rank with "
-                   "--world p2p) and check them against the reference", args_run, cmd_run),
+                   "--world p2p), or on the CPU with --backend sim, and check them against "
+                   "the reference", args_run, cmd_run),
     "bench": Command("on a GPU: time the dispatch round trip (dispatch_async, dispatch_wait) "
                      "of one or more variants on an EmulatedWorld against a device-to-device "
                      "copy and the PyTorch baseline; table, JSON, PNG plot",

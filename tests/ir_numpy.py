@@ -10,7 +10,8 @@ array element per GPU thread, with PTX's semantics:
   round-to-nearest-even e4m3 of the value clamped to +-448, NaN kept as NaN (0x7f);
   ``CvtE4M3ToF32`` as ml_dtypes' e4m3 value of the low byte;
 - ``Fma`` (f32) rounds ``a * b + c`` once (``fma_f32``: the product is exact in f64, the sum
-  is corrected by its rounding error where f64's rounding would decide an f32 tie).
+  is corrected by its rounding error where f64's rounding would decide an f32 tie), the
+  interpreter's own model (``backends.sim.numerics``).
 
 Used by the format tests to run the very IR a kernel contains (the encoders of
 ``epgen.formats.quant_ir`` and the per-item quantisers) against ml_dtypes.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from backends.sim.numerics import fma_f32
 from ir import nodes as N
 from ir import types as T
 from ir.enums import BinOpKind, CmpOp, UnOpKind
@@ -40,25 +42,6 @@ def e4m3x2_model(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         codes = sat.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint16)
         return np.where(np.isnan(x), np.uint16(0x7F), codes)
     return (one(a) << 8) | one(b)
-
-
-def fma_f32(a, b, c) -> np.ndarray:
-    """``fma.rn.f32``: ``RN32(a * b + c)`` with one rounding. ``a * b`` is exact in f64 (24 + 24
-    bits); ``s = RN64(p + c)`` may not be, and rounding ``s`` to f32 is wrong only where ``s``
-    lands exactly on an f32 midpoint that the exact sum does not: the TwoSum error ``err``
-    says which side of it the exact sum lies."""
-    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
-    c = np.asarray(c, np.float32).astype(np.float64)
-    s = p + c
-    t = s - p
-    err = (p - (s - t)) + (c - t)
-    r = s.astype(np.float32)
-    down = np.nextafter(r, np.float32(-np.inf))
-    up = np.nextafter(r, np.float32(np.inf))
-    rd = r.astype(np.float64)
-    at_upper_mid = (s == (rd + up.astype(np.float64)) / 2) & (err > 0)
-    at_lower_mid = (s == (rd + down.astype(np.float64)) / 2) & (err < 0)
-    return np.where(at_upper_mid, up, np.where(at_lower_mid, down, r)).astype(np.float32)
 
 
 class Evaluator:

@@ -1,6 +1,6 @@
 """``ep_final_layout`` and ``ep_prod_reserve`` on the CPU: the real ``EmulatedWorld`` (its
 buffers, pointer tables, generations and result extraction) runs the generated kernels in
-the IR simulator (``tests/ir_sim.py``), against the numpy reference, over back-to-back calls.
+the IR simulator (``backends.sim``), against the numpy reference, over back-to-back calls.
 
 The simulator is sequentially consistent: these tests check the protocol's logic (rows,
 offsets, reservations, hand-offs, re-arming, generations, deadlock freedom), not its memory
@@ -19,7 +19,7 @@ from epgen import reference, routing
 from epgen.kernels import final_layout
 from epgen.runtime import world as world_mod
 
-from ir_sim import SimHang
+from backends.sim import SimHang
 from sim_world import sim_world
 
 # (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
@@ -212,7 +212,7 @@ def test_dispatch_wait_is_a_programmatic_dependent_launch(pdl, seed, monkeypatch
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed) as world:
         run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
-        launched = world.program.launched
+        launched = world.program.loaded.launched
     assert sorted(set(launched)) == [("ep_dispatch_async", False), ("ep_dispatch_wait", pdl)]
     assert len(launched) == 2 * 2 * cfg.n_ranks
 

@@ -1,5 +1,5 @@
 """The quantising formats (BlockwiseFP8, NVFP4, MXFP8) end to end on the CPU: the real
-``EmulatedWorld`` runs the generated kernels in the IR simulator (``tests/ir_sim.py``, whose
+``EmulatedWorld`` runs the generated kernels in the IR simulator (``backends.sim``, whose
 float arithmetic rounds as the hardware's ``.rn`` instructions and whose ``cvt.rn.satfinite
 .e4m3x2`` matches the PTX), against the numpy reference, bit for bit (payload, scales,
 offsets, src_info), over back-to-back calls, with the flags that change where scales go:

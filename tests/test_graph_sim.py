@@ -1,4 +1,4 @@
-"""``RoundTripGraph`` with the real kernels on the simulator (``sim_world``, ``sim_graph``):
+"""``RoundTripGraph`` with the real kernels on the simulator (``sim_world``, ``backends.sim``):
 replays against the reference for the staged default, ORD-R and final+prod (a new
 generation recorded into every replay), mixed with stream calls; several calls per graph;
 and that a replay launches the recorded kernels, not the world's stream path."""
@@ -10,7 +10,6 @@ import pytest
 
 from epgen import reference, routing
 
-import sim_graph
 from sim_world import sim_world
 from test_final_layout_sim import FLAGS, SHAPES, make_cfg
 
@@ -37,14 +36,14 @@ def test_replays_and_stream_calls_match_the_reference(flags, seed):
                     world.dispatch(toks, ids)
                 else:
                     world.load_inputs(toks, ids)
-                    stream_launches = len(world.program.launched)
+                    stream_launches = len(world.program.loaded.launched)
                     replays = graph.exec.replays
                     graph.launch()
                     world.check()
                     # the replay ran the recorded kernels; prod_reserve re-records (no run)
                     assert graph.exec.replays == replays + 1
                     assert len(graph.exec.nodes) == 2 * cfg.n_ranks
-                    recorded = len(world.program.launched) - stream_launches
+                    recorded = len(world.program.loaded.launched) - stream_launches
                     again = cfg.ep_prod_reserve and call > 0
                     assert recorded == (2 * cfg.n_ranks if again else 0)
                 check(world, cfg, toks, ids, seed, f"{flags} call {call}")
@@ -70,7 +69,7 @@ def test_three_calls_per_graph_with_prod_reserve(seed):
         world.dispatch(toks, ids)
         check(world, cfg, toks, ids, seed, "stream call after the replays")
     assert graph.exec is None                     # closed by the with block
-    assert sim_graph.Recorder.nodes is None
+    assert world.cuda.capture is None              # no capture left open
 
 
 FORMAT_CASES = [("NVFP4", 64, "staged"), ("BlockwiseFP8", 384, "fused_se"),

@@ -1,8 +1,8 @@
 """``P2PWorld`` on the CPU: its pure placement rules (devices, P2P groups, peer pairs, the
-co-residency check, the peer-access error), and the real world on fake GPUs
-(``tests/sim_p2p.py``): the generated kernels run in the IR simulator, every launch checked
-for placement (its stream and pointer arguments on its GPU, every pointer-table entry in
-memory its GPU may access), against the numpy reference, with every flag variant the
+co-residency check, the peer-access error), and the real world on simulated GPUs
+(``backends.sim``, with the placement checks of ``tests/sim_p2p.py``): the generated kernels
+run in the IR simulator, every launch checked for placement (its stream and pointer arguments
+on its GPU, every pointer-table entry in memory its GPU may access), against the numpy reference, with every flag variant the
 simulator runs; the ordering between calls (cross-GPU event waits), timeouts reported from
 every GPU's error buffer, and mutations of the placement that these checks must catch.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import backends
 import epgen
 from epgen import reference, routing
 from epgen.config import TransportNotImplementedError
@@ -25,8 +24,8 @@ from epgen.runtime.p2p_world import (PeerAccessError, assign_devices, check_peer
                                      peer_pairs, peers_of, residency_problems)
 from epgen.runtime.world import CapacityError, p2p_group
 
-from ir_sim import SimHang
-from sim_p2p import PlacementError, fake_gpus, sim_p2p_world
+from backends.sim import SimHang
+from sim_p2p import PlacementError, PlacementMachine, fake_gpus, sim_p2p_world
 from world_checks import run_only
 
 # (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
@@ -272,24 +271,27 @@ def test_explicit_placement(devices, seed):
         assert len({world.errs[d].ptr for d in used}) == len(used)
 
 
-def test_kernels_lowered_once_per_architecture(seed):
+def test_one_module_loaded_on_every_gpu(seed):
+    """One IR module built and loaded once per GPU; the simulator runs the IR, so nothing is
+    lowered to PTX (lowering once per architecture is the GPU path's, with the same code)."""
     cfg = make_cfg(*SHAPES["R4-E8"])
     with sim_p2p_world(cfg, seed) as world:
-        ptx = {d: p.ptx for d, p in world.programs.items()}
-        assert len(set(map(id, ptx.values()))) == 1, "one lowering shared by the 4 GPUs"
+        assert len({id(p.module) for p in world.programs.values()}) == 1
+        assert [p.loaded.device for p in world.programs.values()] == [0, 1, 2, 3]
+        assert all(p.ptx is None for p in world.programs.values())
         assert world.program is world.programs[0] and world.device == 0
 
 
 def test_capacity_is_checked_per_gpu(seed, monkeypatch):
-    from sim_p2p import FakeGpuProgram
+    from sim_p2p import PlacementMachine
     cfg = make_cfg(*SHAPES["R4-E8"])        # n_sms = 6 per rank; fake GPUs have 132 SMs
-    monkeypatch.setattr(FakeGpuProgram, "blocks", 0)
+    monkeypatch.setattr(PlacementMachine, "blocks_per_sm", 0)
     with pytest.raises(CapacityError, match=r"P2PWorld: GPU 0: rank 0 x n_sms=6 blocks of "
                                             r"ep_dispatch_async need 6 co-resident blocks, "
                                             r"but the GPU holds 0"):
         with sim_p2p_world(cfg, seed):
             pass
-    monkeypatch.setattr(FakeGpuProgram, "blocks", 1)
+    monkeypatch.setattr(PlacementMachine, "blocks_per_sm", 1)
     with sim_p2p_world(cfg, seed, n_gpus=1, devices=[0, 0, 0, 0]) as world:   # 24 <= 132
         assert world.devices == (0, 0, 0, 0)
 
@@ -299,7 +301,7 @@ def test_unreachable_gpus_are_refused_before_allocating(seed):
     with fake_gpus(4, seed, reach=lambda a, b: {a, b} != {1, 2}) as gpus:
         with pytest.raises(PeerAccessError, match=r"GPU 1 \(rank 1\) cannot access the memory "
                                                   r"of GPU 2 \(rank 2\)"):
-            p2p_mod.P2PWorld(cfg)
+            p2p_mod.P2PWorld(cfg, backend=gpus)
         assert gpus.allocs == [] and gpus.enabled == set()
     # placed so that GPUs 1 and 2 never talk, the same machine works
     with sim_p2p_world(cfg, seed, n_gpus=4, reach=lambda a, b: {a, b} != {1, 2},
@@ -418,8 +420,8 @@ MUTATIONS = {
                                              lambda self, rk: self.errs[0]),
                        "argument err_buf is in the memory of GPU 0"),
     # peer access never enabled
-    "no_enable": (lambda mp: mp.setattr(backends.cuda, "enable_peer_access",
-                                        lambda a, b: False), "cannot access"),
+    "no_enable": (lambda mp: mp.setattr(PlacementMachine, "enable_peer_access",
+                                        lambda self, a, b: False), "cannot access"),
     # every rank launched through GPU 0's program
     "one_program": (lambda mp: mp.setattr(p2p_mod.P2PWorld, "_program_of",
                                           lambda self, rk: self.programs[0]),
@@ -434,7 +436,7 @@ def test_broken_placement_is_caught(mutation, monkeypatch, seed):
     rng = np.random.default_rng(seed)
     with fake_gpus(2, seed) as gpus:
         apply(monkeypatch)
-        world = p2p_mod.P2PWorld(cfg)
+        world = p2p_mod.P2PWorld(cfg, backend=gpus)
         with pytest.raises(PlacementError, match=message):
             run_calls(world, random_inputs(rng, cfg, 1), seed)
         assert gpus.sim is not None
@@ -445,11 +447,10 @@ TINY_SETS = ["--set", "n_experts=4", "--set", "hid_dim=16", "--set", "top_k=2",
              "--set", "max_tokens_per_rank=4", "--set", "num_threads=64", "--set", "n_sms=4"]
 
 
-def test_cli_run_p2p_on_fake_gpus(capsys, seed):
+def test_cli_run_p2p_on_the_simulator(capsys, seed):
     from epgen import cli
-    with fake_gpus(2, seed):
-        status = cli.main(["run", "--preset", "small", *TINY_SETS, "--world", "p2p",
-                           "--calls", "2", "--seed", str(seed)])
+    status = cli.main(["run", "--preset", "small", *TINY_SETS, "--world", "p2p",
+                       "--backend", "sim", "--calls", "2", "--seed", str(seed)])
     out = capsys.readouterr().out
     assert status == 0, out
     assert out.startswith("2 ranks on GPUs 0,1 (P2P), 4 tokens/rank")
@@ -458,9 +459,9 @@ def test_cli_run_p2p_on_fake_gpus(capsys, seed):
 
 def test_cli_run_p2p_devices(capsys, seed):
     from epgen import cli
-    with fake_gpus(1, seed):
-        status = cli.main(["run", "--preset", "small", *TINY_SETS, "--world", "p2p",
-                           "--devices", "0,0", "--calls", "1", "--seed", str(seed)])
+    status = cli.main(["run", "--preset", "small", *TINY_SETS, "--world", "p2p",
+                       "--backend", "sim", "--devices", "0,0", "--calls", "1",
+                       "--seed", str(seed)])
     out = capsys.readouterr().out
     assert status == 0 and "2 ranks on GPUs 0,0 (P2P)" in out, out
 

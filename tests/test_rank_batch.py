@@ -140,13 +140,13 @@ def test_batched_world_matches_the_reference(flags, fused, graph, seed):
                 counts = [int(rng.integers(0, cfg.max_tokens_per_rank + 1))
                           for _ in range(cfg.n_ranks)]
             toks, ids = routing.routing(rng, cfg, counts)
-            launches = len(world.program.launched)
+            launches = len(world.program.loaded.launched)
             if graph:                   # call 2 has new token counts: capture again
                 replay, got = world.dispatch_replayed(toks, ids, None if call == 2 else replay)
             else:
                 got = world.dispatch(toks, ids)
                 # one launch per kernel for all ranks
-                assert len(world.program.launched) - launches == (1 if fused else 2)
+                assert len(world.program.loaded.launched) - launches == (1 if fused else 2)
             try:
                 reference.assert_match(cfg, reference.dispatch(cfg, toks, ids), got)
             except AssertionError as exc:

@@ -11,10 +11,12 @@ from ..errors import EPTimeoutError
 
 class DiagBuffer:
     """One zeroed error buffer (``ir.diag`` layout) shared by every launch of a group (e.g.
-    all ranks of a world), so one expired wait makes every other wait of the group give up."""
+    all ranks of a world), so one expired wait makes every other wait of the group give up.
+    ``cuda``: the backend that allocates it (default ``backends.cuda``)."""
 
-    def __init__(self, device=None, stream=None):
-        from backends import cuda
+    def __init__(self, device=None, stream=None, cuda=None):
+        if cuda is None:
+            from backends import cuda
         self.array = cuda.zeros(diag.BUFFER_WORDS, np.uint32, device=device, stream=stream)
 
     @property

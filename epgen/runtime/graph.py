@@ -48,8 +48,10 @@ class RoundTripGraph:
         from backends import cuda
         self.world = world
         self.calls = int(calls)
-        self.cuda = cuda
-        self.stream = stream if stream is not None else cuda.create_stream(world.device)
+        self.cuda = getattr(world, "cuda", cuda)       # the world's backend
+        #: the backend's graphs: backends.cuda.graph, or a simulator's (``machine.graph``)
+        self.graphs = cuda_graph if self.cuda is cuda else self.cuda.graph
+        self.stream = stream if stream is not None else self.cuda.create_stream(world.device)
         self.frozen = self._state()
         self.exec = self._instantiate()
         self.fresh = True      # the generations recorded at capture are not used yet
@@ -77,7 +79,7 @@ class RoundTripGraph:
         for rk in w.ranks:
             rk.wait_done = None
         try:
-            with cuda_graph.capture(self.stream) as cap:
+            with self.graphs.capture(self.stream) as cap:
                 fork = cuda.record_event(self.stream)
                 for rk in w.ranks:
                     rk.stream.wait(fork)
@@ -93,7 +95,7 @@ class RoundTripGraph:
     def _instantiate(self):
         cap = self._record()
         try:
-            return cuda_graph.GraphExec(cap.graph)
+            return self.graphs.GraphExec(cap.graph)
         finally:
             cap.destroy()
 
@@ -120,7 +122,7 @@ class RoundTripGraph:
         cap = self._record()
         try:
             if not self.exec.update(cap.graph):
-                old, self.exec = self.exec, cuda_graph.GraphExec(cap.graph)
+                old, self.exec = self.exec, self.graphs.GraphExec(cap.graph)
                 old.destroy()
         finally:
             cap.destroy()

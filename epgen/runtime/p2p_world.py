@@ -98,6 +98,16 @@ def assign_devices(n_ranks: int, devices, n_devices: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def sim_gpus(cfg, devices) -> int:
+    """The GPUs of the machine a ``backend="sim"`` world simulates: one per rank, or more if
+    ``devices`` names a higher ordinal (a malformed ``devices`` is ``assign_devices``'s to
+    refuse)."""
+    try:
+        return max([cfg.n_ranks, *(int(d) + 1 for d in devices or ())])
+    except (TypeError, ValueError):
+        return cfg.n_ranks
+
+
 def peer_pairs(cfg, devices) -> list[tuple[int, int]]:
     """Ordered pairs ``(a, b)`` of distinct GPUs where a rank on ``a`` writes the buffers of
     a rank on ``b`` (they share a P2P group), so ``a`` must access ``b``'s memory."""
@@ -171,12 +181,16 @@ class P2PWorld(RankWorld):
     Attributes: ``devices`` (the GPU of each rank), ``device_ids`` (the GPUs used, sorted),
     ``programs`` and ``errs`` (the ``Program`` and ``DiagBuffer`` of each GPU), ``pools``
     (each GPU's peer-accessible memory resource), ``device`` (rank 0's GPU) and ``program``
-    (its program, for the IR module)."""
+    (its program, for the IR module).
+
+    ``backend="sim"`` runs it on simulated GPUs (``backends.sim``, as ``EmulatedWorld``
+    does; ``sim_seed`` the interleaving), one per rank unless ``devices`` says otherwise."""
 
     def __init__(self, cfg, arch: str | None = None, devices=None,
                  timeout_ns: int | None = None, fused: bool | None = None,
-                 input_scale: float = 1.0):
-        self._init_common(cfg, fused, "P2PWorld", timeout_ns, input_scale)
+                 input_scale: float = 1.0, backend="cuda", sim_seed: int | None = None):
+        self._init_common(cfg, fused, "P2PWorld", timeout_ns, input_scale, backend, sim_seed,
+                          participants=cfg.n_ranks, n_gpus=sim_gpus(cfg, devices))
         cuda = self.cuda
         self.devices = assign_devices(cfg.n_ranks, devices, cuda.device_count())
         self.device_ids = sorted(set(self.devices))
@@ -189,7 +203,8 @@ class P2PWorld(RankWorld):
             a = arch or cuda.arch(d)
             first = by_arch.get(a)
             self.programs[d] = Program(module, arch=a, device=d,
-                                       ptx=first.ptx if first is not None else None)
+                                       ptx=first.ptx if first is not None else None,
+                                       backend=cuda)
             by_arch.setdefault(a, self.programs[d])
         self.program = self.programs[self.devices[0]]
         self.device = self.program.device
@@ -199,7 +214,7 @@ class P2PWorld(RankWorld):
         self.rank_ids = list(range(cfg.n_ranks))
         self.ranks = [_Rank(cuda, cfg, r, d, memory_resource=self.pools[d])
                       for r, d in enumerate(self.devices)]
-        self.errs = {d: DiagBuffer(d) for d in self.device_ids}
+        self.errs = {d: DiagBuffer(d, cuda=cuda) for d in self.device_ids}
         self._build_pointer_tables()
         self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()

@@ -13,17 +13,28 @@ class Program:
     keyed by the IR parameter names, so an argument can never land in the wrong slot.
     ``ptx``: ``module`` already lowered for ``arch`` (a world loading one module on several
     GPUs lowers it once). A rank-batched module (``ir.batch_ranks``) launches with
-    ``launch_ranks``."""
+    ``launch_ranks``. ``backend``: ``backends.cuda`` (None, the default) or a
+    ``backends.sim.Machine``, which loads the IR itself (no PTX: ``ptx`` is None)."""
 
     def __init__(self, module: ir.Module, arch: str | None = None, device=None,
-                 ptx: str | None = None):
-        from backends import cuda, nvptx
+                 ptx: str | None = None, backend=None):
+        from backends import cuda
+        self.backend = cuda if backend is None else backend
         self.module = module
+        self._kernels = {}
+        if getattr(self.backend, "RUNS_IR", False):
+            self.device = self.backend.get_device(device)
+            self.arch, self.ptx = arch or self.backend.arch(self.device), None
+            self.loaded = self.backend.load_module(module, self.device)
+            #: the simulator starts a launch after its dependencies have finished, which is
+            #: also what a programmatic dependent launch with an implicit trigger waits for
+            self.programmatic_ok = True
+            return
+        from backends import nvptx
         self.device = cuda.get_device(device)
         self.arch = arch or cuda.arch(self.device)
         self.ptx = ptx if ptx is not None else nvptx.emit_ptx(module, arch=self.arch)
         self.loaded = cuda.LoadedModule(self.ptx, self.arch, device=self.device, name=module.name)
-        self._kernels = {}
         from backends.cuda import compat
         #: whether ``launch(..., programmatic=True)`` can be a programmatic dependent launch
         #: here: a Hopper-or-later device (PDL is sm_90+) and cuda-core 1.0+ (its LaunchConfig
@@ -47,7 +58,10 @@ class Program:
         """One launch of a rank-batched kernel (``ir.RankBatch``) for every rank: ``rows``
         holds each rank's arguments by IR parameter name, ``grid`` is one rank's grid; the
         arguments travel by value in the kernel's table (``rank_table.pack``)."""
-        from backends.cuda.launch import launch_by_value, pack_arg
+        if getattr(self.backend, "RUNS_IR", False):
+            launch_by_value, pack_arg = self.backend.launch_by_value, self.backend.pack_arg
+        else:
+            from backends.cuda.launch import launch_by_value, pack_arg
         k = self.module.kernel(name)
         if k.rank_batch is None:
             raise ValueError(f"kernel {name}: launch_ranks needs a rank-batched kernel "

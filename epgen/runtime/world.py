@@ -44,6 +44,7 @@ from ..kernels import build_module, trace
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from . import backend as backends_of
 from . import trace as runtime_trace
 from .diagnostics import DiagBuffer
 from .program import Program
@@ -218,12 +219,16 @@ class RankWorld:
     #: every rank's grid in one launch (``EmulatedWorld(batched=True)``; one GPU only)
     batched = False
 
-    def _init_common(self, cfg, fused, world: str, timeout_ns, input_scale):
+    def _init_common(self, cfg, fused, world: str, timeout_ns, input_scale,
+                     backend="cuda", sim_seed=None, participants=None, n_gpus=1):
         """The constructor prologue every world shares: the ``fused`` rule, the transport
-        check, and ``fused``, ``cfg``, ``cuda``, ``timeout_ns``, ``input_scale``."""
+        check, the backend (``runtime.backend.resolve``: ``cuda`` is ``backends.cuda`` or a
+        ``backends.sim.Machine``), and ``fused``, ``cfg``, ``cuda``, ``timeout_ns``,
+        ``input_scale``."""
+        cuda = backends_of.resolve(backend, cfg, world, participants=participants,
+                                   sim_seed=sim_seed, n_gpus=n_gpus)
         fused = resolve_fused(cfg, fused, world)
         cfg.require_p2p_only()
-        from backends import cuda
         self.fused = fused
         self.cfg = cfg
         self.cuda = cuda
@@ -520,13 +525,20 @@ class EmulatedWorld(RankWorld):
     first rank's stream, instead of one launch per rank stream. On one GPU the eight launches
     of a call start their blocks one after another, about 1.5 us apart on the H200 (run 47's
     trace), a delay that ranks on their own GPUs do not have; one launch starts every
-    rank's blocks together."""
+    rank's blocks together.
+
+    ``backend="sim"`` runs the same kernels' IR on the CPU (``backends.sim``; ``sim_seed``
+    fixes the simulator's interleaving, default 0), with the same results; a configuration
+    too large to simulate is refused with a ``ValueError`` (``runtime.backend.sim_work``).
+    ``backend`` may also be a ``backends.sim.Machine``."""
 
     def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
                  fused: bool | None = None, input_scale: float = 1.0,
-                 devices: int | None = None, batched: bool = False):
+                 devices: int | None = None, batched: bool = False, backend="cuda",
+                 sim_seed: int | None = None):
         self.rank_ids = participants(cfg, devices)
-        self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale)
+        self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale, backend,
+                          sim_seed, participants=len(self.rank_ids))
         if not isinstance(batched, bool):
             raise ValueError(f"EmulatedWorld: batched must be a bool, got {batched!r}")
         self.batched = batched
@@ -535,11 +547,11 @@ class EmulatedWorld(RankWorld):
                              cuda.sm_count(device))
         if batched:
             module = ir.batch_ranks(module, len(self.rank_ids), cfg.n_sms)
-        self.program = Program(module, arch=arch, device=device)
+        self.program = Program(module, arch=arch, device=device, backend=cuda)
         self.device = self.program.device
         self._check_capacity()
         self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
-        self.err = DiagBuffer(self.device)
+        self.err = DiagBuffer(self.device, cuda=cuda)
         self._build_pointer_tables()
         self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()

@@ -1,4 +1,4 @@
-"""A small CPU interpreter of the kernel IR, for the CPU tests of the EP protocols.
+"""The interpreter of ``backends.sim``: a small CPU interpreter of the kernel IR (``ir``).
 
 It runs every thread of every launched grid as a Python generator over one flat byte memory,
 with the IR's semantics (integer widths and signedness as in the lowering, 16-byte vector
@@ -17,6 +17,12 @@ or with ``timeouts=True`` expires as a bounded wait does on the GPU (a diagnosti
 ``err_buf``, the abort word raised, the thread exits; every other wait then gives up).
 Launches may depend on other launches (stream order): a launch's threads start once every
 launch it depends on has finished.
+
+Cost: every thread is a Python generator stepped one statement group at a time, so a launch
+costs a few microseconds per executed IR statement per thread, on one core: a grid of a few
+thousand threads moving a few hundred kilobytes runs in seconds, and the cost grows linearly
+with the threads and the bytes moved. A full-size grid (a million threads) is not what it is
+for; ``epgen`` refuses configurations past a size limit before running them.
 """
 
 from __future__ import annotations
@@ -33,16 +39,14 @@ from ir.enums import (AtomOp, BinOpKind, CmpOp, ReduxOp, ShflMode, SReg, UnOpKin
                       VoteMode)
 from ir.types import PtrType, VecType
 
-BASE_ADDR = 0x10000
+from .memory import Memory, SimError
+from .numerics import e4m3_code, e4m3_value, fma
+
 MASK64 = (1 << 64) - 1
 
 
 class SimHang(RuntimeError):
     """A bounded wait polled too long: the protocol deadlocked (or a word is never written)."""
-
-
-class SimError(RuntimeError):
-    """The kernel did something the IR forbids (out-of-range access, mismatched collectives)."""
 
 
 class _Break(Exception):
@@ -60,43 +64,6 @@ def _mask(v: int, bits: int) -> int:
 def _signed(v: int, bits: int) -> int:
     v = _mask(v, bits)
     return v - (1 << bits) if v >> (bits - 1) else v
-
-
-class Memory:
-    """One flat little-endian byte memory; addresses start at ``BASE_ADDR``."""
-
-    def __init__(self):
-        self.buf = bytearray()
-
-    def alloc(self, nbytes: int, align: int = 256) -> int:
-        start = (len(self.buf) + align - 1) // align * align
-        self.buf.extend(bytes(start + max(int(nbytes), 1) - len(self.buf)))
-        return BASE_ADDR + start
-
-    def _off(self, addr: int, n: int) -> int:
-        off = addr - BASE_ADDR
-        if off < 0 or off + n > len(self.buf):
-            raise SimError(f"access of {n} bytes at {addr:#x} outside memory")
-        return off
-
-    def read(self, addr: int, n: int) -> bytes:
-        off = self._off(addr, n)
-        return bytes(self.buf[off:off + n])
-
-    def write(self, addr: int, data: bytes) -> None:
-        off = self._off(addr, len(data))
-        self.buf[off:off + len(data)] = data
-
-    # numpy convenience
-    def put(self, addr: int, array) -> None:
-        import numpy as np
-        self.write(addr, np.ascontiguousarray(array).tobytes())
-
-    def get(self, addr: int, shape, dtype):
-        import numpy as np
-        dt = np.dtype(dtype)
-        n = int(np.prod(shape)) * dt.itemsize
-        return np.frombuffer(self.read(addr, n), dtype=dt).reshape(shape).copy()
 
 
 def _scalar_bytes(v, dtype: T.DType) -> bytes:
@@ -149,38 +116,39 @@ def _float_binop(op, a: float, b: float, dtype: T.DType) -> float:
     return _round_float(r, dtype)
 
 
-def _e4m3(v: float) -> int:
-    """``cvt.rn.satfinite`` of one f32 to an e4m3 byte: nearest even, saturated to +-448,
-    NaN to 0x7F."""
-    import ml_dtypes
-    import numpy as np
-    if math.isnan(v):
-        return 0x7F
-    v = min(max(v, -448.0), 448.0)
-    return int(np.array(v, np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
-
-
-def _e4m3_value(code: int) -> float:
-    """``cvt.rn.f16x2.e4m3x2`` then ``cvt.f32.f16``: the value of the e4m3 byte ``code``."""
-    import ml_dtypes
-    import numpy as np
-    return float(np.array(code, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
-
-
-def _fma(a: float, b: float, c: float, dtype: T.DType) -> float:
-    """``fma.rn``: ``a * b + c`` rounded once to ``dtype`` (f32: ``ir_numpy.fma_f32``; f64:
-    the exact sum by fractions, rounded by ``float``)."""
-    if dtype.bits == 32:
-        from ir_numpy import fma_f32
-        return float(fma_f32(a, b, c))
-    from fractions import Fraction
-    exact = (Fraction(a) * Fraction(b) + Fraction(c)
-             if all(math.isfinite(v) for v in (a, b, c)) else None)
-    return a * b + c if exact is None or exact == 0 else float(exact)
-
-
 def _bits(t) -> int:
     return 64 if isinstance(t, PtrType) else t.bits
+
+
+_FLOAT_BITS = {16: "<e", 32: "<f", 64: "<d"}
+
+
+def unpack_rank_table(kernel: N.Kernel, table) -> list[dict]:
+    """Every rank's arguments from the by-value table of a rank-batched launch
+    (``ir.RankBatch``): row ``q`` holds rank ``q``'s arguments, one 8-byte little-endian slot
+    per parameter in declaration order, integers and pointers zero-extended, floats as their
+    bits in the low bytes (the layout the lowering reads). ``table``: the words (any
+    sequence of ints, e.g. a u64 numpy array) or the bytes."""
+    batch, params = kernel.rank_batch, kernel.params
+    if isinstance(table, (bytes, bytearray)):
+        words = [int.from_bytes(table[i:i + 8], "little") for i in range(0, len(table), 8)]
+    else:
+        words = [int(w) for w in getattr(table, "ravel", lambda: table)()]
+    if len(words) != batch.ranks * len(params):
+        raise TypeError(f"kernel {kernel.name}: rank table of {len(words)} words, needs "
+                        f"{batch.ranks} x {len(params)}")
+    rows = []
+    for q in range(batch.ranks):
+        args = {}
+        for i, p in enumerate(params):
+            w = words[q * len(params) + i]
+            if isinstance(p.dtype, T.DType) and p.dtype.kind == "f":
+                raw = (w & ((1 << p.dtype.bits) - 1)).to_bytes(p.dtype.nbytes, "little")
+                args[p.name] = struct.unpack(_FLOAT_BITS[p.dtype.bits], raw)[0]
+            else:
+                args[p.name] = w
+        rows.append(args)
+    return rows
 
 
 class _Thread:
@@ -214,7 +182,7 @@ class _Launch:
         self.warp_wait: dict = {}       # (block, warp) -> lanes at a warp collective
         batch = kernel.rank_batch
         self.vgrid = grid if batch is None else batch.blocks   # %nctaid.x
-        self.rank_params = None         # per rank: its arguments (read from the table)
+        self.rank_params = None         # per rank: its arguments (from the by-value table)
         if batch is not None and grid != batch.ranks * batch.blocks:
             raise TypeError(f"kernel {kernel.name}: rank-batched for {batch.ranks} x "
                             f"{batch.blocks} blocks, launched with {grid}")
@@ -223,6 +191,8 @@ class _Launch:
         extra = sorted(set(params) - set(names))
         if missing or extra:
             raise TypeError(f"kernel {kernel.name}: missing arguments {missing}, unknown {extra}")
+        if batch is not None:
+            self.rank_params = unpack_rank_table(kernel, params["rank_args"])
 
     @property
     def finished(self) -> bool:
@@ -255,12 +225,6 @@ class Sim:
 
     def _start(self, la: _Launch):
         la.started = True
-        batch = la.kernel.rank_batch
-        if batch is not None:    # the by-value table, as the kernel reads it at its start
-            from epgen.runtime import rank_table
-            words = self.mem.get(la.params["rank_args"], batch.ranks * len(la.kernel.params),
-                                 "u8")
-            la.rank_params = rank_table.unpack(la.kernel, words)
         for b in range(la.grid):
             shared = {}
             for buf in la.kernel.shared:
@@ -724,13 +688,13 @@ class Sim:
             return lambda th: tuple(g(th) for g in lanes)
         if isinstance(e, N.CvtE4M3x2):
             fa, fb = f(e.a), f(e.b)
-            return lambda th: (_e4m3(fa(th)) << 8) | _e4m3(fb(th))
+            return lambda th: (e4m3_code(fa(th)) << 8) | e4m3_code(fb(th))
         if isinstance(e, N.CvtE4M3ToF32):
             fa = f(e.a)
-            return lambda th: _e4m3_value(fa(th) & 0xFF)
+            return lambda th: e4m3_value(fa(th) & 0xFF)
         if isinstance(e, N.Fma):
             fa, fb, fc, dt = f(e.a), f(e.b), f(e.c), e.dtype
-            return lambda th: _fma(fa(th), fb(th), fc(th), dt)
+            return lambda th: fma(fa(th), fb(th), fc(th), dt)
         raise SimError(f"the simulator does not evaluate {type(e).__name__}")
 
     # -- memory and arithmetic -----------------------------------------------------------------

@@ -1,0 +1,37 @@
+"""``backends.sim``: the kernel IR run on the CPU, behind the surface of ``backends.cuda``.
+
+The way numba-cuda's simulator mirrors its driver, this package mirrors the parts of
+``backends.cuda`` the ``epgen`` worlds use, and runs the kernels' IR (``ir.Module``, no PTX)
+in a Python interpreter instead of on a GPU:
+
+- ``interp``   -- ``Sim``, the interpreter: every thread of every grid a generator, threads
+  interleaved in a seeded random order; ``SimHang`` for a wait that never ends
+- ``numerics`` -- ``fma_f32`` and the e4m3 conversions the interpreter computes with
+- ``memory``   -- the flat byte memory and ``DeviceArray``; ``SimError``
+- ``stream``   -- ``Stream`` and ``Event``, with stream order and event waits
+- ``launch``   -- ``LoadedModule`` / ``LoadedKernel``, ``pack_arg``, ``launch_by_value``
+- ``graph``    -- graphs by stream capture (``capture``, ``GraphExec``)
+- ``machine``  -- ``Machine``: the simulated GPUs, the object a world takes as its backend
+
+    machine = Machine(seed=1)
+    world = epgen.EmulatedWorld(cfg, backend=machine)     # or backend="sim", sim_seed=1
+
+What it models and what not: see each module; in short, the IR's semantics exactly
+(integer widths, f32 rounding, atomics, warp collectives, barriers, bounded waits), every
+access sequentially consistent (no weak memory model, no caches), no time, no occupancy
+limits. It is slow: a few microseconds per IR statement per thread (docs/sim.md).
+
+This package imports only ``ir``, numpy, ml_dtypes and the standard library.
+"""
+
+from .graph import GraphExec
+from .interp import SimHang, Sim, unpack_rank_table
+from .launch import LoadedKernel, LoadedModule, launch_by_value, pack_arg
+from .machine import Device, Machine, Pool
+from .memory import DeviceArray, Memory, SimError
+from .numerics import fma_f32
+from .stream import Event, Stream, record_event
+
+__all__ = ["Device", "DeviceArray", "Event", "GraphExec", "LoadedKernel", "LoadedModule",
+           "Machine", "Memory", "Pool", "Sim", "SimError", "SimHang", "Stream", "fma_f32",
+           "launch_by_value", "pack_arg", "record_event", "unpack_rank_table"]
