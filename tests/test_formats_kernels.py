@@ -187,9 +187,9 @@ def test_warp_copy_keeps_the_lanes_share_in_flight(share, want):
 
 
 def test_warp_copy_override(monkeypatch):
-    from epgen.kernels import common
-    monkeypatch.setattr(common, "RECV_LOADS_IN_FLIGHT", 2)
-    assert common.warp_copy_unroll(896) == 2
+    from epgen import primitives
+    monkeypatch.setattr(primitives, "RECV_LOADS_IN_FLIGHT", 2)
+    assert primitives.warp_copy_unroll(896) == 2
 
 
 @pytest.mark.parametrize("unroll", [0, True, 1.5])

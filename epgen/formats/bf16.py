@@ -14,6 +14,7 @@ import numpy as np
 import ir
 from ir import types as T
 
+from ..primitives import VEC, copy_vectors, issue_vector_loads, store_vector_loads, warp_copy
 from .base import VECTOR_BYTES, TokenFormat, align_up, dst_address
 from .registry import register_format
 
@@ -78,7 +79,6 @@ class BF16Format(TokenFormat):
         """``copy_token_to_send_buf``: the CTA copies the ``2H`` payload bytes as 16-byte
         vectors (``ld.global.nc.v4.b32`` / ``st.global.v4.b32``), thread ``first`` taking
         vectors ``first, first + stride, ...``."""
-        from ..kernels.common import copy_vectors
         copy_vectors(r, msg, src_row, 2 * self.hid_dim // VECTOR_BYTES, first, stride, nc=True,
                      tag="stage")
 
@@ -90,7 +90,6 @@ class BF16Format(TokenFormat):
         ``ld.global.nc.v4.b32`` of vectors ``first, first + stride, ...`` now (past the
         payload's end it loads the last vector again) and returns ``store(msg)``, which emits
         their ``st.shared.v4.b32`` (those past the end skipped) where it is called."""
-        from ..kernels.common import issue_vector_loads, store_vector_loads
         n_vec = 2 * self.hid_dim // VECTOR_BYTES
         loads = issue_vector_loads(r, src_row, n_vec, first, stride - 1, stride,
                                    -(-n_vec // stride), nc=True, tag="pf")
@@ -109,7 +108,6 @@ class BF16Format(TokenFormat):
         With ``part = (index, count)`` the warp takes the ``index``-th of ``count`` equal runs
         of vectors (``ceil(n / count)`` each; the last may be shorter), lane-strided the same
         way."""
-        from ..kernels.common import VEC
         n_vec = 2 * self.hid_dim // VECTOR_BYTES
         if part is None:
             i, end = r.var("bc_i", T.u32, r.lane), n_vec
@@ -146,9 +144,6 @@ class BF16Format(TokenFormat):
         ``tid < split.n_copy_threads`` moves items ``tid + j * n_copy_threads``, ``j <
         n_trips``: all its ``ld.global.nc.v4.b32`` issued before its ``st.global.v4.b32``.
         Publisher warps copy nothing."""
-        from ir import CacheHint
-        from ir import types as T
-        from ..kernels.common import VEC
         n_items = 2 * self.hid_dim // VECTOR_BYTES
         if n_items != split.n_trips * split.n_copy_threads:
             raise ValueError(f"BF16Format: the role-split copy needs hid_dim/8 = {n_items} == "
@@ -157,7 +152,7 @@ class BF16Format(TokenFormat):
         with r.if_(tid < split.n_copy_threads):
             offs = [(tid + j * split.n_copy_threads).cast(T.u64) * VECTOR_BYTES
                     for j in range(split.n_trips)]
-            vals = [r.load(src_row + o, VEC, cache=CacheHint.NC, name="split_v") for o in offs]
+            vals = [r.load(src_row + o, VEC, cache=ir.CacheHint.NC, name="split_v") for o in offs]
             for o, v in zip(offs, vals):
                 r.store(msg + o, v)
 
@@ -169,8 +164,6 @@ class BF16Format(TokenFormat):
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output
         row ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``)."""
-        from ir import types as T
-        from ..kernels.common import warp_copy
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
         warp_copy(r, dst, msg, self.payload_vectors, tag="recv")
 

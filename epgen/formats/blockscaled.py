@@ -32,6 +32,7 @@ import ir
 from ir import CacheHint
 from ir import types as T
 
+from ..primitives import copy_vectors, warp_copy, warp_copy_segments
 from .base import VECTOR_BYTES, TokenFormat, align_up, dst_address
 from .bf16 import bf16_bits
 from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
@@ -605,7 +606,6 @@ class BlockScaledFormat(TokenFormat):
         ``output_scales``; the final layout passes the destination rank's): transposed
         ``[groups, output_scales_rows]`` with one ``st.global.b32`` per scale, or row-major
         ``[M, groups]`` with lane-strided copies."""
-        from ..kernels.common import copy_vectors, warp_copy, warp_copy_segments
         dst = output_tokens + row.cast(T.u64) * self.out_row_bytes
         if scales and self.scales_ride_with_payload:
             if out_scales is None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from ir import types as T
 
+from ..primitives import block_inclusive_scan, word
 from .blockscaled import BlockScaledFormat
 from .quant_ir import clamp, e4m3_pairs, f32
 from .registry import register_format
@@ -93,7 +94,6 @@ class BlockwiseFP8Format(BlockScaledFormat):
         inclusive scan (shared memory ``pad_totals``) gives the padded ends, and thread ``j``
         rewrites ``row_offsets[j + 1]`` (``row_offsets[0]`` stays 0). The caller's next
         barrier publishes them to the block."""
-        from ..kernels.common import block_inclusive_scan, word
         p = self.expert_m_padding
         totals = r.kb.shared_buffer("pad_totals", 4 * 32)
         rows = r.var("pad_rows", T.u32, 0)
