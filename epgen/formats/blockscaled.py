@@ -35,46 +35,10 @@ from ir import types as T
 from ..primitives import copy_vectors, warp_copy, warp_copy_segments
 from .base import VECTOR_BYTES, TokenFormat, align_up, dst_address
 from .bf16 import bf16_bits
+from ..tuning import Tuning
 from .quant_ir import abs_max, bf16x8_to_f32, group_max, kernel_param
 
 ITEM_ELEMS = 8               # bf16 elements per 16-byte input load (reference src_width)
-#: 16-byte input items each lane of the warp send path loads before quantising them
-#: (``emit_broadcast_token``). 2, with the payload staged in shared memory and the
-#: destinations in shared memory (``dispatch_async.SEND_DSTS_IN_SHARED``): the H200 A/B of
-#: 2026-11-29 (docs/PERF.md, fourth session) measured NVFP4's prefill round trip 0.675 -> 0.742
-#: of copy and BlockwiseFP8's 0.745 -> 0.760 with all three, against 1 item straight from
-#: registers; without the staging, 2 items spilled and ran slower (third session).
-QUANT_ITEMS_IN_FLIGHT = 2
-#: Preferred bytes of payload each warp of the warp send path stages in shared memory before
-#: writing them to the destinations as 16-byte vectors (``_broadcast_staged``); the chunk used
-#: is the largest whole number of 32-item trips up to this that fits the block's static shared
-#: memory (``stage_chunk_bytes``: 2048 for 512-thread blocks, less for 1024), and 0 turns the
-#: staging off (every item straight from registers to the destinations).
-QUANT_STAGE_BYTES = 2048
-#: With the staging: the chunk's group scales go to the warp's shared slice too and reach the
-#: destinations as wide stores after the payload (``_copy_staged_scales``), instead of one
-#: store per group from its first lane to each destination. The scale stores were most of the
-#: send's store instructions (NVFP4: 128 of 160 per 2 KB chunk and lane, FP8: 64 of 96); this
-#: makes them 8. H200 A/B at prefill (docs/PERF.md, fourth session, run 24): NVFP4 round trip
-#: 1165.9 -> 1078.4 us (0.739 -> 0.799 of copy), BlockwiseFP8 1946.6 -> 1797.2 us (0.763 ->
-#: 0.826). False: each scale straight to the destinations.
-QUANT_STAGE_SCALES = True
-#: dispatch_wait, row-major scales (NVFP4, MXFP8): a warp copies a message's payload and its
-#: scales as one run of vectors, every load of a trip in flight before the stores
-#: (``common.warp_copy_segments``: NVFP4's 252 vectors are one trip of 8 per lane), instead
-#: of the payload copy and then the scale copy, a second dependent round trip per message.
-#: False: the payload, then the scales.
-RECV_SCALES_WITH_PAYLOAD = True
-#: dispatch_wait, transposed scales (BlockwiseFP8): the tile-wide scale copy
-#: (``emit_copy_tile_scales``) issues all of a thread's work items' loads before their
-#: stores (BlockwiseFP8 at 512 threads: 4 items), instead of one item's round trip at a time.
-#: False: the one-at-a-time loop.
-TILE_SCALES_ALL_IN_FLIGHT = True
-#: ``ep_send_join_named``'s pipelined block-staged send (``dispatch_async.SEND_JOIN_PREFETCH``):
-#: the next token's input loads are issued before the current token's broadcast and
-#: quantised into the shared message after it (``emit_stage_loads``), as BF16's are, instead
-#: of the whole quantising copy after the broadcast. False: staged whole.
-STAGE_LOADS_AHEAD = True
 #: static shared memory one block may declare (``.shared`` without opt-in), bytes
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -283,10 +247,10 @@ class BlockScaledFormat(TokenFormat):
         4-bit; the group scale as stored: an f32 or a u32 holding a byte)."""
         raise NotImplementedError
 
-    @property
-    def splits_staging(self) -> bool:
-        """``STAGE_LOADS_AHEAD``: ``emit_stage_loads`` is used."""
-        return STAGE_LOADS_AHEAD
+    #: the pipelined block-staged send issues the next token's input loads before the current
+    #: token's broadcast and quantises them into the shared message after it
+    #: (``emit_stage_loads``), as BF16's are
+    splits_staging = True
 
     def emit_stage_loads(self, r, src_row, first, stride: int):
         """The pipelined block-staged send's first half of ``emit_copy_token_to_send_buf``
@@ -328,10 +292,15 @@ class BlockScaledFormat(TokenFormat):
                              scales_row_major: bool = False):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
-        ``QUANT_ITEMS_IN_FLIGHT``) and stores each item's payload and each group scale to
-        every non-zero destination of ``dsts`` (``K`` stores each). With ``stage_bytes``
-        (default ``QUANT_STAGE_BYTES``; 0: off) the payload goes through a per-warp shared
-        buffer of that many bytes instead (``_broadcast_staged``). With ``part = (index,
+        ``Tuning().quant_items_in_flight``) and stores each item's payload and each group
+        scale to every non-zero destination of ``dsts`` (``K`` stores each). With
+        ``stage_bytes`` (the preferred chunk, default ``Tuning().quant_stage_bytes``; 0: no
+        staging) the payload and scales go through a per-warp shared buffer instead
+        (``_broadcast_staged``; the chunk used is ``stage_chunk_bytes``'s, what fits the
+        static shared memory). Two items in flight with 2048-byte chunks, measured on the
+        H200 at prefill (docs/PERF.md's tuning table): NVFP4's round trip 0.675 -> 0.742 of
+        copy and BlockwiseFP8's 0.745 -> 0.760 against 1 item straight from registers
+        (without the staging, 2 items spilled and ran slower). With ``part = (index,
         count)`` the warp takes every ``count``-th staging chunk from chunk ``index``, the
         default chunk shrunk to about a ``count``-th of the payload so that each warp has one
         (unstaged: every ``count``-th run of 32 items: groups never straddle warps).
@@ -365,13 +334,13 @@ class BlockScaledFormat(TokenFormat):
                                  f"(broadcasts_final_rows)")
             store_scale = storer(scale_dsts, (lambda off: off - self.scales_offset)
                                  if scales_row_major else self.final_scale_place(r))
-        unroll = QUANT_ITEMS_IN_FLIGHT if unroll is None else unroll
-        if stage_bytes is None:
-            preferred = QUANT_STAGE_BYTES
-            if part is not None:
-                preferred = min(preferred, self.part_chunk_bytes(part[1]))
-            stage_bytes = self.stage_chunk_bytes(
-                preferred, r.n_threads // 32, sum(b.nbytes for b in r.kb.shared))
+        default = Tuning()
+        unroll = default.quant_items_in_flight if unroll is None else unroll
+        preferred = default.quant_stage_bytes if stage_bytes is None else stage_bytes
+        if preferred and part is not None:
+            preferred = min(preferred, self.part_chunk_bytes(part[1]))
+        stage_bytes = self.stage_chunk_bytes(preferred, r.n_threads // 32,
+                                             sum(b.nbytes for b in r.kb.shared))
         if stage_bytes:
             self._broadcast_staged(r, src_row, store_all, unroll, stage_bytes, part,
                                    store_scale=store_scale,
@@ -420,7 +389,7 @@ class BlockScaledFormat(TokenFormat):
     def stage_chunk_bytes(self, preferred: int, warps: int, static_used: int) -> int:
         """The staging chunk the warp send path uses by default: the largest multiple of a
         32-item trip's payload (and of 16 bytes) up to ``preferred`` whose ``warps`` copies
-        (with their scales, ``QUANT_STAGE_SCALES``) fit the static shared memory left after
+        (with their scales) fit the static shared memory left after
         ``static_used`` bytes; 0 (no staging) when ``preferred`` is 0 or not even one trip
         fits."""
         if not preferred:
@@ -429,13 +398,13 @@ class BlockScaledFormat(TokenFormat):
         trip = 32 * self.item_out_bytes
         step = trip * VECTOR_BYTES // math.gcd(trip, VECTOR_BYTES)
         room = (STATIC_SMEM_LIMIT - static_used) // max(warps, 1)
-        if QUANT_STAGE_SCALES:     # each chunk's scales beside it (rounded up to 16 bytes)
-            room -= self.chunk_scale_bytes(min(preferred, room)) + VECTOR_BYTES
+        # each chunk's scales beside it (rounded up to 16 bytes)
+        room -= self.chunk_scale_bytes(min(preferred, room)) + VECTOR_BYTES
         return max(0, min(preferred, room) // step * step)
 
     def chunk_scale_bytes(self, stage_bytes: int) -> int:
-        """Scale bytes of the groups of one ``stage_bytes`` payload chunk (``QUANT_STAGE_SCALES``
-        stages them beside the payload)."""
+        """Scale bytes of the groups of one ``stage_bytes`` payload chunk (staged beside the
+        payload)."""
         items = stage_bytes // self.item_out_bytes
         return -(-items // (self.group_size // ITEM_ELEMS)) * self.scale_bytes
 
@@ -455,11 +424,17 @@ class BlockScaledFormat(TokenFormat):
                           part=None, store_scale=None, scattered_scales: bool = False):
         """The token in chunks of ``stage_bytes`` payload bytes (with ``part = (index,
         count)``: chunks ``index, index + count, ...``): the warp quantizes a chunk's
-        items into its slice of the shared buffer ``quant_stage`` (``st.shared``; the group
-        scales still go straight to every destination), ``bar.warp.sync``, then each lane
-        copies 16-byte vectors of the chunk (``ld.shared.v4.b32``) to every destination
+        items into its slice of the shared buffer ``quant_stage`` (``st.shared``) and their
+        group scales into its slice of ``quant_stage_scales``, ``bar.warp.sync``, then each
+        lane copies 16-byte vectors of the chunk (``ld.shared.v4.b32``) to every destination
         (``st.global.v4.b32``): each destination gets the chunk as 512-byte warp stores, as
-        BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip. ``store_scale``:
+        BF16's broadcast writes, instead of 32 x 4 or 8 bytes per trip; the scales follow as
+        wide stores (``_copy_staged_scales``) instead of one store per group from its first
+        lane to each destination. The scale stores were most of the send's store instructions
+        (NVFP4: 128 of 160 per 2 KB chunk and lane, FP8: 64 of 96); staged they are 8.
+        Measured on the H200 at prefill (docs/PERF.md's tuning table): NVFP4 round trip
+        1165.9 -> 1078.4 us (0.739 -> 0.799 of copy), BlockwiseFP8 1946.6 -> 1797.2 us
+        (0.763 -> 0.826) with the scales staged. ``store_scale``:
         where the scales go, by message offset (default ``store_all``);
         ``scattered_scales``: one scale per store (not contiguous where they go)."""
         store_scale = store_scale or store_all
@@ -469,17 +444,15 @@ class BlockScaledFormat(TokenFormat):
         buf = r.kb.shared_buffer("quant_stage", (r.n_threads // 32) * stage_bytes)
         lanes = self.group_size // ITEM_ELEMS
         sc_bytes = -(-self.chunk_scale_bytes(stage_bytes) // VECTOR_BYTES) * VECTOR_BYTES
-        sbuf = r.kb.shared_buffer("quant_stage_scales", (r.n_threads // 32) * sc_bytes) \
-            if QUANT_STAGE_SCALES else None
+        sbuf = r.kb.shared_buffer("quant_stage_scales", (r.n_threads // 32) * sc_bytes)
         static = sum(b.nbytes for b in r.kb.shared)
         if static > STATIC_SMEM_LIMIT:
             raise ValueError(f"{self.name}: a {stage_bytes}-byte staging chunk per warp "
-                             f"(QUANT_STAGE_BYTES) takes the kernel's static shared memory to "
+                             f"(tuning.quant_stage_bytes) takes the kernel's static shared memory to "
                              f"{static} bytes, past the {STATIC_SMEM_LIMIT} a block may "
                              f"declare")
         mine = r.let("q_stage", buf + (r.warp * stage_bytes).cast(T.u64))
-        my_scales = r.let("q_stage_sc", sbuf + (r.warp * sc_bytes).cast(T.u64)) \
-            if sbuf is not None else None
+        my_scales = r.let("q_stage_sc", sbuf + (r.warp * sc_bytes).cast(T.u64))
         first, step = (0, chunk_items) if part is None else \
             (part[0] * chunk_items, part[1] * chunk_items)
         with r.for_range("q_chunk", first, n_items, step) as c0:
@@ -489,13 +462,11 @@ class BlockScaledFormat(TokenFormat):
             def to_stage(off, value):
                 r.store(mine + (off - base), value)
 
-            to_scales = store_scale
-            if my_scales is not None:
-                sc_base = r.let("q_chunk_sc", (c0 // lanes).cast(T.u64) * self.scale_bytes
-                                + self.scales_offset)
+            sc_base = r.let("q_chunk_sc", (c0 // lanes).cast(T.u64) * self.scale_bytes
+                            + self.scales_offset)
 
-                def to_scales(off, value):
-                    r.store(my_scales + (off - sc_base), value)
+            def to_scales(off, value):
+                r.store(my_scales + (off - sc_base), value)
 
             self._quantize_token(r, src_row, r.lane, 32, to_stage, unroll, start=c0, end=c1,
                                  store_scale=to_scales)
@@ -504,15 +475,14 @@ class BlockScaledFormat(TokenFormat):
             with r.for_range("q_bc", r.lane, n_vec, 32) as v:
                 off = v.cast(T.u64) * VECTOR_BYTES
                 store_all(base + off, r.load(mine + off, T.vec(T.u32, 4), name="q_bc_v"))
-            if my_scales is not None:
-                self._copy_staged_scales(r, my_scales, sc_base, (c1 - c0) // lanes,
-                                         self.chunk_scale_bytes(stage_bytes), store_scale,
-                                         one_per_store=scattered_scales)
+            self._copy_staged_scales(r, my_scales, sc_base, (c1 - c0) // lanes,
+                                     self.chunk_scale_bytes(stage_bytes), store_scale,
+                                     one_per_store=scattered_scales)
             r.warp_sync()
 
     def _copy_staged_scales(self, r, staged, dst_off, n_groups, chunk_bytes: int, store_all,
                             one_per_store: bool = False):
-        """``QUANT_STAGE_SCALES``: the chunk's ``n_groups`` scales from the warp's shared slice
+        """The chunk's ``n_groups`` scales from the warp's shared slice
         ``staged`` to message offset ``dst_off`` of every destination, lane-strided, in units
         of the widest power of two up to 16 bytes that divides a whole chunk's ``chunk_bytes``
         (so every unit is aligned in the message), then the last partial unit's scales one by
@@ -591,10 +561,12 @@ class BlockScaledFormat(TokenFormat):
 
     @property
     def scales_ride_with_payload(self) -> bool:
-        """``RECV_SCALES_WITH_PAYLOAD`` applies: row-major output scales of whole 16-byte
-        vectors that follow the payload in the message without a gap, so one run of message
-        vectors feeds both output tensors (``common.warp_copy_segments``)."""
-        return (RECV_SCALES_WITH_PAYLOAD and not self.scales_transposed
+        """Row-major output scales of whole 16-byte vectors that follow the payload in the
+        message without a gap, so one run of message vectors feeds both output tensors: a
+        warp copies a message's payload and its scales with every load of a trip in flight
+        before the stores (``primitives.warp_copy_segments``: NVFP4's 252 vectors at H=7168
+        are one trip of 8 per lane) instead of a second dependent round trip per message."""
+        return (not self.scales_transposed
                 and self.scales_offset == self.payload_bytes
                 and self.out_scale_bytes_per_row % VECTOR_BYTES == 0)
 
@@ -647,9 +619,10 @@ class BlockScaledFormat(TokenFormat):
         (``ld.shared.u64``) and the vector (``ld.global.v4.b32``), then stores each group
         ``g`` to ``output_scales[g, row0 + j]`` (``st.global.b32``): 32 adjacent rows of one
         group per warp store, where the per-message copy writes 32 groups ``4 *
-        output_scales_rows`` bytes apart. With ``TILE_SCALES_ALL_IN_FLIGHT`` (and a constant
-        ``stride``) the thread's items are unrolled: every item's two loads (past the tile's
-        items: a clamped valid one) before any item's guarded stores. ``scales_at``: the
+        output_scales_rows`` bytes apart. With a constant ``stride`` the thread's items are
+        unrolled: every item's two loads (past the tile's items: a clamped valid one) before
+        any item's guarded stores (BlockwiseFP8 at 512 threads: 4 items), not one item's round
+        trip at a time. ``scales_at``: the
         scales' byte offset from each address (default the message's ``scales_offset``; the
         final layout's header rows: ``hdr_scales_offset``)."""
         if not self.scales_transposed or self.scale_bytes != 4:
@@ -678,7 +651,7 @@ class BlockScaledFormat(TokenFormat):
                     r.store(out_scales + (g.cast(T.u64) * m + row) * self.scale_bytes,
                             ir.Extract(words, q))
 
-        if TILE_SCALES_ALL_IN_FLIGHT and isinstance(stride, int):
+        if isinstance(stride, int):
             # every item's loads first (clamped to a valid item), then the guarded stores
             items = []
             for u in range(-(-n_items // stride)):

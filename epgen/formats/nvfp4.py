@@ -30,18 +30,11 @@ import ir
 from ir import types as T
 
 from .blockscaled import BlockScaledFormat
-from .quant_ir import (e2m1_nibble, e4m3_byte, e4m3_to_f32, e4m3_to_f32_by_cvt, f32,
-                       kernel_param, quotient_by_fma)
+from .quant_ir import (e2m1_nibble, e4m3_byte, e4m3_to_f32_by_cvt, f32, kernel_param,
+                       quotient_by_fma)
 from .registry import register_format
 
 FP4_MAX = 6.0
-#: True: the group scale's ``(g * amax) / 6`` is a multiply and two ``fma.rn.f32``
-#: (``quant_ir.quotient_by_fma``, on ``min(g * amax, SCALE_INPUT_CLAMP)``) and its e4m3 code is
-#: decoded by ``cvt.rn.f16x2.e4m3x2`` (``quant_ir.e4m3_to_f32_by_cvt``), instead of a
-#: ``div.rn.f32`` and the integer decode: the same scale bytes and multipliers for every
-#: input (tests/test_formats_quant.py), fewer instructions per 8-element item. False: the
-#: division and the integer decode (the GPU A/B's other arm).
-GROUP_SCALE_BY_FMA_AND_CVT = True
 #: ``g * amax`` is clamped here before the division by 6: every quotient from 448 up saturates
 #: to e4m3's 448 (4096 / 6 = 682.7 does too), and the clamp turns an overflowed ``+inf`` into
 #: a finite value for ``quotient_by_fma``
@@ -123,16 +116,15 @@ class NVFP4Format(BlockScaledFormat):
         6), ``cvt.rn.satfinite.e4m3x2.f32`` (the scale byte), ``cvt.rn.f16x2.e4m3x2`` and
         ``cvt.f32.f16`` (its value), ``div.rn.f32`` (the multiplier), then per element
         ``mul.rn.f32`` and the e2m1 encoding (``quant_ir.e2m1_nibble``); 8 nibbles make one
-        u32. ``GROUP_SCALE_BY_FMA_AND_CVT = False``: ``div.rn.f32`` by 6 and the integer
-        decode."""
+        u32. The quotient by 6 (``quant_ir.quotient_by_fma``, on ``min(g * amax,
+        SCALE_INPUT_CLAMP)``) and the ``cvt`` decode give the same scale bytes and
+        multipliers as a ``div.rn.f32`` and the integer decode (``quant_ir.e4m3_to_f32``)
+        for every input (tests/test_formats_quant.py), with one ``div.rn.f32`` fewer per
+        8-element item."""
         g = kernel_param(r, "input_scale", T.f32)
-        if GROUP_SCALE_BY_FMA_AND_CVT:
-            scaled = r.let("nv_gamax", (g * amax).min(f32(SCALE_INPUT_CLAMP)))
-            code = e4m3_byte(r, quotient_by_fma(r, scaled, FP4_MAX, "nv_sf"), "nv_scale")
-            sdec = e4m3_to_f32_by_cvt(r, code, "nv_sdec")
-        else:
-            code = e4m3_byte(r, (g * amax) / f32(FP4_MAX), "nv_scale")
-            sdec = e4m3_to_f32(r, code, "nv_sdec")
+        scaled = r.let("nv_gamax", (g * amax).min(f32(SCALE_INPUT_CLAMP)))
+        code = e4m3_byte(r, quotient_by_fma(r, scaled, FP4_MAX, "nv_sf"), "nv_scale")
+        sdec = e4m3_to_f32_by_cvt(r, code, "nv_sdec")
         mult = r.let("nv_mult", ir.Select(amax.eq(f32(0)), f32(0), g / sdec))
         word = None
         for i, x in enumerate(xs):
