@@ -86,7 +86,7 @@ def test_transposed_scales_travel_in_the_header_rows(by_warp, seed, monkeypatch)
     row-major into its header row (``hdr_scale_bytes``), and dispatch_wait's header pass
     writes each tile's scales transposed; a wait that skips that pass leaves the output
     scales wrong."""
-    from epgen.formats import blockscaled
+    from epgen.formats.blockscaled_emit import BlockScaledEmitter
     monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", by_warp)
     cfg = make_cfg("BlockwiseFP8", 512, **FLAGS["prod_reserve"])
     lay = cfg.layout
@@ -95,7 +95,7 @@ def test_transposed_scales_travel_in_the_header_rows(by_warp, seed, monkeypatch)
     wait = text[text.index("kernel ep_dispatch_wait"):]
     assert "shared tile_hdr_rows[" in wait
     run_calls(cfg, seed, n_calls=1)
-    monkeypatch.setattr(blockscaled.BlockScaledFormat, "emit_copy_tile_scales",
+    monkeypatch.setattr(BlockScaledEmitter, "emit_copy_tile_scales",
                         lambda *a, **k: None)
     with pytest.raises(AssertionError):
         run_calls(cfg, seed, n_calls=1)

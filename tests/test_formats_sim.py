@@ -47,16 +47,16 @@ def quant_send_tuning(monkeypatch, **changes):
     ``quant_items_in_flight`` and ``quant_stage_bytes``, the values dispatch_async is to pass
     from ``cfg.tuning`` to ``emit_broadcast_token``; until it passes them, the values are
     given here as the parameters' defaults (an explicit argument still wins)."""
-    from epgen.formats.blockscaled import BlockScaledFormat
+    from epgen.formats.blockscaled_emit import BlockScaledEmitter
     from epgen.tuning import Tuning
     t = Tuning().replace(**changes)
-    emit = BlockScaledFormat.emit_broadcast_token
+    emit = BlockScaledEmitter.emit_broadcast_token
 
     def with_tuning(self, r, src_row, dsts, part=None, unroll=None, stage_bytes=None, **kw):
         return emit(self, r, src_row, dsts, part,
                     t.quant_items_in_flight if unroll is None else unroll,
                     t.quant_stage_bytes if stage_bytes is None else stage_bytes, **kw)
-    monkeypatch.setattr(BlockScaledFormat, "emit_broadcast_token", with_tuning)
+    monkeypatch.setattr(BlockScaledEmitter, "emit_broadcast_token", with_tuning)
 
 
 def run_calls(cfg, seed, n_calls=3, input_scale=1.0, **world_kwargs):
@@ -125,7 +125,7 @@ def test_quantised_payload_staged_in_shared_memory(fmt, H, dsts_in_shared, seed,
 def test_staging_chunk_must_hold_whole_trips(stage):
     fmt = make_format("BlockwiseFP8", 512, 2)          # 8 payload bytes per item
     with pytest.raises(ValueError, match="multiple of 256 bytes"):
-        fmt.check_stage_bytes(stage)
+        fmt.emitter.check_stage_bytes(stage)
 
 
 @pytest.mark.parametrize("preset,fmt,want,token_warps", [
@@ -152,12 +152,12 @@ def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_wa
 
 
 def test_staging_chunk_rules():
-    fmt = make_format("NVFP4", 7168, 8)                 # 4 payload bytes per item: 128 / trip
+    fmt = make_format("NVFP4", 7168, 8).emitter         # 4 payload bytes per item: 128 / trip
     assert fmt.stage_chunk_bytes(2048, 16, 4224) == 2048
     # (49152 - 8448) // 32 = 1272 bytes of room per warp, less the scales of a 1272-byte
     # chunk (318 items: 159 one-byte scales) and 16 bytes of rounding: 1097, 8 trips of 128
     assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1024
-    fp8 = make_format("BlockwiseFP8", 7168, 8)          # 8 bytes per item: 256 per trip
+    fp8 = make_format("BlockwiseFP8", 7168, 8).emitter  # 8 bytes per item: 256 per trip
     assert fp8.stage_chunk_bytes(2048, 32, 8448) == 1024
     assert fmt.stage_chunk_bytes(0, 16, 0) == 0
     assert fmt.stage_chunk_bytes(2048, 1024, 49152 - 100) == 0   # not one trip: no staging

@@ -1,4 +1,4 @@
-"""IR building blocks of the quantising token formats.
+"""IR building blocks of the quantising formats' device emitters.
 
 The element encoders (``e4m3_pairs``, ``e2m1_nibble``, ``e4m3_to_f32``, ``e8m0_ceil``,
 ``e8m0_to_f32``) and ``bf16x8_to_f32`` emit straight-line ``Assign`` statements only (no
@@ -108,7 +108,8 @@ def e4m3_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
     """The value of a non-negative e4m3 code ``code`` (u32 in ``[0, 0x7e]``; the NaN code
     0x7f is not handled) as f32, exactly: normal codes rebias the exponent (``e + 120``) and
     move the 3 mantissa bits to the top of the f32 mantissa; subnormal codes are
-    ``m * 2^-9``."""
+    ``m * 2^-9``. The kernels decode with ``e4m3_to_f32_by_cvt``; this integer decode is what
+    the tests check it against, on the CPU and on the GPU."""
     code = ir.as_expr(code)
     e = r.let(f"{name}_e", code >> 3)
     m = r.let(f"{name}_m", code & 7)
@@ -174,7 +175,7 @@ def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
 
 
 # ---- e8m0 ----------------------------------------------------------------------------------
-E8M0_NAN = 0xFF
+from .elements import E8M0_NAN  # noqa: E402
 
 
 def e8m0_ceil(r: ir.RoleBuilder, v, name: str) -> ir.Var:
