@@ -32,7 +32,7 @@ import attrs
 import numpy as np
 
 from .codec import HostCodec
-from .emit import DeviceEmitter, dst_address  # noqa: F401  (dst_address: formats' import)
+from .emit import DeviceEmitter
 
 #: Width in bytes of the widest single vector access (``v4.u32`` in PTX). The P2P copy moves
 #: messages in units of this many bytes.

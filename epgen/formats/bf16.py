@@ -11,7 +11,7 @@ import attrs
 import numpy as np
 
 from .base import VECTOR_BYTES, TokenFormat, align_up
-from .bf16_codec import BF16Codec, bf16_bits  # noqa: F401  (bf16_bits: epgen.formats')
+from .bf16_codec import BF16Codec, bf16_bits  # noqa: F401  (bf16.bf16_bits, as before)
 from .bf16_emit import BF16Emitter
 from .registry import register_format
 

@@ -24,6 +24,8 @@ import ir
 from ir import ShflMode, UnOpKind
 from ir import types as T
 
+from .elements import E8M0_NAN
+
 F32 = T.f32
 
 
@@ -166,7 +168,8 @@ def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
     6, 7 at ``e = 2``; below 1, ``n`` itself (0, 0.5, 1.0 are 0, 1, 2). ``min.f32`` turns
     +inf into 6 and a NaN into 6 (the caller drops NaN). 16-17 PTX instructions an element
     with its multiply, where counting the 7 rounding thresholds (``setp``/``selp`` each)
-    took 27-29; the same code for every f32 (tests/test_formats_quant.py)."""
+    took 27-29 for the same codes; tests/test_formats_quant.py checks every code against
+    ml_dtypes."""
     s = r.let(f"{name}_sat", ir.as_expr(a).min(f32(FP4_SATURATION)))
     e_bits = r.let(f"{name}_ebits", ir.Bitcast(T.u32, s.max(f32(1.0))) & 0x7F800000)
     c = r.let(f"{name}_c", e_bits + (22 << 23))
@@ -175,7 +178,6 @@ def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
 
 
 # ---- e8m0 ----------------------------------------------------------------------------------
-from .elements import E8M0_NAN  # noqa: E402
 
 
 def e8m0_ceil(r: ir.RoleBuilder, v, name: str) -> ir.Var:
