@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|nvfp4-scale-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -14,12 +14,6 @@
 # the quantising formats' ORD-R, ep_send_join_named, fused and final+prod round trips at
 # prefill, streams, graphs and batched (about 5 minutes); "final-ab": the formats' final+prod with the warp send path writing the rows
 # and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
-# "e2m1-ab": NVFP4's e2m1 encoder by one rounding addition against the threshold count
-# (E2M1_BY_ROUNDING_ADD), decode and prefill, with the formats' GPU tests and the formats'
-# final+prod rows (about 7 minutes); "nvfp4-scale-ab": NVFP4's group scale by a multiply and
-# two fma and a cvt decode against div.rn.f32 and the integer decode
-# (nvfp4.GROUP_SCALE_BY_FMA_AND_CVT), its GPU tests first (the quotient on every input of its
-# domain), then every staged NVFP4 variant at prefill and the decode graph (about 7 minutes);
 # "scales-ab": BlockwiseFP8's final+prod with the
 # transposed scales in the header rows (layout.FINAL_SCALES_IN_HEADER_ROWS, written
 # transposed by dispatch_wait) against each scale stored in place by the sender (2 minutes);
@@ -28,14 +22,12 @@
 # NVFP4 and BlockwiseFP8 final+prod, then NVFP4's decode rows again (about 5 minutes);
 # "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
-# "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
-# formats at other message alignments (about 3 minutes);
+# "recv-ab": the quantising formats' receive as shipped and at other message alignments
+# (about 2 minutes);
 # "split-ab": warps sharing a token at decode and ep_send_join_named on every block, each
 # against its old path, with their GPU tests (about 8 minutes);
 # "block-ab": the block-staged broadcast as BF16's, MXFP8's and BlockwiseFP8's prefill send
 # path against the warp path, with its GPU tests, then "latency-nvfp4" (about 5 minutes);
-# "named-ab": ep_send_join_named for the quantising formats, their next token's loads issued
-# ahead or not (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
 # per token (about 2 minutes; run 33 also counted the finished copies once per block);
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
@@ -47,7 +39,8 @@
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
 # two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
 # each recorded in docs/PERF.md; the mode went with the last of its experiments, as did
-# "count-ab" (run 37).
+# "count-ab" (run 37), and "e2m1-ab", "nvfp4-scale-ab" and "named-ab" with the format
+# switches they compared (their other arms are no longer in the code).
 #
 # About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min): two device calls,
 # "tests" then "bench" (each under `timeout 590`).
@@ -252,7 +245,6 @@ ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm (``arm`` at 
     shift
     arm "$name" 80 "$@" --tokens 4096 --no-baseline --no-post-check
 }
-B=epgen.formats.blockscaled
 D=epgen.kernels.dispatch_async
 if [ "$what" = final-ab ]; then
     # the formats' final+prod on the warp send path (WARP_FINAL_ROWS_WITH_SCALES) against
@@ -263,44 +255,6 @@ if [ "$what" = final-ab ]; then
             ab "final-$fmt-$on" $D.WARP_FINAL_ROWS_WITH_SCALES=$on -- bench --set format=$fmt \
                 --variant prod=ep_final_layout,ep_prod_reserve,alignment:16
         done
-    done
-fi
-if [ "$what" = nvfp4-scale-ab ]; then
-    # NVFP4's group scale (nvfp4.GROUP_SCALE_BY_FMA_AND_CVT) on and off, same call: the
-    # hardware checks of its arithmetic and the formats' GPU tests, then every staged variant
-    # at prefill (streams and graphs) and the batched fused graph at decode
-    gpu_tests nvfp4-scale-tests 240 tests/test_quant_ops_gpu.py tests/test_formats_gpu.py \
-        tests/test_final_rows_by_warp_gpu.py
-    for on in True False; do
-        arm "nvscale-prefill-$on" 150 epgen.formats.nvfp4.GROUP_SCALE_BY_FMA_AND_CVT=$on -- \
-            bench --set format=NVFP4 --tokens 4096 --variant default --variant graph=graph \
-            --variant ord_r=ep_ord_r,has_rank_flag --variant ord_r_graph=ep_ord_r,has_rank_flag,graph \
-            --variant send_join_named=ep_send_join_named \
-            --variant send_join_named_graph=ep_send_join_named,graph \
-            --variant fused --variant fused_graph=fused,graph --no-baseline --no-post-check
-    done
-    for on in True False; do
-        arm "nvscale-decode-$on" 60 epgen.formats.nvfp4.GROUP_SCALE_BY_FMA_AND_CVT=$on -- \
-            bench --set format=NVFP4 --tokens 128 --variant batched_fused_graph=batched,fused,graph \
-            --no-baseline --no-post-check
-    done
-fi
-if [ "$what" = e2m1-ab ]; then
-    # the e2m1 encoder (quant_ir.E2M1_BY_ROUNDING_ADD) on and off, same call, NVFP4 at both
-    # shapes; first the formats' GPU tests (bit-exact against the reference) and the final
-    # rows' (warp and staged paths), then the formats' final+prod as shipped
-    gpu_tests e2m1-tests 240 tests/test_formats_gpu.py tests/test_final_rows_by_warp_gpu.py
-    for on in True False; do
-        arm "e2m1-$on" 120 epgen.formats.quant_ir.E2M1_BY_ROUNDING_ADD=$on -- bench \
-            --set format=NVFP4 --tokens 128,4096 --variant default --variant graph=graph \
-            --variant batched_fused=batched,fused \
-            --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check
-    done
-    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
-        bench "final-$fmt" 90 --set format=$fmt --tokens 128,4096 \
-            --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
-            --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
-            --no-baseline --no-post-check
     done
 fi
 if [ "$what" = scales-ab ]; then
@@ -335,18 +289,13 @@ if [ "$what" = header-ab ]; then
         --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check
 fi
 if [ "$what" = recv-ab ]; then
-    # dispatch_wait's receive orders of the fifth session, same call: as shipped, then each
-    # switched off (the row-major scales after the payload; the transposed tile scales one
-    # item at a time); then the formats at other message alignments (NVFP4 4064 B at 16,
-    # 4352 B at 128; BlockwiseFP8 7680 B at 128). Run 26 (6e626f9) also ran a tile claim
-    # issued a tile ahead (neutral, removed)
+    # the quantising formats' receive as shipped, then at other message alignments (NVFP4
+    # 4064 B at 16, 4352 B at 128; BlockwiseFP8 7680 B at 128), same call. (The receive
+    # orders it also switched off, the row-major scales after the payload and the transposed
+    # tile scales one item at a time, are no longer in the code.)
     for fmt in NVFP4 BlockwiseFP8; do
         ab "recv-ab-$fmt-shipped" -- bench --set format=$fmt
     done
-    ab recv-ab-NVFP4-scales-after "$B.RECV_SCALES_WITH_PAYLOAD=False" -- \
-        bench --set format=NVFP4
-    ab recv-ab-BlockwiseFP8-tile-scales-serial "$B.TILE_SCALES_ALL_IN_FLIGHT=False" -- \
-        bench --set format=BlockwiseFP8
     ab recv-ab-NVFP4-align16 -- bench --set format=NVFP4 --set alignment=16
     ab recv-ab-NVFP4-align128 -- bench --set format=NVFP4 --set alignment=128
     ab recv-ab-BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
@@ -371,18 +320,6 @@ if [ "$what" = split-ab ]; then
                 --set format=$fmt --tokens 4096 --variant named=ep_send_join_named \
                 --variant named_graph=ep_send_join_named,graph --no-baseline --no-post-check
         done
-    done
-fi
-if [ "$what" = named-ab ]; then
-    # ep_send_join_named for the quantising formats at prefill (every block sends, run 43):
-    # the next token's input loads issued before the current broadcast and quantised after it
-    # (blockscaled.STAGE_LOADS_AHEAD, shipped) against staging each token whole, NVFP4 and
-    # BlockwiseFP8; MXFP8 as shipped
-    for arm in NVFP4:False NVFP4:True BlockwiseFP8:False BlockwiseFP8:True MXFP8:True; do
-        fmt=${arm%%:*}
-        ahead=${arm##*:}
-        ab "named-$fmt-$ahead" "$B.STAGE_LOADS_AHEAD=$ahead" -- bench --set format=$fmt \
-            --variant named=ep_send_join_named
     done
 fi
 if [ "$what" = block-ab ]; then

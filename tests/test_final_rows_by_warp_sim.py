@@ -3,7 +3,7 @@
 payload to the K output rows and the scales to their places: the output scales (row-major)
 or the header rows (BlockwiseFP8's transposed scales, which dispatch_wait's header pass
 writes transposed). On the simulator against the reference, with the destinations in shared
-memory or in registers, the payload staged or not, the scales staged or not; the staged
+memory or in registers, the payload (and its scales) staged or not; the staged
 path it replaced; which formats and configurations take the path."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ir
 from epgen.formats import make_format
 from epgen.kernels import build_module, dispatch_async
 
-from test_formats_sim import FLAGS, make_cfg, run_calls
+from test_formats_sim import FLAGS, make_cfg, quant_send_tuning, run_calls
 
 #: ``broadcasts_final_rows``: row-major scales whose rows are whole 16-byte vectors, and
 #: BlockwiseFP8's transposed scales (through the header rows)
@@ -44,16 +44,13 @@ def test_final_rows_by_warp_match_the_reference(on, fmt, H, flags, seed):
 
 @pytest.mark.parametrize("dsts_in_shared", [False, True])
 @pytest.mark.parametrize("stage_bytes", [None, 0], ids=["staged", "unstaged"])
-@pytest.mark.parametrize("scales_staged", [True, False])
 @pytest.mark.parametrize("fmt,H", [("NVFP4", 512), ("MXFP8", 512), ("BlockwiseFP8", 512)],
                          ids=["NVFP4-H512", "MXFP8-H512", "BlockwiseFP8-H512"])
-def test_final_rows_by_warp_every_store_path(on, fmt, H, dsts_in_shared, stage_bytes,
-                                             scales_staged, seed, monkeypatch):
-    from epgen.formats import blockscaled
+def test_final_rows_by_warp_every_store_path(on, fmt, H, dsts_in_shared, stage_bytes, seed,
+                                             monkeypatch):
     monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", dsts_in_shared)
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", scales_staged)
     if stage_bytes is not None:
-        monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", stage_bytes)
+        quant_send_tuning(monkeypatch, quant_stage_bytes=stage_bytes)
     cfg = make_cfg(fmt, H, **FLAGS["prod_reserve"])
     assert ("send_scale_dsts" in shared_names(cfg)) == dsts_in_shared
     run_calls(cfg, seed, n_calls=2)
@@ -89,7 +86,7 @@ def test_transposed_scales_travel_in_the_header_rows(by_warp, seed, monkeypatch)
     row-major into its header row (``hdr_scale_bytes``), and dispatch_wait's header pass
     writes each tile's scales transposed; a wait that skips that pass leaves the output
     scales wrong."""
-    from epgen.formats import blockscaled
+    from epgen.formats.blockscaled_emit import BlockScaledEmitter
     monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", by_warp)
     cfg = make_cfg("BlockwiseFP8", 512, **FLAGS["prod_reserve"])
     lay = cfg.layout
@@ -98,7 +95,7 @@ def test_transposed_scales_travel_in_the_header_rows(by_warp, seed, monkeypatch)
     wait = text[text.index("kernel ep_dispatch_wait"):]
     assert "shared tile_hdr_rows[" in wait
     run_calls(cfg, seed, n_calls=1)
-    monkeypatch.setattr(blockscaled.BlockScaledFormat, "emit_copy_tile_scales",
+    monkeypatch.setattr(BlockScaledEmitter, "emit_copy_tile_scales",
                         lambda *a, **k: None)
     with pytest.raises(AssertionError):
         run_calls(cfg, seed, n_calls=1)

@@ -141,3 +141,35 @@ def test_device_steps_are_extension_points():
         Bare(8, 2).emit_send()
     with pytest.raises(NotImplementedError, match="Bare.emit_copy_msg_to_output"):
         Bare(8, 2).emit_receive()
+
+
+def test_block_staged_broadcast_preference():
+    """The send policy's format property (measured on the H200): the block-staged broadcast
+    for BF16, MXFP8 and BlockwiseFP8 at prefill, the warp send path for NVFP4."""
+    from epgen.formats import format_class, format_names
+    prefer = {n for n in format_names() if format_class(n).prefers_block_staged_broadcast}
+    assert prefer == {"BF16", "MXFP8", "BlockwiseFP8"}
+
+
+def test_codec_and_emitter_parts():
+    """A format composes its host codec and device emitter; the parts read its layout."""
+    from epgen.formats import DeviceEmitter, HostCodec, make_format
+    for name in ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8"):
+        f = make_format(name, 512, 4)
+        assert isinstance(f.codec, HostCodec) and f.codec.fmt is f
+        assert isinstance(f.emitter, DeviceEmitter) and f.emitter.fmt is f
+        assert f == make_format(name, 512, 4) and hash(f) == hash(make_format(name, 512, 4))
+
+
+def test_import_and_ptx_do_not_load_ml_dtypes():
+    """``ml_dtypes`` (over a second to import) is for the host codecs only, on first use."""
+    import subprocess
+    import sys
+    code = ("import sys, epgen; from epgen.presets import load_preset; "
+            "from epgen.formats import make_format; cfg = load_preset('default'); "
+            "f = cfg.token_fmt; "
+            "cfg = cfg.replace(token_fmt=make_format('NVFP4', f.hid_dim, f.top_k)); "
+            "epgen.emit_ptx(cfg); print('ml_dtypes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -265,22 +265,12 @@ def test_dequantised_within_tolerance(cls, input_scale, data, seed):
 
 
 # ---- the kernels' encoders, evaluated on numpy arrays, against ml_dtypes ----------------------
-def _e2m1_encoder(by_rounding_add: bool) -> ir_numpy.Compiled:
-    """The IR of ``e2m1_nibble`` as one of its two encoders builds it."""
-    saved = Q.E2M1_BY_ROUNDING_ADD
-    Q.E2M1_BY_ROUNDING_ADD = by_rounding_add
-    try:
-        return ir_numpy.Compiled(lambda r, v: Q.e2m1_nibble(r, v, "n"), {"v": T.f32})
-    finally:
-        Q.E2M1_BY_ROUNDING_ADD = saved
+#: the IR of ``e2m1_nibble``
+E2M1_ENCODER = ir_numpy.Compiled(lambda r, v: Q.e2m1_nibble(r, v, "n"), {"v": T.f32})
 
 
-E2M1_ENCODERS = {"rounding_add": _e2m1_encoder(True), "thresholds": _e2m1_encoder(False)}
-by_e2m1_encoder = pytest.mark.parametrize("encoder", list(E2M1_ENCODERS))
-
-
-def _e2m1_check(encoder: str, bits: np.ndarray):
-    enc = E2M1_ENCODERS[encoder]
+def _e2m1_check(bits: np.ndarray):
+    enc = E2M1_ENCODER
     v = bits.view(np.float32)
     got = enc.value(enc(v=v))
     want = e2m1_codes(v)          # ml_dtypes, NaN -> +0 (our documented policy)
@@ -288,48 +278,41 @@ def _e2m1_check(encoder: str, bits: np.ndarray):
     assert bad.size == 0, [(float(v[i]), int(got[i]), int(want[i])) for i in bad[:5]]
 
 
-def test_e2m1_encoders_differ_in_their_ir():
-    """The switch picks the encoder: the rounding addition has no comparison but the NaN
-    test, the threshold count one per threshold."""
-    def compares(enc):
-        return str(enc.stmts).count("Cmp(")
-    assert compares(E2M1_ENCODERS["rounding_add"]) == 1
-    assert compares(E2M1_ENCODERS["thresholds"]) == 1 + len(Q.E2M1_THRESHOLDS)
+def test_e2m1_encoder_has_no_threshold_comparisons():
+    """The rounding addition has no comparison but the NaN test."""
+    assert str(E2M1_ENCODER.stmts).count("Cmp(") == 1
 
 
-@by_e2m1_encoder
-def test_e2m1_encoder_exhaustive_on_the_threshold_binades(encoder):
+def test_e2m1_encoder_exhaustive_on_the_threshold_binades():
     """Every float32 in [0.25, 8) (every threshold and every e2m1 value lies there), mantissa
     by mantissa; their negatives every 61st mantissa (the sign is or-ed in apart from the
     magnitude; EPGEN_EXHAUSTIVE=1 runs all 2^32 patterns)."""
     mant = np.arange(1 << 20, dtype=np.uint32)
     for e in range(125, 130):
         for chunk in range(8):
-            _e2m1_check(encoder, (np.uint32(e) << 23) | (np.uint32(chunk) << 20) | mant)
+            _e2m1_check((np.uint32(e) << 23) | (np.uint32(chunk) << 20) | mant)
     neg = np.arange(125 << 23, 130 << 23, 61, dtype=np.uint32) | np.uint32(1 << 31)
-    _e2m1_check(encoder, neg)
+    _e2m1_check(neg)
 
 
-@by_e2m1_encoder
-def test_e2m1_encoder_every_exponent_and_specials(encoder):
+def test_e2m1_encoder_every_exponent_and_specials():
     rng = np.random.default_rng(0)
     mant = np.concatenate([[0, 1, 2, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFE, 0x7FFFFF],
                            rng.integers(0, 1 << 23, 2048)]).astype(np.uint32)
     e = np.arange(256, dtype=np.uint32)
     bits = (e[:, None] << 23 | mant[None, :]).reshape(-1)
-    _e2m1_check(encoder, np.concatenate([bits, bits | np.uint32(1 << 31)]))
-    enc = E2M1_ENCODERS[encoder]
+    _e2m1_check(np.concatenate([bits, bits | np.uint32(1 << 31)]))
+    enc = E2M1_ENCODER
     v = f32_bits([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0]).view(np.float32)
     assert list(enc.value(enc(v=v))) == [0, 0, 7, 0xF, 0, 8]
 
 
 @pytest.mark.skipif(not os.environ.get("EPGEN_EXHAUSTIVE"),
                     reason="all 2^32 float32 patterns take minutes; set EPGEN_EXHAUSTIVE=1")
-@by_e2m1_encoder
-def test_e2m1_encoder_all_float32(encoder):
+def test_e2m1_encoder_all_float32():
     step = 1 << 24
     for start in range(0, 1 << 32, step):
-        _e2m1_check(encoder, np.arange(start, start + step, dtype=np.uint64).astype(np.uint32))
+        _e2m1_check(np.arange(start, start + step, dtype=np.uint64).astype(np.uint32))
 
 
 def test_e4m3_decode_every_code():
@@ -526,16 +509,13 @@ def test_item_quant_ir_matches_reference(cls, input_scale, nonfinite, seed):
         assert (scales.astype(np.uint8) == want).all(), f"seed {seed}: scales differ"
 
 
-@pytest.mark.parametrize("fma_and_cvt", [True, False], ids=["fma-cvt", "div-decode"])
 @pytest.mark.parametrize("input_scale", [6.0, 0.75, 1536.0, 3.0e-3])
-def test_nvfp4_group_scale_paths_at_e4m3_ties(fma_and_cvt, input_scale, seed, monkeypatch):
-    """Both group-scale paths of NVFP4's ``emit_item_quant`` (``GROUP_SCALE_BY_FMA_AND_CVT``)
-    give the reference's scale bytes and payload where the scale's rounding is hardest: group
+def test_nvfp4_group_scale_at_e4m3_ties(input_scale, seed):
+    """NVFP4's ``emit_item_quant`` (the quotient by 6 by ``fma``, the ``cvt`` decode) gives
+    the reference's scale bytes and payload where the scale's rounding is hardest: group
     maxima with ``g * amax / 6`` on every e4m3 value and midpoint (ties to even), a bf16 ulp
     either side, past the 448 saturation, overflowing f32 (``g * amax = inf``), subnormal,
     zero."""
-    from epgen.formats import nvfp4
-    monkeypatch.setattr(nvfp4, "GROUP_SCALE_BY_FMA_AND_CVT", fma_and_cvt)
     rng = np.random.default_rng(seed)
     f = NVFP4Format(512, 4)
     e4m3 = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(np.float64)
@@ -555,7 +535,7 @@ def test_nvfp4_group_scale_paths_at_e4m3_ties(fma_and_cvt, input_scale, seed, mo
     assert (scales.astype(np.uint8) == want_scales.reshape(-1)).all(), \
         f"seed {seed}: scales differ"
     assert (payload == want_payload).all(), f"seed {seed}: payload differs"
-    assert ("Fma(" in str(stmts)) == fma_and_cvt
+    assert "Fma(" in str(stmts)
 
 
 # ---- encode/decode and the reference dispatch --------------------------------------------------

@@ -42,6 +42,23 @@ def make_cfg(fmt, H, **flags):
                           token_fmt=make_format(fmt, H, 2), **flags)
 
 
+def quant_send_tuning(monkeypatch, **changes):
+    """Build the quantising formats' warp send path with ``Tuning().replace(**changes)``'s
+    ``quant_items_in_flight`` and ``quant_stage_bytes``, the values dispatch_async is to pass
+    from ``cfg.tuning`` to ``emit_broadcast_token``; until it passes them, the values are
+    given here as the parameters' defaults (an explicit argument still wins)."""
+    from epgen.formats.blockscaled_emit import BlockScaledEmitter
+    from epgen.tuning import Tuning
+    t = Tuning().replace(**changes)
+    emit = BlockScaledEmitter.emit_broadcast_token
+
+    def with_tuning(self, r, src_row, dsts, part=None, unroll=None, stage_bytes=None, **kw):
+        return emit(self, r, src_row, dsts, part,
+                    t.quant_items_in_flight if unroll is None else unroll,
+                    t.quant_stage_bytes if stage_bytes is None else stage_bytes, **kw)
+    monkeypatch.setattr(BlockScaledEmitter, "emit_broadcast_token", with_tuning)
+
+
 def run_calls(cfg, seed, n_calls=3, input_scale=1.0, **world_kwargs):
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed, **world_kwargs) as world:
@@ -91,13 +108,12 @@ def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
                          ids=["BlockwiseFP8-H384", "NVFP4-H1024", "MXFP8-H64"])
 @pytest.mark.parametrize("dsts_in_shared", [False, True])
 def test_quantised_payload_staged_in_shared_memory(fmt, H, dsts_in_shared, seed, monkeypatch):
-    """``QUANT_STAGE_BYTES`` (off by default, an experiment for the H200): the warp quantises
-    256-byte chunks of the payload into shared memory and copies them to the destinations
-    as 16-byte vectors; the last chunk may be partial (FP8 H=384: 32 + 16 items, NVFP4
-    H=1024: 64 + 64, MXFP8 H=64: one chunk of 8). Same bytes as the reference."""
-    from epgen.formats import blockscaled
+    """``quant_stage_bytes`` = 256: the warp quantises 256-byte chunks of the payload into
+    shared memory and copies them to the destinations as 16-byte vectors; the last chunk may
+    be partial (FP8 H=384: 32 + 16 items, NVFP4 H=1024: 64 + 64, MXFP8 H=64: one chunk of
+    8). Same bytes as the reference."""
     from epgen.kernels import dispatch_async
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 256)
+    quant_send_tuning(monkeypatch, quant_stage_bytes=256)
     monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", dsts_in_shared)
     cfg = make_cfg(fmt, H)
     text = ir.print_module(epgen.build_module(cfg))
@@ -109,7 +125,7 @@ def test_quantised_payload_staged_in_shared_memory(fmt, H, dsts_in_shared, seed,
 def test_staging_chunk_must_hold_whole_trips(stage):
     fmt = make_format("BlockwiseFP8", 512, 2)          # 8 payload bytes per item
     with pytest.raises(ValueError, match="multiple of 256 bytes"):
-        fmt.check_stage_bytes(stage)
+        fmt.emitter.check_stage_bytes(stage)
 
 
 @pytest.mark.parametrize("preset,fmt,want,token_warps", [
@@ -119,7 +135,7 @@ def test_staging_chunk_must_hold_whole_trips(stage):
     ("default", "BlockwiseFP8", 1024, 1)])      # 32 warps: what fits
 def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps,
                                                      monkeypatch):
-    """The warp send path's default chunk (``QUANT_STAGE_BYTES`` = 2048 preferred; when warps
+    """The warp send path's default chunk (``quant_stage_bytes`` = 2048 preferred; when warps
     share a token, their share of the payload, ``part_chunk_bytes``, if smaller) shrinks to
     whole trips that fit 48 KB of static shared memory with the block's other buffers; the
     kernel builds. (Prefill BlockwiseFP8 takes the block-staged broadcast by default:
@@ -135,17 +151,14 @@ def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_wa
     assert f"shared quant_stage[{warps * want}]" in text
 
 
-def test_staging_chunk_rules(monkeypatch):
-    fmt = make_format("NVFP4", 7168, 8)                 # 4 payload bytes per item: 128 / trip
+def test_staging_chunk_rules():
+    fmt = make_format("NVFP4", 7168, 8).emitter         # 4 payload bytes per item: 128 / trip
     assert fmt.stage_chunk_bytes(2048, 16, 4224) == 2048
     # (49152 - 8448) // 32 = 1272 bytes of room per warp, less the scales of a 1272-byte
     # chunk (318 items: 159 one-byte scales) and 16 bytes of rounding: 1097, 8 trips of 128
     assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1024
-    fp8 = make_format("BlockwiseFP8", 7168, 8)          # 8 bytes per item: 256 per trip
+    fp8 = make_format("BlockwiseFP8", 7168, 8).emitter  # 8 bytes per item: 256 per trip
     assert fp8.stage_chunk_bytes(2048, 32, 8448) == 1024
-    from epgen.formats import blockscaled
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", False)   # the payload alone:
-    assert fmt.stage_chunk_bytes(2048, 32, 8448) == 1152             # 9 trips fit
     assert fmt.stage_chunk_bytes(0, 16, 0) == 0
     assert fmt.stage_chunk_bytes(2048, 1024, 49152 - 100) == 0   # not one trip: no staging
     with pytest.raises(ValueError, match="multiple of 128 bytes"):
@@ -167,14 +180,12 @@ def test_header_loaded_after_the_payload(fmt, H, flags, seed, monkeypatch):
 @pytest.mark.parametrize("items", [1, 2])
 @pytest.mark.parametrize("token_warps", [1, 2])
 def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
-    """The send path before the fourth session's defaults (still selectable, and the A/B's
-    baseline): no staging (``QUANT_STAGE_BYTES = 0``), the destinations held in registers
-    (in shared memory when warps share tokens: the group's hand-off), 1 or 2 items per trip,
-    one or two warps per token (``SEND_WARPS_PER_TOKEN_MAX``). Same bytes as the reference."""
-    from epgen.formats import blockscaled
+    """The send path without staging (``quant_stage_bytes = 0``, still selectable, and the
+    A/B's baseline), the destinations held in registers (in shared memory when warps share
+    tokens: the group's hand-off), 1 or 2 items per trip (``quant_items_in_flight``), one or
+    two warps per token (``SEND_WARPS_PER_TOKEN_MAX``). Same bytes as the reference."""
     from epgen.kernels import dispatch_async
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 0)
-    monkeypatch.setattr(blockscaled, "QUANT_ITEMS_IN_FLIGHT", items)
+    quant_send_tuning(monkeypatch, quant_stage_bytes=0, quant_items_in_flight=items)
     monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", False)
     monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", token_warps)
     cfg = make_cfg(fmt, H)
@@ -191,30 +202,24 @@ def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
                          ids=["FP8-H384-tail", "FP8-H512", "NVFP4-H1024", "NVFP4-H64",
                               "MXFP8-H64-tail"])
 @pytest.mark.parametrize("flags", ["staged", "ord_r"])
-@pytest.mark.parametrize("scales_staged", [True, False])
-def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, seed, monkeypatch):
-    """``QUANT_STAGE_SCALES`` (the default since the fourth session): each chunk's group scales
-    are staged in shared memory beside its payload and copied to the destinations in wide
-    units (16 bytes where a chunk's scales allow), the last partial unit scale by scale (FP8
-    H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2 one-byte scales); or (False)
-    each scale straight to the destinations. Same bytes as the reference."""
-    from epgen.formats import blockscaled
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", stage)
-    monkeypatch.setattr(blockscaled, "QUANT_STAGE_SCALES", scales_staged)
+def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed, monkeypatch):
+    """Each chunk's group scales are staged in shared memory beside its payload and copied to
+    the destinations in wide units (16 bytes where a chunk's scales allow), the last partial
+    unit scale by scale (FP8 H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2
+    one-byte scales). Same bytes as the reference."""
+    quant_send_tuning(monkeypatch, quant_stage_bytes=stage)
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     text = ir.print_module(epgen.build_module(cfg))
-    assert ("shared quant_stage_scales[" in text) is scales_staged
-    assert ("for %q_sc:u32" in text) is scales_staged
+    assert "shared quant_stage_scales[" in text
+    assert "for %q_sc:u32" in text
     run_calls(cfg, seed, n_calls=2)
 
 
 NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
-#: (SEND_JOIN_PIPELINE, SEND_JOIN_PREFETCH, STAGED_SEND_ALL_BLOCKS, blockscaled
-#: STAGE_LOADS_AHEAD)
-NAMED_MODES = {"three_joins": (False, False, True, True), "pipelined": (True, False, True, True),
-               "pipelined_prefetch": (True, True, True, True),
-               "formats_staged_whole": (True, True, True, False),
-               "comm_blocks_only": (True, True, False, True)}
+#: (SEND_JOIN_PIPELINE, SEND_JOIN_PREFETCH, STAGED_SEND_ALL_BLOCKS)
+NAMED_MODES = {"three_joins": (False, False, True), "pipelined": (True, False, True),
+               "pipelined_prefetch": (True, True, True),
+               "comm_blocks_only": (True, True, False)}
 
 
 @pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
@@ -226,13 +231,12 @@ def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
     (the default) two shared buffers and one join per token, without it three joins per
     token; ``SEND_JOIN_PREFETCH`` (the default with it) also issues the next token's loads
     and slot reservations before the current broadcast (the quantising formats quantise them
-    after it, ``blockscaled.STAGE_LOADS_AHEAD``; without it they stage whole). ``STAGED_SEND_ALL_BLOCKS`` (the default) has the monitor blocks send too,
+    after it, ``emit_stage_loads``). ``STAGED_SEND_ALL_BLOCKS`` (the default) has the
+    monitor blocks send too,
     between their count and their signal. Up to 8 tokens per rank over 3 or 4 sending
     blocks: each block alternates its buffers. Same results as the reference every way."""
-    from epgen.formats import blockscaled
     from epgen.kernels import dispatch_async
-    pipelined, prefetch, all_blocks, ahead = NAMED_MODES[mode]
-    monkeypatch.setattr(blockscaled, "STAGE_LOADS_AHEAD", ahead)
+    pipelined, prefetch, all_blocks = NAMED_MODES[mode]
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
     monkeypatch.setattr(dispatch_async, "SEND_JOIN_PREFETCH", prefetch)
     monkeypatch.setattr(dispatch_async, "STAGED_SEND_ALL_BLOCKS", all_blocks)
@@ -240,8 +244,8 @@ def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
     module = epgen.build_module(cfg)
     text = ir.print_module(module)
     assert ("%t_next" in text) is pipelined
-    assert ("%g_ahead" in text) is (prefetch and (fmt == "BF16" or ahead))
-    assert ("%sq_item" in text) is (prefetch and fmt != "BF16" and ahead)
+    assert ("%g_ahead" in text) is prefetch
+    assert ("%sq_item" in text) is (prefetch and fmt != "BF16")
     roles = [r.name for r in module.kernel(dispatch_async.KERNEL_NAME).roles]
     assert roles == (["monitor", "comm", "signal"] if all_blocks else ["monitor", "comm"])
     run_calls(cfg, seed, n_calls=2)
@@ -262,23 +266,3 @@ def test_scales_copied_with_the_payload(fmt, H, flags, seed):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     assert cfg.token_fmt.scales_ride_with_payload
     run_calls(cfg, seed, n_calls=2)
-
-
-RECV_SWITCHES = {
-    "scales_after_payload": ("epgen.formats.blockscaled", "RECV_SCALES_WITH_PAYLOAD"),
-    "tile_scales_one_at_a_time": ("epgen.formats.blockscaled", "TILE_SCALES_ALL_IN_FLIGHT"),
-}
-
-
-@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES + SEGMENT_CASES,
-                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES + SEGMENT_CASES])
-@pytest.mark.parametrize("switch", RECV_SWITCHES)
-@pytest.mark.parametrize("flags", ["staged", "fused_se"])
-def test_receive_copy_switched_off(fmt, H, switch, flags, seed, monkeypatch):
-    """The receive side's earlier orders, each still selectable for the A/B (docs/PERF.md,
-    fifth session): the scales after the payload, the tile scales one item at a time. Same
-    results."""
-    import importlib
-    module, name = RECV_SWITCHES[switch]
-    monkeypatch.setattr(importlib.import_module(module), name, False)
-    run_calls(make_cfg(fmt, H, **FLAGS[flags]), seed, n_calls=2)

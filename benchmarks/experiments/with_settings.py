@@ -3,7 +3,6 @@ generation choices in one device call:
 
     PYTHONPATH=. python3 benchmarks/experiments/with_settings.py \\
         epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=True \\
-        epgen.formats.blockscaled.QUANT_ITEMS_IN_FLIGHT=2 \\
         -- bench --set format=NVFP4 --tokens 4096 --no-baseline
 
 Each ``MODULE.NAME=VALUE`` (VALUE a Python literal) must name an existing upper-case

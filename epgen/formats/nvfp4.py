@@ -1,61 +1,38 @@
-"""``NVFP4Format`` (reference ``NVBlockScaledTokenFormat[uint8, float8_e4m3fn, ...]``, protocol
-section 3.4): e2m1 payload packed two per byte (the even element in the low nibble), one e4m3
-scale per 16 elements, and a global input scale ``input_scale`` the caller supplies (the
+"""``NVFP4Format``: e2m1 payload packed two per byte (the even element in the low nibble), one
+e4m3 scale per 16 elements, and a global input scale ``input_scale`` the caller supplies (the
 reference's ``input_scales_wrapper``; here the f32 launch argument ``input_scale`` of
 dispatch_async, an ``EmulatedWorld`` option).
 
 Per group of 16 bf16 values ``x`` (in f32), with ``g = input_scale``::
 
     amax  = max(0, |x_i|)                          (max.f32: NaN elements ignored)
-    s     = e4m3((g * amax) / 6)                   (mul.rn, div.rn, cvt.rn.satfinite: <= 448)
+    s     = e4m3((g * amax) / 6)                   (mul.rn, quotient, cvt.rn.satfinite: <= 448)
     mult  = 0 if amax == 0 else g / float(s)       (div.rn.f32; s == 0 gives +inf)
     nib_i = e2m1(x_i * mult)                       (nearest even, saturated to +-6, NaN -> +0)
 
-sm_90 has no e2m1 conversion (``cvt...e2m1x2.f32`` is sm_100a+), so ``e2m1`` is one rounding
-``add.rn.f32`` and integer arithmetic in IR (``quant_ir.e2m1_nibble``) and ``float(s)`` an
-integer decode (``quant_ir.e4m3_to_f32``). Message: ``[0, align_up(H/2, A))`` the packed nibbles,
+The quotient by 6 is ``div.rn.f32``'s, computed by a multiply and two ``fma.rn.f32``
+(``quant_ir.quotient_by_fma``, on ``min(g * amax, 4096)``), and ``float(s)`` is decoded by
+``cvt.rn.f16x2.e4m3x2``. sm_90 has no e2m1 conversion (``cvt...e2m1x2.f32`` is sm_100a+), so
+``e2m1`` is one rounding ``add.rn.f32`` and integer arithmetic in IR
+(``quant_ir.e2m1_nibble``). Message: ``[0, align_up(H/2, A))`` the packed nibbles,
 ``[scales_offset, +align_up(H/16, A))`` the e4m3 scale bytes, then the header. Output: packed
 rows ``[M, H/2]`` and the plain row-major scales ``[M, H/16]`` (uint8 e4m3 bits). The
 reference's 5-D tcgen05/TMA scale layout and ``output_scales_offset`` are not implemented; no
-``row_offsets`` padding.
+``row_offsets`` padding. Host codec: ``nvfp4_codec.NVFP4Codec``; device emitter:
+``nvfp4_emit.NVFP4Emitter``.
 """
 
 from __future__ import annotations
 
 import attrs
-import ml_dtypes
 import numpy as np
 
-import ir
-from ir import types as T
-
+from .base import forward
 from .blockscaled import BlockScaledFormat
-from .quant_ir import (e2m1_nibble, e4m3_byte, e4m3_to_f32, e4m3_to_f32_by_cvt, f32,
-                       kernel_param, quotient_by_fma)
+from .elements import FP4_MAX  # noqa: F401
+from .nvfp4_codec import NVFP4Codec, e2m1_codes  # noqa: F401
+from .nvfp4_emit import SCALE_INPUT_CLAMP, NVFP4Emitter  # noqa: F401
 from .registry import register_format
-
-FP4_MAX = 6.0
-#: True: the group scale's ``(g * amax) / 6`` is a multiply and two ``fma.rn.f32``
-#: (``quant_ir.quotient_by_fma``, on ``min(g * amax, SCALE_INPUT_CLAMP)``) and its e4m3 code is
-#: decoded by ``cvt.rn.f16x2.e4m3x2`` (``quant_ir.e4m3_to_f32_by_cvt``), instead of a
-#: ``div.rn.f32`` and the integer decode: the same scale bytes and multipliers for every
-#: input (tests/test_formats_quant.py), fewer instructions per 8-element item. False: the
-#: division and the integer decode (the GPU A/B's other arm).
-GROUP_SCALE_BY_FMA_AND_CVT = True
-#: ``g * amax`` is clamped here before the division by 6: every quotient from 448 up saturates
-#: to e4m3's 448 (4096 / 6 = 682.7 does too), and the clamp turns an overflowed ``+inf`` into
-#: a finite value for ``quotient_by_fma``
-SCALE_INPUT_CLAMP = 4096.0
-E4M3 = ml_dtypes.float8_e4m3fn
-E2M1 = ml_dtypes.float4_e2m1fn
-
-
-def e2m1_codes(q: np.ndarray) -> np.ndarray:
-    """The kernel's e2m1 encoding of float32 ``q`` through ml_dtypes: NaN -> +0 (ml_dtypes
-    would give -0), saturate to +-6, round to nearest even. uint8 codes 0..15."""
-    q = np.where(np.isnan(q), np.float32(0), q)
-    q = np.clip(q, np.float32(-FP4_MAX), np.float32(FP4_MAX))
-    return q.astype(E2M1).view(np.uint8) & 0xF
 
 
 @register_format
@@ -72,71 +49,9 @@ class NVFP4Format(BlockScaledFormat):
     scales_dtype_name = "e4m3 (u8 bits)"
     scales_transposed = False
     uses_input_scale = True
+    #: the warp send path wins at prefill (``TokenFormat``'s measurement)
+    prefers_block_staged_broadcast = False
+    codec_class = NVFP4Codec
+    emitter_class = NVFP4Emitter
 
-    # ---- numpy reference --------------------------------------------------------------------
-    def group_scales(self, amax: np.ndarray, input_scale) -> tuple[np.ndarray, np.ndarray]:
-        """(e4m3 scale codes uint8, multipliers float32) of groups with maxima ``amax``."""
-        g = self.check_input_scale(input_scale)
-        with np.errstate(over="ignore"):
-            sf = (g * amax) / np.float32(FP4_MAX)
-        codes = np.minimum(sf, np.float32(448)).astype(E4M3).view(np.uint8)
-        sdec = codes.view(E4M3).astype(np.float32)
-        with np.errstate(divide="ignore"):
-            mult = np.where(amax == 0, np.float32(0), g / sdec).astype(np.float32)
-        return codes, mult
-
-    def quantize(self, x, input_scale=1.0):
-        x = np.asarray(x, dtype=np.float32).reshape(-1, self.hid_dim)
-        t = x.shape[0]
-        g = x.reshape(t, self.n_scale_groups, self.group_size)
-        amax = np.fmax.reduce(np.abs(g), axis=2, initial=np.float32(0))
-        codes, mult = self.group_scales(amax, input_scale)
-        with np.errstate(invalid="ignore", over="ignore"):
-            nib = e2m1_codes(g * mult[..., None]).reshape(t, self.hid_dim)
-        payload = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
-        return payload, codes
-
-    def element_values(self, rows):
-        nib = np.stack([rows & 0xF, rows >> 4], axis=-1).reshape(rows.shape[0], -1)
-        return nib.astype(np.uint8).view(E2M1).astype(np.float64)
-
-    def dequantize_groups(self, q, scales, input_scale=1.0):
-        g = float(self.check_input_scale(input_scale))
-        return q * (scales.view(E4M3).astype(np.float64) / g)[..., None]
-
-    def error_bound(self, x, input_scale=1.0):
-        """``max(|x|/4, d/4, |x| - 6 d)`` with ``d = float(s) / input_scale`` the group's decode
-        step (``x = q d``): half an e2m1 step is at most ``max(|q|/4, 1/4)`` for ``|q| <= 6``,
-        and past 6 the value saturates. While the group scale neither saturates nor
-        underflows (``input_scale * amax / 6`` in e4m3's normal range ``[2^-6, 448]``, where
-        rounding it costs at most 2^-4), ``|q| <= 6.4`` and the bound is ``|x|/4 + d/4``."""
-        x = np.asarray(x, dtype=np.float32).reshape(-1, self.hid_dim)
-        _, codes = self.quantize(x, input_scale)
-        d = codes.view(E4M3).astype(np.float64) / float(self.check_input_scale(input_scale))
-        d = np.repeat(d, self.group_size, axis=1)
-        a = np.abs(x.astype(np.float64))
-        return np.maximum(np.maximum(a / 4, d / 4), a - 6 * d)
-
-    # ---- device steps -----------------------------------------------------------------------
-    def emit_item_quant(self, r, xs, amax):
-        """``mul.rn.f32``, ``min.f32``, ``mul.rn.f32`` and two ``fma.rn.f32`` (the division by
-        6), ``cvt.rn.satfinite.e4m3x2.f32`` (the scale byte), ``cvt.rn.f16x2.e4m3x2`` and
-        ``cvt.f32.f16`` (its value), ``div.rn.f32`` (the multiplier), then per element
-        ``mul.rn.f32`` and the e2m1 encoding (``quant_ir.e2m1_nibble``); 8 nibbles make one
-        u32. ``GROUP_SCALE_BY_FMA_AND_CVT = False``: ``div.rn.f32`` by 6 and the integer
-        decode."""
-        g = kernel_param(r, "input_scale", T.f32)
-        if GROUP_SCALE_BY_FMA_AND_CVT:
-            scaled = r.let("nv_gamax", (g * amax).min(f32(SCALE_INPUT_CLAMP)))
-            code = e4m3_byte(r, quotient_by_fma(r, scaled, FP4_MAX, "nv_sf"), "nv_scale")
-            sdec = e4m3_to_f32_by_cvt(r, code, "nv_sdec")
-        else:
-            code = e4m3_byte(r, (g * amax) / f32(FP4_MAX), "nv_scale")
-            sdec = e4m3_to_f32(r, code, "nv_sdec")
-        mult = r.let("nv_mult", ir.Select(amax.eq(f32(0)), f32(0), g / sdec))
-        word = None
-        for i, x in enumerate(xs):
-            nib = e2m1_nibble(r, x * mult, f"nv_e{i}")
-            part = nib << (4 * i) if i else nib
-            word = part if word is None else word | part
-        return [r.let("nv_word", word)], code
+    group_scales = forward("codec", "group_scales")

@@ -1,4 +1,4 @@
-"""IR building blocks of the quantising token formats.
+"""IR building blocks of the quantising formats' device emitters.
 
 The element encoders (``e4m3_pairs``, ``e2m1_nibble``, ``e4m3_to_f32``, ``e8m0_ceil``,
 ``e8m0_to_f32``) and ``bf16x8_to_f32`` emit straight-line ``Assign`` statements only (no
@@ -10,8 +10,7 @@ contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
 - e4m3: ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), after a ``max.f32``/``min.f32`` clamp;
 - e2m1: ``min.f32``/``max.f32``, ``and.b32``, one ``add.rn.f32`` against a power of two that
   leaves e2m1's step as the sum's ulp, integer ``sub``/``shr``/``add`` (sm_90 has no e2m1
-  conversion; ``cvt...e2m1x2.f32`` is sm_100a+); ``E2M1_BY_ROUNDING_ADD = False`` gives the
-  earlier threshold count (``setp.{gt,ge}.f32``, ``selp``, ``add``);
+  conversion; ``cvt...e2m1x2.f32`` is sm_100a+);
 - e8m0 (rounded up) and e4m3/e8m0 -> f32: integer ``shr``/``and``/``shl``/``selp``, ``mov.b32``;
   e4m3 -> f32 also as ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (``e4m3_to_f32_by_cvt``);
 - a quotient by a constant as ``mul.rn.f32`` and two ``fma.rn.f32`` (``quotient_by_fma``).
@@ -22,8 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 import ir
-from ir import CmpOp, ShflMode, UnOpKind
+from ir import ShflMode, UnOpKind
 from ir import types as T
+
+from .elements import E8M0_NAN
 
 F32 = T.f32
 
@@ -109,7 +110,8 @@ def e4m3_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
     """The value of a non-negative e4m3 code ``code`` (u32 in ``[0, 0x7e]``; the NaN code
     0x7f is not handled) as f32, exactly: normal codes rebias the exponent (``e + 120``) and
     move the 3 mantissa bits to the top of the f32 mantissa; subnormal codes are
-    ``m * 2^-9``."""
+    ``m * 2^-9``. The kernels decode with ``e4m3_to_f32_by_cvt``; this integer decode is what
+    the tests check it against, on the CPU and on the GPU."""
     code = ir.as_expr(code)
     e = r.let(f"{name}_e", code >> 3)
     m = r.let(f"{name}_m", code & 7)
@@ -140,20 +142,7 @@ def quotient_by_fma(r: ir.RoleBuilder, x, d: float, name: str) -> ir.Var:
 
 
 # ---- e2m1 ----------------------------------------------------------------------------------
-#: ``(threshold, comparison)``: the e2m1 magnitude code of ``a = |v|`` is the number of these
-#: that hold. Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; a threshold is the midpoint of two
-#: neighbours, ``>`` where the lower code is even (a tie rounds down to it), ``>=`` where the
-#: upper code is even (round to nearest even). Past 5 everything is 6 (saturation).
-E2M1_THRESHOLDS = ((0.25, CmpOp.GT), (0.75, CmpOp.GE), (1.25, CmpOp.GT), (1.75, CmpOp.GE),
-                   (2.5, CmpOp.GT), (3.5, CmpOp.GE), (5.0, CmpOp.GT))
 FP4_SATURATION = 6.0
-
-
-#: True: ``e2m1_nibble`` rounds with one f32 addition (``e2m1_by_rounding_add``: 16-17 PTX
-#: instructions an element with its multiply); False: the threshold count
-#: (``e2m1_by_thresholds``, 27-29). Same codes for every f32 (tests/test_formats_quant.py);
-#: the switch is for the GPU A/B.
-E2M1_BY_ROUNDING_ADD = True
 
 
 def e2m1_nibble(r: ir.RoleBuilder, v, name: str) -> ir.Var:
@@ -162,19 +151,9 @@ def e2m1_nibble(r: ir.RoleBuilder, v, name: str) -> ir.Var:
     dropped); -0 and negatives that round to zero give -0 (code 8)."""
     v = r.let(f"{name}_q", v)
     a = r.let(f"{name}_abs", ir.UnOp(UnOpKind.ABS, v))
-    magnitude = (e2m1_by_rounding_add if E2M1_BY_ROUNDING_ADD else e2m1_by_thresholds)(r, a, name)
+    magnitude = e2m1_by_rounding_add(r, a, name)
     sign = (ir.Bitcast(T.u32, v) >> 31) << 3
     return r.let(name, ir.Select(v.eq(v), magnitude | sign, u32(0)))
-
-
-def e2m1_by_thresholds(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
-    """The magnitude code of ``a = |v|`` as the number of ``E2M1_THRESHOLDS`` that hold:
-    ``setp.{gt,ge}.f32``, ``selp``, ``add`` per threshold. NaN gives 0."""
-    code = None
-    for threshold, op in E2M1_THRESHOLDS:
-        step = ir.Cmp(op, a, f32(threshold)).cast(T.u32)
-        code = step if code is None else code + step
-    return code
 
 
 def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
@@ -187,7 +166,10 @@ def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
     ``n = round(s / 2^(e-1))`` (2..4 for ``s >= 1``, 0..2 below). The code is ``n + 2e``:
     1.0, 1.5, 2.0 are codes 2, 3, 4 at ``e = 0``; 2, 3, 4 are 4, 5, 6 at ``e = 1``; 4, 6 are
     6, 7 at ``e = 2``; below 1, ``n`` itself (0, 0.5, 1.0 are 0, 1, 2). ``min.f32`` turns
-    +inf into 6 and a NaN into 6 (the caller drops NaN)."""
+    +inf into 6 and a NaN into 6 (the caller drops NaN). 16-17 PTX instructions an element
+    with its multiply, where counting the 7 rounding thresholds (``setp``/``selp`` each)
+    took 27-29 for the same codes; tests/test_formats_quant.py checks every code against
+    ml_dtypes."""
     s = r.let(f"{name}_sat", ir.as_expr(a).min(f32(FP4_SATURATION)))
     e_bits = r.let(f"{name}_ebits", ir.Bitcast(T.u32, s.max(f32(1.0))) & 0x7F800000)
     c = r.let(f"{name}_c", e_bits + (22 << 23))
@@ -196,7 +178,6 @@ def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
 
 
 # ---- e8m0 ----------------------------------------------------------------------------------
-E8M0_NAN = 0xFF
 
 
 def e8m0_ceil(r: ir.RoleBuilder, v, name: str) -> ir.Var:

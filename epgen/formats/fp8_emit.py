@@ -1,0 +1,41 @@
+"""``BlockwiseFP8Emitter``: BlockwiseFP8's item arithmetic (``div.rn.f32`` scale and
+quotients, clamp, ``cvt.rn.satfinite.e4m3x2.f32``) and its ``pad_expert_offsets`` (rows per
+expert rounded up to ``expert_m_padding``, by a block-wide scan)."""
+
+from __future__ import annotations
+
+from ir import types as T
+
+from ..primitives import block_inclusive_scan, word
+from .blockscaled_emit import BlockScaledEmitter
+from .elements import FP8_MAX, MIN_AMAX
+from .quant_ir import clamp, e4m3_pairs, f32
+
+
+class BlockwiseFP8Emitter(BlockScaledEmitter):
+    """Device steps of ``BlockwiseFP8Format``."""
+
+    def emit_item_quant(self, r, xs, amax):
+        """``max.f32``, ``div.rn.f32`` (scale), then per element ``div.rn.f32``, the
+        ``max.f32``/``min.f32`` clamp and one ``cvt.rn.satfinite.e4m3x2.f32`` per pair."""
+        scale = r.let("fp8_scale", amax.max(f32(MIN_AMAX)) / f32(FP8_MAX))
+        qs = [r.let(f"fp8_q{i}", clamp(x / scale, FP8_MAX)) for i, x in enumerate(xs)]
+        return e4m3_pairs(r, qs), scale
+
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
+        """``pad_expert_offsets``, by the whole aux block after the prefix sum: thread ``j <
+        n_groups`` rounds group ``j``'s row count up to ``expert_m_padding``, a block-wide
+        inclusive scan (shared memory ``pad_totals``) gives the padded ends, and thread ``j``
+        rewrites ``row_offsets[j + 1]`` (``row_offsets[0]`` stays 0). The caller's next
+        barrier publishes them to the block."""
+        f = self.fmt
+        p = f.expert_m_padding
+        totals = r.kb.shared_buffer("pad_totals", 4 * 32)
+        rows = r.var("pad_rows", T.u32, 0)
+        with r.if_(r.tid < n_groups):
+            lo = r.load(word(row_offsets, r.tid), T.u32, name="pad_lo")
+            hi = r.load(word(row_offsets, r.tid + 1), T.u32, name="pad_hi")
+            r.assign(rows, (hi - lo + (p - 1)) // p * p)
+        end = block_inclusive_scan(r, rows, totals, r.n_threads // 32, "pad", comm_barrier_id)
+        with r.if_(r.tid < n_groups):
+            r.store(word(row_offsets, r.tid + 1), end)
