@@ -34,10 +34,6 @@ EP_COPY_SRC_WIDTH = 8          # elements per copy item of the role split
 EP_DATA_READY_FLAG = 1024      # value of the dispatch_wait ready flag (Region E)
 RECV_COUNT_SENTINEL = 2**64 - 1   # "not yet published" (``UInt64.MAX_FINITE``)
 REGION_ALIGN_WORDS = 32        # ours: counter regions start on a 128-byte line
-#: ours: ``ep_final_layout`` with transposed output scales (BlockwiseFP8) carries each row's
-#: scales in its header row, and dispatch_wait writes them transposed a tile at a time
-#: (``hdr_scale_bytes``); False: the senders store each scale in its transposed place
-FINAL_SCALES_IN_HEADER_ROWS = True
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -505,7 +501,7 @@ class Layout:
         writes each tile's scales transposed, 32 adjacent rows per warp store
         (``final_layout.copy_received_headers``). 0 for other formats."""
         fmt = self.cfg.token_fmt
-        if not (FINAL_SCALES_IN_HEADER_ROWS and getattr(fmt, "scales_transposed", False)):
+        if not getattr(fmt, "scales_transposed", False):
             return 0
         return _align(fmt.n_scale_groups * fmt.scale_bytes, 16)
 

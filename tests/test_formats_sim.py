@@ -74,11 +74,10 @@ def test_nvfp4_input_scale(input_scale, seed):
 @pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
                          ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
 @pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "prod_reserve"])
-def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
-    """``SEND_DSTS_IN_SHARED`` (off by default, an experiment for the H200): each lane leaves
-    its destination in shared memory and every store loads it back; same results."""
+def test_send_destinations_in_shared_memory(fmt, H, flags, seed):
+    """The warp send path: each lane leaves its destination in shared memory and every store
+    loads it back; same results."""
     from epgen.kernels import dispatch_async
-    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", True)
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     text = ir.print_module(epgen.build_module(cfg))
     warp_path = dispatch_async.uses_warp_send(cfg)     # the staged paths have no such table
@@ -89,16 +88,13 @@ def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
 
 @pytest.mark.parametrize("fmt,H", [("BlockwiseFP8", 384), ("NVFP4", 1024), ("MXFP8", 64)],
                          ids=["BlockwiseFP8-H384", "NVFP4-H1024", "MXFP8-H64"])
-@pytest.mark.parametrize("dsts_in_shared", [False, True])
-def test_quantised_payload_staged_in_shared_memory(fmt, H, dsts_in_shared, seed, monkeypatch):
+def test_quantised_payload_staged_in_shared_memory(fmt, H, seed, monkeypatch):
     """``QUANT_STAGE_BYTES`` (off by default, an experiment for the H200): the warp quantises
     256-byte chunks of the payload into shared memory and copies them to the destinations
     as 16-byte vectors; the last chunk may be partial (FP8 H=384: 32 + 16 items, NVFP4
     H=1024: 64 + 64, MXFP8 H=64: one chunk of 8). Same bytes as the reference."""
     from epgen.formats import blockscaled
-    from epgen.kernels import dispatch_async
     monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 256)
-    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", dsts_in_shared)
     cfg = make_cfg(fmt, H)
     text = ir.print_module(epgen.build_module(cfg))
     assert "shared quant_stage[512]" in text and "for %q_chunk:u32" in text
@@ -152,36 +148,23 @@ def test_staging_chunk_rules(monkeypatch):
         fmt.stage_chunk_bytes(100, 16, 0)
 
 
-@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
-                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
-@pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "fused_se"])
-def test_header_loaded_after_the_payload(fmt, H, flags, seed, monkeypatch):
-    """``dispatch_wait.HEADER_LOADS_FIRST = False`` (the reference's order, the A/B's
-    baseline): the header's loads follow the payload copy. Same results."""
-    from epgen.kernels import dispatch_wait
-    monkeypatch.setattr(dispatch_wait, "HEADER_LOADS_FIRST", False)
-    run_calls(make_cfg(fmt, H, **FLAGS[flags]), seed, n_calls=2)
-
-
 @pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
 @pytest.mark.parametrize("items", [1, 2])
 @pytest.mark.parametrize("token_warps", [1, 2])
 def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
-    """The send path before the fourth session's defaults (still selectable, and the A/B's
-    baseline): no staging (``QUANT_STAGE_BYTES = 0``), the destinations held in registers
-    (in shared memory when warps share tokens: the group's hand-off), 1 or 2 items per trip,
-    one or two warps per token (``SEND_WARPS_PER_TOKEN_MAX``). Same bytes as the reference."""
+    """The warp send path without staging (``QUANT_STAGE_BYTES = 0``), 1 or 2 items per trip,
+    one or two warps per token (``tuning.send_warps_per_token_max``). Same bytes as the
+    reference."""
     from epgen.formats import blockscaled
     from epgen.kernels import dispatch_async
     monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 0)
     monkeypatch.setattr(blockscaled, "QUANT_ITEMS_IN_FLIGHT", items)
-    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", False)
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", token_warps)
     cfg = make_cfg(fmt, H)
+    cfg = cfg.replace(tuning=cfg.tuning.replace(send_warps_per_token_max=token_warps))
     assert dispatch_async.send_warps_per_token(cfg) == token_warps
     text = ir.print_module(epgen.build_module(cfg))
     assert "quant_stage" not in text
-    assert ("send_dsts" in text) is (token_warps > 1)
+    assert "send_dsts" in text
     run_calls(cfg, seed, n_calls=2)
 
 
@@ -209,12 +192,8 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, see
 
 
 NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
-#: (SEND_JOIN_PIPELINE, SEND_JOIN_PREFETCH, STAGED_SEND_ALL_BLOCKS, blockscaled
-#: STAGE_LOADS_AHEAD)
-NAMED_MODES = {"three_joins": (False, False, True, True), "pipelined": (True, False, True, True),
-               "pipelined_prefetch": (True, True, True, True),
-               "formats_staged_whole": (True, True, True, False),
-               "comm_blocks_only": (True, True, False, True)}
+#: blockscaled STAGE_LOADS_AHEAD
+NAMED_MODES = {"pipelined_prefetch": True, "formats_staged_whole": False}
 
 
 @pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
@@ -222,28 +201,24 @@ NAMED_MODES = {"three_joins": (False, False, True, True), "pipelined": (True, Fa
                          ids=["send_join_named", "send_join_named+ord_r"])
 @pytest.mark.parametrize("mode", NAMED_MODES)
 def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
-    """``ep_send_join_named`` keeps the block-staged broadcast: with ``SEND_JOIN_PIPELINE``
-    (the default) two shared buffers and one join per token, without it three joins per
-    token; ``SEND_JOIN_PREFETCH`` (the default with it) also issues the next token's loads
-    and slot reservations before the current broadcast (the quantising formats quantise them
-    after it, ``blockscaled.STAGE_LOADS_AHEAD``; without it they stage whole). ``STAGED_SEND_ALL_BLOCKS`` (the default) has the monitor blocks send too,
-    between their count and their signal. Up to 8 tokens per rank over 3 or 4 sending
+    """``ep_send_join_named`` keeps the block-staged broadcast: two shared buffers and one
+    join per token; the next token's loads and slot reservations are issued before the
+    current broadcast (the quantising formats quantise them after it,
+    ``blockscaled.STAGE_LOADS_AHEAD``; without it they stage whole); the monitor blocks send
+    too, between their count and their signal. Up to 8 tokens per rank over 3 or 4 sending
     blocks: each block alternates its buffers. Same results as the reference every way."""
     from epgen.formats import blockscaled
     from epgen.kernels import dispatch_async
-    pipelined, prefetch, all_blocks, ahead = NAMED_MODES[mode]
+    ahead = NAMED_MODES[mode]
     monkeypatch.setattr(blockscaled, "STAGE_LOADS_AHEAD", ahead)
-    monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
-    monkeypatch.setattr(dispatch_async, "SEND_JOIN_PREFETCH", prefetch)
-    monkeypatch.setattr(dispatch_async, "STAGED_SEND_ALL_BLOCKS", all_blocks)
     cfg = make_cfg(fmt, H, ep_send_join_named=True, **flags).replace(max_tokens_per_rank=8)
     module = epgen.build_module(cfg)
     text = ir.print_module(module)
-    assert ("%t_next" in text) is pipelined
-    assert ("%g_ahead" in text) is (prefetch and (fmt == "BF16" or ahead))
-    assert ("%sq_item" in text) is (prefetch and fmt != "BF16" and ahead)
+    assert "%t_next" in text
+    assert ("%g_ahead" in text) is (fmt == "BF16" or ahead)
+    assert ("%sq_item" in text) is (fmt != "BF16" and ahead)
     roles = [r.name for r in module.kernel(dispatch_async.KERNEL_NAME).roles]
-    assert roles == (["monitor", "comm", "signal"] if all_blocks else ["monitor", "comm"])
+    assert roles == ["monitor", "comm", "signal"]
     run_calls(cfg, seed, n_calls=2)
 
 

@@ -51,15 +51,14 @@ from .program import Program
 
 #: Each rank's dispatch_wait is launched as a programmatic dependent launch (PDL) of its
 #: dispatch_async, on the rank streams and inside a captured graph, where the device and
-#: cuda-core allow it (``Program.programmatic_ok``). dispatch_async triggers implicitly (each
-#: block at its exit), so the wait's grid may start once every async block has exited,
-#: before the async grid's completion is processed. The wait needs nothing from that
-#: boundary: everything it reads from any rank's dispatch_async, its own included, comes
-#: behind an acquire-polled count word or flag (the other ranks' asyncs are never ordered
-#: before it by a kernel boundary either), so there is no ``griddepcontrol.wait``. Measured
-#: on the H200 (docs/PERF.md, seventh session, step 24): decode round trip 3-5 us faster on
-#: streams, prefill within noise, a graph replay unchanged.
-WAIT_PDL = True
+#: cuda-core allow it (``Program.programmatic_ok``: elsewhere a plain launch). dispatch_async
+#: triggers implicitly (each block at its exit), so the wait's grid may start once every
+#: async block has exited, before the async grid's completion is processed. The wait needs
+#: nothing from that boundary: everything it reads from any rank's dispatch_async, its own
+#: included, comes behind an acquire-polled count word or flag (the other ranks' asyncs are
+#: never ordered before it by a kernel boundary either), so there is no
+#: ``griddepcontrol.wait``. Measured on the H200 (docs/PERF.md's tuning table): decode round
+#: trip 3-5 us faster on streams, prefill within noise, a graph replay unchanged.
 
 
 class CapacityError(ValueError):
@@ -369,14 +368,14 @@ class RankWorld:
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
-        dispatch_async where possible, ``WAIT_PDL``)."""
+        dispatch_async where possible)."""
         rows = []
         for rk in self.ranks:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
             rows.append(args)
-        self._launch_ranks(WAIT, rows, last=True, programmatic=WAIT_PDL)
+        self._launch_ranks(WAIT, rows, last=True, programmatic=True)
 
     def dispatch_fused(self):
         """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
