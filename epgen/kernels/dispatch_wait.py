@@ -355,7 +355,7 @@ def build_dispatch_wait(cfg) -> ir.Kernel:
     """The dispatch_wait entry point: the last block is the aux block, the others copy."""
     if cfg.fused_shared_expert:
         raise ValueError("fused_shared_expert: the standalone dispatch_wait does not take the "
-                         "shared expert (reference 7.2: only the fused dispatch kernel packs "
+                         "shared expert (only the fused dispatch kernel packs "
                          "it); build the fused kernel (epgen.kernels.build_dispatch_fused)")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb, cfg)
