@@ -238,7 +238,7 @@ if [ "$what" = split-ab ]; then
 fi
 if [ "$what" = block-ab ]; then
     # the block-staged broadcast as the staged variants' prefill send path for BF16, MXFP8
-    # and BlockwiseFP8 (dispatch_async.prefers_block_broadcast, shipped): its GPU tests,
+    # and BlockwiseFP8 (send_policy.prefers_block_broadcast, shipped): its GPU tests,
     # then each format's default round trip with it and with the warp path (a threshold no
     # call reaches), same call; then NVFP4's latency sweep
     gpu_tests block-tests 150 tests/test_token_split_gpu.py -k block_broadcast

@@ -361,7 +361,7 @@ def test_diff_send_join_named(capsys):
     and in the fused ep_dispatch: per kernel two with the two-buffer pipeline (after the
     first token's staging, then one per token); the warp path's token-group barriers go."""
     _needs_backend()
-    from epgen.kernels import dispatch_async
+    from epgen.kernels import send_policy
     from epgen.presets import load_preset
     status, out, err = run_cli(capsys, "diff", "ep/small", "ep/send_join_named")
     assert status == 1, err
@@ -376,7 +376,7 @@ def test_diff_send_join_named(capsys):
     # the warp path's bar.warp.sync per kernel (its comm role covers every block): after the
     # round's destinations reach shared memory (a token-group barrier
     # instead when warps share tokens), before its release
-    n = dispatch_async.send_warps_per_token(load_preset("small"))
+    n = send_policy.send_warps_per_token(load_preset("small"))
     assert len(_diff_lines(out, "-", r"\bbar\.warp\.sync\b")) == (2 if n > 1 else 4)
     # the token groups' barriers: each group's twice per round, in both kernels
     groups = load_preset("small").num_threads // 32 // n if n > 1 else 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen.kernels import dispatch_async
+from epgen.kernels import send_policy
 from world_checks import checked_calls, make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_
 def test_final_rows_by_warp(fmt, prod, graph, seed):
     R, E, H, K, T, threads, sms = SHAPE
     cfg = make_cfg(*SHAPE, fmt=fmt, ep_final_layout=True, ep_prod_reserve=prod)
-    assert dispatch_async.uses_warp_send(cfg)
+    assert send_policy.uses_warp_send(cfg)
     rng = np.random.default_rng(seed)
     counts = [int(rng.integers(0, T + 1)) for _ in range(R)]
     for _ in checked_calls(epgen.EmulatedWorld(cfg), rng, seed, counts, 3, graph):

@@ -11,7 +11,7 @@ import pytest
 
 import ir
 from epgen.formats import make_format
-from epgen.kernels import build_module, dispatch_async
+from epgen.kernels import build_module, send_policy
 
 from test_formats_sim import FLAGS, make_cfg, run_calls
 
@@ -31,7 +31,7 @@ def shared_names(cfg):
 @pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
 def test_final_rows_by_warp_match_the_reference(fmt, H, flags, seed):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
-    assert dispatch_async.uses_warp_send(cfg)
+    assert send_policy.uses_warp_send(cfg)
     assert "send_scale_dsts" in shared_names(cfg)
     run_calls(cfg, seed)
 
@@ -58,7 +58,7 @@ def test_which_configurations_take_the_path(fmt, H, flags):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     can = cfg.token_fmt.broadcasts_final_rows
     assert can == ((fmt, H) in CASES)        # NVFP4 H=64 and MXFP8 H=64: 4- and 2-byte rows
-    assert dispatch_async.uses_warp_send(cfg) == can
+    assert send_policy.uses_warp_send(cfg) == can
 
 
 RAGGED = [("NVFP4", 64), ("MXFP8", 64)]
@@ -70,7 +70,7 @@ def test_ragged_scale_rows_keep_the_staged_kernels(fmt, H, flags, seed):
     """Formats whose scale rows are not whole 16-byte vectors take the staged path (one
     token per block, a warp per slot copying the message), which matches the reference."""
     cfg = make_cfg(fmt, H, **FLAGS[flags])
-    assert not dispatch_async.uses_warp_send(cfg)
+    assert not send_policy.uses_warp_send(cfg)
     assert "send_scale_dsts" not in shared_names(cfg)
     run_calls(cfg, seed, n_calls=2)
 

@@ -97,7 +97,7 @@ def test_role_split_copy_is_three_items_per_copy_thread():
     # stock: the warp path, lane-strided loads 512 bytes apart, 2 in flight; no tail with one
     # warp per token (the role_split geometry's 768 vectors are 12 per lane), one more load
     # for the tail of a token's share when warps share tokens (send_warps_per_token)
-    from epgen.kernels.dispatch_async import send_warps_per_token
+    from epgen.kernels.send_policy import send_warps_per_token
     shared = send_warps_per_token(cfg) > 1
     assert _count(r"\bld\.global\.nc\.v4\.b32", stock) == 2 + shared
     stock_offs = [int(o or 0) for o in re.findall(

@@ -77,10 +77,10 @@ def test_nvfp4_input_scale(input_scale, seed):
 def test_send_destinations_in_shared_memory(fmt, H, flags, seed):
     """The warp send path: each lane leaves its destination in shared memory and every store
     loads it back; same results."""
-    from epgen.kernels import dispatch_async
+    from epgen.kernels import send_policy
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     text = ir.print_module(epgen.build_module(cfg))
-    warp_path = dispatch_async.uses_warp_send(cfg)     # the staged paths have no such table
+    warp_path = send_policy.uses_warp_send(cfg)     # the staged paths have no such table
     assert ("shared send_dsts[512]" in text) is warp_path
     assert ("ld.shared [ptradd(%warp_dsts" in text) is warp_path
     run_calls(cfg, seed, n_calls=2)
@@ -120,11 +120,11 @@ def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_wa
     whole trips that fit 48 KB of static shared memory with the block's other buffers; the
     kernel builds. (Prefill BlockwiseFP8 takes the block-staged broadcast by default:
     ``BLOCK_BROADCAST_FORMATS`` emptied here.)"""
-    from epgen.kernels import dispatch_async
+    from epgen.kernels import send_policy
     from epgen.presets import load_preset
-    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_FORMATS", ())
+    monkeypatch.setattr(send_policy, "BLOCK_BROADCAST_FORMATS", ())
     cfg = load_preset(preset)
-    assert dispatch_async.send_warps_per_token(cfg) == token_warps
+    assert send_policy.send_warps_per_token(cfg) == token_warps
     cfg = cfg.replace(token_fmt=make_format(fmt, 7168, cfg.layout.top_k))
     text = ir.print_module(epgen.build_module(cfg))
     warps = cfg.num_threads // 32
@@ -156,12 +156,12 @@ def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
     one or two warps per token (``tuning.send_warps_per_token_max``). Same bytes as the
     reference."""
     from epgen.formats import blockscaled
-    from epgen.kernels import dispatch_async
+    from epgen.kernels import send_policy
     monkeypatch.setattr(blockscaled, "QUANT_STAGE_BYTES", 0)
     monkeypatch.setattr(blockscaled, "QUANT_ITEMS_IN_FLIGHT", items)
     cfg = make_cfg(fmt, H)
     cfg = cfg.replace(tuning=cfg.tuning.replace(send_warps_per_token_max=token_warps))
-    assert dispatch_async.send_warps_per_token(cfg) == token_warps
+    assert send_policy.send_warps_per_token(cfg) == token_warps
     text = ir.print_module(epgen.build_module(cfg))
     assert "quant_stage" not in text
     assert "send_dsts" in text

@@ -21,7 +21,7 @@ import pytest
 import epgen
 from epgen import reference, routing
 from epgen.formats import make_format
-from epgen.kernels import dispatch_async
+from epgen.kernels import send_policy
 from epgen.presets import load_preset
 
 from test_formats_gpu import MANY, SMALL, WIDE, make_cfg
@@ -83,7 +83,7 @@ def check_calls(world, cfg, seed, n_calls=3, full=False, graph=False):
 def test_decode_with_four_warps_per_token(fmt, launch, seed):
     cfg = decode_cfg(fmt)
     cfg = cfg.replace(tuning=cfg.tuning.replace(send_warps_per_token_max=4))
-    assert dispatch_async.send_warps_per_token(cfg) == 4
+    assert send_policy.send_warps_per_token(cfg) == 4
     world = epgen.EmulatedWorld(cfg, fused=launch == "fused")
     check_calls(world, cfg, seed, n_calls=3, full=True, graph=launch == "graph")
 
@@ -95,7 +95,7 @@ def test_decode_with_four_warps_per_token(fmt, launch, seed):
 def test_split_tokens_on_the_format_shapes(fmt, shape, flags, seed):
     cfg = shape_cfg(shape, fmt, **flags)
     cfg = cfg.replace(tuning=cfg.tuning.replace(send_warps_per_token_max=4))
-    assert dispatch_async.send_warps_per_token(cfg) > 1
+    assert send_policy.send_warps_per_token(cfg) > 1
     check_calls(epgen.EmulatedWorld(cfg), cfg, seed)
 
 
@@ -104,7 +104,7 @@ def test_split_tokens_on_the_format_shapes(fmt, shape, flags, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_named_join_on_every_block(fmt, flags, seed):
     cfg = shape_cfg(MANY, fmt, ep_send_join_named=True, **flags)
-    assert dispatch_async.sends_from_every_block(cfg)
+    assert send_policy.sends_from_every_block(cfg)
     check_calls(epgen.EmulatedWorld(cfg), cfg, seed, full=False)
     check_calls(epgen.EmulatedWorld(cfg, fused=True), cfg, seed + 1, n_calls=2)
 
@@ -121,6 +121,6 @@ BLOCK_SHAPE = (4, 32, 2048, 8, 256, 256, 9)
 @pytest.mark.parametrize("fmt", ["BF16", "MXFP8", "BlockwiseFP8"])
 def test_block_broadcast_as_the_default_path(fmt, flags, launch, seed):
     cfg = shape_cfg(BLOCK_SHAPE, fmt, **flags)
-    assert dispatch_async.prefers_block_broadcast(cfg)
+    assert send_policy.prefers_block_broadcast(cfg)
     world = epgen.EmulatedWorld(cfg, fused=launch == "fused")
     check_calls(world, cfg, seed, n_calls=3, full=launch == "graph", graph=launch == "graph")

@@ -15,7 +15,7 @@ import pytest
 
 import epgen
 import ir
-from epgen.kernels import dispatch_async
+from epgen.kernels import dispatch_async, send_policy
 from epgen.presets import load_preset
 from backends import nvptx
 
@@ -38,7 +38,7 @@ def split_cfg(fmt, H, token_warps, **flags):
     ``tuning.send_warps_per_token_max`` raised so that ``send_warps_per_token`` picks them."""
     cfg = tuned(make_cfg(fmt, H, **flags).replace(num_threads=32 * token_warps),
                 send_warps_per_token_max=token_warps)
-    assert dispatch_async.send_warps_per_token(cfg) == token_warps
+    assert send_policy.send_warps_per_token(cfg) == token_warps
     return cfg
 
 
@@ -63,22 +63,22 @@ def test_rule_picks_the_most_warps_that_keep_a_group_per_token():
     8 would leave 66 groups for 128 tokens. Prefill keeps one warp per token; so do the
     final layout and the default maximum."""
     decode, prefill = load_preset("decode"), load_preset("prefill")
-    assert dispatch_async.send_warps_per_token(decode) == decode.tuning.send_warps_per_token_max
-    assert dispatch_async.send_warps_per_token(tuned(decode, send_warps_per_token_max=1)) == 1
+    assert send_policy.send_warps_per_token(decode) == decode.tuning.send_warps_per_token_max
+    assert send_policy.send_warps_per_token(tuned(decode, send_warps_per_token_max=1)) == 1
     eight = dict(send_warps_per_token_max=8)
-    assert dispatch_async.send_warps_per_token(tuned(decode, **eight)) == 4
-    assert dispatch_async.send_warps_per_token(tuned(prefill, **eight)) == 1
-    assert dispatch_async.send_warps_per_token(
+    assert send_policy.send_warps_per_token(tuned(decode, **eight)) == 4
+    assert send_policy.send_warps_per_token(tuned(prefill, **eight)) == 1
+    assert send_policy.send_warps_per_token(
         tuned(decode.replace(ep_final_layout=True), **eight)) == 1
     # at most max_token_groups = 4 groups per block: 1024 threads need 8 warps per group,
     # beyond the default maximum of 4 (the default preset keeps one warp per token)
     wide = decode.replace(num_threads=1024, n_sms=64, max_tokens_per_rank=32)
-    assert dispatch_async.send_warps_per_token(tuned(wide, **eight)) == 8
-    assert dispatch_async.send_warps_per_token(tuned(load_preset("default"), **eight)) == 8
-    assert dispatch_async.send_warps_per_token(wide) == 1
-    assert dispatch_async.send_warps_per_token(load_preset("default")) == 1
+    assert send_policy.send_warps_per_token(tuned(wide, **eight)) == 8
+    assert send_policy.send_warps_per_token(tuned(load_preset("default"), **eight)) == 8
+    assert send_policy.send_warps_per_token(wide) == 1
+    assert send_policy.send_warps_per_token(load_preset("default")) == 1
     # ... and never more than 16 - TOKEN_GROUP_BARRIER_BASE = 12 barrier ids
-    assert dispatch_async.send_warps_per_token(
+    assert send_policy.send_warps_per_token(
         tuned(wide, max_token_groups=16, send_warps_per_token_max=2)) == 1
 
 
