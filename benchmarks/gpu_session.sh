@@ -3,7 +3,7 @@
 # under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
 # repository root; a step that fails or times out is reported and the next one still runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|geometry|graph-ab|p2p]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -12,35 +12,21 @@
 # "batch-ab": every rank's grid in one launch against one launch per rank, its GPU tests,
 # decode and prefill A/B arms and a batched timeline (about 5 minutes); "format-variants":
 # the quantising formats' ORD-R, ep_send_join_named, fused and final+prod round trips at
-# prefill, streams, graphs and batched (about 5 minutes); "final-ab": the formats' final+prod with the warp send path writing the rows
-# and scales (WARP_FINAL_ROWS_WITH_SCALES) against the staged path (about 4 minutes);
-# "scales-ab": BlockwiseFP8's final+prod with the
-# transposed scales in the header rows (layout.FINAL_SCALES_IN_HEADER_ROWS, written
-# transposed by dispatch_wait) against each scale stored in place by the sender (2 minutes);
-# "header-ab": the final layout's header pass with a thread per row
-# (final_layout.HEADER_ROW_PER_THREAD) against a warp per row, BF16 (with the baseline),
-# NVFP4 and BlockwiseFP8 final+prod, then NVFP4's decode rows again (about 5 minutes);
-# "profile": Nsight Compute on
+# prefill, streams, graphs and batched (about 5 minutes); "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
-# "recv-ab": the quantising formats' receive as shipped and at other message alignments
-# (about 2 minutes);
-# "split-ab": warps sharing a token at decode and ep_send_join_named on every block, each
-# against its old path, with their GPU tests (about 8 minutes);
+# "recv-ab": the quantising formats at other message alignments (about 2 minutes);
+# "split-ab": 1 and 4 warps sharing a token at decode (--tune send_warps_per_token_max),
+# with their GPU tests (about 6 minutes);
 # "block-ab": the block-staged broadcast as BF16's, MXFP8's and BlockwiseFP8's prefill send
-# path against the warp path, with its GPU tests, then "latency-nvfp4" (about 5 minutes);
-# "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
-# per token (about 2 minutes; run 33 also counted the finished copies once per block);
+# path against the warp path (--tune block_broadcast_min_tokens_per_block), with its GPU
+# tests, then "latency-nvfp4" (about 5 minutes);
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
 # BF16 variant and each quantising format (about 4 minutes);
 # "graph-ab": the round trip as a CUDA-graph replay against stream launches, its GPU tests
-# first (about 6 minutes); "pdl-ab": the formats' fused launch with and without the graph,
-# then dispatch_wait with and without the programmatic dependent launch (about 9 minutes);
-# "p2p": on a multi-GPU machine, the
+# first (about 6 minutes); "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
-# two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
-# each recorded in docs/PERF.md; the mode went with the last of its experiments, as did
-# "count-ab" (run 37), and "e2m1-ab", "nvfp4-scale-ab" and "named-ab" with the format
-# switches they compared (their other arms are no longer in the code).
+# two GPUs). A/B arms of settled choices go with their experiment (docs/PERF.md records what
+# each measured); an arm of a choice still worth switching sets it with ``--tune``.
 #
 # About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min): two device calls,
 # "tests" then "bench" (each under `timeout 590`).
@@ -87,12 +73,11 @@ gpu_tests() {  # gpu_tests NAME SECONDS PYTEST ARGS...: GPU tests (each under LI
     grep -E "passed|failed|skipped|^FAILED|^ERROR" "$OUT/$name.log" | tail -15 | sed 's/^/    /'
 }
 
-arm() {    # arm NAME SECONDS SETTINGS... -- BENCH ARGS: one A/B arm, module constants set by
-           # with_settings.py, with JSON, then its round-trip, phase and baseline rows
+arm() {    # arm NAME SECONDS BENCH ARGS...: one A/B arm (its choices as --tune), with JSON,
+           # then its round-trip, phase and baseline rows
     local name=$1 limit=$2
     shift 2
-    step "$name" "$limit" python3 benchmarks/experiments/with_settings.py "$@" \
-        --json "$OUT/$name.json"
+    step "$name" "$limit" python3 -m epgen "$@" --json "$OUT/$name.json"
     grep -E "^(decode|prefill) .*(round|dispatch|torch)" "$OUT/$name.log" | sed 's/^/    /'
 }
 
@@ -207,23 +192,6 @@ if [ "$what" = graph-ab ]; then
             --variant graph=graph --no-baseline --no-post-check
     done
 fi
-if [ "$what" = pdl-ab ]; then
-    # the formats' fused launch with and without the graph; then dispatch_wait launched as a
-    # programmatic dependent launch of dispatch_async (world.WAIT_PDL, shipped) against a
-    # plain launch, streams and graph, same call (run 39)
-    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
-        bench "fused-$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
-            --variant graph=graph --variant fused --variant fused_graph=fused,graph \
-            --no-baseline --no-post-check
-    done
-    for fmt in BF16 NVFP4 MXFP8; do
-        for pdl in False True; do
-            arm "pdl-$fmt-$pdl" 90 epgen.runtime.world.WAIT_PDL=$pdl -- bench \
-                --set format=$fmt --tokens 128,4096 --variant default --variant graph=graph \
-                --no-baseline
-        done
-    done
-fi
 if [ "$what" = profile ]; then
     # where NVFP4's dispatch_async spends its time at prefill, if Nsight Compute is there: one
     # launch of one emulated rank (ncu serialises kernels; every rank's dispatch_async is
@@ -240,111 +208,47 @@ if [ "$what" = profile ]; then
             grep -cE '^(ncu|nsys)$') Nsight tools under /usr/local/cuda*/bin)"
     fi
 fi
-ab() {     # ab NAME SETTINGS... -- BENCH ARGS: one prefill A/B arm (``arm`` at 4096 tokens)
+ab() {     # ab NAME BENCH ARGS...: one prefill A/B arm (``arm`` at 4096 tokens)
     local name=$1
     shift
     arm "$name" 80 "$@" --tokens 4096 --no-baseline --no-post-check
 }
-D=epgen.kernels.dispatch_async
-if [ "$what" = final-ab ]; then
-    # the formats' final+prod on the warp send path (WARP_FINAL_ROWS_WITH_SCALES) against
-    # the staged path, its GPU tests first (about 4 minutes)
-    gpu_tests final-tests 150 tests/test_final_rows_by_warp_gpu.py
-    for fmt in NVFP4 MXFP8 BlockwiseFP8; do
-        for on in True False; do
-            ab "final-$fmt-$on" $D.WARP_FINAL_ROWS_WITH_SCALES=$on -- bench --set format=$fmt \
-                --variant prod=ep_final_layout,ep_prod_reserve,alignment:16
-        done
-    done
-fi
-if [ "$what" = scales-ab ]; then
-    # BlockwiseFP8's final layout: the transposed scales through the header rows (shipped)
-    # against one store per scale in its transposed place, same call, both shapes
-    for on in True False; do
-        arm "scales-$on" 100 epgen.layout.FINAL_SCALES_IN_HEADER_ROWS=$on -- bench \
-            --set format=BlockwiseFP8 --tokens 128,4096 \
-            --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
-            --variant prod_batched=ep_final_layout,ep_prod_reserve,alignment:16,batched \
-            --no-baseline --no-post-check
-    done
-fi
-if [ "$what" = header-ab ]; then
-    # dispatch_wait's header pass under ep_final_layout: a thread per row (shipped) against
-    # a warp per row, same call, both shapes; then NVFP4's decode round trips once more
-    gpu_tests header-tests 200 tests/test_final_layout_gpu.py \
-        tests/test_final_rows_by_warp_gpu.py tests/test_graph_gpu.py \
-        tests/test_rank_batch_gpu.py -k "final or prod"
-    prod=ep_final_layout,ep_prod_reserve,alignment:16
-    for on in True False; do
-        for fmt in BF16 NVFP4 BlockwiseFP8; do
-            extra=(--no-baseline)
-            [ "$fmt" = BF16 ] && extra=()
-            arm "header-$fmt-$on" 100 epgen.kernels.final_layout.HEADER_ROW_PER_THREAD=$on \
-                -- bench --set format=$fmt --tokens 128,4096 --variant prod=$prod \
-                --variant prod_batched=$prod,batched "${extra[@]}" --no-post-check
-        done
-    done
-    bench nvfp4-decode 90 --set format=NVFP4 --tokens 128 --variant default \
-        --variant graph=graph --variant batched_fused=batched,fused \
-        --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check
-fi
 if [ "$what" = recv-ab ]; then
-    # the quantising formats' receive as shipped, then at other message alignments (NVFP4
-    # 4064 B at 16, 4352 B at 128; BlockwiseFP8 7680 B at 128), same call. (The receive
-    # orders it also switched off, the row-major scales after the payload and the transposed
-    # tile scales one item at a time, are no longer in the code.)
+    # the quantising formats as shipped, then at other message alignments (NVFP4 4064 B at
+    # 16, 4352 B at 128; BlockwiseFP8 7680 B at 128), same call
     for fmt in NVFP4 BlockwiseFP8; do
-        ab "recv-ab-$fmt-shipped" -- bench --set format=$fmt
+        ab "recv-ab-$fmt-shipped" bench --set format=$fmt
     done
-    ab recv-ab-NVFP4-align16 -- bench --set format=NVFP4 --set alignment=16
-    ab recv-ab-NVFP4-align128 -- bench --set format=NVFP4 --set alignment=128
-    ab recv-ab-BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
+    ab recv-ab-NVFP4-align16 bench --set format=NVFP4 --set alignment=16
+    ab recv-ab-NVFP4-align128 bench --set format=NVFP4 --set alignment=128
+    ab recv-ab-BlockwiseFP8-align128 bench --set format=BlockwiseFP8 --set alignment=128
 fi
 if [ "$what" = split-ab ]; then
-    # the eighth session's two send-path levers, same call: first their GPU tests (each
-    # switch set by the test); then decode with 1 and 4 warps per token
-    # (SEND_WARPS_PER_TOKEN_MAX) in every format, stream, graph, fused and fused graph;
-    # then ep_send_join_named at prefill with the monitor blocks sending or not
-    # (STAGED_SEND_ALL_BLOCKS), BF16 and NVFP4
+    # warps sharing a token at decode, same call: first their GPU tests, then decode with 1
+    # and 4 warps per token (tuning.send_warps_per_token_max) in every format, stream,
+    # graph, fused and fused graph
     gpu_tests split-tests 240 tests/test_token_split_gpu.py
     for fmt in BF16 NVFP4 MXFP8 BlockwiseFP8; do
         for n in 1 4; do
-            arm "split-$fmt-$n" 100 "$D.SEND_WARPS_PER_TOKEN_MAX=$n" -- bench \
+            arm "split-$fmt-$n" 100 bench --tune "send_warps_per_token_max=$n" \
                 --set format=$fmt --tokens 128 --variant default --variant graph=graph \
                 --variant fused --variant fused_graph=fused,graph --no-baseline --no-post-check
-        done
-    done
-    for fmt in BF16 NVFP4; do
-        for all in False True; do
-            arm "named-$fmt-$all" 130 "$D.STAGED_SEND_ALL_BLOCKS=$all" -- bench \
-                --set format=$fmt --tokens 4096 --variant named=ep_send_join_named \
-                --variant named_graph=ep_send_join_named,graph --no-baseline --no-post-check
         done
     done
 fi
 if [ "$what" = block-ab ]; then
     # the block-staged broadcast as the staged variants' prefill send path for BF16, MXFP8
-    # and BlockwiseFP8 (dispatch_async.prefers_block_broadcast, shipped): its GPU tests,
-    # then each format's default round trip with it and with the warp path
-    # (BLOCK_BROADCAST_FORMATS=()), same call; then NVFP4's latency sweep
+    # and BlockwiseFP8 (send_policy.prefers_block_broadcast, shipped): its GPU tests,
+    # then each format's default round trip with it and with the warp path (a threshold no
+    # call reaches), same call; then NVFP4's latency sweep
     gpu_tests block-tests 150 tests/test_token_split_gpu.py -k block_broadcast
     for fmt in BF16 MXFP8 BlockwiseFP8; do
-        for arm in block warp; do
-            setting="$D.BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK=16"
-            [ $arm = warp ] && setting="$D.BLOCK_BROADCAST_FORMATS=()"
-            ab "block-$fmt-$arm" "$setting" -- bench --set format=$fmt
+        for arm in block:16 warp:1000000; do
+            ab "block-$fmt-${arm%%:*}" bench \
+                --tune "block_broadcast_min_tokens_per_block=${arm##*:}" --set format=$fmt
         done
     done
     latency_nvfp4
-fi
-if [ "$what" = join-ab ]; then
-    # ep_send_join_named's block-staged broadcast, same call, BF16: as shipped (the two-buffer
-    # pipeline with the next token's loads and reservations issued before the broadcast, runs
-    # 25 and 30), without the prefetch, and with three joins per token
-    named=(--variant named=ep_send_join_named)
-    ab join-ab-BF16-shipped -- bench "${named[@]}"
-    ab join-ab-BF16-no-prefetch "$D.SEND_JOIN_PREFETCH=False" -- bench "${named[@]}"
-    ab join-ab-BF16-three-joins "$D.SEND_JOIN_PIPELINE=False" -- bench "${named[@]}"
 fi
 if [ "$what" = geometry ]; then
     # the prefill preset's geometry (33 blocks x 512 threads per rank: two blocks per SM)

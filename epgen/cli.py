@@ -50,6 +50,9 @@ def _add_config(p: argparse.ArgumentParser, default: str = DEFAULT_PRESET) -> No
     p.add_argument("--set", metavar="KEY=VALUE", action="append", dest="sets", default=[],
                    help="override one parameter of the preset (repeatable): any EPConfig "
                         "parameter, or format, hid_dim, top_k, alignment")
+    p.add_argument("--tune", metavar="KEY=VALUE", action="append", dest="tunes", default=[],
+                   help="set one code-generation choice (repeatable): a field of "
+                        "epgen.tuning.Tuning, e.g. send_warps_per_token_max=1")
     _add_arch(p)
 
 
@@ -82,7 +85,20 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
     except (ValueError, TransportNotImplementedError) as e:
         sets = "".join(f" --set {item}" for item in args.sets)
         parser.error(f"preset {name}{sets}: {e}")
-    return cfg, overrides
+    return _tuned(args, cfg), overrides
+
+
+def _tuned(args: argparse.Namespace, cfg, **changes):
+    """``cfg`` with ``--tune`` (and ``changes``, e.g. ``trace=True``) applied to its tuning;
+    a bad key or value is a usage error (exit 2) that names the field."""
+    from epgen.tuning import TuningError, parse_tune
+
+    try:
+        tuning = parse_tune(getattr(args, "tunes", []), base=cfg.tuning)
+        return cfg.replace(tuning=tuning.replace(**changes)) if (args.tunes or changes) \
+            else cfg
+    except TuningError as e:
+        args.parser.error(f"argument --tune: {e}")
 
 
 def _check_variant(parser: argparse.ArgumentParser, option: str, name: str) -> None:
@@ -136,20 +152,21 @@ def args_ptx(p: argparse.ArgumentParser) -> None:
 
 def cmd_ptx(args: argparse.Namespace) -> int:
     if args.variant is not None:
-        if args.preset is not None or args.sets or args.batched or args.trace:
+        if args.preset is not None or args.sets or args.batched or args.trace or args.tunes:
             args.parser.error("argument --variant: not allowed with --preset, --set, "
-                              "--batched or --trace")
+                              "--tune, --batched or --trace")
         _check_variant(args.parser, "--variant", args.variant)
         text = _variant_text(args.variant, args.arch, args.ir)
     else:
         import ir
         from backends.nvptx import emit_ptx
         from epgen import goldens
-        from epgen.kernels import build_module, trace
+        from epgen.kernels import build_module
 
         cfg, _ = _config(args)
-        with trace.enabled(args.trace):
-            module = build_module(cfg)
+        if args.trace:
+            cfg = _tuned(args, cfg, trace=True)
+        module = build_module(cfg)
         if args.batched:
             module = ir.batch_ranks(module, cfg.n_ranks, cfg.n_sms)
         text = goldens.print_ir(module) if args.ir else emit_ptx(module, arch=args.arch)
@@ -263,7 +280,8 @@ def args_run(p: argparse.ArgumentParser) -> None:
                    help="launch every rank's grid of a kernel as one grid (emulated ranks "
                         "only): the ranks start together, as on their own GPUs")
     p.add_argument("--trace", action="store_true",
-                   help="build the kernels with trace points (epgen.kernels.trace) and print "
+                   help="build the kernels with trace points (tuning.trace, "
+                        "epgen.kernels.trace) and print "
                         "where each call's time went: per role and hand-off, the first and "
                         "last block there (us after the call's first stamp), the median over "
                         "the calls")
@@ -354,14 +372,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.backend == "sim" and args.trace:
         args.parser.error("argument --trace: the simulator has no clock (--backend sim "
                           "stamps the interpreter's step count, not time); run on a GPU")
-    from epgen.kernels import trace
     from epgen.runtime import trace as runtime_trace
 
-    with trace.enabled(args.trace):
-        world = make_world(args.world, cfg, arch=args.arch, devices=devices,
-                           input_scale=args.input_scale, fused=True if args.fused else None,
-                           batched=args.batched, backend=args.backend,
-                           sim_seed=seed if args.backend == "sim" else None)
+    if args.trace:
+        cfg = _tuned(args, cfg, trace=True)
+    world = make_world(args.world, cfg, arch=args.arch, devices=devices,
+                       input_scale=args.input_scale, fused=True if args.fused else None,
+                       batched=args.batched, backend=args.backend,
+                       sim_seed=seed if args.backend == "sim" else None)
     where = ("emulated ranks" if args.world == "emulated" else
              f"ranks on GPUs {','.join(map(str, world.devices))} (P2P)")
     print(f"{cfg.n_ranks} {where}, {tokens} tokens/rank, seed {seed}"

@@ -35,7 +35,7 @@ FLAG_VARIANTS = {
     "final_layout": ("small", {"ep_final_layout": True}),
     "final_layout_prod_reserve": ("small", {"ep_final_layout": True, "ep_prod_reserve": True}),
     # a quantising format's final rows: the warp send writes the payload and the row-major
-    # scales to the output (dispatch_async.WARP_FINAL_ROWS_WITH_SCALES)
+    # scales to the output (send_policy.writes_final_rows_by_warp)
     "final_layout_prod_reserve_nvfp4": ("small", {"ep_final_layout": True,
                                                   "ep_prod_reserve": True, "format": "NVFP4"}),
 }

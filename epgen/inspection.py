@@ -216,11 +216,22 @@ def _kernel_lines(k: dict, arch: str) -> list[str]:
     return out
 
 
+def _changed_tuning(tuning: dict) -> dict:
+    """The fields of a ``Tuning.describe()`` table that differ from the defaults."""
+    from .tuning import Tuning
+
+    default = Tuning().describe()
+    return {k: v for k, v in tuning.items() if default.get(k) != v}
+
+
 def format_text(report: dict) -> str:
     """The report as aligned plain text."""
     label = report["preset"] or "(custom)"
     if report["overrides"]:
         label += " with " + " ".join(f"{k}={v}" for k, v in report["overrides"].items())
+    tuned = _changed_tuning(report["parameters"].get("tuning", {}))
+    if tuned:
+        label += ", tuned " + " ".join(f"{k}={v}" for k, v in tuned.items())
     out = [f"preset {label}, arch {report['arch']}", "", "parameters"]
     out += _kv(_flat(report["parameters"]))
     out += ["", "layout members"] + _kv(_flat(report["layout"]))

@@ -45,17 +45,10 @@ def copy_vectors(r: ir.RoleBuilder, dst, src, n_vec, first, stride, *, unroll: i
         r.assign(i, i + stride)
 
 
-#: 16-byte loads each lane of a warp copy (``warp_copy``) keeps in flight; None: the largest
-#: divisor <= 8 of the lane's share, so the copy has no tail trip
-RECV_LOADS_IN_FLIGHT = None
-
-
 def warp_copy_unroll(n_vec: int) -> int:
-    """Loads in flight per lane for a warp copy of ``n_vec`` vectors: ``RECV_LOADS_IN_FLIGHT``
-    when set, else the largest divisor <= 8 of ``n_vec / 32`` when the lanes' share is even
+    """Loads in flight per lane for a warp copy of ``n_vec`` vectors: the largest divisor
+    <= 8 of ``n_vec / 32`` when the lanes' share is even, so the copy has no tail trip
     (BF16 H=7168: 28 per lane, 7 in flight, 4 trips), else 4."""
-    if RECV_LOADS_IN_FLIGHT is not None:
-        return RECV_LOADS_IN_FLIGHT
     if n_vec % 32:
         return 4
     share = n_vec // 32

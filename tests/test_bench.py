@@ -298,6 +298,23 @@ def test_parse_variant():
             plan.parse_variant(bad)
 
 
+def test_variant_tuning():
+    """``tune.FIELD:VALUE`` in a variant sets that field of the base's tuning; the JSON's
+    config records it."""
+    v = plan.parse_variant("w1=tune.send_warps_per_token_max:1,tune.trace:true")
+    assert dict(v.overrides) == {"tune.send_warps_per_token_max": 1, "tune.trace": True}
+    p = plan.Plan(base=DECODE, tokens=(128,))
+    cfg = p.config(128, v)
+    assert cfg.tuning.send_warps_per_token_max == 1 and cfg.tuning.trace
+    assert p.config(128).tuning == DECODE.tuning
+    assert cfg.describe()["tuning"]["send_warps_per_token_max"] == 1
+    for bad, words in (("tune.nope:1", "unknown field"), ("tune.trace", "needs a value"),
+                       ("tune.send_warps_per_token_max:3", "power of two"),
+                       ("tune.trace:1,tune.trace:0", "twice")):
+        with pytest.raises(ValueError, match=words):
+            plan.parse_variant(bad)
+
+
 def test_variant_alignment():
     """``alignment:16`` in a variant rebuilds the token format with that alignment (the final
     layout's header rows and the messages shrink), everything else as the base."""

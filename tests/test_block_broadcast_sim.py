@@ -1,5 +1,5 @@
 """The block-staged broadcast as the staged variants' send path where it is faster
-(``dispatch_async.prefers_block_broadcast``: BF16, MXFP8 and BlockwiseFP8 at prefill-sized
+(``send_policy.prefers_block_broadcast``: BF16, MXFP8 and BlockwiseFP8 at prefill-sized
 calls) on the CPU simulator against the numpy reference, bit for bit, over back-to-back
 calls: staged, ORD-R, ``skip_a2a`` and the fused launch; and the rule itself."""
 
@@ -10,7 +10,7 @@ import pytest
 import epgen
 import ir
 from epgen.formats import make_format
-from epgen.kernels import dispatch_async
+from epgen.kernels import dispatch_async, send_policy
 from epgen.presets import load_preset
 
 from test_formats_sim import FLAGS, make_cfg, run_calls
@@ -21,13 +21,13 @@ CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384), ("MXFP8", 512)]
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a"])
 @pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
-def test_block_broadcast_matches_reference(fmt, H, flags, fused, seed, monkeypatch):
-    # the simulator's calls are small: every call counts as prefill-sized
-    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_MIN_TOKENS_PER_BLOCK", 0)
-    # up to 16 tokens per rank over 5 blocks: each block alternates its two buffers
+def test_block_broadcast_matches_reference(fmt, H, flags, fused, seed):
+    # up to 16 tokens per rank over 5 blocks: each block alternates its two buffers; the
+    # simulator's calls are small, so every call counts as prefill-sized (threshold 1)
     cfg = make_cfg(fmt, H, **FLAGS[flags]).replace(max_tokens_per_rank=16)
-    assert dispatch_async.prefers_block_broadcast(cfg)
-    assert not dispatch_async.uses_warp_send(cfg) and dispatch_async.uses_block_broadcast(cfg)
+    cfg = cfg.replace(tuning=cfg.tuning.replace(block_broadcast_min_tokens_per_block=1))
+    assert send_policy.prefers_block_broadcast(cfg)
+    assert not send_policy.uses_warp_send(cfg) and send_policy.uses_block_broadcast(cfg)
     module = epgen.build_module(cfg)
     roles = [r.name for r in module.kernel(dispatch_async.KERNEL_NAME).roles]
     assert roles == ["monitor", "comm", "signal"]
@@ -39,7 +39,7 @@ def test_block_broadcast_matches_reference(fmt, H, flags, fused, seed, monkeypat
 def test_rule():
     """Prefill (4096 tokens over 33 blocks) takes the block-staged broadcast for BF16, MXFP8
     and BlockwiseFP8, not NVFP4; decode (128 tokens) and the final layout keep the warp
-    path; an empty BLOCK_BROADCAST_FORMATS gives the warp path everywhere."""
+    path."""
     prefill, decode = load_preset("prefill"), load_preset("decode")
 
     def with_fmt(cfg, name):
@@ -47,12 +47,18 @@ def test_rule():
 
     for name, want in [("BF16", True), ("MXFP8", True), ("BlockwiseFP8", True),
                        ("NVFP4", False)]:
-        assert dispatch_async.prefers_block_broadcast(with_fmt(prefill, name)) is want, name
-        assert not dispatch_async.prefers_block_broadcast(with_fmt(decode, name)), name
-    assert not dispatch_async.prefers_block_broadcast(prefill.replace(ep_final_layout=True))
-    assert dispatch_async.uses_warp_send(prefill.replace(ep_final_layout=True))
+        assert send_policy.prefers_block_broadcast(with_fmt(prefill, name)) is want, name
+        assert not send_policy.prefers_block_broadcast(with_fmt(decode, name)), name
+    assert not send_policy.prefers_block_broadcast(prefill.replace(ep_final_layout=True))
+    assert send_policy.uses_warp_send(prefill.replace(ep_final_layout=True))
 
 
-def test_no_formats_means_the_warp_path(monkeypatch):
-    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_FORMATS", ())
-    assert dispatch_async.uses_warp_send(load_preset("prefill"))
+def test_threshold_above_the_call_means_the_warp_path():
+    """``tuning.block_broadcast_min_tokens_per_block`` above a full call's tokens per block
+    keeps prefill on the warp path."""
+    prefill = load_preset("prefill")
+    assert not send_policy.uses_warp_send(prefill)
+    tokens_per_block = prefill.max_tokens_per_rank // prefill.n_sms
+    tuned = prefill.replace(tuning=prefill.tuning.replace(
+        block_broadcast_min_tokens_per_block=tokens_per_block + 1))
+    assert send_policy.uses_warp_send(tuned)

@@ -208,11 +208,11 @@ def test_ptx_set_flag_and_format(capsys):
 
 
 @pytest.mark.parametrize("option", [["--preset", "small"], ["--set", "n_sms=20"],
-                                    ["--batched"], ["--trace"]])
+                                    ["--batched"], ["--trace"], ["--tune", "trace=true"]])
 def test_variant_excludes_preset_and_set(capsys, option):
     status, out, err = run_cli(capsys, "ptx", "--variant", "demo/copy16", *option)
     assert status == 2 and out == ""
-    assert "--variant" in err and "not allowed with --preset, --set, --batched" in err
+    assert "--variant" in err and "not allowed with --preset, --set, --tune, --batched" in err
 
 
 def test_ptx_batched_and_traced(capsys):
@@ -230,8 +230,41 @@ def test_ptx_batched_and_traced(capsys):
     assert status == 0, err
     assert "red.relaxed.gpu.global.min.u64" in traced
     assert "red.relaxed.gpu.global.min.u64" not in plain
-    from epgen.kernels import trace
-    assert not trace.ENABLED
+    assert run_cli(capsys, "ptx", "--preset", "small", "--tune", "trace=true")[1] == traced
+
+
+def test_ptx_tune_changes_the_generated_code(capsys):
+    """``--tune send_warps_per_token_max=1``: decode's warps no longer share tokens, so the
+    token groups' barriers (``bar.sync 4.., 128``) go from its PTX."""
+    status, plain, err = run_cli(capsys, "ptx", "--preset", "decode")
+    assert status == 0, err
+    status, tuned, err = run_cli(capsys, "ptx", "--preset", "decode", "--tune",
+                                 "send_warps_per_token_max=1")
+    assert status == 0, err
+    group_sync = r"\bbar\.sync\s+[4-9],\s*128;"
+    assert re.search(group_sync, plain) and not re.search(group_sync, tuned)
+
+
+def test_inspect_shows_the_tuning(capsys):
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--tune",
+                               "send_warps_per_token_max=1")
+    assert status in (0, 1), err
+    assert out.splitlines()[0].startswith("preset small, tuned send_warps_per_token_max=1")
+    assert re.search(r"tuning\.send_warps_per_token_max +1\n", out)
+
+
+@pytest.mark.parametrize("tune,match", [
+    ("no_such_field=1", "tuning.no_such_field: unknown field"),
+    ("send_warps_per_token_max=3", "tuning.send_warps_per_token_max: must be a power of two"),
+    ("trace=maybe", "tuning.trace: must be true or false"),
+    ("send_warps_per_token_max", "KEY=VALUE"),
+])
+def test_ptx_bad_tune_is_a_usage_error(capsys, tune, match):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ptx", "--preset", "small", "--tune", tune])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tune" in err and match in err
 
 
 def test_ptx_ir_text_of_a_preset(capsys):
@@ -326,27 +359,24 @@ def test_diff_send_join_named(capsys):
     """ep/small vs ep/send_join_named: the flag swaps the warp send path (no block-wide join)
     for the block-staged broadcast whose joins are ``bar.sync 3, 256``, in ep_dispatch_async
     and in the fused ep_dispatch: per kernel two with the two-buffer pipeline (after the
-    first token's staging, then one per token), three per token without it; the warp
-    path's token-group barriers go."""
+    first token's staging, then one per token); the warp path's token-group barriers go."""
     _needs_backend()
-    from epgen.kernels import dispatch_async
+    from epgen.kernels import send_policy
     from epgen.presets import load_preset
     status, out, err = run_cli(capsys, "diff", "ep/small", "ep/send_join_named")
     assert status == 1, err
     assert out.startswith("--- ep/small.ptx\n+++ ep/send_join_named.ptx\n")
     named = r"\bbar\.sync\s+3,\s*256;"
-    joins = 2 if dispatch_async.SEND_JOIN_PIPELINE else 3
-    assert len(_diff_lines(out, "+", named)) == 2 * joins and not _diff_lines(out, "-", named)
+    assert len(_diff_lines(out, "+", named)) == 2 * 2 and not _diff_lines(out, "-", named)
     # the diff may move other barriers' lines, but adds or removes none of them
     cta = r"\bbar\.sync\s+0;"
     # the warp path's monitor role counts through a block histogram (two bar.sync 0 per
-    # kernel); with STAGED_SEND_ALL_BLOCKS the named path's monitor role does the same
-    monitor_syncs = 0 if dispatch_async.STAGED_SEND_ALL_BLOCKS else 4
-    assert len(_diff_lines(out, "+", cta)) + monitor_syncs == len(_diff_lines(out, "-", cta))
+    # kernel); the named path's monitor role does the same
+    assert len(_diff_lines(out, "+", cta)) == len(_diff_lines(out, "-", cta))
     # the warp path's bar.warp.sync per kernel (its comm role covers every block): after the
-    # round's destinations reach shared memory (SEND_DSTS_IN_SHARED; a token-group barrier
+    # round's destinations reach shared memory (a token-group barrier
     # instead when warps share tokens), before its release
-    n = dispatch_async.send_warps_per_token(load_preset("small"))
+    n = send_policy.send_warps_per_token(load_preset("small"))
     assert len(_diff_lines(out, "-", r"\bbar\.warp\.sync\b")) == (2 if n > 1 else 4)
     # the token groups' barriers: each group's twice per round, in both kernels
     groups = load_preset("small").num_threads // 32 // n if n > 1 else 0
@@ -411,8 +441,6 @@ def test_run_fused_with_final_layout_is_refused_before_any_gpu_work(capsys):
                              "ep_final_layout=true", "--fused", "--trace")
     assert status == 1
     assert "fused=True with ep_final_layout=True" in err
-    from epgen.kernels import trace
-    assert not trace.ENABLED       # --trace's build knob restored on the error path too
 
 
 def test_run_rejects_bad_token_count(capsys):

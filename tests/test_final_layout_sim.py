@@ -17,6 +17,7 @@ import pytest
 import epgen
 from epgen import reference, routing
 from epgen.kernels import final_layout
+from epgen.tuning import Tuning
 from epgen.runtime import world as world_mod
 
 from backends.sim import SimHang
@@ -202,36 +203,30 @@ def test_missing_rank_times_out_then_recovers(flags, where, seed):
         run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
 
 
-@pytest.mark.parametrize("pdl", [True, False])
-def test_dispatch_wait_is_a_programmatic_dependent_launch(pdl, seed, monkeypatch):
-    """Each rank's dispatch_wait is launched with PDL (``world.WAIT_PDL``), its dispatch_async
-    never (its predecessors are other ranks' waits, joined by events); results unchanged."""
-    from epgen.runtime import world as world_mod
-    monkeypatch.setattr(world_mod, "WAIT_PDL", pdl)
+def test_dispatch_wait_is_a_programmatic_dependent_launch(seed):
+    """Each rank's dispatch_wait is launched with PDL, its dispatch_async never (its
+    predecessors are other ranks' waits, joined by events); results match the reference."""
     cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS["staged"])
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed) as world:
         run_calls(world, cfg, rng, random_inputs(rng, cfg, 2), seed)
         launched = world.program.loaded.launched
-    assert sorted(set(launched)) == [("ep_dispatch_async", False), ("ep_dispatch_wait", pdl)]
+    assert sorted(set(launched)) == [("ep_dispatch_async", False), ("ep_dispatch_wait", True)]
     assert len(launched) == 2 * 2 * cfg.n_ranks
 
 
-@pytest.mark.parametrize("per_thread", [True, False], ids=["row_per_thread", "row_per_warp"])
 @pytest.mark.parametrize("fmt", ["BF16", "BlockwiseFP8"])
-def test_header_pass_over_several_tiles(per_thread, fmt, seed, monkeypatch):
-    """dispatch_wait's header pass (``final_layout.HEADER_ROW_PER_THREAD``, and the warp per
-    row it replaced) where an expert has more rows than one tile: 64 threads, up to 96 rows
-    of one expert (``one_hot_expert``, ``full``); BlockwiseFP8's transposed scales are
-    written from the header rows tile by tile, in two chunks of 32 rows a tile."""
+def test_header_pass_over_several_tiles(fmt, seed):
+    """dispatch_wait's header pass (a thread per row) where an expert has more rows than one
+    tile: 64 threads, up to 96 rows of one expert (``one_hot_expert``, ``full``);
+    BlockwiseFP8's transposed scales are written from the header rows tile by tile, in two
+    chunks of 32 rows a tile (``tuning.scale_chunk_rows``)."""
     from epgen.formats import make_format
-    monkeypatch.setattr(final_layout, "HEADER_ROW_PER_THREAD", per_thread)
-    monkeypatch.setattr(final_layout, "SCALE_CHUNK_ROWS", 32)
     R, E, H, K, T = 2, 4, 512, 2, 48
     cfg = epgen.EPConfig(num_threads=64, n_sms=4, n_experts=E, n_ranks=R,
                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
                          token_fmt=make_format(fmt, H, K), ep_final_layout=True,
-                         ep_prod_reserve=True)
+                         ep_prod_reserve=True, tuning=Tuning(scale_chunk_rows=32))
     rng = np.random.default_rng(seed)
     inputs = [routing.edge_case(rng, cfg, case) for case in ("one_hot_expert", "full")]
     rows = max(np.bincount(np.concatenate([a.ravel() for a in ids]), minlength=E).max()

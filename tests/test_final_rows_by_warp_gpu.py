@@ -1,7 +1,6 @@
-"""``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES`` on the GPU: NVFP4's, MXFP8's and
-BlockwiseFP8's (transposed scales) ``ep_final_layout`` rows and output scales written by the
-warp send path (the default) and by the staged path it replaced, against the reference, with
-and without ``ep_prod_reserve``, on streams and as graph replays."""
+"""The final rows by warp on the GPU: NVFP4's, MXFP8's and BlockwiseFP8's (transposed
+scales) ``ep_final_layout`` rows and output scales written by the warp send path, against
+the reference, with and without ``ep_prod_reserve``, on streams and as graph replays."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen.kernels import dispatch_async
+from epgen.kernels import send_policy
 from world_checks import checked_calls, make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -17,15 +16,13 @@ pytestmark = pytest.mark.gpu
 SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_sms)
 
 
-@pytest.mark.parametrize("by_warp", [True, False], ids=["warp", "staged"])
 @pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
 @pytest.mark.parametrize("prod", [False, True], ids=["final", "final_prod"])
 @pytest.mark.parametrize("fmt", ["NVFP4", "MXFP8", "BlockwiseFP8"])
-def test_final_rows_by_warp(fmt, prod, graph, by_warp, seed, monkeypatch):
-    monkeypatch.setattr(dispatch_async, "WARP_FINAL_ROWS_WITH_SCALES", by_warp)
+def test_final_rows_by_warp(fmt, prod, graph, seed):
     R, E, H, K, T, threads, sms = SHAPE
     cfg = make_cfg(*SHAPE, fmt=fmt, ep_final_layout=True, ep_prod_reserve=prod)
-    assert dispatch_async.uses_warp_send(cfg) == by_warp
+    assert send_policy.uses_warp_send(cfg)
     rng = np.random.default_rng(seed)
     counts = [int(rng.integers(0, T + 1)) for _ in range(R)]
     for _ in checked_calls(epgen.EmulatedWorld(cfg), rng, seed, counts, 3, graph):

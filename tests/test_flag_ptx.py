@@ -48,26 +48,17 @@ def test_flag_variant_verifies(name):
 
 
 # ---- ep_send_join_named ------------------------------------------------------------------
-def _send_joins() -> int:
-    """``bar.sync`` joins in the block-staged broadcast's code: two with the two-buffer
-    pipeline (``dispatch_async.SEND_JOIN_PIPELINE``), three without."""
-    from epgen.kernels import dispatch_async
-    return 2 if dispatch_async.SEND_JOIN_PIPELINE else 3
-
-
 def test_send_join_named_uses_nb_send():
     cfg = _cfg("send_join_named")
     named, stock = _bodies(cfg)[ASYNC], _bodies(_cfg("small"))[ASYNC]
     join = rf"\bbar\.sync\s+{cfg.layout.NB_SEND},\s*{cfg.num_threads};"
     # with the flag the send path is the block-staged broadcast, whose joins are all NB_SEND:
-    # two with the two-buffer pipeline (after the first staging, after each broadcast), else
-    # three per token (before staging, before and after the broadcast); the stock warp path
-    # has no block-wide join at all
-    assert _count(join, named) == _send_joins()
+    # two with the two-buffer pipeline (after the first staging, after each broadcast); the
+    # stock warp path has no block-wide join at all
+    assert _count(join, named) == 2
     # the only id-0 joins are the monitor role's two around the block histogram of the counts
-    # when the monitor blocks send too (STAGED_SEND_ALL_BLOCKS), as on the stock path
-    from epgen.kernels import dispatch_async
-    assert _count(r"\bbar\.sync\s+0;", named) == 2 * dispatch_async.STAGED_SEND_ALL_BLOCKS
+    # (the monitor blocks send too), as on the stock path
+    assert _count(r"\bbar\.sync\s+0;", named) == 2
     assert _count(join, stock) == 0 and _count(r"\bbar\.sync\s+0;", stock) == 2
     assert _count(r"\bbar\.warp\.sync\s+-1;", stock) >= 1
     assert _bodies(cfg)[WAIT] == _bodies(_cfg("small"))[WAIT]
@@ -106,7 +97,7 @@ def test_role_split_copy_is_three_items_per_copy_thread():
     # stock: the warp path, lane-strided loads 512 bytes apart, 2 in flight; no tail with one
     # warp per token (the role_split geometry's 768 vectors are 12 per lane), one more load
     # for the tail of a token's share when warps share tokens (send_warps_per_token)
-    from epgen.kernels.dispatch_async import send_warps_per_token
+    from epgen.kernels.send_policy import send_warps_per_token
     shared = send_warps_per_token(cfg) > 1
     assert _count(r"\bld\.global\.nc\.v4\.b32", stock) == 2 + shared
     stock_offs = [int(o or 0) for o in re.findall(
@@ -206,7 +197,7 @@ def test_ord_r_wait_ir():
 def test_ord_r_named_has_both():
     cfg = _cfg("ord_r_named")
     body = _bodies(cfg)[ASYNC]
-    assert _count(rf"\bbar\.sync\s+3,\s*{cfg.num_threads};", body) == _send_joins()
+    assert _count(rf"\bbar\.sync\s+3,\s*{cfg.num_threads};", body) == 2
     assert _count(r"\batom\.acq_rel\.gpu\.global\.add\.u32\b", body) == 1
     assert _bodies(cfg)[WAIT] == _bodies(_cfg("ord_r"))[WAIT]
 

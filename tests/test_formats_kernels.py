@@ -184,12 +184,6 @@ def test_warp_copy_keeps_the_lanes_share_in_flight(share, want):
     assert common.warp_copy_unroll(32 * share + 16) == 4      # uneven share: 4 and a tail
 
 
-def test_warp_copy_override(monkeypatch):
-    from epgen import primitives
-    monkeypatch.setattr(primitives, "RECV_LOADS_IN_FLIGHT", 2)
-    assert primitives.warp_copy_unroll(896) == 2
-
-
 @pytest.mark.parametrize("unroll", [0, True, 1.5])
 def test_quantiser_refuses_bad_items_in_flight(unroll):
     fmt = make_format("NVFP4", 256, 4)

@@ -42,21 +42,9 @@ def make_cfg(fmt, H, **flags):
                           token_fmt=make_format(fmt, H, 2), **flags)
 
 
-def quant_send_tuning(monkeypatch, **changes):
-    """Build the quantising formats' warp send path with ``Tuning().replace(**changes)``'s
-    ``quant_items_in_flight`` and ``quant_stage_bytes``, the values dispatch_async is to pass
-    from ``cfg.tuning`` to ``emit_broadcast_token``; until it passes them, the values are
-    given here as the parameters' defaults (an explicit argument still wins)."""
-    from epgen.formats.blockscaled_emit import BlockScaledEmitter
-    from epgen.tuning import Tuning
-    t = Tuning().replace(**changes)
-    emit = BlockScaledEmitter.emit_broadcast_token
-
-    def with_tuning(self, r, src_row, dsts, part=None, unroll=None, stage_bytes=None, **kw):
-        return emit(self, r, src_row, dsts, part,
-                    t.quant_items_in_flight if unroll is None else unroll,
-                    t.quant_stage_bytes if stage_bytes is None else stage_bytes, **kw)
-    monkeypatch.setattr(BlockScaledEmitter, "emit_broadcast_token", with_tuning)
+def tuned(cfg, **changes):
+    """``cfg`` built with ``changes`` to its ``tuning``."""
+    return cfg.replace(tuning=cfg.tuning.replace(**changes))
 
 
 def run_calls(cfg, seed, n_calls=3, input_scale=1.0, **world_kwargs):
@@ -91,14 +79,13 @@ def test_nvfp4_input_scale(input_scale, seed):
 @pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
                          ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
 @pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "prod_reserve"])
-def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
-    """``SEND_DSTS_IN_SHARED`` (off by default, an experiment for the H200): each lane leaves
-    its destination in shared memory and every store loads it back; same results."""
-    from epgen.kernels import dispatch_async
-    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", True)
+def test_send_destinations_in_shared_memory(fmt, H, flags, seed):
+    """The warp send path: each lane leaves its destination in shared memory and every store
+    loads it back; same results."""
+    from epgen.kernels import send_policy
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     text = ir.print_module(epgen.build_module(cfg))
-    warp_path = dispatch_async.uses_warp_send(cfg)     # the staged paths have no such table
+    warp_path = send_policy.uses_warp_send(cfg)     # the staged paths have no such table
     assert ("shared send_dsts[512]" in text) is warp_path
     assert ("ld.shared [ptradd(%warp_dsts" in text) is warp_path
     run_calls(cfg, seed, n_calls=2)
@@ -106,16 +93,12 @@ def test_send_destinations_in_shared_memory(fmt, H, flags, seed, monkeypatch):
 
 @pytest.mark.parametrize("fmt,H", [("BlockwiseFP8", 384), ("NVFP4", 1024), ("MXFP8", 64)],
                          ids=["BlockwiseFP8-H384", "NVFP4-H1024", "MXFP8-H64"])
-@pytest.mark.parametrize("dsts_in_shared", [False, True])
-def test_quantised_payload_staged_in_shared_memory(fmt, H, dsts_in_shared, seed, monkeypatch):
-    """``quant_stage_bytes`` = 256: the warp quantises 256-byte chunks of the payload into
-    shared memory and copies them to the destinations as 16-byte vectors; the last chunk may
-    be partial (FP8 H=384: 32 + 16 items, NVFP4 H=1024: 64 + 64, MXFP8 H=64: one chunk of
+def test_quantised_payload_staged_in_shared_memory(fmt, H, seed):
+    """``tuning.quant_stage_bytes`` = 256: the warp quantises 256-byte chunks of the payload
+    into shared memory and copies them to the destinations as 16-byte vectors; the last chunk
+    may be partial (FP8 H=384: 32 + 16 items, NVFP4 H=1024: 64 + 64, MXFP8 H=64: one chunk of
     8). Same bytes as the reference."""
-    from epgen.kernels import dispatch_async
-    quant_send_tuning(monkeypatch, quant_stage_bytes=256)
-    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", dsts_in_shared)
-    cfg = make_cfg(fmt, H)
+    cfg = tuned(make_cfg(fmt, H), quant_stage_bytes=256)
     text = ir.print_module(epgen.build_module(cfg))
     assert "shared quant_stage[512]" in text and "for %q_chunk:u32" in text
     run_calls(cfg, seed, n_calls=2)
@@ -133,19 +116,19 @@ def test_staging_chunk_must_hold_whole_trips(stage):
     ("decode", "NVFP4", 896, 4), ("decode", "BlockwiseFP8", 1792, 4),     # a quarter payload
     ("default", "NVFP4", 1024, 1),              # 32 warps (one per token): what fits
     ("default", "BlockwiseFP8", 1024, 1)])      # 32 warps: what fits
-def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps,
-                                                     monkeypatch):
+def test_staging_chunk_fits_the_static_shared_memory(preset, fmt, want, token_warps):
     """The warp send path's default chunk (``quant_stage_bytes`` = 2048 preferred; when warps
     share a token, their share of the payload, ``part_chunk_bytes``, if smaller) shrinks to
     whole trips that fit 48 KB of static shared memory with the block's other buffers; the
-    kernel builds. (Prefill BlockwiseFP8 takes the block-staged broadcast by default:
-    ``BLOCK_BROADCAST_FORMATS`` emptied here.)"""
-    from epgen.kernels import dispatch_async
+    kernel builds. (Prefill BlockwiseFP8 takes the block-staged broadcast by default: a
+    threshold above any call keeps the warp path here.)"""
+    from epgen.kernels import send_policy
     from epgen.presets import load_preset
-    monkeypatch.setattr(dispatch_async, "BLOCK_BROADCAST_FORMATS", ())
     cfg = load_preset(preset)
-    assert dispatch_async.send_warps_per_token(cfg) == token_warps
-    cfg = cfg.replace(token_fmt=make_format(fmt, 7168, cfg.layout.top_k))
+    assert send_policy.send_warps_per_token(cfg) == token_warps
+    cfg = cfg.replace(token_fmt=make_format(fmt, 7168, cfg.layout.top_k),
+                      tuning=cfg.tuning.replace(block_broadcast_min_tokens_per_block=1 << 20))
+    assert send_policy.uses_warp_send(cfg)
     text = ir.print_module(epgen.build_module(cfg))
     warps = cfg.num_threads // 32
     assert f"shared quant_stage[{warps * want}]" in text
@@ -165,34 +148,20 @@ def test_staging_chunk_rules():
         fmt.stage_chunk_bytes(100, 16, 0)
 
 
-@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
-                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
-@pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "fused_se"])
-def test_header_loaded_after_the_payload(fmt, H, flags, seed, monkeypatch):
-    """``dispatch_wait.HEADER_LOADS_FIRST = False`` (the reference's order, the A/B's
-    baseline): the header's loads follow the payload copy. Same results."""
-    from epgen.kernels import dispatch_wait
-    monkeypatch.setattr(dispatch_wait, "HEADER_LOADS_FIRST", False)
-    run_calls(make_cfg(fmt, H, **FLAGS[flags]), seed, n_calls=2)
-
-
 @pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
 @pytest.mark.parametrize("items", [1, 2])
 @pytest.mark.parametrize("token_warps", [1, 2])
-def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
-    """The send path without staging (``quant_stage_bytes = 0``, still selectable, and the
-    A/B's baseline), the destinations held in registers (in shared memory when warps share
-    tokens: the group's hand-off), 1 or 2 items per trip (``quant_items_in_flight``), one or
-    two warps per token (``SEND_WARPS_PER_TOKEN_MAX``). Same bytes as the reference."""
-    from epgen.kernels import dispatch_async
-    quant_send_tuning(monkeypatch, quant_stage_bytes=0, quant_items_in_flight=items)
-    monkeypatch.setattr(dispatch_async, "SEND_DSTS_IN_SHARED", False)
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", token_warps)
-    cfg = make_cfg(fmt, H)
-    assert dispatch_async.send_warps_per_token(cfg) == token_warps
+def test_unstaged_send_path(fmt, H, items, token_warps, seed):
+    """The warp send path without staging (``tuning.quant_stage_bytes = 0``), 1 or 2 items
+    per trip (``tuning.quant_items_in_flight``), one or two warps per token
+    (``tuning.send_warps_per_token_max``). Same bytes as the reference."""
+    from epgen.kernels import send_policy
+    cfg = tuned(make_cfg(fmt, H), quant_stage_bytes=0, quant_items_in_flight=items,
+                send_warps_per_token_max=token_warps)
+    assert send_policy.send_warps_per_token(cfg) == token_warps
     text = ir.print_module(epgen.build_module(cfg))
     assert "quant_stage" not in text
-    assert ("send_dsts" in text) is (token_warps > 1)
+    assert "send_dsts" in text
     run_calls(cfg, seed, n_calls=2)
 
 
@@ -202,13 +171,12 @@ def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
                          ids=["FP8-H384-tail", "FP8-H512", "NVFP4-H1024", "NVFP4-H64",
                               "MXFP8-H64-tail"])
 @pytest.mark.parametrize("flags", ["staged", "ord_r"])
-def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed, monkeypatch):
+def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed):
     """Each chunk's group scales are staged in shared memory beside its payload and copied to
     the destinations in wide units (16 bytes where a chunk's scales allow), the last partial
     unit scale by scale (FP8 H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2
     one-byte scales). Same bytes as the reference."""
-    quant_send_tuning(monkeypatch, quant_stage_bytes=stage)
-    cfg = make_cfg(fmt, H, **FLAGS[flags])
+    cfg = tuned(make_cfg(fmt, H, **FLAGS[flags]), quant_stage_bytes=stage)
     text = ir.print_module(epgen.build_module(cfg))
     assert "shared quant_stage_scales[" in text
     assert "for %q_sc:u32" in text
@@ -216,43 +184,32 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed, monkeypatch)
 
 
 NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
-#: (SEND_JOIN_PIPELINE, SEND_JOIN_PREFETCH, STAGED_SEND_ALL_BLOCKS)
-NAMED_MODES = {"three_joins": (False, False, True), "pipelined": (True, False, True),
-               "pipelined_prefetch": (True, True, True),
-               "comm_blocks_only": (True, True, False)}
 
 
 @pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
 @pytest.mark.parametrize("flags", [{}, {"ep_ord_r": True, "has_rank_flag": True}],
                          ids=["send_join_named", "send_join_named+ord_r"])
-@pytest.mark.parametrize("mode", NAMED_MODES)
-def test_send_join_named_pipeline(fmt, H, flags, mode, seed, monkeypatch):
-    """``ep_send_join_named`` keeps the block-staged broadcast: with ``SEND_JOIN_PIPELINE``
-    (the default) two shared buffers and one join per token, without it three joins per
-    token; ``SEND_JOIN_PREFETCH`` (the default with it) also issues the next token's loads
-    and slot reservations before the current broadcast (the quantising formats quantise them
-    after it, ``emit_stage_loads``). ``STAGED_SEND_ALL_BLOCKS`` (the default) has the
-    monitor blocks send too,
-    between their count and their signal. Up to 8 tokens per rank over 3 or 4 sending
+def test_send_join_named_pipeline(fmt, H, flags, seed):
+    """``ep_send_join_named`` keeps the block-staged broadcast: two shared buffers and one
+    join per token; the next token's loads and slot reservations are issued before the
+    current broadcast (the quantising formats quantise them after it, ``emit_stage_loads``);
+    the monitor blocks send too, between their count and their signal. Up to 8 tokens per
+    rank over 3 or 4 sending
     blocks: each block alternates its buffers. Same results as the reference every way."""
     from epgen.kernels import dispatch_async
-    pipelined, prefetch, all_blocks = NAMED_MODES[mode]
-    monkeypatch.setattr(dispatch_async, "SEND_JOIN_PIPELINE", pipelined)
-    monkeypatch.setattr(dispatch_async, "SEND_JOIN_PREFETCH", prefetch)
-    monkeypatch.setattr(dispatch_async, "STAGED_SEND_ALL_BLOCKS", all_blocks)
     cfg = make_cfg(fmt, H, ep_send_join_named=True, **flags).replace(max_tokens_per_rank=8)
     module = epgen.build_module(cfg)
     text = ir.print_module(module)
-    assert ("%t_next" in text) is pipelined
-    assert ("%g_ahead" in text) is prefetch
-    assert ("%sq_item" in text) is (prefetch and fmt != "BF16")
+    assert "%t_next" in text
+    assert "%g_ahead" in text
+    assert ("%sq_item" in text) is (fmt != "BF16")
     roles = [r.name for r in module.kernel(dispatch_async.KERNEL_NAME).roles]
-    assert roles == (["monitor", "comm", "signal"] if all_blocks else ["monitor", "comm"])
+    assert roles == ["monitor", "comm", "signal"]
     run_calls(cfg, seed, n_calls=2)
 
 
 #: shapes whose row-major scales are whole 16-byte vectors, so dispatch_wait copies them in
-#: the payload's trip (``RECV_SCALES_WITH_PAYLOAD``): NVFP4 H=256 (8 payload vectors and 1
+#: the payload's trip: NVFP4 H=256 (8 payload vectors and 1
 #: scale vector, the scale in the payload's 32-lane slot: the ``selp`` path), MXFP8 H=512
 #: (32 payload vectors, then a ragged slot of 1)
 SEGMENT_CASES = [("NVFP4", 256), ("MXFP8", 512)]

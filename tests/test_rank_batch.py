@@ -153,9 +153,9 @@ def test_batched_world_matches_the_reference(flags, fused, graph, seed):
                 raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
 
 
-def test_batched_world_traces_every_rank(monkeypatch, seed):
-    monkeypatch.setattr(trace, "ENABLED", True)
+def test_batched_world_traces_every_rank(seed):
     cfg = make_cfg(*SHAPES["R2-E4"])
+    cfg = cfg.replace(tuning=cfg.tuning.replace(trace=True))
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed, batched=True) as world:
         runtime_trace.arm(world)

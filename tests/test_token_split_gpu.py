@@ -1,18 +1,16 @@
-"""The eighth session's send-path levers on the GPU, against the numpy reference bit for bit,
-with real memory ordering:
+"""The send path's token splitting and block-staged broadcast on the GPU, against the numpy
+reference bit for bit, with real memory ordering:
 
-- warps sharing a token on the warp send path (``dispatch_async.SEND_WARPS_PER_TOKEN_MAX``,
+- warps sharing a token on the warp send path (``tuning.send_warps_per_token_max``,
   ``send_warps_per_token``): the decode preset (128 tokens per rank, 4 warps per token) in
   every format, stream launches, the fused launch and graph replays; the formats' test
   shapes with ORD-R and ``skip_a2a``;
-- ``ep_send_join_named``'s block-staged broadcast on every block
-  (``dispatch_async.STAGED_SEND_ALL_BLOCKS``): every format, with ORD-R;
+- ``ep_send_join_named``'s block-staged broadcast on every block: every format, with ORD-R;
 - the same broadcast as the default send path of BF16, MXFP8 and BlockwiseFP8 at
   prefill-sized calls (``prefers_block_broadcast``): stream, fused and graph launches, with
   ORD-R and ``skip_a2a``.
 
-Each test sets the switch itself (``monkeypatch``), so it checks the path whatever the
-shipped default is.
+Each test sets its tuning itself, so it checks the path whatever the shipped default is.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import pytest
 import epgen
 from epgen import reference, routing
 from epgen.formats import make_format
-from epgen.kernels import dispatch_async
+from epgen.kernels import send_policy
 from epgen.presets import load_preset
 
 from test_formats_gpu import MANY, SMALL, WIDE, make_cfg
@@ -82,10 +80,10 @@ def check_calls(world, cfg, seed, n_calls=3, full=False, graph=False):
 
 @pytest.mark.parametrize("launch", ["stream", "fused", "graph"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_with_four_warps_per_token(fmt, launch, seed, monkeypatch):
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
+def test_decode_with_four_warps_per_token(fmt, launch, seed):
     cfg = decode_cfg(fmt)
-    assert dispatch_async.send_warps_per_token(cfg) == 4
+    cfg = cfg.replace(tuning=cfg.tuning.replace(send_warps_per_token_max=4))
+    assert send_policy.send_warps_per_token(cfg) == 4
     world = epgen.EmulatedWorld(cfg, fused=launch == "fused")
     check_calls(world, cfg, seed, n_calls=3, full=True, graph=launch == "graph")
 
@@ -94,20 +92,19 @@ def test_decode_with_four_warps_per_token(fmt, launch, seed, monkeypatch):
                                    dict(skip_a2a=True)], ids=["plain", "ord_r", "skip_a2a"])
 @pytest.mark.parametrize("shape", [SMALL, WIDE, MANY], ids=["small", "wide", "many"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_split_tokens_on_the_format_shapes(fmt, shape, flags, seed, monkeypatch):
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
+def test_split_tokens_on_the_format_shapes(fmt, shape, flags, seed):
     cfg = shape_cfg(shape, fmt, **flags)
-    assert dispatch_async.send_warps_per_token(cfg) > 1
+    cfg = cfg.replace(tuning=cfg.tuning.replace(send_warps_per_token_max=4))
+    assert send_policy.send_warps_per_token(cfg) > 1
     check_calls(epgen.EmulatedWorld(cfg), cfg, seed)
 
 
 @pytest.mark.parametrize("flags", [{}, dict(ep_ord_r=True, has_rank_flag=True)],
                          ids=["plain", "ord_r"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_named_join_on_every_block(fmt, flags, seed, monkeypatch):
-    monkeypatch.setattr(dispatch_async, "STAGED_SEND_ALL_BLOCKS", True)
+def test_named_join_on_every_block(fmt, flags, seed):
     cfg = shape_cfg(MANY, fmt, ep_send_join_named=True, **flags)
-    assert dispatch_async.sends_from_every_block(cfg)
+    assert send_policy.sends_from_every_block(cfg)
     check_calls(epgen.EmulatedWorld(cfg), cfg, seed, full=False)
     check_calls(epgen.EmulatedWorld(cfg, fused=True), cfg, seed + 1, n_calls=2)
 
@@ -124,6 +121,6 @@ BLOCK_SHAPE = (4, 32, 2048, 8, 256, 256, 9)
 @pytest.mark.parametrize("fmt", ["BF16", "MXFP8", "BlockwiseFP8"])
 def test_block_broadcast_as_the_default_path(fmt, flags, launch, seed):
     cfg = shape_cfg(BLOCK_SHAPE, fmt, **flags)
-    assert dispatch_async.prefers_block_broadcast(cfg)
+    assert send_policy.prefers_block_broadcast(cfg)
     world = epgen.EmulatedWorld(cfg, fused=launch == "fused")
     check_calls(world, cfg, seed, n_calls=3, full=launch == "graph", graph=launch == "graph")

@@ -1,4 +1,4 @@
-"""Warps sharing a token on the warp send path (``dispatch_async.SEND_WARPS_PER_TOKEN_MAX``,
+"""Warps sharing a token on the warp send path (``tuning.send_warps_per_token_max``,
 ``send_warps_per_token``) end to end on the CPU simulator: part 0 of each group reserves and
 writes the headers, a group barrier hands the addresses to the other parts, every part
 moves its share of the token and counts its share of each copy, and the monitors wait for
@@ -15,7 +15,7 @@ import pytest
 
 import epgen
 import ir
-from epgen.kernels import dispatch_async
+from epgen.kernels import dispatch_async, send_policy
 from epgen.presets import load_preset
 from backends import nvptx
 
@@ -28,60 +28,64 @@ SPLIT_CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384), ("BlockwiseF
 SPLIT_FLAGS = ["staged", "ord_r", "skip_a2a"]
 
 
-def split_cfg(fmt, H, token_warps, monkeypatch, **flags):
+def tuned(cfg, **changes):
+    """``cfg`` with its tuning's ``changes``."""
+    return cfg.replace(tuning=cfg.tuning.replace(**changes))
+
+
+def split_cfg(fmt, H, token_warps, **flags):
     """``make_cfg`` with ``token_warps`` warps per block (one group per block) and
-    ``SEND_WARPS_PER_TOKEN_MAX`` raised so that ``send_warps_per_token`` picks them."""
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", token_warps)
-    cfg = make_cfg(fmt, H, **flags).replace(num_threads=32 * token_warps)
-    assert dispatch_async.send_warps_per_token(cfg) == token_warps
+    ``tuning.send_warps_per_token_max`` raised so that ``send_warps_per_token`` picks them."""
+    cfg = tuned(make_cfg(fmt, H, **flags).replace(num_threads=32 * token_warps),
+                send_warps_per_token_max=token_warps)
+    assert send_policy.send_warps_per_token(cfg) == token_warps
     return cfg
 
 
 @pytest.mark.parametrize("token_warps", [2, 4])
 @pytest.mark.parametrize("flags", SPLIT_FLAGS)
 @pytest.mark.parametrize("fmt,H", SPLIT_CASES, ids=[f"{f}-H{h}" for f, h in SPLIT_CASES])
-def test_split_tokens_match_reference(fmt, H, flags, token_warps, seed, monkeypatch):
-    cfg = split_cfg(fmt, H, token_warps, monkeypatch, **FLAGS[flags])
+def test_split_tokens_match_reference(fmt, H, flags, token_warps, seed):
+    cfg = split_cfg(fmt, H, token_warps, **FLAGS[flags])
     text = ir.print_module(epgen.build_module(cfg))
     assert "barrier token_group0 id=4 count=%d group=true" % (32 * token_warps) in text
     run_calls(cfg, seed, n_calls=2)
 
 
 @pytest.mark.parametrize("fmt,H", [("BF16", 512), ("NVFP4", 1024)], ids=["BF16", "NVFP4"])
-def test_split_tokens_fused_launch(fmt, H, seed, monkeypatch):
-    cfg = split_cfg(fmt, H, 2, monkeypatch)
+def test_split_tokens_fused_launch(fmt, H, seed):
+    cfg = split_cfg(fmt, H, 2)
     run_calls(cfg, seed, n_calls=2, fused=True)
 
 
-def test_rule_picks_the_most_warps_that_keep_a_group_per_token(monkeypatch):
+def test_rule_picks_the_most_warps_that_keep_a_group_per_token():
     """Decode (128 tokens per rank, 33 blocks x 16 warps): 4 warps per token (132 groups);
     8 would leave 66 groups for 128 tokens. Prefill keeps one warp per token; so do the
     final layout and the default maximum."""
     decode, prefill = load_preset("decode"), load_preset("prefill")
-    assert dispatch_async.send_warps_per_token(decode) == dispatch_async.SEND_WARPS_PER_TOKEN_MAX
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 8)
-    assert dispatch_async.send_warps_per_token(decode) == 4
-    assert dispatch_async.send_warps_per_token(prefill) == 1
-    assert dispatch_async.send_warps_per_token(decode.replace(ep_final_layout=True)) == 1
-    # at most MAX_TOKEN_GROUPS = 4 groups per block: 1024 threads need 8 warps per group,
-    # beyond the maximum of 4 (the default preset keeps one warp per token)
+    assert send_policy.send_warps_per_token(decode) == decode.tuning.send_warps_per_token_max
+    assert send_policy.send_warps_per_token(tuned(decode, send_warps_per_token_max=1)) == 1
+    eight = dict(send_warps_per_token_max=8)
+    assert send_policy.send_warps_per_token(tuned(decode, **eight)) == 4
+    assert send_policy.send_warps_per_token(tuned(prefill, **eight)) == 1
+    assert send_policy.send_warps_per_token(
+        tuned(decode.replace(ep_final_layout=True), **eight)) == 1
+    # at most max_token_groups = 4 groups per block: 1024 threads need 8 warps per group,
+    # beyond the default maximum of 4 (the default preset keeps one warp per token)
     wide = decode.replace(num_threads=1024, n_sms=64, max_tokens_per_rank=32)
-    assert dispatch_async.send_warps_per_token(wide) == 8
-    assert dispatch_async.send_warps_per_token(load_preset("default")) == 8
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
-    assert dispatch_async.send_warps_per_token(wide) == 1
-    assert dispatch_async.send_warps_per_token(load_preset("default")) == 1
+    assert send_policy.send_warps_per_token(tuned(wide, **eight)) == 8
+    assert send_policy.send_warps_per_token(tuned(load_preset("default"), **eight)) == 8
+    assert send_policy.send_warps_per_token(wide) == 1
+    assert send_policy.send_warps_per_token(load_preset("default")) == 1
     # ... and never more than 16 - TOKEN_GROUP_BARRIER_BASE = 12 barrier ids
-    monkeypatch.setattr(dispatch_async, "MAX_TOKEN_GROUPS", 16)
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 2)
-    assert dispatch_async.send_warps_per_token(wide) == 1
+    assert send_policy.send_warps_per_token(
+        tuned(wide, max_token_groups=16, send_warps_per_token_max=2)) == 1
 
 
-def test_split_decode_ptx(monkeypatch):
+def test_split_decode_ptx():
     """The decode preset with 4 warps per token: four group barriers of 128 threads, each
     synced twice per round, and the monitors' finished target four times their count."""
-    monkeypatch.setattr(dispatch_async, "SEND_WARPS_PER_TOKEN_MAX", 4)
-    cfg = load_preset("decode")
+    cfg = tuned(load_preset("decode"), send_warps_per_token_max=4)
     module = epgen.build_module(cfg)
     assert ir.check(module) == []
     ptx = nvptx.emit_ptx(module)

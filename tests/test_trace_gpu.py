@@ -1,4 +1,4 @@
-"""Trace points on the GPU: kernels built with ``trace.ENABLED`` still match the reference
+"""Trace points on the GPU: kernels built with ``tuning.trace`` still match the reference
 bit-exactly (BF16) or as the format's reference says (NVFP4), on streams and as a graph
 replay, and ``%globaltimer`` stamps respect the protocol's hand-offs; ``epgen run --trace``
 prints the timeline."""
@@ -12,18 +12,13 @@ import epgen
 from epgen import cli
 from epgen.kernels import trace
 from epgen.runtime import trace as runtime_trace
-from test_trace_sim import check_roles_stamped
+from test_trace_sim import check_roles_stamped, traced
 from world_checks import checked_calls, make_cfg
 
 pytestmark = pytest.mark.gpu
 
 SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_sms)
 POINT = {p: i for i, p in enumerate(trace.POINTS)}
-
-
-@pytest.fixture
-def traced(monkeypatch):
-    monkeypatch.setattr(trace, "ENABLED", True)
 
 
 def at(s, point, edge=0):
@@ -50,9 +45,9 @@ def check_timeline(world, tl, msg):
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("fmt", ["BF16", "NVFP4"])
 @pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
-def test_traced_round_trip_matches_and_orders(traced, fused, fmt, graph, seed):
+def test_traced_round_trip_matches_and_orders(fused, fmt, graph, seed):
     T = SHAPE[4]
-    world = epgen.EmulatedWorld(make_cfg(*SHAPE, fmt=fmt), fused=fused)
+    world = epgen.EmulatedWorld(traced(make_cfg(*SHAPE, fmt=fmt)), fused=fused)
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, T + 1))       # one count: a graph replays the captured one
     runtime_trace.arm(world)
@@ -72,4 +67,3 @@ def test_epgen_run_trace_prints_the_timeline(capsys):
     points = {line.split()[1] for line in table}
     assert {"comm.begin", "aux.counts_seen", "aux.flag_raised", "copy.flag_seen",
             "copy.end"} <= points
-    assert not trace.ENABLED           # the command restores the build knob

@@ -20,9 +20,9 @@ from world_checks import checked_calls
 POINT = {p: i for i, p in enumerate(trace.POINTS)}
 
 
-@pytest.fixture
-def traced(monkeypatch):
-    monkeypatch.setattr(trace, "ENABLED", True)
+def traced(cfg):
+    """``cfg`` built with trace points (``tuning.trace``)."""
+    return cfg.replace(tuning=cfg.tuning.replace(trace=True))
 
 
 def params(cfg):
@@ -34,8 +34,8 @@ def test_off_declares_nothing():
     assert all(trace.PARAM not in names for names in params(cfg).values())
 
 
-def test_on_declares_the_buffer_on_every_kernel(traced):
-    cfg = make_cfg(*SHAPES["R2-E4"])
+def test_on_declares_the_buffer_on_every_kernel():
+    cfg = traced(make_cfg(*SHAPES["R2-E4"]))
     assert all(trace.PARAM in names for names in params(cfg).values())
 
 
@@ -75,8 +75,8 @@ def check_roles_stamped(world, tl, msg):
 @pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("flags", ["staged", "ord_r"])
-def test_every_role_stamped_in_protocol_order(traced, fused, flags, graph, seed):
-    cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS[flags])
+def test_every_role_stamped_in_protocol_order(fused, flags, graph, seed):
+    cfg = traced(make_cfg(*SHAPES["R2-E4"], **FLAGS[flags]))
     rng = np.random.default_rng(seed)
     grid, last_block = cfg.n_sms, cfg.n_sms - 1
     with sim_world(cfg, seed, fused=fused) as world:
@@ -107,8 +107,8 @@ def test_every_role_stamped_in_protocol_order(traced, fused, flags, graph, seed)
             assert grid == wait.shape[1]
 
 
-def test_median_rows_and_table(traced, seed):
-    cfg = make_cfg(*SHAPES["R2-E4"])
+def test_median_rows_and_table(seed):
+    cfg = traced(make_cfg(*SHAPES["R2-E4"]))
     rng = np.random.default_rng(seed)
     timelines = []
     with sim_world(cfg, seed) as world:

@@ -1,6 +1,6 @@
 """How fast can one H200 read a token once and write it to K rows? The send half of the
 dispatch round trip without its protocol (no slot atomics, no monitors, no counters): the
-ceiling the warp send path (``dispatch_async.warp_broadcast_tokens``) can reach.
+ceiling the warp send path (``send_warp.warp_broadcast_tokens``) can reach.
 
     PYTHONPATH=. python3 benchmarks/experiments/broadcast_bw.py [--tokens 32768] [--json F]
 

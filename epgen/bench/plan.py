@@ -13,7 +13,9 @@ variants of a run: set them with ``--preset``/``--set`` and ``--block-capacity``
 exception is the format's ``alignment`` (message and header field padding: the same inputs,
 each variant's own buffers), e.g. ``prod=ep_final_layout,ep_prod_reserve,alignment:16``.
 The ``WORLD_KEYS`` choose how the world runs: ``fused``, ``graph``, ``batched`` (e.g.
-``g=fused,graph``).
+``g=fused,graph``). ``tune.FIELD:VALUE`` sets a field of the base configuration's tuning
+(``epgen.tuning.Tuning``, as ``--tune FIELD=VALUE`` does), e.g.
+``w1=tune.send_warps_per_token_max:1``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import attrs
 
 from ..config import BOOL_PARAMS, EPConfig
 from ..presets import parse_value
+from ..tuning import TuningError, parse_tune
 
 SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
@@ -42,6 +45,8 @@ with the field alignment, and the H200 ran it faster at the reference's 16 than 
 VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS \
     + FORMAT_VARIANT_KEYS
 """Parameters a variant may change."""
+TUNE_PREFIX = "tune."
+"""Variant keys ``tune.FIELD`` set a field of the configuration's tuning."""
 ROUTINGS = ("uniform", "zipf")
 WORLDS = ("emulated", "p2p")
 
@@ -130,6 +135,17 @@ def parse_variant(text: str) -> Variant:
     for item in (i.strip() for i in spec.split(",")):
         key, colon, value = item.partition(":")
         key = key.strip()
+        if key.startswith(TUNE_PREFIX):
+            if not colon:
+                raise ValueError(f"{item!r}: {key} needs a value ({key}:VALUE)")
+            if key in overrides:
+                raise ValueError(f"{key} appears twice in {spec!r}")
+            field = key[len(TUNE_PREFIX):]
+            try:
+                overrides[key] = getattr(parse_tune([f"{field}={value.strip()}"]), field)
+            except TuningError as e:
+                raise ValueError(f"{item!r}: {e}") from None
+            continue
         if key not in VARIANT_KEYS:
             raise ValueError(f"{item!r}: a variant sets {', '.join(VARIANT_KEYS)} (a bool by "
                              f"its name, any of them as KEY:VALUE); set the others with --set")
@@ -191,6 +207,10 @@ class Plan:
         fmt_changes = {k: overrides.pop(k) for k in FORMAT_VARIANT_KEYS if k in overrides}
         if fmt_changes:
             overrides["token_fmt"] = attrs.evolve(self.base.token_fmt, **fmt_changes)
+        tune = {k[len(TUNE_PREFIX):]: overrides.pop(k) for k in list(overrides)
+                if k.startswith(TUNE_PREFIX)}
+        if tune:
+            overrides["tuning"] = self.base.tuning.replace(**tune)
         return self.base.replace(max_tokens_per_rank=tokens_per_rank, recv_block_capacity=cap,
                                  **overrides)
 

@@ -41,7 +41,7 @@ class BF16Emitter(DeviceEmitter):
                                lambda u, i: msg + i.cast(T.u64) * VECTOR_BYTES)
         return store
 
-    def emit_broadcast_token(self, r, src_row, dsts, part=None, unroll: int = 2):
+    def emit_broadcast_token(self, r, src_row, dsts, part=None, tuning=None, unroll: int = 2):
         """The warp send path: lane ``l`` loads vectors ``l, l + 32, ...`` of the payload,
         ``unroll`` in flight (``ld.global.nc.v4.b32``), and stores each to every non-zero
         destination of ``dsts`` (``st.global.v4.b32``, ``K`` per load). Two in flight: on the
@@ -49,7 +49,7 @@ class BF16Emitter(DeviceEmitter):
         broadcast_bw.py --unroll-sweep: the writes bound it), and 2 keeps the code small.
         With ``part = (index, count)`` the warp takes the ``index``-th of ``count`` equal runs
         of vectors (``ceil(n / count)`` each; the last may be shorter), lane-strided the same
-        way."""
+        way. BF16's send has no tuning choice: ``tuning`` is accepted and unused."""
         f = self.fmt
         n_vec = 2 * f.hid_dim // VECTOR_BYTES
         if part is None:

@@ -84,14 +84,15 @@ class BlockScaledEmitter(DeviceEmitter):
         self._quantize_token(r, src_row, first, stride,
                              lambda off, value: r.store(msg + off, value))
 
-    def emit_broadcast_token(self, r, src_row, dsts, part=None, unroll: int | None = None,
-                             stage_bytes: int | None = None, scale_dsts=None,
+    def emit_broadcast_token(self, r, src_row, dsts, part=None, tuning: Tuning | None = None,
+                             unroll: int | None = None, stage_bytes: int | None = None,
+                             scale_dsts=None,
                              scales_row_major: bool = False):
         """The warp send path: the warp quantizes the token once (lane ``l`` items ``l, l +
         32, ...``, as ``emit_copy_token_to_send_buf``; ``unroll`` items per trip, default
-        ``Tuning().quant_items_in_flight``) and stores each item's payload and each group
+        ``tuning.quant_items_in_flight``) and stores each item's payload and each group
         scale to every non-zero destination of ``dsts`` (``K`` stores each). With
-        ``stage_bytes`` (the preferred chunk, default ``Tuning().quant_stage_bytes``; 0: no
+        ``stage_bytes`` (the preferred chunk, default ``tuning.quant_stage_bytes``; 0: no
         staging) the payload and scales go through a per-warp shared buffer instead
         (``_broadcast_staged``; the chunk used is ``stage_chunk_bytes``'s, what fits the
         static shared memory). Two items in flight with 2048-byte chunks, measured on the
@@ -132,9 +133,9 @@ class BlockScaledEmitter(DeviceEmitter):
                                  f"(broadcasts_final_rows)")
             store_scale = storer(scale_dsts, (lambda off: off - f.scales_offset)
                                  if scales_row_major else self.final_scale_place(r))
-        default = Tuning()
-        unroll = default.quant_items_in_flight if unroll is None else unroll
-        preferred = default.quant_stage_bytes if stage_bytes is None else stage_bytes
+        tuning = Tuning() if tuning is None else tuning
+        unroll = tuning.quant_items_in_flight if unroll is None else unroll
+        preferred = tuning.quant_stage_bytes if stage_bytes is None else stage_bytes
         if preferred and part is not None:
             preferred = min(preferred, self.part_chunk_bytes(part[1]))
         stage_bytes = self.stage_chunk_bytes(preferred, r.n_threads // 32,

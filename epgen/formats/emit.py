@@ -67,17 +67,19 @@ class DeviceEmitter:
 
     #: ``emit_broadcast_token`` takes ``scale_dsts``: the payload to output rows, the scales
     #: to the same slots' rows of the output scales (``ep_final_layout`` on the warp send
-    #: path, ``dispatch_async.WARP_FINAL_ROWS_WITH_SCALES``)
+    #: path)
     broadcasts_final_rows = False
 
-    def emit_broadcast_token(self, r, src_row, dsts, part=None):
+    def emit_broadcast_token(self, r, src_row, dsts, part=None, tuning=None):
         """IR of the warp send path: the calling warp reads token ``src_row`` once
         (lane-strided) and stores its payload and scales, as ``copy_token_to_send_buf`` lays
         them out, at every message address of ``dsts`` (one per top-k slot, 0 = send
         nothing: u64 expressions, or callables that emit the address's load at each use,
         ``dst_address``). The header is the kernel's. ``part = (index, count)`` (a
         warp-uniform u32 expression and a power of two): ``count`` warps share the token and
-        this one moves share ``index`` of it; together they move it all, once."""
+        this one moves share ``index`` of it; together they move it all, once. ``tuning``
+        (an ``epgen.Tuning``, default its defaults) carries the code-generation choices of
+        formats whose send has any (the quantising ones)."""
         raise self._missing("emit_broadcast_token")
 
     def emit_copy_msg_to_output(self, *args, **kwargs):

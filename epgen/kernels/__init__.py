@@ -13,7 +13,7 @@ def build_module(cfg) -> ir.Module:
     """The dispatch entry points of ``cfg`` in one module: ``ep_dispatch_async``,
     ``ep_dispatch_wait`` and the fused single launch ``ep_dispatch``; with
     ``fused_shared_expert`` only ``ep_dispatch`` (the standalone kernels do not take the shared
-    expert, reference 7.2); with ``ep_final_layout`` only the two standalone kernels."""
+    expert: the reference packs it only in the fused dispatch kernel); with ``ep_final_layout`` only the two standalone kernels."""
     cfg.require_p2p_only()
     if cfg.fused_shared_expert:
         return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))

@@ -10,7 +10,7 @@ import ir
 from ir import CacheHint
 from ir import types as T
 
-from ..primitives import (RECV_LOADS_IN_FLIGHT, VEC, VEC_BYTES, block_inclusive_scan,  # noqa: F401
+from ..primitives import (VEC, VEC_BYTES, block_inclusive_scan,  # noqa: F401
                           comm_sync, copy_vectors, issue_vector_loads, store_vector_loads,
                           warp_copy, warp_copy_segments, warp_copy_unroll,
                           warp_inclusive_scan, word)

@@ -66,7 +66,7 @@ def build_dispatch_fused(cfg) -> ir.Kernel:
     pa = dispatch_async.declare_params(view)
     pw = dispatch_wait.declare_params(view, cfg)
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None
-    trace.instrument(kb, pa.my_rank)
+    trace.instrument(kb, cfg, pa.my_rank)
     n_sig = lay.n_signal_sms
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
 

@@ -148,11 +148,6 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         rearm_rank_flags(r, cfg, p.recv_count_p)
 
 
-#: The copy warps load a message's header (top-k ids, source index) before its payload, so
-#: the two dependent round trips that followed each payload copy could hide behind it (False:
-#: after the payload, as the reference orders it). Measured neutral on the H200 (BF16 wait
-#: 1955.5 vs 1951.7 us, docs/PERF.md fourth session); kept, as it costs nothing.
-HEADER_LOADS_FIRST = True
 
 def copy_scratch_bytes(cfg) -> int:
     """Shared scratch bytes of ``copy_received_tokens_to_output`` (its dynamic shared memory
@@ -216,7 +211,9 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     ``w, w + n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
     rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]``
     of block ``[e, r]``; lanes ``k < K`` load the header's top-k id ``k`` and source index
-    before the format copies the payload (``HEADER_LOADS_FIRST``), then the lane whose top-k
+    before the format copies the payload (so the two dependent round trips that would
+    follow the copy hide behind it; measured neutral on the H200, kept as it costs nothing),
+    then the lane whose top-k
     id is this expert writes ``src_info[row] = (source index, k)``. A format that copies
     scales per tile
     (``copies_scales_per_tile``: transposed scales) gets each message's address in shared
@@ -309,15 +306,12 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                     r.assign(src_idx, r.load(msg + fmt.src_info_offset, T.u32,
                                              name="src_idx_ld"))
 
-            if HEADER_LOADS_FIRST:
-                load_header()
+            load_header()
             if tile_msgs is not None:
                 with r.if_(r.lane.eq(0)):
                     r.store(tile_msgs + (j * 8).cast(T.u64), msg)
             extras = {"scales": False} if fmt.copies_scales_per_tile else {}
             fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens, **extras)
-            if not HEADER_LOADS_FIRST:
-                load_header()
             with r.if_((r.lane < K) & gid.eq(g.cast(T.u16))):
                 r.store(_word(p.src_info, row * 2), src_idx)
                 r.store(_word(p.src_info, row * 2 + 1), r.lane)
@@ -361,11 +355,11 @@ def build_dispatch_wait(cfg) -> ir.Kernel:
     """The dispatch_wait entry point: the last block is the aux block, the others copy."""
     if cfg.fused_shared_expert:
         raise ValueError("fused_shared_expert: the standalone dispatch_wait does not take the "
-                         "shared expert (reference 7.2: only the fused dispatch kernel packs "
+                         "shared expert (only the fused dispatch kernel packs "
                          "it); build the fused kernel (epgen.kernels.build_dispatch_fused)")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb, cfg)
-    trace.instrument(kb, p.my_rank)
+    trace.instrument(kb, cfg, p.my_rank)
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     with kb.role("copy", blocks=(0, last)) as r:
         copy_received_tokens_to_output(r, kb, cfg, p)

@@ -1,4 +1,4 @@
-"""``ep_final_layout`` and ``ep_prod_reserve`` (DESIGN.md section 6; docs/final-layout.md).
+"""``ep_final_layout`` and ``ep_prod_reserve`` (docs/final-layout.md).
 
 Sources write each routed payload row straight into its final row of the destination's grouped
 output, and the row's header (source token index, source rank, top-k ids) into the
@@ -323,11 +323,13 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
     (``st.shared.u64``) and, after the tile's barrier, the block writes the tile's scales
     transposed in chunks of up to 128 rows (``emit_copy_tile_scales``: ``ld.global.v4.b32``
     of a row's 16 bytes, ``st.global.b32`` of 32 adjacent rows of one group per warp store).
-    The last block to finish lowers the flag. (``HEADER_ROW_PER_THREAD = False``: a warp
-    per row in tiles of 128 rows, lanes ``< K`` loading one id each, ``ld.global.u16``.)"""
+    The last block to finish lowers the flag. A thread per row, against the warp per row
+    it replaced (a dependent load pair per row, per warp, in turn), took the header pass
+    from 50-60 us to 14-23 us at prefill (measured on the H200; docs/PERF.md's tuning table).
+    The scale chunk is ``cfg.tuning.scale_chunk_rows``."""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R = lay.n_local_experts, cfg.n_ranks
-    rows_per_tile = r.n_threads if HEADER_ROW_PER_THREAD else fmt.dispatch_wait_tile_shape[0]
+    rows_per_tile = r.n_threads
     ctr = p.atomic_counter
     vals = kb.shared_buffer("tile_vals", 8)
     tile_rows = kb.shared_buffer("tile_hdr_rows", 8 * rows_per_tile) \
@@ -349,12 +351,11 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
         with r.if_(ts >= total):
             r.break_()
         n_in_tile = r.let("n_in_tile", (total - ts).min(rows_per_tile))
-        (_header_row_per_thread if HEADER_ROW_PER_THREAD else _header_row_per_warp)(
-            r, cfg, p, start + ts, n_in_tile, g, tile_rows)
+        _header_row_per_thread(r, cfg, p, start + ts, n_in_tile, g, tile_rows)
         comm_sync(r, comm_barrier_id)
         if tile_rows is not None:
             # the next tile's addresses are stored only after the claim's barrier below
-            chunk = math.gcd(rows_per_tile, SCALE_CHUNK_ROWS)
+            chunk = math.gcd(rows_per_tile, cfg.tuning.scale_chunk_rows)
             for c in range(0, rows_per_tile, chunk):
                 # a chunk past the tile's rows is skipped: the copy's clamped loads need a row
                 with r.if_(n_in_tile > c) if c else contextlib.nullcontext():
@@ -374,15 +375,6 @@ def copy_received_headers(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg, p,
             r.store(_word(ctr, lay.ready_flag_offset), 0)
 
 
-#: dispatch_wait's final-layout header pass with one thread per row (tiles of one row per
-#: thread: the 16-byte id vectors searched in registers); False: the earlier warp per row
-#: (tiles of 128 rows, lanes ``< K`` each load one id), the A/B's other arm.
-HEADER_ROW_PER_THREAD = True
-#: rows per ``emit_copy_tile_scales`` call of the header pass (the staged copy's tile: its
-#: items unrolled per thread stay few), where a tile has one row per thread
-SCALE_CHUNK_ROWS = 128
-
-
 def _header_row_per_thread(r: ir.RoleBuilder, cfg, p, row0, n_rows, g, tile_rows):
     """Thread ``j < n_rows``: row ``row0 + j``'s ``src_info`` from its header row (and its
     header address into ``tile_rows[j]``)."""
@@ -396,25 +388,6 @@ def _header_row_per_thread(r: ir.RoleBuilder, cfg, p, row0, n_rows, g, tile_rows
         with r.if_(k < lay.top_k):
             src_idx = r.load(hdr, T.u32, name="src_idx")
             r.store(_word(p.src_info, row * 2), ir.Pack(T.vec(T.u32, 2), (src_idx, k)))
-
-
-def _header_row_per_warp(r: ir.RoleBuilder, cfg, p, row0, n_rows, g, tile_rows):
-    """Warp ``w``: rows ``row0 + w, + n_warps, ...``; lane ``k < K`` loads id ``k``
-    (``ld.global.u16``) and the matching lane writes the row's ``src_info``."""
-    lay = cfg.layout
-    with r.for_range("j", r.warp, n_rows, lay.n_warps) as j:
-        row = r.let("row", row0 + j)
-        hdr = r.let("hdr", p.hdr_p + row.cast(T.u64) * lay.hdr_bytes, peer=True)
-        if tile_rows is not None:
-            with r.if_(r.lane.eq(0)):
-                r.store(tile_rows + (j * 8).cast(T.u64), hdr)
-        with r.if_(r.lane < lay.top_k):
-            gid = r.load(hdr + lay.hdr_topk_offset + (r.lane * 2).cast(T.u64), T.u16,
-                         name="gid16")
-            with r.if_(gid.eq(g.cast(T.u16))):
-                src_idx = r.load(hdr, T.u32, name="src_idx")
-                r.store(_word(p.src_info, row * 2), src_idx)
-                r.store(_word(p.src_info, row * 2 + 1), r.lane)
 
 
 def _slot_of_expert(r: ir.RoleBuilder, ids_addr, K: int, g) -> ir.Var:

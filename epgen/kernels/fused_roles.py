@@ -147,7 +147,7 @@ def build_fused_roles(cfg, spec: FusedRolesSpec = FusedRolesSpec()) -> ir.Kernel
     spec.check(cfg)
     if cfg.fused_shared_expert:
         raise ValueError("ep_fused_roles is a dispatch_wait variant: fused_shared_expert is "
-                         "not taken (reference 7.2)")
+                         "not taken (only the fused dispatch kernel packs the shared expert)")
     if (cfg.token_fmt.out_row_bytes // 4) % 4:
         raise ValueError("the ffn checksum reads output rows as 16-byte vectors")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)

@@ -1,4 +1,4 @@
-"""ORD-R: rank-level completion (``ep_ord_r`` + ``has_rank_flag``, protocol 4.5).
+"""ORD-R: rank-level completion (``ep_ord_r`` + ``has_rank_flag``).
 
 Producer side (the monitor of ``dispatch_async``, reference ``ep_signal_completion`` ORD-R
 branch): each monitor lane 0 stores its per-expert count word as plain progress data, then

@@ -1,4 +1,4 @@
-"""The SM schedule of dispatch_wait (DESIGN.md section 6, ``sm_schedule_offset``): which local
+"""The SM schedule of dispatch_wait (``sm_schedule_offset``): which local
 expert each copy block starts on, in proportion to the experts' token counts.
 
 The rule (``sm_schedule`` is its numpy model; ``fill_sm_schedule`` builds the same integer

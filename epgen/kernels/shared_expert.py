@@ -2,7 +2,7 @@
 rank's own tokens become group 0 of the grouped output (reference page:
 ``pack_shared_expert_inputs``).
 
-Readiness, fixing protocol 14.4: in the reference each *monitor* block bumps ``send_buf_ready``
+Readiness, fixing a race of the reference: there each *monitor* block bumps ``send_buf_ready``
 (Region F) and the packers wait for ``n_signal_sms`` bumps. A monitor finishes only after the
 routed copies of its expert, so a token that is routed to no waited-on expert (every token
 without a local expert under ``skip_a2a``) could be packed before it is staged. Here every

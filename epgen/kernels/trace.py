@@ -1,8 +1,8 @@
 """Phase timestamps in the dispatch kernels: where a round trip's time goes, block by block.
 
-Off by default (``ENABLED`` False): no parameter is declared, no statement is added, the PTX
-is unchanged. With ``ENABLED`` True every kernel ``build_module`` makes declares one more
-parameter, ``trace_buf`` (u64 words), and records each trace point of ``POINTS``: every
+Off by default (``cfg.tuning.trace`` False): no parameter is declared, no statement is added,
+the PTX is unchanged. With ``tuning.trace`` every kernel ``build_module`` makes declares one
+more parameter, ``trace_buf`` (u64 words), and records each trace point of ``POINTS``: every
 role's ``<role>.begin`` and ``<role>.end`` (``KernelBuilder.role_hooks``) and the
 points the builders mark with ``stamp``. Lane 0 of each warp that reaches a point runs::
 
@@ -22,15 +22,11 @@ against an untraced bench.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import ir
 from ir import AtomOp, Scope, Sem
 from ir import types as T
-
-#: build the kernels with trace points (module-level, like the other build knobs)
-ENABLED = False
 
 ROLES = ("monitor", "comm", "signal", "aux", "pack", "copy")
 #: the trace points, in the order a round trip reaches them: each role's begin and end, and
@@ -46,10 +42,10 @@ PARAM = "trace_buf"
 _state: "weakref.WeakKeyDictionary[ir.KernelBuilder, tuple]" = weakref.WeakKeyDictionary()
 
 
-def instrument(kb: ir.KernelBuilder, my_rank) -> None:
-    """With ``ENABLED``: declare ``trace_buf`` on ``kb`` and stamp every role's begin and end
-    from now on; without it, nothing."""
-    if not ENABLED:
+def instrument(kb: ir.KernelBuilder, cfg, my_rank) -> None:
+    """With ``cfg.tuning.trace``: declare ``trace_buf`` on ``kb`` and stamp every role's
+    begin and end from now on; without it, nothing."""
+    if not cfg.tuning.trace:
         return
     _state[kb] = (kb.param(PARAM, T.ptr_global), ir.as_expr(my_rank, T.u32))
     kb.role_hooks.append(lambda r, edge: stamp(r, f"{r.name}.{edge}"))
@@ -72,17 +68,4 @@ def stamp(r: ir.RoleBuilder, point: str) -> None:
         r.red(AtomOp.MAX, slot + 8, now, Sem.RELAXED, Scope.GPU, dtype=T.u64)
 
 
-@contextlib.contextmanager
-def enabled(on: bool = True):
-    """``with trace.enabled(flag):`` build kernels with trace points when ``flag`` (or when
-    ``ENABLED`` already is); ``ENABLED`` is restored afterwards, errors included."""
-    global ENABLED
-    was = ENABLED
-    ENABLED = was or bool(on)
-    try:
-        yield
-    finally:
-        ENABLED = was
-
-
-__all__ = ["ENABLED", "POINTS", "PARAM", "instrument", "stamp", "enabled"]
+__all__ = ["POINTS", "PARAM", "instrument", "stamp"]

@@ -1,7 +1,7 @@
 """The host side of the kernels' trace points (``epgen.kernels.trace``): each rank's trace
 buffers, armed before a call and read after it into a ``Timeline``.
 
-A world whose kernels declare ``trace_buf`` (built with ``trace.ENABLED``) allocates each
+A world whose kernels declare ``trace_buf`` (built with ``cfg.tuning.trace``) allocates each
 rank's buffer of each such kernel when it is made (``allocate``) and passes it; ``arm(world)`` resets every buffer (first slots
 ~0, last slots 0) and ``read(world)`` decodes them once the world has synchronised."""
 

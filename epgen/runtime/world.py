@@ -1,13 +1,13 @@
 """``EmulatedWorld``: every rank of an EP group on one GPU, each with its own buffers and
 stream, running the generated dispatch kernels.
 
-``skip_a2a`` (protocol 7.3): ``EmulatedWorld(cfg, devices=D)`` runs ``D`` independent
+``skip_a2a`` (the reference instantiates it per device): ``EmulatedWorld(cfg, devices=D)`` runs ``D`` independent
 devices, each with ``my_rank`` = its device id, its own buffers and pointer tables that hold only
 its own buffers (the kernels are built with ``n_ranks = 1``); inputs are one per device, with
 global top-k ids, and the results compare with ``reference.dispatch(cfg, tokens, topk_ids,
 ranks=list(range(D)))``.
 
-Ordering between calls (DESIGN.md section 8, reuse): a rank's ``dispatch_async`` of call N+1
+Ordering between calls (buffer reuse): a rank's ``dispatch_async`` of call N+1
 writes into every peer's receive buffers and count words, so it must not start before every
 rank's ``dispatch_wait`` of call N has drained them and re-armed the sentinels. The world
 enforces this on the device: each rank's stream waits on the events recorded after every
@@ -52,15 +52,14 @@ from .program import Program
 
 #: Each rank's dispatch_wait is launched as a programmatic dependent launch (PDL) of its
 #: dispatch_async, on the rank streams and inside a captured graph, where the device and
-#: cuda-core allow it (``Program.programmatic_ok``). dispatch_async triggers implicitly (each
-#: block at its exit), so the wait's grid may start once every async block has exited,
-#: before the async grid's completion is processed. The wait needs nothing from that
-#: boundary: everything it reads from any rank's dispatch_async, its own included, comes
-#: behind an acquire-polled count word or flag (the other ranks' asyncs are never ordered
-#: before it by a kernel boundary either), so there is no ``griddepcontrol.wait``. Measured
-#: on the H200 (docs/PERF.md, seventh session, step 24): decode round trip 3-5 us faster on
-#: streams, prefill within noise, a graph replay unchanged.
-WAIT_PDL = True
+#: cuda-core allow it (``Program.programmatic_ok``: elsewhere a plain launch). dispatch_async
+#: triggers implicitly (each block at its exit), so the wait's grid may start once every
+#: async block has exited, before the async grid's completion is processed. The wait needs
+#: nothing from that boundary: everything it reads from any rank's dispatch_async, its own
+#: included, comes behind an acquire-polled count word or flag (the other ranks' asyncs are
+#: never ordered before it by a kernel boundary either), so there is no
+#: ``griddepcontrol.wait``. Measured on the H200 (docs/PERF.md's tuning table): decode round
+#: trip 3-5 us faster on streams, prefill within noise, a graph replay unchanged.
 
 
 class CapacityError(ValueError):
@@ -156,7 +155,7 @@ def resolve_fused(cfg, fused: bool | None, world: str) -> bool:
     if cfg.fused_shared_expert and not fused:
         raise ValueError(f"{world}: fused=False with fused_shared_expert=True: the "
                          "shared expert is packed only by the fused dispatch kernel "
-                         "(reference 7.2); use fused=True (the default for this config)")
+                         "(as in the reference); use fused=True (the default for this config)")
     if fused and cfg.ep_final_layout:
         raise ValueError(f"{world}: fused=True with ep_final_layout=True: the fused "
                          "single-launch kernel does not take ep_final_layout yet")
@@ -374,14 +373,14 @@ class RankWorld:
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
-        dispatch_async where possible, ``WAIT_PDL``)."""
+        dispatch_async where possible)."""
         rows = []
         for rk in self.ranks:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
             rows.append(args)
-        self._launch_ranks(WAIT, rows, last=True, programmatic=WAIT_PDL)
+        self._launch_ranks(WAIT, rows, last=True, programmatic=True)
 
     def dispatch_fused(self):
         """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
@@ -523,8 +522,8 @@ class EmulatedWorld(RankWorld):
     ``batched=True`` launches every rank's grid of a kernel as one grid (``ir.batch_ranks``:
     each rank's arguments travel by value in one table; ``Program.launch_ranks``) on the
     first rank's stream, instead of one launch per rank stream. On one GPU the eight launches
-    of a call start their blocks one after another, about 1.5 us apart on the H200 (run 47's
-    trace), a delay that ranks on their own GPUs do not have; one launch starts every
+    of a call start their blocks one after another, about 1.5 us apart on the H200 (measured
+    with the trace points), a delay that ranks on their own GPUs do not have; one launch starts every
     rank's blocks together.
 
     ``backend="sim"`` runs the same kernels' IR on the CPU (``backends.sim``; ``sim_seed``

@@ -1,0 +1,206 @@
+"""dispatch_async's monitor role: the monitor (aux) blocks count tokens per expert, reserve
+through the destination strategy, wait for their comm warps' copies and publish each
+expert's receive count (reference page: ``monitor_and_signal_completion``). On the send
+paths where the monitor blocks send too, the work is split around the sends:
+``count_and_reserve`` (role ``monitor``) and ``signal_after_sends`` (role ``signal``).
+"""
+
+from __future__ import annotations
+
+import ir
+from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem
+from ir import types as T
+
+from .common import load_pointer
+from .common import word as _word
+from .destination import destination
+from .ord_r import signal_rank_completion
+
+
+def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int = 0):
+    """Aux blocks: warp ``w`` of block ``b`` owns global expert ``b*n_warps + w``. The warp
+    counts that expert's ``(token, k)`` pairs (``count_routed``: ``redux.sync.add``); lane 0
+    waits (bounded, ``ld.acquire.gpu``) until the comm warps have finished that many copies,
+    publishes the count into the destination's receive-count word with ``st.release.sys``
+    (per-expert completion), and re-arms its two counters (``signal_completion``). With
+    ``ep_final_layout`` the warp first reserves its block of the destination's output
+    (``destination``: ``final_layout.reserve_rows``, the cursor's
+    ``atom.relaxed.sys.global.add.u64`` and the ``st.release.gpu`` base hand-off, or with
+    ``ep_prod_reserve`` the
+    ``st.release.sys.global.b64`` early count and the reserver), and the count word carries
+    the block's offset when the layout is capacity-strided. With ``ep_ord_r`` the count word
+    is a plain store and completion is published per destination rank
+    (``ord_r.signal_rank_completion``: ``atom.acq_rel.gpu`` election, one ``st.release.sys``
+    rank flag). Under ``skip_a2a`` the warp owns global expert ``expert_idx + L * my_rank``,
+    the rank coordinates are 0 and the release is ``st.release.gpu``.
+
+    This is the staged send paths' monitor. On the warp send path the standard kernels split
+    it around the sends (``add_send_phase``): ``count_and_reserve`` before, in role
+    ``monitor``, and ``signal_after_sends`` after, in role ``signal``, so the monitor blocks
+    send too.
+
+    ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
+    be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
+    and a block's monitor warps are the role's warps, so block ``b`` owns experts
+    ``b * role_warps + w``."""
+    if r.thread_base % 32 or comm_warp_base != r.thread_base // 32:
+        raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
+                         f"warp (its thread range starts at thread {r.thread_base}, warp-"
+                         f"aligned)")
+    E, K = cfg.n_experts, cfg.layout.top_k
+    dest = destination(cfg, p)
+    expert_idx, g = monitor_expert(r, cfg, p)
+    count = r.var("count", T.u32, 0)
+    fl_off = dest.offset_var(r)
+    with r.if_(expert_idx < E):
+        r.assign(count, count_routed(r, p.topk_ids, p.n_tokens * K, g))
+        dest.reserve(r, g, count, fl_off)
+    signal_completion(r, cfg, p, expert_idx, g, count, fl_off)
+
+
+def monitor_expert(r: ir.RoleBuilder, cfg, p):
+    """``(expert_idx, g)`` of this monitor warp: ``block * role_warps + warp``, and the
+    global expert it owns (``+ L * my_rank`` under ``skip_a2a``)."""
+    expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
+    g = r.let("g", expert_idx + cfg.layout.n_local_experts * p.my_rank if cfg.skip_a2a
+              else expert_idx)
+    return expert_idx, g
+
+
+MONITOR_STATE = "monitor_state"   # shared: per monitor warp its count, then its block offset
+
+
+def monitor_state(r: ir.RoleBuilder, field: int | None = None):
+    """The monitor blocks' shared state (declared once per kernel: ``2 * role_warps`` u32,
+    the counts then the capacity-strided block offsets), which carries them from role
+    ``monitor`` to role ``signal``: its base, or this warp's word ``field`` (0: count, 1:
+    offset)."""
+    warps = r.n_threads // 32
+    if not any(b.name == MONITOR_STATE for b in r.kb.shared):
+        r.kb.shared_buffer(MONITOR_STATE, 8 * warps)
+    base = ir.SharedAddr(MONITOR_STATE)
+    return base if field is None else _word(base, r.warp + field * warps)
+
+
+def count_and_reserve(r: ir.RoleBuilder, cfg, p):
+    """Role ``monitor`` of the warp send path (whole monitor blocks, before the sends): the
+    counts from one shared histogram per block (``count_block_experts``) into the monitor
+    state, then the destination's reservation (``destination``: with ``ep_final_layout``
+    ``final_layout.reserve_rows``) and, capacity-strided, the block offset into the monitor
+    state. Counting and reserving come before every send: the final layout's sends wait for
+    the block bases published here."""
+    E, K = cfg.n_experts, cfg.layout.top_k
+    dest = destination(cfg, p)
+    expert_idx, g = monitor_expert(r, cfg, p)
+    count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp, monitor_state(r))
+
+    def keep_offset(off):
+        with r.if_(r.lane.eq(0)):
+            r.store(monitor_state(r, 1), off)
+
+    dest.reserve_counted(r, expert_idx < E, g,
+                         lambda: r.load(monitor_state(r, 0), T.u32, name="count"), keep_offset)
+
+
+def signal_after_sends(r: ir.RoleBuilder, cfg, p, token_warps: int = 1):
+    """Role ``signal`` of the warp send path (the monitor blocks, after their own sends):
+    ``signal_completion`` with the count and offset the role ``monitor`` left in the
+    monitor state; ``token_warps`` as the sends'."""
+    expert_idx, g = monitor_expert(r, cfg, p)
+    count = r.let("count", r.load(monitor_state(r, 0), T.u32, name="count_ld"))
+    fl_off = destination(cfg, p).carried_offset(
+        r, lambda: r.load(monitor_state(r, 1), T.u32, name="fl_off_ld"))
+    signal_completion(r, cfg, p, expert_idx, g, count, fl_off, token_warps)
+
+
+def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
+                      token_warps: int = 1):
+    """The monitor warp's lane 0, for its expert (``expert_idx < E``): bounded wait until the
+    finished counter reaches ``count`` (``ld.acquire.gpu``; ``token_warps * count`` when
+    that many warps share each token and each counts its share of a copy), publish the
+    count word (``destination``'s ``count_word``; or the ORD-R rank completion), re-arm the
+    counters (and the destination's words: the final layout's hand-off)."""
+    dest = destination(cfg, p)
+    lay = cfg.layout
+    E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
+    reserved, finished = p.counters, _word(p.counters, E)
+    with r.if_(expert_idx < E):
+        with r.if_(r.lane.eq(0)):
+            dst_rank = r.let("dst_rank", g // L)
+            e = r.let("e", g % L)
+            signal_offset = r.let("signal_offset", e * R + (0 if cfg.skip_a2a else p.my_rank))
+            counter_offset = r.let("counter_offset", e * R + (0 if cfg.skip_a2a else dst_rank))
+            r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ,
+                        count * token_warps if token_warps > 1 else count,
+                        buffer="expert_finished_counter", index=counter_offset,
+                        sem=Sem.ACQUIRE, scope=Scope.GPU)
+            dst_p2p = dst_rank % cfg.p2p_world_size
+            scope = Scope.GPU if cfg.skip_a2a else Scope.SYS
+            counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
+                                  "recv_count_dst", peer=not cfg.skip_a2a)
+            published = dest.count_word(count, fl_off)
+            if cfg.ep_ord_r:
+                signal_rank_completion(r, cfg, counts, signal_offset, published,
+                                       0 if cfg.skip_a2a else dst_p2p, p.counters, p.my_rank)
+            else:
+                r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
+            r.store(_word(reserved, counter_offset), 0)
+            r.store(_word(finished, counter_offset), 0)
+            dest.rearm(r, counter_offset)
+
+
+def count_routed(r: ir.RoleBuilder, topk_ids, n_ids, g, unroll: int = 8) -> ir.Var:
+    """The warp's count of ``topk_ids[0:n_ids]`` entries equal to ``g``: lane-strided
+    ``ld.global.nc.b32``, ``unroll`` in flight, then ``redux.sync.add``."""
+    n_ids = r.let("n_ids", n_ids)
+    cnt = r.var("cnt", T.u32, 0)
+    i = r.var("cnt_i", T.u32, r.lane)
+    with r.while_(i + 32 * (unroll - 1) < n_ids):
+        ids = [r.load(_word(topk_ids, i + 32 * u), T.u32, cache=CacheHint.NC, name="id")
+               for u in range(unroll)]
+        for v in ids:
+            r.assign(cnt, cnt + ir.Cast(T.u32, v.eq(g)))
+        r.assign(i, i + 32 * unroll)
+    with r.while_(i < n_ids):
+        v = r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t")
+        r.assign(cnt, cnt + ir.Cast(T.u32, v.eq(g)))
+        r.assign(i, i + 32)
+    return r.redux(ReduxOp.ADD, cnt, name="counted")
+
+
+def count_block_experts(r: ir.RoleBuilder, topk_ids, n_ids, first_g, hist):
+    """Each warp's count of ``topk_ids[0:n_ids]`` entries equal to its expert, the block's
+    warps owning experts ``first_g + w``, into ``hist[w]`` (a shared array of one u32 per
+    warp): the block reads the ids once (thread-strided ``ld.global.nc.b32``, 8 in flight)
+    into that histogram (``red.shared.add``), one ``bar.sync 0`` after zeroing it and one
+    after counting. The role must be the whole block (``bar.sync 0``). A sixteenth of the
+    reads of every warp counting alone (``count_routed``), so the monitor warps start
+    sending early."""
+    warps = r.n_threads // 32
+    with r.if_(r.tid < warps):
+        r.store(_word(hist, r.tid), 0)
+    r.syncthreads()
+    n_ids = r.let("n_ids", n_ids)
+    i = r.var("cnt_i", T.u32, r.tid)
+    stride = r.n_threads
+
+    def tally(v):
+        rel = r.let("rel", v - first_g)
+        with r.if_(rel < warps):
+            r.red(AtomOp.ADD, _word(hist, rel), 1, Sem.RELAXED, Scope.CTA)
+
+    with r.while_(i + stride * 7 < n_ids):
+        ids = [r.load(_word(topk_ids, i + stride * u), T.u32, cache=CacheHint.NC, name="id")
+               for u in range(8)]
+        for v in ids:
+            tally(v)
+        r.assign(i, i + stride * 8)
+    with r.while_(i < n_ids):
+        tally(r.load(_word(topk_ids, i), T.u32, cache=CacheHint.NC, name="id_t"))
+        r.assign(i, i + stride)
+    r.syncthreads()
+
+
+__all__ = ["monitor_and_signal_completion", "monitor_expert", "monitor_state", "MONITOR_STATE",
+           "count_and_reserve", "signal_after_sends", "signal_completion", "count_routed",
+           "count_block_experts"]
