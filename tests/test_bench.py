@@ -17,7 +17,7 @@ from world_checks import assert_imports_light
 
 from epgen import BF16Format, EPConfig, cli, presets, reference, routing
 from epgen.formats import make_format
-from epgen.bench import (baseline, driver, inputs, memory, options, plan, report, runner,
+from epgen.bench import (baseline, common, driver, inputs, memory, options, plan, report, runner,
                          timing, traffic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -447,7 +447,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "sm_count", lambda d=None: 132)
     fake_torch = types.SimpleNamespace(__version__="0+fake",
                                        cuda=types.SimpleNamespace(set_device=lambda d: None))
-    monkeypatch.setattr(driver, "_import_torch", lambda: (fake_torch, None))
+    monkeypatch.setattr(common, "import_torch", lambda: (fake_torch, None))
     monkeypatch.setattr(memory, "mem_info", lambda device: (100 << 30, 141 << 30))
     monkeypatch.setattr(runner, "measure_copy", lambda *a: dict(FAKE_COPY))
     monkeypatch.setattr(runner, "measure_world", _fake_measure_world)
@@ -509,7 +509,7 @@ def test_run_skips_what_does_not_fit(fake_gpu, monkeypatch):
 
 
 def test_run_capacity_too_small_and_no_torch(fake_gpu, monkeypatch):
-    monkeypatch.setattr(driver, "_import_torch", lambda: (None, "no torch here"))
+    monkeypatch.setattr(common, "import_torch", lambda: (None, "no torch here"))
     res = driver.run(bench_args("--preset", "small", "--tokens", "16", "--block-capacity", "1"),
                      quiet())
     s = res["shapes"][0]
