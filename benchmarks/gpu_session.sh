@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the whole GPU tier, then the issue-6 benchmark set, each step
-# under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
-# repository root; a step that fails or times out is reported and the next one still runs.
+# One call on the GPU machine: the whole GPU tier, then the benchmark set of docs/PERF.md,
+# each step under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run
+# from the repository root; a step that fails or times out is reported and the next one still
+# runs.
 #
 #   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|final-ab|e2m1-ab|nvfp4-scale-ab|scales-ab|header-ab|profile|recv-ab|split-ab|block-ab|named-ab|join-ab|geometry|graph-ab|pdl-ab|p2p]
 #
@@ -28,7 +29,7 @@
 # NVFP4 and BlockwiseFP8 final+prod, then NVFP4's decode rows again (about 5 minutes);
 # "profile": Nsight Compute on
 # NVFP4's dispatch_async, where ncu exists;
-# "recv-ab": dispatch_wait's receive orders of the fifth session, each switched off, and the
+# "recv-ab": dispatch_wait's receive orders (docs/PERF.md steps 15-16), each switched off, and the
 # formats at other message alignments (about 3 minutes);
 # "split-ab": warps sharing a token at decode and ep_send_join_named on every block, each
 # against its old path, with their GPU tests (about 8 minutes);
@@ -37,7 +38,7 @@
 # "named-ab": ep_send_join_named for the quantising formats, their next token's loads issued
 # ahead or not (about 3 minutes);
 # "join-ab": ep_send_join_named as shipped, without SEND_JOIN_PREFETCH and with three joins
-# per token (about 2 minutes; run 33 also counted the finished copies once per block);
+# per token (about 2 minutes; step 20 also counted the finished copies once per block);
 # "geometry": prefill at 66 blocks x 256 threads per rank against the preset's 33 x 512, every
 # BF16 variant and each quantising format (about 4 minutes);
 # "graph-ab": the round trip as a CUDA-graph replay against stream launches, its GPU tests
@@ -45,16 +46,16 @@
 # then dispatch_wait with and without the programmatic dependent launch (about 9 minutes);
 # "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
-# two GPUs). The quantising send's A/B arms ("send-ab") ran in runs 19, 24, 26, 29 and 32,
-# each recorded in docs/PERF.md; the mode went with the last of its experiments, as did
-# "count-ab" (run 37).
+# two GPUs). The quantising send's A/B arms ("send-ab", steps 10, 13, 19) and the monitors'
+# vector count ("count-ab", step 22) are recorded in docs/PERF.md; their modes went with the
+# experiments.
 #
-# About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min): two device calls,
-# "tests" then "bench" (each under `timeout 590`).
+# About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min); under a 10-minute
+# limit per command, run "tests" then "bench" (each under `timeout 590`).
 set -u
 OUT=${OUT:-gpu-session-out}
-# the device tool returns at most 8 files: every log and JSON goes under $OUT/files, and the
-# end of the script packs them into $OUT/<mode>.tar.gz
+# every log and JSON goes under $OUT/files, and the end of the script packs them into one
+# $OUT/<mode>.tar.gz (one file to copy off the machine)
 FINAL_OUT=$OUT
 OUT=$FINAL_OUT/files
 mkdir -p "$OUT"
@@ -217,7 +218,7 @@ fi
 if [ "$what" = pdl-ab ]; then
     # the formats' fused launch with and without the graph; then dispatch_wait launched as a
     # programmatic dependent launch of dispatch_async (world.WAIT_PDL, shipped) against a
-    # plain launch, streams and graph, same call (run 39)
+    # plain launch, streams and graph, same call (docs/PERF.md step 24)
     for fmt in NVFP4 MXFP8 BlockwiseFP8; do
         bench "fused-$fmt" 100 --set format=$fmt --tokens 128,4096 --variant default \
             --variant graph=graph --variant fused --variant fused_graph=fused,graph \
@@ -335,11 +336,11 @@ if [ "$what" = header-ab ]; then
         --variant batched_fused_graph=batched,fused,graph --no-baseline --no-post-check
 fi
 if [ "$what" = recv-ab ]; then
-    # dispatch_wait's receive orders of the fifth session, same call: as shipped, then each
+    # dispatch_wait's receive orders (docs/PERF.md steps 15-16), same call: as shipped, then each
     # switched off (the row-major scales after the payload; the transposed tile scales one
     # item at a time); then the formats at other message alignments (NVFP4 4064 B at 16,
-    # 4352 B at 128; BlockwiseFP8 7680 B at 128). Run 26 (6e626f9) also ran a tile claim
-    # issued a tile ahead (neutral, removed)
+    # 4352 B at 128; BlockwiseFP8 7680 B at 128). A tile claim issued a tile ahead was also
+    # measured with it (6e626f9; neutral, removed)
     for fmt in NVFP4 BlockwiseFP8; do
         ab "recv-ab-$fmt-shipped" -- bench --set format=$fmt
     done
@@ -352,7 +353,7 @@ if [ "$what" = recv-ab ]; then
     ab recv-ab-BlockwiseFP8-align128 -- bench --set format=BlockwiseFP8 --set alignment=128
 fi
 if [ "$what" = split-ab ]; then
-    # the eighth session's two send-path levers, same call: first their GPU tests (each
+    # two send-path levers (docs/PERF.md steps 25-26), same call: first their GPU tests (each
     # switch set by the test); then decode with 1 and 4 warps per token
     # (SEND_WARPS_PER_TOKEN_MAX) in every format, stream, graph, fused and fused graph;
     # then ep_send_join_named at prefill with the monitor blocks sending or not
@@ -374,7 +375,7 @@ if [ "$what" = split-ab ]; then
     done
 fi
 if [ "$what" = named-ab ]; then
-    # ep_send_join_named for the quantising formats at prefill (every block sends, run 43):
+    # ep_send_join_named for the quantising formats at prefill (every block sends, step 27):
     # the next token's input loads issued before the current broadcast and quantised after it
     # (blockscaled.STAGE_LOADS_AHEAD, shipped) against staging each token whole, NVFP4 and
     # BlockwiseFP8; MXFP8 as shipped

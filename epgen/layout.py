@@ -1,9 +1,9 @@
 """Every derived member of the reference ``EPDispatchKernel`` (its comptime members and layout
 methods), plus the sizes of the buffers and counter regions they index.
 
-``cfg.layout`` is a ``Layout``. Each reference member keeps its name and formula (the page is the
-contract: ``EPDispatchKernel-reference-page.txt``); the few members that are ours are marked
-"ours" and documented where they are defined.
+``cfg.layout`` is a ``Layout``. Each reference member keeps its name and formula (the reference's
+documented members are the contract); the few members that are ours are marked "ours" and
+documented where they are defined.
 
 The layout methods (``recv_buf_layout``, ``recv_count_layout``, ``send_buf_layout``,
 ``rank_flag_offset``) are plain arithmetic on their coordinates, so they accept Python ints,
@@ -13,7 +13,7 @@ range-checked.
 Words of the counter array are Int32 (``EPLocalSyncCounters``); words of the receive-count
 buffer are UInt64.
 
-``ep_final_layout`` / ``ep_prod_reserve`` (ours, DESIGN section 6; docs/final-layout.md) add,
+``ep_final_layout`` / ``ep_prod_reserve`` (ours; docs/final-layout.md) add,
 per rank: a header array row-parallel to the grouped output (``hdr_*``, peer-visible), the
 reservation cursors ``[rc_cursor_base, +L)`` of the receive-count buffer (initialised 0), the
 block-base hand-off words of ``final_layout_region`` in the counter array (rank-local), and,
@@ -77,7 +77,7 @@ class CounterRegion:
 
 @attrs.frozen
 class EPRoleSplit:
-    """Reference ``EPRoleSplit[block_size, n_items, flag]`` (protocol section 7.7).
+    """Reference ``EPRoleSplit[block_size, n_items, flag]`` (the copy/publisher warp split).
 
     Warps ``[0, n_copy_warps)`` form the copy role (threads ``tid < n_copy_threads`` run the
     quantize loop, ``n_trips`` items each); the last ``n_publisher_warps`` warps publish. The
@@ -290,8 +290,8 @@ class Layout:
 
         The page says the cursors "are always reserved" and puts them at ``rc_cursor_base =
         rank_flag_base + R``; for the cursors to lie inside the buffer the ``R`` flag words
-        are therefore always reserved too, with or without ``has_rank_flag`` (protocol 2.3's
-        V-IDX ``L*R (+R)`` is superseded by the page)."""
+        are therefore always reserved too, with or without ``has_rank_flag`` (the reference's
+        index table's ``L*R (+R)`` is superseded by its member list)."""
         return self.rc_cursor_base + self._L
 
     @property
@@ -423,7 +423,7 @@ class Layout:
     @property
     def dispatch_async_region(self) -> CounterRegion:
         """``2E + MAX_GPUS_PER_NODE`` words: reserved ``[0, E)``, finished ``[E, 2E)``,
-        rank-completion ``[2E, 2E + 8)`` (protocol 2.4)."""
+        rank-completion ``[2E, 2E + 8)``."""
         return CounterRegion("dispatch_async", 0, 2 * self._E + MAX_GPUS_PER_NODE,
                              "reserved[E], finished[E], rank_completion[8]")
 
@@ -448,14 +448,14 @@ class Layout:
     @property
     def combine_wait_region(self) -> CounterRegion:
         """``max(2E, n_sms)`` words: one data-ready flag per reduce block. The reference's
-        ``2E`` overflows when ``grid > 2E`` (protocol 14.2)."""
+        ``2E`` overflows when ``grid > 2E``."""
         return CounterRegion("combine_wait", _align(self.dispatch_wait_region.end,
                                                     REGION_ALIGN_WORDS),
                              max(2 * self._E, self.cfg.n_sms), "per-reduce-block ready flags")
 
     @property
     def combine_rank_completion_region(self) -> CounterRegion:
-        """Ours (protocol 14.1): the combine's own ``MAX_GPUS_PER_NODE`` rank-completion
+        """Ours: the combine's own ``MAX_GPUS_PER_NODE`` rank-completion
         counters, zeroed, instead of aliasing dispatch_wait Region B."""
         return CounterRegion("combine_rank_completion",
                              _align(self.combine_wait_region.end, REGION_ALIGN_WORDS),
@@ -463,7 +463,7 @@ class Layout:
 
     @property
     def final_layout_region(self) -> CounterRegion:
-        """Ours (DESIGN section 6, ``ep_final_layout``), always reserved: ``E`` Int32 words,
+        """Ours (``ep_final_layout``, docs/final-layout.md), always reserved: ``E`` Int32 words,
         the block bases the dispatch_async monitor warps hand to their comm warps in the
         capacity-strided layout. Word ``e * R + dst_rank`` (indexed like the dispatch_async
         counters) holds ``first_row | FINAL_BASE_VALID`` (bit 31) while expert ``e`` of
@@ -479,7 +479,7 @@ class Layout:
         """Ours: offset of the base hand-off words inside ``final_layout_region``."""
         return 0
 
-    # ---- ep_final_layout / ep_prod_reserve buffers (ours, DESIGN section 6) ----------------
+    # ---- ep_final_layout / ep_prod_reserve buffers (ours, docs/final-layout.md) ------
     @property
     def hdr_bytes(self) -> int:
         """Ours: bytes of one row of the final-layout header array: the message's header
@@ -586,7 +586,7 @@ class Layout:
     @property
     def capacity_strided(self) -> bool:
         """True for ``ep_final_layout`` without ``ep_prod_reserve``: group ``j`` of the
-        output starts at row ``j * R * max_tokens_per_rank`` (DESIGN section 6)."""
+        output starts at row ``j * R * max_tokens_per_rank`` (docs/final-layout.md)."""
         return bool(self.cfg.ep_final_layout and not self.cfg.ep_prod_reserve)
 
     @property

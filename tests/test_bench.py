@@ -77,7 +77,7 @@ def test_bytes_per_variant_of_a_plan():
 
 
 def test_round_trip_bytes_design_figures():
-    """The floors quoted in issue 6 (copy 4.24 TB/s): ~2.8 ms staged and ~1.0 ms final layout
+    """The byte floors (copy 4.24 TB/s): ~2.8 ms staged and ~1.0 ms final layout
     at prefill, ~87 us staged and ~31 us final layout at decode."""
     # at the reference alignment (16); the decode preset's 128 is checked below
     reference_fmt = make_format("BF16", 7168, 8)

@@ -36,7 +36,7 @@ FLAGS = {
 
 
 def make_cfg(fmt, H, **flags):
-    R = 1 if flags.get("skip_a2a") else 2      # the per-device instantiation (protocol 7.3)
+    R = 1 if flags.get("skip_a2a") else 2      # the per-device instantiation
     return epgen.EPConfig(num_threads=64, n_sms=5, n_experts=2 * R, n_ranks=R,
                           max_tokens_per_rank=4, p2p_world_size=R, use_shmem=False,
                           token_fmt=make_format(fmt, H, 2), **flags)
@@ -167,7 +167,7 @@ def test_header_loaded_after_the_payload(fmt, H, flags, seed, monkeypatch):
 @pytest.mark.parametrize("items", [1, 2])
 @pytest.mark.parametrize("token_warps", [1, 2])
 def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
-    """The send path before the fourth session's defaults (still selectable, and the A/B's
+    """The send path before the defaults of docs/PERF.md steps 10 and 13 (still selectable, and the A/B's
     baseline): no staging (``QUANT_STAGE_BYTES = 0``), the destinations held in registers
     (in shared memory when warps share tokens: the group's hand-off), 1 or 2 items per trip,
     one or two warps per token (``SEND_WARPS_PER_TOKEN_MAX``). Same bytes as the reference."""
@@ -193,7 +193,7 @@ def test_unstaged_send_path(fmt, H, items, token_warps, seed, monkeypatch):
 @pytest.mark.parametrize("flags", ["staged", "ord_r"])
 @pytest.mark.parametrize("scales_staged", [True, False])
 def test_scales_staged_with_the_payload(fmt, H, stage, flags, scales_staged, seed, monkeypatch):
-    """``QUANT_STAGE_SCALES`` (the default since the fourth session): each chunk's group scales
+    """``QUANT_STAGE_SCALES`` (the default since docs/PERF.md step 13): each chunk's group scales
     are staged in shared memory beside its payload and copied to the destinations in wide
     units (16 bytes where a chunk's scales allow), the last partial unit scale by scale (FP8
     H=384: 2 + 1 groups of 4 bytes per chunk; MXFP8 H=64: 2 one-byte scales); or (False)
@@ -276,7 +276,7 @@ RECV_SWITCHES = {
 @pytest.mark.parametrize("flags", ["staged", "fused_se"])
 def test_receive_copy_switched_off(fmt, H, switch, flags, seed, monkeypatch):
     """The receive side's earlier orders, each still selectable for the A/B (docs/PERF.md,
-    fifth session): the scales after the payload, the tile scales one item at a time. Same
+    steps 15-16): the scales after the payload, the tile scales one item at a time. Same
     results."""
     import importlib
     module, name = RECV_SWITCHES[switch]

@@ -1,4 +1,4 @@
-"""The eighth session's send-path levers on the GPU, against the numpy reference bit for bit,
+"""The send-path levers of docs/PERF.md steps 25, 26 and 28 on the GPU, against the numpy reference bit for bit,
 with real memory ordering:
 
 - warps sharing a token on the warp send path (``dispatch_async.SEND_WARPS_PER_TOKEN_MAX``,

@@ -1,4 +1,4 @@
-"""The P2P benchmark (``epgen bench --world p2p``, issue 7 item 3): epgen's dispatch round trip
+"""The P2P benchmark (``epgen bench --world p2p``, docs/multi-gpu.md): epgen's dispatch round trip
 on a ``P2PWorld`` (one GPU per rank), against the NVLink bandwidth and against
 ``torch.distributed`` NCCL all-to-all plus a permute of the same job, all in one run.
 
@@ -21,7 +21,7 @@ Method
   header (``ep_final_layout``), counted per source (sent) and per destination (received);
   the busiest GPU's larger count over the inputs sets bounds the time. GB/s per GPU = those
   bytes / round-trip time (1 GB = 1e9 B); fraction = that / the ring's bandwidth per GPU.
-  The goal (issue 7): >= 0.8 at prefill.
+  The goal: >= 0.8 at prefill.
 * **NCCL baseline** (``nccl_dispatch``; ``nccl_phase``): one spawned process per rank
   (``multiprocessing``, spawn: CUDA cannot be forked), one NCCL process group (``torch.distributed``, file
   store), each rank on its GPU with the same input sets (written by this process, read by

@@ -38,7 +38,7 @@ trip only)."""
 FORMAT_VARIANT_KEYS = ("alignment",)
 """Variant keys of the token format (``alignment:16``: the final layout's header rows grow
 with the field alignment, and the H200 ran it faster at the reference's 16 than at the
-``decode``/``prefill`` presets' 128, docs/PERF.md fourth session)."""
+``decode``/``prefill`` presets' 128, docs/PERF.md, step 12)."""
 VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS \
     + FORMAT_VARIANT_KEYS
 """Parameters a variant may change."""
