@@ -207,3 +207,20 @@ def test_every_module_imports():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def test_import_epgen_loads_nothing_heavy():
+    """``import epgen`` is free: its names load on first use (PEP 562), so neither numpy nor
+    the formats (ml_dtypes), llvmlite nor cuda.core come with it; the first use of a name
+    loads its module."""
+    code = ("import sys, epgen\n"
+            "heavy = [m for m in ('numpy', 'ml_dtypes', 'llvmlite', 'cuda.core', 'epgen.config',\n"
+            "                     'epgen.formats', 'epgen.runtime') if m in sys.modules]\n"
+            "print(heavy)\n"
+            "assert epgen.EPConfig.__name__ == 'EPConfig' and 'epgen.config' in sys.modules\n"
+            "assert epgen.reference.__name__ == 'epgen.reference'\n"
+            "assert 'EmulatedWorld' in dir(epgen) and 'epgen.runtime' not in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]"
