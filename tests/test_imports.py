@@ -224,3 +224,26 @@ def test_import_epgen_loads_nothing_heavy():
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "[]"
+
+
+# package -> packages it must never import (module level or inside functions): the layers of
+# docs/design.md
+FORBIDDEN = {
+    "ir": ("backends", "epgen"),
+    "backends.nvptx": ("backends.cuda", "epgen"),
+    "backends.cuda": ("ir", "backends.nvptx", "epgen"),
+    "epgen.kernels": ("epgen.runtime", "epgen.bench", "backends.cuda"),
+    "epgen.runtime": ("epgen.bench",),
+}
+
+
+def test_imports_follow_the_layers():
+    mods, top, local = import_graph()
+    bad = []
+    for module in mods:
+        targets = top[module] | {t.lstrip("^") for t, _ in local[module]}
+        for layer, banned in FORBIDDEN.items():
+            if module == layer or module.startswith(layer + "."):
+                bad += [f"{module} -> {t}" for t in sorted(targets)
+                        if any(t == b or t.startswith(b + ".") for b in banned)]
+    assert not bad, "\n".join(bad)
