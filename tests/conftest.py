@@ -13,10 +13,11 @@ fixtures.
 - Parallel by default: with pytest-xdist installed (the ``test`` extra), a run of this
   repository's tests without ``-n`` runs on ``-n auto`` workers with ``--dist loadfile``:
   every test file runs whole in one worker, so a file's tests, its module fixtures and the
-  golden files it writes stay in one process, deterministically. GPU tests take a lock
-  shared by the run's workers, so one GPU test runs at a time, as serially. ``-n 0`` (or
-  ``-p no:xdist``) runs serially; ``--update-golden`` always does (it rewrites
-  golden/MANIFEST once).
+  golden files it writes stay in one process, deterministically. Where a GPU is usable the
+  default stays serial (the GPU tier's module fixtures hold device memory, and one GPU
+  should see one test at a time); with an explicit ``-n`` there, GPU tests take a lock shared
+  by the run's workers, so they still run one at a time. ``-n 0`` (or ``-p no:xdist``) runs
+  serially; ``--update-golden`` always does (it rewrites golden/MANIFEST once).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def pytest_addoption(parser):
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """``-n auto --dist loadfile`` unless ``-n`` was given, xdist is absent, the run updates
-    goldens, or the session is not this repository's (a scratch pytester session that copied
-    this file)."""
+    goldens, a GPU is usable here, or the session is not this repository's (a scratch
+    pytester session that copied this file)."""
     if not config.pluginmanager.hasplugin("xdist") or config.getoption("update_golden"):
         if config.pluginmanager.hasplugin("xdist"):
             config.option.numprocesses = 0
@@ -53,6 +54,8 @@ def pytest_cmdline_main(config):
     if config.rootpath != Path(__file__).resolve().parent.parent:
         return
     if config.option.numprocesses is None and not getattr(config, "workerinput", None):
+        if gpu_skip_reason() is None:
+            return
         config.option.numprocesses = "auto"
         if config.option.dist == "no":
             config.option.dist = "loadfile"
