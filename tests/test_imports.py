@@ -42,6 +42,9 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
                            "epgen.bench imports with numpy only (tests/test_bench.py::"
                            "test_import_is_light): backends.cuda inside device functions"),
     "epgen.bench.driver": (("backends.cuda",), "as epgen.bench.memory"),
+    "epgen.bench.options": (("epgen.bench.plan",),
+                            "`epgen --help` builds these options without plan's imports (the "
+                            "configuration, the formats, ml_dtypes)"),
     "epgen.bench.p2p": (("backends.cuda", "epgen.runtime.p2p_world"), "as epgen.bench.memory"),
     "epgen.bench.runner": (("backends.cuda", "epgen.runtime.world"), "as epgen.bench.memory"),
     "epgen.bench.timing": (("backends.cuda",), "as epgen.bench.memory"),
@@ -247,3 +250,16 @@ def test_imports_follow_the_layers():
                 bad += [f"{module} -> {t}" for t in sorted(targets)
                         if any(t == b or t.startswith(b + ".") for b in banned)]
     assert not bad, "\n".join(bad)
+
+
+def test_building_the_cli_loads_no_configuration():
+    """Every ``epgen`` start builds the whole parser (``epgen --help`` too): that must not
+    import the configuration, the formats or their numeric libraries."""
+    code = ("import sys, epgen.cli\n"
+            "epgen.cli.build_parser()\n"
+            "print([m for m in ('numpy', 'ml_dtypes', 'llvmlite', 'epgen.config', 'epgen.formats')\n"
+            "       if m in sys.modules])\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]"

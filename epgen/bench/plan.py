@@ -24,6 +24,7 @@ import attrs
 
 from ..config import BOOL_PARAMS, EPConfig
 from ..presets import parse_value
+from .choices import ROUTINGS, WORLDS
 
 SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
@@ -42,8 +43,6 @@ with the field alignment, and the H200 ran it faster at the reference's 16 than 
 VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS \
     + FORMAT_VARIANT_KEYS
 """Parameters a variant may change."""
-ROUTINGS = ("uniform", "zipf")
-WORLDS = ("emulated", "p2p")
 
 
 def shape_name(tokens_per_rank: int) -> str:
