@@ -154,8 +154,8 @@ def test_failing_test_reports_its_seed_under_xdist(scratch, monkeypatch):
 
 
 def test_default_run_is_parallel(scratch):
-    """In this repository a run without -n gets ``-n auto``; a scratch session (another
-    rootdir) stays serial."""
+    """In this repository a run without -n gets ``-n auto`` (where no GPU is usable); a
+    scratch session (another rootdir) stays serial."""
     pytest.importorskip("xdist")
     import conftest
 
@@ -163,6 +163,8 @@ def test_default_run_is_parallel(scratch):
     result = scratch.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "workers" not in result.stdout.str()
+    if conftest.gpu_skip_reason() is None:
+        pytest.skip("a GPU is usable here: the default run stays serial")
     repo = Path(conftest.__file__).resolve().parent.parent
     res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                           "tests/test_imports.py::test_find_cycle_finds_one"],
