@@ -437,7 +437,7 @@ if [ "$what" = p2p ]; then
     LIMIT=120 gpu_tests p2p-tests 300 tests/test_p2p_gpu.py
     step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
     p2p=(--world p2p --preset default --set n_ranks="$n" --set p2p_world_size="$n")
-    # a plot where matplotlib is installed (the device machine has none unless carried)
+    # a plot where matplotlib is installed
     plot=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/p2p-bench.png")
     # shellcheck disable=SC2086
     step p2p-bench 200 python3 -m epgen bench "${p2p[@]}" --tokens 128,4096 \

@@ -1,5 +1,5 @@
 """Run an ``epgen`` command with module-level tuning constants changed, for A/B runs of code
-generation choices in one device call:
+generation choices in one command:
 
     PYTHONPATH=. python3 benchmarks/experiments/with_settings.py \\
         epgen.kernels.dispatch_async.SEND_DSTS_IN_SHARED=True \\
