@@ -51,7 +51,7 @@ def pytest_cmdline_main(config):
         if config.pluginmanager.hasplugin("xdist"):
             config.option.numprocesses = 0
         return
-    if config.rootpath != Path(__file__).resolve().parent.parent:
+    if Path(config.rootpath).resolve() != Path(__file__).resolve().parent.parent:
         return
     if config.option.numprocesses is None and not getattr(config, "workerinput", None):
         if gpu_skip_reason() is None:
