@@ -1,4 +1,4 @@
-"""Code-generation speed (issue 6 item 4): generating and assembling the default preset, and
+"""Code-generation speed (targets: under 1 s, goldens under 60 s; docs/PERF.md): generating and assembling the default preset, and
 regenerating every golden variant. Runs on the CPU (no GPU needed).
 
     PYTHONPATH=. python3 benchmarks/codegen_speed.py

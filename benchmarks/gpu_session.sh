@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the whole GPU tier, then the issue-6 benchmark set, each step
-# under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run from the
-# repository root; a step that fails or times out is reported and the next one still runs.
+# One call on the GPU machine: the whole GPU tier, then the benchmark set of docs/PERF.md,
+# each step under its own timeout, logs and JSON under $OUT (default ./gpu-session-out). Run
+# from the repository root; a step that fails or times out is reported and the next one still
+# runs.
 #
 #   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|geometry|graph-ab|p2p]
 #
@@ -28,12 +29,12 @@
 # two GPUs). A/B arms of settled choices go with their experiment (docs/PERF.md records what
 # each measured); an arm of a choice still worth switching sets it with ``--tune``.
 #
-# About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min): two device calls,
-# "tests" then "bench" (each under `timeout 590`).
+# About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min); under a 10-minute
+# limit per command, run "tests" then "bench" (each under `timeout 590`).
 set -u
 OUT=${OUT:-gpu-session-out}
-# the device tool returns at most 8 files: every log and JSON goes under $OUT/files, and the
-# end of the script packs them into $OUT/<mode>.tar.gz
+# every log and JSON goes under $OUT/files, and the end of the script packs them into one
+# $OUT/<mode>.tar.gz (one file to copy off the machine)
 FINAL_OUT=$OUT
 OUT=$FINAL_OUT/files
 mkdir -p "$OUT"
@@ -277,7 +278,7 @@ if [ "$what" = p2p ]; then
     LIMIT=120 gpu_tests p2p-tests 300 tests/test_p2p_gpu.py
     step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
     p2p=(--world p2p --preset default --set n_ranks="$n" --set p2p_world_size="$n")
-    # a plot where matplotlib is installed (the device machine has none unless carried)
+    # a plot where matplotlib is installed
     plot=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/p2p-bench.png")
     # shellcheck disable=SC2086
     step p2p-bench 200 python3 -m epgen bench "${p2p[@]}" --tokens 128,4096 \

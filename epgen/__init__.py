@@ -1,16 +1,32 @@
 """epgen: a code generator for the expert-parallel MoE dispatch kernels (the reference
 ``EPDispatchKernel`` family).
 
-Importing the package is light: numpy and attrs only. ``emit_ptx`` loads llvmlite and
-``EmulatedWorld`` and ``P2PWorld`` load cuda.core when first used.
+Importing the package costs nothing: every name below is loaded on first use (PEP 562).
+``EPConfig``, the formats and ``reference`` need numpy, attrs and ml_dtypes; ``emit_ptx``
+loads llvmlite; ``EmulatedWorld`` and ``P2PWorld`` load cuda.core.
 """
 
-from . import reference
-from .config import EPConfig, EPConfigError
-from .errors import EPTimeoutError
-from .formats import BF16Format, BlockwiseFP8Format, MXFP8Format, NVFP4Format, TokenFormat
-from .layout import Layout
-from .tuning import Tuning, TuningError
+from __future__ import annotations
+
+import importlib
+
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "reference": ("epgen.reference", None),
+    "EPConfig": ("epgen.config", "EPConfig"),
+    "EPConfigError": ("epgen.config", "EPConfigError"),
+    "EPTimeoutError": ("epgen.errors", "EPTimeoutError"),
+    "BF16Format": ("epgen.formats", "BF16Format"),
+    "BlockwiseFP8Format": ("epgen.formats", "BlockwiseFP8Format"),
+    "MXFP8Format": ("epgen.formats", "MXFP8Format"),
+    "NVFP4Format": ("epgen.formats", "NVFP4Format"),
+    "TokenFormat": ("epgen.formats", "TokenFormat"),
+    "Layout": ("epgen.layout", "Layout"),
+    "Tuning": ("epgen.tuning", "Tuning"),
+    "TuningError": ("epgen.tuning", "TuningError"),
+    "EmulatedWorld": ("epgen.runtime.world", "EmulatedWorld"),
+    "P2PWorld": ("epgen.runtime.p2p_world", "P2PWorld"),
+}
 
 
 def build_module(cfg):
@@ -27,13 +43,18 @@ def emit_ptx(cfg, arch: str = "sm_90") -> str:
 
 
 def __getattr__(name):
-    if name == "EmulatedWorld":
-        from .runtime.world import EmulatedWorld
-        return EmulatedWorld
-    if name == "P2PWorld":
-        from .runtime.p2p_world import P2PWorld
-        return P2PWorld
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = importlib.import_module(module)
+        if attr is not None:
+            value = getattr(value, attr)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'epgen' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "BlockwiseFP8Format",

@@ -2,13 +2,13 @@
 
 Every parameter of the reference page exists here under the same name with the same default
 (the page's ``token_fmt_type`` is the ``token_fmt`` instance; ``token_fmt_type`` is an alias).
-``timeout_ns`` is ours (DESIGN section 8: every spin-wait is bounded; 0 = unbounded, as in the
-reference).
+``timeout_ns`` is ours (every spin-wait is bounded, docs/design.md "The reliability contract";
+0 = unbounded, as in the reference).
 
-Construction validates every constraint (protocol section 7.9 plus ours) and raises
+Construction validates every constraint (the reference's plus ours) and raises
 ``EPConfigError`` (a ``ValueError``) listing each violated rule with the parameters it names.
 
-``skip_a2a`` follows the reference's instantiation (protocol 7.3): the kernels are built for
+``skip_a2a`` follows the reference's per-device instantiation: the kernels are built for
 one device, ``n_experts`` = that device's experts and ``n_ranks = 1``, while ``topk_ids`` stay
 global and ``my_rank`` (a launch argument) is the real device id. So ``skip_a2a`` requires
 ``n_ranks == 1``; with ``n_ranks > 1`` the dispatch_wait aux block would wait for count words

@@ -1,9 +1,9 @@
 """Every derived member of the reference ``EPDispatchKernel`` (its comptime members and layout
 methods), plus the sizes of the buffers and counter regions they index.
 
-``cfg.layout`` is a ``Layout``. Each reference member keeps its name and formula (the page is the
-contract: ``EPDispatchKernel-reference-page.txt``); the few members that are ours are marked
-"ours" and documented where they are defined.
+``cfg.layout`` is a ``Layout``. Each reference member keeps its name and formula (the reference's
+documented members are the contract); the few members that are ours are marked "ours" and
+documented where they are defined.
 
 The layout methods (``recv_buf_layout``, ``recv_count_layout``, ``send_buf_layout``,
 ``rank_flag_offset``) are plain arithmetic on their coordinates, so they accept Python ints,
@@ -73,7 +73,7 @@ class CounterRegion:
 
 @attrs.frozen
 class EPRoleSplit:
-    """Reference ``EPRoleSplit[block_size, n_items, flag]`` (protocol section 7.7).
+    """Reference ``EPRoleSplit[block_size, n_items, flag]`` (the copy/publisher warp split).
 
     Warps ``[0, n_copy_warps)`` form the copy role (threads ``tid < n_copy_threads`` run the
     quantize loop, ``n_trips`` items each); the last ``n_publisher_warps`` warps publish. The
@@ -286,8 +286,8 @@ class Layout:
 
         The page says the cursors "are always reserved" and puts them at ``rc_cursor_base =
         rank_flag_base + R``; for the cursors to lie inside the buffer the ``R`` flag words
-        are therefore always reserved too, with or without ``has_rank_flag`` (the page's
-        placement supersedes an index range of ``L*R (+R)`` words)."""
+        are therefore always reserved too, with or without ``has_rank_flag`` (the reference's
+        index table's ``L*R (+R)`` is superseded by its member list)."""
         return self.rc_cursor_base + self._L
 
     @property
@@ -475,7 +475,7 @@ class Layout:
         """Ours: offset of the base hand-off words inside ``final_layout_region``."""
         return 0
 
-    # ---- ep_final_layout / ep_prod_reserve buffers (ours) ------------------------------------
+    # ---- ep_final_layout / ep_prod_reserve buffers (ours, docs/final-layout.md) ------
     @property
     def hdr_bytes(self) -> int:
         """Ours: bytes of one row of the final-layout header array: the message's header

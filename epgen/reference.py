@@ -2,7 +2,7 @@
 
 ``dispatch(cfg, tokens, topk_ids)`` takes one ``[T_r, H]`` token array and one ``[T_r, K]``
 array of global expert ids per rank and returns, per destination rank, a ``RankResult``: the
-received tokens grouped per local expert (protocol 2.5), ``row_offsets``, ``expert_ids``,
+received tokens grouped per local expert, ``row_offsets``, ``expert_ids``,
 ``src_info``, ``counts[L, R]`` and the start row of every (local expert, source rank) block.
 
 Row order (the reference's, with its nondeterminism removed): groups in order (the shared
@@ -19,7 +19,7 @@ any order of whole blocks that tiles that range exactly. With ``ep_prod_reserve`
 is the standard one above, blocks source-rank-major (deterministic), rows inside a block still
 in reservation order.
 
-``skip_a2a`` (protocol 7.3) follows the reference's instantiation: ``cfg.n_ranks == 1`` and
+``skip_a2a`` follows the reference's per-device instantiation: ``cfg.n_ranks == 1`` and
 ``cfg.n_experts`` is one device's expert count ``L``; the lists hold one input per *device*,
 ``ranks`` gives each device's id (default ``0, 1, ...``), and device ``d`` keeps its own tokens
 routed to global experts ``[d*L, (d+1)*L)``. With ``fused_shared_expert`` it packs its slice
@@ -171,7 +171,7 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
 
 # ---- results --------------------------------------------------------------------------------
 def se_slice(n_tokens: int, rank: int, world: int | None) -> tuple[int, int]:
-    """``(row0, T_se)``: the shared-expert token slice of ``rank`` (protocol 6). Without an
+    """``(row0, T_se)``: the shared-expert token slice of ``rank`` (docs/fused.md). Without an
     allreduce world (``world is None``) a rank packs all its tokens."""
     if world is None:
         return 0, n_tokens

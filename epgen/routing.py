@@ -1,5 +1,5 @@
 """Routing and token generators for tests and benchmarks: random top-k routings (ids unique
-per token), skewed (Zipf-like) routings and the edge cases of DESIGN.md section 9."""
+per token), skewed (Zipf-like) routings and the edge cases the GPU tests run (``EDGE_CASES``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def routing(rng, cfg, tokens_per_rank, weights=None):
 
 
 def edge_case(rng, cfg, name: str):
-    """The edge cases of DESIGN.md section 9 (plus a random baseline), by name."""
+    """The edge cases every kernel is tested on (zero tokens, one hot expert, all tokens to one
+    rank, ``T = max_tokens_per_rank``, a rank with no tokens; plus a random baseline), by name."""
     E, K, R = cfg.n_experts, cfg.token_fmt.top_k, cfg.n_ranks
     L, Tmax = E // R, cfg.max_tokens_per_rank
     if name == "zero_tokens":

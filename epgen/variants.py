@@ -1,4 +1,4 @@
-"""The variant matrix: every combination of ``EPConfig``'s boolean flags (issue 4 item 9).
+"""The variant matrix: every combination of ``EPConfig``'s boolean flags.
 
 ``MATRIX_FLAGS`` are the boolean parameters except ``use_shmem`` (always ``False`` here: the
 SHMEM transport does not exist, and ``skip_a2a`` excludes it). Each of the ``2**8``

@@ -495,7 +495,7 @@ class DiagSite:
 
 @attrs.frozen
 class SpinWait:
-    """Bounded spin-wait (DESIGN.md section 8).
+    """Bounded spin-wait (docs/design.md, "The reliability contract").
 
     Repeats ``v = ld.<sem>.<scope> [addr]`` until ``((v >> shift) & mask) <cond> expected``,
     sleeping ``backoff_ns`` between polls. It gives up when ``%globaltimer`` has advanced more

@@ -1,4 +1,4 @@
-"""Static checks of the kernel IR (DESIGN.md section 3).
+"""Static checks of the kernel IR (docs/ir.md).
 
 ``verify(kernel_or_module)`` raises ``VerifyError`` listing every ``Issue`` found; ``check``,
 ``check_kernel`` and ``check_role`` return the issues instead. Each issue names the kernel, the

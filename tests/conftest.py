@@ -10,11 +10,20 @@ fixtures.
 - ``seed``: a fresh random seed per test (``EPGEN_SEED=N`` fixes it); a failing test's report
   shows ``seed: N; rerun with EPGEN_SEED=N``.
 - ``golden``: ``golden.check("demo/copy16", "ptx", text)``; see ``golden_util``.
+- Parallel by default: with pytest-xdist installed (the ``test`` extra), a run of this
+  repository's tests without ``-n`` runs on ``-n auto`` workers with ``--dist loadfile``:
+  every test file runs whole in one worker, so a file's tests, its module fixtures and the
+  golden files it writes stay in one process, deterministically. Where a GPU is usable the
+  default stays serial (the GPU tier's module fixtures hold device memory, and one GPU
+  should see one test at a time); with an explicit ``-n`` there, GPU tests take a lock shared
+  by the run's workers, so they still run one at a time. ``-n 0`` (or ``-p no:xdist``) runs
+  serially; ``--update-golden`` always does (it rewrites golden/MANIFEST once).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +40,25 @@ def pytest_addoption(parser):
     group.addoption("--update-golden", action="store_true", default=False,
                     help="rewrite golden/ files (and golden/MANIFEST) from the current code "
                          "instead of comparing; review the diff before committing")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``-n auto --dist loadfile`` unless ``-n`` was given, xdist is absent, the run updates
+    goldens, a GPU is usable here, or the session is not this repository's (a scratch
+    pytester session that copied this file)."""
+    if not config.pluginmanager.hasplugin("xdist") or config.getoption("update_golden"):
+        if config.pluginmanager.hasplugin("xdist"):
+            config.option.numprocesses = 0
+        return
+    if Path(config.rootpath).resolve() != Path(__file__).resolve().parent.parent:
+        return
+    if config.option.numprocesses is None and not getattr(config, "workerinput", None):
+        if gpu_skip_reason() is None:
+            return
+        config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
 
 
 def pytest_configure(config):
@@ -96,6 +124,26 @@ def pytest_collection_modifyitems(config, items):
         if marker is not None and gpu_count() < int(marker.args[0]):
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {int(marker.args[0])} GPUs (this machine has {gpu_count()})"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a GPU test (setup, call, teardown) holds a lock file of this run: the
+    workers take turns on the GPU."""
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None or item.get_closest_marker("gpu") is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    lock = Path(tempfile.gettempdir()) / f"epgen-gpu-{workerinput['testrunuid']}.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Golden files: ``golden/<kernel>/<variant>.<ext>`` holding generated text (IR, PTX).
 
-Rules (docs: README "Goldens"; DESIGN.md section 9; toolchain-notes.md section 4):
+Rules (README "Goldens"):
 - text is normalised before it is compared or stored (``\\n`` line ends, no trailing spaces,
   exactly one final newline);
 - a mismatch fails with a unified diff (at most ``DIFF_LINES`` lines) and writes

@@ -17,7 +17,7 @@ from world_checks import assert_imports_light
 
 from epgen import BF16Format, EPConfig, cli, presets, reference, routing
 from epgen.formats import make_format
-from epgen.bench import (baseline, driver, inputs, memory, options, plan, report, runner,
+from epgen.bench import (baseline, common, driver, inputs, memory, options, plan, report, runner,
                          timing, traffic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +77,7 @@ def test_bytes_per_variant_of_a_plan():
 
 
 def test_round_trip_bytes_design_figures():
-    """The floors quoted in issue 6 (copy 4.24 TB/s): ~2.8 ms staged and ~1.0 ms final layout
+    """The byte floors (copy 4.24 TB/s): ~2.8 ms staged and ~1.0 ms final layout
     at prefill, ~87 us staged and ~31 us final layout at decode."""
     # at the reference alignment (16); the decode preset's 128 is checked below
     reference_fmt = make_format("BF16", 7168, 8)
@@ -464,7 +464,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "sm_count", lambda d=None: 132)
     fake_torch = types.SimpleNamespace(__version__="0+fake",
                                        cuda=types.SimpleNamespace(set_device=lambda d: None))
-    monkeypatch.setattr(driver, "_import_torch", lambda: (fake_torch, None))
+    monkeypatch.setattr(common, "import_torch", lambda: (fake_torch, None))
     monkeypatch.setattr(memory, "mem_info", lambda device: (100 << 30, 141 << 30))
     monkeypatch.setattr(runner, "measure_copy", lambda *a: dict(FAKE_COPY))
     monkeypatch.setattr(runner, "measure_world", _fake_measure_world)
@@ -526,7 +526,7 @@ def test_run_skips_what_does_not_fit(fake_gpu, monkeypatch):
 
 
 def test_run_capacity_too_small_and_no_torch(fake_gpu, monkeypatch):
-    monkeypatch.setattr(driver, "_import_torch", lambda: (None, "no torch here"))
+    monkeypatch.setattr(common, "import_torch", lambda: (None, "no torch here"))
     res = driver.run(bench_args("--preset", "small", "--tokens", "16", "--block-capacity", "1"),
                      quiet())
     s = res["shapes"][0]

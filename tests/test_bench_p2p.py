@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from epgen import BF16Format, EPConfig, cli, reference, routing
-from epgen.bench import baseline, driver, memory, options, p2p, runner, timing
+from epgen.bench import baseline, common, driver, memory, options, p2p, runner, timing
 from epgen.formats import make_format
 from epgen.presets import load_preset
 
@@ -204,7 +204,7 @@ def fake_gpus(monkeypatch):
     enabled = []
     monkeypatch.setattr(cuda, "enable_peer_access", lambda a, b: enabled.append((a, b)))
     monkeypatch.setattr(memory, "mem_info", lambda device: (100 << 30, 141 << 30))
-    monkeypatch.setattr(driver, "_import_torch",
+    monkeypatch.setattr(common, "import_torch",
                         lambda: (types.SimpleNamespace(__version__="0+fake"), None))
     monkeypatch.setattr(p2p, "measure_peer_copy", lambda devices, mib, iters, gate: {
         "size_mib": mib, "bytes_per_gpu": mib << 20, "devices": list(devices),

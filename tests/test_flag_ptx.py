@@ -1,4 +1,4 @@
-"""One check per flag (issue 4 items 1-4) proving the instructions that distinguish its
+"""One check per flag (docs/flags.md) proving the instructions that distinguish its
 variant, mostly against the stock build of the same geometry: ``ep_send_join_named``,
 ``ep_copy_role_split``, ``ep_ord_r`` + ``has_rank_flag``, ``skip_a2a``; plus the IR-level
 facts behind them and the illegal flag combinations. docs/flags.md describes each flag."""

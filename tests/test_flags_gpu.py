@@ -1,4 +1,4 @@
-"""The flags of issue 4 items 1-4 on the GPU: EmulatedWorld against the numpy reference,
+"""The flags of docs/flags.md on the GPU: EmulatedWorld against the numpy reference,
 bit-exact (rows inside an (expert, source) block in any order), on random routings and the
 edge cases: ``ep_send_join_named``; ``ep_copy_role_split`` on the geometry that enables it;
 ``ep_ord_r`` + ``has_rank_flag`` (alone and with ``ep_send_join_named``), with the state it

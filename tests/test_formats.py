@@ -1,4 +1,4 @@
-"""Token formats: message layout and sizes (protocol 3.1/3.2), numpy pack/unpack, validation."""
+"""Token formats: message layout and sizes (the reference's message layout), numpy pack/unpack, validation."""
 
 import os
 
@@ -11,7 +11,7 @@ from epgen import BF16Format, TokenFormat
 
 
 @pytest.mark.parametrize("H,K,A,token,src_off,topk_off,msg", [
-    (7168, 8, 16, 14336, 14336, 14352, 14368),   # protocol 3.1 table: BF16 H=7168 K=8
+    (7168, 8, 16, 14336, 14336, 14352, 14368),   # the reference's table: BF16 H=7168 K=8
     (3584, 8, 16, 7168, 7168, 7184, 7200),       # the reference tests' H
     (2048, 8, 16, 4096, 4096, 4112, 4128),
     (128, 4, 16, 256, 256, 272, 288),
@@ -22,7 +22,7 @@ from epgen import BF16Format, TokenFormat
 ])
 def test_message_layout(H, K, A, token, src_off, topk_off, msg):
     f = BF16Format(hid_dim=H, top_k=K, alignment=A)
-    # protocol 3.1: msg_size = token_size + align_up(4, A) + align_up(2K, A)
+    # msg_size = token_size + align_up(4, A) + align_up(2K, A)
     assert (f.token_size, f.src_info_offset, f.topk_info_offset, f.msg_size()) == \
         (token, src_off, topk_off, msg)
     assert f.msg_size() % 16 == 0 and f.token_size % A == 0

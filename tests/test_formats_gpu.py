@@ -46,7 +46,7 @@ by_flags = pytest.mark.parametrize("flags", FLAG_SETS, ids=flags_id)
 
 def make_cfg(shape, fmt, **flags):
     R, E, H, K, T, threads, sms = shape
-    if flags.get("skip_a2a"):          # the reference's per-device instantiation (protocol 7.3)
+    if flags.get("skip_a2a"):          # the reference's per-device instantiation
         R, E = 1, E // R
     return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
                           max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,

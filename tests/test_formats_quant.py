@@ -40,7 +40,7 @@ def f32_bits(values) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).view(np.uint32)
 
 
-# ---- message layout (protocol 3.1 / 3.3 / 3.4) ---------------------------------------------
+# ---- message layout (the reference's) ----------------------------------------------------
 def expected_layout(name, H, K, A):
     """The protocol's formulas, written out: (quant_size, scales_offset, scales_size,
     token_size, msg_size)."""
@@ -69,7 +69,7 @@ def test_message_layout_formulas(cls, H, K, A):
 @pytest.mark.parametrize("name,msg", [("BF16", 14368), ("BlockwiseFP8", 7424), ("NVFP4", 4064),
                                       ("MXFP8", 7424)])
 def test_protocol_table_sizes(name, msg):
-    """Protocol 3.1's table, H = 7168, K = 8, A = 16."""
+    """The reference's message-size table, H = 7168, K = 8, A = 16."""
     assert make_format(name, 7168, 8).msg_size() == msg
 
 
@@ -221,7 +221,7 @@ def test_mxfp8_cases():
 
 
 def test_e8m0_rounds_up_like_the_reference_probe():
-    """Protocol 10: the reference's e8m0 cast gives 1.0 -> 127, 1.0+ulp -> 128, 1.5 -> 128;
+    """The reference's e8m0 cast gives 1.0 -> 127, 1.0+ulp -> 128, 1.5 -> 128;
     ml_dtypes rounds to nearest (1.0+ulp -> 127), so the reference model rounds first."""
     v = np.array([1.0, np.nextafter(np.float32(1), np.float32(2)), 1.5, 2.0, 0.75, 0.0,
                   2.0 ** -127, 2.0 ** -128, 2.0 ** -126 * 1.5, np.inf], np.float32)

@@ -36,7 +36,7 @@ FLAGS = {
 
 
 def make_cfg(fmt, H, **flags):
-    R = 1 if flags.get("skip_a2a") else 2      # the per-device instantiation (protocol 7.3)
+    R = 1 if flags.get("skip_a2a") else 2      # the per-device instantiation
     return epgen.EPConfig(num_threads=64, n_sms=5, n_experts=2 * R, n_ranks=R,
                           max_tokens_per_rank=4, p2p_world_size=R, use_shmem=False,
                           token_fmt=make_format(fmt, H, 2), **flags)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,60 @@ def test_failing_test_reports_its_seed(scratch, monkeypatch):
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(["*seed: 12345; rerun with EPGEN_SEED=12345*"])
     assert result.stdout.str().count("rerun with EPGEN_SEED") == 1
+
+
+def test_failing_test_reports_its_seed_under_xdist(scratch, monkeypatch):
+    """The seed section travels from the worker to the report (pytest-xdist)."""
+    pytest.importorskip("xdist")
+    monkeypatch.setenv("EPGEN_SEED", "4242")
+    scratch.makepyfile(test_s="""
+        def test_uses_seed(seed):
+            assert False, "boom"
+
+        def test_passes(seed):
+            pass
+    """)
+    result = scratch.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*2 workers*", "*seed: 4242; rerun with EPGEN_SEED=4242*"])
+
+
+def test_default_run_is_parallel(scratch):
+    """In this repository a run without -n gets ``-n auto`` (where no GPU is usable); a
+    scratch session (another rootdir) stays serial."""
+    pytest.importorskip("xdist")
+    import conftest
+
+    scratch.makepyfile(test_p="def test_x():\n    pass\n")
+    result = scratch.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert "workers" not in result.stdout.str()
+    if conftest.gpu_skip_reason() is None:
+        pytest.skip("a GPU is usable here: the default run stays serial")
+    repo = Path(conftest.__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          "tests/test_imports.py::test_find_cycle_finds_one"],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:]
+    assert "workers [1 item]" in res.stdout, res.stdout[-2000:]
+
+
+def test_loadfile_keeps_each_file_in_one_worker(scratch):
+    """Under ``--dist loadfile`` (the default here) each file's tests run in one worker,
+    which is what keeps a file's golden files and module fixtures to one process."""
+    pytest.importorskip("xdist")
+    body = ("import os\n"
+            "def _mark(name):\n"
+            "    with open(f'{name}.{os.environ[\"PYTEST_XDIST_WORKER\"]}', 'a') as f:\n"
+            "        f.write('x')\n"
+            + "".join(f"def test_{i}():\n    _mark(__name__)\n" for i in range(6)))
+    scratch.makepyfile(test_a=body, test_b=body)
+    result = scratch.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2",
+                                          "--dist", "loadfile")
+    result.assert_outcomes(passed=12)
+    for name in ("test_a", "test_b"):
+        workers = sorted(p.suffix for p in scratch.path.glob(f"{name}.gw*"))
+        assert len(workers) == 1, (name, workers)
 
 
 def test_fresh_seeds_differ(seed, request):

@@ -26,7 +26,7 @@ def align_up(x, a):
 def page_members(num_threads, n_sms, n_experts, n_ranks, max_tokens_per_rank, hid_dim, top_k,
                  alignment=16, ep_copy_role_split=False):
     """EPDispatchKernel comptime members as the reference page writes them."""
-    # BF16TokenFormat (protocol 3.1/3.2)
+    # BF16TokenFormat
     token_size = align_up(2 * hid_dim, alignment)
     msg_size = token_size + align_up(4, alignment) + align_up(2 * top_k, alignment)
 
@@ -57,7 +57,7 @@ def page_members(num_threads, n_sms, n_experts, n_ranks, max_tokens_per_rank, hi
     m["sm_schedule_offset"] = ((6 * n_experts) + 7)
     m["top_k"] = top_k
     m["work_counter_offset"] = (3 * n_experts)
-    # EPRoleSplit[num_threads, hid_dim // 8, ep_copy_role_split] (protocol 7.7)
+    # EPRoleSplit[num_threads, hid_dim // 8, ep_copy_role_split] (the copy/publisher warp split)
     n_copy_warps = num_threads // 32 - 4
     m["role_split"] = {
         "n_publisher_warps": 4, "n_copy_warps": n_copy_warps,

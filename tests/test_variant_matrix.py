@@ -1,4 +1,4 @@
-"""The variant matrix (issue 4 item 9, ``epgen/variants.py``): every combination of the
+"""The variant matrix (``epgen/variants.py``): every combination of the
 boolean flags of ``EPConfig`` with ``use_shmem=False``.
 
 - every legal combination builds (``epgen.build_module``), verifies (``ir.verify``), emits PTX,
@@ -34,7 +34,7 @@ ARCH = "sm_90"
 FLAGS = ("fused_shared_expert", "skip_a2a", "has_rank_flag", "ep_ord_r", "ep_final_layout",
          "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named")
 
-# The flag rules of EPConfig (protocol 7.9 plus ours, docs/flags.md, docs/final-layout.md,
+# The flag rules of EPConfig (the reference's plus ours, docs/flags.md, docs/final-layout.md,
 # docs/fused.md): (the parameters the rule names, when it is broken). The skip_a2a rules on
 # n_ranks and use_shmem never fire here: the matrix builds skip_a2a with n_ranks = 1 and every
 # combination with use_shmem = False.

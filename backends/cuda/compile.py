@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 from . import compat
 from .errors import CompileError, CudaUnavailableError, cuda_errors, translate_exception
+from .stream import arch as device_arch
+from .stream import driver_version
 
 __all__ = ["compile_ptx", "cache_key", "cache_path", "default_cache_dir", "normalize_arch",
            "cache_info", "CacheInfo"]
@@ -128,9 +130,6 @@ def compile_ptx(ptx: str | bytes, arch: str | None = None, cache_dir=None, *,
     :class:`CudaUnavailableError` without a driver.
     """
     global _hits, _misses
-    from .stream import arch as device_arch
-    from .stream import driver_version
-
     text = ptx.decode() if isinstance(ptx, bytes | bytearray) else str(ptx)
     target = normalize_arch(arch) if arch is not None else device_arch()
     options = list(ptxas_options or ())

@@ -27,7 +27,8 @@ import numpy as np
 from . import compat
 from .errors import check, cuda_errors
 from .memory import as_device_pointer
-from .module import LoadedKernel, _param_sizes, set_max_dynamic_shared_memory
+from .graph import stream_handle
+from .kernel import KernelHandle, _param_sizes, cufunction, set_max_dynamic_shared_memory
 from .stream import as_stream, using_device
 
 __all__ = ["launch", "launch_by_value", "pack_args", "pack_arg", "check_untyped_args",
@@ -232,7 +233,7 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
     programmatic dependent launch (``compat.launch_config``). With ``sync`` the stream is
     synchronised so a fault in the kernel raises :class:`CudaError` here.
     """
-    if isinstance(kernel, LoadedKernel):
+    if isinstance(kernel, KernelHandle):
         core_kernel, device, kname = kernel.kernel, kernel.device, repr(kernel.name)
         param_types = param_types if param_types is not None else kernel.param_types
         param_names = param_names if param_names is not None else kernel.param_names
@@ -244,7 +245,7 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
         packed = check_untyped_args(args, param_names)
     shmem = operator.index(shmem)
     with using_device(device) as dev:
-        sizes = (kernel.param_sizes() if isinstance(kernel, LoadedKernel)
+        sizes = (kernel.param_sizes() if isinstance(kernel, KernelHandle)
                  else _param_sizes(core_kernel))
         _check_sizes(packed, sizes, kname)
         _ensure_dynamic_smem(kernel, shmem)
@@ -261,7 +262,7 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
 def _ensure_dynamic_smem(kernel, shmem: int) -> None:
     if shmem <= 0:
         return
-    if isinstance(kernel, LoadedKernel):
+    if isinstance(kernel, KernelHandle):
         if shmem <= kernel._dynamic_smem_ok:
             return
         set_max_dynamic_shared_memory(kernel, shmem)
@@ -270,7 +271,7 @@ def _ensure_dynamic_smem(kernel, shmem: int) -> None:
         set_max_dynamic_shared_memory(kernel, shmem)
 
 
-def launch_by_value(kernel: LoadedKernel, grid: int, block: int, param: np.ndarray,
+def launch_by_value(kernel: KernelHandle, grid: int, block: int, param: np.ndarray,
                     stream=None, *, programmatic: bool = False) -> None:
     """Launch ``kernel``, whose one parameter is a by-value byte array, with ``param`` (a
     contiguous numpy array of exactly that many bytes): ``cuLaunchKernelEx`` with the
@@ -278,9 +279,6 @@ def launch_by_value(kernel: LoadedKernel, grid: int, block: int, param: np.ndarr
     supported there). The driver copies the bytes at the call, so ``param`` may change right
     after; a stream capture records them. ``programmatic``: a programmatic dependent launch
     (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``)."""
-    from .graph import stream_handle
-    from .module import cufunction
-
     data = np.ascontiguousarray(param)
     sizes = kernel.param_sizes()
     if sizes is not None and list(sizes) != [data.nbytes]:

@@ -1,4 +1,4 @@
-"""PTX checker (DESIGN.md section 4): every ordered IR operation must survive into the PTX with
+"""PTX checker: every ordered IR operation must survive into the PTX with
 its exact qualifiers, so no regeneration can silently drop a ``.release`` or a ``.sys``.
 
 ``ordered_ops`` maps each ordered IR operation to the one PTX instruction it must produce;

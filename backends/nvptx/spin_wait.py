@@ -1,4 +1,4 @@
-"""Expansion of a bounded ``SpinWait`` into plain IR statements (DESIGN.md section 8).
+"""Expansion of a bounded ``SpinWait`` into plain IR statements (docs/design.md, "The reliability contract").
 
 The wait becomes a loop of IR nodes whose lowerings (and PTX) are each pinned on their own:
 

@@ -1,4 +1,4 @@
-"""The dispatch benchmark behind ``epgen bench`` (DESIGN.md section 10, issue 6 item 1):
+"""The dispatch benchmark behind ``epgen bench`` (docs/PERF.md has the figures):
 epgen's dispatch_async + dispatch_wait on an ``EmulatedWorld`` (every rank on one GPU),
 against a device-to-device copy and against the PyTorch baseline, measured in one process.
 

@@ -1,4 +1,4 @@
-"""The PyTorch baseline of DESIGN.md section 10: what a one-GPU user would write to group all
+"""The PyTorch baseline (docs/PERF.md, "Method"): what a one-GPU user would write to group all
 ranks' routed tokens by (destination, local expert, source).
 
 Inputs ``tokens [R, T, H]`` bf16 and ``topk [R, T, K]`` int64 on the GPU;
@@ -26,7 +26,7 @@ NAME = "torch argsort+index_select"
 
 
 def sort_key(topk_ids, n_local_experts: int, n_ranks: int) -> np.ndarray:
-    """The composite key of DESIGN section 10 for ``topk_ids [R, T, K]`` (numpy):
+    """The composite key (destination, local expert, source) for ``topk_ids [R, T, K]`` (numpy):
     ``((dst * L + e) * R + src) * T * K + t * K + k`` with ``dst, e = divmod(id, L)``, flattened
     in ``(src, t, k)`` order. Since ``dst * L + e`` is the global id, the key is
     ``id * R * T * K + flat index``: sorting it is a stable sort of the flat ids."""

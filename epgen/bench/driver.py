@@ -14,26 +14,13 @@ import datetime
 import sys
 
 from .. import reference
-from . import baseline, inputs, memory, runner
+from . import baseline, common, inputs, memory, p2p, runner
+from .common import NoGPUError, bf16_config, failures
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, publish
 from .timing import Gate, rate
 from .traffic import baseline_bytes, round_trip_bytes
-
-
-class NoGPUError(RuntimeError):
-    """No usable CUDA GPU here."""
-
-
-def _import_torch():
-    try:
-        import torch
-    except Exception as exc:  # noqa: BLE001
-        return None, f"{type(exc).__name__}: {exc}"
-    if not torch.cuda.is_available():
-        return None, "torch.cuda.is_available() is False"
-    return torch, None
 
 
 def _fits(plan: Plan, need: int, out: dict, hint: str = "") -> bool:
@@ -46,16 +33,6 @@ def _fits(plan: Plan, need: int, out: dict, hint: str = "") -> bool:
     out["skipped"] = (f"needs {fmt_gb(need)} of device memory, more than "
                       f"{plan.mem_fraction:.0%} of the {fmt_gb(free)} free{hint}")
     return False
-
-
-def bf16_config(cfg):
-    """``cfg`` with the BF16 format of the same shape (what the PyTorch baseline moves)."""
-    from ..formats import BF16Format
-    fmt = cfg.token_fmt
-    if isinstance(fmt, BF16Format):
-        return cfg
-    return cfg.replace(token_fmt=BF16Format(hid_dim=fmt.hid_dim, top_k=fmt.top_k,
-                                            alignment=fmt.alignment))
 
 
 def baseline_phase(plan: Plan, T: int, sets, torch, gate, copy_gbps, progress) -> dict:
@@ -161,19 +138,6 @@ def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
     return out
 
 
-def failures(results, baseline: str = "baseline") -> list[str]:
-    """Errors and failed checks of a run, one line each (skipped phases are not failures);
-    ``baseline`` names the baseline in the lines."""
-    out = []
-    for s in results.get("shapes", []):
-        b = s["baseline"]
-        if "error" in b or b.get("check", "ok") != "ok":
-            out.append(f"T={s['tokens_per_rank']} {baseline}: {b.get('error') or b['check']}")
-        out += [f"T={s['tokens_per_rank']} epgen {v['label']}: {v['error']}"
-                for v in s["variants"] if "error" in v]
-    return out
-
-
 def run(plan: Plan, progress: Progress) -> dict:
     """Run every shape and variant of ``plan``; ``NoGPUError`` without a usable GPU."""
     from backends import cuda
@@ -196,7 +160,7 @@ def run(plan: Plan, progress: Progress) -> dict:
                    "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
         "shapes": [],
     }
-    torch, why = _import_torch()
+    torch, why = common.import_torch()
     gate = copy_gbps = None
     if torch is None:
         progress(f"torch unavailable ({why}): no baseline, no gate, copy not measured")
@@ -224,7 +188,6 @@ def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None =
     plot. The body of ``epgen bench`` and ``benchmarks/dispatch_bench.py``. A plan for the
     P2P world runs ``epgen.bench.p2p`` instead."""
     if plan.world == "p2p":
-        from . import p2p
         return p2p.execute(plan, json_path=json_path, plot_path=plot_path)
     progress = Progress(total=len(plan.tokens) * (1 + len(plan.variants)))
     results = run(plan, progress)

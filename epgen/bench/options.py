@@ -9,7 +9,7 @@ import argparse
 import importlib.util
 import os
 
-from .plan import ROUTINGS, WORLDS, Plan, parse_sweep, parse_tokens, parse_variant
+from .choices import ROUTINGS, WORLDS
 
 VARIANT_HELP = (
     "a variant to time, repeatable (default: one, 'default': the configuration as given). "
@@ -23,10 +23,18 @@ VARIANT_HELP = (
 
 
 def _arg_type(parse, name):
-    """An argparse ``type`` whose ``ValueError`` message reaches the usage error."""
+    """An argparse ``type`` whose ``ValueError`` message reaches the usage error. ``parse`` is a
+    function, or the name of one of ``plan``'s, imported when an option is parsed: building
+    the parser (every ``epgen`` start) needs neither ``plan`` nor the configuration it
+    imports (the token formats and ml_dtypes)."""
     def convert(text):
+        if isinstance(parse, str):
+            from . import plan
+            fn = getattr(plan, parse)
+        else:
+            fn = parse
         try:
-            return parse(text)
+            return fn(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     convert.__name__ = name
@@ -54,15 +62,15 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
     ``tokens_default`` describes the default shapes in the help."""
     positive = _arg_type(_positive, "positive integer")
     shapes = p.add_mutually_exclusive_group()
-    shapes.add_argument("--tokens", nargs="+", type=_arg_type(parse_tokens, "token list"),
+    shapes.add_argument("--tokens", nargs="+", type=_arg_type("parse_tokens", "token list"),
                         metavar="T", help=f"tokens per rank, one shape each: '128,4096' or "
                                           f"'128 4096' (default: {tokens_default})")
-    shapes.add_argument("--sweep-tokens", type=_arg_type(parse_sweep, "sweep"),
+    shapes.add_argument("--sweep-tokens", type=_arg_type("parse_sweep", "sweep"),
                         metavar="LO,[NEXT,]...,HI",
                         help="a geometric sweep of tokens per rank: '32,...,4096' or "
                              "'32,64,...,4096' doubles from 32 to 4096; '128,512,...,8192' "
                              "multiplies by 4")
-    p.add_argument("--variant", action="append", type=_arg_type(parse_variant, "variant"),
+    p.add_argument("--variant", action="append", type=_arg_type("parse_variant", "variant"),
                    metavar="[LABEL=]SPEC", help=VARIANT_HELP)
     p.add_argument("--routing", choices=ROUTINGS, default="uniform",
                    help="top-k routing: uniform, or Zipf-like expert popularity (a few hot "
@@ -142,8 +150,8 @@ def parse_devices(parser, text: str | None, world: str, n_ranks: int):
 
 
 def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, base,
-                   default_tokens, arch: str | None = None) -> Plan:
-    """The ``Plan`` of parsed ``args`` on the base configuration ``base``; ``parser.error``
+                   default_tokens, arch: str | None = None):
+    """The ``plan.Plan`` of parsed ``args`` on the base configuration ``base``; ``parser.error``
     (exit 2, naming the option) for any value that cannot run."""
     if args.tokens:
         tokens = [t for group in args.tokens for t in group]
@@ -173,6 +181,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
     devices = parse_devices(parser, getattr(args, "devices", None), world, base.n_ranks)
     kw = {"variants": tuple(args.variant)} if args.variant else {}
     kw.update(world=world, devices=devices)
+    from .plan import Plan
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
                 seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,
                 block_capacity=args.block_capacity, copy_mib=args.copy_mib,

@@ -1,4 +1,4 @@
-"""The P2P benchmark (``epgen bench --world p2p``, issue 7 item 3): epgen's dispatch round trip
+"""The P2P benchmark (``epgen bench --world p2p``, docs/multi-gpu.md): epgen's dispatch round trip
 on a ``P2PWorld`` (one GPU per rank), against the NVLink bandwidth and against
 ``torch.distributed`` NCCL all-to-all plus a permute of the same job, all in one run.
 
@@ -21,7 +21,7 @@ Method
   header (``ep_final_layout``), counted per source (sent) and per destination (received);
   the busiest GPU's larger count over the inputs sets bounds the time. GB/s per GPU = those
   bytes / round-trip time (1 GB = 1e9 B); fraction = that / the ring's bandwidth per GPU.
-  The goal (issue 7): >= 0.8 at prefill.
+  The goal: >= 0.8 at prefill.
 * **NCCL baseline** (``nccl_dispatch``; ``nccl_phase``): one spawned process per rank
   (``multiprocessing``, spawn: CUDA cannot be forked), one NCCL process group (``torch.distributed``, file
   store), each rank on its GPU with the same input sets (written by this process, read by
@@ -53,9 +53,11 @@ import traceback
 
 import numpy as np
 
-from .. import reference
+from .. import presets, reference
 from ..formats import BF16Format
-from . import inputs, memory, runner
+from . import common, inputs, memory, report, runner
+from .baseline import compare_grouping
+from .common import NoGPUError
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
@@ -216,7 +218,6 @@ def _nccl_worker(job: dict, rank: int, tmp: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from .. import presets
         cfg = presets.config_from_dict(job["config"])
         dev = torch.device("cuda", job["devices"][rank])
         torch.cuda.set_device(dev)
@@ -269,8 +270,6 @@ def nccl_phase(plan: Plan, T: int, sets, devices, progress, timeout_s: float = 9
     ``plan.check_rank``."""
     import multiprocessing
 
-    from .. import presets
-    from .baseline import compare_grouping
     cfg = bf16_config(plan.config(T))
     out = {"name": NCCL_NAME}
     iters, warmup = plan.iters_for(T), plan.warmup_for(T)
@@ -487,8 +486,7 @@ def run_shape(plan: Plan, T: int, devices, torch, gate, link_gbps, progress) -> 
 
 def failures(results) -> list[str]:
     """Errors and failed checks (skipped phases are not failures)."""
-    from .driver import failures as run_failures
-    return run_failures(results, baseline="nccl")
+    return common.failures(results, baseline="nccl")
 
 
 def run(plan: Plan, progress: Progress) -> dict:
@@ -496,7 +494,6 @@ def run(plan: Plan, progress: Progress) -> dict:
     from backends import cuda
 
     from ..runtime.p2p_world import check_peer_access
-    from .driver import NoGPUError, _import_torch
     if not cuda.gpu_available():
         raise NoGPUError("no usable CUDA GPU here (backends.cuda.gpu_available() is False); "
                          "run the P2P benchmark on a machine with several NVIDIA GPUs")
@@ -533,7 +530,7 @@ def run(plan: Plan, progress: Progress) -> dict:
     for a in set(devices):
         for b in set(devices):
             cuda.enable_peer_access(a, b)
-    torch, why = _import_torch()
+    torch, why = common.import_torch()
     gate = None
     if torch is None:
         progress(f"torch unavailable ({why}): no NCCL baseline, no gate")
@@ -583,9 +580,8 @@ def table_rows(results) -> list[dict]:
 
 def format_table(rows) -> str:
     """The P2P table: ``report.format_table`` per GPU, against the link and NCCL."""
-    from .report import format_table as table
-    return table(rows, routing=False, gbps_label="GB/s/GPU", gbps_width=9,
-                 frac_label="frac link", speedup_label="vs NCCL")
+    return report.format_table(rows, routing=False, gbps_label="GB/s/GPU", gbps_width=9,
+                               frac_label="frac link", speedup_label="vs NCCL")
 
 
 def print_report(results, file=None) -> None:
@@ -605,9 +601,8 @@ def print_report(results, file=None) -> None:
         print(f"peer copy per GPU ({c['size_mib']} MiB, cuMemcpyAsync): ring "
               f"{c['ring']['gbps_per_gpu']:.1f} GB/s (the reference), pair "
               f"{c['pair']['gbps_per_gpu']:.1f} GB/s", file=file)
-    from .report import print_shapes
-    print_shapes(results, file, "nccl", lambda v: f"busiest GPU "
-                 f"{v['link_bytes']['busiest'] / 1e6:.3f} MB over the links per round trip")
+    report.print_shapes(results, file, "nccl", lambda v: f"busiest GPU "
+                        f"{v['link_bytes']['busiest'] / 1e6:.3f} MB over the links per round trip")
     print(file=file)
     print(format_table(table_rows(results)), file=file)
 
@@ -630,16 +625,15 @@ def plot_series(results) -> dict[str, list[tuple[int, float]]]:
 def plot(results, path: str) -> None:
     """Write a PNG: ``plot_series`` over tokens per rank (log 2 axis), the peer-copy
     bandwidth per GPU as a horizontal line."""
-    from .report import draw_results_plot
     link = (results.get("peer_copy") or {}).get("gbps_per_gpu")
     b = results["plan"]["base"]
     fmt = b["token_fmt"]
-    draw_results_plot(results, plot_series(results), path, dashed=NCCL_NAME,
-                      line=(link, f"peer copy ({link:.0f} GB/s/GPU)") if link else None,
-                      ylabel="GB/s per GPU over the links (busiest GPU)",
-                      heading=f"dispatch round trip on {len(results['devices'])} GPUs: "
-                              f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, "
-                              f"{fmt['name']}")
+    report.draw_results_plot(results, plot_series(results), path, dashed=NCCL_NAME,
+                             line=(link, f"peer copy ({link:.0f} GB/s/GPU)") if link else None,
+                             ylabel="GB/s per GPU over the links (busiest GPU)",
+                             heading=f"dispatch round trip on {len(results['devices'])} GPUs: "
+                                     f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, "
+                                     f"{fmt['name']}")
 
 
 def execute(plan: Plan, *, json_path: str | None = None, plot_path: str | None = None) -> dict:

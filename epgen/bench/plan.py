@@ -27,6 +27,7 @@ import attrs
 from ..config import BOOL_PARAMS, EPConfig
 from ..presets import parse_value
 from ..tuning import TuningError, parse_tune
+from .choices import ROUTINGS, WORLDS
 
 SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
@@ -41,14 +42,12 @@ trip only)."""
 FORMAT_VARIANT_KEYS = ("alignment",)
 """Variant keys of the token format (``alignment:16``: the final layout's header rows grow
 with the field alignment, and the H200 ran it faster at the reference's 16 than at the
-``decode``/``prefill`` presets' 128, docs/PERF.md fourth session)."""
+``decode``/``prefill`` presets' 128, docs/PERF.md, step 12)."""
 VARIANT_KEYS = ("num_threads", "n_sms", "timeout_ns") + BOOL_PARAMS + WORLD_KEYS \
     + FORMAT_VARIANT_KEYS
 """Parameters a variant may change."""
 TUNE_PREFIX = "tune."
 """Variant keys ``tune.FIELD`` set a field of the configuration's tuning."""
-ROUTINGS = ("uniform", "zipf")
-WORLDS = ("emulated", "p2p")
 
 
 def shape_name(tokens_per_rank: int) -> str:

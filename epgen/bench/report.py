@@ -43,8 +43,8 @@ class Progress:
 
 def git_commit(repo: str = REPO_ROOT) -> tuple[str, bool | None]:
     """(``git rev-parse --short HEAD`` or "unknown", whether the tree has changes or None).
-    Where the tree is a copy without ``.git`` (the device machine), ``$EPGEN_COMMIT`` names
-    the commit it was copied from."""
+    Where the tree is a copy without ``.git`` (e.g. one copied to a GPU machine),
+    ``$EPGEN_COMMIT`` names the commit it was copied from."""
     if os.environ.get("EPGEN_COMMIT"):
         return os.environ["EPGEN_COMMIT"], None
     try:

@@ -1,4 +1,4 @@
-"""The bytes a dispatch round trip must move, by layout and token format (issue 6 item 1),
+"""The bytes a dispatch round trip must move, by layout and token format,
 and the bytes the PyTorch baseline's gather moves. GB/s figures divide these by the time
 (1 GB = 1e9 B)."""
 

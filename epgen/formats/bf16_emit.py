@@ -27,7 +27,7 @@ class BF16Emitter(DeviceEmitter):
 
     def emit_stage_loads(self, r, src_row, first, stride: int):
         """The pipelined block-staged send's first half of ``emit_copy_token_to_send_buf``
-        (``dispatch_async.SEND_JOIN_PREFETCH``): this thread issues its
+        (``send_staged.broadcast_tokens_pipelined``): this thread issues its
         ``ld.global.nc.v4.b32`` of vectors ``first, first + stride, ...`` now (past the
         payload's end it loads the last vector again) and returns ``store(msg)``, which emits
         their ``st.shared.v4.b32`` (those past the end skipped) where it is called."""

@@ -50,7 +50,7 @@ class BlockScaledEmitter(DeviceEmitter):
 
     def emit_stage_loads(self, r, src_row, first, stride: int):
         """The pipelined block-staged send's first half of ``emit_copy_token_to_send_buf``
-        (``dispatch_async.SEND_JOIN_PREFETCH``): this thread issues the
+        (``send_staged.broadcast_tokens_pipelined``): this thread issues the
         ``ld.global.nc.L2::256B.v4.b32`` of its items ``first, first + stride, ...`` now (an
         item past the end loads the last one again) and returns ``store(msg)``, which
         quantises them (the group maximum by shuffles, as ``_quantize_item``) and stores

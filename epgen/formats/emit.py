@@ -56,7 +56,7 @@ class DeviceEmitter:
 
     #: ``emit_stage_loads`` exists: the pipelined block-staged send may issue a token's input
     #: loads before the current token's broadcast and store them to shared memory after it
-    #: (``dispatch_async.SEND_JOIN_PREFETCH``)
+    #: (``send_staged.broadcast_tokens_pipelined``)
     splits_staging = False
 
     def emit_stage_loads(self, r, src_row, first, stride: int):

@@ -1,5 +1,5 @@
 """``RoundTripGraph``: a world's round trip captured once as a CUDA graph and replayed with one
-``cuGraphLaunch`` (issue 6: CUDA-graph capture of the round trip, part of the public API)::
+``cuGraphLaunch`` (CUDA-graph capture of the round trip, part of the public API)::
 
     world = EmulatedWorld(cfg)
     world.load_inputs(tokens, topk_ids)
