@@ -18,6 +18,8 @@ import attrs
 import ir
 from ir import nodes as N
 
+from .tuning import Tuning
+
 SCOPES = ("cta", "cluster", "gpu", "sys")
 PTXAS_FIELDS = ("registers", "spill_stores", "spill_loads", "stack_frame", "smem", "barriers",
                 "cmem")
@@ -218,8 +220,6 @@ def _kernel_lines(k: dict, arch: str) -> list[str]:
 
 def _changed_tuning(tuning: dict) -> dict:
     """The fields of a ``Tuning.describe()`` table that differ from the defaults."""
-    from .tuning import Tuning
-
     default = Tuning().describe()
     return {k: v for k, v in tuning.items() if default.get(k) != v}
 

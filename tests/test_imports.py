@@ -53,14 +53,6 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
     "epgen.runtime.graph": (("backends.cuda",), "cuda only when a graph is captured"),
     "epgen.runtime.program": (("backends.cuda", "backends.nvptx"),
                               "llvmlite and cuda only when a program is built"),
-    "epgen.runtime.world": (("ir", "backends.cuda", "epgen.runtime.graph"),
-                            "not restructured here (the world is being changed elsewhere)"),
-    # The token formats call kernels.common's emitters from inside their methods: the
-    # formats are being split into host codec and device emitter, which is where this goes.
-    "epgen.formats.bf16": (("epgen.kernels.common", "ir"), "formats -> kernels.common"),
-    "epgen.formats.blockscaled": (("epgen.kernels.common",), "formats -> kernels.common"),
-    "epgen.formats.fp8": (("epgen.kernels.common",), "formats -> kernels.common"),
-    "epgen.kernels.common": (("ir",), "not restructured here (the kernels are being split)"),
 }
 
 

@@ -7,7 +7,7 @@ the formats' device emitters use too (vector copies, scans, ``word``) live in
 from __future__ import annotations
 
 import ir
-from ir import CacheHint
+from ir import CacheHint, CmpOp, Scope, Sem, diag
 from ir import types as T
 
 from ..primitives import (VEC, VEC_BYTES, block_inclusive_scan,  # noqa: F401
@@ -36,8 +36,6 @@ def load_pointer(r: ir.RoleBuilder, table, index, name: str, peer: bool = True) 
 def exit_if_aborted(r: ir.RoleBuilder, err_buf):
     """After the barrier that follows a bounded wait: every thread leaves the kernel together
     if any wait of the launch group has expired (``ld.relaxed.sys`` of the abort word)."""
-    from ir import diag
-    from ir import Scope, Sem
     flag = r.load(word(err_buf, diag.ABORT_WORD), T.u32, Sem.RELAXED, Scope.SYS, name="aborted")
     with r.if_(flag.ne(0)):
         r.return_()
@@ -47,7 +45,6 @@ def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf, comm_barrier_id: int =
     """A dispatch_wait copy block's start: thread 0 waits (bounded, ``ld.acquire.gpu``, 32 ns
     back-off) for the aux block's ready flag (Region E of ``ctr``), the comm barrier, then
     every thread leaves together if a wait has expired (``exit_if_aborted``)."""
-    from ir import CmpOp, Scope, Sem
     lay = cfg.layout
     with r.if_(r.tid.eq(0)):
         r.spin_wait(word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,

@@ -34,6 +34,7 @@ rank) shares.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 import ir
@@ -47,6 +48,7 @@ from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from . import backend as backends_of
 from . import trace as runtime_trace
 from .diagnostics import DiagBuffer
+from .graph import RoundTripGraph
 from .program import Program
 
 
@@ -108,9 +110,6 @@ def co_resident(module, blocks: int, sms: int):
     """``module`` with every kernel asking ptxas for ``ceil(blocks / sms)`` resident blocks
     per SM (``.minnctapersm``; it caps registers accordingly) when one per SM cannot hold
     ``blocks``: all emulated ranks' grids must be resident at once on the one GPU."""
-    import attrs
-
-    import ir
     per_sm = -(-blocks // sms)
     if per_sm <= 1:
         return module
@@ -438,7 +437,6 @@ class RankWorld:
         """A ``RoundTripGraph`` of ``calls`` round trips of every rank (``graph.py``): the
         launches ``enqueue_round_trip`` makes, recorded once and replayed by
         ``graph.launch()`` with one ``cuGraphLaunch``."""
-        from .graph import RoundTripGraph
         return RoundTripGraph(self, calls, stream)
 
     def synchronize(self):
