@@ -480,8 +480,8 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "ptx": Command("print the PTX (or IR text) of both dispatch kernels of a preset; the main "
-                   "job", args_ptx, cmd_ptx),
+    "ptx": Command("print the PTX (or IR text) of a preset's dispatch kernels (dispatch_async, "
+                   "dispatch_wait, the fused ep_dispatch); the main job", args_ptx, cmd_ptx),
     "inspect": Command("show a configuration: parameters, layout, roles, barriers, atomics, "
                        "ptxas resources", args_inspect, cmd_inspect),
     "variants": Command("list the named variants (the registered goldens) with what each sets; "

@@ -1,4 +1,4 @@
-"""``ep_dispatch``: the fused single-launch dispatch kernel (protocol section 6): dispatch_async
+"""``ep_dispatch``: the fused single-launch dispatch kernel: dispatch_async
 and dispatch_wait in one grid, as roles in kernel order (a thread runs its roles one after the
 other).
 

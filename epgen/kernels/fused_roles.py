@@ -1,4 +1,4 @@
-"""``ep_fused_roles``: a test kernel for the fused-megakernel role parameters (issue 4 item 7).
+"""``ep_fused_roles``: a test kernel for the fused-megakernel role parameters, as the reference page lists them.
 
 It is dispatch_wait with a second role sharing the copy blocks, the way a fused MoE kernel
 would place its FFN next to the dispatch's comm role:

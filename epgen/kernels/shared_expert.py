@@ -1,4 +1,4 @@
-"""``fused_shared_expert`` in the fused dispatch kernel (protocol sections 6 and 7.2): this
+"""``fused_shared_expert`` in the fused dispatch kernel: this
 rank's own tokens become group 0 of the grouped output (reference page:
 ``pack_shared_expert_inputs``).
 
