@@ -18,6 +18,15 @@ class BlockScaledCodec(HostCodec):
     """Numpy side of a ``BlockScaledFormat``; subclasses define ``quantize``,
     ``element_values``, ``dequantize_groups`` and ``error_bound``."""
 
+    def scale_groups(self, x):
+        """``x`` as float32 scale groups ``[T, n_scale_groups, group_size]`` and each group's
+        absolute maximum (``[T, n_scale_groups]``, NaN ignored as ``fmax`` does, 0 for an
+        all-zero group): the first step of every format's ``quantize``."""
+        f = self.fmt
+        x = np.asarray(x, dtype=np.float32).reshape(-1, f.hid_dim)
+        g = x.reshape(x.shape[0], f.n_scale_groups, f.group_size)
+        return g, np.fmax.reduce(np.abs(g), axis=2, initial=np.float32(0))
+
     def scales_from_device(self, scales, n: int) -> np.ndarray:
         """The first ``n`` rows' scales, one row per output row (``[n, n_scale_groups]``),
         from the device tensor (host copy) of ``out_scales_shape``."""

@@ -16,15 +16,13 @@ class BlockwiseFP8Codec(BlockScaledCodec):
 
     def quantize(self, x, input_scale=1.0):
         f = self.fmt
-        x = np.asarray(x, dtype=np.float32).reshape(-1, f.hid_dim)
-        g = x.reshape(x.shape[0], f.n_scale_groups, f.group_size)
-        amax = np.fmax.reduce(np.abs(g), axis=2, initial=np.float32(0))
+        g, amax = self.scale_groups(x)
         scale = np.fmax(amax, np.float32(MIN_AMAX)) / np.float32(FP8_MAX)
         with np.errstate(invalid="ignore", divide="ignore"):
             q = g / scale[..., None]
         q = np.fmin(np.fmax(q, np.float32(-FP8_MAX)), np.float32(FP8_MAX))
         payload = q.astype(ml_dtypes().float8_e4m3fn).view(np.uint8)
-        payload = payload.reshape(x.shape[0], f.hid_dim)
+        payload = payload.reshape(g.shape[0], f.hid_dim)
         return payload, scale.astype(np.float32)
 
     def element_values(self, rows):

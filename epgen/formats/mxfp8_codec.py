@@ -30,10 +30,8 @@ class MXFP8Codec(BlockScaledCodec):
 
     def quantize(self, x, input_scale=1.0):
         f = self.fmt
-        x = np.asarray(x, dtype=np.float32).reshape(-1, f.hid_dim)
-        t = x.shape[0]
-        g = x.reshape(t, f.n_scale_groups, f.group_size)
-        amax = np.fmax.reduce(np.abs(g), axis=2, initial=np.float32(0))
+        g, amax = self.scale_groups(x)
+        t = g.shape[0]
         codes = e8m0_ceil_codes(amax / np.float32(FP8_MAX))
         s = codes.view(ml_dtypes().float8_e8m0fnu).astype(np.float32)
         with np.errstate(divide="ignore", invalid="ignore"):

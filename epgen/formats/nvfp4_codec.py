@@ -35,10 +35,8 @@ class NVFP4Codec(BlockScaledCodec):
 
     def quantize(self, x, input_scale=1.0):
         f = self.fmt
-        x = np.asarray(x, dtype=np.float32).reshape(-1, f.hid_dim)
-        t = x.shape[0]
-        g = x.reshape(t, f.n_scale_groups, f.group_size)
-        amax = np.fmax.reduce(np.abs(g), axis=2, initial=np.float32(0))
+        g, amax = self.scale_groups(x)
+        t = g.shape[0]
         codes, mult = self.group_scales(amax, input_scale)
         with np.errstate(invalid="ignore", over="ignore"):
             nib = e2m1_codes(g * mult[..., None]).reshape(t, f.hid_dim)
