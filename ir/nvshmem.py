@@ -1,0 +1,99 @@
+"""The NVSHMEM device functions the kernels may call, and builders that emit them.
+
+One table, ``FUNCTIONS``, names each device function by its C name with its signature and its
+role in the memory model, so that every layer agrees on it: the kernel builders emit calls
+through the helpers below (``putmem_nbi``, ``quiet``, ``fence``, ``signal_op``), the NVPTX
+backend declares and links them from NVSHMEM's device bitcode, the PTX checker knows which
+calls order memory, and the CPU simulator models each one.
+
+PTX Mapping: every helper is one ``ir.Call`` statement, lowered to
+``call.uni (ret), <name>, (args)`` of an ``.extern .func`` that the link step resolves.
+
+Ordering roles (what the call promises about the calling thread's earlier operations):
+
+- ``"put"``: a non-blocking copy into a peer's symmetric memory; nothing about delivery.
+- ``"fence"``: the calling thread's puts to one peer are delivered before its later puts and
+  signals to that peer.
+- ``"quiet"``: every put the calling thread issued is complete (visible at its peer) when the
+  call returns.
+- ``"signal"``: an atomic update of a 64-bit signal word in a peer's symmetric memory.
+- ``"query"``: no memory effect.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from . import types as T
+from .nodes import Cast, as_expr
+
+#: ``sig_op`` of ``nvshmemx_signal_op``: set the word (``NVSHMEM_SIGNAL_SET``) or add to it
+SIGNAL_SET = 0
+SIGNAL_ADD = 5
+
+
+@attrs.frozen
+class DeviceFunction:
+    """One NVSHMEM device function: C name, return type (None: void), parameter types and
+    ordering role (module docstring)."""
+
+    name: str
+    ret: T.DType | None
+    params: tuple
+    role: str
+
+
+FUNCTIONS: dict[str, DeviceFunction] = {f.name: f for f in (
+    # void nvshmem_putmem_nbi(void *dest, const void *source, size_t nbytes, int pe)
+    DeviceFunction("nvshmem_putmem_nbi", None, (T.u64, T.u64, T.u64, T.s32), "put"),
+    # void nvshmem_fence(void)
+    DeviceFunction("nvshmem_fence", None, (), "fence"),
+    # void nvshmem_quiet(void)
+    DeviceFunction("nvshmem_quiet", None, (), "quiet"),
+    # void nvshmemx_signal_op(uint64_t *sig_addr, uint64_t signal, int sig_op, int pe)
+    DeviceFunction("nvshmemx_signal_op", None, (T.u64, T.u64, T.s32, T.s32), "signal"),
+    # int nvshmem_my_pe(void)
+    DeviceFunction("nvshmem_my_pe", T.s32, (), "query"),
+)}
+
+
+def is_nvshmem(name: str) -> bool:
+    """Whether ``name`` is one of the NVSHMEM device functions of ``FUNCTIONS``."""
+    return name in FUNCTIONS
+
+
+def _call(r, name: str, *args):
+    f = FUNCTIONS[name]
+    return r.call(name, [_as(a, t) for a, t in zip(args, f.params)], ret=f.ret,
+                  arg_types=f.params)
+
+
+def _as(value, dtype):
+    e = as_expr(value)
+    return e if getattr(e, "dtype", None) == dtype else Cast(dtype, e)
+
+
+def putmem_nbi(r, dest, source, nbytes, pe):
+    """``nvshmem_putmem_nbi(dest, source, nbytes, pe)``: ``dest`` is the symmetric address
+    (this PE's address of the same symmetric object), ``pe`` the target."""
+    return _call(r, "nvshmem_putmem_nbi", dest, source, nbytes, pe)
+
+
+def fence(r):
+    """``nvshmem_fence()``."""
+    return _call(r, "nvshmem_fence")
+
+
+def quiet(r):
+    """``nvshmem_quiet()``."""
+    return _call(r, "nvshmem_quiet")
+
+
+def signal_op(r, sig_addr, value, sig_op: int, pe):
+    """``nvshmemx_signal_op(sig_addr, value, sig_op, pe)``: ``sig_addr`` symmetric, a u64
+    word."""
+    return _call(r, "nvshmemx_signal_op", sig_addr, value, sig_op, pe)
+
+
+__all__ = ["DeviceFunction", "FUNCTIONS", "SIGNAL_SET", "SIGNAL_ADD", "is_nvshmem",
+           "putmem_nbi", "fence", "quiet", "signal_op"]
