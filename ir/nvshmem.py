@@ -28,8 +28,10 @@ from . import types as T
 from .nodes import Cast, as_expr
 
 #: ``sig_op`` of ``nvshmemx_signal_op``: set the word (``NVSHMEM_SIGNAL_SET``) or add to it
-SIGNAL_SET = 0
-SIGNAL_ADD = 5
+#: (``NVSHMEM_SIGNAL_ADD``); the values of ``nvshmemx_signal_op_t`` in NVSHMEM's
+#: ``device_host_transport/nvshmem_common_transport.h`` (3.4 to 3.8)
+SIGNAL_SET = 9
+SIGNAL_ADD = 10
 
 
 @attrs.frozen
@@ -95,5 +97,10 @@ def signal_op(r, sig_addr, value, sig_op: int, pe):
     return _call(r, "nvshmemx_signal_op", sig_addr, value, sig_op, pe)
 
 
+def my_pe(r):
+    """``nvshmem_my_pe()``: this PE's number (an s32 ``Var``)."""
+    return _call(r, "nvshmem_my_pe")
+
+
 __all__ = ["DeviceFunction", "FUNCTIONS", "SIGNAL_SET", "SIGNAL_ADD", "is_nvshmem",
-           "putmem_nbi", "fence", "quiet", "signal_op"]
+           "putmem_nbi", "fence", "quiet", "signal_op", "my_pe"]
