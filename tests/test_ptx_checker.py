@@ -4,10 +4,13 @@ dropped from the text."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from backends.nvptx import PtxCheckError, check_ptx, emit_ptx, ordered_ops
-from ir import AtomOp, CmpOp, KernelBuilder, Scope, Sem
+from backends.nvptx.check import entry_bodies
+from ir import AtomOp, CmpOp, KernelBuilder, Scope, Sem, nvshmem
 from ir import nodes as N
 from ir import types as T
 
@@ -202,3 +205,100 @@ def test_report_counts_by_scope(kernel, ptx):
 def test_text_without_target_is_rejected(kernel):
     with pytest.raises(ValueError, match=".target"):
         check_ptx(kernel, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# NVSHMEM calls: ordered operations, in IR order
+
+
+def shmem_kernel(name="shmem"):
+    """A put, a fence, a relaxed store, a signal and a quiet, in that order."""
+    kb = KernelBuilder(name, block_threads=128)
+    data = kb.param("data", T.ptr_global)
+    sig = kb.param("sig", T.ptr_global)
+    with kb.role("send") as r:
+        me = nvshmem.my_pe(r)                                       # query: not ordered
+        nvshmem.putmem_nbi(r, data, data + 64, 64, me + 1)
+        nvshmem.fence(r)
+        r.store(data + 256, me, sem=Sem.RELAXED, scope=Scope.SYS)
+        nvshmem.signal_op(r, sig, 1, nvshmem.SIGNAL_SET, me + 1)
+        nvshmem.quiet(r)
+    return kb.build()
+
+
+SHMEM_ORDER = ["call.uni nvshmem_putmem_nbi", "call.uni nvshmem_fence",
+               "st.relaxed.sys.global.b32", "call.uni nvshmemx_signal_op",
+               "call.uni nvshmem_quiet"]
+
+
+def _call_block(ptx: str, name: str) -> str:
+    """The ``{ // callseq ... }`` block of PTX text that calls ``name``."""
+    m = re.search(r"\t\{ // callseq (\d+), 0\n(?:(?!\t\} // callseq).*\n)*?\tcall\.uni[^\n]*"
+                  + re.escape(name) + r", [^\n]*\n(?:.*\n)*?\t\} // callseq \1\n", ptx)
+    assert m, name
+    return m.group(0)
+
+
+def test_nvshmem_calls_are_ordered_operations_in_ir_order():
+    k = shmem_kernel()
+    assert [op.expected for op in ordered_ops(k)] == SHMEM_ORDER
+    report = check_ptx(k, emit_ptx(k))
+    assert report.found[("shmem", "call.uni nvshmem_quiet")] == 1
+
+
+@pytest.mark.parametrize("name", ["nvshmem_putmem_nbi", "nvshmem_fence", "nvshmemx_signal_op",
+                                  "nvshmem_quiet"])
+def test_dropping_an_nvshmem_call_fails(name):
+    k = shmem_kernel()
+    ptx = emit_ptx(k)
+    dropped = ptx.replace(_call_block(ptx, name), "")
+    assert dropped != ptx
+    with pytest.raises(PtxCheckError, match=rf"`call.uni {name}` expected 1x, found 0x") as e:
+        check_ptx(k, dropped)
+    assert e.value.missing and not e.value.misordered
+
+
+def test_nvshmem_calls_out_of_ir_order_fail():
+    k = shmem_kernel()
+    ptx = emit_ptx(k)
+    put, fence = _call_block(ptx, "nvshmem_putmem_nbi"), _call_block(ptx, "nvshmem_fence")
+    swapped = ptx.replace(put, "@@PUT@@").replace(fence, put).replace("@@PUT@@", fence)
+    assert swapped != ptx
+    with pytest.raises(PtxCheckError, match=r"`call.uni nvshmem_fence` \(Call nvshmem_fence\) "
+                                            r"is not after `call.uni nvshmem_putmem_nbi`") as e:
+        check_ptx(k, swapped)
+    assert not e.value.missing
+
+
+def test_an_ordered_operation_moved_across_an_nvshmem_call_fails():
+    k = shmem_kernel()
+    ptx = emit_ptx(k)
+    store = re.search(r"\tst\.relaxed\.sys\.global\.b32[^\n]*\n", ptx).group(0)
+    signal = _call_block(ptx, "nvshmemx_signal_op")
+    quiet = _call_block(ptx, "nvshmem_quiet")
+    # the store after the quiet: it is no longer between the fence and the signal
+    moved = ptx.replace(store, "").replace(quiet, quiet + store)
+    with pytest.raises(PtxCheckError, match=r"`call.uni nvshmemx_signal_op` .* is not after "
+                                            r"`st.relaxed.sys.global.b32`"):
+        check_ptx(k, moved)
+    # the store before the fence: not after the fence that precedes it in the IR
+    fence = _call_block(ptx, "nvshmem_fence")
+    moved = ptx.replace(store, "").replace(fence, store + fence)
+    with pytest.raises(PtxCheckError, match=r"`st.relaxed.sys.global.b32` .* is not after "
+                                            r"`call.uni nvshmem_fence`"):
+        check_ptx(k, moved)
+    assert signal in ptx
+
+
+def test_order_is_not_checked_without_nvshmem_calls(kernel, ptx):
+    # the protocol kernel's roles may be laid out freely: only counts are checked there
+    assert check_ptx(kernel, ptx).ops
+
+
+def test_entry_bodies_end_at_the_entry_closing_brace():
+    ptx = (".version 8.6\n.target sm_90\n.visible .entry a()\n{\n\t{ // callseq 0, 0\n"
+           "\tcall.uni f, ();\n\t}\n\tret;\n}\n.func f()\n{\n\tst.release.sys.global.b32 "
+           "[%rd1], %r1;\n}\n")
+    bodies = entry_bodies(ptx)
+    assert list(bodies) == ["a"]
+    assert "call.uni f" in bodies["a"] and "st.release" not in bodies["a"]

@@ -7,6 +7,13 @@ barriers it is what LLVM 22 emits, confirmed by tests/test_ptx_checker.py). ``ch
 counts those instructions in each kernel's ``.entry`` body: LLVM may duplicate an operation
 (unrolling) but must not drop one, so each distinct instruction must occur at least as often
 as IR operations expect it.
+
+Calls of NVSHMEM (``ir.nvshmem``) with an ordering role (put, fence, quiet, signal) are ordered
+operations too: each must appear as its ``call.uni <name>`` line, linked or not. Their order
+is checked as well, since it is their meaning (a fence between two puts, a quiet before the
+signal): in a kernel that calls NVSHMEM, the PTX must hold every NVSHMEM call in IR order, and
+every other ordered operation between the NVSHMEM calls that surround it in the IR (duplicates
+allowed; LLVM cannot move memory operations across a call it cannot see into).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import re
 import attrs
 
 from ir import nodes as N
+from ir import nvshmem as ir_nvshmem
 from ir.enums import Scope, Sem, Space
 from ir.types import PtrType
 
@@ -29,16 +37,27 @@ SCOPES = tuple(s.value for s in Scope)
 
 class PtxCheckError(Exception):
     """Ordered IR operations whose PTX instruction is missing; ``missing`` lists
-    ``(ops, found)`` per expected instruction."""
+    ``(ops, found)`` per expected instruction; ``misordered`` lists ``(op, after)``: an
+    operation with no PTX instruction after that of ``after`` (an NVSHMEM call or an ordered
+    operation before it in the IR)."""
 
-    def __init__(self, missing):
+    def __init__(self, missing, misordered=()):
         self.missing = missing
-        lines = ["PTX lacks the instructions of these ordered IR operations:"]
+        self.misordered = tuple(misordered)
+        lines = []
+        if missing:
+            lines.append("PTX lacks the instructions of these ordered IR operations:")
         for ops, found in missing:
             op = ops[0]
             lines.append(f"  kernel {op.kernel}: `{op.expected}` expected {len(ops)}x, found "
                          f"{found}x, for " + "; ".join(f"role {o.role}: {_describe(o.node)}"
                                                        for o in ops))
+        if self.misordered:
+            lines.append("PTX breaks the IR order of these operations around NVSHMEM calls:")
+        for op, after in self.misordered:
+            lines.append(f"  kernel {op.kernel}, role {op.role}: `{op.expected}` "
+                         f"({_describe(op.node)}) is not after `{after.expected}` "
+                         f"(role {after.role}) in the PTX")
         super().__init__("\n".join(lines))
 
 
@@ -67,6 +86,8 @@ class CheckReport:
 
 def _describe(node) -> str:
     parts = [type(node).__name__]
+    if isinstance(node, N.Call):
+        parts.append(node.name)
     for field in ("op", "sem", "scope"):
         value = getattr(node, field, None)
         if value is not None:
@@ -116,7 +137,21 @@ def _barrier(kind: str, bar: N.NamedBarrier, block_threads: int) -> tuple[str, s
     return expected, pattern + r"\s*;"
 
 
+def is_ordered_call(node) -> bool:
+    """An ``ir.Call`` of an NVSHMEM function whose role orders memory (not ``query``)."""
+    return (isinstance(node, N.Call) and ir_nvshmem.is_nvshmem(node.name)
+            and ir_nvshmem.FUNCTIONS[node.name].role != "query")
+
+
+def _call(name: str) -> tuple[str, str]:
+    """``call.uni <name>``, with or without a return value: ``call.uni (retval0), <name>, (...)``."""
+    return (f"call.uni {name}",
+            r"(?<![\w.])call\.uni\s+(?:\([^()]*\)\s*,\s*)?" + re.escape(name) + r"\s*,")
+
+
 def _expectations(kernel: N.Kernel, node, sm: int) -> list[tuple[str, str]]:
+    if is_ordered_call(node):
+        return [_call(node.name)]
     if isinstance(node, N.Load) and node.sem in (Sem.RELAXED, Sem.ACQUIRE, Sem.VOLATILE):
         return [_access("ld", node.sem, node.scope, node.addr, node.dst.dtype.bits)]
     if isinstance(node, N.Store) and node.sem in (Sem.RELAXED, Sem.RELEASE, Sem.VOLATILE):
@@ -142,7 +177,8 @@ def _kernels(m) -> tuple:
 
 def ordered_ops(m: N.Kernel | N.Module, arch: str = "sm_90") -> list[OrderedOp]:
     """Every ordered operation of a kernel or module (relaxed/acquire/release/volatile loads and
-    stores, atomics, fences, spin-wait polls, named barriers other than 0) with its PTX."""
+    stores, atomics, fences, spin-wait polls, named barriers other than 0, NVSHMEM calls with
+    an ordering role) with its PTX, in IR order."""
     sm = int(arch.removeprefix("sm_"))
     out = []
     for kernel in _kernels(m):
@@ -156,12 +192,24 @@ def ordered_ops(m: N.Kernel | N.Module, arch: str = "sm_90") -> list[OrderedOp]:
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(")
 
 
+def _body_end(text: str, start: int) -> int:
+    """The end of the ``{ ... }`` body that opens after ``start`` (the text's end if none)."""
+    depth, i = 0, text.find("{", start)
+    if i < 0:
+        return len(text)
+    for m in re.compile(r"[{}]").finditer(text, i):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return m.end()
+    return len(text)
+
+
 def entry_bodies(ptx: str) -> dict[str, str]:
-    """Each ``.entry``'s text (up to the next entry), comments removed."""
+    """Each ``.entry``'s text (its header and body up to the closing brace: not the
+    ``.func`` definitions a linked module puts after it), comments removed."""
     text = re.sub(r"//[^\n]*", "", ptx)
-    starts = list(_ENTRY.finditer(text))
-    ends = [m.start() for m in starts[1:]] + [len(text)]
-    return {m.group(1): text[m.start():end] for m, end in zip(starts, ends)}
+    return {m.group(1): text[m.start():_body_end(text, m.end())]
+            for m in _ENTRY.finditer(text)}
 
 
 _INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:atom|red|ld|st|fence)\.[\w.]+)", re.M)
@@ -201,7 +249,47 @@ def check_ptx(m: N.Kernel | N.Module, ptx: str) -> CheckReport:
         found[(kernel, group[0].expected)] = n
         if n < len(group):
             missing.append((tuple(group), n))
-    if missing:
-        raise PtxCheckError(missing)
+    misordered = [] if missing else _misordered(ops, bodies)
+    if missing or misordered:
+        raise PtxCheckError(missing, misordered)
     by_scope = {k.name: scope_counts(bodies.get(k.name, "")) for k in _kernels(m)}
     return CheckReport(tuple(ops), found, by_scope)
+
+
+def _misordered(ops, bodies) -> list[tuple[OrderedOp, OrderedOp]]:
+    """``(op, after)`` pairs breaking the order around NVSHMEM calls (module docstring), per
+    kernel that has one. Greedy over the IR sequence: each NVSHMEM call takes its earliest PTX
+    occurrence after every operation of the IR segment before it, and each operation of a
+    segment needs an occurrence after the segment's opening call; earliest choices leave the
+    most room to what follows, so the greedy finds an order whenever one exists."""
+    out = []
+    by_kernel: dict[str, list[OrderedOp]] = {}
+    for op in ops:
+        by_kernel.setdefault(op.kernel, []).append(op)
+    for kernel, seq in by_kernel.items():
+        if not any(is_ordered_call(op.node) for op in seq):
+            continue
+        body = bodies.get(kernel, "")
+        where = {p: [m.start() for m in re.finditer(p, body)] for p in {o.pattern for o in seq}}
+
+        def first_after(op, pos):
+            return next((x for x in where[op.pattern] if x > pos), None)
+
+        cur, opener = -1, None        # PTX position and op of the last NVSHMEM call placed
+        latest, latest_op = -1, None  # the latest placement of the current segment
+        for op in seq:
+            if is_ordered_call(op.node):
+                base, base_op = (latest, latest_op) if latest_op is not None else (cur, opener)
+                at = first_after(op, base)
+                if at is None and base_op is not None:
+                    out.append((op, base_op))
+                    break
+                cur, opener, latest, latest_op = (at if at is not None else cur), op, -1, None
+            else:
+                at = first_after(op, cur)
+                if at is None and opener is not None:
+                    out.append((op, opener))
+                    break
+                if at is not None and at > latest:
+                    latest, latest_op = at, op
+    return out
