@@ -45,15 +45,20 @@ class DeviceFunction:
     role: str
 
 
+# C pointers are generic pointers (``T.ptr_generic``, LLVM ``ptr``): declared with the types of
+# the bitcode's definitions, our calls stay direct ``call.uni`` once linked (an integer where the
+# definition has a pointer makes LLVM call through a prototype, ``call %rd, (...), prototype``)
 FUNCTIONS: dict[str, DeviceFunction] = {f.name: f for f in (
     # void nvshmem_putmem_nbi(void *dest, const void *source, size_t nbytes, int pe)
-    DeviceFunction("nvshmem_putmem_nbi", None, (T.u64, T.u64, T.u64, T.s32), "put"),
+    DeviceFunction("nvshmem_putmem_nbi", None, (T.ptr_generic, T.ptr_generic, T.u64, T.s32),
+                   "put"),
     # void nvshmem_fence(void)
     DeviceFunction("nvshmem_fence", None, (), "fence"),
     # void nvshmem_quiet(void)
     DeviceFunction("nvshmem_quiet", None, (), "quiet"),
     # void nvshmemx_signal_op(uint64_t *sig_addr, uint64_t signal, int sig_op, int pe)
-    DeviceFunction("nvshmemx_signal_op", None, (T.u64, T.u64, T.s32, T.s32), "signal"),
+    DeviceFunction("nvshmemx_signal_op", None, (T.ptr_generic, T.u64, T.s32, T.s32),
+                   "signal"),
     # int nvshmem_my_pe(void)
     DeviceFunction("nvshmem_my_pe", T.s32, (), "query"),
 )}
@@ -77,7 +82,8 @@ def _as(value, dtype):
 
 def putmem_nbi(r, dest, source, nbytes, pe):
     """``nvshmem_putmem_nbi(dest, source, nbytes, pe)``: ``dest`` is the symmetric address
-    (this PE's address of the same symmetric object), ``pe`` the target."""
+    (this PE's address of the same symmetric object), ``pe`` the target; pointers or u64
+    addresses (cast to generic pointers)."""
     return _call(r, "nvshmem_putmem_nbi", dest, source, nbytes, pe)
 
 

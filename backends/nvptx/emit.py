@@ -33,10 +33,9 @@ def normalize(ptx: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def emit_ptx(m: N.Module | N.Kernel, arch: str | Target = "sm_90") -> str:
-    """PTX of a kernel or module: lower, verify, run the O2 pipeline, emit, normalise.
-    The same input gives byte-identical text."""
-    target = _target(arch)
+def optimized_module(m: N.Module | N.Kernel, target: Target) -> llvm.ModuleRef:
+    """The llvmlite module of our lowering, verified and optimised by the O2 pipeline (what
+    ``emit_ptx`` emits, and what the NVSHMEM link step links into)."""
     text = str(lower_module(_module(m), target))
     try:
         mod = llvm.parse_assembly(text)
@@ -46,4 +45,12 @@ def emit_ptx(m: N.Module | N.Kernel, arch: str | Target = "sm_90") -> str:
     tuning = llvm.create_pipeline_tuning_options(speed_level=2)
     pb = llvm.create_pass_builder(target.machine, tuning)
     pb.getModulePassManager().run(mod, pb)
-    return normalize(target.machine.emit_assembly(mod))
+    return mod
+
+
+def emit_ptx(m: N.Module | N.Kernel, arch: str | Target = "sm_90") -> str:
+    """PTX of a kernel or module: lower, verify, run the O2 pipeline, emit, normalise.
+    The same input gives byte-identical text. Calls of NVSHMEM stay ``.extern .func``
+    declarations (``emit_linked_ptx`` links them)."""
+    target = _target(arch)
+    return normalize(target.machine.emit_assembly(optimized_module(m, target)))

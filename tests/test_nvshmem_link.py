@@ -1,0 +1,277 @@
+"""The NVSHMEM link step (backends/nvptx/nvshmem.py): finding the device bitcode, linking it
+into a kernel that calls every function of ``ir.nvshmem``, pruning, the on-disk cache, ptxas
+on the result; and the header facts ``ir.nvshmem`` relies on.
+
+The tests that link need the ``shmem`` extra (``nvidia-nvshmem-cu13``); they are skipped with
+the reason when its bitcode is not installed. Parsing the bitcode takes ~10 s once per
+process: every linking test is in this file (one xdist worker, ``--dist loadfile``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from backends.nvptx import (NvshmemLinkError, Target, assemble, check_ptx, emit_linked_ptx, emit_ptx,
+                            find_bitcode, find_ptxas, uses_nvshmem)
+from backends.nvptx import nvshmem as link
+from epgen import goldens
+from ir import KernelBuilder, Scope, Sem, nvshmem
+from ir import types as T
+
+
+def shmem_kernel(name="shmem_k"):
+    """One call of each function of ``ir.nvshmem.FUNCTIONS``."""
+    kb = KernelBuilder(name, block_threads=128)
+    data = kb.param("data", T.ptr_global)
+    sig = kb.param("sig", T.ptr_global)
+    with kb.role("send") as r:
+        me = nvshmem.my_pe(r)
+        nvshmem.putmem_nbi(r, data, data + 64, 64, me + 1)
+        nvshmem.fence(r)
+        r.store(data + 256, me, sem=Sem.RELAXED, scope=Scope.SYS)
+        nvshmem.signal_op(r, sig, 1, nvshmem.SIGNAL_ADD, me + 1)
+        nvshmem.quiet(r)
+    return kb.build()
+
+
+def plain_kernel():
+    kb = KernelBuilder("plain", block_threads=64)
+    out = kb.param("out", T.ptr_global)
+    with kb.role("main") as r:
+        r.store(out, 1, sem=Sem.RELEASE, scope=Scope.SYS)
+    return kb.build()
+
+
+def _bitcode():
+    try:
+        return find_bitcode("sm_90")
+    except NvshmemLinkError as e:
+        pytest.skip(f"NVSHMEM's device bitcode is not installed (the shmem extra): {e}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPGEN_CACHE_DIR", str(tmp_path / "cubin"))
+    return tmp_path / "cubin" / "linked-ptx"
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory):
+    """(linked PTX, seconds of the first link, seconds of the link with the library parsed)."""
+    _bitcode()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EPGEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    try:
+        start = time.perf_counter()
+        ptx = emit_linked_ptx(shmem_kernel(), "sm_90", use_cache=False)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        again = emit_linked_ptx(shmem_kernel(), "sm_90", use_cache=False)
+        second = time.perf_counter() - start
+    finally:
+        mp.undo()
+    assert again == ptx, "the link is not deterministic"
+    return ptx, first, second
+
+
+# ---------------------------------------------------------------------------------------------
+# Header facts
+
+
+def _include_dir() -> Path:
+    lib = _bitcode()
+    inc = lib.parent.parent / "include"
+    if not inc.is_dir():
+        pytest.skip(f"no NVSHMEM headers next to {lib}")
+    return inc
+
+
+def test_signal_op_values_match_the_headers():
+    text = (_include_dir() / "device_host_transport" / "nvshmem_common_transport.h").read_text()
+    m = re.search(r"typedef enum \{([^}]*)\} nvshmemx_signal_op_t;", text)
+    assert m, "nvshmemx_signal_op_t not found"
+    values = dict(re.findall(r"(NVSHMEM_SIGNAL_\w+)\s*=\s*(\d+)", m.group(1)))
+    assert int(values["NVSHMEM_SIGNAL_SET"]) == nvshmem.SIGNAL_SET
+    assert int(values["NVSHMEM_SIGNAL_ADD"]) == nvshmem.SIGNAL_ADD
+
+
+C_TYPES = {"void *": T.ptr_generic, "const void *": T.ptr_generic, "size_t": T.u64,
+           "uint64_t *": T.ptr_generic,
+           "uint64_t": T.u64, "int": T.s32}
+
+
+@pytest.mark.parametrize("name", sorted(nvshmem.FUNCTIONS))
+def test_signatures_match_the_headers(name):
+    inc = _include_dir()
+    text = (inc / "host" / "nvshmem_api.h").read_text() + (inc / "host" / "nvshmemx_api.h").read_text()
+    m = re.search(r"NVSHMEMI_HOSTDEVICE_PREFIX\s+(\w+)\s+" + name + r"\(([^)]*)\);", text)
+    assert m, f"{name} is not declared in the host API headers"
+    ret, params = m.group(1), [p.strip() for p in m.group(2).split(",") if p.strip()]
+    params = [] if params == ["void"] else params
+    f = nvshmem.FUNCTIONS[name]
+    assert (ret == "void") == (f.ret is None)
+    if f.ret is not None:
+        assert C_TYPES[ret] == f.ret
+    types = [C_TYPES[re.sub(r"\s*\w+$", "", p).replace("*", " *").replace("  ", " ").strip()]
+             for p in params]
+    assert tuple(types) == f.params
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the bitcode
+
+
+def test_uses_nvshmem():
+    assert uses_nvshmem(shmem_kernel())
+    assert not uses_nvshmem(plain_kernel())
+    kb = KernelBuilder("other_extern", block_threads=32)
+    with kb.role("main") as r:
+        r.call("some_device_function", ())
+    assert not uses_nvshmem(kb.build())
+    assert [c.name for _, _, c in link.nvshmem_calls(shmem_kernel())] == [
+        "nvshmem_my_pe", "nvshmem_putmem_nbi", "nvshmem_fence", "nvshmemx_signal_op",
+        "nvshmem_quiet"]
+
+
+def test_a_module_without_nvshmem_calls_is_not_linked(monkeypatch):
+    monkeypatch.setattr(link, "find_bitcode", lambda arch: pytest.fail("looked for bitcode"))
+    assert emit_linked_ptx(plain_kernel()) == emit_ptx(plain_kernel())
+
+
+def test_missing_bitcode_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.delenv(link.ENV_BITCODE, raising=False)
+    monkeypatch.setattr(link, "_wheel_lib_dirs", lambda: [tmp_path])
+    with pytest.raises(NvshmemLinkError, match=re.escape("pip install 'epgen[shmem]'")):
+        find_bitcode("sm_90")
+    with pytest.raises(NvshmemLinkError, match="epgen\\[shmem\\]"):
+        emit_linked_ptx(shmem_kernel())
+
+
+def test_bitcode_per_architecture_then_generic(monkeypatch, tmp_path):
+    monkeypatch.delenv(link.ENV_BITCODE, raising=False)
+    monkeypatch.setattr(link, "_wheel_lib_dirs", lambda: [tmp_path])
+    (tmp_path / "libnvshmem_device.bc").write_bytes(b"generic")
+    assert find_bitcode("sm_90") == tmp_path / "libnvshmem_device.bc"
+    (tmp_path / "libnvshmem_device_sm_90.bc").write_bytes(b"sm_90")
+    assert find_bitcode("sm_90") == tmp_path / "libnvshmem_device_sm_90.bc"
+    assert find_bitcode("sm_80") == tmp_path / "libnvshmem_device.bc"
+
+
+def test_environment_overrides_the_bitcode(monkeypatch, tmp_path):
+    bc = tmp_path / "mine.bc"
+    bc.write_bytes(b"x")
+    monkeypatch.setenv(link.ENV_BITCODE, str(bc))
+    assert find_bitcode("sm_90") == bc
+    monkeypatch.setenv(link.ENV_BITCODE, str(tmp_path / "absent.bc"))
+    with pytest.raises(NvshmemLinkError, match="EPGEN_NVSHMEM_BITCODE"):
+        find_bitcode("sm_90")
+
+
+def test_unparseable_bitcode_is_a_link_error(monkeypatch, tmp_path, cache):
+    bc = tmp_path / "bad.bc"
+    bc.write_bytes(b"not bitcode")
+    monkeypatch.setenv(link.ENV_BITCODE, str(bc))
+    with pytest.raises(NvshmemLinkError, match="cannot parse NVSHMEM's device bitcode"):
+        emit_linked_ptx(shmem_kernel())
+
+
+# ---------------------------------------------------------------------------------------------
+# The link
+
+
+def test_linked_ptx_defines_every_nvshmem_function(linked):
+    ptx, first, second = linked
+    print(f"link: first {first:.1f} s (parse + prune + link), again {second:.2f} s, "
+          f"{len(ptx)} bytes")
+    assert re.search(r"^\.visible \.entry shmem_k\(", ptx, re.M)
+    for name in ("nvshmem_putmem_nbi", "nvshmem_fence", "nvshmem_quiet", "nvshmemx_signal_op",
+                 "nvshmem_my_pe"):
+        assert re.search(rf"^\.func\s+(?:\([^)]*\)\s*)?{name}\(", ptx, re.M), name
+    externs = set(re.findall(r"^\.extern \.func\s+(?:\([^)]*\)\s*)?(\w+)", ptx, re.M))
+    assert externs <= {"vprintf", "__assertfail"}
+    # the device state the host library fills stays visible
+    assert re.search(r"^\.visible \.const .* nvshmemi_device_state_d\[", ptx, re.M)
+    # pruned: a few dozen functions of the library's thousands
+    assert len(re.findall(r"^\.func ", ptx, re.M)) < 100
+
+
+def test_linked_ptx_keeps_our_code_and_passes_the_checker(linked):
+    ptx, _, _ = linked
+    k = shmem_kernel()
+    ours = emit_ptx(k)
+    assert ".extern .func nvshmem_quiet" in ours
+    # every call stays direct (a prototype call would mean a signature differs from the
+    # bitcode's definition)
+    assert "prototype" not in ptx.split(".visible .entry shmem_k(")[1]
+    report = check_ptx(k, ptx)
+    assert report.found == check_ptx(k, ours).found
+    assert report.found[("shmem_k", "call.uni nvshmem_putmem_nbi")] == 1
+
+
+def test_only_the_called_functions_are_linked(cache):
+    _bitcode()
+    kb = KernelBuilder("quiet_only", block_threads=32)
+    with kb.role("main") as r:
+        nvshmem.quiet(r)
+    ptx = emit_linked_ptx(kb.build())
+    assert re.search(r"^\.func nvshmem_quiet\(", ptx, re.M)
+    assert "nvshmem_putmem_nbi" not in ptx and "nvshmemx_signal_op" not in ptx
+
+
+def test_linked_ptx_is_cached_on_disk(cache, monkeypatch):
+    _bitcode()
+    k = shmem_kernel("cached_k")
+    first = emit_linked_ptx(k)
+    files = list(cache.rglob("*.ptx"))
+    assert len(files) == 1 and files[0].read_text() == first
+
+    def no_link(*a, **kw):
+        raise AssertionError("linked again instead of reading the cache")
+
+    monkeypatch.setattr(link, "link_module", no_link)
+    start = time.perf_counter()
+    assert emit_linked_ptx(k) == first
+    print(f"cached link: {time.perf_counter() - start:.3f} s")
+    # another kernel is another key
+    with pytest.raises(AssertionError, match="linked again"):
+        emit_linked_ptx(shmem_kernel("other_k"))
+    # a corrupt entry is linked again
+    files[0].write_text("garbage")
+    with pytest.raises(AssertionError, match="linked again"):
+        emit_linked_ptx(k)
+
+
+def test_cache_key_covers_ir_bitcode_and_target():
+    t90, t100 = Target("sm_90"), Target("sm_100")
+    base = link.cache_key("ir", "bc", t90)
+    assert base == link.cache_key("ir", "bc", Target("sm_90"))
+    assert len({base, link.cache_key("ir2", "bc", t90), link.cache_key("ir", "bc2", t90),
+                link.cache_key("ir", "bc", t100),
+                link.cache_key("ir", "bc", Target("sm_90", ptx=87))}) == 5
+
+
+def test_linked_ptx_assembles_with_ptxas(linked):
+    ptxas = find_ptxas()
+    if ptxas is None:
+        pytest.skip("no ptxas (pip install nvidia-cuda-nvcc)")
+    ptx, _, _ = linked
+    start = time.perf_counter()
+    report = assemble(ptx, "sm_90")
+    print(f"ptxas: {time.perf_counter() - start:.1f} s")
+    assert "shmem_k" in report.kernels
+    assert report.kernels["shmem_k"].registers > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the link is used
+
+
+def test_goldens_stay_unlinked(monkeypatch):
+    monkeypatch.setattr(link, "find_bitcode", lambda arch: pytest.fail("goldens must not link"))
+    ptx = goldens.emit_ptx(shmem_kernel())
+    assert ".extern .func nvshmem_putmem_nbi" in ptx
+
