@@ -36,10 +36,14 @@ def build_module(cfg):
     return _build(cfg)
 
 
-def emit_ptx(cfg, arch: str = "sm_90") -> str:
-    """PTX of ``cfg``'s dispatch entry points (``build_module``), one module."""
-    from backends.nvptx import emit_ptx as _emit
-    return _emit(build_module(cfg), arch=arch)
+def emit_ptx(cfg, arch: str = "sm_90", link: bool = True) -> str:
+    """PTX of ``cfg``'s dispatch entry points (``build_module``), one module. When the kernels
+    call NVSHMEM (the ``use_shmem`` transport) NVSHMEM's device functions are linked in
+    (``backends.nvptx.emit_linked_ptx``; the ``shmem`` extra); ``link=False`` gives our code
+    alone, the NVSHMEM functions left ``.extern .func`` declarations."""
+    from backends.nvptx import emit_linked_ptx, emit_ptx as _emit
+    module = build_module(cfg)
+    return emit_linked_ptx(module, arch=arch) if link else _emit(module, arch=arch)
 
 
 def __getattr__(name):

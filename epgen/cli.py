@@ -142,6 +142,11 @@ def args_ptx(p: argparse.ArgumentParser) -> None:
                         f"'{PROG} variants'); not with --preset/--set")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--ir", action="store_true", help="print the IR text instead of PTX")
+    p.add_argument("--no-link", action="store_true",
+                   help="kernels that call NVSHMEM (use_shmem): print our code only, NVSHMEM's "
+                        "functions left .extern .func declarations, instead of the PTX with "
+                        "NVSHMEM's device bitcode linked in (the shmem extra); --variant "
+                        "always prints the unlinked golden PTX")
     p.add_argument("--batched", action="store_true",
                    help="the rank-batched kernels (one launch for every rank: parameters in "
                         "one by-value table of n_ranks rows, n_sms blocks per rank), as "
@@ -159,7 +164,7 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         text = _variant_text(args.variant, args.arch, args.ir)
     else:
         import ir
-        from backends.nvptx import emit_ptx
+        from backends.nvptx import emit_linked_ptx, emit_ptx
         from epgen import goldens
         from epgen.kernels import build_module
 
@@ -169,7 +174,8 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         module = build_module(cfg)
         if args.batched:
             module = ir.batch_ranks(module, cfg.n_ranks, cfg.n_sms)
-        text = goldens.print_ir(module) if args.ir else emit_ptx(module, arch=args.arch)
+        emit = emit_ptx if args.no_link else emit_linked_ptx
+        text = goldens.print_ir(module) if args.ir else emit(module, arch=args.arch)
     _write(text, args.output)
     return 0
 

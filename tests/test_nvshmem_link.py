@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import epgen
+import epgen.kernels
 from backends.nvptx import (NvshmemLinkError, Target, assemble, check_ptx, emit_linked_ptx, emit_ptx,
                             find_bitcode, find_ptxas, uses_nvshmem)
 from backends.nvptx import nvshmem as link
-from epgen import goldens
+from epgen import cli, goldens
 from ir import KernelBuilder, Scope, Sem, nvshmem
 from ir import types as T
 
@@ -275,3 +277,33 @@ def test_goldens_stay_unlinked(monkeypatch):
     ptx = goldens.emit_ptx(shmem_kernel())
     assert ".extern .func nvshmem_putmem_nbi" in ptx
 
+
+def test_epgen_emit_ptx_links_modules_that_call_nvshmem(monkeypatch, cache):
+    _bitcode()
+    k = shmem_kernel("epgen_k")
+    monkeypatch.setattr(epgen, "build_module", lambda cfg: k)
+    linked_ptx = epgen.emit_ptx(None)
+    assert re.search(r"^\.func nvshmem_putmem_nbi\(", linked_ptx, re.M)
+    assert epgen.emit_ptx(None, link=False) == emit_ptx(k)
+
+
+def test_cli_ptx_links_unless_no_link(monkeypatch, cache, capsys):
+    _bitcode()
+    k = shmem_kernel("cli_k")
+    monkeypatch.setattr(epgen.kernels, "build_module", lambda cfg: k)
+    assert cli.main(["ptx"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\.func nvshmem_quiet\(", out, re.M)
+    assert cli.main(["ptx", "--no-link"]) == 0
+    out = capsys.readouterr().out
+    assert out == emit_ptx(k)
+    assert ".extern .func nvshmem_quiet" in out
+
+
+def test_cli_missing_bitcode_is_a_clean_error(monkeypatch, cache, capsys, tmp_path):
+    monkeypatch.delenv(link.ENV_BITCODE, raising=False)
+    monkeypatch.setattr(link, "_wheel_lib_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(epgen.kernels, "build_module", lambda cfg: shmem_kernel("cli_k"))
+    assert cli.main(["ptx"]) == 1
+    assert "pip install 'epgen[shmem]'" in capsys.readouterr().err
+    assert cli.main(["ptx", "--no-link"]) == 0

@@ -12,7 +12,8 @@ class Program:
     cache) and loaded on ``device``. ``launch(kernel, grid, args)`` takes ``args`` as a dict
     keyed by the IR parameter names, so an argument can never land in the wrong slot.
     ``ptx``: ``module`` already lowered for ``arch`` (a world loading one module on several
-    GPUs lowers it once). A rank-batched module (``ir.batch_ranks``) launches with
+    GPUs lowers it once); a module that calls NVSHMEM is lowered with NVSHMEM's device
+    bitcode linked in (``nvptx.emit_linked_ptx``: our PTX unchanged otherwise). A rank-batched module (``ir.batch_ranks``) launches with
     ``launch_ranks``. ``backend``: ``backends.cuda`` (None, the default) or a
     ``backends.sim.Machine``, which loads the IR itself (no PTX: ``ptx`` is None)."""
 
@@ -33,7 +34,7 @@ class Program:
         from backends import nvptx
         self.device = cuda.get_device(device)
         self.arch = arch or cuda.arch(self.device)
-        self.ptx = ptx if ptx is not None else nvptx.emit_ptx(module, arch=self.arch)
+        self.ptx = ptx if ptx is not None else nvptx.emit_linked_ptx(module, arch=self.arch)
         self.loaded = cuda.LoadedModule(self.ptx, self.arch, device=self.device, name=module.name)
         from backends.cuda import compat
         #: whether ``launch(..., programmatic=True)`` can be a programmatic dependent launch
