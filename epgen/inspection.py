@@ -5,8 +5,10 @@ The report holds the parameters, every layout member and buffer size, the counte
 and per kernel: its roles with their block, thread and warp ranges (the grid is ``n_sms``
 blocks, as the world launches it), each role's named barriers, the ordered IR operations by
 the PTX instruction each must produce (with how often the PTX holds it), the PTX's atomics,
-releases and acquires by scope (``backends.nvptx.check_ptx``), the bounded waits, and the
-``ptxas`` resources when ``ptxas`` is found.
+releases and acquires by scope (``backends.nvptx.check_ptx``), the bounded waits, the NVSHMEM
+calls by role with their ordering role (put, fence, quiet, signal, query: ``ir.nvshmem``), and
+the ``ptxas`` resources when ``ptxas`` is found. Kernels that call NVSHMEM are checked and
+assembled as they run: with NVSHMEM's device bitcode linked in (``nvptx.emit_linked_ptx``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import attrs
 
 import ir
 from ir import nodes as N
+from ir import nvshmem as ir_nvshmem
 
 from .tuning import Tuning
 
@@ -86,6 +89,20 @@ def _ordered(kernel: str, ops, found: dict) -> list[dict]:
     return sorted(rows.values(), key=lambda r: r["instruction"])
 
 
+def _nvshmem_calls(kernel: N.Kernel) -> list[dict]:
+    """The kernel's NVSHMEM calls, one row per (role, function) in IR order, with the
+    function's ordering role (``kind``) and how many call sites the role has."""
+    rows: dict[tuple[str, str], dict] = {}
+    for role in kernel.roles:
+        for node in N.walk(role.body):
+            if isinstance(node, N.Call) and ir_nvshmem.is_nvshmem(node.name):
+                row = rows.setdefault((role.name, node.name), {
+                    "role": role.name, "function": node.name,
+                    "kind": ir_nvshmem.FUNCTIONS[node.name].role, "calls": 0})
+                row["calls"] += 1
+    return list(rows.values())
+
+
 def _ptxas(ptx: str, arch: str) -> dict:
     from backends import nvptx
 
@@ -114,9 +131,18 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
 
     lay = cfg.layout
     module = build_module(cfg)
-    ptx = nvptx.emit_ptx(module, arch=arch)
+    link = {"needed": nvptx.uses_nvshmem(module), "error": None}
+    try:
+        ptx = nvptx.emit_linked_ptx(module, arch=arch)
+    except nvptx.NvshmemLinkError as e:     # checked unlinked; ptxas cannot resolve the calls
+        link["error"] = str(e)
+        ptx = nvptx.emit_ptx(module, arch=arch)
     check = nvptx.check_ptx(module, ptx)
-    assembled = _ptxas(ptx, arch) if ptxas else None
+    assembled = _ptxas(ptx, arch) if ptxas and link["error"] is None else None
+    if ptxas and link["error"] is not None:
+        exe = nvptx.find_ptxas()
+        assembled = {"found": exe is not None, "path": exe and str(exe), "kernels": {},
+                     "error": f"not assembled: NVSHMEM is not linked: {link['error']}"}
     grid = cfg.n_sms
     kernels = []
     for k in module.kernels:
@@ -131,6 +157,7 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
                          for kind in ("atomics", "releases", "acquires")},
             "bounded_waits": [{"site": s.site_id, "role": s.role, "buffer": s.buffer}
                               for s in k.sites],
+            "nvshmem_calls": _nvshmem_calls(k),
             "ptxas": None if not assembled else assembled["kernels"].get(k.name),
         })
     return {
@@ -141,6 +168,7 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
         "counter_regions": [_region(r) for r in lay.counter_regions().values()],
         "dispatch_wait_words": [_region(w) for w in lay.dispatch_wait_words()],
         "kernels": kernels,
+        "nvshmem_link": link,
         "ptxas": None if assembled is None else {k: v for k, v in assembled.items()
                                                  if k != "kernels"},
     }
@@ -211,6 +239,11 @@ def _kernel_lines(k: dict, arch: str) -> list[str]:
     out += (_table(["site", "role", "buffer"],
                    [[w["site"], w["role"], w["buffer"]] for w in k["bounded_waits"]], "    ")
             if k["bounded_waits"] else ["    (none)"])
+    out.append("  NVSHMEM calls")
+    out += (_table(["role", "function", "kind", "calls"],
+                   [[c["role"], c["function"], c["kind"], c["calls"]]
+                    for c in k["nvshmem_calls"]], "    ")
+            if k["nvshmem_calls"] else ["    (none)"])
     if k["ptxas"] is not None:
         p = k["ptxas"]
         out.append(f"  ptxas ({arch}): " + ", ".join(f"{f.replace('_', ' ')} {p[f]}"
@@ -246,6 +279,10 @@ def format_text(report: dict) -> str:
                    for w in report["dispatch_wait_words"]])
     for k in report["kernels"]:
         out += [""] + _kernel_lines(k, report["arch"])
+    link = report["nvshmem_link"]
+    if link["needed"]:
+        out += ["", "NVSHMEM: device bitcode linked into the PTX" if link["error"] is None
+                else f"NVSHMEM: not linked ({link['error']}); checked on our PTX only"]
     px = report["ptxas"]
     if px is not None:
         out.append("")

@@ -187,6 +187,14 @@ def test_ptx_without_arguments_is_the_default_preset(capsys):
     assert out == epgen.emit_ptx(presets.load_preset("default"), arch="sm_90")
 
 
+def test_ptx_no_link_is_the_same_without_nvshmem_calls(capsys):
+    _needs_backend()
+    status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--no-link")
+    assert status == 0, err
+    assert out == epgen.emit_ptx(presets.load_preset("small"), arch="sm_90")
+    assert out == epgen.emit_ptx(presets.load_preset("small"), arch="sm_90", link=False)
+
+
 def test_ptx_preset_set_and_arch(capsys):
     _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "n_sms=20",
@@ -498,6 +506,9 @@ def test_inspect_default(capsys):
     async_releases = lines[scope_headers[0] + 2].split()
     assert async_releases[4] != "0", lines[scope_headers[0] + 2]
     assert "st.release.sys.global.b64" in out
+    # the P2P transport calls no NVSHMEM function: nothing linked
+    assert out.count("  NVSHMEM calls\n    (none)\n") == 3
+    assert "NVSHMEM:" not in out
 
 
 def test_inspect_json(capsys):
@@ -527,6 +538,8 @@ def test_inspect_json(capsys):
     ops = {o["instruction"]: o for o in kernels["ep_dispatch_async"]["ordered_ops"]}
     assert ops["st.release.sys.global.b64"]["roles"] == ["signal"]   # the count word
     assert all(o["ptx"] >= o["ir"] for k in kernels.values() for o in k["ordered_ops"])
+    assert all(k["nvshmem_calls"] == [] for k in kernels.values())
+    assert report["nvshmem_link"] == {"needed": False, "error": None}
     if report["ptxas"]["found"]:
         assert report["ptxas"]["error"] is None
         assert all(k["ptxas"]["registers"] > 0 for k in kernels.values())

@@ -9,6 +9,7 @@ process: every linking test is in this file (one xdist worker, ``--dist loadfile
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -20,8 +21,9 @@ import epgen.kernels
 from backends.nvptx import (NvshmemLinkError, Target, assemble, check_ptx, emit_linked_ptx, emit_ptx,
                             find_bitcode, find_ptxas, uses_nvshmem)
 from backends.nvptx import nvshmem as link
-from epgen import cli, goldens
+from epgen import cli, goldens, inspection, presets
 from ir import KernelBuilder, Scope, Sem, nvshmem
+from ir import nodes as N
 from ir import types as T
 
 
@@ -307,3 +309,47 @@ def test_cli_missing_bitcode_is_a_clean_error(monkeypatch, cache, capsys, tmp_pa
     assert cli.main(["ptx"]) == 1
     assert "pip install 'epgen[shmem]'" in capsys.readouterr().err
     assert cli.main(["ptx", "--no-link"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# epgen inspect
+
+
+def test_inspect_lists_nvshmem_calls_by_role(monkeypatch, cache):
+    _bitcode()
+    module = N.Module("m", (shmem_kernel("inspect_k"), plain_kernel()))
+    monkeypatch.setattr(epgen.kernels, "build_module", lambda cfg: module)
+    report = inspection.inspect_config(presets.load_preset("small"), ptxas=False)
+    kernels = {k["name"]: k for k in report["kernels"]}
+    assert kernels["inspect_k"]["nvshmem_calls"] == [
+        {"role": "send", "function": "nvshmem_my_pe", "kind": "query", "calls": 1},
+        {"role": "send", "function": "nvshmem_putmem_nbi", "kind": "put", "calls": 1},
+        {"role": "send", "function": "nvshmem_fence", "kind": "fence", "calls": 1},
+        {"role": "send", "function": "nvshmemx_signal_op", "kind": "signal", "calls": 1},
+        {"role": "send", "function": "nvshmem_quiet", "kind": "quiet", "calls": 1},
+    ]
+    assert kernels["plain"]["nvshmem_calls"] == []
+    assert report["nvshmem_link"] == {"needed": True, "error": None}
+    ops = {o["instruction"]: o for o in kernels["inspect_k"]["ordered_ops"]}
+    assert ops["call.uni nvshmem_quiet"] == {"instruction": "call.uni nvshmem_quiet",
+                                             "roles": ["send"], "ir": 1, "ptx": 1}
+    assert json.loads(json.dumps(report)) == report
+    text = inspection.format_text(report)
+    assert re.search(r"^  NVSHMEM calls\n    role +function +kind +calls\n"
+                     r"    send +nvshmem_my_pe +query +1\n"
+                     r"    send +nvshmem_putmem_nbi +put +1\n", text, re.M)
+    assert re.search(r"^    send +nvshmemx_signal_op +signal +1$", text, re.M)
+    assert "kernel plain:" in text and text.count("    (none)") >= 1
+    assert "NVSHMEM: device bitcode linked into the PTX" in text
+
+
+def test_inspect_without_bitcode_checks_our_ptx_and_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(link.ENV_BITCODE, raising=False)
+    monkeypatch.setattr(link, "_wheel_lib_dirs", lambda: [tmp_path])
+    module = N.Module("m", (shmem_kernel("inspect_k"),))
+    monkeypatch.setattr(epgen.kernels, "build_module", lambda cfg: module)
+    report = inspection.inspect_config(presets.load_preset("small"), ptxas=True)
+    assert "epgen[shmem]" in report["nvshmem_link"]["error"]
+    assert report["ptxas"]["error"].startswith("not assembled: NVSHMEM is not linked")
+    assert "checked on our PTX only" in inspection.format_text(report)
+    assert cli.main(["inspect"]) == 1
