@@ -237,6 +237,10 @@ class NvshmemHost:
         process may load and store it, 0 when it cannot (no peer path)."""
         return int(self.lib.nvshmem_ptr(ctypes.c_void_p(ptr), int(pe)) or 0)
 
+    def symmetric_resource(self) -> SymmetricMemoryResource:
+        """A memory resource allocating symmetric memory of this library."""
+        return SymmetricMemoryResource(self)
+
     # -- modules -------------------------------------------------------------------------------
     def cumodule_init(self, cumodule) -> None:
         """``nvshmemx_cumodule_init`` on a ``CUmodule`` (a cuda.bindings handle or an int):

@@ -113,9 +113,11 @@ class FileBootstrap:
             f"(did rank 0 start, or fail before bootstrapping NVSHMEM?)", str(path), (0,)))
         return path.read_bytes()
 
-    def barrier(self, name: str = "sync") -> None:
+    def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
         """Every rank's ``barrier-<name>-<gen>-<rank>`` exists (this rank's created first);
-        the generation counts this process's barriers of that name."""
+        the generation counts this process's barriers of that name. ``timeout_s``: this
+        wait's bound (default: the bootstrap's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         gen = self._generations.get(name, 0)
         self._generations[name] = gen + 1
         stem = f"barrier-{name}-{gen}-"
@@ -124,9 +126,9 @@ class FileBootstrap:
         def missing():
             return [k for k in range(self.world_size) if not (self.dir / f"{stem}{k}").exists()]
 
-        _poll(lambda: not missing(), self.timeout_s, lambda: (
+        _poll(lambda: not missing(), timeout_s, lambda: (
             f"rank {self.rank}: host barrier {name!r} (generation {gen}) timed out after "
-            f"{self.timeout_s:g} s; rank(s) {', '.join(map(str, missing()))} of "
+            f"{timeout_s:g} s; rank(s) {', '.join(map(str, missing()))} of "
             f"{self.world_size} never arrived (exited or hung?)",
             f"barrier {name!r} generation {gen}", missing()))
 
@@ -156,8 +158,16 @@ class TorchBootstrap:
         self.dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self, name: str = "sync") -> None:
-        self.dist.barrier()
+    def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            self.dist.barrier()
+            return
+        import datetime
+        try:
+            self.dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:          # gloo names the ranks that did not arrive
+            raise BootstrapTimeoutError(f"rank {self.rank}: host barrier {name!r}: {e}",
+                                        f"barrier {name!r}") from e
 
 
 def torchrun_env() -> bool:
@@ -206,5 +216,5 @@ class SoloBootstrap:
     def broadcast_bytes(self, data, name: str = "nvshmem") -> bytes:
         return bytes(data)
 
-    def barrier(self, name: str = "sync") -> None:
+    def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
         pass
