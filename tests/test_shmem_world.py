@@ -272,3 +272,59 @@ def test_rules(monkeypatch):
 def test_exported_lazily():
     import epgen
     assert epgen.ShmemWorld is sw.ShmemWorld
+
+
+SHMEM_RUN = ["run", "--world", "shmem", "--preset", "small", "--set", "use_shmem=true",
+             "--set", "p2p_world_size=1"]
+
+
+def test_cli_usage(capsys):
+    from epgen import cli
+
+    for argv in (SHMEM_RUN + ["--backend", "sim"], SHMEM_RUN + ["--graph"],
+                 SHMEM_RUN + ["--drop-rank", "2"],
+                 ["run", "--preset", "small", "--drop-rank", "1", "--backend", "sim"],
+                 # without ShmemWorld, ranks outside the P2P group are refused
+                 ["run", "--world", "p2p", "--preset", "small", "--set", "use_shmem=true",
+                  "--set", "p2p_world_size=1"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert "--drop-rank: must be in [0, n_ranks=2)" in err
+    assert "not implemented" in err                # the p2p world's refusal
+
+
+def test_bench_sent_bytes():
+    from epgen.bench.shmem import sent_bytes
+
+    cfg = small()                                  # 8 local experts per rank
+    ids = np.array([[0, 1, 8, 9], [0, 1, 2, 3], [8, 9, 10, 11]])
+    assert sent_bytes(cfg, ids, 0) == 2 * cfg.layout.msg_bytes
+    assert sent_bytes(cfg, ids, 1) == 2 * cfg.layout.msg_bytes
+    assert sent_bytes(cfg, np.zeros((0, 4), np.int32), 0) == 0
+
+
+def test_cli_run_one_rank_on_the_simulator(monkeypatch, capsys):
+    """``epgen run --world shmem``'s loop (seed through the bootstrap, this rank's part of
+    the reference, the world closed at the end) with the world on the simulator."""
+    from epgen import cli
+
+    log = []
+    made = []
+
+    def make_world(kind, cfg, **kw):
+        assert kind == "shmem"
+        host = FakeHost(log)
+        w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 1, log), host=host.view(0),
+                          backend=sim_backend.Machine(0), fused=kw.get("fused"))
+        host.worlds[0] = w
+        made.append(w)
+        return w
+    monkeypatch.setattr(cli, "make_world", make_world)
+    argv = ["run", "--world", "shmem", "--preset", "small", "--set", "n_ranks=1", "--set",
+            "p2p_world_size=1", "--set", "n_experts=8", "--tokens", "8", "--calls", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("matches the reference") == 2 and "rank 0 of 1 (ShmemWorld" in out
+    assert made[0]._closed and log[-2:] == ["free_all", ("finalize", 0)]
