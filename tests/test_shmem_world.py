@@ -328,3 +328,25 @@ def test_cli_run_one_rank_on_the_simulator(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("matches the reference") == 2 and "rank 0 of 1 (ShmemWorld" in out
     assert made[0]._closed and log[-2:] == ["free_all", ("finalize", 0)]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--set", "n_ranks=2", "--set", "p2p_world_size=1"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2"],
+    ["--set", "n_ranks=8", "--set", "p2p_world_size=1"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "format=NVFP4"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "format=MXFP8"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "format=BlockwiseFP8"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "ep_ord_r=true", "--set",
+     "has_rank_flag=true"],
+    ["--set", "n_ranks=2", "--set", "p2p_world_size=1", "--set", "timeout_ns=500000000",
+     "--drop-rank", "1"],
+])
+def test_gpu_test_configurations_are_valid(extra):
+    """The configurations tests/test_shmem_gpu.py launches pass the CLI's checks here, so a
+    failure there is the GPU's, not a typo's."""
+    from epgen import cli
+
+    args = cli.build_parser().parse_args(SHMEM_RUN[:4] + ["--set", "use_shmem=true"] + extra)
+    cfg, _ = cli._config(args)
+    assert cfg.use_shmem and cfg.needs_shmem
