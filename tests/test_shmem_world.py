@@ -347,6 +347,6 @@ def test_gpu_test_configurations_are_valid(extra):
     failure there is the GPU's, not a typo's."""
     from epgen import cli
 
-    args = cli.build_parser().parse_args(SHMEM_RUN[:4] + ["--set", "use_shmem=true"] + extra)
+    args = cli.build_parser().parse_args(SHMEM_RUN[:5] + ["--set", "use_shmem=true"] + extra)
     cfg, _ = cli._config(args)
     assert cfg.use_shmem and cfg.needs_shmem
