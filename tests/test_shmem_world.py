@@ -123,7 +123,7 @@ def test_two_pes_match_the_reference(flags):
     machine = sim_backend.Machine(0)
     log = []
     worlds = make_worlds(cfg, machine, log)
-    assert [e for e in log if e[0] == "init"] == [("init", 0, 2, 0), ("init", 1, 2, 0)]
+    assert [e for e in log if e[0] == "init"] == [("init", 0, 2, None), ("init", 1, 2, None)]
     assert [e for e in log if e[0] == "barrier"] == [("barrier", 0, "ready"),
                                                      ("barrier", 1, "ready")]
     rng = np.random.default_rng(3)

@@ -182,7 +182,9 @@ class ShmemWorld(RankWorld):
             dev.set_current()
         uid = self.host.get_uniqueid() if self.rank == 0 else None
         uid = self.bootstrap.broadcast_bytes(uid, f"nvshmem-{self.index}")
-        self.host.init_uid(uid, self.rank, cfg.n_ranks, device=self.device_id)
+        # cuda_device_id stays NVSHMEM's "unset" (-1, as its default initializer has it):
+        # NVSHMEM takes the context made current above
+        self.host.init_uid(uid, self.rank, cfg.n_ranks)
         self._closed = False
         self._failed = False
         self.ranks = []
