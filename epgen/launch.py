@@ -87,6 +87,37 @@ def launch(cmd: list[str], n: int, *, timeout_s: float | None = None, mps_share:
         raise ValueError("epgen launch: no command given (epgen launch -n N -- CMD ...)")
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
+    previous = _stop_on_signals()
+    try:
+        return _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Terminated(BaseException):
+    """The launcher itself got SIGTERM or SIGHUP: stop the ranks, exit ``128 + signal``."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.status = 128 + sig
+
+
+def _stop_on_signals() -> dict:
+    """SIGTERM and SIGHUP raise ``_Terminated`` (in the main thread only), so the ranks, in
+    sessions of their own, are stopped rather than orphaned; the previous handlers."""
+    previous = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+
+    def handler(sig, frame):
+        raise _Terminated(sig)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env) -> int:
     launch_dir = tempfile.mkdtemp(prefix="epgen-launch-")
     port = free_port()
     lock = threading.Lock()
@@ -123,6 +154,9 @@ def launch(cmd: list[str], n: int, *, timeout_s: float | None = None, mps_share:
             _stop(procs, 0.0)
         elif status:
             _stop(procs, grace_s)
+    except _Terminated as e:
+        _stop(procs, 0.0)
+        status = e.status
     except BaseException:
         _stop(procs, 0.0)
         raise

@@ -132,3 +132,32 @@ def test_cli_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2
+
+
+def test_launcher_terminated_stops_the_ranks(tmp_path):
+    """SIGTERM to the launcher (e.g. from ``timeout``) stops the ranks, which run in sessions
+    of their own and would otherwise be orphaned."""
+    import signal
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os, time; open(os.path.join(%r, os.environ['RANK']), 'w')"
+            ".write(str(os.getpid())); time.sleep(60)" % str(tmp_path))
+    p = subprocess.Popen([PY, "-m", "epgen", "launch", "-n", "2", "--", PY, "-c", code],
+                         cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+    deadline = time.monotonic() + 30
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    pids = [int((tmp_path / str(k)).read_text()) for k in range(2)]
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in pids:
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"rank process {pid} still alive")
