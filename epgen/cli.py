@@ -448,12 +448,6 @@ def _run_shmem(args: argparse.Namespace, cfg) -> int:
     rank); every rank draws every rank's inputs from the same seed (rank 0's, shared through
     the bootstrap when ``--seed`` is not given), computes the whole reference and compares
     its own part."""
-    import time
-
-    import numpy as np
-
-    from epgen import reference, routing
-
     if args.graph or args.trace or args.batched or args.backend != "cuda":
         args.parser.error("--world shmem: not with --graph, --trace, --batched or --backend sim")
     if args.drop_rank is not None and not 0 <= args.drop_rank < cfg.n_ranks:
@@ -462,37 +456,58 @@ def _run_shmem(args: argparse.Namespace, cfg) -> int:
     if not 0 <= tokens <= cfg.max_tokens_per_rank:
         args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
                           f"{cfg.max_tokens_per_rank}], got {tokens}")
-    with make_world("shmem", cfg, arch=args.arch, input_scale=args.input_scale,
-                    fused=True if args.fused else None) as world:
-        r = world.rank
-        mine = None if args.seed is not None else os.urandom(4)
-        seed = args.seed if args.seed is not None else int.from_bytes(
-            world.bootstrap.broadcast_bytes(mine if r == 0 else None, f"seed-{world.index}"),
-            "little")
-        rng = np.random.default_rng(seed)
-        weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" \
-            else None
-        print(f"rank {r} of {cfg.n_ranks} (ShmemWorld, GPU {world.device_id}, "
-              f"p2p_world_size={cfg.p2p_world_size}), {tokens} tokens/rank, seed {seed}"
-              + (", the fused single launch" if world.fused else ""), flush=True)
-        for call in range(args.calls):
-            toks, ids = routing.routing(rng, cfg, tokens, weights)
-            if args.drop_rank == r:
-                print(f"rank {r}: --drop-rank: exiting before call {call} without closing",
-                      flush=True)
-                os._exit(0)
-            t0 = time.perf_counter()
-            got = world.dispatch(toks[r], ids[r])
-            dt = time.perf_counter() - t0
-            want = reference.dispatch(cfg, toks, ids, input_scale=args.input_scale)[r]
-            diffs = reference.compare(cfg, want, got)
-            print(f"rank {r} call {call}: {int(got.row_offsets[-1])} rows received, "
-                  f"{dt * 1e3:.1f} ms (host round trip, barrier included), "
-                  f"{'matches the reference' if not diffs else 'MISMATCH'}", flush=True)
-            if diffs:
-                print("\n".join("  " + d for d in diffs[:10]))
-                raise CommandError(f"rank {r}: results differ from the reference (seed {seed})")
+    world = make_world("shmem", cfg, arch=args.arch, input_scale=args.input_scale,
+                       fused=True if args.fused else None)
+    try:
+        with world:
+            _shmem_calls(args, cfg, world, tokens)
+    except Exception as e:
+        if world.finalized or os.environ.get("EPGEN_TRACEBACK"):
+            raise
+        # a peer is gone and NVSHMEM could not be shut down: leave now rather than risk
+        # the library waiting for that peer at exit
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     return 0
+
+
+def _shmem_calls(args: argparse.Namespace, cfg, world, tokens: int) -> None:
+    """The calls of ``epgen run --world shmem`` on this process's ``world``."""
+    import time
+
+    import numpy as np
+
+    from epgen import reference, routing
+
+    r = world.rank
+    mine = None if args.seed is not None else os.urandom(4)
+    seed = args.seed if args.seed is not None else int.from_bytes(
+        world.bootstrap.broadcast_bytes(mine if r == 0 else None, f"seed-{world.index}"),
+        "little")
+    rng = np.random.default_rng(seed)
+    weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" \
+        else None
+    print(f"rank {r} of {cfg.n_ranks} (ShmemWorld, GPU {world.device_id}, "
+          f"p2p_world_size={cfg.p2p_world_size}), {tokens} tokens/rank, seed {seed}"
+          + (", the fused single launch" if world.fused else ""), flush=True)
+    for call in range(args.calls):
+        toks, ids = routing.routing(rng, cfg, tokens, weights)
+        if args.drop_rank == r:
+            print(f"rank {r}: --drop-rank: exiting before call {call} without closing",
+                  flush=True)
+            os._exit(0)
+        t0 = time.perf_counter()
+        got = world.dispatch(toks[r], ids[r])
+        dt = time.perf_counter() - t0
+        want = reference.dispatch(cfg, toks, ids, input_scale=args.input_scale)[r]
+        diffs = reference.compare(cfg, want, got)
+        print(f"rank {r} call {call}: {int(got.row_offsets[-1])} rows received, "
+              f"{dt * 1e3:.1f} ms (host round trip, barrier included), "
+              f"{'matches the reference' if not diffs else 'MISMATCH'}", flush=True)
+        if diffs:
+            print("\n".join("  " + d for d in diffs[:10]))
+            raise CommandError(f"rank {r}: results differ from the reference (seed {seed})")
 
 
 BENCH_PRESET = "decode"

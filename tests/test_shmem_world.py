@@ -56,8 +56,11 @@ class _HostView:
     def get_uniqueid(self):
         return b"u" * 128
 
+    initialized = False
+
     def init_uid(self, uid, rank, nranks, device=None):
         self.shared.log.append(("init", rank, nranks, device))
+        self.initialized = True
 
     def symmetric_resource(self):
         return FakePool(self.shared.log)
@@ -76,6 +79,7 @@ class _HostView:
 
     def finalize(self):
         self.shared.log.append(("finalize", self.pe))
+        self.initialized = False
 
     def cumodule_init(self, m):
         raise AssertionError("no NVSHMEM device code in these kernels")
@@ -350,3 +354,32 @@ def test_gpu_test_configurations_are_valid(extra):
     args = cli.build_parser().parse_args(SHMEM_RUN[:5] + ["--set", "use_shmem=true"] + extra)
     cfg, _ = cli._config(args)
     assert cfg.use_shmem and cfg.needs_shmem
+
+
+def test_cli_run_dead_peer_exits_at_once(monkeypatch, capsys):
+    """Rank 0 of 2 alone: its waits expire, the close barrier fails, NVSHMEM stays up, so
+    ``epgen run`` reports the timeout and leaves with os._exit(1)."""
+    from epgen import cli
+
+    log = []
+
+    def make_world(kind, cfg, **kw):
+        host = FakeHost(log)
+        w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 2, log, fail={"close"}),
+                          host=host.view(0), backend=sim_backend.Machine(0, timeouts=True))
+        host.worlds[0] = w
+        w._build_pointer_tables()
+        return w
+
+    def exit_now(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(cli, "make_world", make_world)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.delenv("EPGEN_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e, pytest.warns(RuntimeWarning, match="not freed"):
+        # p2p_world_size=2: kernels this branch builds (the SHMEM path comes with the kernels)
+        cli.main(SHMEM_RUN + ["--set", "p2p_world_size=2", "--set", "timeout_ns=200000",
+                              "--calls", "1", "--seed", "0"])
+    assert e.value.code == 1
+    assert "epgen: error: " in capsys.readouterr().err
+    assert "finalize" not in str(log)

@@ -190,11 +190,11 @@ class ShmemWorld(RankWorld):
         self.ranks = []
         try:
             self._setup(cfg, arch)
+            self.bootstrap.barrier(f"w{self.index}-ready")
         except BaseException:
             self._failed = True
             self.close(_raise=False)
             raise
-        self.bootstrap.barrier(f"w{self.index}-ready")
 
     def _setup(self, cfg, arch):
         cuda = self.cuda
@@ -338,6 +338,11 @@ class ShmemWorld(RankWorld):
 
     def _barrier_bounded(self, name: str, timeout_s: float) -> None:
         self.bootstrap.barrier(name, timeout_s=timeout_s)
+
+    @property
+    def finalized(self) -> bool:
+        """Whether NVSHMEM was shut down (False after a close that had to skip it)."""
+        return not getattr(self.host, "initialized", False)
 
     def __enter__(self):
         return self
