@@ -29,7 +29,7 @@ and mailboxes of the prod buffers never need re-arming.
 
 Everything but the placement (one GPU, one program, one error buffer, the co-residency of
 all ranks' grids) lives in ``RankWorld``, which ``P2PWorld`` (``p2p_world.py``: one GPU per
-rank) shares.
+rank) and ``ShmemWorld`` (``shmem_world.py``: one process per rank) share.
 """
 
 from __future__ import annotations
