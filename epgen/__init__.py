@@ -3,7 +3,7 @@
 
 Importing the package costs nothing: every name below is loaded on first use (PEP 562).
 ``EPConfig``, the formats and ``reference`` need numpy, attrs and ml_dtypes; ``emit_ptx``
-loads llvmlite; ``EmulatedWorld`` and ``P2PWorld`` load cuda.core.
+loads llvmlite; ``EmulatedWorld``, ``P2PWorld`` and ``ShmemWorld`` load cuda.core.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ _LAZY = {
     "TuningError": ("epgen.tuning", "TuningError"),
     "EmulatedWorld": ("epgen.runtime.world", "EmulatedWorld"),
     "P2PWorld": ("epgen.runtime.p2p_world", "P2PWorld"),
+    "ShmemWorld": ("epgen.runtime.shmem_world", "ShmemWorld"),
 }
 
 
@@ -63,4 +64,4 @@ def __dir__():
 
 __all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "BlockwiseFP8Format",
            "NVFP4Format", "MXFP8Format", "TokenFormat", "Layout", "Tuning", "TuningError", "reference", "build_module",
-           "emit_ptx", "EmulatedWorld", "P2PWorld"]
+           "emit_ptx", "EmulatedWorld", "P2PWorld", "ShmemWorld"]

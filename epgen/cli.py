@@ -81,7 +81,8 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
             parser.error(f"argument --set {item}: {e}")
     try:
         cfg = presets.config_from_dict(presets.with_overrides(presets.preset_data(name), overrides))
-        cfg.require_p2p_only()
+        if getattr(args, "world", None) != "shmem":     # ShmemWorld reaches the other ranks
+            cfg.require_p2p_only()
     except (ValueError, TransportNotImplementedError) as e:
         sets = "".join(f" --set {item}" for item in args.sets)
         parser.error(f"preset {name}{sets}: {e}")
@@ -309,7 +310,7 @@ def args_run(p: argparse.ArgumentParser) -> None:
                         "configurations, e.g. --preset small)")
 
 
-WORLDS = ("emulated", "p2p")
+WORLDS = ("emulated", "p2p", "shmem")
 RUN_BACKENDS = ("cuda", "sim")
 
 
@@ -317,7 +318,11 @@ def _add_world(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", choices=WORLDS, default="emulated",
                    help="emulated: every rank on one GPU (EmulatedWorld, the default); p2p: "
                         "one GPU per rank in this process, peer access between them "
-                        "(P2PWorld)")
+                        "(P2PWorld); shmem: this process is one rank of a group started by "
+                        "'epgen launch -n N --' or torchrun (ShmemWorld, NVSHMEM)")
+    p.add_argument("--drop-rank", type=int, metavar="K",
+                   help="testing, with --world shmem: rank K exits right before its first "
+                        "call without closing (a dead peer); the others must time out")
     p.add_argument("--devices", metavar="LIST",
                    help="with --world p2p: the GPU of each rank, comma-separated (default: "
                         "rank r on GPU r); ranks may share a GPU, e.g. 0,0")
@@ -349,6 +354,12 @@ def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 
     every rank) is the emulated world's only; ``backend`` and ``sim_seed`` as the worlds
     take them (``--backend sim``: the CPU simulator)."""
     sim = {} if backend == "cuda" else {"backend": backend, "sim_seed": sim_seed}
+    if kind == "shmem":
+        if batched or backend != "cuda":
+            raise CommandError("--world shmem: one process per rank on the GPU (not with "
+                               "--batched or --backend sim)")
+        from epgen.runtime.shmem_world import ShmemWorld
+        return ShmemWorld(cfg, arch=arch, input_scale=input_scale, fused=fused)
     if kind == "p2p":
         if batched:
             raise CommandError("--batched: one launch for every rank needs the ranks on one "
@@ -373,6 +384,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg, _ = _config(args)
     devices = _devices(args, cfg.n_ranks)
+    if args.world == "shmem":
+        return _run_shmem(args, cfg)
+    if args.drop_rank is not None:
+        args.parser.error("argument --drop-rank: only with --world shmem")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
     if not 0 <= tokens <= cfg.max_tokens_per_rank:
@@ -434,6 +449,73 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_shmem(args: argparse.Namespace, cfg) -> int:
+    """``epgen run --world shmem``: this process's rank of a ``ShmemWorld`` (one process per
+    rank); every rank draws every rank's inputs from the same seed (rank 0's, shared through
+    the bootstrap when ``--seed`` is not given), computes the whole reference and compares
+    its own part."""
+    if args.graph or args.trace or args.batched or args.backend != "cuda":
+        args.parser.error("--world shmem: not with --graph, --trace, --batched or --backend sim")
+    if args.drop_rank is not None and not 0 <= args.drop_rank < cfg.n_ranks:
+        args.parser.error(f"argument --drop-rank: must be in [0, n_ranks={cfg.n_ranks})")
+    tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
+    if not 0 <= tokens <= cfg.max_tokens_per_rank:
+        args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
+                          f"{cfg.max_tokens_per_rank}], got {tokens}")
+    world = make_world("shmem", cfg, arch=args.arch, input_scale=args.input_scale,
+                       fused=True if args.fused else None)
+    try:
+        with world:
+            _shmem_calls(args, cfg, world, tokens)
+    except Exception as e:
+        if world.finalized or os.environ.get("EPGEN_TRACEBACK"):
+            raise
+        # a peer is gone and NVSHMEM could not be shut down: leave now rather than risk
+        # the library waiting for that peer at exit
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    return 0
+
+
+def _shmem_calls(args: argparse.Namespace, cfg, world, tokens: int) -> None:
+    """The calls of ``epgen run --world shmem`` on this process's ``world``."""
+    import time
+
+    import numpy as np
+
+    from epgen import reference, routing
+
+    r = world.rank
+    mine = None if args.seed is not None else os.urandom(4)
+    seed = args.seed if args.seed is not None else int.from_bytes(
+        world.bootstrap.broadcast_bytes(mine if r == 0 else None, f"seed-{world.index}"),
+        "little")
+    rng = np.random.default_rng(seed)
+    weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" \
+        else None
+    print(f"rank {r} of {cfg.n_ranks} (ShmemWorld, GPU {world.device_id}, "
+          f"p2p_world_size={cfg.p2p_world_size}), {tokens} tokens/rank, seed {seed}"
+          + (", the fused single launch" if world.fused else ""), flush=True)
+    for call in range(args.calls):
+        toks, ids = routing.routing(rng, cfg, tokens, weights)
+        if args.drop_rank == r:
+            print(f"rank {r}: --drop-rank: exiting before call {call} without closing",
+                  flush=True)
+            os._exit(0)
+        t0 = time.perf_counter()
+        got = world.dispatch(toks[r], ids[r])
+        dt = time.perf_counter() - t0
+        want = reference.dispatch(cfg, toks, ids, input_scale=args.input_scale)[r]
+        diffs = reference.compare(cfg, want, got)
+        print(f"rank {r} call {call}: {int(got.row_offsets[-1])} rows received, "
+              f"{dt * 1e3:.1f} ms (host round trip, barrier included), "
+              f"{'matches the reference' if not diffs else 'MISMATCH'}", flush=True)
+        if diffs:
+            print("\n".join("  " + d for d in diffs[:10]))
+            raise CommandError(f"rank {r}: results differ from the reference (seed {seed})")
+
+
 BENCH_PRESET = "decode"
 """The preset ``epgen bench`` uses without ``--preset``: 8 emulated ranks that fit one H200
 (the ``default`` preset's 8 x 132 blocks of 1024 threads do not)."""
@@ -471,12 +553,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from epgen.bench import driver, options
 
     cfg, _ = _config(args, default=P2P_BENCH_PRESET if args.world == "p2p" else BENCH_PRESET)
+    if args.world == "shmem":
+        from epgen.bench import shmem
+
+        tokens = ([t for group in args.tokens for t in group] if args.tokens
+                  else args.sweep_tokens or [cfg.max_tokens_per_rank])
+        failures = shmem.run(args, cfg, list(dict.fromkeys(tokens)))
+        if failures:
+            raise CommandError("bench: " + "; ".join(failures))
+        return 0
     plan = options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
     results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
     if results["failures"]:
         raise CommandError("bench: " + "; ".join(results["failures"]))
     return 0
+
+
+def args_launch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
+                   help="processes to start, one per rank (RANK 0..N-1)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="kill every process after SECONDS and exit 124 (default: no limit)")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="after the first failure, SIGTERM the others and SIGKILL them after "
+                        "SECONDS (default: 5)")
+    p.add_argument("--mps-share", action="store_true",
+                   help="set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100/N) in every process "
+                        "(several PEs on one GPU under MPS)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
+                   help="the command and its arguments (after --)")
+    p.epilog = (f"example: {PROG} launch -n 2 -- python -m epgen run --world shmem --preset "
+                f"small --set use_shmem=true --set p2p_world_size=1")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Start N processes of CMD with the torchrun rank variables (``epgen.launch``)."""
+    from epgen.launch import launch
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        args.parser.error("no command given: epgen launch -n N -- CMD ...")
+    if args.nproc < 1:
+        args.parser.error(f"argument -n: must be >= 1, got {args.nproc}")
+    if args.timeout is not None and args.timeout <= 0:
+        args.parser.error(f"argument --timeout: must be > 0, got {args.timeout}")
+    return launch(cmd, args.nproc, timeout_s=args.timeout, mps_share=args.mps_share,
+                  grace_s=args.grace)
 
 
 class Command(NamedTuple):
@@ -502,6 +627,9 @@ COMMANDS: dict[str, Command] = {
                      "of one or more variants on an EmulatedWorld against a device-to-device "
                      "copy and the PyTorch baseline; table, JSON, PNG plot",
                      args_bench, cmd_bench),
+    "launch": Command("start N processes of a command, one per rank, with the torchrun rank "
+                      "variables and a bootstrap directory (for --world shmem); prefixed "
+                      "output, first failure stops the rest", args_launch, cmd_launch),
 }
 
 

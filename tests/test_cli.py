@@ -61,10 +61,10 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 def test_help_lists_every_subcommand(capsys):
     status, out, _ = run_cli(capsys, "--help")
     assert status == 0
-    for name in ("ptx", "inspect", "variants", "diff", "run", "bench"):
+    for name in ("ptx", "inspect", "variants", "diff", "run", "bench", "launch"):
         assert name in cli.COMMANDS
         assert f"    {name} " in out, f"{name} missing from epgen --help:\n{out}"
-    assert set(cli.COMMANDS) == {"ptx", "inspect", "variants", "diff", "run", "bench"}
+    assert set(cli.COMMANDS) == {"ptx", "inspect", "variants", "diff", "run", "bench", "launch"}
 
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))

@@ -5,4 +5,4 @@ does not import the configuration, the token formats and their numeric libraries
 from __future__ import annotations
 
 ROUTINGS = ("uniform", "zipf")
-WORLDS = ("emulated", "p2p")
+WORLDS = ("emulated", "p2p", "shmem")

@@ -29,7 +29,7 @@ and mailboxes of the prod buffers never need re-arming.
 
 Everything but the placement (one GPU, one program, one error buffer, the co-residency of
 all ranks' grids) lives in ``RankWorld``, which ``P2PWorld`` (``p2p_world.py``: one GPU per
-rank) shares.
+rank) and ``ShmemWorld`` (``shmem_world.py``: one process per rank) share.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ class _Rank:
     header array and the prod buffer) come from ``memory_resource`` when one is given (a
     pool the peers' GPUs can access, ``P2PWorld``), else from the device's default one."""
 
-    def __init__(self, cuda, cfg, rank, device, memory_resource=None):
+    def __init__(self, cuda, cfg, rank, device, memory_resource=None,
+                 send_memory_resource=None):
         lay, fmt = cfg.layout, cfg.token_fmt
         H, K, T = fmt.hid_dim, fmt.top_k, cfg.max_tokens_per_rank
         self.rank = rank
@@ -179,7 +180,10 @@ class _Rank:
                                           **peer)
         self.tokens = z((T, H), np.uint16)
         self.topk_ids = z((T, K), np.int32)
-        self.send_buf = z(lay.send_buf_bytes, np.uint8)
+        # the send buffer is read by SHMEM puts (ShmemWorld: symmetric memory)
+        self.send_buf = (z(lay.send_buf_bytes, np.uint8) if send_memory_resource is None else
+                         cuda.zeros(lay.send_buf_bytes, np.uint8, device=device, stream=self.stream,
+                                    memory_resource=send_memory_resource))
         self.recv_buf = zp(lay.recv_buf_bytes, np.uint8)
         self.recv_count = cuda.to_device(lay.recv_count_initial(), device=device, stream=self.stream,
                                          **peer)
@@ -218,7 +222,8 @@ class RankWorld:
     batched = False
 
     def _init_common(self, cfg, fused, world: str, timeout_ns, input_scale,
-                     backend="cuda", sim_seed=None, participants=None, n_gpus=1):
+                     backend="cuda", sim_seed=None, participants=None, n_gpus=1,
+                     shmem_ok=False):
         """The constructor prologue every world shares: the ``fused`` rule, the transport
         check, the backend (``runtime.backend.resolve``: ``cuda`` is ``backends.cuda`` or a
         ``backends.sim.Machine``), and ``fused``, ``cfg``, ``cuda``, ``timeout_ns``,
@@ -226,7 +231,8 @@ class RankWorld:
         cuda = backends_of.resolve(backend, cfg, world, participants=participants,
                                    sim_seed=sim_seed, n_gpus=n_gpus)
         fused = resolve_fused(cfg, fused, world)
-        cfg.require_p2p_only()
+        if not shmem_ok:            # ShmemWorld reaches ranks outside a P2P group
+            cfg.require_p2p_only()
         self.fused = fused
         self.cfg = cfg
         self.cuda = cuda
@@ -293,16 +299,19 @@ class RankWorld:
         nothing is copied when any input is invalid."""
         ranks = self.rank_ids if self.cfg.skip_a2a else None
         counts = reference.validate_inputs(self.cfg, tokens, topk_ids, ranks=ranks)
-        fmt = self.cfg.token_fmt
         for rk, x, ids, T in zip(self.ranks, tokens, topk_ids, counts):
-            rk.n_tokens = T
-            if T == 0:
-                continue
-            if hasattr(x, "__cuda_array_interface__"):
-                rk.tokens[:T].copy_from(x)
-            else:
-                rk.tokens[:T].copy_from_host(np.ascontiguousarray(fmt.as_host_tokens(x)))
-            rk.topk_ids[:T].copy_from_host(np.ascontiguousarray(np.asarray(ids), np.int32))
+            self._load_rank(rk, x, ids, T)
+
+    def _load_rank(self, rk, x, ids, T: int):
+        """Copy one rank's validated inputs (``T`` tokens) to its buffers."""
+        rk.n_tokens = T
+        if T == 0:
+            return
+        if hasattr(x, "__cuda_array_interface__"):
+            rk.tokens[:T].copy_from(x)
+        else:
+            rk.tokens[:T].copy_from_host(np.ascontiguousarray(self.cfg.token_fmt.as_host_tokens(x)))
+        rk.topk_ids[:T].copy_from_host(np.ascontiguousarray(np.asarray(ids), np.int32))
 
     @property
     def input_scale(self) -> float:

@@ -1,0 +1,358 @@
+"""``ShmemWorld``: one process per PE (rank), NVSHMEM between them.
+
+Start N processes with ``epgen launch -n N -- CMD`` or torchrun; each builds
+``ShmemWorld(cfg)`` and calls ``dispatch`` with its own inputs, getting its own result.
+Destinations inside the rank's P2P group (``p2p_world_size`` consecutive ranks) are written
+directly through the peer addresses NVSHMEM maps (``nvshmem_ptr``); the others through the
+kernels' SHMEM path (puts into the symmetric receive buffer, a signal on the symmetric count
+word), which needs ``use_shmem=True``.
+
+Everything per rank (buffers, launches, the ordering of one rank's calls, the timeout check,
+re-arming, results) is ``RankWorld`` (``world.py``) with one rank; this module adds:
+
+- **Rank and GPU**: ``rank`` (default ``RANK``) of ``WORLD_SIZE == cfg.n_ranks``; the GPU
+  ``LOCAL_RANK % device_count`` (or ``device``). Several PEs may share a GPU (one GPU runs the
+  whole group, best under MPS).
+- **Bootstrap** (``bootstrap.py``): rank 0 takes an NVSHMEM unique id, the launcher's files
+  (or ``torch.distributed`` under torchrun) carry it to the others, every PE initialises with
+  it (``nvshmemx_hostlib_init_attr``). NVSHMEM's own host collectives are never used (they
+  abort without full multi-process-per-GPU support); host barriers go through the bootstrap.
+  Before init, ``NVSHMEM_DISABLE_NVLS=1`` is set when absent (on one node set
+  ``NVSHMEM_REMOTE_TRANSPORT=none`` too: no NIC transport is needed).
+- **Symmetric memory**: every buffer a peer writes or a put reads (send buffer, receive
+  buffer, receive-count words; with ``ep_final_layout`` the grouped output, its scales, the
+  header array and the prod buffer) comes from ``nvshmem_malloc``, the same sizes in the same
+  order on every PE; the rest is local. The pointer tables of the P2P group hold each peer's
+  ``nvshmem_ptr`` address (NULL: the world refuses, naming the peers; a P2P group needs peer
+  access between its GPUs).
+- **Kernels**: loaded once; a module that links NVSHMEM's device library gets
+  ``nvshmemx_cumodule_init`` before its first launch.
+- **Host barriers**: after setup (every PE's buffers armed before any kernel writes to
+  them), after every call (no PE's next call may write a receive buffer a peer is still
+  draining: across processes there are no shared events) and at ``close``.
+- **Failures**: a peer that dies or never starts leaves the others' bounded waits to expire:
+  ``dispatch`` raises ``EPTimeoutError`` (as in the other worlds) and the world can still be
+  closed; a barrier that a peer never reaches raises ``BootstrapTimeoutError`` naming it.
+- **Close**: ``close()`` (or leaving ``with ShmemWorld(cfg) as world:``) synchronises, meets
+  the others at a barrier, frees the symmetric buffers collectively and finalises NVSHMEM;
+  idempotent. When the barrier fails (a peer is gone), the collective free and finalize are
+  skipped (they would wait for the dead peer) and the error is raised unless another one is
+  already propagating. A world dropped without ``close`` warns (``ResourceWarning``) and
+  frees nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+
+import numpy as np
+
+from backends.cuda.nvshmem_host import NvshmemHost
+
+from .. import reference
+from ..errors import EPTimeoutError
+from ..kernels import build_module
+from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
+from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
+from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from . import bootstrap as bootstrap_mod
+from . import trace as runtime_trace
+from .diagnostics import DiagBuffer
+from .p2p_world import PeerAccessError
+from .program import Program
+from .world import CapacityError, GenerationCounter, RankWorld, _Rank, p2p_group
+
+#: set before NVSHMEM initialises, where the environment does not say otherwise
+NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
+
+_WORLD_INDEX = itertools.count()      # worlds of this process: names of their bootstrap files
+
+
+def resolve_rank(cfg, rank: int | None, world_size: int | None = None) -> int:
+    """This process's rank: ``rank``, else ``RANK``; ``WORLD_SIZE`` (or ``world_size``) must
+    equal ``cfg.n_ranks``. A one-rank configuration needs neither."""
+    env_rank, env_size = bootstrap_mod.env_rank()
+    size = world_size if world_size is not None else env_size
+    if rank is None:
+        rank = env_rank
+    if rank is None:
+        if cfg.n_ranks == 1:
+            return 0
+        raise ValueError(f"ShmemWorld: no rank (RANK unset): start {cfg.n_ranks} processes "
+                         f"with 'epgen launch -n {cfg.n_ranks} -- CMD' or torchrun, or pass "
+                         f"rank=")
+    if size is None and cfg.n_ranks > 1:
+        raise ValueError(f"ShmemWorld: WORLD_SIZE is unset; the configuration has "
+                         f"n_ranks={cfg.n_ranks} (one process per rank)")
+    if size is not None and size != cfg.n_ranks:
+        raise ValueError(f"ShmemWorld: WORLD_SIZE={size} processes, but the configuration has "
+                         f"n_ranks={cfg.n_ranks}: start one process per rank")
+    if not 0 <= rank < cfg.n_ranks:
+        raise ValueError(f"ShmemWorld: rank {rank} is not in [0, n_ranks={cfg.n_ranks})")
+    return int(rank)
+
+
+def resolve_device(device: int | None, n_devices: int, local_rank: int) -> int:
+    """The GPU of this PE: ``device``, else ``local_rank % n_devices``."""
+    if n_devices < 1:
+        raise ValueError("ShmemWorld: no usable CUDA GPU here (backends.cuda.device_count() "
+                         "is 0)")
+    if device is None:
+        return local_rank % n_devices
+    if not 0 <= int(device) < n_devices:
+        raise ValueError(f"ShmemWorld: device {device} is not a GPU of this machine "
+                         f"(ordinals 0..{n_devices - 1})")
+    return int(device)
+
+
+def local_sharers(device: int, n_devices: int, local_world_size: int) -> int:
+    """How many PEs of this node run on GPU ``device`` (``LOCAL_RANK % n_devices``)."""
+    return max(1, sum(1 for k in range(local_world_size) if k % n_devices == device))
+
+
+def check_transport(cfg) -> None:
+    """What the world refuses: ``skip_a2a`` (nothing leaves the device: ``EmulatedWorld``),
+    and destinations outside a P2P group without ``use_shmem``."""
+    if cfg.skip_a2a:
+        raise ValueError("ShmemWorld: skip_a2a configurations send nothing off the device; "
+                         "run them with EmulatedWorld")
+    if cfg.needs_shmem and not cfg.use_shmem:
+        raise ValueError(f"ShmemWorld: p2p_world_size={cfg.p2p_world_size} < n_ranks="
+                         f"{cfg.n_ranks} reaches ranks outside the P2P group through the "
+                         f"SHMEM transport: set use_shmem=True")
+
+
+def set_env_defaults(env=None) -> dict:
+    """``NVSHMEM_ENV_DEFAULTS`` into ``env`` (default ``os.environ``) where absent; returns
+    what was set."""
+    env = os.environ if env is None else env
+    out = {}
+    for k, v in NVSHMEM_ENV_DEFAULTS.items():
+        if k not in env:
+            env[k] = out[k] = v
+    return out
+
+
+def uses_nvshmem(ptx: str | None) -> bool:
+    """Whether a module's PTX links NVSHMEM's device library (its device state global)."""
+    return bool(ptx) and "nvshmemi_device_state_d" in ptx
+
+
+class ShmemWorld(RankWorld):
+    """This process's rank of an EP group of one process per PE (module docstring).
+    ``dispatch(tokens, topk_ids)`` takes this rank's inputs (``[T, hid_dim]`` tokens,
+    ``[T, top_k]`` ids) and returns this rank's ``reference.RankResult`` (compare with
+    ``reference.dispatch(cfg, all_tokens, all_ids)[rank]``). ``fused``, ``timeout_ns`` and
+    ``input_scale`` as in the other worlds.
+
+    ``bootstrap`` (default ``bootstrap.from_env``) and ``host`` (default
+    ``backends.cuda.nvshmem_host.NvshmemHost()``) may be given; ``barrier_timeout_s`` bounds
+    every host barrier (default: ``EPGEN_BARRIER_TIMEOUT_S`` or 120 s).
+
+    Attributes: ``rank``, ``device`` (its GPU), ``program``, ``err``, ``host``, ``bootstrap``,
+    ``pool`` (the symmetric allocations), ``ranks`` (this rank's buffers, one entry)."""
+
+    def __init__(self, cfg, rank: int | None = None, *, device: int | None = None,
+                 arch: str | None = None, timeout_ns: int | None = None,
+                 fused: bool | None = None, input_scale: float = 1.0, bootstrap=None,
+                 host=None, barrier_timeout_s: float | None = None, backend="cuda"):
+        self._closed = True                  # nothing to release until NVSHMEM is up
+        self.rank = resolve_rank(cfg, rank, getattr(bootstrap, "world_size", None))
+        check_transport(cfg)
+        self._init_common(cfg, fused, "ShmemWorld", timeout_ns, input_scale, backend,
+                          participants=1, shmem_ok=True)
+        cuda = self.cuda
+        if barrier_timeout_s is None:
+            barrier_timeout_s = float(os.environ.get("EPGEN_BARRIER_TIMEOUT_S") or
+                                      bootstrap_mod.DEFAULT_TIMEOUT_S)
+        self.barrier_timeout_s = barrier_timeout_s
+        n_dev = cuda.device_count()
+        self.device_id = resolve_device(device, n_dev, bootstrap_mod.local_rank())
+        self.sharers = local_sharers(self.device_id, n_dev, int(
+            os.environ.get("LOCAL_WORLD_SIZE") or 1)) if device is None else 1
+        self.index = next(_WORLD_INDEX)
+        self.bootstrap = bootstrap if bootstrap is not None else bootstrap_mod.from_env(
+            self.rank, cfg.n_ranks, barrier_timeout_s)
+        self.host = NvshmemHost() if host is None else host
+        set_env_defaults()
+        dev = cuda.get_device(self.device_id)
+        if hasattr(dev, "set_current"):       # NVSHMEM binds the context current at init
+            dev.set_current()
+        uid = self.host.get_uniqueid() if self.rank == 0 else None
+        uid = self.bootstrap.broadcast_bytes(uid, f"nvshmem-{self.index}")
+        # cuda_device_id stays NVSHMEM's "unset" (-1, as its default initializer has it):
+        # NVSHMEM takes the context made current above
+        self.host.init_uid(uid, self.rank, cfg.n_ranks)
+        self._closed = False
+        self._failed = False
+        self.ranks = []
+        try:
+            self._setup(cfg, arch)
+            self.bootstrap.barrier(f"w{self.index}-ready")
+        except BaseException:
+            self._failed = True
+            self.close(_raise=False)
+            raise
+
+    def _setup(self, cfg, arch):
+        cuda = self.cuda
+        self.program = Program(build_module(cfg), arch=arch, device=self.device_id,
+                               backend=cuda)
+        self.device = self.program.device
+        if uses_nvshmem(self.program.ptx):
+            self.host.cumodule_init(self.program.loaded.cumodule())
+        self._check_capacity()
+        self.pool = self.host.symmetric_resource()
+        self.rank_ids = [self.rank]
+        self.ranks = [_Rank(cuda, cfg, self.rank, self.device, memory_resource=self.pool,
+                            send_memory_resource=self.pool)]
+        self.err = DiagBuffer(self.device, cuda=cuda)
+        self._build_pointer_tables()
+        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
+        self.synchronize()
+        self.device.sync()            # the tables' and error buffer's default-stream copies
+
+    # -- placement ------------------------------------------------------------------------------
+    def _check_capacity(self):
+        """Every block of this rank's grid (and of the other PEs on this GPU) resident at
+        once."""
+        sms = self.cuda.sm_count(self.device)
+        for name in ((FUSED,) if self.fused else (ASYNC, WAIT)):
+            per_sm = self.program.blocks_per_sm(name)
+            capacity, need = per_sm * sms, self.sharers * self.cfg.n_sms
+            if need > capacity:
+                raise CapacityError(
+                    f"ShmemWorld: {self.sharers} PE(s) on GPU {self.device_id} x n_sms="
+                    f"{self.cfg.n_sms} blocks of {name} need {need} co-resident blocks, but "
+                    f"the GPU holds {capacity} ({per_sm} per SM x {sms} SMs at num_threads="
+                    f"{self.cfg.num_threads}); lower n_sms to at most "
+                    f"{capacity // self.sharers} or num_threads")
+
+    def _pointer_table(self, r: int, attr: str):
+        """The address of buffer ``attr`` on every PE of this rank's P2P group, as this
+        process reaches it (``nvshmem_ptr``; its own: the local address)."""
+        buf = getattr(self.ranks[0], attr)
+        ptrs, unreachable = [], []
+        for q in p2p_group(self.cfg, r):
+            p = buf.ptr if q == r else self.host.ptr(buf.ptr, q)
+            if not p:
+                unreachable.append(q)
+            ptrs.append(p)
+        if unreachable:
+            raise PeerAccessError(
+                f"ShmemWorld: rank {r} cannot load and store the memory of PE(s) "
+                f"{', '.join(map(str, unreachable))} of its P2P group (nvshmem_ptr is NULL): "
+                f"a P2P group (p2p_world_size={self.cfg.p2p_world_size}) needs peer access "
+                f"between its GPUs; lower p2p_world_size (use_shmem=True reaches the others "
+                f"by SHMEM puts) or place the group on GPUs with an NVLink/PCIe peer path")
+        return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.device)
+
+    def _build_pointer_tables(self):
+        r = self.rank
+        self.recv_buf_ptrs = {r: self._pointer_table(r, "recv_buf")}
+        self.recv_count_ptrs = {r: self._pointer_table(r, "recv_count")}
+        self.final_ptrs = {r: self._final_layout_tables(r)}
+        runtime_trace.allocate(self)
+
+    # -- the per-rank API --------------------------------------------------------------------------
+    def load_inputs(self, tokens, topk_ids):
+        """Validate and copy this rank's inputs (one ``[T, hid_dim]`` tokens array and its
+        ``[T, top_k]`` ids; host or device arrays)."""
+        K = self.cfg.token_fmt.top_k
+        if isinstance(tokens, (list, tuple)) or isinstance(topk_ids, (list, tuple)):
+            raise TypeError(f"ShmemWorld: dispatch takes this rank's own inputs (one tokens "
+                            f"array and one topk_ids array), not a list per rank")
+        all_t = [tokens if q == self.rank else tokens[:0] for q in range(self.cfg.n_ranks)]
+        all_i = [topk_ids if q == self.rank else np.zeros((0, K), np.int32)
+                 for q in range(self.cfg.n_ranks)]
+        counts = reference.validate_inputs(self.cfg, all_t, all_i)
+        self._load_rank(self.ranks[0], tokens, topk_ids, counts[self.rank])
+
+    def _require_open(self):
+        if self._closed:
+            raise RuntimeError("ShmemWorld: the world is closed")
+
+    def _after_call(self, run):
+        self._require_open()
+        try:
+            out = run()
+        except EPTimeoutError:
+            self._failed = True
+            raise
+        self.bootstrap.barrier(f"w{self.index}-call")
+        return out
+
+    def dispatch(self, tokens, topk_ids, input_scale: float | None = None):
+        """One round trip of every PE (each calls it with its own inputs): this rank's
+        ``reference.RankResult``. Returns after every PE's round trip has finished (a host
+        barrier), so the next call may start."""
+        return self._after_call(lambda: super(ShmemWorld, self).dispatch(
+            tokens, topk_ids, input_scale)[0])
+
+    def dispatch_replayed(self, tokens, topk_ids, graph=None) -> tuple:
+        """``dispatch`` as a replay of this rank's captured round trip: ``(graph, result)``."""
+        def run():
+            g, res = super(ShmemWorld, self).dispatch_replayed(tokens, topk_ids, graph)
+            return g, res[0]
+        return self._after_call(run)
+
+    def barrier(self, name: str = "user") -> None:
+        """A host barrier of every PE (the bootstrap's)."""
+        self.bootstrap.barrier(f"w{self.index}-{name}")
+
+    # -- close ------------------------------------------------------------------------------------
+    def close(self, _raise: bool = True) -> None:
+        """Synchronise, meet every PE at a barrier, free the symmetric buffers (collectively,
+        in order) and finalise NVSHMEM. Idempotent. If a peer never reaches the barrier, the
+        collective steps are skipped (they would wait for it) and ``BootstrapTimeoutError``
+        is raised (unless ``_raise`` is False, e.g. while another error propagates)."""
+        if self._closed:
+            return
+        self._closed = True
+        error = None
+        try:
+            self.synchronize()
+        except Exception as e:        # a faulted context: still try to leave in step
+            error = e
+        timeout = self.barrier_timeout_s
+        if self._failed:              # the others are failing too: each within ~2 deadlines
+            timeout = min(timeout, max(5.0, 3 * self.timeout_ns / 1e9))
+        try:
+            self._barrier_bounded(f"w{self.index}-close", timeout)
+        except bootstrap_mod.BootstrapTimeoutError as e:
+            self.ranks = []
+            if _raise:
+                raise
+            warnings.warn(f"ShmemWorld.close: {e}; symmetric buffers not freed and NVSHMEM "
+                          f"not finalised", RuntimeWarning, stacklevel=2)
+            return
+        self.ranks = []
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.free_all()
+        self.host.finalize()
+        if error is not None and _raise:
+            raise error
+
+    def _barrier_bounded(self, name: str, timeout_s: float) -> None:
+        self.bootstrap.barrier(name, timeout_s=timeout_s)
+
+    @property
+    def finalized(self) -> bool:
+        """Whether NVSHMEM was shut down (False after a close that had to skip it)."""
+        return not getattr(self.host, "initialized", False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(_raise=exc_type is None)
+        return False
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            warnings.warn("ShmemWorld was not closed: its symmetric buffers are freed only "
+                          "by close() (use 'with ShmemWorld(cfg) as world:')",
+                          ResourceWarning, stacklevel=1)

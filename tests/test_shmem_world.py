@@ -1,0 +1,420 @@
+"""``ShmemWorld`` (epgen/runtime/shmem_world.py) on the CPU: the real world class on a
+``backends.sim.Machine`` with a fake NVSHMEM host (symmetric "heap" = the sim's memory, a
+``nvshmem_ptr`` that maps a buffer to the same buffer of the peer PE's world) and a fake
+bootstrap. Two PEs' worlds live in one process here, so their round trip is driven step by
+step (each enqueues, then the machine runs both); on the GPU each PE is its own process
+(tests/test_shmem_gpu.py). Also the pure rules: rank, world size, GPU, transport."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import numpy as np
+import pytest
+
+from backends import sim as sim_backend
+from backends.sim.machine import Pool
+from epgen import presets, reference, routing
+from epgen.errors import EPTimeoutError
+from epgen.runtime import bootstrap as bootstrap_mod
+from epgen.runtime import shmem_world as sw
+from epgen.runtime.p2p_world import PeerAccessError
+
+SYMMETRIC = ("send_buf", "recv_buf", "recv_count", "out_tokens", "hdr_buf", "prod_buf")
+LOCAL = ("tokens", "topk_ids", "counters", "row_offsets", "expert_ids", "src_info")
+
+
+def small(**changes):
+    cfg = presets.config_from_dict(presets.preset_data("small"))
+    return cfg.replace(**changes) if changes else cfg
+
+
+class FakePool(Pool):
+    def __init__(self, log):
+        super().__init__(0, ())
+        self.log = log
+
+    def free_all(self):
+        self.log.append("free_all")
+
+
+class FakeHost:
+    """NVSHMEM stand-in shared by the PEs of one test: ``worlds[pe]`` is PE pe's world."""
+
+    def __init__(self, log, null_peers=()):
+        self.log, self.worlds, self.null_peers = log, {}, set(null_peers)
+
+    def view(self, pe):
+        return _HostView(self, pe)
+
+
+class _HostView:
+    def __init__(self, shared, pe):
+        self.shared, self.pe = shared, pe
+
+    def get_uniqueid(self):
+        return b"u" * 128
+
+    initialized = False
+
+    def init_uid(self, uid, rank, nranks, device=None):
+        self.shared.log.append(("init", rank, nranks, device))
+        self.initialized = True
+
+    def symmetric_resource(self):
+        return FakePool(self.shared.log)
+
+    def ptr(self, p, pe):
+        if pe in self.shared.null_peers:
+            return 0
+        me = self.shared.worlds.get(self.pe)
+        peer = self.shared.worlds.get(pe)
+        if me is None or peer is None:     # the peer's world not built yet: a placeholder
+            return 0x1000 + pe
+        for attr in SYMMETRIC:
+            if getattr(me.ranks[0], attr).ptr == p:
+                return getattr(peer.ranks[0], attr).ptr
+        raise AssertionError(f"nvshmem_ptr of a non-symmetric address {p:#x}")
+
+    def finalize(self):
+        self.shared.log.append(("finalize", self.pe))
+        self.initialized = False
+
+    def cumodule_init(self, m):
+        raise AssertionError("no NVSHMEM device code in these kernels")
+
+
+class FakeBootstrap:
+    def __init__(self, rank, n, log, fail=()):
+        self.rank, self.world_size, self.log, self.fail = rank, n, log, set(fail)
+
+    def broadcast_bytes(self, data, name="nvshmem"):
+        return b"u" * 128
+
+    def barrier(self, name="sync", timeout_s=None):
+        self.log.append(("barrier", self.rank, name.split("-", 1)[1]))
+        if name.split("-", 1)[1] in self.fail:
+            raise bootstrap_mod.BootstrapTimeoutError(f"barrier {name}: rank(s) 1 missing",
+                                                      name, (1,))
+
+
+def make_worlds(cfg, machine, log, null_peers=(), **kw):
+    host = FakeHost(log, null_peers)
+    worlds = []
+    for r in range(cfg.n_ranks):
+        w = sw.ShmemWorld(cfg, r, bootstrap=FakeBootstrap(r, cfg.n_ranks, log),
+                          host=host.view(r), backend=machine, **kw)
+        host.worlds[r] = w
+        worlds.append(w)
+    for w in worlds:           # tables again, now that every PE's buffers exist
+        w._build_pointer_tables()
+    return worlds
+
+
+def round_trip(worlds, machine, toks, ids):
+    for w in worlds:           # every input in place before any launch (as the barriers do)
+        w.load_inputs(toks[w.rank], ids[w.rank])
+    for w in worlds:
+        w.enqueue_round_trip()
+    machine.drain()
+    return [w.results()[0] for w in worlds]
+
+
+@pytest.mark.parametrize("flags", [{}, {"ep_final_layout": True}])
+def test_two_pes_match_the_reference(flags):
+    cfg = small(**flags)
+    machine = sim_backend.Machine(0)
+    log = []
+    worlds = make_worlds(cfg, machine, log)
+    assert [e for e in log if e[0] == "init"] == [("init", 0, 2, None), ("init", 1, 2, None)]
+    assert [e for e in log if e[0] == "barrier"] == [("barrier", 0, "ready"),
+                                                     ("barrier", 1, "ready")]
+    rng = np.random.default_rng(3)
+    for call in range(2):
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        got = round_trip(worlds, machine, toks, ids)
+        want = reference.dispatch(cfg, toks, ids)
+        for r in range(2):
+            assert got[r].rank == r
+            assert reference.compare(cfg, want[r], got[r]) == []
+    # the tables: own address first-hand, the peer's through nvshmem_ptr
+    for w in worlds:
+        table = w.recv_buf_ptrs[w.rank].to_host()
+        assert list(np.asarray(table)) == [worlds[q].ranks[0].recv_buf.ptr for q in (0, 1)]
+    for w in worlds:
+        w.close()
+
+
+def test_symmetric_buffers_are_the_peer_written_ones(monkeypatch):
+    cfg = small()
+    machine = sim_backend.Machine(0)
+    placed = []
+    real = machine.zeros
+
+    def zeros(shape, dtype, device=None, stream=None, memory_resource=None):
+        a = real(shape, dtype, device=device, stream=stream, memory_resource=memory_resource)
+        placed.append((a.ptr, isinstance(memory_resource, FakePool)))
+        return a
+    monkeypatch.setattr(machine, "zeros", zeros)
+    real_td = machine.to_device
+
+    def to_device(host, device=None, stream=None, memory_resource=None):
+        a = real_td(host, device=device, stream=stream, memory_resource=memory_resource)
+        placed.append((a.ptr, isinstance(memory_resource, FakePool)))
+        return a
+    monkeypatch.setattr(machine, "to_device", to_device)
+    log = []
+    (w0, w1) = make_worlds(cfg, machine, log)
+    sym = dict(placed)
+    rk = w0.ranks[0]
+    for attr in SYMMETRIC:
+        assert sym[getattr(rk, attr).ptr], attr
+    for attr in LOCAL:
+        assert not sym[getattr(rk, attr).ptr], attr
+    w0.close()
+    w1.close()
+
+
+def test_close_barrier_free_finalize_once_and_warns_when_dropped():
+    cfg = small(n_ranks=1, p2p_world_size=1, n_experts=8)
+    machine = sim_backend.Machine(0)
+    log = []
+    (w,) = make_worlds(cfg, machine, log)
+    del log[:]
+    with w:
+        pass
+    assert log == [("barrier", 0, "close"), "free_all", ("finalize", 0)]
+    w.close()
+    assert len(log) == 3                         # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        w.dispatch(np.zeros((0, 256), np.float32), np.zeros((0, 4), np.int32))
+    (w2,) = make_worlds(cfg, machine, log)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del w2
+        gc.collect()
+    assert any(issubclass(c.category, ResourceWarning) and "not closed" in str(c.message)
+               for c in caught)
+
+
+def test_one_pe_dispatch_returns_its_own_result():
+    cfg = small(n_ranks=1, p2p_world_size=1, n_experts=8)
+    machine = sim_backend.Machine(0)
+    log = []
+    (w,) = make_worlds(cfg, machine, log)
+    rng = np.random.default_rng(0)
+    toks, ids = routing.routing(rng, cfg, 16)
+    got = w.dispatch(toks[0], ids[0])
+    assert reference.compare(cfg, reference.dispatch(cfg, toks, ids)[0], got) == []
+    assert log[-1] == ("barrier", 0, "call")            # every call ends at a barrier
+    with pytest.raises(TypeError, match="own inputs"):
+        w.dispatch(toks, ids)
+    w.close()
+
+
+def test_dead_peer_times_out_and_closes_without_collectives():
+    """PE 1 never launches: PE 0's bounded waits expire (EPTimeoutError), its close barrier
+    fails (the peer is gone), so nothing collective runs and the world is closed."""
+    cfg = small(timeout_ns=200_000)
+    machine = sim_backend.Machine(0, timeouts=True)
+    log = []
+    w0, w1 = make_worlds(cfg, machine, log)
+    w0.bootstrap.fail = {"close"}
+    rng = np.random.default_rng(1)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    del log[:]
+    with pytest.raises(EPTimeoutError), pytest.warns(RuntimeWarning, match="not freed"):
+        with w0:
+            w0.dispatch(toks[0], ids[0])
+    assert log == [("barrier", 0, "close")]               # no call barrier, no free, no finalize
+    assert w0._closed
+    w1._closed = True                                     # PE 1 "died"
+
+
+def test_null_peer_pointer_is_a_clear_error():
+    cfg = small()
+    machine = sim_backend.Machine(0)
+    log = []
+    with pytest.raises(PeerAccessError, match=r"PE\(s\) 1 .*nvshmem_ptr is NULL"):
+        make_worlds(cfg, machine, log, null_peers={1})
+    # the half-built world was closed (barrier, free, finalize), not left to gc
+    assert log[-3:] == [("barrier", 0, "close"), "free_all", ("finalize", 0)]
+
+
+def test_rules(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = small()
+    with pytest.raises(ValueError, match="epgen launch -n 2"):
+        sw.resolve_rank(cfg, None)
+    assert sw.resolve_rank(small(n_ranks=1, p2p_world_size=1, n_experts=8), None) == 0
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 processes.*n_ranks=2"):
+        sw.resolve_rank(cfg, None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert sw.resolve_rank(cfg, None) == 1
+    with pytest.raises(ValueError, match="not in"):
+        sw.resolve_rank(cfg, 2)
+    assert sw.resolve_device(None, 8, 11) == 3
+    assert sw.resolve_device(1, 2, 0) == 1
+    with pytest.raises(ValueError, match="no usable CUDA GPU"):
+        sw.resolve_device(None, 0, 0)
+    assert sw.local_sharers(0, 1, 4) == 4 and sw.local_sharers(1, 2, 4) == 2
+    with pytest.raises(ValueError, match="use_shmem=True"):
+        sw.check_transport(small(p2p_world_size=1, use_shmem=False))
+    sw.check_transport(small(p2p_world_size=1, use_shmem=True))
+    env = {"NVSHMEM_DISABLE_NVLS": "0"}
+    assert sw.set_env_defaults(env) == {} and env["NVSHMEM_DISABLE_NVLS"] == "0"
+    env = {}
+    assert sw.set_env_defaults(env) == {"NVSHMEM_DISABLE_NVLS": "1"}
+    assert sw.uses_nvshmem(".extern .global .align 8 .b8 nvshmemi_device_state_d[8];")
+    assert not sw.uses_nvshmem(None) and not sw.uses_nvshmem(".entry ep_dispatch_async")
+
+
+def test_exported_lazily():
+    import epgen
+    assert epgen.ShmemWorld is sw.ShmemWorld
+
+
+SHMEM_RUN = ["run", "--world", "shmem", "--preset", "small", "--set", "use_shmem=true",
+             "--set", "p2p_world_size=1"]
+
+
+def test_cli_usage(capsys):
+    from epgen import cli
+
+    for argv in (SHMEM_RUN + ["--backend", "sim"], SHMEM_RUN + ["--graph"],
+                 SHMEM_RUN + ["--drop-rank", "2"],
+                 ["run", "--preset", "small", "--drop-rank", "1", "--backend", "sim"],
+                 # without ShmemWorld, ranks outside the P2P group are refused
+                 ["run", "--world", "p2p", "--preset", "small", "--set", "use_shmem=true",
+                  "--set", "p2p_world_size=1"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert "--drop-rank: must be in [0, n_ranks=2)" in err
+    assert "not implemented" in err                # the p2p world's refusal
+
+
+def test_bench_sent_bytes():
+    from epgen.bench.shmem import sent_bytes
+
+    cfg = small()                                  # 8 local experts per rank
+    ids = np.array([[0, 1, 8, 9], [0, 1, 2, 3], [8, 9, 10, 11]])
+    assert sent_bytes(cfg, ids, 0) == 2 * cfg.layout.msg_bytes
+    assert sent_bytes(cfg, ids, 1) == 2 * cfg.layout.msg_bytes
+    assert sent_bytes(cfg, np.zeros((0, 4), np.int32), 0) == 0
+
+
+def test_cli_run_one_rank_on_the_simulator(monkeypatch, capsys):
+    """``epgen run --world shmem``'s loop (seed through the bootstrap, this rank's part of
+    the reference, the world closed at the end) with the world on the simulator."""
+    from epgen import cli
+
+    log = []
+    made = []
+
+    def make_world(kind, cfg, **kw):
+        assert kind == "shmem"
+        host = FakeHost(log)
+        w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 1, log), host=host.view(0),
+                          backend=sim_backend.Machine(0), fused=kw.get("fused"))
+        host.worlds[0] = w
+        made.append(w)
+        return w
+    monkeypatch.setattr(cli, "make_world", make_world)
+    argv = ["run", "--world", "shmem", "--preset", "small", "--set", "n_ranks=1", "--set",
+            "p2p_world_size=1", "--set", "n_experts=8", "--tokens", "8", "--calls", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("matches the reference") == 2 and "rank 0 of 1 (ShmemWorld" in out
+    assert made[0]._closed and log[-2:] == ["free_all", ("finalize", 0)]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--set", "n_ranks=2", "--set", "p2p_world_size=1"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2"],
+    ["--set", "n_ranks=8", "--set", "p2p_world_size=1"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "format=NVFP4"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "format=MXFP8"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "format=BlockwiseFP8"],
+    ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", "ep_ord_r=true", "--set",
+     "has_rank_flag=true"],
+    ["--set", "n_ranks=2", "--set", "p2p_world_size=1", "--set", "timeout_ns=500000000",
+     "--drop-rank", "1"],
+])
+def test_gpu_test_configurations_are_valid(extra):
+    """The configurations tests/test_shmem_gpu.py launches pass the CLI's checks here, so a
+    failure there is the GPU's, not a typo's."""
+    from epgen import cli
+
+    args = cli.build_parser().parse_args(SHMEM_RUN[:5] + ["--set", "use_shmem=true"] + extra)
+    cfg, _ = cli._config(args)
+    assert cfg.use_shmem and cfg.needs_shmem
+
+
+def test_cli_run_dead_peer_exits_at_once(monkeypatch, capsys):
+    """Rank 0 of 2 alone: its waits expire, the close barrier fails, NVSHMEM stays up, so
+    ``epgen run`` reports the timeout and leaves with os._exit(1)."""
+    from epgen import cli
+
+    log = []
+
+    def make_world(kind, cfg, **kw):
+        host = FakeHost(log)
+        w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 2, log, fail={"close"}),
+                          host=host.view(0), backend=sim_backend.Machine(0, timeouts=True))
+        host.worlds[0] = w
+        w._build_pointer_tables()
+        return w
+
+    def exit_now(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(cli, "make_world", make_world)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.delenv("EPGEN_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e, pytest.warns(RuntimeWarning, match="not freed"):
+        # p2p_world_size=2: kernels this branch builds (the SHMEM path comes with the kernels)
+        cli.main(SHMEM_RUN + ["--set", "p2p_world_size=2", "--set", "timeout_ns=200000",
+                              "--calls", "1", "--seed", "0"])
+    assert e.value.code == 1
+    assert "epgen: error: " in capsys.readouterr().err
+    assert "finalize" not in str(log)
+
+
+def test_bench_run_on_one_simulated_rank(monkeypatch):
+    """``epgen bench --world shmem``'s loop: one world for every shape, the first call
+    checked, the timed calls each followed by the barrier."""
+    import io
+    import types
+
+    from epgen.bench import shmem as bench_shmem
+
+    log = []
+    made = []
+
+    def world_of(cfg):
+        host = FakeHost(log)
+        w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 1, log), host=host.view(0),
+                          backend=sim_backend.Machine(0))
+        host.worlds[0] = w
+        made.append(w)
+        return w
+    clock = iter(range(1000))
+    fake_cuda = types.SimpleNamespace(record=lambda stream: next(clock),
+                                      elapsed_ms=lambda a, b: 0.01 * (b - a))
+    monkeypatch.setattr(bench_shmem, "ShmemWorld", world_of)
+    monkeypatch.setattr(bench_shmem, "cuda", fake_cuda)
+    cfg = small(n_ranks=1, p2p_world_size=1, n_experts=8, max_tokens_per_rank=8)
+    args = types.SimpleNamespace(iters=3, warmup=1, seed=0, no_post_check=False)
+    out = io.StringIO()
+    assert bench_shmem.run(args, cfg, [4, 16], out=out) == []
+    assert len(made) == 1 and made[0].cfg.max_tokens_per_rank == 16
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "4 tokens/rank" in lines[0] and "16 tokens/rank" in lines[1]
+    assert "median 10.0 us" in lines[0]
+    assert sum(1 for e in log if e == ("barrier", 0, "bench")) == 2 * 4
+    assert made[0]._closed
