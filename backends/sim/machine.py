@@ -25,6 +25,7 @@ from . import launch as _launch
 from .graph import Node, graph_api
 from .interp import Sim
 from .memory import DeviceArray, SimError
+from .shmem import SymmetricHeap
 from .stream import Stream, record_event
 
 
@@ -197,6 +198,14 @@ class Machine:
     @staticmethod
     def pointer_device(obj) -> int | None:
         return obj.device if isinstance(obj, DeviceArray) else getattr(obj, "device", None)
+
+    # -- NVSHMEM ---------------------------------------------------------------------------------
+    def symmetric_heap(self):
+        """The symmetric heap of the NVSHMEM model (``shmem.SymmetricHeap``, made on first
+        use): a world registers each PE's symmetric buffers there."""
+        if self.sim.shmem is None:
+            self.sim.shmem = SymmetricHeap()
+        return self.sim.shmem
 
     # -- modules and launches --------------------------------------------------------------------
     def load_module(self, module, device=None) -> _launch.LoadedModule:
