@@ -81,7 +81,6 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
             parser.error(f"argument --set {item}: {e}")
     try:
         cfg = presets.config_from_dict(presets.with_overrides(presets.preset_data(name), overrides))
-        cfg.require_p2p_only()
     except (ValueError, TransportNotImplementedError) as e:
         sets = "".join(f" --set {item}" for item in args.sets)
         parser.error(f"preset {name}{sets}: {e}")
