@@ -60,7 +60,7 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
     """The ``EPConfig`` of ``--preset`` (``default`` when not given) and ``--set``, and the
     overrides; a bad name or value is a usage error (exit 2) that names the parameter."""
     from epgen import presets
-    from epgen.config import TransportNotImplementedError
+    from epgen.config import SHMEM_ALL_P2P_NOTE, TransportNotImplementedError
 
     parser, name = args.parser, args.preset or default
     known = presets.preset_names()
@@ -84,6 +84,8 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
     except (ValueError, TransportNotImplementedError) as e:
         sets = "".join(f" --set {item}" for item in args.sets)
         parser.error(f"preset {name}{sets}: {e}")
+    if cfg.shmem_all_p2p:
+        print(f"note: {SHMEM_ALL_P2P_NOTE}", file=sys.stderr)
     return _tuned(args, cfg), overrides
 
 

@@ -58,6 +58,11 @@ SHMEM_EXCLUSIVE = {
 }
 
 
+#: What the CLI and ``epgen inspect`` say of ``use_shmem=True`` without a remote destination.
+SHMEM_ALL_P2P_NOTE = ("use_shmem=true but every destination is in the P2P group: no NVSHMEM "
+                      "call")
+
+
 class TransportNotImplementedError(NotImplementedError):
     """The configuration needs a transport this build does not implement yet."""
 
@@ -252,6 +257,19 @@ class EPConfig:
         """``use_shmem`` is set but every destination is in the P2P group
         (``p2p_world_size == n_ranks``): the kernels are the P2P ones, no NVSHMEM call."""
         return bool(self.use_shmem) and not self.skip_a2a and not self.needs_shmem
+
+    def effective_flags(self) -> dict:
+        """What the build makes of the flags where it differs from their face value (plain
+        data, for ``epgen inspect``): ``use_shmem`` without a remote destination builds the
+        P2P kernels; with one, the remote destinations go through NVSHMEM."""
+        if self.shmem_all_p2p:
+            return {"use_shmem": "the P2P kernels, no NVSHMEM call (every destination is in "
+                                 "the P2P group)"}
+        if self.use_shmem and self.needs_shmem:
+            return {"use_shmem": f"NVSHMEM puts and signals to the destinations outside the "
+                                 f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
+                                 f"of n_ranks={self.n_ranks}); peer stores inside it"}
+        return {}
 
     def replace(self, **changes) -> EPConfig:
         """A copy with ``changes`` applied (validated again)."""

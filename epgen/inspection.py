@@ -136,6 +136,7 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
     return {
         "preset": preset, "overrides": dict(overrides or {}), "arch": arch,
         "parameters": cfg.describe(),
+        "effective_flags": cfg.effective_flags(),
         "layout": lay.members(),
         "sizes": lay.sizes(),
         "counter_regions": [_region(r) for r in lay.counter_regions().values()],
@@ -234,6 +235,8 @@ def format_text(report: dict) -> str:
         label += ", tuned " + " ".join(f"{k}={v}" for k, v in tuned.items())
     out = [f"preset {label}, arch {report['arch']}", "", "parameters"]
     out += _kv(_flat(report["parameters"]))
+    if report.get("effective_flags"):
+        out += ["", "effective flags"] + _kv(list(report["effective_flags"].items()))
     out += ["", "layout members"] + _kv(_flat(report["layout"]))
     out += ["", "sizes"] + _kv(list(report["sizes"].items()))
     out += ["", "counter regions (Int32 words)"]
