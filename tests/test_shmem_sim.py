@@ -9,6 +9,7 @@ extern-call rules.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -245,3 +246,60 @@ def test_cli_notes_use_shmem_without_remote_destinations(command, capsys):
 def test_cli_use_shmem_false_with_remote_destinations_is_a_usage_error(capsys):
     status, _, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "p2p_world_size=1")
     assert status == 2 and "use_shmem=False with p2p_world_size=1 < n_ranks=2" in err
+
+
+def quiet_after_count(module: ir.Module) -> ir.Module:
+    """``module`` with each quiet of the cross-group fan-out moved after the finished count
+    that follows it (put, red.release, quiet: the count no longer waits for the data)."""
+    def is_quiet(s):
+        return isinstance(s, ir.nodes.Call) and s.name == "nvshmem_quiet"
+
+    def rewrite(stmts):
+        out, moved = [], None
+        for s in stmts:
+            if isinstance(s, ir.nodes.If) and any(is_quiet(x) for x in s.then):
+                out.append(attrs.evolve(s, then=tuple(x for x in s.then if not is_quiet(x))))
+                moved = next(x for x in s.then if is_quiet(x))
+                continue
+            if isinstance(s, ir.nodes.If):
+                s = attrs.evolve(s, then=rewrite(s.then), orelse=rewrite(s.orelse))
+            elif isinstance(s, (ir.nodes.For, ir.nodes.While)):
+                s = attrs.evolve(s, body=rewrite(s.body))
+            out.append(s)
+            if moved is not None and isinstance(s, ir.nodes.AtomicRMW) and s.dst is None:
+                out.append(moved)
+                moved = None
+        assert moved is None
+        return tuple(out)
+
+    kernels = []
+    for k in module.kernels:
+        roles = tuple(attrs.evolve(r, body=rewrite(r.body)) for r in k.roles)
+        kernels.append(attrs.evolve(k, roles=roles))
+    return ir.Module(module.name, tuple(kernels))
+
+
+def test_count_before_quiet_is_caught(monkeypatch):
+    """The quiet must come before the finished count: with put, count, quiet the monitor
+    signals while the bytes are still in flight (the sim's quiet takes random rounds), and
+    some seed's destination copies stale rows."""
+    from epgen.runtime import world as world_mod
+    build = world_mod.build_module
+    mutated = []
+
+    def build_mutated(cfg):
+        m = quiet_after_count(build(cfg))
+        mutated.append(calls_in(m.kernel("ep_dispatch_async")))
+        return m
+    monkeypatch.setattr(world_mod, "build_module", build_mutated)
+    cfg = make_cfg(R=2, P=1)
+    failures = 0
+    for s in range(4):
+        try:
+            run_calls(cfg, s, n_calls=1)
+        except AssertionError:
+            failures += 1
+    names = mutated[0]
+    i = names.index("nvshmem_putmem_nbi")
+    assert names[i + 1] == "nvshmem_quiet"   # still one quiet per put, now after the count
+    assert failures >= 1, failures

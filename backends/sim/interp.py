@@ -205,7 +205,7 @@ class Sim:
     runs every queued grid to completion."""
 
     def __init__(self, seed: int = 0, max_spins: int = 20000, preempt: float = 0.2,
-                 timeouts: bool = False):
+                 timeouts: bool = False, shmem_delay: int = 256):
         self.mem = Memory()
         self.rng = random.Random(seed)
         self.max_spins = max_spins
@@ -218,6 +218,7 @@ class Sim:
         self._slots: dict = {}      # Var -> index into a thread's vars
         self._keep: list = []       # the compiled nodes (their ids stay unique)
         self.shmem = None           # shmem.SymmetricHeap, once a world registers buffers
+        self.shmem_delay = shmem_delay
 
     # -- launches -------------------------------------------------------------------------
     def launch(self, kernel: N.Kernel, grid: int, params: dict, after=()) -> _Launch:
@@ -533,6 +534,8 @@ class Sim:
         if isinstance(s, N.SpinWait):
             return G, self._compile_spin(s)
         if isinstance(s, N.Call):
+            if s.name in ("nvshmem_quiet", "nvshmem_fence"):
+                return G, self._complete_puts
             return M, self._compile_call(s)
         raise SimError(f"the simulator does not run {type(s).__name__}")
 
@@ -549,8 +552,6 @@ class Sim:
                 target = self._heap().translate(dest(th), pe(th), n)
                 th.pending_puts.append((target, bytes(self.mem.read(src(th), n))))
             return put
-        if name in ("nvshmem_quiet", "nvshmem_fence"):
-            return self._deliver_puts
         if name == "nvshmemx_signal_op":
             addr, value, op, pe = args
 
@@ -576,8 +577,14 @@ class Sim:
                            "registers its symmetric buffers: Machine.symmetric_heap())")
         return self.shmem
 
-    def _deliver_puts(self, th) -> None:
-        """``nvshmem_quiet`` / ``nvshmem_fence``: the thread's queued puts land, in order."""
+    def _complete_puts(self, th):
+        """``nvshmem_quiet`` / ``nvshmem_fence``: with puts queued, the thread waits a random
+        number of scheduler rounds (below ``shmem_delay``: the transfer's time, while every
+        other thread runs on), then its queued puts land, in order, and the call returns."""
+        if not th.pending_puts:
+            return
+        for _ in range(self.rng.randrange(self.shmem_delay) if self.shmem_delay else 0):
+            yield ("yield",)
         for target, data in th.pending_puts:
             self.mem.write(target, data)
         th.pending_puts.clear()

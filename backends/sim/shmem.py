@@ -11,11 +11,15 @@ apart otherwise, so ``nvshmem_my_pe`` is not modelled).
 What each call does (``Sim`` runs them, one ``ir.Call`` statement each):
 
 - ``nvshmem_putmem_nbi(dest, source, nbytes, pe)``: the bytes of ``source`` are read at the
-  call and queued on the calling thread; they reach ``pe``'s image of ``dest`` only at that
-  thread's next ``nvshmem_quiet`` or ``nvshmem_fence`` (a delayed delivery: a protocol that
-  signals before it has completed its puts reads stale bytes). A thread that exits with a
-  put still queued is a ``SimError`` (a put nobody completed).
-- ``nvshmem_quiet()`` / ``nvshmem_fence()``: deliver the thread's queued puts, in issue order.
+  call and queued on the calling thread; they reach ``pe``'s image of ``dest`` only at the end
+  of that thread's next ``nvshmem_quiet`` or ``nvshmem_fence`` (a delayed delivery: a
+  protocol that signals before it has completed its puts reads stale bytes). A thread that
+  exits with a put still queued is a ``SimError`` (a put nobody completed).
+- ``nvshmem_quiet()`` / ``nvshmem_fence()``: with puts queued, the thread first waits a random
+  number of scheduler rounds below ``Sim.shmem_delay`` (256; the transfer's time, every other
+  thread running on meanwhile), then its queued puts land in issue order and the call
+  returns. So anything the thread did between a put and its quiet (a count, a flag) is seen
+  by the others long before the bytes land.
 - ``nvshmemx_signal_op(sig_addr, value, sig_op, pe)``: at once, atomically, the u64 word at
   ``pe``'s image of ``sig_addr`` is set to ``value`` (``SIGNAL_SET``) or incremented by it
   (``SIGNAL_ADD``).
