@@ -9,6 +9,8 @@ extern-call rules.
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import numpy as np
 import pytest
@@ -303,3 +305,21 @@ def test_count_before_quiet_is_caught(monkeypatch):
     i = names.index("nvshmem_putmem_nbi")
     assert names[i + 1] == "nvshmem_quiet"   # still one quiet per put, now after the count
     assert failures >= 1, failures
+
+
+def test_ptx_calls_nvshmem_in_the_send_kernels_only():
+    """The PTX of the mixed variant: the three NVSHMEM functions declared ``.extern .func``
+    and called (``call.uni``) in ``ep_dispatch_async`` and ``ep_dispatch``, once each, none in
+    ``ep_dispatch_wait``; the P2P build of the same ranks calls nothing."""
+    from backends import nvptx
+    ptx = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=2)))
+    for name in NVSHMEM_CALLS:
+        assert f".extern .func {name}" in ptx
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n}\n", ptx, re.S))
+    assert set(bodies) == {"ep_dispatch_async", "ep_dispatch_wait", "ep_dispatch"}
+    for kernel in ("ep_dispatch_async", "ep_dispatch"):
+        found = re.findall(r"call\.uni (\w+),", bodies[kernel])
+        assert sorted(found) == sorted(NVSHMEM_CALLS), (kernel, found)
+    assert "call" not in bodies["ep_dispatch_wait"]
+    p2p = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=4)))
+    assert "nvshmem" not in p2p and "call.uni" not in p2p
