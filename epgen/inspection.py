@@ -116,7 +116,10 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
     module = build_module(cfg)
     ptx = nvptx.emit_ptx(module, arch=arch)
     check = nvptx.check_ptx(module, ptx)
-    assembled = _ptxas(ptx, arch) if ptxas else None
+    # unlinked NVSHMEM calls (use_shmem with remote destinations) resolve only when NVSHMEM's
+    # device library is linked in: no resources to report before that
+    unlinked = ".extern .func nvshmem" in ptx
+    assembled = _ptxas(ptx, arch) if ptxas and not unlinked else None
     grid = cfg.n_sms
     kernels = []
     for k in module.kernels:
@@ -144,6 +147,9 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
         "kernels": kernels,
         "ptxas": None if assembled is None else {k: v for k, v in assembled.items()
                                                  if k != "kernels"},
+        "ptxas_skipped": ("the PTX calls NVSHMEM functions (.extern .func), resolved only "
+                          "when NVSHMEM's device library is linked in") if ptxas and unlinked
+                         else None,
     }
 
 
@@ -250,6 +256,8 @@ def format_text(report: dict) -> str:
     for k in report["kernels"]:
         out += [""] + _kernel_lines(k, report["arch"])
     px = report["ptxas"]
+    if report.get("ptxas_skipped"):
+        out += ["", f"ptxas: skipped ({report['ptxas_skipped']})"]
     if px is not None:
         out.append("")
         if not px["found"]:

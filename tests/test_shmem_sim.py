@@ -323,3 +323,12 @@ def test_ptx_calls_nvshmem_in_the_send_kernels_only():
     assert "call" not in bodies["ep_dispatch_wait"]
     p2p = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=4)))
     assert "nvshmem" not in p2p and "call.uni" not in p2p
+
+
+def test_inspect_shmem_config(capsys):
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--set",
+                               "use_shmem=true", "--set", "p2p_world_size=1")
+    assert status == 0, out + err
+    assert "effective flags" in out and "NVSHMEM puts and signals" in out
+    assert "ptxas: skipped (the PTX calls NVSHMEM functions" in out and "failed" not in out
+    assert "note:" not in err
