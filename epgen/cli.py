@@ -60,7 +60,7 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
     """The ``EPConfig`` of ``--preset`` (``default`` when not given) and ``--set``, and the
     overrides; a bad name or value is a usage error (exit 2) that names the parameter."""
     from epgen import presets
-    from epgen.config import TransportNotImplementedError
+    from epgen.config import SHMEM_ALL_P2P_NOTE
 
     parser, name = args.parser, args.preset or default
     known = presets.preset_names()
@@ -81,11 +81,11 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
             parser.error(f"argument --set {item}: {e}")
     try:
         cfg = presets.config_from_dict(presets.with_overrides(presets.preset_data(name), overrides))
-        if getattr(args, "world", None) != "shmem":     # ShmemWorld reaches the other ranks
-            cfg.require_p2p_only()
-    except (ValueError, TransportNotImplementedError) as e:
+    except ValueError as e:
         sets = "".join(f" --set {item}" for item in args.sets)
         parser.error(f"preset {name}{sets}: {e}")
+    if cfg.shmem_all_p2p:
+        print(f"note: {SHMEM_ALL_P2P_NOTE}", file=sys.stderr)
     return _tuned(args, cfg), overrides
 
 

@@ -45,8 +45,22 @@ class EPConfigError(ValueError):
         super().__init__(head + ":\n  " + "\n  ".join(lines))
 
 
-class TransportNotImplementedError(NotImplementedError):
-    """The configuration needs a transport this build does not implement yet."""
+#: The flags the SHMEM send path does not take yet (``use_shmem`` with a destination outside
+#: the P2P group), and why.
+SHMEM_EXCLUSIVE = {
+    "ep_final_layout": "the final layout writes peers' output rows and reserves on their "
+                       "cursors with peer stores and atomics, which have no SHMEM path yet",
+    "ep_prod_reserve": "the early counts and mailboxes are peer stores, which have no SHMEM "
+                       "path yet",
+    "fused_shared_expert": "the fused kernel's shared-expert send path has no SHMEM fan-out "
+                           "yet",
+    "ep_copy_role_split": "the publisher warps' fan-out has no SHMEM cross-group fan-out yet",
+}
+
+
+#: What the CLI and ``epgen inspect`` say of ``use_shmem=True`` without a remote destination.
+SHMEM_ALL_P2P_NOTE = ("use_shmem=true but every destination is in the P2P group: no NVSHMEM "
+                      "call")
 
 
 def _to_int(v):
@@ -176,6 +190,17 @@ class EPConfig:
         rule(not (self.skip_a2a and self.use_shmem), ("skip_a2a", "use_shmem"),
              "skip_a2a and use_shmem are exclusive (skip_a2a sends nothing off the device; "
              "pass use_shmem=False)")
+        if self.p2p_world_size < R and not self.skip_a2a:
+            rule(self.use_shmem, ("use_shmem", "p2p_world_size", "n_ranks"),
+                 f"use_shmem=False with p2p_world_size={self.p2p_world_size} < n_ranks={R}: "
+                 f"destinations outside the sender's P2P group are reached only through the "
+                 f"SHMEM transport (NVSHMEM); set use_shmem=True, or p2p_world_size=n_ranks")
+            if self.use_shmem:
+                for flag in SHMEM_EXCLUSIVE:
+                    rule(not getattr(self, flag), ("use_shmem", "p2p_world_size", flag),
+                         f"use_shmem with p2p_world_size={self.p2p_world_size} < n_ranks={R} "
+                         f"(destinations reached through NVSHMEM) and {flag} are exclusive: "
+                         f"{SHMEM_EXCLUSIVE[flag]}")
         rule(not self.skip_a2a or R == 1, ("skip_a2a", "n_ranks"),
              f"skip_a2a kernels are instantiated per device with n_ranks=1 and n_experts = "
              f"that device's experts (topk ids stay global), got n_ranks={R}")
@@ -223,15 +248,24 @@ class EPConfig:
         transport is needed: ``p2p_world_size < n_ranks and not skip_a2a``."""
         return self.p2p_world_size < self.n_ranks and not self.skip_a2a
 
-    def require_p2p_only(self) -> None:
-        """Raise ``TransportNotImplementedError`` when the configuration needs the SHMEM
-        transport (``p2p_world_size < n_ranks``), which is not implemented yet."""
-        if self.needs_shmem:
-            raise TransportNotImplementedError(
-                f"p2p_world_size={self.p2p_world_size} < n_ranks={self.n_ranks}: ranks outside "
-                f"a P2P group are reached through the SHMEM transport (use_shmem="
-                f"{self.use_shmem}), and the SHMEM transport is not implemented yet; use "
-                f"p2p_world_size == n_ranks")
+    @property
+    def shmem_all_p2p(self) -> bool:
+        """``use_shmem`` is set but every destination is in the P2P group
+        (``p2p_world_size == n_ranks``): the kernels are the P2P ones, no NVSHMEM call."""
+        return bool(self.use_shmem) and not self.skip_a2a and not self.needs_shmem
+
+    def effective_flags(self) -> dict:
+        """What the build makes of the flags where it differs from their face value (plain
+        data, for ``epgen inspect``): ``use_shmem`` without a remote destination builds the
+        P2P kernels; with one, the remote destinations go through NVSHMEM."""
+        if self.shmem_all_p2p:
+            return {"use_shmem": "the P2P kernels, no NVSHMEM call (every destination is in "
+                                 "the P2P group)"}
+        if self.use_shmem and self.needs_shmem:
+            return {"use_shmem": f"NVSHMEM puts and signals to the destinations outside the "
+                                 f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
+                                 f"of n_ranks={self.n_ranks}); peer stores inside it"}
+        return {}
 
     def replace(self, **changes) -> EPConfig:
         """A copy with ``changes`` applied (validated again)."""

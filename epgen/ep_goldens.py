@@ -3,7 +3,8 @@ points (``ep_dispatch_async``, ``ep_dispatch_wait``) of that preset, pinned in
 ``golden/ep/<preset>.{ir,ptx}``; ``ep/<preset>_<fmt>`` is the same preset with another token
 format (``ep/default_fp8``: BlockwiseFP8, ``ep/default_nvfp4``, ``ep/default_mxfp8``).
 ``FLAG_VARIANTS`` are the flag variants: ``ep/<name>`` is a preset with some parameters
-changed (``docs/flags.md`` says what each flag changes in the PTX).
+changed (``docs/flags.md`` says what each flag changes in the PTX); ``SHMEM_VARIANTS`` the
+same for ``use_shmem`` with destinations outside the P2P group.
 ``epgen ptx`` with no arguments prints ``ep/default``'s PTX.
 
 Each variant is registered with a one-line description of what it sets (preset, then the
@@ -41,6 +42,22 @@ FLAG_VARIANTS = {
 }
 
 
+_SHMEM = {"use_shmem": True, "p2p_world_size": 1}
+_MIXED = {"use_shmem": True, "n_ranks": 4, "p2p_world_size": 2}
+#: ``name -> (preset, parameter changes)`` of the SHMEM variants ``ep/<name>``: ``use_shmem``
+#: with destinations outside the P2P group (NVSHMEM puts and signals, unlinked: the PTX
+#: declares the NVSHMEM functions ``.extern .func``). Not points of the flag matrix
+#: (``epgen.variants`` keeps ``use_shmem`` false).
+SHMEM_VARIANTS = {
+    "shmem_p2p1": ("small", dict(_SHMEM)),
+    "shmem_p2p1_fp8": ("small", {**_SHMEM, "format": "BlockwiseFP8"}),
+    "shmem_p2p1_nvfp4": ("small", {**_SHMEM, "format": "NVFP4"}),
+    "shmem_p2p1_mxfp8": ("small", {**_SHMEM, "format": "MXFP8"}),
+    "shmem_mixed": ("small", dict(_MIXED)),
+    "shmem_mixed_ord_r": ("small", {**_MIXED, "ep_ord_r": True, "has_rank_flag": True}),
+}
+
+
 def describe_changes(changes: dict) -> str:
     """``key=value, ...`` of parameter ``changes`` as ``epgen --set`` reads them (flags as
     ``true``/``false``)."""
@@ -56,9 +73,10 @@ def _preset_description(preset: str) -> str:
 
 
 def flag_variant_config(name: str):
-    """The ``EPConfig`` of flag variant ``name`` (a key of ``FLAG_VARIANTS``)."""
+    """The ``EPConfig`` of flag variant ``name`` (a key of ``FLAG_VARIANTS`` or
+    ``SHMEM_VARIANTS``)."""
     from .presets import config_from_dict, preset_data, with_overrides
-    preset, changes = FLAG_VARIANTS[name]
+    preset, changes = {**FLAG_VARIANTS, **SHMEM_VARIANTS}[name]
     table = with_overrides(preset_data(preset), changes)
     table.pop("description", None)
     return config_from_dict(table)
@@ -89,7 +107,7 @@ def _register_flag_variant(name: str) -> None:
         return build_module(flag_variant_config(name))
 
     build.__qualname__ = f"ep_{name}_module"
-    preset, changes = FLAG_VARIANTS[name]
+    preset, changes = {**FLAG_VARIANTS, **SHMEM_VARIANTS}[name]
     golden(f"ep/{name}", description=f"preset {preset} + {describe_changes(changes)}")(build)
 
 
@@ -130,5 +148,5 @@ def ep_fused_roles_module():
 
 for _preset, _suffix, _fmt in GOLDEN_FORMATS:
     _register(_preset, _suffix, _fmt)
-for _name in FLAG_VARIANTS:
+for _name in (*FLAG_VARIANTS, *SHMEM_VARIANTS):
     _register_flag_variant(_name)

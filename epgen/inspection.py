@@ -163,6 +163,7 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
     return {
         "preset": preset, "overrides": dict(overrides or {}), "arch": arch,
         "parameters": cfg.describe(),
+        "effective_flags": cfg.effective_flags(),
         "layout": lay.members(),
         "sizes": lay.sizes(),
         "counter_regions": [_region(r) for r in lay.counter_regions().values()],
@@ -171,6 +172,9 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
         "nvshmem_link": link,
         "ptxas": None if assembled is None else {k: v for k, v in assembled.items()
                                                  if k != "kernels"},
+        "ptxas_skipped": ("the PTX calls NVSHMEM functions (.extern .func), resolved only "
+                          "when NVSHMEM's device library is linked in") if ptxas and unlinked
+                         else None,
     }
 
 
@@ -267,6 +271,8 @@ def format_text(report: dict) -> str:
         label += ", tuned " + " ".join(f"{k}={v}" for k, v in tuned.items())
     out = [f"preset {label}, arch {report['arch']}", "", "parameters"]
     out += _kv(_flat(report["parameters"]))
+    if report.get("effective_flags"):
+        out += ["", "effective flags"] + _kv(list(report["effective_flags"].items()))
     out += ["", "layout members"] + _kv(_flat(report["layout"]))
     out += ["", "sizes"] + _kv(list(report["sizes"].items()))
     out += ["", "counter regions (Int32 words)"]
@@ -284,6 +290,8 @@ def format_text(report: dict) -> str:
         out += ["", "NVSHMEM: device bitcode linked into the PTX" if link["error"] is None
                 else f"NVSHMEM: not linked ({link['error']}); checked on our PTX only"]
     px = report["ptxas"]
+    if report.get("ptxas_skipped"):
+        out += ["", f"ptxas: skipped ({report['ptxas_skipped']})"]
     if px is not None:
         out.append("")
         if not px["found"]:

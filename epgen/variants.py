@@ -1,7 +1,8 @@
 """The variant matrix: every combination of ``EPConfig``'s boolean flags.
 
 ``MATRIX_FLAGS`` are the boolean parameters except ``use_shmem`` (always ``False`` here: the
-SHMEM transport does not exist, and ``skip_a2a`` excludes it). Each of the ``2**8``
+base preset's destinations are all in one P2P group, where it changes nothing, and
+``skip_a2a`` excludes it; the SHMEM variants are ``epgen.ep_goldens.SHMEM_VARIANTS``). Each of the ``2**8``
 combinations is built on the ``small`` preset (``BASE_PRESET``) with a base derived per
 combination, so that every combination ``EPConfig`` accepts is reachable:
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from epgen import BF16Format, EPConfig, EPConfigError, TokenFormat
-from epgen.config import TransportNotImplementedError
 
 PAGE_PARAMS = ["num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
                "p2p_world_size", "token_fmt", "use_shmem", "fused_shared_expert", "skip_a2a",
@@ -64,20 +63,44 @@ def test_replace_and_describe():
     assert d["token_fmt"]["name"] == "BF16" and d["token_fmt"]["msg_size"] == 14368
 
 
-def test_needs_shmem_and_require_p2p_only():
+def test_needs_shmem_and_the_shmem_flags():
     cfg = make()
-    assert not cfg.needs_shmem
-    cfg.require_p2p_only()
+    assert not cfg.needs_shmem and not cfg.shmem_all_p2p and cfg.effective_flags() == {}
     two_nodes = make(p2p_world_size=4, use_shmem=True)
-    assert two_nodes.needs_shmem
-    with pytest.raises(TransportNotImplementedError) as ei:
-        two_nodes.require_p2p_only()
-    msg = str(ei.value)
-    assert "use_shmem" in msg and "p2p_world_size" in msg and "not implemented" in msg
-    # use_shmem is not judged by EPConfig: P < R with use_shmem=False constructs fine
-    assert make(p2p_world_size=4).needs_shmem
+    assert two_nodes.needs_shmem and not two_nodes.shmem_all_p2p
+    assert "NVSHMEM" in two_nodes.effective_flags()["use_shmem"]
+    assert not hasattr(two_nodes, "require_p2p_only")
+    # use_shmem with every destination in the P2P group: the P2P kernels, said so
+    all_p2p = make(use_shmem=True)
+    assert all_p2p.shmem_all_p2p and not all_p2p.needs_shmem
+    assert "no NVSHMEM call" in all_p2p.effective_flags()["use_shmem"]
     skip = make(n_experts=48, n_ranks=1, p2p_world_size=1, skip_a2a=True)
-    assert not skip.needs_shmem
+    assert not skip.needs_shmem and not skip.shmem_all_p2p
+
+
+def test_use_shmem_false_with_remote_destinations_is_refused():
+    # the reference silently skips those destinations; we refuse
+    with pytest.raises(EPConfigError) as ei:
+        make(p2p_world_size=4)
+    (names, text), = ei.value.violations
+    assert set(names) == {"use_shmem", "p2p_world_size", "n_ranks"}
+    assert "use_shmem=False" in text and "p2p_world_size=4 < n_ranks=8" in text
+
+
+@pytest.mark.parametrize("flags", [dict(ep_final_layout=True),
+                                   dict(ep_final_layout=True, ep_prod_reserve=True),
+                                   dict(fused_shared_expert=True),
+                                   dict(ep_copy_role_split=True)],
+                         ids=["final_layout", "prod_reserve", "shared_expert", "role_split"])
+def test_shmem_refuses_the_flags_it_does_not_take(flags):
+    with pytest.raises(EPConfigError) as ei:
+        make(use_shmem=True, p2p_world_size=4, **flags)
+    for flag in flags:
+        hits = [text for names, text in ei.value.violations
+                if names == ("use_shmem", "p2p_world_size", flag)]
+        assert hits and "exclusive" in hits[0] and "p2p_world_size=4 < n_ranks=8" in hits[0]
+    # every destination in the P2P group: the same flags are fine
+    make(use_shmem=True, **flags)
 
 
 # (changes, parameter names the error must name, a phrase of the rule)
@@ -167,7 +190,9 @@ VALID = [
     dict(num_threads=32, n_sms=4, n_experts=2, n_ranks=2, p2p_world_size=2,
          max_tokens_per_rank=1, token_fmt=BF16Format(8, 1)),
     dict(num_threads=1024, n_sms=132, n_experts=1024, n_ranks=32, p2p_world_size=8,
-         token_fmt=BF16Format(7168, 32)),
+         token_fmt=BF16Format(7168, 32), use_shmem=True),
+    dict(use_shmem=True, p2p_world_size=1, has_rank_flag=True, ep_ord_r=True,
+         ep_send_join_named=True),
     dict(timeout_ns=0),
     # K may exceed n_experts under skip_a2a: the ids are global, n_experts is one device's
     dict(n_experts=4, n_ranks=1, p2p_world_size=1, skip_a2a=True, num_threads=128, n_sms=8),

@@ -8,6 +8,7 @@ import pytest
 
 import ir
 from epgen import BF16Format, EPConfig, EPConfigError, Layout
+from epgen.config import SHMEM_EXCLUSIVE
 
 
 # ---- the reference page, transcribed ------------------------------------------------------
@@ -86,10 +87,14 @@ CONFIGS = [
 
 
 def make(c, **flags):
+    """The config of ``c``; with ``P < R`` it needs ``use_shmem``, which refuses some flags
+    (``SHMEM_EXCLUSIVE``): those combinations are skipped, as no build has them."""
     num_threads, n_sms, E, R, max_tpr, P, H, K = c
+    if P < R and any(flags.get(f) for f in SHMEM_EXCLUSIVE):
+        pytest.skip(f"P={P} < R={R} needs use_shmem, which refuses {sorted(flags)}")
     return EPConfig(num_threads=num_threads, n_sms=n_sms, n_experts=E, n_ranks=R,
                     max_tokens_per_rank=max_tpr, p2p_world_size=P,
-                    token_fmt=BF16Format(hid_dim=H, top_k=K), use_shmem=False, **flags)
+                    token_fmt=BF16Format(hid_dim=H, top_k=K), use_shmem=P < R, **flags)
 
 
 def check_members(cfg, c, split=False):

@@ -17,7 +17,6 @@ import pytest
 
 import epgen
 from epgen import reference, routing
-from epgen.config import TransportNotImplementedError
 from epgen.runtime import p2p_world as p2p_mod
 from epgen.runtime import world as world_mod
 from epgen.runtime.p2p_world import (PeerAccessError, assign_devices, check_peer_access,
@@ -42,8 +41,9 @@ WORLD_KWARGS = ("fused",)
 
 def make_cfg(R, E, H, K, T, threads, sms, p2p=None, **flags):
     flags = {k: v for k, v in flags.items() if k not in WORLD_KWARGS}
+    flags.setdefault("use_shmem", False)
     return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
-                          max_tokens_per_rank=T, p2p_world_size=p2p or R, use_shmem=False,
+                          max_tokens_per_rank=T, p2p_world_size=p2p or R,
                           token_fmt=epgen.BF16Format(hid_dim=H, top_k=K), **flags)
 
 
@@ -101,9 +101,9 @@ def test_assign_devices_explicit():
 
 
 def test_p2p_groups_and_peer_pairs():
-    # p2p_world_size < n_ranks is a valid EPConfig (the worlds refuse it: SHMEM), so the
-    # group rules can be checked on it
-    cfg = make_cfg(4, 8, 16, 2, 3, 64, 6, p2p=2)
+    # p2p_world_size < n_ranks (with use_shmem) is a valid EPConfig, so the group rules can
+    # be checked on it
+    cfg = make_cfg(4, 8, 16, 2, 3, 64, 6, p2p=2, use_shmem=True)
     assert [list(p2p_group(cfg, r)) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert peer_pairs(cfg, (0, 1, 2, 3)) == [(0, 1), (1, 0), (2, 3), (3, 2)]
     assert peers_of(cfg, (0, 1, 2, 3)) == {0: [1], 1: [0], 2: [3], 3: [2]}
@@ -179,10 +179,13 @@ def test_too_few_gpus_is_refused(monkeypatch):
         epgen.P2PWorld(make_cfg(*SHAPES["R4-E8"]))
 
 
-def test_configs_needing_shmem_are_refused():
-    cfg = make_cfg(4, 8, 16, 2, 3, 64, 6, p2p=2)
-    with pytest.raises(TransportNotImplementedError, match="p2p_world_size=2 < n_ranks=4"):
-        epgen.P2PWorld(cfg)
+def test_configs_needing_shmem_are_refused_on_cuda():
+    # NVSHMEM needs one process per PE: a one-process world on the cuda backend refuses
+    cfg = make_cfg(4, 8, 16, 2, 3, 64, 6, p2p=2, use_shmem=True)
+    for world in (epgen.P2PWorld, epgen.EmulatedWorld):
+        with pytest.raises(ValueError, match="p2p_world_size=2 < n_ranks=4") as info:
+            world(cfg)
+        assert "one process per PE" in str(info.value) and "ShmemWorld" in str(info.value)
 
 
 def test_fused_rules_are_the_emulated_worlds():

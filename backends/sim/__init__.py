@@ -12,6 +12,8 @@ in a Python interpreter instead of on a GPU:
 - ``launch``   -- ``LoadedModule`` / ``LoadedKernel``, ``pack_arg``, ``launch_by_value``
 - ``graph``    -- graphs by stream capture (``capture``, ``GraphExec``)
 - ``machine``  -- ``Machine``: the simulated GPUs, the object a world takes as its backend
+- ``shmem``    -- ``SymmetricHeap``: the NVSHMEM device functions (puts delivered at the
+  issuing thread's quiet or fence, signals at once) over every PE in one process
 
     machine = Machine(seed=1)
     world = epgen.EmulatedWorld(cfg, backend=machine)     # or backend="sim", sim_seed=1
@@ -30,8 +32,10 @@ from .launch import LoadedKernel, LoadedModule, launch_by_value, pack_arg
 from .machine import Device, Machine, Pool
 from .memory import DeviceArray, Memory, SimError
 from .numerics import fma_f32
+from .shmem import SymmetricHeap
 from .stream import Event, Stream, record_event
 
 __all__ = ["Device", "DeviceArray", "Event", "GraphExec", "LoadedKernel", "LoadedModule",
-           "Machine", "Memory", "Pool", "Sim", "SimError", "SimHang", "Stream", "fma_f32",
+           "Machine", "Memory", "Pool", "Sim", "SimError", "SimHang", "Stream", "SymmetricHeap",
+           "fma_f32",
            "launch_by_value", "pack_arg", "record_event", "unpack_rank_table"]

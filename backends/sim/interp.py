@@ -32,7 +32,7 @@ import operator
 import random
 import struct
 
-from ir import diag
+from ir import diag, nvshmem
 from ir import nodes as N
 from ir import types as T
 from ir.enums import (AtomOp, BinOpKind, CmpOp, ReduxOp, ShflMode, SReg, UnOpKind,
@@ -166,6 +166,7 @@ class _Thread:
         self.reply = None
         self.spins = 0
         self.done = False
+        self.pending_puts: list = []    # NVSHMEM puts not yet delivered (shmem.py)
 
 
 class _Launch:
@@ -204,7 +205,7 @@ class Sim:
     runs every queued grid to completion."""
 
     def __init__(self, seed: int = 0, max_spins: int = 20000, preempt: float = 0.2,
-                 timeouts: bool = False):
+                 timeouts: bool = False, shmem_delay: int = 256):
         self.mem = Memory()
         self.rng = random.Random(seed)
         self.max_spins = max_spins
@@ -216,6 +217,8 @@ class Sim:
         self._exprs: dict = {}      # id(expression) -> fn(th)
         self._slots: dict = {}      # Var -> index into a thread's vars
         self._keep: list = []       # the compiled nodes (their ids stay unique)
+        self.shmem = None           # shmem.SymmetricHeap, once a world registers buffers
+        self.shmem_delay = shmem_delay
 
     # -- launches -------------------------------------------------------------------------
     def launch(self, kernel: N.Kernel, grid: int, params: dict, after=()) -> _Launch:
@@ -382,6 +385,10 @@ class Sim:
         except KeyError as exc:
             raise SimError(f"kernel {th.launch.kernel.name}: a variable is read before it is "
                            f"assigned ({exc})") from None
+        if th.pending_puts:
+            raise SimError(f"kernel {th.launch.kernel.name} block {th.block} thread {th.tid}: "
+                           f"exits with {len(th.pending_puts)} NVSHMEM put(s) never completed "
+                           f"(no nvshmem_quiet or nvshmem_fence after them)")
 
     def _in_role(self, th, role) -> bool:
         b = role.blocks
@@ -526,7 +533,61 @@ class Sim:
             return S, trap
         if isinstance(s, N.SpinWait):
             return G, self._compile_spin(s)
+        if isinstance(s, N.Call):
+            if s.name in ("nvshmem_quiet", "nvshmem_fence"):
+                return G, self._complete_puts
+            return M, self._compile_call(s)
         raise SimError(f"the simulator does not run {type(s).__name__}")
+
+    def _compile_call(self, s: N.Call):
+        """An ``ir.nvshmem`` device function (``shmem.py`` says what each one does); any
+        other extern function is a ``SimError``."""
+        args = [self._fn(a) for a in s.args]
+        name = s.name
+        if name == "nvshmem_putmem_nbi":
+            dest, src, nbytes, pe = args
+
+            def put(th):
+                n = nbytes(th)
+                target = self._heap().translate(dest(th), pe(th), n)
+                th.pending_puts.append((target, bytes(self.mem.read(src(th), n))))
+            return put
+        if name == "nvshmemx_signal_op":
+            addr, value, op, pe = args
+
+            def signal(th):
+                a = self._heap().translate(addr(th), pe(th), 8)
+                v, sig_op = value(th) & MASK64, op(th)
+                if sig_op == nvshmem.SIGNAL_SET:
+                    self._store(a, v, T.u64)
+                elif sig_op == nvshmem.SIGNAL_ADD:
+                    self._store(a, (self._load(a, T.u64) + v) & MASK64, T.u64)
+                else:
+                    raise SimError(f"nvshmemx_signal_op: unknown sig_op {sig_op}")
+            return signal
+        known = "" if not nvshmem.is_nvshmem(name) else " (an NVSHMEM function the " \
+            "simulator does not model)"
+        raise SimError(f"the simulator cannot call extern function {name!r}{known}; it "
+                       f"models nvshmem_putmem_nbi, nvshmem_quiet, nvshmem_fence and "
+                       f"nvshmemx_signal_op")
+
+    def _heap(self):
+        if self.shmem is None:
+            raise SimError("shmem: an NVSHMEM call, but no symmetric heap exists (the world "
+                           "registers its symmetric buffers: Machine.symmetric_heap())")
+        return self.shmem
+
+    def _complete_puts(self, th):
+        """``nvshmem_quiet`` / ``nvshmem_fence``: with puts queued, the thread waits a random
+        number of scheduler rounds (below ``shmem_delay``: the transfer's time, while every
+        other thread runs on), then its queued puts land, in order, and the call returns."""
+        if not th.pending_puts:
+            return
+        for _ in range(self.rng.randrange(self.shmem_delay) if self.shmem_delay else 0):
+            yield ("yield",)
+        for target, data in th.pending_puts:
+            self.mem.write(target, data)
+        th.pending_puts.clear()
 
     def _compile_collective(self, s):
         f = self._fn

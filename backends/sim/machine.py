@@ -25,6 +25,7 @@ from . import launch as _launch
 from .graph import Node, graph_api
 from .interp import Sim
 from .memory import DeviceArray, SimError
+from .shmem import SymmetricHeap
 from .stream import Stream, record_event
 
 
@@ -85,11 +86,12 @@ class Machine:
 
     def __init__(self, seed: int = 0, *, n_gpus: int = 1, max_spins: int = 20000,
                  timeouts: bool = False, preempt: float = 0.2, sm_count: int = 132,
-                 arch: str = "sm_90", reach=None):
+                 arch: str = "sm_90", reach=None, shmem_delay: int = 256):
         if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
             raise ValueError(f"Machine: n_gpus must be a positive integer, got {n_gpus!r}")
         self.seed = seed
-        self.sim = Sim(seed=seed, max_spins=max_spins, preempt=preempt, timeouts=timeouts)
+        self.sim = Sim(seed=seed, max_spins=max_spins, preempt=preempt, timeouts=timeouts,
+                       shmem_delay=shmem_delay)
         self.mem = self.sim.mem
         self.n_gpus = n_gpus
         self._sm_count = int(sm_count)
@@ -197,6 +199,14 @@ class Machine:
     @staticmethod
     def pointer_device(obj) -> int | None:
         return obj.device if isinstance(obj, DeviceArray) else getattr(obj, "device", None)
+
+    # -- NVSHMEM ---------------------------------------------------------------------------------
+    def symmetric_heap(self):
+        """The symmetric heap of the NVSHMEM model (``shmem.SymmetricHeap``, made on first
+        use): a world registers each PE's symmetric buffers there."""
+        if self.sim.shmem is None:
+            self.sim.shmem = SymmetricHeap()
+        return self.sim.shmem
 
     # -- modules and launches --------------------------------------------------------------------
     def load_module(self, module, device=None) -> _launch.LoadedModule:

@@ -14,7 +14,6 @@ def build_module(cfg) -> ir.Module:
     ``ep_dispatch_wait`` and the fused single launch ``ep_dispatch``; with
     ``fused_shared_expert`` only ``ep_dispatch`` (the standalone kernels do not take the shared
     expert: the reference packs it only in the fused dispatch kernel); with ``ep_final_layout`` only the two standalone kernels."""
-    cfg.require_p2p_only()
     if cfg.fused_shared_expert:
         return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))
     split = (build_dispatch_async(cfg), build_dispatch_wait(cfg))

@@ -98,7 +98,7 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     strided = lay.capacity_strided
     if cfg.ep_ord_r:   # (EPConfig refuses ep_ord_r with the capacity-strided layout)
         c, block_off = acquire_rank_flags(r, cfg, p.recv_count_p, p.err_buf,
-                                          comm_barrier_id), None
+                                          comm_barrier_id, p.my_rank), None
     else:
         c, block_off = wait_for_count_words(r, cfg, p, comm_barrier_id)
     trace.stamp(r, "aux.counts_seen")

@@ -15,6 +15,8 @@ from .common import load_pointer
 from .common import word as _word
 from .destination import destination
 from .ord_r import signal_rank_completion
+from .send_policy import sends_through_shmem
+from .shmem_send import in_group, is_remote, signal_remote_count
 
 
 def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int = 0):
@@ -119,7 +121,10 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
     finished counter reaches ``count`` (``ld.acquire.gpu``; ``token_warps * count`` when
     that many warps share each token and each counts its share of a copy), publish the
     count word (``destination``'s ``count_word``; or the ORD-R rank completion), re-arm the
-    counters (and the destination's words: the final layout's hand-off)."""
+    counters (and the destination's words: the final layout's hand-off). A destination
+    outside the P2P group (``sends_through_shmem``) gets the count word through
+    ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead, with or without
+    ORD-R."""
     dest = destination(cfg, p)
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
@@ -139,11 +144,22 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
             counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
                                   "recv_count_dst", peer=not cfg.skip_a2a)
             published = dest.count_word(count, fl_off)
-            if cfg.ep_ord_r:
-                signal_rank_completion(r, cfg, counts, signal_offset, published,
-                                       0 if cfg.skip_a2a else dst_p2p, p.counters, p.my_rank)
+
+            def signal_in_group():
+                if cfg.ep_ord_r:
+                    signal_rank_completion(r, cfg, counts, signal_offset, published,
+                                           0 if cfg.skip_a2a else dst_p2p, p.counters,
+                                           p.my_rank)
+                else:
+                    r.store(_word(counts, signal_offset, 8), published.cast(T.u64),
+                            Sem.RELEASE, scope)
+            if sends_through_shmem(cfg):    # remote: the count word through NVSHMEM
+                with r.if_(in_group(cfg, dst_rank, p.my_rank)):
+                    signal_in_group()
+                with r.if_(is_remote(cfg, dst_rank, p.my_rank)):
+                    signal_remote_count(r, cfg, p, signal_offset, published, dst_rank)
             else:
-                r.store(_word(counts, signal_offset, 8), published.cast(T.u64), Sem.RELEASE, scope)
+                signal_in_group()
             r.store(_word(reserved, counter_offset), 0)
             r.store(_word(finished, counter_offset), 0)
             dest.rearm(r, counter_offset)

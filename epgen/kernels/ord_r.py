@@ -62,22 +62,48 @@ def signal_rank_completion(r: ir.RoleBuilder, cfg, counts, signal_offset, value,
 
 
 def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf,
-                       comm_barrier_id: int = -1) -> ir.Var:
+                       comm_barrier_id: int = -1, my_rank=None) -> ir.Var:
     """dispatch_wait aux block, ORD-R arrivals: thread ``s < R`` waits (bounded,
     ``ld.acquire.sys``; ``gpu`` under ``skip_a2a``) until source ``s``'s rank flag holds ``L``;
     after the comm barrier, thread ``w < E`` reads count word ``w`` with a plain
-    ``ld.global.b64`` (published by the flag). Returns the u32 count of this thread."""
+    ``ld.global.b64`` (published by the flag). Returns the u32 count of this thread.
+
+    With a source outside this rank's P2P group (``use_shmem``, ``p2p_world_size < n_ranks``;
+    ``my_rank`` is then this rank) that source raises no rank flag: its count words arrive
+    one by one through ``nvshmemx_signal_op``, so thread ``w`` whose source ``w % R`` is remote
+    waits for its count word itself (bounded, ``ld.acquire.sys``, until it is not the
+    sentinel), before the barrier, and the flag waits cover the in-group sources only."""
     lay = cfg.layout
     R, E, L = cfg.n_ranks, cfg.n_experts, lay.n_local_experts
     tid = r.tid
-    with r.if_(tid < R):
+    shmem = bool(cfg.use_shmem) and cfg.needs_shmem
+    if shmem and my_rank is None:
+        raise ValueError("acquire_rank_flags: with sources outside the P2P group it needs "
+                         "my_rank (which sources raise a rank flag)")
+    P = cfg.p2p_world_size
+    flag_cond = tid < R
+    if shmem:
+        flag_cond = flag_cond & (tid // P).eq(ir.as_expr(my_rank) // P)
+    with r.if_(flag_cond):
         flag = rank_flag_word(cfg, tid)
         r.spin_wait(_word(recv_count_p, flag, 8), T.u64, CmpOp.EQ, L, buffer="rank_flag",
                     index=flag, sem=Sem.ACQUIRE, scope=signal_scope(cfg))
+    c = r.var("c", T.u32, 0) if shmem else None
+    if shmem:
+        remote = ((tid % R) // P).ne(ir.as_expr(my_rank) // P)
+        with r.if_((tid < E) & remote):
+            seen = r.spin_wait(_word(recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                               buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
+                               scope=Scope.SYS)
+            r.assign(c, seen.cast(T.u32))
     comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, err_buf)
-    c = r.var("c", T.u32, 0)
-    with r.if_(tid < E):
+    if c is None:
+        c = r.var("c", T.u32, 0)
+    plain = tid < E
+    if shmem:
+        plain = plain & ((tid % R) // P).eq(ir.as_expr(my_rank) // P)
+    with r.if_(plain):
         r.assign(c, r.load(_word(recv_count_p, tid, 8), T.u64, name="count_word").cast(T.u32))
     return c
 

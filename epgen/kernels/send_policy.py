@@ -8,6 +8,15 @@ Pure functions of the configuration (its format's properties, flags, geometry an
 from __future__ import annotations
 
 
+def sends_through_shmem(cfg) -> bool:
+    """Whether some destination is outside the sender's P2P group and reached through
+    NVSHMEM (``use_shmem`` and ``needs_shmem``): the put's source is the message in the send
+    buffer, so the build takes the send-buffer path (``send_buffer_tokens``) with its
+    cross-group fan-out, never the warp path or the block-staged broadcast (whose messages
+    live in registers or shared memory)."""
+    return bool(cfg.use_shmem) and cfg.needs_shmem
+
+
 def prefers_block_broadcast(cfg) -> bool:
     """Whether a staged variant that could take the warp send path takes the block-staged
     broadcast (every block sending) instead: its format prefers it
@@ -17,18 +26,19 @@ def prefers_block_broadcast(cfg) -> bool:
     block at least that many tokens), not the final layout (the block-staged broadcast
     writes receive buffers only)."""
     return (cfg.token_fmt.prefers_block_staged_broadcast and not cfg.ep_final_layout
-            and cfg.max_tokens_per_rank
+            and not sends_through_shmem(cfg) and cfg.max_tokens_per_rank
             >= cfg.tuning.block_broadcast_min_tokens_per_block * cfg.n_sms)
 
 
 def uses_warp_send(cfg) -> bool:
     """Whether ``copy_and_send_tokens`` takes the warp send path (``warp_broadcast_tokens``):
     no role split, no shared expert (both read the staged send buffer), no
-    ``ep_send_join_named`` (it names the staged paths' block-wide join), under
+    ``ep_send_join_named`` (it names the staged paths' block-wide join), no NVSHMEM
+    destination (``sends_through_shmem``: the put reads the send buffer), under
     ``ep_final_layout`` only formats whose payload is the output row, and not where the
     block-staged broadcast is faster (``prefers_block_broadcast``)."""
     return (not cfg.layout.role_split.enabled and not cfg.fused_shared_expert
-            and not cfg.ep_send_join_named
+            and not cfg.ep_send_join_named and not sends_through_shmem(cfg)
             and (not cfg.ep_final_layout or writes_final_rows_by_warp(cfg.token_fmt))
             and not prefers_block_broadcast(cfg))
 
@@ -48,9 +58,11 @@ def writes_final_rows_by_warp(fmt) -> bool:
 def uses_block_broadcast(cfg) -> bool:
     """Whether ``copy_and_send_tokens`` takes the block-staged broadcast
     (``broadcast_tokens``): a staged path (``uses_warp_send`` false) without the role split,
-    the final layout or the shared expert, which read the staged send buffer."""
+    the final layout, the shared expert or an NVSHMEM destination, which read the staged send
+    buffer."""
     return (not uses_warp_send(cfg) and not cfg.layout.role_split.enabled
-            and not cfg.ep_final_layout and not cfg.fused_shared_expert)
+            and not cfg.ep_final_layout and not cfg.fused_shared_expert
+            and not sends_through_shmem(cfg))
 
 
 def sends_from_every_block(cfg) -> bool:
@@ -91,6 +103,6 @@ def send_warps_per_token(cfg) -> int:
     return max(fits, default=1)
 
 
-__all__ = ["TOKEN_GROUP_BARRIER_BASE", "prefers_block_broadcast",
+__all__ = ["TOKEN_GROUP_BARRIER_BASE", "sends_through_shmem", "prefers_block_broadcast",
            "uses_warp_send", "writes_final_rows_by_warp", "uses_block_broadcast",
            "sends_from_every_block", "send_warps_per_token"]

@@ -14,6 +14,8 @@ from ir import types as T
 from .common import VEC, comm_sync
 from .common import word as _word
 from .destination import NO_SLOT, destination
+from .send_policy import sends_through_shmem
+from .shmem_send import cross_group_fan_out, in_group
 
 
 def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
@@ -33,13 +35,17 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
     copy-role threads only and just the publisher warps fan out (``fan_out_slots``);
     ``ep_send_join_named`` moves the join to ``bar.sync 3, <threads>``.
     Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
-    own receive buffer (pointer-table entry 0) is written."""
+    own receive buffer (pointer-table entry 0) is written. With an NVSHMEM destination
+    (``sends_through_shmem``) the warps fan out to the in-group destinations only, and the
+    remote ones get the cross-group fan-out (``shmem_send.cross_group_fan_out``: a put of
+    the staged message, its quiet, then the finished count)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
     msg_bytes = lay.msg_bytes
     dest = destination(cfg, p)
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
+    shmem = sends_through_shmem(cfg)
     n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
     with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
@@ -60,7 +66,13 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
-            with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
+            if cfg.skip_a2a:
+                takes = dst_rank.eq(p.my_rank)
+            elif shmem:     # the remote slots are the cross-group fan-out's
+                takes = in_group(cfg, dst_rank, p.my_rank)
+            else:
+                takes = ir.Const(1, T.pred)
+            with r.if_(takes):
                 co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
                 slot = r.var("slot", T.u32, 0)
                 with r.if_(r.lane.eq(0)):
@@ -71,6 +83,8 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+        if shmem:
+            cross_group_fan_out(r, cfg, p, t, msg)
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p, t, msg, dsts, cos):

@@ -231,8 +231,12 @@ class RankWorld:
         cuda = backends_of.resolve(backend, cfg, world, participants=participants,
                                    sim_seed=sim_seed, n_gpus=n_gpus)
         fused = resolve_fused(cfg, fused, world)
-        if not shmem_ok:            # ShmemWorld reaches ranks outside a P2P group
-            cfg.require_p2p_only()
+        if cfg.needs_shmem and not shmem_ok and not getattr(cuda, "RUNS_IR", False):
+            raise ValueError(
+                f"{world}: p2p_world_size={cfg.p2p_world_size} < n_ranks={cfg.n_ranks} "
+                f"(use_shmem): destinations outside a P2P group are reached through NVSHMEM, "
+                f"which needs one process per PE: use ShmemWorld on the cuda backend "
+                f"(backend='sim' models every PE in one process)")
         self.fused = fused
         self.cfg = cfg
         self.cuda = cuda
@@ -269,7 +273,22 @@ class RankWorld:
         self.recv_buf_ptrs = [self._pointer_table(r, "recv_buf") for r in ids]
         self.recv_count_ptrs = [self._pointer_table(r, "recv_count") for r in ids]
         self.final_ptrs = {r: self._final_layout_tables(r) for r in ids}
+        self._register_symmetric()
         runtime_trace.allocate(self)     # kernels built with trace points only
+
+    def _register_symmetric(self):
+        """``use_shmem`` with destinations outside the P2P group, on the simulator: every
+        rank is a PE, and the buffers the kernels address symmetrically (the receive buffer
+        and the receive-count words) are registered per PE with the machine's symmetric
+        heap (``backends.sim.shmem``), so a put to this rank's own address of a buffer lands
+        at the same offset of the target PE's."""
+        if not self.cfg.needs_shmem or not getattr(self.cuda, "RUNS_IR", False):
+            return
+        heap = self.cuda.symmetric_heap()
+        for r, rk in zip(self.rank_ids, self.ranks):
+            for name in ("recv_buf", "recv_count"):
+                buf = getattr(rk, name)
+                heap.register(r, name, buf.ptr, buf.nbytes)
 
     def _final_layout_tables(self, r: int) -> dict:
         """``ep_final_layout`` pointer tables of rank ``r``: every P2P peer's grouped output,

@@ -1,0 +1,334 @@
+"""``use_shmem`` with destinations outside the sender's P2P group, on the CPU: the kernels'
+NVSHMEM calls (``ir.nvshmem``) run in the simulator's model (``backends.sim.shmem``: every
+rank a PE, puts delivered only at the issuing thread's quiet or fence, signals at once)
+against the numpy reference, every format, all ranks remote (``p2p_world_size = 1``) and
+mixed (4 ranks in groups of 2), ORD-R, the fused kernel, back-to-back calls; which
+destinations get NVSHMEM calls; that a missing quiet is caught; the send policy; the sim's
+extern-call rules.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+import numpy as np
+import pytest
+
+import epgen
+import ir
+from ir import nvshmem
+from backends import sim as sim_backend
+from backends.sim import shmem as sim_shmem
+from epgen import reference, routing
+from epgen.formats import make_format
+from epgen.kernels import send_policy
+
+from sim_world import sim_world
+
+FORMATS = [("BF16", 256), ("BlockwiseFP8", 384), ("NVFP4", 64), ("MXFP8", 64)]
+#: (n_ranks, p2p_world_size): every peer remote, and mixed
+GROUPS = {"p2p1": (2, 1), "mixed": (4, 2)}
+ORD_R = {"ep_ord_r": True, "has_rank_flag": True}
+NVSHMEM_CALLS = ("nvshmem_putmem_nbi", "nvshmem_quiet", "nvshmemx_signal_op")
+
+
+def make_cfg(fmt="BF16", H=256, R=2, P=1, **flags):
+    L = 2
+    return epgen.EPConfig(num_threads=64, n_sms=R + 2, n_experts=L * R, n_ranks=R,
+                          max_tokens_per_rank=4, p2p_world_size=P,
+                          use_shmem=flags.pop("use_shmem", True),
+                          token_fmt=make_format(fmt, H, 2), **flags)
+
+
+def run_calls(cfg, seed, n_calls=3, **world_kwargs):
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed, **world_kwargs) as world:
+        for call in range(n_calls):
+            counts = [int(rng.integers(0, cfg.max_tokens_per_rank + 1))
+                      for _ in range(cfg.n_ranks)]
+            if call == 0:
+                counts = [cfg.max_tokens_per_rank] * cfg.n_ranks
+            toks, ids = routing.routing(rng, cfg, counts)
+            got = world.dispatch(toks, ids)
+            want = reference.dispatch(cfg, toks, ids)
+            try:
+                reference.assert_match(cfg, want, got)
+            except AssertionError as exc:
+                raise AssertionError(f"seed {seed}, {cfg.token_fmt.name}, call {call}: "
+                                     f"{exc}") from None
+        return world
+
+
+def calls_in(kernel: ir.Kernel) -> list[str]:
+    """The extern function names a kernel calls, in statement order."""
+    names = []
+
+    def walk(stmts):
+        for s in stmts:
+            if isinstance(s, ir.nodes.Call):
+                names.append(s.name)
+            for attr in ("then", "orelse", "body"):
+                walk(getattr(s, attr, None) or ())
+    for role in kernel.roles:
+        walk(role.body)
+    return names
+
+
+# ---- round trips ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group", GROUPS, ids=list(GROUPS))
+@pytest.mark.parametrize("fmt,H", FORMATS, ids=[f for f, _ in FORMATS])
+def test_round_trips_match_reference(fmt, H, group, seed):
+    R, P = GROUPS[group]
+    run_calls(make_cfg(fmt, H, R, P), seed)
+
+
+@pytest.mark.parametrize("fmt,H", [FORMATS[0], FORMATS[2]], ids=["BF16", "NVFP4"])
+def test_ord_r_mixed_matches_reference(fmt, H, seed):
+    run_calls(make_cfg(fmt, H, 4, 2, **ORD_R), seed)
+
+
+def test_ord_r_all_remote_and_send_join_named(seed):
+    run_calls(make_cfg(R=2, P=1, ep_send_join_named=True, **ORD_R), seed)
+
+
+def test_fused_kernel_mixed(seed):
+    run_calls(make_cfg(R=4, P=2), seed, fused=True)
+
+
+def test_several_seeds_back_to_back(seed):
+    for s in range(3):
+        run_calls(make_cfg(R=4, P=2), seed + s, n_calls=2)
+
+
+# ---- which destinations get NVSHMEM calls ----------------------------------------------------
+
+def test_calls_only_with_remote_destinations():
+    remote = epgen.build_module(make_cfg(R=4, P=2))
+    for k in remote.kernels:
+        names = calls_in(k)
+        if k.name == "ep_dispatch_wait":
+            assert names == [], names         # the wait kernel reads local memory only
+        else:
+            assert set(names) == set(NVSHMEM_CALLS), (k.name, names)
+            # each put is followed by its quiet
+            i = names.index("nvshmem_putmem_nbi")
+            assert names[i + 1] == "nvshmem_quiet"
+    # use_shmem with every destination in the group: the P2P kernels, no call at all
+    for cfg in (make_cfg(R=2, P=2), make_cfg(R=4, P=4, **ORD_R)):
+        same = epgen.build_module(cfg)
+        assert all(calls_in(k) == [] for k in same.kernels)
+        text = ir.print_module(same)
+        assert text == ir.print_module(epgen.build_module(cfg.replace(use_shmem=False)))
+
+
+def test_puts_and_signals_go_to_remote_pes_only(seed, monkeypatch):
+    """Every put and signal the kernels issue targets a PE outside the issuer's group; one
+    put per remote (token, k) pair and one signal per (remote destination, expert)."""
+    seen = []
+    translate = sim_shmem.SymmetricHeap.translate
+
+    def record(heap, addr, pe, nbytes=1):
+        src, name, _ = heap.locate(addr, nbytes)
+        seen.append((name, src, int(pe)))
+        return translate(heap, addr, pe, nbytes)
+    monkeypatch.setattr(sim_shmem.SymmetricHeap, "translate", record)
+    cfg = make_cfg(R=4, P=2)
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, [cfg.max_tokens_per_rank] * cfg.n_ranks)
+    with sim_world(cfg, seed) as world:
+        reference.assert_match(cfg, reference.dispatch(cfg, toks, ids),
+                               world.dispatch(toks, ids))
+    P, L = cfg.p2p_world_size, cfg.layout.n_local_experts
+    assert seen and all(src // P != dst // P for _, src, dst in seen), seen
+    puts = sorted((s, d) for n, s, d in seen if n == "recv_buf")
+    want = sorted((src, int(g) // L) for src, x in enumerate(ids) for g in np.ravel(x)
+                  if src // P != int(g) // L // P)
+    assert puts == want
+    signals = sorted((s, d) for n, s, d in seen if n == "recv_count")
+    assert signals == sorted((s, d) for s in range(4) for d in range(4) if s // P != d // P
+                             for _ in range(L))
+
+
+def test_missing_quiet_is_caught(seed, monkeypatch):
+    """Without the quiet the puts are never completed before the finished count: the sim
+    delivers a put only at its thread's quiet or fence, so the run fails (the thread exits
+    with its puts pending) instead of passing by luck."""
+    monkeypatch.setattr(nvshmem, "quiet", lambda r: None)
+    cfg = make_cfg(R=2, P=1)
+    with pytest.raises(sim_backend.SimError, match="never completed"):
+        run_calls(cfg, seed, n_calls=1)
+
+
+# ---- send policy -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,H", FORMATS, ids=[f for f, _ in FORMATS])
+def test_send_policy_takes_the_send_buffer_path(fmt, H):
+    # a prefill-sized call, where the formats that prefer it take the block-staged broadcast
+    big = dict(max_tokens_per_rank=16 * 6)
+    cfg = make_cfg(fmt, H, R=4, P=2).replace(**big)
+    assert send_policy.sends_through_shmem(cfg)
+    assert not send_policy.uses_warp_send(cfg) and not send_policy.uses_block_broadcast(cfg)
+    assert not send_policy.sends_from_every_block(cfg)
+    p2p = make_cfg(fmt, H, R=4, P=4).replace(**big)
+    assert not send_policy.sends_through_shmem(p2p)
+    assert send_policy.uses_warp_send(p2p) or send_policy.uses_block_broadcast(p2p)
+
+
+# ---- the simulator's rules -----------------------------------------------------------------
+
+def test_unknown_extern_call_is_a_clear_error():
+    kb = ir.KernelBuilder("k", 32)
+    with kb.role("main") as r:
+        r.call("mystery_fn", [ir.Const(1, ir.types.u32)])
+    machine = sim_backend.Machine(0)
+    kernel = machine.load_module(ir.Module("m", (kb.build(),))).kernel("k")
+    kernel.launch(1, 32, ())
+    with pytest.raises(sim_backend.SimError, match="'mystery_fn'"):
+        machine.drain()
+
+
+def test_symmetric_heap_translation():
+    heap = sim_shmem.SymmetricHeap()
+    heap.register(0, "buf", 1000, 64)
+    heap.register(1, "buf", 5000, 64)
+    heap.register(1, "other", 9000, 8)
+    assert heap.translate(1010, 1, 8) == 5010 and heap.translate(5010, 0, 8) == 1010
+    with pytest.raises(sim_backend.SimError, match="no registered symmetric buffer"):
+        heap.translate(1060, 1, 8)          # runs past the buffer
+    with pytest.raises(sim_backend.SimError, match="PE 0 has no symmetric buffer 'other'"):
+        heap.translate(9000, 0, 8)
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+def run_cli(capsys, *argv):
+    from epgen import cli
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+SHMEM_RUNS = {
+    "p2p1-BF16": ["--set", "p2p_world_size=1", "--calls", "2"],
+    **{f"mixed-{f}": ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set", f"format={f}"]
+       + (["--set", "hid_dim=384"] if f == "BlockwiseFP8" else []) + ["--tokens", "12"]
+       for f, _ in FORMATS},
+    "mixed-ord_r": ["--set", "n_ranks=4", "--set", "p2p_world_size=2", "--set",
+                    "ep_ord_r=true", "--set", "has_rank_flag=true", "--tokens", "12"],
+}
+
+
+@pytest.mark.parametrize("name", SHMEM_RUNS, ids=list(SHMEM_RUNS))
+def test_cli_run_sim_shmem(name, capsys, seed):
+    status, out, err = run_cli(capsys, "run", "--backend", "sim", "--preset", "small",
+                               "--set", "use_shmem=true", *SHMEM_RUNS[name], "--seed",
+                               str(seed))
+    assert status == 0, out + err
+    calls = [line for line in out.splitlines() if line.startswith("call ")]
+    assert calls and all(line.endswith("matches the reference") for line in calls), out
+    assert "no NVSHMEM call" not in err
+
+
+@pytest.mark.parametrize("command", ["ptx", "inspect"])
+def test_cli_notes_use_shmem_without_remote_destinations(command, capsys):
+    status, out, err = run_cli(capsys, command, "--preset", "small", "--set", "use_shmem=true",
+                               "--set", "n_experts=8")
+    assert err.count("note: use_shmem=true but every destination is in the P2P group: no "
+                     "NVSHMEM call") == 1, err
+    assert "nvshmem" not in out
+    if command == "inspect":
+        assert "effective flags" in out and "no NVSHMEM call" in out
+
+
+def test_cli_use_shmem_false_with_remote_destinations_is_a_usage_error(capsys):
+    status, _, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "p2p_world_size=1")
+    assert status == 2 and "use_shmem=False with p2p_world_size=1 < n_ranks=2" in err
+
+
+def quiet_after_count(module: ir.Module) -> ir.Module:
+    """``module`` with each quiet of the cross-group fan-out moved after the finished count
+    that follows it (put, red.release, quiet: the count no longer waits for the data)."""
+    def is_quiet(s):
+        return isinstance(s, ir.nodes.Call) and s.name == "nvshmem_quiet"
+
+    def rewrite(stmts):
+        out, moved = [], None
+        for s in stmts:
+            if isinstance(s, ir.nodes.If) and any(is_quiet(x) for x in s.then):
+                out.append(attrs.evolve(s, then=tuple(x for x in s.then if not is_quiet(x))))
+                moved = next(x for x in s.then if is_quiet(x))
+                continue
+            if isinstance(s, ir.nodes.If):
+                s = attrs.evolve(s, then=rewrite(s.then), orelse=rewrite(s.orelse))
+            elif isinstance(s, (ir.nodes.For, ir.nodes.While)):
+                s = attrs.evolve(s, body=rewrite(s.body))
+            out.append(s)
+            if moved is not None and isinstance(s, ir.nodes.AtomicRMW) and s.dst is None:
+                out.append(moved)
+                moved = None
+        assert moved is None
+        return tuple(out)
+
+    kernels = []
+    for k in module.kernels:
+        roles = tuple(attrs.evolve(r, body=rewrite(r.body)) for r in k.roles)
+        kernels.append(attrs.evolve(k, roles=roles))
+    return ir.Module(module.name, tuple(kernels))
+
+
+def test_count_before_quiet_is_caught(monkeypatch):
+    """The quiet must come before the finished count: with put, count, quiet the monitor
+    signals while the bytes are still in flight (the sim's quiet takes random rounds), and
+    some seed's destination copies stale rows."""
+    from epgen.runtime import world as world_mod
+    build = world_mod.build_module
+    mutated = []
+
+    def build_mutated(cfg):
+        m = quiet_after_count(build(cfg))
+        mutated.append(calls_in(m.kernel("ep_dispatch_async")))
+        return m
+    monkeypatch.setattr(world_mod, "build_module", build_mutated)
+    cfg = make_cfg(R=2, P=1)
+    failures = 0
+    for s in range(4):
+        try:
+            run_calls(cfg, s, n_calls=1)
+        except AssertionError:
+            failures += 1
+    names = mutated[0]
+    i = names.index("nvshmem_putmem_nbi")
+    assert names[i + 1] == "nvshmem_quiet"   # still one quiet per put, now after the count
+    assert failures >= 1, failures
+
+
+def test_ptx_calls_nvshmem_in_the_send_kernels_only():
+    """The PTX of the mixed variant: the three NVSHMEM functions declared ``.extern .func``
+    and called (``call.uni``) in ``ep_dispatch_async`` and ``ep_dispatch``, once each, none in
+    ``ep_dispatch_wait``; the P2P build of the same ranks calls nothing."""
+    from backends import nvptx
+    ptx = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=2)))
+    for name in NVSHMEM_CALLS:
+        assert f".extern .func {name}" in ptx
+    bodies = dict(re.findall(r"\.entry (\w+)\((.*?)\n}\n", ptx, re.S))
+    assert set(bodies) == {"ep_dispatch_async", "ep_dispatch_wait", "ep_dispatch"}
+    for kernel in ("ep_dispatch_async", "ep_dispatch"):
+        found = re.findall(r"call\.uni (\w+),", bodies[kernel])
+        assert sorted(found) == sorted(NVSHMEM_CALLS), (kernel, found)
+    assert "call" not in bodies["ep_dispatch_wait"]
+    p2p = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=4)))
+    assert "nvshmem" not in p2p and "call.uni" not in p2p
+
+
+def test_inspect_shmem_config(capsys):
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--set",
+                               "use_shmem=true", "--set", "p2p_world_size=1")
+    assert status == 0, out + err
+    assert "effective flags" in out and "NVSHMEM puts and signals" in out
+    assert "ptxas: skipped (the PTX calls NVSHMEM functions" in out and "failed" not in out
+    assert "note:" not in err
