@@ -11,9 +11,9 @@ as IR operations expect it.
 Calls of NVSHMEM (``ir.nvshmem``) with an ordering role (put, fence, quiet, signal) are ordered
 operations too: each must appear as its ``call.uni <name>`` line, linked or not. Their order
 is checked as well, since it is their meaning (a fence between two puts, a quiet before the
-signal): in a kernel that calls NVSHMEM, the PTX must hold every NVSHMEM call in IR order, and
-every other ordered operation between the NVSHMEM calls that surround it in the IR (duplicates
-allowed; LLVM cannot move memory operations across a call it cannot see into).
+signal): wherever two operations adjacent in a role's IR, one of them an NVSHMEM call, meet in
+one straight-line run of the PTX, they must appear there in IR order (LLVM cannot move memory
+operations across a call it cannot see into; across blocks, text order is only layout).
 """
 
 from __future__ import annotations
@@ -256,40 +256,43 @@ def check_ptx(m: N.Kernel | N.Module, ptx: str) -> CheckReport:
     return CheckReport(tuple(ops), found, by_scope)
 
 
+_BLOCK_END = re.compile(r"^\$L__BB\w+:|^\s*(?:@%p\w+\s+)?(?:bra|ret|exit)\b", re.M)
+
+
+def _basic_blocks(body: str) -> list[tuple[int, int]]:
+    """``(start, end)`` text spans of ``body``'s straight-line runs: split at every label and
+    after every branch, return or exit (within one, text order is execution order)."""
+    cuts = sorted({0, len(body)} | {m.start() for m in _BLOCK_END.finditer(body)})
+    return list(zip(cuts, cuts[1:]))
+
+
 def _misordered(ops, bodies) -> list[tuple[OrderedOp, OrderedOp]]:
-    """``(op, after)`` pairs breaking the order around NVSHMEM calls (module docstring), per
-    kernel that has one. Greedy over the IR sequence: each NVSHMEM call takes its earliest PTX
-    occurrence after every operation of the IR segment before it, and each operation of a
-    segment needs an occurrence after the segment's opening call; earliest choices leave the
-    most room to what follows, so the greedy finds an order whenever one exists."""
+    """``(op, after)`` pairs breaking the order around NVSHMEM calls (module docstring): for
+    each two operations next to each other in a role's IR sequence, one of them an NVSHMEM
+    call, a straight-line run of the PTX that holds both must hold one of ``after`` before
+    one of ``op``. Text order means execution order only inside such a run (LLVM lays blocks
+    out freely and roles are separate regions), so pairs in different runs are not compared:
+    the check is sound, and it catches a call or an operation moved across another inside
+    its block."""
     out = []
-    by_kernel: dict[str, list[OrderedOp]] = {}
+    by_role: dict[tuple[str, str], list[OrderedOp]] = {}
     for op in ops:
-        by_kernel.setdefault(op.kernel, []).append(op)
-    for kernel, seq in by_kernel.items():
+        by_role.setdefault((op.kernel, op.role), []).append(op)
+    for (kernel, _role), seq in by_role.items():
         if not any(is_ordered_call(op.node) for op in seq):
             continue
         body = bodies.get(kernel, "")
+        blocks = _basic_blocks(body)
         where = {p: [m.start() for m in re.finditer(p, body)] for p in {o.pattern for o in seq}}
-
-        def first_after(op, pos):
-            return next((x for x in where[op.pattern] if x > pos), None)
-
-        cur, opener = -1, None        # PTX position and op of the last NVSHMEM call placed
-        latest, latest_op = -1, None  # the latest placement of the current segment
-        for op in seq:
-            if is_ordered_call(op.node):
-                base, base_op = (latest, latest_op) if latest_op is not None else (cur, opener)
-                at = first_after(op, base)
-                if at is None and base_op is not None:
-                    out.append((op, base_op))
+        for before, op in zip(seq, seq[1:]):
+            if not (is_ordered_call(before.node) or is_ordered_call(op.node)):
+                continue
+            if before.pattern == op.pattern:
+                continue
+            for lo, hi in blocks:
+                a = [x for x in where[before.pattern] if lo <= x < hi]
+                b = [x for x in where[op.pattern] if lo <= x < hi]
+                if a and b and min(a) > max(b):
+                    out.append((op, before))
                     break
-                cur, opener, latest, latest_op = (at if at is not None else cur), op, -1, None
-            else:
-                at = first_after(op, cur)
-                if at is None and opener is not None:
-                    out.append((op, opener))
-                    break
-                if at is not None and at > latest:
-                    latest, latest_op = at, op
     return out
