@@ -86,6 +86,13 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
         parser.error(f"preset {name}{sets}: {e}")
     if cfg.shmem_all_p2p:
         print(f"note: {SHMEM_ALL_P2P_NOTE}", file=sys.stderr)
+    world = getattr(args, "world", None)
+    if (cfg.needs_shmem and world not in (None, "shmem")
+            and getattr(args, "backend", "cuda") != "sim"):
+        parser.error(f"argument --world {world}: p2p_world_size={cfg.p2p_world_size} < "
+                     f"n_ranks={cfg.n_ranks} reaches ranks outside the P2P group through "
+                     f"NVSHMEM, one process per PE: use --world shmem under epgen launch "
+                     f"(or --backend sim)")
     return _tuned(args, cfg), overrides
 
 

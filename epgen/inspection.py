@@ -172,9 +172,6 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
         "nvshmem_link": link,
         "ptxas": None if assembled is None else {k: v for k, v in assembled.items()
                                                  if k != "kernels"},
-        "ptxas_skipped": ("the PTX calls NVSHMEM functions (.extern .func), resolved only "
-                          "when NVSHMEM's device library is linked in") if ptxas and unlinked
-                         else None,
     }
 
 
@@ -290,8 +287,6 @@ def format_text(report: dict) -> str:
         out += ["", "NVSHMEM: device bitcode linked into the PTX" if link["error"] is None
                 else f"NVSHMEM: not linked ({link['error']}); checked on our PTX only"]
     px = report["ptxas"]
-    if report.get("ptxas_skipped"):
-        out += ["", f"ptxas: skipped ({report['ptxas_skipped']})"]
     if px is not None:
         out.append("")
         if not px["found"]:

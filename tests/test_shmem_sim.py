@@ -330,5 +330,5 @@ def test_inspect_shmem_config(capsys):
                                "use_shmem=true", "--set", "p2p_world_size=1")
     assert status == 0, out + err
     assert "effective flags" in out and "NVSHMEM puts and signals" in out
-    assert "ptxas: skipped (the PTX calls NVSHMEM functions" in out and "failed" not in out
+    assert "NVSHMEM: device bitcode linked into the PTX" in out and "failed" not in out
     assert "note:" not in err

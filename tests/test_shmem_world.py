@@ -296,7 +296,7 @@ def test_cli_usage(capsys):
         assert e.value.code == 2, argv
     err = capsys.readouterr().err
     assert "--drop-rank: must be in [0, n_ranks=2)" in err
-    assert "not implemented" in err                # the p2p world's refusal
+    assert "use --world shmem under epgen launch" in err      # the p2p world's refusal
 
 
 def test_bench_sent_bytes():
