@@ -53,8 +53,14 @@ def launch(n: int, run_args: list[str], timeout: float = TIMEOUT, mps_share: boo
                           timeout=timeout + 60)
 
 
+#: blocks per PE when 8 PEs share one GPU: under MPS each PE gets 12% of the SMs (14 of 132,
+#: 56 co-resident blocks of 256 threads), and all of a call's grids must be resident at once
+N_SMS_8_PES = 6
+
+
 def group(n: int, p2p: int) -> list[str]:
-    return ["--set", f"n_ranks={n}", "--set", f"p2p_world_size={p2p}"]
+    sms = ["--set", f"n_sms={N_SMS_8_PES}"] if n >= 8 else []
+    return ["--set", f"n_ranks={n}", "--set", f"p2p_world_size={p2p}", *sms]
 
 
 def assert_all_match(proc, n: int, calls: int):
