@@ -9,14 +9,13 @@ corrupt or unreadable entry is recompiled. :func:`cache_key`, :func:`cache_path`
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from ..cachefile import write_atomic
 from . import compat
 from .errors import CompileError, CudaUnavailableError, cuda_errors, translate_exception
 from .stream import arch as device_arch
@@ -102,20 +101,7 @@ def _read_cache(path: Path) -> bytes | None:
 
 
 def _write_cache(path: Path, data: bytes) -> None:
-    """Atomic write (temp file + rename); a failure to cache is not an error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError:
-        pass
+    write_atomic(path, data, ".cubin")
 
 
 def compile_ptx(ptx: str | bytes, arch: str | None = None, cache_dir=None, *,

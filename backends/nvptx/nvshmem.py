@@ -36,11 +36,9 @@ A module that calls no NVSHMEM function is not linked: ``emit_linked_ptx`` retur
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,6 +51,7 @@ from ir import nvshmem as ir_nvshmem
 
 from .emit import _module, _target, emit_ptx, normalize, optimized_module
 from .errors import LoweringError
+from ..cachefile import write_atomic
 from .target import Target
 
 ENV_BITCODE = "EPGEN_NVSHMEM_BITCODE"
@@ -214,20 +213,7 @@ def _read_cache(path: Path) -> str | None:
 
 
 def _write_cache(path: Path, text: str) -> None:
-    """Atomic write (temp file + rename); a failure to cache is not an error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".ptx")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError:
-        pass
+    write_atomic(path, text, ".ptx")
 
 
 # ---------------------------------------------------------------------------------------------
