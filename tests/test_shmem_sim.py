@@ -25,6 +25,7 @@ from epgen.formats import make_format
 from epgen.kernels import send_policy
 
 from sim_world import sim_world
+from world_checks import checked_calls
 
 FORMATS = [("BF16", 256), ("BlockwiseFP8", 384), ("NVFP4", 64), ("MXFP8", 64)]
 #: (n_ranks, p2p_world_size): every peer remote, and mixed
@@ -42,21 +43,18 @@ def make_cfg(fmt="BF16", H=256, R=2, P=1, **flags):
 
 
 def run_calls(cfg, seed, n_calls=3, **world_kwargs):
+    """``n_calls`` round trips on the simulator against the reference, the first with every
+    rank full; the failure names the seed and the call."""
     rng = np.random.default_rng(seed)
+
+    def counts(call):
+        drawn = [int(rng.integers(0, cfg.max_tokens_per_rank + 1)) for _ in range(cfg.n_ranks)]
+        return [cfg.max_tokens_per_rank] * cfg.n_ranks if call == 0 else drawn
+
     with sim_world(cfg, seed, **world_kwargs) as world:
-        for call in range(n_calls):
-            counts = [int(rng.integers(0, cfg.max_tokens_per_rank + 1))
-                      for _ in range(cfg.n_ranks)]
-            if call == 0:
-                counts = [cfg.max_tokens_per_rank] * cfg.n_ranks
-            toks, ids = routing.routing(rng, cfg, counts)
-            got = world.dispatch(toks, ids)
-            want = reference.dispatch(cfg, toks, ids)
-            try:
-                reference.assert_match(cfg, want, got)
-            except AssertionError as exc:
-                raise AssertionError(f"seed {seed}, {cfg.token_fmt.name}, call {call}: "
-                                     f"{exc}") from None
+        for _ in checked_calls(world, rng, f"{seed} ({cfg.token_fmt.name})", counts, n_calls,
+                               graph=False):
+            pass
         return world
 
 
