@@ -13,3 +13,7 @@ class EPTimeoutError(RuntimeError):
         head = f"{len(self.records)} bounded wait(s) expired" + (f" during {context}" if context else "")
         lines = [head] + [f"  - {rec}" for rec in self.records]
         super().__init__("\n".join(lines))
+
+
+class EPInputError(ValueError):
+    """Invalid dispatch or combine inputs (raised before anything is launched or written)."""

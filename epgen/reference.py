@@ -37,14 +37,13 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-__all__ = ["EPInputError", "RankResult", "dispatch", "validate_inputs", "compare",
+from .errors import EPInputError
+from .reference_combine import combine
+
+__all__ = ["EPInputError", "RankResult", "dispatch", "combine", "validate_inputs", "compare",
            "assert_match", "se_slice"]
 
 UINT16_IDS = 1 << 16
-
-
-class EPInputError(ValueError):
-    """Invalid dispatch inputs (raised before anything is launched)."""
 
 
 # ---- input validation ----------------------------------------------------------------------

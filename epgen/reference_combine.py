@@ -1,0 +1,143 @@
+"""Numpy ground truth of combine: every dispatched row goes back to the rank and top-k slot it
+came from, and each source rank reduces its tokens' expert outputs with the router weights.
+
+``combine(cfg, dispatch_results, expert_outputs, topk_weights)`` takes, per destination rank,
+the ``RankResult`` its dispatch produced (``epgen.reference.dispatch`` or a world's result:
+its ``src_info``, ``counts`` and ``block_starts`` say where each row came from) and that
+rank's expert outputs, one BF16 row (uint16 bit patterns) per row of its grouped output; and,
+per source rank, the router weights ``[T, K]`` (float32). It returns per source rank:
+
+- with weights, ``out[t] = sum_k w[t, k] * y[t, k]`` over the top-k slots that received a row
+  (a slot that dispatch sent nowhere, as ``skip_a2a``'s non-local experts, adds nothing),
+  as BF16 bits ``[T, H]``;
+- ``topk_weights=None``: the unreduced rows ``[T, K, H]`` (BF16 bits; slots that received no
+  row are zero).
+
+**Summation order (what a kernel must do to match bit for bit).** In float32, per token and
+element: ``acc = 0``; for ``k = 0 .. K-1`` in order, over the slots that received a row,
+``acc = fma(w[t, k], y[t, k], acc)`` (``fma.rn.f32``, one rounding); then, with
+``fused_shared_expert``, ``acc = acc + s[t]`` for the tokens of this rank's shared-expert slice
+(``s``: the shared expert's output rows, group 0 of the source's own result); then, with a
+``residual`` ``[T, H]`` (BF16), ``acc = acc + r[t]``; the result rounds to BF16 to nearest
+even (a NaN stays a quiet NaN). BF16 inputs widen to float32 exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from backends.sim.numerics import fma_f32
+
+from .errors import EPInputError
+from .formats.bf16_codec import bf16_bits
+
+__all__ = ["combine", "bf16_to_f32", "f32_to_bf16", "source_of_rows"]
+
+
+def bf16_to_f32(bits) -> np.ndarray:
+    """BF16 bit patterns (uint16) as float32, exactly."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x) -> np.ndarray:
+    """float32 rounded to BF16 (nearest even) as uint16 bits; NaN becomes a quiet NaN of the
+    same sign (``cvt.rn.bf16.f32``)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 0x0040).astype(np.uint16), rounded)
+
+
+def source_of_rows(result) -> np.ndarray:
+    """The source rank of every row of a destination's grouped output (``[rows]`` int32; -1
+    for rows no source sent: padding and shared-expert rows), from its blocks
+    (``block_starts``, ``counts``)."""
+    rows = len(result.src_info)
+    src = np.full(rows, -1, np.int32)
+    L, R = result.counts.shape
+    for e in range(L):
+        for s in range(R):
+            start, n = int(result.block_starts[e, s]), int(result.counts[e, s])
+            src[start:start + n] = s
+    return src
+
+
+def _expert_rows(cfg, dispatch_results, expert_outputs) -> list[np.ndarray]:
+    """Each destination's expert outputs as BF16 bits, shapes checked."""
+    n = len(dispatch_results)
+    if len(expert_outputs) != n:
+        raise EPInputError(f"expert_outputs: one array per destination rank ({n}), got "
+                           f"{len(expert_outputs)}")
+    H = cfg.token_fmt.hid_dim
+    ys = []
+    for d, (res, y) in enumerate(zip(dispatch_results, expert_outputs)):
+        y = bf16_bits(y)
+        if y.ndim != 2 or y.shape[1] != H or y.shape[0] < len(res.src_info):
+            raise EPInputError(f"expert_outputs[{d}]: must be [rows >= {len(res.src_info)}, "
+                               f"{H}] BF16, got shape {y.shape}")
+        ys.append(y)
+    return ys
+
+
+def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
+            *, residual=None, n_tokens: Sequence[int] | None = None) -> list[np.ndarray]:
+    """Per source rank, its tokens' combined rows (module docstring). ``n_tokens``: each
+    source's token count (default: the rows of its weights, or of its residual; required
+    for the unreduced form without a residual)."""
+    K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    ys = _expert_rows(cfg, dispatch_results, expert_outputs)
+    n_src = cfg.n_ranks if not cfg.skip_a2a else len(dispatch_results)
+    if n_tokens is None:
+        base = topk_weights if topk_weights is not None else residual
+        if base is None:
+            raise EPInputError("n_tokens: needed to size the unreduced rows (no weights, no "
+                               "residual)")
+        n_tokens = [np.asarray(b).shape[0] for b in base]
+    if len(n_tokens) != n_src:
+        raise EPInputError(f"one entry per source rank ({n_src}), got {len(n_tokens)}")
+    # rows[s][t, k] = the expert output row that slot (t, k) of source s received
+    rows = [np.zeros((T, K, H), np.uint16) for T in n_tokens]
+    got = [np.zeros((T, K), bool) for T in n_tokens]
+    for d, (res, y) in enumerate(zip(dispatch_results, ys)):
+        src = source_of_rows(res) if not cfg.skip_a2a else np.where(
+            res.src_info[:, 0] >= 0, d, -1).astype(np.int32)
+        if cfg.fused_shared_expert:
+            src[:res.se_tokens] = -1
+        sent = np.nonzero(src >= 0)[0]
+        t_of, k_of = res.src_info[sent, 0], res.src_info[sent, 1]
+        for s in np.unique(src[sent]):
+            mine = src[sent] == s
+            t, k = t_of[mine], k_of[mine]
+            bad = (t < 0) | (t >= n_tokens[s]) | (k < 0) | (k >= K)
+            if bad.any():
+                row = int(sent[mine][bad][0])
+                raise EPInputError(f"dispatch_results[{d}].src_info[{row}] = "
+                                   f"{tuple(int(v) for v in res.src_info[row])} is out of "
+                                   f"range for source {s} ({n_tokens[s]} tokens, top_k={K})")
+            rows[s][t, k] = y[sent[mine]]
+            got[s][t, k] = True
+    if topk_weights is None:
+        return rows
+    out = []
+    for s, T in enumerate(n_tokens):
+        w = np.asarray(topk_weights[s], np.float32)
+        if w.shape != (T, K):
+            raise EPInputError(f"topk_weights[{s}]: must be [{T}, {K}] float32, got {w.shape}")
+        acc = np.zeros((T, H), np.float32)
+        for k in range(K):
+            term = fma_f32(w[:, k:k + 1], bf16_to_f32(rows[s][:, k]), acc)
+            acc = np.where(got[s][:, k:k + 1], term, acc)
+        if cfg.fused_shared_expert:
+            res = dispatch_results[s]
+            se = bf16_to_f32(ys[s][:res.se_tokens])
+            t0 = res.se_token_start
+            acc[t0:t0 + res.se_tokens] = acc[t0:t0 + res.se_tokens] + se
+        if residual is not None:
+            r = bf16_bits(residual[s])
+            if r.shape != (T, H):
+                raise EPInputError(f"residual[{s}]: must be [{T}, {H}] BF16, got {r.shape}")
+            acc = acc + bf16_to_f32(r)
+        out.append(f32_to_bf16(acc))
+    return out

@@ -1,0 +1,141 @@
+"""``epgen.reference.combine``: every dispatched row back to its (source, token, slot), the
+weighted top-k sum in its stated order, the unreduced form, the shared expert, the residual,
+the BF16 rounding, and the refusal of an out-of-range ``src_info`` row."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+import epgen
+from epgen import reference, routing
+from epgen.errors import EPInputError
+from epgen.formats import make_format
+from epgen.reference_combine import bf16_to_f32, f32_to_bf16, source_of_rows
+
+
+def cfg_of(R=2, E=8, H=64, K=4, T=16, **flags):
+    return epgen.EPConfig(num_threads=256, n_sms=9, n_experts=E, n_ranks=R,
+                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                          token_fmt=make_format("BF16", H, K), **flags)
+
+
+def dispatched(cfg, rng, counts):
+    toks, ids = routing.routing(rng, cfg, counts)
+    return toks, ids, reference.dispatch(cfg, toks, ids)
+
+
+@pytest.mark.parametrize("flags", [{}, {"ep_final_layout": True},
+                                   {"ep_final_layout": True, "ep_prod_reserve": True}],
+                         ids=["staged", "final", "final+prod"])
+def test_unreduced_rows_come_back_to_their_slots(flags, seed):
+    cfg = cfg_of(**flags)
+    rng = np.random.default_rng(seed)
+    toks, ids, res = dispatched(cfg, rng, [16, 5])
+    back = reference.combine(cfg, res, [r.out_tokens for r in res],
+                             n_tokens=[len(t) for t in toks])
+    for s in range(cfg.n_ranks):
+        assert back[s].shape == (len(toks[s]), 4, 64)
+        # every top-k slot received its own token back (identity experts)
+        np.testing.assert_array_equal(back[s], np.repeat(toks[s][:, None, :], 4, axis=1),
+                                      err_msg=f"source {s}")
+
+
+def test_weighted_sum_with_exact_values(seed):
+    """Powers-of-two weights and small-integer rows: every float32 partial sum is exact, so
+    the result is the plain weighted sum, rounded once to BF16, whatever the order."""
+    cfg = cfg_of()
+    rng = np.random.default_rng(seed)
+    toks, ids, res = dispatched(cfg, rng, [16, 16])
+    small = [f32_to_bf16(rng.integers(-8, 9, size=(len(r.src_info), 64)).astype(np.float32))
+             for r in res]
+    weights = [np.float32(2.0) ** rng.integers(-3, 3, size=(len(t), 4)).astype(np.float32)
+               for t in toks]
+    out = reference.combine(cfg, res, small, weights)
+    for s in range(cfg.n_ranks):
+        want = np.zeros((len(toks[s]), 64), np.float64)
+        for d, r in enumerate(res):
+            src = source_of_rows(r)
+            for row in np.nonzero(src == s)[0]:
+                t, k = r.src_info[row]
+                want[t] += weights[s][t, k] * bf16_to_f32(small[d][row]).astype(np.float64)
+        np.testing.assert_array_equal(out[s], f32_to_bf16(want.astype(np.float32)),
+                                      err_msg=f"seed {seed}, source {s}")
+
+
+def test_summation_order_is_k_ascending_with_fma():
+    """y = (2^24, 1, -2^24, 0) with unit weights: k ascending gives 0 (2^24 + 1 rounds to
+    2^24); any other grouping of the last two first gives 1."""
+    cfg = cfg_of(R=1, E=4, K=4, T=1)
+    topk = [np.array([[0, 1, 2, 3]], np.int32)]
+    toks = [np.zeros((1, 64), np.uint16)]
+    res = reference.dispatch(cfg, toks, topk)
+    vals = {0: 2.0 ** 24, 1: 1.0, 2: -2.0 ** 24, 3: 0.0}
+    y = np.zeros((len(res[0].src_info), 64), np.float32)
+    for row, (t, k) in enumerate(res[0].src_info):
+        if t >= 0:
+            y[row] = vals[int(k)]
+    out = reference.combine(cfg, res, [f32_to_bf16(y)], [np.ones((1, 4), np.float32)])
+    assert (bf16_to_f32(out[0]) == 0).all()
+
+
+def test_residual_and_shared_expert(seed):
+    cfg = cfg_of(fused_shared_expert=True)
+    rng = np.random.default_rng(seed)
+    toks, ids, res = dispatched(cfg, rng, [16, 16])
+    ones = [f32_to_bf16(np.ones((len(r.src_info), 64), np.float32)) for r in res]
+    w = [np.full((16, 4), 0.25, np.float32) for _ in toks]
+    resid = [f32_to_bf16(np.full((16, 64), 2.0, np.float32)) for _ in toks]
+    out = reference.combine(cfg, res, ones, w, residual=resid)
+    for s, r in enumerate(res):
+        got = bf16_to_f32(out[s])
+        se = np.zeros(16, bool)
+        se[r.se_token_start:r.se_token_start + r.se_tokens] = True
+        # 4 x 0.25 x 1 from the routed experts, + 1 from the shared expert, + 2 residual
+        assert (got[se] == 4.0).all() and (got[~se] == 3.0).all(), (s, r.se_tokens)
+
+
+def test_skip_a2a_slots_that_stay_elsewhere_add_nothing(seed):
+    cfg = epgen.EPConfig(num_threads=256, n_sms=9, n_experts=4, n_ranks=1,
+                         max_tokens_per_rank=8, p2p_world_size=1, use_shmem=False,
+                         skip_a2a=True, token_fmt=make_format("BF16", 64, 2))
+    rng = np.random.default_rng(seed)
+    ids = [rng.permuted(np.tile(np.arange(8, dtype=np.int32), (8, 1)), axis=1)[:, :2]
+           for _ in range(2)]
+    toks = [routing.random_tokens(rng, 8, 64) for _ in range(2)]
+    res = reference.dispatch(cfg, toks, ids)
+    ones = [f32_to_bf16(np.ones((len(r.src_info), 64), np.float32)) for r in res]
+    out = reference.combine(cfg, res, ones, [np.ones((8, 2), np.float32)] * 2)
+    for d in range(2):
+        local = ((ids[d] // 4) == d).sum(axis=1)          # slots this device's experts got
+        np.testing.assert_array_equal(bf16_to_f32(out[d])[:, 0], local.astype(np.float32))
+
+
+def test_out_of_range_src_info_is_refused(seed):
+    cfg = cfg_of()
+    rng = np.random.default_rng(seed)
+    toks, ids, res = dispatched(cfg, rng, [16, 16])
+    bad = res[1].src_info.copy()
+    row = int(np.nonzero(source_of_rows(res[1]) == 0)[0][0])
+    bad[row] = (16, 0)                                   # source 0 has tokens 0..15
+    res[1] = attrs.evolve(res[1], src_info=bad)
+    with pytest.raises(EPInputError, match=rf"dispatch_results\[1\]\.src_info\[{row}\] = "
+                                           rf"\(16, 0\) is out of range for source 0"):
+        reference.combine(cfg, res, [r.out_tokens for r in res],
+                          [np.ones((16, 4), np.float32)] * 2)
+
+
+@pytest.mark.parametrize("x, bits", [(1.0, 0x3F80), (1.0 + 2 ** -8, 0x3F80),      # tie: even
+                                     (1.0 + 3 * 2 ** -8, 0x3F82), (-0.0, 0x8000),   # tie: up
+                                     (np.inf, 0x7F80), (3.4e38, 0x7F80),            # overflow
+                                     (3.3895314e38, 0x7F7F)])                      # max
+def test_bf16_rounding(x, bits):
+    assert int(f32_to_bf16(np.array([x], np.float32))[0]) == bits
+
+
+def test_bf16_nan_stays_nan():
+    nan = np.array([0x7F800001, 0xFFC00000], np.uint32).view(np.float32)
+    out = f32_to_bf16(nan)
+    assert ((out & 0x7F80) == 0x7F80).all() and ((out & 0x7F) != 0).all()
+    assert out[1] >> 15 == 1
