@@ -19,6 +19,10 @@ MAX_RECORDS = 64
 BUFFER_WORDS = HEADER_WORDS + RECORD_WORDS * MAX_RECORDS
 BUFFER_BYTES = 4 * BUFFER_WORDS
 RECORD_MAGIC = 0xE9D1A600
+#: magic of a bounds record (combine_async: a row whose ``src_info`` is out of range): same
+#: fields, ``index`` = the row, ``expected`` = its token, ``last_seen`` = its slot; ``decode``
+#: skips it (``decode_bounds`` reads it)
+BOUNDS_MAGIC = 0xE9D1A601
 
 # word offsets inside one record; 64-bit fields take two words (low word first)
 FIELDS = {
@@ -82,4 +86,22 @@ def decode(words, kernels) -> list[TimeoutRecord]:
             rank=rec["rank"], block=rec["block"], thread=rec["thread"], warp=rec["warp"],
             smid=rec["smid"], index=rec["index"], expected=rec["expected"],
             last_seen=rec["last_seen"], elapsed_ns=rec["elapsed_ns"], site_id=rec["site_id"]))
+    return out
+
+
+def decode_bounds(words) -> list[dict]:
+    """The bounds records (``BOUNDS_MAGIC``) of ``words``: ``{"rank", "row", "t", "k",
+    "kernel_tag"}`` each (``t`` and ``k`` as signed 32-bit values)."""
+    n = min(int(words[COUNT_WORD]), MAX_RECORDS)
+    out = []
+    for i in range(n):
+        base = HEADER_WORDS + i * RECORD_WORDS
+        if int(words[base + FIELDS["magic"]]) != BOUNDS_MAGIC:
+            continue
+        s32 = lambda v: v - (1 << 32) if v >= 1 << 31 else v  # noqa: E731
+        out.append({"rank": int(words[base + FIELDS["rank"]]),
+                    "row": int(words[base + FIELDS["index"]]),
+                    "t": s32(int(words[base + FIELDS["expected"]])),
+                    "k": s32(int(words[base + FIELDS["last_seen"]])),
+                    "kernel_tag": int(words[base + FIELDS["kernel_tag"]])})
     return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ir
 
+from .combine_async import build_combine_async
+from .combine_wait import build_combine_wait
 from .dispatch_async import build_dispatch_async
 from .dispatch_fused import build_dispatch_fused
 from .dispatch_wait import build_dispatch_wait
@@ -22,4 +24,15 @@ def build_module(cfg) -> ir.Module:
     return ir.Module("ep_dispatch", split + (build_dispatch_fused(cfg),))
 
 
-__all__ = ["build_module", "build_dispatch_async", "build_dispatch_wait", "build_dispatch_fused"]
+def build_combine_module(cfg) -> ir.Module:
+    """The combine entry points of ``cfg`` (``ep_combine_async``, ``ep_combine_wait``; BF16
+    over P2P, docs/combine.md) in a module of their own, so the dispatch module is unchanged."""
+    if cfg.token_fmt.name != "BF16" or cfg.ep_final_layout or cfg.fused_shared_expert \
+            or cfg.skip_a2a or cfg.needs_shmem:
+        raise ValueError("combine: only the BF16 format over P2P is built so far (not "
+                         "ep_final_layout, fused_shared_expert, skip_a2a or use_shmem with "
+                         "remote destinations)")
+    return ir.Module("ep_combine", (build_combine_async(cfg), build_combine_wait(cfg)))
+
+
+__all__ = ["build_module", "build_combine_module", "build_combine_async", "build_combine_wait", "build_dispatch_async", "build_dispatch_wait", "build_dispatch_fused"]

@@ -47,6 +47,7 @@ from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from . import backend as backends_of
 from . import trace as runtime_trace
+from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .graph import RoundTripGraph
 from .program import Program
@@ -580,6 +581,19 @@ class EmulatedWorld(RankWorld):
         self._build_pointer_tables()
         self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()
+
+    # -- combine -----------------------------------------------------------------------------
+    def combine(self, expert_outputs, topk_weights=None, residual=None, *, _src_info=None):
+        """Combine the last ``dispatch`` (docs/combine.md): ``expert_outputs[d]``, rank
+        ``d``'s expert output rows ``[rows, H]`` BF16 (one per row of its grouped output),
+        go back to their sources' slots; returns per rank its ``[T, H]`` BF16 bits reduced
+        with ``topk_weights[s]`` (``[T, K]`` float32), or with None the unreduced ``[T, K,
+        H]``. BF16 over P2P only (``ValueError`` otherwise); ``residual`` not yet. An
+        out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written for
+        it). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
+        if getattr(self, "_combiner", None) is None:
+            self._combiner = Combiner(self, co_resident)
+        return self._combiner.run(expert_outputs, topk_weights, residual, src_info=_src_info)
 
     # -- capacity ----------------------------------------------------------------------------
     def _check_capacity(self):

@@ -1,0 +1,138 @@
+"""``combine_async``: every destination sends each row its experts produced back to the
+source rank and top-k slot it came from (docs/combine.md; BF16 over P2P).
+
+The rows of block ``(e, s)`` (local expert ``e``, source rank ``s``) are ``[start, start +
+count)`` of the grouped output, read from dispatch_wait's Region A (pair ``w = e * R + s``:
+``[2w] = 1024 + end row``, ``[2w + 1] = count``). Warps stride over the rows of every block
+of one source across the whole grid; each row's ``src_info[row] = (t, k)`` is bounds-checked
+(``0 <= t < max_tokens_per_rank``, ``0 <= k < K``) and a row outside is reported into the
+error buffer (a ``diag.BOUNDS_MAGIC`` record: the row, ``t`` and ``k``) and not written;
+else its ``H * 2`` bytes go, in 16-byte vectors, to slot ``(t, k)`` of source ``s``'s combine
+receive buffer ``[max_tokens_per_rank, K, H]`` through the peer pointer table.
+
+Completion, per source ``s``: each warp, after its rows to ``s`` (``bar.warp.sync``), adds
+one to this rank's done counter ``s`` (``atom.acq_rel.sys.add``, combine rank-completion
+region); the warp that brings it to the number of warps re-arms it to 0 and publishes
+``rows + 1`` into word ``my_rank`` of source ``s``'s arrival words (``st.release.sys``).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+import ir
+from ir import AtomOp, Scope, Sem, diag
+from ir import types as T
+
+from .common import load_pointer, warp_copy, word
+
+KERNEL_NAME = "ep_combine_async"
+
+
+@attrs.frozen
+class CombineAsyncParams:
+    """Kernel parameters of combine_async."""
+
+    expert_out: ir.Param
+    src_info: ir.Param
+    counters: ir.Param
+    combine_buf_ptrs: ir.Param
+    arrival_ptrs: ir.Param
+    my_rank: ir.Param
+    err_buf: ir.Param
+
+
+def declare_params(kb: ir.KernelBuilder) -> CombineAsyncParams:
+    """combine_async's parameters on ``kb`` and its diagnostics (``err_buf``, ``my_rank``).
+    ``counters``: this rank's counter array (word 0 of it; Region A and the combine
+    rank-completion region are found from the layout)."""
+    p = CombineAsyncParams(
+        expert_out=kb.param("expert_out", T.ptr_global),
+        src_info=kb.param("src_info", T.ptr_global),
+        counters=kb.param("counters", T.ptr_global),
+        combine_buf_ptrs=kb.param("combine_buf_ptrs", T.ptr_global),
+        arrival_ptrs=kb.param("arrival_ptrs", T.ptr_global),
+        my_rank=kb.param("my_rank", T.u32),
+        err_buf=kb.param("err_buf", T.ptr_global),
+    )
+    kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
+    return p
+
+
+def report_bounds(r: ir.RoleBuilder, err_buf, rank, row, t, k):
+    """Lane 0: claim a record of the error buffer (``atom.relaxed.sys.add`` on its count
+    word) and, if one is left, store a ``BOUNDS_MAGIC`` record: kernel tag, rank, block,
+    warp, ``index`` = the row, ``expected`` = ``t``, ``last_seen`` = ``k``. The abort word
+    is not raised: the kernel goes on (the row is skipped)."""
+    with r.if_(r.lane.eq(0)):
+        slot = r.atomic(AtomOp.ADD, word(err_buf, diag.COUNT_WORD), 1, Sem.RELAXED,
+                        Scope.SYS, name="bounds_slot")
+        with r.if_(slot < diag.MAX_RECORDS):
+            base = r.let("bounds_rec", slot * diag.RECORD_WORDS + diag.HEADER_WORDS)
+            F = diag.FIELDS
+            vals = {"magic": ir.Const(diag.BOUNDS_MAGIC, T.u32),
+                    "kernel_tag": ir.Const(diag.kernel_tag(KERNEL_NAME), T.u32),
+                    "rank": ir.as_expr(rank), "block": r.block, "warp": r.warp,
+                    "index": row, "expected": t.cast(T.u32), "last_seen": k.cast(T.u32)}
+            for name, v in vals.items():
+                r.store(word(err_buf, base + F[name]), v)
+
+
+def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
+    """Every row of every block to its source's combine receive buffer, then the per-source
+    completion (module docstring)."""
+    lay, fmt = cfg.layout, cfg.token_fmt
+    L, R, K, H = lay.n_local_experts, cfg.n_ranks, fmt.top_k, fmt.hid_dim
+    max_tpr = cfg.max_tokens_per_rank
+    row_bytes = H * 2
+    n_vec = row_bytes // 16
+    region_a = lay.dispatch_wait_region.offset
+    done_base = lay.combine_rank_completion_region.offset
+    gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
+    nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
+    for s in range(R):
+        dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
+        rows_to_s = r.var(f"rows_to_{s}", T.u32, 0)
+        for e in range(L):
+            w = e * R + s
+            end = r.load(word(p.counters, region_a + 2 * w), T.u32, name="blk_end")
+            cnt = r.let(f"cnt_{e}_{s}", r.load(word(p.counters, region_a + 2 * w + 1), T.u32,
+                                             name="blk_cnt"))
+            start = r.let(f"start_{e}_{s}", end - 1024 - cnt)
+            r.assign(rows_to_s, rows_to_s + cnt)
+            with r.for_range(f"j_{e}_{s}", gwarp, cnt, nwarps) as j:
+                row = r.let("row", start + j)
+                t = r.let("src_t", r.load(word(p.src_info, row * 2), T.s32, name="t_ld"))
+                k = r.let("src_k", r.load(word(p.src_info, row * 2 + 1), T.s32, name="k_ld"))
+                bad = (t < ir.Const(0, T.s32)) | (t >= ir.Const(max_tpr, T.s32)) \
+                    | (k < ir.Const(0, T.s32)) | (k >= ir.Const(K, T.s32))
+                with r.if_(bad):
+                    report_bounds(r, p.err_buf, p.my_rank, row, t, k)
+                with r.else_():
+                    slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
+                    dst = r.let("dst_row", dst_buf + slot * row_bytes, peer=True)
+                    src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
+                    warp_copy(r, dst, src, n_vec, tag="cb")
+        r.warp_sync()
+        with r.if_(r.lane.eq(0)):
+            old = r.atomic(AtomOp.ADD, word(p.counters, done_base + s), 1, Sem.ACQ_REL,
+                           Scope.SYS, name="done_old")
+            with r.if_((old + 1).eq(nwarps)):
+                r.store(word(p.counters, done_base + s), 0)
+                arr = load_pointer(r, p.arrival_ptrs, s, f"arr{s}")
+                r.store(word(arr, p.my_rank), rows_to_s + 1, Sem.RELEASE, Scope.SYS)
+
+
+def build_combine_async(cfg) -> ir.Kernel:
+    """The combine_async entry point (``send_tokens_back`` over the whole grid)."""
+    if (cfg.token_fmt.hid_dim * 2) % 16:
+        raise ValueError("combine_async: a row must be a whole number of 16-byte vectors")
+    kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
+    p = declare_params(kb)
+    with kb.role("send", blocks=(0, None)) as r:
+        send_tokens_back(r, cfg, p)
+    return kb.build()
+
+
+__all__ = ["build_combine_async", "send_tokens_back", "report_bounds", "KERNEL_NAME",
+           "CombineAsyncParams"]
