@@ -161,6 +161,9 @@ def args_ptx(p: argparse.ArgumentParser) -> None:
                         "'epgen run --batched' launches them")
     p.add_argument("--trace", action="store_true",
                    help="the kernels with trace points, as 'epgen run --trace' builds them")
+    p.add_argument("--op", choices=("dispatch", "combine", "all"), default="dispatch",
+                   help="which kernels: dispatch (default), combine (ep_combine_async, "
+                        "ep_combine_wait; BF16 over P2P) or all of them in one module")
 
 
 def cmd_ptx(args: argparse.Namespace) -> int:
@@ -168,18 +171,32 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         if args.preset is not None or args.sets or args.batched or args.trace or args.tunes:
             args.parser.error("argument --variant: not allowed with --preset, --set, "
                               "--tune, --batched or --trace")
+        if args.op != "dispatch":
+            args.parser.error("argument --op: only dispatch with --variant")
         _check_variant(args.parser, "--variant", args.variant)
         text = _variant_text(args.variant, args.arch, args.ir)
     else:
         import ir
         from backends.nvptx import emit_linked_ptx, emit_ptx
         from epgen import goldens
-        from epgen.kernels import build_module
+        from epgen.kernels import build_combine_module, build_module
 
         cfg, _ = _config(args)
         if args.trace:
             cfg = _tuned(args, cfg, trace=True)
-        module = build_module(cfg)
+        if args.op != "dispatch" and (args.batched or args.trace):
+            args.parser.error(f"argument --op: {args.op} not allowed with --batched or --trace")
+        try:
+            combine = build_combine_module(cfg) if args.op != "dispatch" else None
+        except ValueError as e:
+            args.parser.error(f"argument --op: {e}")
+        if args.op == "combine":
+            module = combine
+        elif args.op == "all":
+            module = ir.Module("ep_dispatch_combine",
+                               build_module(cfg).kernels + combine.kernels)
+        else:
+            module = build_module(cfg)
         if args.batched:
             module = ir.batch_ranks(module, cfg.n_ranks, cfg.n_sms)
         emit = emit_ptx if args.no_link else emit_linked_ptx

@@ -115,6 +115,16 @@ for _preset in GOLDEN_PRESETS:
     _register(_preset)
 
 
+# The combine kernels (``ep_combine_async``, ``ep_combine_wait``; docs/combine.md): their own
+# module, so the dispatch goldens are unchanged.
+@golden("combine/small", description="preset small (BF16, P2P): the combine kernels "
+                                      "ep_combine_async and ep_combine_wait")
+def combine_small_module():
+    from .kernels import build_combine_module
+    from .presets import load_preset
+    return build_combine_module(load_preset("small"))
+
+
 # The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with
 # fused_shared_expert) and the fused-roles test kernel (``ep/fused_roles``: the small preset).
 @golden("ep/fused", description="preset small: the fused single-launch kernel ep_dispatch "
