@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from epgen import reference, routing
-from epgen.errors import EPInputError
 from epgen.kernels import build_combine_module
 from epgen.presets import config_from_dict, load_preset, preset_data
-from epgen.reference_combine import source_of_rows
 from epgen.runtime import combine as combine_mod
 from epgen.runtime.world import EmulatedWorld
+
+from combine_checks import corrupted_row_check, expert_outputs, weights
 
 
 def _cfg(**change):
@@ -26,23 +26,6 @@ def _small(n_ranks: int):
     if n_ranks == 2:
         return load_preset("small")
     return _cfg(n_ranks=n_ranks, p2p_world_size=n_ranks, n_sms=5, max_tokens_per_rank=16)
-
-
-def expert_outputs(rng, cfg, results):
-    """Per destination: each row scaled by a per-expert factor plus a random BF16 row (finite,
-    so the sums are ordinary numbers; sign and exponent vary)."""
-    H = cfg.token_fmt.hid_dim
-    ys = []
-    for res in results:
-        n = len(res.src_info)
-        rnd = rng.integers(0, 1 << 16, size=(n, H), dtype=np.uint16) & np.uint16(0xBFFF)
-        ys.append(rnd)
-    return ys
-
-
-def weights(rng, cfg, ids):
-    return [rng.standard_normal((len(i), cfg.token_fmt.top_k)).astype(np.float32)
-            for i in ids]
 
 
 @pytest.mark.parametrize("n_ranks", [2, 4])
@@ -69,53 +52,9 @@ def test_combine_matches_the_reference_bit_for_bit(n_ranks, seed):
 
 
 def test_a_corrupted_src_info_row_is_reported_and_writes_nothing(seed):
-    rng = np.random.default_rng(seed)
     cfg = _small(2)
-    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
-    results = world.dispatch(toks, ids)
-    ys = expert_outputs(rng, cfg, results)
-    world.combine(ys, None)              # builds the buffers
-    d = 1
-    res = results[d]
-    row = int(rng.integers(0, len(res.src_info)))
-    bad = res.src_info.copy()
-    bad[row] = (cfg.max_tokens_per_rank, 0)
-    src = source_of_rows(res)[row]
-    comb = world._combiner
-    pattern = np.full(comb.bufs[0].recv_bytes + combine_mod.GUARD_BYTES, 0xA5, np.uint8)
-    for b in comb.bufs:
-        b.recv.copy_from_host(pattern)
-    with pytest.raises(EPInputError, match=rf"rank {d} src_info\[{row}\] = "
-                                           rf"\({cfg.max_tokens_per_rank}, 0\)"):
-        world.combine(ys, None, _src_info=[None, bad])
-    K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
-    for s, b in enumerate(comb.bufs):
-        mem = b.recv.to_host()
-        assert np.all(mem[comb.bufs[0].recv_bytes:] == 0xA5), f"rank {s}: guard bytes written"
-        slots = mem[:b.recv_bytes].view(np.uint16).reshape(cfg.max_tokens_per_rank, K, H)
-        written = np.zeros((cfg.max_tokens_per_rank, K), bool)
-        expect = np.zeros((cfg.max_tokens_per_rank, K, H), np.uint16)
-        for dd, (rr, y) in enumerate(zip(results, ys)):
-            srcs = source_of_rows(rr)
-            for i in range(len(rr.src_info)):
-                if srcs[i] == s and not (dd == d and i == row):
-                    t, k = rr.src_info[i]
-                    written[t, k] = True
-                    expect[t, k] = y[i]
-        assert np.array_equal(slots[written], expect[written]), f"rank {s}: rows wrong"
-        assert np.all(slots[~written].view(np.uint8) == 0xA5), \
-            f"rank {s}: a slot no valid row targets was written"
-        if s == src:
-            t, k = res.src_info[row]
-            assert not written[t, k]
-    # the world is usable again: the next call is exact
-    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
-    results = world.dispatch(toks, ids)
-    ys = expert_outputs(rng, cfg, results)
-    w = weights(rng, cfg, ids)
-    for g, r in zip(world.combine(ys, w), reference.combine(cfg, results, ys, w)):
-        assert np.array_equal(g, r)
+    corrupted_row_check(EmulatedWorld(cfg, backend="sim", sim_seed=seed),
+                        np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("change, word", [

@@ -1,0 +1,81 @@
+"""Helpers of the combine tests (simulator and GPU): expert outputs, weights and the
+corrupted-``src_info`` check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epgen import reference, routing
+from epgen.errors import EPInputError
+from epgen.reference_combine import source_of_rows
+from epgen.runtime import combine as combine_mod
+
+
+def expert_outputs(rng, cfg, results):
+    """Per destination, one random BF16 row per received row (bit 14 cleared: finite, below
+    2 in magnitude, every sign and mantissa; the products and sums round at every step)."""
+    H = cfg.token_fmt.hid_dim
+    ys = []
+    for res in results:
+        n = len(res.src_info)
+        rnd = rng.integers(0, 1 << 16, size=(n, H), dtype=np.uint16) & np.uint16(0xBFFF)
+        ys.append(rnd)
+    return ys
+
+
+def weights(rng, cfg, ids):
+    return [rng.standard_normal((len(i), cfg.token_fmt.top_k)).astype(np.float32)
+            for i in ids]
+
+
+def corrupted_row_check(world, rng, d: int = 1):
+    """Corrupt one row of destination ``d``'s ``src_info`` (token = max_tokens_per_rank)
+    between dispatch and combine: the error names it, no other slot and no guard byte of any
+    rank's combine receive buffer (pre-filled with 0xA5) is written, every valid row lands,
+    and the next call is exact."""
+    cfg = world.cfg
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    results = world.dispatch(toks, ids)
+    ys = expert_outputs(rng, cfg, results)
+    world.combine(ys, None)              # builds the buffers
+    res = results[d]
+    row = int(rng.integers(0, len(res.src_info)))
+    bad = res.src_info.copy()
+    bad[row] = (cfg.max_tokens_per_rank, 0)
+    src = source_of_rows(res)[row]
+    comb = world._combiner
+    pattern = np.full(comb.bufs[0].recv_bytes + combine_mod.GUARD_BYTES, 0xA5, np.uint8)
+    for b in comb.bufs:
+        b.recv.copy_from_host(pattern)
+    with pytest.raises(EPInputError, match=rf"rank {d} src_info\[{row}\] = "
+                                           rf"\({cfg.max_tokens_per_rank}, 0\)"):
+        world.combine(ys, None,
+                      _src_info=[bad if q == d else None for q in range(len(results))])
+    K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    for s, b in enumerate(comb.bufs):
+        mem = b.recv.to_host()
+        assert np.all(mem[comb.bufs[0].recv_bytes:] == 0xA5), f"rank {s}: guard bytes written"
+        slots = mem[:b.recv_bytes].view(np.uint16).reshape(cfg.max_tokens_per_rank, K, H)
+        written = np.zeros((cfg.max_tokens_per_rank, K), bool)
+        expect = np.zeros((cfg.max_tokens_per_rank, K, H), np.uint16)
+        for dd, (rr, y) in enumerate(zip(results, ys)):
+            srcs = source_of_rows(rr)
+            for i in range(len(rr.src_info)):
+                if srcs[i] == s and not (dd == d and i == row):
+                    t, k = rr.src_info[i]
+                    written[t, k] = True
+                    expect[t, k] = y[i]
+        assert np.array_equal(slots[written], expect[written]), f"rank {s}: rows wrong"
+        assert np.all(slots[~written].view(np.uint8) == 0xA5), \
+            f"rank {s}: a slot no valid row targets was written"
+        if s == src:
+            t, k = res.src_info[row]
+            assert not written[t, k]
+    # the world is usable again: the next call is exact
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    results = world.dispatch(toks, ids)
+    ys = expert_outputs(rng, cfg, results)
+    w = weights(rng, cfg, ids)
+    for g, r in zip(world.combine(ys, w), reference.combine(cfg, results, ys, w)):
+        assert np.array_equal(g, r)
