@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from epgen import reference, routing
+from epgen.combine_layout import CombineLayout
 from epgen.kernels import build_combine_module
 from epgen.presets import config_from_dict, load_preset, preset_data
 from epgen.runtime import combine as combine_mod
@@ -79,3 +80,14 @@ def test_residual_is_refused_not_ignored(seed):
     with pytest.raises(ValueError, match="residual"):
         world.combine(expert_outputs(rng, cfg, results), None,
                       residual=[np.zeros((4, cfg.token_fmt.hid_dim), np.uint16)] * 2)
+
+
+def test_combine_layout_sizes():
+    cfg = _small(2)
+    d = CombineLayout(cfg).describe()
+    assert d["combine_recv_bytes"] == 32 * 4 * 256 * 2
+    assert d["combine_arrival_words"] == 2
+    lay = cfg.layout
+    assert d["combine_done_counter_offset"] == lay.combine_rank_completion_region.offset
+    assert d["combine_wait_counter_offset"] == lay.combine_wait_region.offset
+    assert combine_mod.combine_sizes(cfg) == d

@@ -32,6 +32,10 @@ def build_combine_module(cfg) -> ir.Module:
         raise ValueError("combine: only the BF16 format over P2P is built so far (not "
                          "ep_final_layout, fused_shared_expert, skip_a2a or use_shmem with "
                          "remote destinations)")
+    if cfg.n_ranks > cfg.layout.combine_rank_completion_region.size:
+        raise ValueError(f"combine: n_ranks={cfg.n_ranks} exceeds the "
+                         f"{cfg.layout.combine_rank_completion_region.size} done counters of "
+                         f"the combine rank-completion region (one P2P group)")
     return ir.Module("ep_combine", (build_combine_async(cfg), build_combine_wait(cfg)))
 
 

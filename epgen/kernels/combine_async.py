@@ -24,6 +24,7 @@ import ir
 from ir import AtomOp, Scope, Sem, diag
 from ir import types as T
 
+from ..combine_layout import CombineLayout
 from .common import load_pointer, warp_copy, word
 
 KERNEL_NAME = "ep_combine_async"
@@ -87,7 +88,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     row_bytes = H * 2
     n_vec = row_bytes // 16
     region_a = lay.dispatch_wait_region.offset
-    done_base = lay.combine_rank_completion_region.offset
+    done_base = CombineLayout(cfg).done_counter_offset
     gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
     nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
     for s in range(R):

@@ -23,6 +23,7 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
+from ..combine_layout import CombineLayout
 from .common import exit_if_aborted, word
 
 KERNEL_NAME = "ep_combine_wait"
@@ -80,7 +81,7 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
     """Threads ``d < R`` wait for arrival word ``d``; barrier; abort check; the last block to
     pass re-arms the words (module docstring)."""
     R = cfg.n_ranks
-    ctr = word(p.counters, cfg.layout.combine_wait_region.offset)
+    ctr = word(p.counters, CombineLayout(cfg).wait_counter_offset)
     with r.if_(r.tid < R):
         r.spin_wait(word(p.arrival, r.tid), T.u32, CmpOp.NE, 0, buffer="combine_arrival",
                     index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)

@@ -7,6 +7,7 @@ import numpy as np
 
 from ir import diag
 
+from ..combine_layout import CombineLayout
 from ..errors import EPInputError
 from ..formats.bf16_codec import bf16_bits
 from ..kernels import build_combine_module
@@ -41,21 +42,20 @@ class CombineBuffers:
 
     def __init__(self, cuda, cfg, rk):
         fmt, lay = cfg.token_fmt, cfg.layout
-        T, K, H, R = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim, cfg.n_ranks
+        T, K, H = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim
         z = lambda shape, dt: cuda.zeros(shape, dt, device=rk.device, stream=rk.stream)  # noqa: E731
-        self.recv_bytes = T * K * H * 2
+        clay = CombineLayout(cfg)
+        self.recv_bytes = clay.recv_bytes
         self.recv = z(self.recv_bytes + GUARD_BYTES, np.uint8)
-        self.arrival = z(R, np.uint32)
+        self.arrival = z(clay.arrival_words, np.uint32)
         self.expert_out = z((lay.max_out_rows, H), np.uint16)
         self.weights = z((T, K), np.float32)
         self.out = z(T * K * H, np.uint16)
 
 
 def combine_sizes(cfg) -> dict:
-    """Per rank: the combine receive buffer's bytes and the arrival words."""
-    fmt = cfg.token_fmt
-    return {"combine_recv_bytes": cfg.max_tokens_per_rank * fmt.top_k * fmt.hid_dim * 2,
-            "combine_arrival_words": cfg.n_ranks}
+    """Per rank: the combine buffers' sizes and counter words (``CombineLayout.describe``)."""
+    return CombineLayout(cfg).describe()
 
 
 class Combiner:

@@ -1,0 +1,42 @@
+"""Per-rank memory of the combine (docs/combine.md): the combine receive buffer and the
+arrival words, which peers write, and the counter words of the rank's counter array that
+the combine kernels use (``EPLayout`` regions)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class CombineLayout:
+    """Sizes of one rank's combine buffers for ``cfg``."""
+
+    cfg: object
+
+    @property
+    def recv_bytes(self) -> int:
+        """The combine receive buffer: ``max_tokens_per_rank * K * H`` BF16 rows, slot
+        ``(t, k)`` at ``(t * K + k) * H * 2``; peer-visible."""
+        fmt = self.cfg.token_fmt
+        return self.cfg.max_tokens_per_rank * fmt.top_k * fmt.hid_dim * 2
+
+    @property
+    def arrival_words(self) -> int:
+        """``R`` u32 arrival words, word ``d`` written by destination ``d``; peer-visible."""
+        return self.cfg.n_ranks
+
+    @property
+    def done_counter_offset(self) -> int:
+        """combine_async's per-source done counters: the combine rank-completion region."""
+        return self.cfg.layout.combine_rank_completion_region.offset
+
+    @property
+    def wait_counter_offset(self) -> int:
+        """combine_wait's block counter: word 0 of the combine-wait region."""
+        return self.cfg.layout.combine_wait_region.offset
+
+    def describe(self) -> dict:
+        return {"combine_recv_bytes": self.recv_bytes,
+                "combine_arrival_words": self.arrival_words,
+                "combine_done_counter_offset": self.done_counter_offset,
+                "combine_wait_counter_offset": self.wait_counter_offset}
