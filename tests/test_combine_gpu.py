@@ -1,5 +1,5 @@
 """The combine kernels on the GPU (``EmulatedWorld``, cuda): 8 ranks, a small and a
-decode-like shape, weights random and None, against ``epgen.reference.combine`` bit for bit;
+decode-like shape, weights random and None, with and without a residual, against ``epgen.reference.combine`` bit for bit;
 a 200-call dispatch + combine loop; the corrupted-``src_info`` check
 (``combine_checks.corrupted_row_check``)."""
 
@@ -37,8 +37,12 @@ def _check(world, rng, seed, call, n_tok):
     results = world.dispatch(toks, ids)
     ys = expert_outputs(rng, cfg, results)
     w = weights(rng, cfg, ids) if call % 2 == 0 else None
-    got = world.combine(ys, w)
-    want = reference.combine(cfg, results, ys, w, n_tokens=[len(i) for i in ids])
+    res = None
+    if call % 4 == 0:
+        res = [rng.integers(0, 1 << 16, size=(len(i), cfg.token_fmt.hid_dim), dtype=np.uint16)
+               & np.uint16(0xBFFF) for i in ids]
+    got = world.combine(ys, w, residual=res)
+    want = reference.combine(cfg, results, ys, w, residual=res, n_tokens=[len(i) for i in ids])
     for s, (g, r) in enumerate(zip(got, want)):
         assert g.shape == r.shape and np.array_equal(g, r), \
             f"seed {seed} call {call} rank {s}: {np.count_nonzero(g != r)} elements differ"

@@ -71,15 +71,28 @@ def test_unsupported_configurations_are_refused(change, word):
         build_combine_module(cfg)
 
 
-def test_residual_is_refused_not_ignored(seed):
+def test_residual_is_added_before_the_rounding(seed):
+    rng = np.random.default_rng(seed)
     cfg = _small(2)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-    rng = np.random.default_rng(seed)
-    toks, ids = routing.routing(rng, cfg, 4)
-    results = world.dispatch(toks, ids)
-    with pytest.raises(ValueError, match="residual"):
-        world.combine(expert_outputs(rng, cfg, results), None,
-                      residual=[np.zeros((4, cfg.token_fmt.hid_dim), np.uint16)] * 2)
+    H = cfg.token_fmt.hid_dim
+    for call in range(2):
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank - call)
+        results = world.dispatch(toks, ids)
+        ys = expert_outputs(rng, cfg, results)
+        w = weights(rng, cfg, ids)
+        res = [rng.integers(0, 1 << 16, size=(len(i), H), dtype=np.uint16) & np.uint16(0xBFFF)
+               for i in ids]
+        got = world.combine(ys, w, residual=res)
+        want = reference.combine(cfg, results, ys, w, residual=res)
+        for s, (g, r) in enumerate(zip(got, want)):
+            assert np.array_equal(g, r), f"call {call} rank {s}"
+        # and the next call without a residual adds none
+        got = world.combine(ys, w)
+        for g, r in zip(got, reference.combine(cfg, results, ys, w)):
+            assert np.array_equal(g, r)
+    with pytest.raises(ValueError, match="residual: needs topk_weights"):
+        world.combine(ys, None, residual=res)
 
 
 def test_combine_layout_sizes():

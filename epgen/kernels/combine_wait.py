@@ -5,7 +5,8 @@ Every block's threads ``d < R`` wait (bounded, ``ld.acquire.sys``) until arrival
 is non-zero, the block barrier, then the abort check. Thread ``i`` of the grid takes
 elements ``i, i + grid, ...`` of ``[T, H]``; per element, in float32: ``acc = 0``; for ``k =
 0 .. K-1`` in order, where ``topk_ids[t, k]`` is a valid expert (in ``[0, E)``: dispatch
-sent that slot a row), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; the result rounds to
+sent that slot a row), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; with ``has_residual``,
+``acc = add.rn.f32(acc, residual[t])`` (BF16 widened); the result rounds to
 BF16, nearest even, NaN quiet (integer rounding of the f32 bits: the same result as
 ``cvt.rn.bf16.f32``). ``weighted = 0``: the unreduced rows ``[T, K, H]`` are copied out
 instead (slots without a row give zero).
@@ -38,6 +39,8 @@ class CombineWaitParams:
     topk_ids: ir.Param
     weights: ir.Param
     weighted: ir.Param
+    residual: ir.Param
+    has_residual: ir.Param
     out: ir.Param
     n_tokens: ir.Param
     counters: ir.Param
@@ -53,6 +56,8 @@ def declare_params(kb: ir.KernelBuilder) -> CombineWaitParams:
         topk_ids=kb.param("topk_ids", T.ptr_global),
         weights=kb.param("weights", T.ptr_global),
         weighted=kb.param("weighted", T.u32),
+        residual=kb.param("residual", T.ptr_global),
+        has_residual=kb.param("has_residual", T.u32),
         out=kb.param("out", T.ptr_global),
         n_tokens=kb.param("n_tokens", T.u32),
         counters=kb.param("counters", T.ptr_global),
@@ -120,7 +125,11 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
             with r.else_():
                 r.store(p.out + elem, y)
         with r.if_(p.weighted.ne(0)):
-            r.store(p.out + (t * H + h).cast(T.u64) * 2, f32_to_bf16(r, acc, "o16"))
+            out_elem = (t * H + h).cast(T.u64) * 2
+            with r.if_(p.has_residual.ne(0)):
+                res = r.load(p.residual + out_elem, T.u16, name="res_ld")
+                r.assign(acc, acc + bf16_to_f32(r, res, "resf"))
+            r.store(p.out + out_elem, f32_to_bf16(r, acc, "o16"))
 
 
 def build_combine_wait(cfg) -> ir.Kernel:

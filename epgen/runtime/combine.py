@@ -50,6 +50,7 @@ class CombineBuffers:
         self.arrival = z(clay.arrival_words, np.uint32)
         self.expert_out = z((lay.max_out_rows, H), np.uint16)
         self.weights = z((T, K), np.float32)
+        self.residual = z((T, H), np.uint16)
         self.out = z(T * K * H, np.uint16)
 
 
@@ -84,8 +85,11 @@ class Combiner:
         device before the launch (None entries: unchanged)."""
         w, cfg = self.world, self.world.cfg
         K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
-        if residual is not None:
-            raise ValueError("world.combine: residual is not supported yet")
+        if residual is not None and topk_weights is None:
+            raise EPInputError("residual: needs topk_weights (the unreduced rows take none)")
+        if residual is not None and len(residual) != len(w.ranks):
+            raise EPInputError(f"residual: one array per rank ({len(w.ranks)}), got "
+                               f"{len(residual)}")
         n = len(w.ranks)
         if len(expert_outputs) != n:
             raise EPInputError(f"expert_outputs: one array per rank ({n}), got "
@@ -108,6 +112,13 @@ class Combiner:
                                        f"float32, got {wt.shape}")
                 if rk.n_tokens:
                     b.weights[:rk.n_tokens].copy_from_host(np.ascontiguousarray(wt))
+            if residual is not None:
+                rr = bf16_bits(residual[i])
+                if rr.shape != (rk.n_tokens, H):
+                    raise EPInputError(f"residual[{i}]: must be [{rk.n_tokens}, {H}] BF16, "
+                                       f"got shape {rr.shape}")
+                if rk.n_tokens:
+                    b.residual[:rk.n_tokens].copy_from_host(np.ascontiguousarray(rr))
             if src_info is not None and src_info[i] is not None:
                 s = np.ascontiguousarray(src_info[i], np.int32)
                 rk.src_info[:len(s)].copy_from_host(s)
@@ -128,6 +139,7 @@ class Combiner:
             self.program.launch(C_WAIT, cfg.n_sms, {
                 "combine_buf": b.recv, "arrival": b.arrival, "topk_ids": rk.topk_ids,
                 "weights": b.weights, "weighted": int(topk_weights is not None),
+                "residual": b.residual, "has_residual": int(residual is not None),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
                 "my_rank": rk.rank, "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns},
                 rk.stream)

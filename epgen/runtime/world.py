@@ -588,7 +588,8 @@ class EmulatedWorld(RankWorld):
         ``d``'s expert output rows ``[rows, H]`` BF16 (one per row of its grouped output),
         go back to their sources' slots; returns per rank its ``[T, H]`` BF16 bits reduced
         with ``topk_weights[s]`` (``[T, K]`` float32), or with None the unreduced ``[T, K,
-        H]``. BF16 over P2P only (``ValueError`` otherwise); ``residual`` not yet. An
+        H]``; ``residual[s]`` (``[T, H]`` BF16, with weights) is added before the rounding.
+        BF16 over P2P only (``ValueError`` otherwise). An
         out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written for
         it). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
         if getattr(self, "_combiner", None) is None:
