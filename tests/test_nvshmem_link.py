@@ -25,21 +25,12 @@ from epgen import cli, goldens, inspection, presets
 from ir import KernelBuilder, Scope, Sem, nvshmem
 from ir import nodes as N
 from ir import types as T
+from nvshmem_kernel import shmem_kernel as _shared_kernel
 
 
 def shmem_kernel(name="shmem_k"):
     """One call of each function of ``ir.nvshmem.FUNCTIONS``."""
-    kb = KernelBuilder(name, block_threads=128)
-    data = kb.param("data", T.ptr_global)
-    sig = kb.param("sig", T.ptr_global)
-    with kb.role("send") as r:
-        me = nvshmem.my_pe(r)
-        nvshmem.putmem_nbi(r, data, data + 64, 64, me + 1)
-        nvshmem.fence(r)
-        r.store(data + 256, me, sem=Sem.RELAXED, scope=Scope.SYS)
-        nvshmem.signal_op(r, sig, 1, nvshmem.SIGNAL_ADD, me + 1)
-        nvshmem.quiet(r)
-    return kb.build()
+    return _shared_kernel(name, nvshmem.SIGNAL_ADD)
 
 
 def plain_kernel():

@@ -13,6 +13,7 @@ from backends.nvptx.check import entry_bodies
 from ir import AtomOp, CmpOp, KernelBuilder, Scope, Sem, nvshmem
 from ir import nodes as N
 from ir import types as T
+from nvshmem_kernel import shmem_kernel as _shared_kernel
 
 
 def protocol_kernel(name="proto", cluster=True):
@@ -213,17 +214,7 @@ def test_text_without_target_is_rejected(kernel):
 
 def shmem_kernel(name="shmem"):
     """A put, a fence, a relaxed store, a signal and a quiet, in that order."""
-    kb = KernelBuilder(name, block_threads=128)
-    data = kb.param("data", T.ptr_global)
-    sig = kb.param("sig", T.ptr_global)
-    with kb.role("send") as r:
-        me = nvshmem.my_pe(r)                                       # query: not ordered
-        nvshmem.putmem_nbi(r, data, data + 64, 64, me + 1)
-        nvshmem.fence(r)
-        r.store(data + 256, me, sem=Sem.RELAXED, scope=Scope.SYS)
-        nvshmem.signal_op(r, sig, 1, nvshmem.SIGNAL_SET, me + 1)
-        nvshmem.quiet(r)
-    return kb.build()
+    return _shared_kernel(name, nvshmem.SIGNAL_SET)
 
 
 SHMEM_ORDER = ["call.uni nvshmem_putmem_nbi", "call.uni nvshmem_fence",
