@@ -78,11 +78,21 @@ class Combiner:
             device=world.ranks[r].device)
         self.recv_ptrs = [table("recv", r) for r in range(len(world.ranks))]
         self.arrival_ptrs = [table("arrival", r) for r in range(len(world.ranks))]
+        self.weighted = self.has_residual = False    # set by ``load``
 
     def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
-        """One combine of the world's last dispatch (module docstring of ``world.combine``).
+        """One combine of the world's last dispatch (module docstring of ``world.combine``):
+        ``load``, ``enqueue``, then ``finish`` (synchronises and returns every rank's output).
+        ``src_info``: test hook (``load``)."""
+        self.load(expert_outputs, topk_weights, residual, src_info=src_info)
+        self.enqueue()
+        return self.finish()
+
+    def load(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
+        """Validate the host inputs and copy them into the combine buffers (rank streams).
+        Sets what the next ``enqueue`` passes (weighted or not, residual or not).
         ``src_info``: test hook, per rank an array replacing that rank's ``src_info`` on the
-        device before the launch (None entries: unchanged)."""
+        device (None entries: unchanged)."""
         w, cfg = self.world, self.world.cfg
         K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
         if residual is not None and topk_weights is None:
@@ -103,47 +113,76 @@ class Combiner:
             if y.ndim != 2 or y.shape[1] != H or y.shape[0] > lay.max_out_rows:
                 raise EPInputError(f"expert_outputs[{i}]: must be [rows <= {lay.max_out_rows}, "
                                    f"{H}] BF16, got shape {y.shape}")
-            if y.shape[0]:
-                b.expert_out[:y.shape[0]].copy_from_host(np.ascontiguousarray(y))
             if topk_weights is not None:
                 wt = np.asarray(topk_weights[i], np.float32)
                 if wt.shape != (rk.n_tokens, K):
                     raise EPInputError(f"topk_weights[{i}]: must be [{rk.n_tokens}, {K}] "
                                        f"float32, got {wt.shape}")
-                if rk.n_tokens:
-                    b.weights[:rk.n_tokens].copy_from_host(np.ascontiguousarray(wt))
             if residual is not None:
                 rr = bf16_bits(residual[i])
                 if rr.shape != (rk.n_tokens, H):
                     raise EPInputError(f"residual[{i}]: must be [{rk.n_tokens}, {H}] BF16, "
                                        f"got shape {rr.shape}")
-                if rk.n_tokens:
-                    b.residual[:rk.n_tokens].copy_from_host(np.ascontiguousarray(rr))
+        for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
+            y = bf16_bits(expert_outputs[i])
+            if y.shape[0]:
+                b.expert_out[:y.shape[0]].copy_from_host(np.ascontiguousarray(y))
+            if topk_weights is not None and rk.n_tokens:
+                wt = np.asarray(topk_weights[i], np.float32)
+                b.weights[:rk.n_tokens].copy_from_host(np.ascontiguousarray(wt))
+            if residual is not None and rk.n_tokens:
+                b.residual[:rk.n_tokens].copy_from_host(
+                    np.ascontiguousarray(bf16_bits(residual[i])))
             if src_info is not None and src_info[i] is not None:
                 s = np.ascontiguousarray(src_info[i], np.int32)
                 rk.src_info[:len(s)].copy_from_host(s)
+        self.weighted = topk_weights is not None
+        self.has_residual = residual is not None
+
+    def enqueue(self):
+        """Enqueue every rank's ``ep_combine_async`` (after every rank's last dispatch_wait),
+        then every rank's ``ep_combine_wait`` (after every rank's combine_async); no host
+        synchronisation. Each rank's ``wait_done`` is the end of its combine_wait."""
+        w, cfg = self.world, self.world.cfg
         done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
         events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in done:
                 rk.stream.wait(ev)
-            self.program.launch(C_ASYNC, cfg.n_sms, {
-                "expert_out": b.expert_out, "src_info": rk.src_info,
-                "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
-                "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
-                "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}, rk.stream)
+            self.program.launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in events:
                 rk.stream.wait(ev)
-            self.program.launch(C_WAIT, cfg.n_sms, {
-                "combine_buf": b.recv, "arrival": b.arrival, "topk_ids": rk.topk_ids,
-                "weights": b.weights, "weighted": int(topk_weights is not None),
-                "residual": b.residual, "has_residual": int(residual is not None),
-                "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
-                "my_rank": rk.rank, "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns},
-                rk.stream)
+            self.program.launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
+
+    def async_args(self, i: int) -> dict:
+        """``ep_combine_async``'s launch arguments for rank index ``i``."""
+        w = self.world
+        rk, b = w.ranks[i], self.bufs[i]
+        return {"expert_out": b.expert_out, "src_info": rk.src_info,
+                "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
+                "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
+                "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}
+
+    def wait_args(self, i: int) -> dict:
+        """``ep_combine_wait``'s launch arguments for rank index ``i`` (the last ``load``'s
+        weighted / residual choice)."""
+        w = self.world
+        rk, b = w.ranks[i], self.bufs[i]
+        return {"combine_buf": b.recv, "arrival": b.arrival, "topk_ids": rk.topk_ids,
+                "weights": b.weights, "weighted": int(self.weighted),
+                "residual": b.residual, "has_residual": int(self.has_residual),
+                "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
+                "my_rank": rk.rank, "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}
+
+    def finish(self):
+        """Synchronise the world, raise what the kernels reported (refused rows:
+        ``EPInputError``; expired waits), and return every rank's output: ``[T, H]`` BF16
+        bits when the last ``load`` had weights, else ``[T, K, H]``."""
+        w, cfg = self.world, self.world.cfg
+        K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
         w.synchronize()
         self._raise_bounds()
         try:
@@ -155,7 +194,7 @@ class Combiner:
         out = []
         for rk, b in zip(w.ranks, self.bufs):
             flat = b.out.to_host()
-            if topk_weights is None:
+            if not self.weighted:
                 out.append(flat[:rk.n_tokens * K * H].reshape(rk.n_tokens, K, H))
             else:
                 out.append(flat[:rk.n_tokens * H].reshape(rk.n_tokens, H))
