@@ -210,6 +210,28 @@ class DeviceArray:
                                             stream.handle), "cuMemcpyDtoDAsync")
         return self
 
+    def copy_rows_from(self, src_ptr: int, pitch: int, row_bytes: int, rows: int, *,
+                       stream=None) -> DeviceArray:
+        """Enqueue a device -> device copy of ``rows`` rows of ``row_bytes`` bytes that lie
+        ``pitch`` bytes apart from ``src_ptr`` into this array, packed (``cuMemcpy2DAsync``:
+        a strided view such as ``x[:, :H]`` of a wider tensor)."""
+        if rows * row_bytes != self.nbytes:
+            raise ValueError(f"size mismatch: {rows} rows of {row_bytes} bytes, destination "
+                             f"{self.nbytes} bytes")
+        if pitch < row_bytes:
+            raise ValueError(f"pitch {pitch} is smaller than a row ({row_bytes} bytes)")
+        if self.nbytes:
+            stream = as_stream(stream, self.device) if stream is not None else self.stream
+            drv = compat.driver()
+            m = drv.CUDA_MEMCPY2D()
+            m.srcMemoryType = m.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            m.srcDevice, m.srcPitch = int(src_ptr), int(pitch)
+            m.dstDevice, m.dstPitch = self._ptr, int(row_bytes)
+            m.WidthInBytes, m.Height = int(row_bytes), int(rows)
+            with using_device(self.device):
+                check(drv.cuMemcpy2DAsync(m, stream.handle), "cuMemcpy2DAsync")
+        return self
+
     def fill_bytes(self, value: int, *, stream=None) -> DeviceArray:
         """Set every byte to ``value`` (0..255) with ``cuMemsetD8Async``."""
         value = operator.index(value)
@@ -270,6 +292,20 @@ def to_device(host, *, stream=None, device=None, memory_resource=None) -> Device
     src = np.asarray(host)
     return empty(src.shape, src.dtype, stream=stream, device=device,
                  memory_resource=memory_resource).copy_from_host(src)
+
+
+def read_device(ptr: int, nbytes: int, *, stream, device=None) -> np.ndarray:
+    """``nbytes`` bytes at device address ``ptr`` as a new host uint8 array, copied on
+    ``stream`` (ordered after its work) and waited for."""
+    out = np.empty(int(nbytes), np.uint8)
+    if nbytes:
+        stream = as_stream(stream, device)
+        drv = compat.driver()
+        with using_device(device):
+            check(drv.cuMemcpyDtoHAsync(out.ctypes.data, int(ptr), int(nbytes), stream.handle),
+                  "cuMemcpyDtoHAsync")
+            stream.sync()
+    return out
 
 
 def peer_memory_resource(device, peers=()):

@@ -172,6 +172,23 @@ def record_event(stream):
     return record(stream, timing=False)
 
 
+def wait_for_stream_handle(stream, producer: int) -> None:
+    """Make ``stream`` wait for the work enqueued so far on the raw stream handle
+    ``producer`` (a ``__cuda_array_interface__`` stream: 1 is the legacy default stream, 2
+    the per-thread one): an event recorded there (``cuEventRecord``) and waited on
+    (``cuStreamWaitEvent``)."""
+    drv = compat.driver()
+    with cuda_errors("waiting for a producer stream"):
+        stream.device.set_current()
+        ev = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                   "cuEventCreate")
+        try:
+            check(drv.cuEventRecord(ev, drv.CUstream(int(producer))), "cuEventRecord")
+            check(drv.cuStreamWaitEvent(stream.handle, ev, 0), "cuStreamWaitEvent")
+        finally:
+            check(drv.cuEventDestroy(ev), "cuEventDestroy")
+
+
 def elapsed_ms(start, end) -> float:
     """Milliseconds between two recorded timing events; waits for ``end`` to complete."""
     with cuda_errors("measuring elapsed time"):

@@ -39,7 +39,7 @@ import numpy as np
 
 import ir
 
-from .. import reference
+from .. import interop, reference
 from ..layout import EP_DATA_READY_FLAG
 from ..kernels import build_module, trace
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
@@ -315,23 +315,49 @@ class RankWorld:
 
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
-        """Validate and copy every rank's inputs (host numpy or device arrays) to its buffers;
-        nothing is copied when any input is invalid."""
+        """Validate and copy every rank's inputs to its buffers; nothing is copied when any
+        input is invalid. Inputs: host numpy / ml_dtypes / torch CPU arrays, or device
+        arrays (torch CUDA tensors, DLPack, ``__cuda_array_interface__``) whose strides are
+        honoured (``epgen.interop``); device top-k ids are read back to the host for the
+        checks (this API synchronises anyway)."""
         ranks = self.rank_ids if self.cfg.skip_a2a else None
+        tokens = reference._as_list(tokens, "tokens")
+        topk_ids = reference._as_list(topk_ids, "topk_ids")
+        if len(topk_ids) == len(self.ranks):
+            topk_ids = [self._host_ids(rk, i) for rk, i in zip(self.ranks, topk_ids)]
         counts = reference.validate_inputs(self.cfg, tokens, topk_ids, ranks=ranks)
+        for r, x in enumerate(tokens):      # every device input's layout, before any copy
+            info = interop.describe(x, f"tokens[{r}]")
+            if info.on_device:
+                interop.device_rows(info)
         for rk, x, ids, T in zip(self.ranks, tokens, topk_ids, counts):
             self._load_rank(rk, x, ids, T)
 
+    @staticmethod
+    def _host_ids(rk, ids):
+        """Device top-k ids as a host array (read on ``rk``'s stream); host ids unchanged."""
+        info = interop.describe(ids, f"topk_ids[{rk.rank}]")
+        return interop.read_to_host(info, rk.stream) if info.on_device else ids
+
     def _load_rank(self, rk, x, ids, T: int):
-        """Copy one rank's validated inputs (``T`` tokens) to its buffers."""
+        """Copy one rank's validated inputs (``T`` tokens) to its buffers; device tokens
+        as ``interop.device_rows`` lays them out, after their producer."""
         rk.n_tokens = T
         if T == 0:
             return
-        if hasattr(x, "__cuda_array_interface__"):
-            rk.tokens[:T].copy_from(x)
+        info = interop.describe(x, f"tokens[{rk.rank}]")
+        if info.on_device:
+            ptr, pitch, row_bytes, n_rows = interop.device_rows(info)
+            interop.order_after_producer(info, rk.stream)
+            if n_rows == 1:
+                rk.tokens[:T].copy_from(ptr)
+            else:
+                rk.tokens[:T].copy_rows_from(ptr, pitch, row_bytes, n_rows)
         else:
-            rk.tokens[:T].copy_from_host(np.ascontiguousarray(self.cfg.token_fmt.as_host_tokens(x)))
-        rk.topk_ids[:T].copy_from_host(np.ascontiguousarray(np.asarray(ids), np.int32))
+            host = interop.host_array(info.obj, info.name)
+            rk.tokens[:T].copy_from_host(np.ascontiguousarray(self.cfg.token_fmt.as_host_tokens(host)))
+        rk.topk_ids[:T].copy_from_host(np.ascontiguousarray(interop.host_array(ids, "topk_ids"),
+                                                            np.int32))
 
     @property
     def input_scale(self) -> float:
