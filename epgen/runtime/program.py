@@ -86,7 +86,44 @@ class Program:
         self.kernel(name).launch(grid, k.block_threads, [args[n] for n in names], stream,
                                  shmem, int_scalars=True, programmatic=programmatic)
 
+    def prepare(self, name: str, grid: int, args: dict, *, programmatic: bool = False):
+        """``name``'s launch with ``args`` (by IR parameter name) packed once: an object
+        with ``set(param, value)`` and ``launch(stream)`` (``backends.cuda.prepared``; the
+        simulator keeps the arguments and launches through ``launch``)."""
+        k = self.module.kernel(name)
+        names = [p.name for p in k.params]
+        missing = [n for n in names if n not in args]
+        extra = sorted(set(args) - set(names))
+        if missing or extra:
+            raise TypeError(f"kernel {name}: missing arguments {missing}, unknown {extra}")
+        if getattr(self.backend, "RUNS_IR", False):
+            return _HeldLaunch(self, name, grid, dict(args), programmatic)
+        from backends.cuda.prepared import PreparedLaunch
+        return PreparedLaunch(self.kernel(name), grid, k.block_threads, args,
+                              programmatic=programmatic and self.programmatic_ok)
+
     def blocks_per_sm(self, name: str, shmem: int = 0) -> int:
         """How many blocks of ``name`` one SM holds at once (the driver's occupancy answer)."""
         return self.kernel(name).max_active_blocks_per_sm(self.module.kernel(name).block_threads,
                                                           shmem)
+
+
+class _HeldLaunch:
+    """``Program.prepare`` on a backend that runs the IR: the arguments kept by name and
+    launched through ``Program.launch``."""
+
+    def __init__(self, program, name, grid, args, programmatic):
+        self.program, self.name, self.grid, self.args = program, name, grid, args
+        self.programmatic = programmatic
+
+    def set(self, name: str, value) -> None:
+        if name not in self.args:
+            raise KeyError(f"kernel {self.name!r} has no parameter {name!r}")
+        self.args[name] = value
+
+    def value(self, name: str):
+        return self.args[name]
+
+    def launch(self, stream) -> None:
+        self.program.launch(self.name, self.grid, self.args, stream,
+                            programmatic=self.programmatic)
