@@ -406,15 +406,12 @@ class RankWorld:
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
                 "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
 
-    def dispatch_async(self):
-        """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
+    def async_rows(self, gen: int | None = None) -> list[dict]:
+        """Every rank's dispatch_async arguments by parameter name (``gen``: the
+        ``ep_prod_reserve`` generation of the call)."""
         lay = self.cfg.layout
-        waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
-        gen = self.prod_gen.next() if self.cfg.ep_prod_reserve else None
         rows = []
         for rk in self.ranks:
-            for ev in waits:
-                rk.stream.wait(ev)
             args = self._async_args(rk)
             args.update(self.final_ptrs[rk.rank])
             if self.cfg.ep_prod_reserve:
@@ -423,32 +420,49 @@ class RankWorld:
             elif self.cfg.ep_final_layout:
                 args.update(base_handoff_p=rk.counter_ptr(lay.final_layout_region))
             rows.append(args)
-        self._launch_ranks(ASYNC, rows, first=True)
+        return rows
 
-    def dispatch_wait(self):
-        """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
-        dispatch_async where possible)."""
+    def wait_rows(self) -> list[dict]:
+        """Every rank's dispatch_wait arguments by parameter name."""
         rows = []
         for rk in self.ranks:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
             rows.append(args)
-        self._launch_ranks(WAIT, rows, last=True, programmatic=True)
+        return rows
 
-    def dispatch_fused(self):
-        """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
-        waits = [rk.wait_done for rk in self.ranks if rk.wait_done is not None]
+    def fused_rows(self) -> list[dict]:
+        """Every rank's fused ``ep_dispatch`` arguments by parameter name."""
         kernel = self.program.module.kernel(FUSED)
         rows = []
         for rk in self.ranks:
-            for ev in waits:
-                rk.stream.wait(ev)
             args = {**self._async_args(rk, FUSED), **self._wait_args(rk, FUSED)}
             if any(p.name == "allreduce_world_size" for p in kernel.params):
                 args["allreduce_world_size"] = len(self.rank_ids)
             rows.append(args)
-        self._launch_ranks(FUSED, rows, first=True, last=True)
+        return rows
+
+    def _after_previous_call(self):
+        for rk in self.ranks:
+            for ev in [r.wait_done for r in self.ranks if r.wait_done is not None]:
+                rk.stream.wait(ev)
+
+    def dispatch_async(self):
+        """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
+        gen = self.prod_gen.next() if self.cfg.ep_prod_reserve else None
+        self._after_previous_call()
+        self._launch_ranks(ASYNC, self.async_rows(gen), first=True)
+
+    def dispatch_wait(self):
+        """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
+        dispatch_async where possible)."""
+        self._launch_ranks(WAIT, self.wait_rows(), last=True, programmatic=True)
+
+    def dispatch_fused(self):
+        """Enqueue every rank's fused ``ep_dispatch`` (after every rank's previous call)."""
+        self._after_previous_call()
+        self._launch_ranks(FUSED, self.fused_rows(), first=True, last=True)
 
     def _launch_ranks(self, kernel: str, rows: list, *, first: bool = False,
                       last: bool = False, programmatic: bool = False):
