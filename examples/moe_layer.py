@@ -52,9 +52,9 @@ Modes::
 
 ``--world shmem`` runs one process per rank (``ShmemWorld``): each routes, dispatches,
 computes and combines its own tokens and checks them against the dense MoE of its own
-tokens (every process draws the same weights from ``--seed``); ``n_ranks`` is taken from
-``WORLD_SIZE`` unless ``--set n_ranks=`` says otherwise, and ``p2p_world_size`` follows it
-(combine runs over P2P). Tokens of rank ``r`` are drawn from ``(seed, r)``, so every mode
+tokens (every process draws the same weights from ``--seed``); the launcher's process count
+must be the configuration's ``n_ranks``. ``--set n_ranks=N`` sets ``p2p_world_size`` to ``N``
+too unless it is set (combine runs over P2P). Tokens of rank ``r`` are drawn from ``(seed, r)``, so every mode
 sees the same tokens for the same seed and shape.
 
 The dispatch format (``--set format=...``) may be any the world's combine takes: rows of a
@@ -137,8 +137,6 @@ def make_config(args):
             overrides[key.strip()] = presets.parse_value(key.strip(), text)
         except ValueError as e:
             p.error(f"argument --set {item}: {e}")
-    if args.world == "shmem" and "n_ranks" not in overrides and os.environ.get("WORLD_SIZE"):
-        overrides["n_ranks"] = int(os.environ["WORLD_SIZE"])
     if "n_ranks" in overrides and "p2p_world_size" not in overrides:
         overrides["p2p_world_size"] = overrides["n_ranks"]
     try:
@@ -146,6 +144,11 @@ def make_config(args):
             presets.with_overrides(presets.preset_data(name), overrides))
     except ValueError as e:
         p.error(f"preset {name}{''.join(' --set ' + s for s in args.sets)}: {e}")
+    launched = os.environ.get("WORLD_SIZE")
+    if args.world == "shmem" and launched and int(launched) != cfg.n_ranks:
+        p.error(f"--world shmem: {launched} processes were launched (WORLD_SIZE) but preset "
+                f"{name} has n_ranks={cfg.n_ranks}: launch -n {cfg.n_ranks}, or --set "
+                f"n_ranks={launched} (with n_experts / n_sms to match)")
     for flag in ("fused_shared_expert", "ep_final_layout", "skip_a2a"):
         if getattr(cfg, flag):
             p.error(f"--set {flag}=true: this example reads each expert's rows as the first "
@@ -245,6 +248,20 @@ class NumpyExperts:
         return out, mag
 
 
+def require_torch(device: str):
+    """The torch module, with a CUDA device when ``device`` is one; ``CannotRun`` saying
+    what is missing otherwise."""
+    try:
+        import torch
+    except ImportError as e:
+        raise CannotRun(f"--experts torch (the default on a GPU) needs torch, which is not "
+                        f"installed ({e}): pip install torch, or run --backend sim (numpy "
+                        f"experts on the CPU simulator)") from e
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CannotRun("torch sees no CUDA device: run on a GPU, or with --backend sim")
+    return torch
+
+
 class TorchExperts:
     """Router (float32) and SwiGLU experts (BF16 weights and activations, float32
     accumulation) in torch on ``device``, weights drawn on the device from ``seed``."""
@@ -252,15 +269,9 @@ class TorchExperts:
     name = "torch BF16 experts"
 
     def __init__(self, E, H, I, K, seed, device):
-        try:
-            import torch
-            import torch.nn.functional as F
-        except ImportError as e:
-            raise CannotRun(f"--experts torch (the default on a GPU) "
-                            f"needs torch, which is not installed ({e}): pip install torch, "
-                            f"or run --backend sim (numpy experts on the CPU simulator)") from e
-        if device == "cuda" and not torch.cuda.is_available():
-            raise CannotRun("torch sees no CUDA device: run on a GPU, or with --backend sim")
+        torch = require_torch(device)
+        import torch.nn.functional as F
+
         self.torch, self.F, self.K, self.device = torch, F, K, device
         g = torch.Generator(device=device).manual_seed(seed)
         bf = torch.bfloat16
@@ -309,6 +320,9 @@ class TorchExperts:
         return out.cpu().numpy(), mag.cpu().numpy()
 
 
+EXPERTS = {"numpy": NumpyExperts, "torch": TorchExperts}
+
+
 # ---- the check -------------------------------------------------------------------------------
 def compare(got_bits, dense, mag, rtol=RTOL):
     """``(max abs error, max relative error, ok)`` of the combined BF16 output against the
@@ -353,19 +367,22 @@ def planted_swap(plant, rank, groups, E):
     return {e: (e + 1) % E}
 
 
-def experts_of(args, cfg, ffn):
+def experts_of(args, cfg, device="cuda"):
+    """The router and experts ``--experts`` names; torch's on ``device`` (the CPU under
+    ``--backend sim``)."""
     fmt = cfg.token_fmt
-    shape = (cfg.n_experts, fmt.hid_dim, ffn, fmt.top_k, args.seed)
+    shape = (cfg.n_experts, fmt.hid_dim, args.ffn_dim, fmt.top_k, args.seed)
     if args.experts == "numpy":
         return NumpyExperts(*shape)
-    return TorchExperts(*shape, device="cpu" if args.backend == "sim" else "cuda")
+    return TorchExperts(*shape, device="cpu" if args.backend == "sim" else device)
 
 
-def run_emulated(args, cfg, T, experts):
+def run_emulated(args, cfg, T):
     """Every rank in this process: ``EmulatedWorld`` on the GPU or the CPU simulator."""
     import epgen
 
     fmt = cfg.token_fmt
+    experts = experts_of(args, cfg)
     world = (epgen.EmulatedWorld(cfg, backend="sim", sim_seed=args.seed)
              if args.backend == "sim" else epgen.EmulatedWorld(cfg))
     tokens = [rank_tokens(args.seed, r, T, fmt.hid_dim) for r in range(cfg.n_ranks)]
@@ -388,13 +405,15 @@ def run_emulated(args, cfg, T, experts):
     return verdict(f"all {cfg.n_ranks} ranks", *compare(np.concatenate(combined), dense, mag))
 
 
-def run_shmem(args, cfg, T, experts):
-    """This process's rank of a ``ShmemWorld``: its own tokens, results and check."""
+def run_shmem(args, cfg, T):
+    """This process's rank of a ``ShmemWorld``: its own tokens, results and check; the
+    experts on the world's GPU."""
     import epgen
 
     fmt = cfg.token_fmt
     with epgen.ShmemWorld(cfg) as world:
         r = world.rank
+        experts = experts_of(args, cfg, device=f"cuda:{world.device_id}")
         x = rank_tokens(args.seed, r, T, fmt.hid_dim)
         ids, w = experts.route(x)
         res = world.dispatch(x, ids)
@@ -416,23 +435,26 @@ def main(argv=None) -> int:
     if not 0 <= T <= cfg.max_tokens_per_rank:
         args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
                           f"{cfg.max_tokens_per_rank}], got {T}")
-    ffn = min(fmt.hid_dim // 2, 256) if args.ffn_dim is None else args.ffn_dim
-    if ffn < 1:
-        args.parser.error(f"argument --ffn-dim: must be >= 1, got {ffn}")
-    try:
-        experts = experts_of(args, cfg, ffn)
-    except CannotRun as e:
-        print(f"moe_layer.py: error: {e}", file=sys.stderr)
-        return 2
+    if args.ffn_dim is None:
+        args.ffn_dim = min(fmt.hid_dim // 2, 256)
+    if args.ffn_dim < 1:
+        args.parser.error(f"argument --ffn-dim: must be >= 1, got {args.ffn_dim}")
+    if args.experts == "torch":
+        try:
+            require_torch("cpu" if args.backend == "sim" else "cuda")
+        except CannotRun as e:
+            print(f"moe_layer.py: error: {e}", file=sys.stderr)
+            return 2
     where = ("the CPU simulator" if args.backend == "sim" else
              "one process per rank (ShmemWorld)" if args.world == "shmem" else
              "one GPU (EmulatedWorld)")
     print(f"MoE layer on {where}: R={cfg.n_ranks} E={cfg.n_experts} H={fmt.hid_dim} "
-          f"K={fmt.top_k} I={ffn} T={T}/rank, dispatch {fmt.name}, {experts.name}, "
+          f"K={fmt.top_k} I={args.ffn_dim} T={T}/rank, dispatch {fmt.name}, "
+          f"{EXPERTS[args.experts].name}, "
           f"seed {args.seed}" + (f", planted error {args.plant}" if args.plant else ""),
           flush=True)
     run = run_shmem if args.world == "shmem" else run_emulated
-    return 0 if run(args, cfg, T, experts) else 1
+    return 0 if run(args, cfg, T) else 1
 
 
 if __name__ == "__main__":

@@ -92,6 +92,64 @@ def test_usage_errors_exit_2(argv, word, capsys):
     assert word in capsys.readouterr().err
 
 
+def test_the_gpu_mode_without_torch_or_cuda_exits_2_saying_why(capsys):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        pytest.skip("torch and a CUDA device are here: the GPU mode runs")
+    assert moe.main([]) == 2
+    assert re.search(r"needs torch|no CUDA device", capsys.readouterr().err)
+
+
+def test_shmem_mode_refuses_a_launch_of_another_size(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as exc:
+        moe.make_config(moe.parse_args(["--world", "shmem", "--preset", "small"]))
+    assert exc.value.code == 2 and "launch -n 2" in capsys.readouterr().err
+    cfg = moe.make_config(moe.parse_args(["--world", "shmem", "--preset", "small", "--set",
+                                          "n_ranks=4"]))
+    assert (cfg.n_ranks, cfg.p2p_world_size) == (4, 4)
+
+
+class OneRankShmemWorld:
+    """A stand-in for ``ShmemWorld`` with one PE on the simulator: ``dispatch`` and
+    ``combine`` take this rank's arrays and return this rank's result, as ShmemWorld's do."""
+
+    def __init__(self, cfg):
+        from epgen.runtime.world import EmulatedWorld
+        self.world = EmulatedWorld(cfg, backend="sim", sim_seed=0)
+        self.rank, self.device_id, self.input_scale = 0, 0, 1.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def dispatch(self, tokens, topk_ids):
+        assert not isinstance(tokens, list)
+        return self.world.dispatch([tokens], [topk_ids])[0]
+
+    def combine(self, expert_outputs, topk_weights):
+        assert not isinstance(expert_outputs, list)
+        return self.world.combine([expert_outputs], [topk_weights])[0]
+
+
+@pytest.mark.parametrize("plant, ok", [(None, True), ("wrong-expert", False)])
+def test_the_shmem_path_on_one_simulated_rank(plant, ok, monkeypatch, capsys, seed):
+    import epgen
+    monkeypatch.setattr(epgen, "ShmemWorld", OneRankShmemWorld)
+    args = moe.parse_args(["--backend", "sim", "--set", "n_ranks=1", "--set", "n_experts=8",
+                           "--tokens", "8",
+                           "--seed", str(seed), *(["--plant", plant] if plant else [])])
+    cfg = moe.make_config(args)
+    args.ffn_dim = 32
+    assert moe.run_shmem(args, cfg, 8) is ok
+    assert re.search(rf"^rank 0: .* {'PASS' if ok else 'FAIL'}$", capsys.readouterr().out, re.M)
+
+
 def test_compare_holds_the_stated_tolerance(seed):
     rng = np.random.default_rng(seed)
     dense = rng.standard_normal((16, 64)).astype(np.float32)
