@@ -149,11 +149,15 @@ def make_config(args):
         p.error(f"--world shmem: {launched} processes were launched (WORLD_SIZE) but preset "
                 f"{name} has n_ranks={cfg.n_ranks}: launch -n {cfg.n_ranks}, or --set "
                 f"n_ranks={launched} (with n_experts / n_sms to match)")
-    for flag in ("fused_shared_expert", "ep_final_layout", "skip_a2a"):
+    for flag, why in (("fused_shared_expert", "group 0 would be the shared expert's"),
+                      ("skip_a2a", "each device would be its own EP group")):
         if getattr(cfg, flag):
-            p.error(f"--set {flag}=true: this example reads each expert's rows as the first "
-                    f"rows of its group (the standard layout of every source's routed rows); "
-                    f"it does not take {flag}")
+            p.error(f"--set {flag}=true: not taken by this example ({why})")
+    from epgen.runtime.combine import check_supported
+    try:
+        check_supported(cfg)
+    except ValueError as e:
+        p.error(str(e))
     return cfg
 
 
