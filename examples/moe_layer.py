@@ -11,7 +11,7 @@ width ``I`` (``--ffn-dim``), and routes every token to ``K`` of them:
    routed to its experts, grouped per local expert: group ``j`` holds rows
    ``[row_offsets[j], row_offsets[j + 1])`` of local expert ``expert_ids[j]`` (global expert
    ``d * L + expert_ids[j]``); the first ``counts[expert].sum()`` of them are the received
-   rows, the rest padding to the format's alignment.
+   rows, the rest padding (the format's ``expert_m_padding``; BlockwiseFP8 only).
 3. **Experts**: each group's received rows through its expert, one batch per expert (what a
    grouped GEMM does); the outputs are BF16, one row per row of the grouped output (padding
    rows zero).
@@ -54,8 +54,8 @@ Modes::
 computes and combines its own tokens and checks them against the dense MoE of its own
 tokens (every process draws the same weights from ``--seed``); the launcher's process count
 must be the configuration's ``n_ranks``. ``--set n_ranks=N`` sets ``p2p_world_size`` to ``N``
-too unless it is set (combine runs over P2P). Tokens of rank ``r`` are drawn from ``(seed, r)``, so every mode
-sees the same tokens for the same seed and shape.
+too unless it is set (combine runs over P2P). Tokens of rank ``r`` are drawn from ``(seed,
+r)``, so every mode sees the same tokens for the same seed and shape.
 
 The dispatch format (``--set format=...``) may be any the world's combine takes: rows of a
 quantising format are dequantised to BF16 before the experts, and the dense MoE runs on the
