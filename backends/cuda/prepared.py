@@ -61,6 +61,8 @@ class PreparedLaunch:
         self.types = list(kernel.param_types)
         self.names = list(kernel.param_names or [f"arg{i}" for i in range(len(self.types))])
         self._index = {n: i for i, n in enumerate(self.names)}
+        #: the kernel's parameter names
+        self.params = frozenset(self.names)
         offsets, size = param_layout(self.types)
         sizes = kernel.param_sizes()
         if sizes is not None and list(sizes) != [param_dtype(t).itemsize for t in self.types]:
@@ -110,11 +112,15 @@ class PreparedLaunch:
         return self._slots[self._index[name]][0]
 
     def launch(self, stream) -> None:
-        """Enqueue the launch on ``stream`` (a cuda.core ``Stream`` or anything
-        ``as_stream`` takes): one ``cuLaunchKernelEx``."""
-        if stream is not self._stream:
-            self._config.hStream = stream_handle(as_stream(stream, self.kernel.device))
-            self._stream = stream
+        """Enqueue the launch on ``stream`` (a cuda.core ``Stream``, anything ``as_stream``
+        takes, or a raw ``CUstream`` handle as an int): one ``cuLaunchKernelEx``."""
+        key = stream if isinstance(stream, int) else id(stream)
+        if key != self._stream:
+            if isinstance(stream, int):
+                self._config.hStream = self._drv.CUstream(stream)
+            else:
+                self._config.hStream = stream_handle(as_stream(stream, self.kernel.device))
+            self._stream = key
         err, = self._drv.cuLaunchKernelEx(self._config, self._func, self._params.ctypes.data, 0)
         if int(err):
             with cuda_errors(f"launching kernel {self.kernel.name!r}"):

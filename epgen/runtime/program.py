@@ -115,6 +115,7 @@ class _HeldLaunch:
     def __init__(self, program, name, grid, args, programmatic):
         self.program, self.name, self.grid, self.args = program, name, grid, args
         self.programmatic = programmatic
+        self.params = frozenset(args)
 
     def set(self, name: str, value) -> None:
         if name not in self.args:

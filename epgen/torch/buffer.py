@@ -1,0 +1,266 @@
+"""``EPBuffer``: dispatch and combine of a world's ranks on torch tensors, enqueued on the
+caller's CUDA stream with no host synchronisation and no host read of device data.
+
+Each kernel launch of each rank is prepared once (``Program.prepare``: the parameters
+packed, one ``cuLaunchKernelEx`` per call); a call rewrites only what changed (the input
+pointers, the token count, the ``ep_prod_reserve`` generation) and enqueues. Where the
+launches go:
+
+- on the caller's stream itself, when the order of one stream is enough: a world of one rank
+  (``ShmemWorld``), or every rank of an ``EmulatedWorld`` in one call with the split kernels
+  (every rank's send kernel before any rank's receive kernel, so no kernel waits for one
+  queued behind it);
+- otherwise (the fused single launch of several ranks, one handle per rank, ranks on other
+  GPUs) on each rank's own stream, forked from the caller's stream by an event and joined
+  back: the caller's stream waits for every rank, so whatever it runs next sees the outputs.
+
+Outputs are tensors that view the rank's output buffers: they are valid until the next call
+on this buffer (``DispatchOutput.clone()`` copies them). Errors the kernels record (expired
+waits, refused rows) surface at ``check()``, which synchronises.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .. import interop
+from ..errors import EPInputError
+from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
+from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
+from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from . import streams, tensors
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:     # pragma: no cover - depends on the machine
+        raise ImportError("epgen.torch needs PyTorch (pip install torch)") from exc
+    return torch
+
+
+@attrs.define(eq=False)
+class DispatchOutput:
+    """One rank's dispatch outputs as device tensors viewing its buffers (valid until the
+    next call on the ``EPBuffer``): ``tokens`` ``[max_out_rows, ...]`` (BF16, or the
+    format's codes), ``scales`` (quantising formats, else None), ``row_offsets`` int32
+    ``[G + 1]`` (group ``j``'s rows are ``[row_offsets[j], row_offsets[j + 1])``),
+    ``expert_ids`` int32 ``[G]``, ``src_info`` int32 ``[max_out_rows, 2]`` (source token,
+    top-k slot), ``counts`` int32 ``[L, R]`` (tokens from source ``r`` to local expert
+    ``e``; a strided view of the counter words). ``rank``; ``n_tokens`` this rank's token
+    count; ``topk_ids`` and ``topk_weights`` the inputs combine needs."""
+
+    rank: int
+    tokens: object
+    scales: object
+    row_offsets: object
+    expert_ids: object
+    src_info: object
+    counts: object
+    n_tokens: int = 0
+    topk_ids: object = None
+    topk_weights: object = None
+    #: dispatch_wait's Region A words ``[2 * L * R]`` (``[2w] = 1024 + end row``, ``[2w + 1]
+    #: = count``, ``w = e * R + s``), of which ``counts`` is a view
+    region_a: object = None
+
+    def to_reference(self, cfg):
+        """This output as the host ``reference.RankResult`` (synchronises: for tests and
+        debugging), comparable with ``epgen.reference.dispatch`` by
+        ``reference.assert_match``."""
+        from .. import reference
+        from ..runtime.world import region_a_blocks
+        torch = _torch()
+        row_offsets = self.row_offsets.cpu().numpy().view("uint32")
+        n = int(row_offsets[-1])
+        L, R = cfg.layout.n_local_experts, cfg.n_ranks
+        counts, starts = region_a_blocks(self.region_a.cpu().numpy(), L, R)
+        toks = self.tokens[:n]
+        host_tokens = (toks.view(torch.int16).cpu().numpy().view("uint16")
+                       if toks.dtype == torch.bfloat16 else toks.cpu().numpy())
+        scales = None if self.scales is None else cfg.token_fmt.scales_from_device(
+            self.scales.cpu().numpy(), n)
+        se_start = se_tokens = 0
+        if cfg.fused_shared_expert:
+            se_start, se_tokens = reference.se_slice(self.n_tokens, self.rank, None)
+        return reference.RankResult.from_outputs(
+            cfg, self.rank, host_tokens, row_offsets, self.expert_ids.cpu().numpy(),
+            self.src_info[:n].cpu().numpy(), counts, se_tokens=se_tokens,
+            se_token_start=se_start, out_scales=scales,
+            block_starts=starts if cfg.ep_final_layout else None)
+
+    def clone(self) -> DispatchOutput:
+        """A copy whose tensors outlive the next call (``Tensor.clone`` on the current
+        stream)."""
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        region = c(self.region_a)
+        L, R = self.counts.shape
+        return DispatchOutput(self.rank, c(self.tokens), c(self.scales), c(self.row_offsets),
+                              c(self.expert_ids), c(self.src_info),
+                              region.view(L, R, 2)[..., 1], self.n_tokens, c(self.topk_ids),
+                              c(self.topk_weights), region)
+
+
+def _outputs_of(torch, cfg, rk) -> DispatchOutput:
+    lay, fmt = cfg.layout, cfg.token_fmt
+    L, R = lay.n_local_experts, cfg.n_ranks
+    tok_dtype = "bfloat16" if fmt.name == "BF16" else None
+    region_a = tensors.view(torch, rk.counters, shape=(2 * L * R,),
+                            byte_offset=4 * lay.dispatch_wait_region.offset)
+    return DispatchOutput(
+        rank=rk.rank, tokens=tensors.view(torch, rk.out_tokens, dtype=tok_dtype),
+        scales=None if rk.out_scales is None else tensors.view(torch, rk.out_scales),
+        row_offsets=tensors.view(torch, rk.row_offsets, dtype="uint32"),
+        expert_ids=tensors.view(torch, rk.expert_ids),
+        src_info=tensors.view(torch, rk.src_info), counts=region_a.view(L, R, 2)[..., 1],
+        region_a=region_a)
+
+
+class EPBuffer:
+    """Dispatch and combine of ``world``'s ranks on torch CUDA tensors (module docstring).
+    ``rank``: only that rank (one handle per rank of an ``EmulatedWorld``: every rank's
+    handle must be called for a call to complete); default every rank the world holds (one
+    for a ``ShmemWorld``). The buffer owns the world's kernels while it is used: do not mix
+    its calls with the world's numpy calls (``world.dispatch``) without a ``check()``."""
+
+    def __init__(self, world, rank: int | None = None):
+        torch = _torch()
+        if getattr(world.cuda, "RUNS_IR", False):
+            raise ValueError("epgen.torch: the world runs on the CPU simulator; the torch API "
+                             "takes CUDA tensors (use world.dispatch with numpy arrays there)")
+        self.torch, self.world, self.cfg = torch, world, world.cfg
+        if getattr(world, "batched", False):
+            raise ValueError("epgen.torch: a batched world (one launch of every rank's grid) "
+                             "is not supported; make the world with batched=False")
+        if rank is None:
+            self.ranks = list(world.ranks)
+        else:
+            self.ranks = [rk for rk in world.ranks if rk.rank == rank]
+            if not self.ranks:
+                raise ValueError(f"rank {rank}: the world holds ranks "
+                                 f"{[rk.rank for rk in world.ranks]}")
+        self.index = [world.ranks.index(rk) for rk in self.ranks]
+        self.fused = world.fused
+        devices = {rk.stream.device.device_id for rk in self.ranks}
+        whole = len(self.ranks) == len(world.ranks)
+        self.on_caller_stream = len(world.ranks) == 1 or (
+            whole and not self.fused and len(devices) == 1)
+        self.device = self.ranks[0].stream.device.device_id
+        self.outputs = [_outputs_of(torch, self.cfg, rk) for rk in self.ranks]
+        self.lanes = None if self.on_caller_stream else streams.Lanes(
+            [rk.stream for rk in self.ranks])
+        self._dispatch = None      # (kernel name, [prepared launch per handled rank]) steps
+        self._keep = ()            # this call's converted inputs, alive until the next call
+
+    # -- launches ---------------------------------------------------------------------------
+    def _prepare_dispatch(self):
+        w, n = self.world, self.cfg.n_sms
+        gen = 1 if self.cfg.ep_prod_reserve else None
+        if self.fused:
+            rows = w.fused_rows()
+            steps = [(FUSED, [w._program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
+                              for i in self.index])]
+        else:
+            a, b = w.async_rows(gen), w.wait_rows()
+            steps = [(ASYNC, [w._program_of(w.ranks[i]).prepare(ASYNC, n, a[i])
+                              for i in self.index]),
+                     (WAIT, [w._program_of(w.ranks[i]).prepare(WAIT, n, b[i],
+                                                              programmatic=True)
+                             for i in self.index])]
+        self._dispatch = steps
+
+    def _enqueue(self, steps, stream_handle: int):
+        if self.on_caller_stream:
+            for _, launches in steps:
+                for pl in launches:
+                    pl.launch(stream_handle)
+            return
+        self.lanes.fork(stream_handle)
+        for _, launches in steps:
+            for pl, rk in zip(launches, self.ranks):
+                pl.launch(rk.stream)
+        self.lanes.join(stream_handle)
+
+    def _stream(self, stream):
+        torch = self.torch
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        return int(s.cuda_stream) if hasattr(s, "cuda_stream") else int(s)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def dispatch(self, x, topk_ids, topk_weights=None, *, stream=None):
+        """Enqueue one dispatch: ``x`` ``[T, hid_dim]`` BF16 tokens and ``topk_ids``
+        ``[T, top_k]`` (int32, or a torch integer tensor) of each handled rank (a tensor for
+        a one-rank handle, else a list in rank order); ``topk_weights`` ``[T, top_k]``
+        (kept for ``combine``). Returns the ``DispatchOutput`` (a list for several ranks).
+        Checks only what the host knows; the ids are not read here."""
+        torch, cfg = self.torch, self.cfg
+        xs, ids, ws = self._per_rank(x, "x"), self._per_rank(topk_ids, "topk_ids"), \
+            self._per_rank(topk_weights, "topk_weights", optional=True)
+        if torch.cuda.is_current_stream_capturing() and cfg.ep_prod_reserve:
+            raise EPInputError("ep_prod_reserve: a captured dispatch would replay one "
+                               "generation for every call; capture a configuration without "
+                               "ep_prod_reserve")
+        K = cfg.token_fmt.top_k
+        checked = []
+        for rk, xi, ii, wi in zip(self.ranks, xs, ids, ws):
+            xt, xinfo = tensors.tokens_input(torch, xi, f"x[{rk.rank}]", cfg, self.device)
+            T = xinfo.shape[0]
+            it, iinfo = tensors.ids_input(torch, ii, f"topk_ids[{rk.rank}]", T, K, self.device)
+            wt = None if wi is None else tensors.weights_input(
+                torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)[0]
+            checked.append((xt, xinfo, it, iinfo, wt, T))
+        if self._dispatch is None:
+            self._prepare_dispatch()
+        s = self._stream(stream)
+        gen = self.world.prod_gen.next() if cfg.ep_prod_reserve else None
+        outs = []
+        for j, (rk, (xt, xinfo, it, iinfo, wt, T)) in enumerate(zip(self.ranks, checked)):
+            tok_ptr = self._token_pointer(rk, xinfo, T, s)
+            new = {"input_tokens": tok_ptr, "topk_ids": iinfo.ptr or rk.topk_ids.ptr,
+                   "n_tokens": T, "prod_gen": gen}
+            for _, launches in self._dispatch:
+                pl = launches[j]
+                for name, value in new.items():
+                    if name in pl.params and value is not None:
+                        pl.set(name, value)
+            rk.n_tokens = T
+            out = self.outputs[j]
+            out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt
+            outs.append(out)
+        self._keep = checked
+        self._enqueue(self._dispatch, s)
+        return outs[0] if len(outs) == 1 and not isinstance(x, (list, tuple)) else outs
+
+    def _token_pointer(self, rk, info, T: int, stream_handle: int) -> int:
+        """The address the send kernel reads the tokens from: the input itself when
+        contiguous, else the rank's input buffer after a packing 2-D copy on the stream."""
+        ptr, pitch, row_bytes, rows = interop.device_rows(info)
+        if rows == 1 or T == 0:
+            return ptr or rk.tokens.ptr
+        streams.copy_rows(rk.tokens[:T].ptr, ptr, pitch, row_bytes, rows, stream_handle,
+                          rk.stream.device)
+        return rk.tokens.ptr
+
+    def _per_rank(self, v, name: str, optional: bool = False) -> list:
+        n = len(self.ranks)
+        if v is None:
+            if optional:
+                return [None] * n
+            raise EPInputError(f"{name}: required")
+        if isinstance(v, (list, tuple)):
+            if len(v) != n:
+                raise EPInputError(f"{name}: one entry per handled rank ({n}), got {len(v)}")
+            return list(v)
+        if n != 1:
+            raise EPInputError(f"{name}: this buffer handles {n} ranks: pass a list")
+        return [v]
+
+    # -- errors -----------------------------------------------------------------------------
+    def check(self, context: str = "dispatch") -> None:
+        """Synchronise the caller's stream and the ranks' streams, then raise what the
+        kernels recorded (``EPTimeoutError``; refused combine rows: ``EPInputError``)."""
+        self.torch.cuda.current_stream(self.device).synchronize()
+        self.world.check(context)
+
+
+__all__ = ["EPBuffer", "DispatchOutput"]

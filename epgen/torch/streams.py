@@ -1,0 +1,58 @@
+"""Stream plumbing of the torch API on raw CUDA stream handles (what torch gives:
+``torch.cuda.Stream.cuda_stream``): forking the ranks' streams from the caller's stream and
+joining them back with events made once, and the packing 2-D copy of a strided input."""
+
+from __future__ import annotations
+
+from backends.cuda import compat
+from backends.cuda.errors import check
+
+
+class Lanes:
+    """The rank streams ``streams`` (cuda.core streams, possibly on several GPUs) as lanes
+    of a caller's stream: ``fork(handle)`` makes each wait for the caller's work so far,
+    ``join(handle)`` makes the caller wait for each (``cuEventRecord`` +
+    ``cuStreamWaitEvent``, non-timing events created once, each in its stream's context).
+    Inside a stream capture the fork and the join are the capture's edges."""
+
+    def __init__(self, streams):
+        drv = compat.driver()
+        self.drv, self.streams = drv, list(streams)
+        self.handles = [drv.CUstream(int(s.handle)) for s in self.streams]
+        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.join_events = []
+        for s in self.streams:
+            s.device.set_current()
+            self.join_events.append(check(drv.cuEventCreate(flags), "cuEventCreate"))
+        self.streams[0].device.set_current()
+        self.fork_event = check(drv.cuEventCreate(flags), "cuEventCreate")
+
+    def fork(self, caller: int) -> None:
+        drv = self.drv
+        check(drv.cuEventRecord(self.fork_event, drv.CUstream(caller)), "cuEventRecord")
+        for h in self.handles:
+            check(drv.cuStreamWaitEvent(h, self.fork_event, 0), "cuStreamWaitEvent")
+
+    def join(self, caller: int) -> None:
+        drv = self.drv
+        c = drv.CUstream(caller)
+        for h, ev in zip(self.handles, self.join_events):
+            check(drv.cuEventRecord(ev, h), "cuEventRecord")
+            check(drv.cuStreamWaitEvent(c, ev, 0), "cuStreamWaitEvent")
+
+
+def copy_rows(dst: int, src: int, pitch: int, row_bytes: int, rows: int, stream: int,
+              device) -> None:
+    """Pack ``rows`` rows of ``row_bytes`` bytes, ``pitch`` apart from ``src``, to ``dst``
+    on the raw stream ``stream`` (``cuMemcpy2DAsync``)."""
+    drv = compat.driver()
+    m = drv.CUDA_MEMCPY2D()
+    m.srcMemoryType = m.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    m.srcDevice, m.srcPitch = int(src), int(pitch)
+    m.dstDevice, m.dstPitch = int(dst), int(row_bytes)
+    m.WidthInBytes, m.Height = int(row_bytes), int(rows)
+    device.set_current()
+    check(drv.cuMemcpy2DAsync(m, drv.CUstream(stream)), "cuMemcpy2DAsync")
+
+
+__all__ = ["Lanes", "copy_rows"]

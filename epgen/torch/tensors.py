@@ -1,0 +1,117 @@
+"""Torch tensors over epgen's device buffers, and the checks of the torch API's inputs that
+need no device data (shapes, dtypes, devices, layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import interop
+from ..errors import EPInputError
+
+#: numpy dtypes torch can view through ``__cuda_array_interface__``, by the torch view wanted
+_VIEW_AS = {"bfloat16": np.int16, "uint16": np.int16, "uint32": np.int32}
+
+
+class _Window:
+    """``__cuda_array_interface__`` (version 2: no stream, so torch does not synchronise)
+    of ``shape``/``dtype`` at ``ptr``; keeps ``owner`` alive as long as the tensor."""
+
+    def __init__(self, ptr: int, shape, dtype, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": tuple(int(d) for d in shape),
+                                         "typestr": np.dtype(dtype).str,
+                                         "data": (int(ptr), False), "version": 2,
+                                         "strides": None}
+
+
+def view(torch, arr, *, dtype: str | None = None, shape=None, byte_offset: int = 0):
+    """A torch tensor viewing ``arr`` (a ``backends.cuda`` DeviceArray), from
+    ``byte_offset`` with ``shape`` (default: the array's) as ``dtype`` (a torch dtype name;
+    default: the array's dtype; ``bfloat16``, ``uint16`` and ``uint32`` come through their
+    same-size signed integers). No copy, no synchronisation."""
+    want = dtype or np.dtype(arr.dtype).name
+    np_dt = np.dtype(_VIEW_AS.get(want, want))
+    shape = tuple(arr.shape) if shape is None else tuple(shape)
+    dev = arr.device.device_id
+    t = torch.as_tensor(_Window(arr.ptr + byte_offset, shape, np_dt, arr),
+                        device=f"cuda:{dev}")
+    if want == "bfloat16":
+        return t.view(torch.bfloat16)
+    return t
+
+
+def _torch_device_index(x) -> int | None:
+    return (x.device.index or 0) if getattr(x, "is_cuda", False) else None
+
+
+def tokens_input(torch, x, name: str, cfg, device: int):
+    """``x`` checked as one rank's tokens ``[T, hid_dim]`` BF16 on CUDA device ``device``:
+    returns ``(x, info)``, a torch tensor made contiguous on the device when it was not
+    (``x.contiguous()``, on the current stream) and its ``interop.ArrayInfo``; a non-torch
+    device array must be C-contiguous or have contiguous rows (``interop.device_rows``)."""
+    fmt = cfg.token_fmt
+    if isinstance(x, torch.Tensor):
+        if not x.is_cuda:
+            raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors "
+                               f"(x.cuda()), the numpy API (world.dispatch) host arrays")
+        if not x.is_contiguous():
+            x = x.contiguous()
+    info = interop.describe(x, name)
+    if not info.on_device:
+        raise EPInputError(f"{name}: a host array; the torch API takes device arrays")
+    if info.device != device:
+        raise EPInputError(f"{name}: on CUDA device {info.device}, the rank's buffers are on "
+                           f"device {device}")
+    if len(info.shape) != 2 or info.shape[1] != fmt.hid_dim:
+        raise EPInputError(f"{name}: shape {info.shape} must be [T, hid_dim={fmt.hid_dim}]")
+    if info.dtype not in fmt.accepted_input_dtypes:
+        raise EPInputError(f"{name}: dtype {info.dtype} is not accepted by {fmt.name} (use one "
+                           f"of {', '.join(fmt.accepted_input_dtypes)})")
+    if info.shape[0] > cfg.max_tokens_per_rank:
+        raise EPInputError(f"{name}: T={info.shape[0]} exceeds max_tokens_per_rank="
+                           f"{cfg.max_tokens_per_rank}")
+    interop.device_rows(info)
+    return x, info
+
+
+def ids_input(torch, ids, name: str, T: int, K: int, device: int):
+    """``ids`` checked as one rank's top-k ids ``[T, top_k]`` on device ``device``: a torch
+    int64 tensor (what ``torch.topk`` gives) is converted to int32 on the current stream, a
+    non-contiguous one made contiguous; another library's array must be int32 and
+    C-contiguous. Returns ``(ids, info)``. The values are not read (the kernels check them)."""
+    if isinstance(ids, torch.Tensor):
+        if not ids.is_cuda:
+            raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
+        if ids.dtype in (torch.int64, torch.int16, torch.uint8):
+            ids = ids.to(torch.int32)
+        ids = ids.contiguous()
+    info = interop.describe(ids, name)
+    if not info.on_device or info.device != device:
+        raise EPInputError(f"{name}: must be on CUDA device {device}")
+    if tuple(info.shape) != (T, K):
+        raise EPInputError(f"{name}: shape {tuple(info.shape)} must be [T, top_k] = [{T}, {K}]")
+    if info.dtype != "int32":
+        raise EPInputError(f"{name}: dtype {info.dtype} must be int32 (or a torch integer "
+                           f"tensor, converted on the device)")
+    if not info.contiguous:
+        raise EPInputError(f"{name}: must be C-contiguous (byte strides {info.strides})")
+    return ids, info
+
+
+def weights_input(torch, w, name: str, T: int, K: int, device: int):
+    """``w`` checked as one rank's router weights ``[T, top_k]`` float32 on ``device``
+    (a torch tensor of another float dtype is converted there). Returns ``(w, info)``."""
+    if isinstance(w, torch.Tensor):
+        if not w.is_cuda:
+            raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
+        w = w.to(torch.float32).contiguous()
+    info = interop.describe(w, name)
+    if not info.on_device or info.device != device:
+        raise EPInputError(f"{name}: must be on CUDA device {device}")
+    if tuple(info.shape) != (T, K) or info.dtype != "float32" or not info.contiguous:
+        raise EPInputError(f"{name}: must be a C-contiguous float32 [T, top_k] = [{T}, {K}] "
+                           f"array, got {info.dtype} {tuple(info.shape)}")
+    return w, info
+
+
+__all__ = ["view", "tokens_input", "ids_input", "weights_input"]

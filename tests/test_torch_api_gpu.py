@@ -1,0 +1,166 @@
+"""``epgen.torch.EPBuffer`` on the GPU (``EmulatedWorld``): dispatch on torch CUDA tensors
+matches ``epgen.reference.dispatch`` (one handle for every rank, one handle per rank, the
+fused kernel, a strided and a transposed input, int64 ids from ``torch.topk``); the call
+enqueues without synchronising (the caller's stream is still busy when it returns); a
+dispatch captured in ``torch.cuda.graph`` replays fresh inputs correctly; the host time of
+a call is measured."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import epgen
+from epgen import reference, routing
+
+from world_checks import make_cfg
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("torch has no CUDA device", allow_module_level=True)
+ept = pytest.importorskip("epgen.torch")
+
+_worlds = {}
+
+
+def _world(name="small", **kw):
+    key = (name, tuple(sorted(kw.items())))
+    if key not in _worlds:
+        shape = {"small": (4, 32, 256, 4, 32, 256, 4), "fused": (2, 16, 256, 4, 32, 256, 4)}
+        _worlds[key] = epgen.EmulatedWorld(make_cfg(*shape[name]), **kw)
+    return _worlds[key]
+
+
+def _tensor(bits):
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
+        torch.bfloat16).cuda()
+
+
+def _inputs(rng, cfg, n_tok=None):
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank if n_tok is None else n_tok)
+    return toks, ids, [_tensor(t) for t in toks], \
+        [torch.from_numpy(i.astype(np.int64)).cuda() for i in ids]
+
+
+def _assert(cfg, outs, toks, ids, seed, what=""):
+    want = reference.dispatch(cfg, toks, ids)
+    got = [o.to_reference(cfg) for o in outs]
+    try:
+        reference.assert_match(cfg, want, got)
+    except AssertionError as exc:
+        raise AssertionError(f"seed {seed} {what}: {exc}") from None
+
+
+def test_one_handle_for_every_rank(seed):
+    world = _world()
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    assert ep.on_caller_stream
+    rng = np.random.default_rng(seed)
+    for call in range(4):
+        n = None if call < 2 else int(rng.integers(0, cfg.max_tokens_per_rank + 1))
+        toks, ids, x, i = _inputs(rng, cfg, n)
+        outs = ep.dispatch(x, i)
+        ep.check()
+        _assert(cfg, outs, toks, ids, seed, f"call {call}")
+
+
+def test_one_handle_per_rank(seed):
+    world = _world()
+    cfg = world.cfg
+    eps = [ept.EPBuffer(world, rank=r) for r in range(cfg.n_ranks)]
+    assert not eps[0].on_caller_stream
+    rng = np.random.default_rng(seed)
+    toks, ids, x, i = _inputs(rng, cfg)
+    outs = [ep.dispatch(x[r], i[r]) for r, ep in enumerate(eps)]
+    eps[0].check()
+    _assert(cfg, outs, toks, ids, seed)
+
+
+def test_fused_kernel_forks_the_rank_streams(seed):
+    world = _world("fused", fused=True)
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    assert not ep.on_caller_stream
+    rng = np.random.default_rng(seed)
+    for call in range(3):
+        toks, ids, x, i = _inputs(rng, cfg)
+        outs = ep.dispatch(x, i)
+        ep.check()
+        _assert(cfg, outs, toks, ids, seed, f"call {call}")
+
+
+def test_strided_and_transposed_inputs(seed):
+    world = _world()
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    rng = np.random.default_rng(seed)
+    toks, ids, x, i = _inputs(rng, cfg)
+    H = cfg.token_fmt.hid_dim
+    wide = [torch.cat([t[:, :H], t], dim=1)[:, :H] for t in x]
+    tr = [t.t().contiguous().t() for t in x]
+    assert not wide[0].is_contiguous() and not tr[0].is_contiguous()
+    mixed = [wide[0], tr[1]] + x[2:]
+    outs = ep.dispatch(mixed, i)
+    ep.check()
+    _assert(cfg, outs, toks, ids, seed)
+
+
+def test_dispatch_does_not_synchronise(seed):
+    world = _world()
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    rng = np.random.default_rng(seed)
+    toks, ids, x, i = _inputs(rng, cfg)
+    ep.dispatch(x, i)           # prepared launches built
+    ep.check()
+    torch.cuda._sleep(200_000_000)       # ~0.1 s of GPU time on the current stream
+    t0 = time.perf_counter()
+    outs = ep.dispatch(x, i)
+    host = time.perf_counter() - t0
+    busy = not torch.cuda.current_stream().query()
+    ep.check()
+    assert busy, "the caller's stream was idle when dispatch returned: it synchronised"
+    assert host < 0.05, f"dispatch took {host * 1e3:.1f} ms of host time behind a busy stream"
+    _assert(cfg, outs, toks, ids, seed)
+
+
+def test_captured_dispatch_replays_fresh_inputs(seed):
+    world = _world()
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    rng = np.random.default_rng(seed)
+    toks, ids, x, i = _inputs(rng, cfg)
+    static_x = [t.clone() for t in x]
+    static_i = [t.to(torch.int32).clone() for t in i]
+    ep.dispatch(static_x, static_i)       # warm-up outside the capture
+    ep.check()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = ep.dispatch(static_x, static_i)
+    for replay in range(3):
+        toks, ids, x, i = _inputs(rng, cfg)
+        for s, t in zip(static_x, x):
+            s.copy_(t)
+        for s, t in zip(static_i, i):
+            s.copy_(t)
+        g.replay()
+        ep.check()
+        _assert(cfg, outs, toks, ids, seed, f"replay {replay}")
+
+
+def test_host_time_per_call(seed):
+    world = _world()
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    rng = np.random.default_rng(seed)
+    toks, ids, x, i = _inputs(rng, cfg)
+    i32 = [t.to(torch.int32) for t in i]
+    for _ in range(20):
+        ep.dispatch(x, i32)
+    ep.check()
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ep.dispatch(x, i32)
+    per_rank = (time.perf_counter() - t0) / n / cfg.n_ranks * 1e6
+    ep.check()
+    print(f"epgen.torch dispatch: {per_rank:.1f} us of host time per call per rank")
+    assert per_rank < 200, f"{per_rank:.1f} us per call per rank"
