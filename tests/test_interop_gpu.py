@@ -25,7 +25,7 @@ _world = {}
 
 def _get():
     if "w" not in _world:
-        _world["w"] = epgen.EmulatedWorld(make_cfg(2, 16, 256, 4, 32, 256, 4))
+        _world["w"] = epgen.EmulatedWorld(make_cfg(2, 8, 256, 4, 32, 256, 6))
     return _world["w"]
 
 

@@ -29,7 +29,7 @@ _worlds = {}
 def _world(name="small", **kw):
     key = (name, tuple(sorted(kw.items())))
     if key not in _worlds:
-        shape = {"small": (4, 32, 256, 4, 32, 256, 4), "fused": (2, 16, 256, 4, 32, 256, 4)}
+        shape = {"small": (4, 16, 256, 4, 32, 256, 6), "fused": (2, 8, 256, 4, 32, 256, 6)}
         _worlds[key] = epgen.EmulatedWorld(make_cfg(*shape[name]), **kw)
     return _worlds[key]
 
@@ -71,12 +71,19 @@ def test_one_handle_per_rank(seed):
     world = _world()
     cfg = world.cfg
     eps = [ept.EPBuffer(world, rank=r) for r in range(cfg.n_ranks)]
-    assert not eps[0].on_caller_stream
+    assert eps[0].on_caller_stream
+    callers = [torch.cuda.Stream() for _ in eps]    # one stream per rank, as processes have
     rng = np.random.default_rng(seed)
-    toks, ids, x, i = _inputs(rng, cfg)
-    outs = [ep.dispatch(x[r], i[r]) for r, ep in enumerate(eps)]
-    eps[0].check()
-    _assert(cfg, outs, toks, ids, seed)
+    for call in range(3):
+        toks, ids, x, i = _inputs(rng, cfg)
+        outs = []
+        for r, (ep, s) in enumerate(zip(eps, callers)):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                outs.append(ep.dispatch(x[r], i[r]))
+        torch.cuda.synchronize()
+        eps[0].check()
+        _assert(cfg, outs, toks, ids, seed, f"call {call}")
 
 
 def test_fused_kernel_forks_the_rank_streams(seed):

@@ -107,6 +107,12 @@ class PreparedLaunch:
             raise KeyError(f"kernel {self.kernel.name!r} has no parameter {name!r}")
         self._write(i, value)
 
+    def slot(self, name: str) -> np.ndarray:
+        """Parameter ``name``'s one-element view in the packed buffer: writing ``slot[0]``
+        is ``set`` without its checks, for a caller that has checked the value (the hot
+        path of a per-call update)."""
+        return self._slots[self._index[name]]
+
     def value(self, name: str):
         """The packed value of parameter ``name`` (a numpy scalar)."""
         return self._slots[self._index[name]][0]

@@ -6,12 +6,12 @@ packed, one ``cuLaunchKernelEx`` per call); a call rewrites only what changed (t
 pointers, the token count, the ``ep_prod_reserve`` generation) and enqueues. Where the
 launches go:
 
-- on the caller's stream itself, when the order of one stream is enough: a world of one rank
-  (``ShmemWorld``), or every rank of an ``EmulatedWorld`` in one call with the split kernels
+- on the caller's stream itself, when the order of one stream is enough: a handle of one rank
+  (``ShmemWorld``, or one rank of an ``EmulatedWorld`` called from that rank's own stream),
+  or every rank of an ``EmulatedWorld`` in one call with the split kernels
   (every rank's send kernel before any rank's receive kernel, so no kernel waits for one
   queued behind it);
-- otherwise (the fused single launch of several ranks, one handle per rank, ranks on other
-  GPUs) on each rank's own stream, forked from the caller's stream by an event and joined
+- otherwise (the fused single launch of several ranks, ranks on several GPUs) on each rank's own stream, forked from the caller's stream by an event and joined
   back: the caller's stream waits for every rank, so whatever it runs next sees the outputs.
 
 Outputs are tensors that view the rank's output buffers: they are valid until the next call
@@ -118,9 +118,10 @@ def _outputs_of(torch, cfg, rk) -> DispatchOutput:
 
 class EPBuffer:
     """Dispatch and combine of ``world``'s ranks on torch CUDA tensors (module docstring).
-    ``rank``: only that rank (one handle per rank of an ``EmulatedWorld``: every rank's
-    handle must be called for a call to complete); default every rank the world holds (one
-    for a ``ShmemWorld``). The buffer owns the world's kernels while it is used: do not mix
+    ``rank``: only that rank (one handle per rank of an ``EmulatedWorld``, as one process
+    per rank would have: every rank's handle must be called for a call to complete, each
+    from its own stream, since a rank's receive kernel waits for every rank's send kernel);
+    default every rank the world holds (one for a ``ShmemWorld``). The buffer owns the world's kernels while it is used: do not mix
     its calls with the world's numpy calls (``world.dispatch``) without a ``check()``."""
 
     def __init__(self, world, rank: int | None = None):
@@ -143,7 +144,7 @@ class EPBuffer:
         self.fused = world.fused
         devices = {rk.stream.device.device_id for rk in self.ranks}
         whole = len(self.ranks) == len(world.ranks)
-        self.on_caller_stream = len(world.ranks) == 1 or (
+        self.on_caller_stream = len(self.ranks) == 1 or (
             whole and not self.fused and len(devices) == 1)
         self.device = self.ranks[0].stream.device.device_id
         self.outputs = [_outputs_of(torch, self.cfg, rk) for rk in self.ranks]
@@ -168,6 +169,11 @@ class EPBuffer:
                                                               programmatic=True)
                              for i in self.index])]
         self._dispatch = steps
+        #: per handled rank, per launch taking them, the slots a call rewrites
+        hot = ("input_tokens", "topk_ids", "n_tokens", "prod_gen")
+        self._hot = [[{n: pl.slot(n) for n in hot if n in pl.params} for _, launches in steps
+                      for pl in (launches[j],) if "n_tokens" in pl.params]
+                     for j in range(len(self.ranks))]
 
     def _enqueue(self, steps, stream_handle: int):
         if self.on_caller_stream:
@@ -196,7 +202,7 @@ class EPBuffer:
         torch, cfg = self.torch, self.cfg
         xs, ids, ws = self._per_rank(x, "x"), self._per_rank(topk_ids, "topk_ids"), \
             self._per_rank(topk_weights, "topk_weights", optional=True)
-        if torch.cuda.is_current_stream_capturing() and cfg.ep_prod_reserve:
+        if cfg.ep_prod_reserve and torch.cuda.is_current_stream_capturing():
             raise EPInputError("ep_prod_reserve: a captured dispatch would replay one "
                                "generation for every call; capture a configuration without "
                                "ep_prod_reserve")
@@ -204,7 +210,7 @@ class EPBuffer:
         checked = []
         for rk, xi, ii, wi in zip(self.ranks, xs, ids, ws):
             xt, xinfo = tensors.tokens_input(torch, xi, f"x[{rk.rank}]", cfg, self.device)
-            T = xinfo.shape[0]
+            T = xt.shape[0] if xinfo is None else xinfo.shape[0]
             it, iinfo = tensors.ids_input(torch, ii, f"topk_ids[{rk.rank}]", T, K, self.device)
             wt = None if wi is None else tensors.weights_input(
                 torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)[0]
@@ -215,14 +221,17 @@ class EPBuffer:
         gen = self.world.prod_gen.next() if cfg.ep_prod_reserve else None
         outs = []
         for j, (rk, (xt, xinfo, it, iinfo, wt, T)) in enumerate(zip(self.ranks, checked)):
-            tok_ptr = self._token_pointer(rk, xinfo, T, s)
-            new = {"input_tokens": tok_ptr, "topk_ids": iinfo.ptr or rk.topk_ids.ptr,
-                   "n_tokens": T, "prod_gen": gen}
-            for _, launches in self._dispatch:
-                pl = launches[j]
-                for name, value in new.items():
-                    if name in pl.params and value is not None:
-                        pl.set(name, value)
+            if T == 0:
+                tok_ptr, ids_ptr = rk.tokens.ptr, rk.topk_ids.ptr
+            else:
+                tok_ptr = xt.data_ptr() if xinfo is None else self._token_pointer(rk, xinfo, T, s)
+                ids_ptr = it.data_ptr() if iinfo is None else iinfo.ptr
+            for slots in self._hot[j]:
+                slots["input_tokens"][0] = tok_ptr
+                slots["topk_ids"][0] = ids_ptr
+                slots["n_tokens"][0] = T
+                if gen is not None and "prod_gen" in slots:
+                    slots["prod_gen"][0] = gen
             rk.n_tokens = T
             out = self.outputs[j]
             out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt

@@ -40,15 +40,16 @@ def view(torch, arr, *, dtype: str | None = None, shape=None, byte_offset: int =
     return t
 
 
-def _torch_device_index(x) -> int | None:
-    return (x.device.index or 0) if getattr(x, "is_cuda", False) else None
+def _torch_token_dtypes(torch) -> tuple:
+    return (torch.bfloat16, torch.uint16) if hasattr(torch, "uint16") else (torch.bfloat16,)
 
 
 def tokens_input(torch, x, name: str, cfg, device: int):
     """``x`` checked as one rank's tokens ``[T, hid_dim]`` BF16 on CUDA device ``device``:
     returns ``(x, info)``, a torch tensor made contiguous on the device when it was not
-    (``x.contiguous()``, on the current stream) and its ``interop.ArrayInfo``; a non-torch
-    device array must be C-contiguous or have contiguous rows (``interop.device_rows``)."""
+    (``x.contiguous()``, on the current stream) with ``info`` None, or another library's
+    array and its ``interop.ArrayInfo`` (C-contiguous or with contiguous rows:
+    ``interop.device_rows``)."""
     fmt = cfg.token_fmt
     if isinstance(x, torch.Tensor):
         if not x.is_cuda:
@@ -56,6 +57,11 @@ def tokens_input(torch, x, name: str, cfg, device: int):
                                f"(x.cuda()), the numpy API (world.dispatch) host arrays")
         if not x.is_contiguous():
             x = x.contiguous()
+        shape = x.shape
+        if (x.dtype in _torch_token_dtypes(torch) and len(shape) == 2
+                and shape[1] == fmt.hid_dim and shape[0] <= cfg.max_tokens_per_rank
+                and x.device.index == device):
+            return x, None          # the common case, checked without building an ArrayInfo
     info = interop.describe(x, name)
     if not info.on_device:
         raise EPInputError(f"{name}: a host array; the torch API takes device arrays")
@@ -85,6 +91,9 @@ def ids_input(torch, ids, name: str, T: int, K: int, device: int):
         if ids.dtype in (torch.int64, torch.int16, torch.uint8):
             ids = ids.to(torch.int32)
         ids = ids.contiguous()
+        if ids.dtype == torch.int32 and tuple(ids.shape) == (T, K) \
+                and ids.device.index == device:
+            return ids, None
     info = interop.describe(ids, name)
     if not info.on_device or info.device != device:
         raise EPInputError(f"{name}: must be on CUDA device {device}")
