@@ -79,3 +79,31 @@ def corrupted_row_check(world, rng, d: int = 1):
     w = weights(rng, cfg, ids)
     for g, r in zip(world.combine(ys, w), reference.combine(cfg, results, ys, w)):
         assert np.array_equal(g, r)
+
+
+def residuals(rng, cfg, ids):
+    """Per source, a random residual ``[T, H]`` BF16 (bit 14 cleared, as ``expert_outputs``)."""
+    return [rng.integers(0, 1 << 16, size=(len(i), cfg.token_fmt.hid_dim), dtype=np.uint16)
+            & np.uint16(0xBFFF) for i in ids]
+
+
+def check_round_trips(world, rng, seed, inputs, what: str = ""):
+    """For each ``(tokens, topk_ids)`` of ``inputs``: dispatch, then combine with weights
+    and a residual, with weights alone, and unreduced, each against ``reference.combine``
+    bit for bit (the error names the seed, the call and the source)."""
+    cfg = world.cfg
+    for call, (toks, ids) in enumerate(inputs):
+        results = world.dispatch(toks, ids)
+        ys = expert_outputs(rng, cfg, results)
+        w = weights(rng, cfg, ids)
+        n_tok = [len(i) for i in ids]
+        forms = [("weighted+residual", w, residuals(rng, cfg, ids)), ("weighted", w, None),
+                 ("unreduced", None, None)]
+        for form, wt, res in forms:
+            got = world.combine(ys, wt, residual=res)
+            want = reference.combine(cfg, results, ys, wt, residual=res, n_tokens=n_tok)
+            assert len(got) == len(want)
+            for s, (g, r) in enumerate(zip(got, want)):
+                assert g.shape == r.shape and np.array_equal(g, r), \
+                    (f"seed {seed} {what} call {call} {form} source {s}: "
+                     f"{np.count_nonzero(g != r)} elements differ")
