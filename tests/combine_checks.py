@@ -107,3 +107,19 @@ def check_round_trips(world, rng, seed, inputs, what: str = ""):
                 assert g.shape == r.shape and np.array_equal(g, r), \
                     (f"seed {seed} {what} call {call} {form} source {s}: "
                      f"{np.count_nonzero(g != r)} elements differ")
+
+
+def round_trip_inputs(rng, cfg, n_calls, devices=None):
+    """``n_calls`` dispatch inputs, token counts random in ``[0, max_tokens_per_rank]`` but the
+    first call full; under ``skip_a2a``, one per device with global ids over every device's
+    experts."""
+    n = cfg.n_ranks if devices is None else devices
+    E = cfg.n_experts * (1 if devices is None else devices)
+    out = []
+    for call in range(n_calls):
+        counts = [cfg.max_tokens_per_rank if call == 0 else
+                  int(rng.integers(0, cfg.max_tokens_per_rank + 1)) for _ in range(n)]
+        toks = [routing.random_tokens(rng, c, cfg.token_fmt.hid_dim) for c in counts]
+        ids = [routing.random_topk(rng, c, E, cfg.token_fmt.top_k) for c in counts]
+        out.append((toks, ids))
+    return out

@@ -21,7 +21,8 @@ from epgen.presets import config_from_dict, load_preset, preset_data
 from epgen.runtime import combine as combine_mod
 from epgen.runtime.world import EmulatedWorld
 
-from combine_checks import check_round_trips, corrupted_row_check, expert_outputs, weights
+from combine_checks import (check_round_trips, corrupted_row_check, expert_outputs,
+                            round_trip_inputs, weights)
 
 
 def _cfg(**change):
@@ -120,22 +121,6 @@ def _tiny(fmt="BF16", H=64, R=2, K=2, **flags):
                           token_fmt=make_format(fmt, H, K), **flags)
 
 
-def _inputs(rng, cfg, n_calls, devices=None):
-    """``n_calls`` dispatch inputs, token counts random in ``[0, max_tokens_per_rank]`` but the
-    first call full; under ``skip_a2a``, one per device with global ids over every device's
-    experts."""
-    n = cfg.n_ranks if devices is None else devices
-    E = cfg.n_experts * (1 if devices is None else devices)
-    out = []
-    for call in range(n_calls):
-        counts = [cfg.max_tokens_per_rank if call == 0 else
-                  int(rng.integers(0, cfg.max_tokens_per_rank + 1)) for _ in range(n)]
-        toks = [routing.random_tokens(rng, c, cfg.token_fmt.hid_dim) for c in counts]
-        ids = [routing.random_topk(rng, c, E, cfg.token_fmt.top_k) for c in counts]
-        out.append((toks, ids))
-    return out
-
-
 FORMATS = [("BlockwiseFP8", 128), ("NVFP4", 64), ("MXFP8", 64)]
 
 
@@ -146,7 +131,7 @@ def test_every_dispatch_format(fmt, H, seed):
     rng = np.random.default_rng(seed)
     cfg = _tiny(fmt, H)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-    check_round_trips(world, rng, seed, _inputs(rng, cfg, 2), fmt)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), fmt)
 
 
 @pytest.mark.parametrize("flags", [{"ep_final_layout": True},
@@ -158,14 +143,14 @@ def test_final_layout(flags, seed):
     rng = np.random.default_rng(seed)
     cfg = _tiny(R=4, **flags)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-    check_round_trips(world, rng, seed, _inputs(rng, cfg, 3), "final layout")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 3), "final layout")
 
 
 def test_final_layout_nvfp4(seed):
     rng = np.random.default_rng(seed)
     cfg = _tiny("NVFP4", 64, ep_final_layout=True, ep_prod_reserve=True)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-    check_round_trips(world, rng, seed, _inputs(rng, cfg, 2), "final+prod NVFP4")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "final+prod NVFP4")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
@@ -175,7 +160,7 @@ def test_skip_a2a_reduces_only_local_slots(fused, seed):
     rng = np.random.default_rng(seed)
     cfg = _tiny(R=1, K=4, skip_a2a=True)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=3, fused=fused)
-    check_round_trips(world, rng, seed, _inputs(rng, cfg, 2, devices=3), "skip_a2a")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=3), "skip_a2a")
     want = {"ep_combine"} if fused else {"ep_combine_async", "ep_combine_wait"}
     assert {k for k, _ in world._combiner.program.loaded.launched} == want
 
@@ -186,7 +171,7 @@ def test_fused_kernel(R, seed):
     rng = np.random.default_rng(seed)
     cfg = _tiny(R=R, H=512)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, fused=True)
-    check_round_trips(world, rng, seed, _inputs(rng, cfg, 3), "fused")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 3), "fused")
     assert {k for k, _ in world._combiner.program.loaded.launched} == {"ep_combine"}
 
 
@@ -199,5 +184,5 @@ def test_fused_shared_expert(devices, seed):
     skip = devices is not None
     cfg = _tiny(R=1 if skip else 2, skip_a2a=skip, fused_shared_expert=True)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=devices)
-    check_round_trips(world, rng, seed, _inputs(rng, cfg, 2, devices=devices), "fused SE")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=devices), "fused SE")
     assert [k.name for k in world._combiner.program.module.kernels] == ["ep_combine"]
