@@ -186,3 +186,9 @@ def test_fused_shared_expert(devices, seed):
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=devices)
     check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=devices), "fused SE")
     assert [k.name for k in world._combiner.program.module.kernels] == ["ep_combine"]
+
+
+def test_a_corrupted_src_info_row_in_the_fused_kernel(seed):
+    cfg = _tiny(R=2)
+    corrupted_row_check(EmulatedWorld(cfg, backend="sim", sim_seed=seed, fused=True),
+                        np.random.default_rng(seed))
