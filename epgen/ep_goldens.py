@@ -126,11 +126,11 @@ def combine_small_module():
 
 
 #: ``name -> (parameter changes of the small preset, fused kernel alone)`` of the combine
-#: variants ``combine/<name>``
+#: variants ``combine/<name>``. No ``ep_final_layout`` variant: the combine kernels are the
+#: same in every layout (rows found from Region A and ``src_info``), so it would equal
+#: ``combine/small``.
 COMBINE_VARIANTS = {
     "fused": ({}, True),
-    "final_layout": ({"ep_final_layout": True}, False),
-    "final_layout_prod_reserve": ({"ep_final_layout": True, "ep_prod_reserve": True}, False),
     "skip_a2a": ({"skip_a2a": True, "n_ranks": 1, "p2p_world_size": 1, "n_experts": 8},
                  False),
     "fused_se": ({"fused_shared_expert": True}, True),

@@ -98,15 +98,14 @@ class Combiner:
         self.weighted = self.has_residual = False    # set by ``load``
 
     def _check_capacity(self):
-        """``CapacityError`` when the GPU cannot hold every rank's ``ep_combine`` grid at once
+        """``ValueError`` when the GPU cannot hold every rank's ``ep_combine`` grid at once
         (its reduce waits for the other grids' sends)."""
-        from .world import CapacityError
         w, cfg = self.world, self.world.cfg
         per_sm = self.program.blocks_per_sm(C_FUSED)
         sms = w.cuda.sm_count(w.device)
         need = len(w.rank_ids) * cfg.n_sms
         if need > per_sm * sms:
-            raise CapacityError(
+            raise ValueError(
                 f"world.combine: {len(w.rank_ids)} ranks x n_sms={cfg.n_sms} blocks of "
                 f"{C_FUSED} need {need} co-resident blocks, but this GPU holds "
                 f"{per_sm * sms} ({per_sm} per SM x {sms} SMs at "
