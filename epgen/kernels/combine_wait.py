@@ -88,13 +88,15 @@ def f32_to_bf16(r: ir.RoleBuilder, x, name: str):
     return r.let(name, ir.Select(nan, (u >> 16) | 0x40, rounded))
 
 
-def add_chunk(r: ir.RoleBuilder, acc: list, vec, name: str, weight=None):
+def add_chunk(r: ir.RoleBuilder, acc: list, vec, name: str, weight=None, valid=None):
     """``acc[j] = fma.rn.f32(weight, y[j], acc[j])`` (``add.rn.f32`` without a weight) for
-    the 8 BF16 elements ``y`` of one 16-byte vector."""
+    the 8 BF16 elements ``y`` of one 16-byte vector; with ``valid``, only where it holds
+    (``selp``: the vector was loaded either way)."""
     for q in range(4):
         for j, y in enumerate(bf16_pair_to_f32(r, ir.Extract(vec, q), f"{name}{q}")):
             a = acc[2 * q + j]
-            r.assign(a, ir.Fma(weight, y, a) if weight is not None else a + y)
+            new = ir.Fma(weight, y, a) if weight is not None else a + y
+            r.assign(a, new if valid is None else ir.Select(valid, new, a))
 
 
 def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
@@ -129,12 +131,15 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                               shared_expert=None):
     """Warp ``w`` of the grid takes tokens ``w, w + warps, ...``; its lanes load the token's
     top-k ids (and weights) once, then take the 16-byte chunks ``lane, lane + 32, ...`` of the
-    row: per chunk, for ``k`` in order over the valid slots, one ``ld.global.v4.b32`` of slot
-    ``k``'s chunk and 8 ``fma.rn.f32`` (one chain per element); then the shared expert's chunk
+    row: per chunk, the ``K`` slots' ``ld.global.v4.b32`` issued together (every slot of a
+    token lies inside the receive buffer; a slot without a row is read and discarded), then
+    for ``k`` in order over the valid slots 8 ``fma.rn.f32`` (one chain per element, a
+    ``selp`` keeping the old value for the others); then the shared expert's chunk
     (``shared_expert = (rows, row0, t_se)``: expert-output row ``t - row0`` for the tokens
     ``[row0, row0 + t_se)``) and the residual's (``add.rn.f32``); rounding, one
     ``st.global.v4.b32``. ``weighted = 0``: each slot's chunk is copied to the unreduced
-    ``[T, K, H]`` output (``ld``/``st.global.v4.b32``; zero for a slot without a row)."""
+    ``[T, K, H]`` output (``ld``/``st.global.v4.b32``, the loads issued together; zero for a
+    slot without a row)."""
     fmt = cfg.token_fmt
     K, H = fmt.top_k, fmt.hid_dim
     n_chunks = H // 8
@@ -159,10 +164,10 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 in_se = r.let("in_se", (t >= row0) & (se_row < t_se))
             with r.for_range("c", r.lane, n_chunks, 32) as c:
                 acc = [r.var(f"acc{j}", T.f32, zero) for j in range(8)]
+                ys = [r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"y{k}")
+                      for k in range(K)]
                 for k in range(K):
-                    with r.if_(valid[k]):
-                        y = r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"y{k}")
-                        add_chunk(r, acc, y, f"yf{k}_", ws[k])
+                    add_chunk(r, acc, ys[k], f"yf{k}_", ws[k], valid[k])
                 if shared_expert is not None:
                     with r.if_(in_se):
                         add_chunk(r, acc, r.load(chunk(se_rows, se_row, c), VEC, name="se"),
@@ -174,13 +179,12 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 r.store(chunk(p.out, t, c), ir.Pack(VEC, words))
         with r.else_():
             with r.for_range("c", r.lane, n_chunks, 32) as c:
+                us = [r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"u{k}")
+                      for k in range(K)]
                 for k in range(K):
-                    dst = chunk(p.out, slots[k], c)
-                    with r.if_(valid[k]):
-                        r.store(dst, r.load(chunk(p.combine_buf, slots[k], c), VEC,
-                                            name=f"u{k}"))
-                    with r.else_():
-                        r.store(dst, ir.Pack(VEC, (ir.Const(0, T.u32),) * 4))
+                    words = tuple(ir.Select(valid[k], ir.Extract(us[k], q), ir.Const(0, T.u32))
+                                  for q in range(4))
+                    r.store(chunk(p.out, slots[k], c), ir.Pack(VEC, words))
 
 
 def check_hid_dim(cfg):
