@@ -2,8 +2,9 @@
 simulator: ``EmulatedWorld(cfg, backend="sim").combine`` after ``dispatch`` equals
 ``epgen.reference.combine`` bit for bit (weights random and None, several back-to-back
 calls, 2 and 4 ranks), a corrupted ``src_info`` row is reported by name and writes nothing,
-and the configurations not built yet are refused. tests/test_combine_flags_sim.py runs the
-other dispatch formats, layouts and flags and the fused kernel."""
+and the configurations not built yet are refused; then, on tiny grids, every quantising
+dispatch format, both final layouts, ``skip_a2a`` devices, the fused ``ep_combine`` and
+``fused_shared_expert`` (``combine_checks.check_round_trips``)."""
 
 from __future__ import annotations
 
