@@ -115,14 +115,51 @@ for _preset in GOLDEN_PRESETS:
     _register(_preset)
 
 
-# The combine kernels (``ep_combine_async``, ``ep_combine_wait``; docs/combine.md): their own
-# module, so the dispatch goldens are unchanged.
+# The combine kernels (``ep_combine_async``, ``ep_combine_wait``, the fused ``ep_combine``;
+# docs/combine.md): their own module, so the dispatch goldens are unchanged.
 @golden("combine/small", description="preset small (BF16, P2P): the combine kernels "
-                                      "ep_combine_async and ep_combine_wait")
+                                      "ep_combine_async, ep_combine_wait and ep_combine")
 def combine_small_module():
     from .kernels import build_combine_module
     from .presets import load_preset
     return build_combine_module(load_preset("small"))
+
+
+#: ``name -> (parameter changes of the small preset, fused kernel alone)`` of the combine
+#: variants ``combine/<name>``. No ``ep_final_layout`` variant: the combine kernels are the
+#: same in every layout (rows found from Region A and ``src_info``), so it would equal
+#: ``combine/small``.
+COMBINE_VARIANTS = {
+    "fused": ({}, True),
+    "skip_a2a": ({"skip_a2a": True, "n_ranks": 1, "p2p_world_size": 1, "n_experts": 8},
+                 False),
+    "fused_se": ({"fused_shared_expert": True}, True),
+    "fused_se_skip_a2a": ({"fused_shared_expert": True, "skip_a2a": True, "n_ranks": 1,
+                           "p2p_world_size": 1, "n_experts": 8}, True),
+}
+
+
+def _register_combine_variant(name: str) -> None:
+    changes, fused_only = COMBINE_VARIANTS[name]
+
+    def build():
+        import ir
+
+        from .kernels import build_combine_fused, build_combine_module
+        from .presets import config_from_dict, preset_data
+        cfg = config_from_dict({**preset_data("small"), **changes})
+        if fused_only:
+            return ir.Module("ep_combine", (build_combine_fused(cfg),))
+        return build_combine_module(cfg)
+
+    what = "the fused kernel ep_combine" if fused_only else "the combine kernels"
+    build.__name__ = f"combine_{name}_module"
+    golden(f"combine/{name}", description=f"preset small + {describe_changes(changes)}: "
+                                          f"{what}")(build)
+
+
+for _name in COMBINE_VARIANTS:
+    _register_combine_variant(_name)
 
 
 # The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with

@@ -13,6 +13,13 @@ per source rank, the router weights ``[T, K]`` (float32). It returns per source 
 - ``topk_weights=None``: the unreduced rows ``[T, K, H]`` (BF16 bits; slots that received no
   row are zero).
 
+The expert outputs are BF16 whatever the dispatch format (the quantising formats quantize
+only the dispatch). Rows are found from each result's blocks, so every layout (staged,
+``ep_final_layout`` with or without ``ep_prod_reserve``) is read the same way. Under
+``skip_a2a`` the lists are per device: device ``d``'s rows go back to device ``d`` (its
+``src_info`` names its own tokens), and the slots routed to other devices' experts received
+no row here.
+
 **Summation order (what a kernel must do to match bit for bit).** In float32, per token and
 element: ``acc = 0``; for ``k = 0 .. K-1`` in order, over the slots that received a row,
 ``acc = fma(w[t, k], y[t, k], acc)`` (``fma.rn.f32``, one rounding); then, with

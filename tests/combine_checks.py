@@ -79,3 +79,47 @@ def corrupted_row_check(world, rng, d: int = 1):
     w = weights(rng, cfg, ids)
     for g, r in zip(world.combine(ys, w), reference.combine(cfg, results, ys, w)):
         assert np.array_equal(g, r)
+
+
+def residuals(rng, cfg, ids):
+    """Per source, a random residual ``[T, H]`` BF16 (bit 14 cleared, as ``expert_outputs``)."""
+    return [rng.integers(0, 1 << 16, size=(len(i), cfg.token_fmt.hid_dim), dtype=np.uint16)
+            & np.uint16(0xBFFF) for i in ids]
+
+
+def check_round_trips(world, rng, seed, inputs, what: str = ""):
+    """For each ``(tokens, topk_ids)`` of ``inputs``: dispatch, then combine with weights
+    and a residual, with weights alone, and unreduced, each against ``reference.combine``
+    bit for bit (the error names the seed, the call and the source)."""
+    cfg = world.cfg
+    for call, (toks, ids) in enumerate(inputs):
+        results = world.dispatch(toks, ids)
+        ys = expert_outputs(rng, cfg, results)
+        w = weights(rng, cfg, ids)
+        n_tok = [len(i) for i in ids]
+        forms = [("weighted+residual", w, residuals(rng, cfg, ids)), ("weighted", w, None),
+                 ("unreduced", None, None)]
+        for form, wt, res in forms:
+            got = world.combine(ys, wt, residual=res)
+            want = reference.combine(cfg, results, ys, wt, residual=res, n_tokens=n_tok)
+            assert len(got) == len(want)
+            for s, (g, r) in enumerate(zip(got, want)):
+                assert g.shape == r.shape and np.array_equal(g, r), \
+                    (f"seed {seed} {what} call {call} {form} source {s}: "
+                     f"{np.count_nonzero(g != r)} elements differ")
+
+
+def round_trip_inputs(rng, cfg, n_calls, devices=None):
+    """``n_calls`` dispatch inputs, token counts random in ``[0, max_tokens_per_rank]`` but the
+    first call full; under ``skip_a2a``, one per device with global ids over every device's
+    experts."""
+    n = cfg.n_ranks if devices is None else devices
+    E = cfg.n_experts * (1 if devices is None else devices)
+    out = []
+    for call in range(n_calls):
+        counts = [cfg.max_tokens_per_rank if call == 0 else
+                  int(rng.integers(0, cfg.max_tokens_per_rank + 1)) for _ in range(n)]
+        toks = [routing.random_tokens(rng, c, cfg.token_fmt.hid_dim) for c in counts]
+        ids = [routing.random_topk(rng, c, E, cfg.token_fmt.top_k) for c in counts]
+        out.append((toks, ids))
+    return out

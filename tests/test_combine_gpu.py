@@ -1,7 +1,10 @@
 """The combine kernels on the GPU (``EmulatedWorld``, cuda): 8 ranks, a small and a
 decode-like shape, weights random and None, with and without a residual, against ``epgen.reference.combine`` bit for bit;
 a 200-call dispatch + combine loop; the corrupted-``src_info`` check
-(``combine_checks.corrupted_row_check``)."""
+(``combine_checks.corrupted_row_check``); and every dispatch format, ``ep_final_layout``
+(with and without ``ep_prod_reserve``), ``skip_a2a`` devices, the fused ``ep_combine`` and
+``fused_shared_expert`` (``combine_checks.check_round_trips``: weighted with and without a
+residual, and unreduced)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import pytest
 import epgen
 from epgen import reference, routing
 
-from combine_checks import corrupted_row_check, expert_outputs, weights
+from combine_checks import (check_round_trips, corrupted_row_check, expert_outputs,
+                            round_trip_inputs, weights)
 from world_checks import make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -68,3 +72,32 @@ def test_200_back_to_back_calls(seed):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_a_corrupted_src_info_row_is_reported(name, seed):
     corrupted_row_check(_world(name), np.random.default_rng(seed), d=3)
+
+
+# name -> (make_cfg arguments, flags, world keyword arguments, skip_a2a devices)
+VARIANTS = {
+    "fp8": ((8, 64, 2048, 4, 32, 256, 9, "BlockwiseFP8"), {}, {}, None),
+    "nvfp4": ((8, 64, 2048, 4, 32, 256, 9, "NVFP4"), {}, {}, None),
+    "mxfp8": ((8, 64, 2048, 4, 32, 256, 9, "MXFP8"), {}, {}, None),
+    "final_layout": ((8, 64, 256, 4, 32, 256, 9), {"ep_final_layout": True}, {}, None),
+    "prod_reserve": ((8, 64, 256, 4, 32, 256, 9),
+                     {"ep_final_layout": True, "ep_prod_reserve": True}, {}, None),
+    "prod_reserve_nvfp4": ((8, 64, 2048, 4, 32, 256, 9, "NVFP4"),
+                           {"ep_final_layout": True, "ep_prod_reserve": True}, {}, None),
+    "skip_a2a": ((1, 8, 256, 4, 32, 256, 9), {"skip_a2a": True}, {}, 4),
+    "skip_a2a_fused": ((1, 8, 256, 4, 32, 256, 9), {"skip_a2a": True}, {"fused": True}, 4),
+    "fused": ((8, 64, 256, 4, 32, 256, 9), {}, {"fused": True}, None),
+    "fused_decode": ((8, 256, 7168, 8, 128, 512, 33), {}, {"fused": True}, None),
+    "fused_se": ((8, 64, 256, 4, 32, 256, 9), {"fused_shared_expert": True}, {}, None),
+    "fused_se_skip_a2a": ((1, 8, 256, 4, 32, 256, 9),
+                          {"skip_a2a": True, "fused_shared_expert": True}, {}, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_combine_variants_match_the_reference(name, seed):
+    args, flags, kw, devices = VARIANTS[name]
+    rng = np.random.default_rng(seed)
+    cfg = make_cfg(*args, **flags)
+    world = epgen.EmulatedWorld(cfg, devices=devices, **kw)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 6, devices=devices), name)

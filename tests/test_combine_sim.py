@@ -2,21 +2,28 @@
 simulator: ``EmulatedWorld(cfg, backend="sim").combine`` after ``dispatch`` equals
 ``epgen.reference.combine`` bit for bit (weights random and None, several back-to-back
 calls, 2 and 4 ranks), a corrupted ``src_info`` row is reported by name and writes nothing,
-and the configurations not built yet are refused."""
+and the configurations not built yet are refused; then, on tiny grids, every quantising
+dispatch format, both final layouts, ``skip_a2a`` devices, the fused ``ep_combine`` and
+``fused_shared_expert`` (``combine_checks.check_round_trips``)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import epgen
 from epgen import reference, routing
 from epgen.combine_layout import CombineLayout
+from epgen.formats import make_format
 from epgen.kernels import build_combine_module
 from epgen.presets import config_from_dict, load_preset, preset_data
 from epgen.runtime import combine as combine_mod
 from epgen.runtime.world import EmulatedWorld
 
-from combine_checks import corrupted_row_check, expert_outputs, weights
+from combine_checks import (check_round_trips, corrupted_row_check, expert_outputs,
+                            round_trip_inputs, weights)
 
 
 def _cfg(**change):
@@ -58,17 +65,18 @@ def test_a_corrupted_src_info_row_is_reported_and_writes_nothing(seed):
                         np.random.default_rng(seed))
 
 
-@pytest.mark.parametrize("change, word", [
-    ({"format": "BlockwiseFP8"}, "format"),
-    ({"ep_final_layout": True}, "ep_final_layout"),
-    ({"skip_a2a": True, "n_ranks": 1, "p2p_world_size": 1, "n_experts": 8}, "skip_a2a"),
-])
-def test_unsupported_configurations_are_refused(change, word):
-    cfg = _cfg(**change)
-    with pytest.raises(ValueError, match=word):
+def test_unsupported_configurations_are_refused():
+    cfg = _cfg(use_shmem=True, p2p_world_size=1)          # a destination outside the group
+    with pytest.raises(ValueError, match="use_shmem"):
         combine_mod.check_supported(cfg)
-    with pytest.raises(ValueError, match="only the BF16 format over P2P"):
+    with pytest.raises(ValueError, match="only P2P transport"):
         build_combine_module(cfg)
+    # no format takes a hid_dim off the 8-element grid today: a stand-in config
+    odd = SimpleNamespace(token_fmt=SimpleNamespace(hid_dim=12), needs_shmem=False)
+    with pytest.raises(ValueError, match="hid_dim=12"):
+        combine_mod.check_supported(odd)
+    with pytest.raises(ValueError, match=r"hid_dim must be a multiple of 8.*hid_dim=12"):
+        build_combine_module(odd)
 
 
 def test_residual_is_added_before_the_rounding(seed):
@@ -104,3 +112,84 @@ def test_combine_layout_sizes():
     assert d["combine_done_counter_offset"] == lay.combine_rank_completion_region.offset
     assert d["combine_wait_counter_offset"] == lay.combine_wait_region.offset
     assert combine_mod.combine_sizes(cfg) == d
+
+
+# ---- every dispatch format, layout and flag; the fused kernel --------------------------------
+def _tiny(fmt="BF16", H=64, R=2, K=2, **flags):
+    """A grid the simulator runs quickly: 64 threads x 5 blocks, 4 tokens per rank."""
+    return epgen.EPConfig(num_threads=64, n_sms=5, n_experts=2 * R, n_ranks=R,
+                          max_tokens_per_rank=4, p2p_world_size=R, use_shmem=False,
+                          token_fmt=make_format(fmt, H, K), **flags)
+
+
+FORMATS = [("BlockwiseFP8", 128), ("NVFP4", 64), ("MXFP8", 64)]
+
+
+@pytest.mark.parametrize("fmt,H", FORMATS, ids=[f for f, _ in FORMATS])
+def test_every_dispatch_format(fmt, H, seed):
+    """The quantising formats quantize only the dispatch: combine takes BF16 expert outputs
+    of the grouped output's rows, and the reduce is the BF16 one."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(fmt, H)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), fmt)
+
+
+@pytest.mark.parametrize("flags", [{"ep_final_layout": True},
+                                   {"ep_final_layout": True, "ep_prod_reserve": True}],
+                         ids=["final_layout", "prod_reserve"])
+def test_final_layout(flags, seed):
+    """Rows come back from where the sources wrote them (capacity-strided blocks in
+    reservation order, or the prod-reserve standard layout): Region A and ``src_info``."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=4, **flags)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 3), "final layout")
+
+
+def test_final_layout_nvfp4(seed):
+    rng = np.random.default_rng(seed)
+    cfg = _tiny("NVFP4", 64, ep_final_layout=True, ep_prod_reserve=True)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "final+prod NVFP4")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_skip_a2a_reduces_only_local_slots(fused, seed):
+    """Three independent devices: each keeps the tokens routed to its own experts; the
+    slots whose expert lives on another device add nothing (and stay zero unreduced)."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=1, K=4, skip_a2a=True)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=3, fused=fused)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=3), "skip_a2a")
+    want = {"ep_combine"} if fused else {"ep_combine_async", "ep_combine_wait"}
+    assert {k for k, _ in world._combiner.program.loaded.launched} == want
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fused_kernel(R, seed):
+    """``ep_combine`` (one launch per rank) when the world runs the fused dispatch."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=R, H=512)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, fused=True)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 3), "fused")
+    assert {k for k, _ in world._combiner.program.loaded.launched} == {"ep_combine"}
+
+
+@pytest.mark.parametrize("devices", [None, 3], ids=["ranks", "skip_a2a"])
+def test_fused_shared_expert(devices, seed):
+    """The shared expert's row of token ``t`` (group 0 of the source's own grouped output)
+    joins the sum after the routed slots, before the residual; under ``skip_a2a`` each
+    device adds its slice of the tokens."""
+    rng = np.random.default_rng(seed)
+    skip = devices is not None
+    cfg = _tiny(R=1 if skip else 2, skip_a2a=skip, fused_shared_expert=True)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=devices)
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=devices), "fused SE")
+    assert [k.name for k in world._combiner.program.module.kernels] == ["ep_combine"]
+
+
+def test_a_corrupted_src_info_row_in_the_fused_kernel(seed):
+    cfg = _tiny(R=2)
+    corrupted_row_check(EmulatedWorld(cfg, backend="sim", sim_seed=seed, fused=True),
+                        np.random.default_rng(seed))

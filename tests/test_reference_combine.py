@@ -96,6 +96,22 @@ def test_residual_and_shared_expert(seed):
         assert (got[se] == 4.0).all() and (got[~se] == 3.0).all(), (s, r.se_tokens)
 
 
+def test_shared_expert_comes_after_the_slots_and_before_the_residual():
+    """Slot y = 2^24 (weight 1), shared expert 1, residual -2^24: slots, then the shared
+    expert, then the residual gives 0 (2^24 + 1 rounds to 2^24); the residual before the
+    shared expert would give 1."""
+    cfg = cfg_of(R=1, E=4, K=1, T=1, fused_shared_expert=True)
+    res = reference.dispatch(cfg, [np.zeros((1, 64), np.uint16)], [np.array([[2]], np.int32)])
+    r = res[0]
+    assert r.se_tokens == 1
+    y = np.zeros((len(r.src_info), 64), np.float32)
+    y[:1] = 1.0                                          # the shared expert's row (group 0)
+    y[int(np.nonzero(r.src_info[:, 0] == 0)[0][0])] = 2.0 ** 24
+    out = reference.combine(cfg, res, [f32_to_bf16(y)], [np.ones((1, 1), np.float32)],
+                            residual=[f32_to_bf16(np.full((1, 64), -2.0 ** 24, np.float32))])
+    assert (bf16_to_f32(out[0]) == 0).all()
+
+
 def test_skip_a2a_slots_that_stay_elsewhere_add_nothing(seed):
     cfg = epgen.EPConfig(num_threads=256, n_sms=9, n_experts=4, n_ranks=1,
                          max_tokens_per_rank=8, p2p_world_size=1, use_shmem=False,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ir
 
 from .combine_async import build_combine_async
-from .combine_wait import build_combine_wait
+from .combine_fused import build_combine_fused
+from .combine_wait import build_combine_wait, check_hid_dim
 from .dispatch_async import build_dispatch_async
 from .dispatch_fused import build_dispatch_fused
 from .dispatch_wait import build_dispatch_wait
@@ -25,18 +26,25 @@ def build_module(cfg) -> ir.Module:
 
 
 def build_combine_module(cfg) -> ir.Module:
-    """The combine entry points of ``cfg`` (``ep_combine_async``, ``ep_combine_wait``; BF16
-    over P2P, docs/combine.md) in a module of their own, so the dispatch module is unchanged."""
-    if cfg.token_fmt.name != "BF16" or cfg.ep_final_layout or cfg.fused_shared_expert \
-            or cfg.skip_a2a or cfg.needs_shmem:
-        raise ValueError("combine: only the BF16 format over P2P is built so far (not "
-                         "ep_final_layout, fused_shared_expert, skip_a2a or use_shmem with "
-                         "remote destinations)")
+    """The combine entry points of ``cfg`` (docs/combine.md) in a module of their own, so the
+    dispatch module is unchanged: ``ep_combine_async``, ``ep_combine_wait`` and the fused
+    single launch ``ep_combine``; with ``fused_shared_expert`` only ``ep_combine`` (as for
+    dispatch: only the fused kernels take the shared expert). Every dispatch format (the
+    expert outputs are BF16), every layout, ``skip_a2a``; over P2P only (``use_shmem`` with
+    destinations outside the P2P group is refused); ``hid_dim`` a multiple of 8."""
+    if cfg.needs_shmem:
+        raise ValueError("combine: only P2P transport is built so far (not use_shmem with "
+                         "destinations outside the P2P group)")
+    check_hid_dim(cfg)
     if cfg.n_ranks > cfg.layout.combine_rank_completion_region.size:
         raise ValueError(f"combine: n_ranks={cfg.n_ranks} exceeds the "
                          f"{cfg.layout.combine_rank_completion_region.size} done counters of "
                          f"the combine rank-completion region (one P2P group)")
-    return ir.Module("ep_combine", (build_combine_async(cfg), build_combine_wait(cfg)))
+    fused = build_combine_fused(cfg)
+    if cfg.fused_shared_expert:
+        return ir.Module("ep_combine", (fused,))
+    return ir.Module("ep_combine", (build_combine_async(cfg), build_combine_wait(cfg), fused))
 
 
-__all__ = ["build_module", "build_combine_module", "build_combine_async", "build_combine_wait", "build_dispatch_async", "build_dispatch_wait", "build_dispatch_fused"]
+__all__ = ["build_module", "build_combine_module", "build_combine_async", "build_combine_wait",
+           "build_combine_fused", "build_dispatch_async", "build_dispatch_wait", "build_dispatch_fused"]

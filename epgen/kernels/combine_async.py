@@ -1,19 +1,26 @@
 """``combine_async``: every destination sends each row its experts produced back to the
-source rank and top-k slot it came from (docs/combine.md; BF16 over P2P).
+source rank and top-k slot it came from (docs/combine.md; over P2P, every dispatch format:
+the expert outputs are BF16 ``[rows, H]`` whatever the dispatch carried).
 
 The rows of block ``(e, s)`` (local expert ``e``, source rank ``s``) are ``[start, start +
 count)`` of the grouped output, read from dispatch_wait's Region A (pair ``w = e * R + s``:
-``[2w] = 1024 + end row``, ``[2w + 1] = count``). Warps stride over the rows of every block
-of one source across the whole grid; each row's ``src_info[row] = (t, k)`` is bounds-checked
-(``0 <= t < max_tokens_per_rank``, ``0 <= k < K``) and a row outside is reported into the
-error buffer (a ``diag.BOUNDS_MAGIC`` record: the row, ``t`` and ``k``) and not written;
-else its ``H * 2`` bytes go, in 16-byte vectors, to slot ``(t, k)`` of source ``s``'s combine
-receive buffer ``[max_tokens_per_rank, K, H]`` through the peer pointer table.
+``[2w] = 1024 + end row``, ``[2w + 1] = count``). Region A has that form in every layout:
+the staged one, ``ep_final_layout`` (capacity-strided: the block where its source reserved
+it; with ``ep_prod_reserve``: source-rank order) and ``fused_shared_expert`` (the blocks
+start after the shared expert's group 0, whose rows are nobody's to send back). Warps stride
+over the rows of every block of one source across the whole grid; each row's ``src_info[row]
+= (t, k)`` (written by dispatch_wait in every layout) is bounds-checked (``0 <= t <
+max_tokens_per_rank``, ``0 <= k < K``) and a row outside is reported into the error buffer
+(a ``diag.BOUNDS_MAGIC`` record: the row, ``t`` and ``k``) and not written; else its ``H *
+2`` bytes go, in 16-byte vectors, to slot ``(t, k)`` of source ``s``'s combine receive
+buffer ``[max_tokens_per_rank, K, H]`` through the peer pointer table.
 
 Completion, per source ``s``: each warp, after its rows to ``s`` (``bar.warp.sync``), adds
 one to this rank's done counter ``s`` (``atom.acq_rel.sys.add``, combine rank-completion
 region); the warp that brings it to the number of warps re-arms it to 0 and publishes
-``rows + 1`` into word ``my_rank`` of source ``s``'s arrival words (``st.release.sys``).
+``rows + 1`` into this rank's word of source ``s``'s arrival words (``st.release.sys``):
+word ``my_rank``, or under ``skip_a2a`` (``n_ranks = 1``: the device is its own only source
+and destination) word 0.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     n_vec = row_bytes // 16
     region_a = lay.dispatch_wait_region.offset
     done_base = CombineLayout(cfg).done_counter_offset
+    sender = ir.Const(0, T.u32) if cfg.skip_a2a else p.my_rank
     gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
     nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
     for s in range(R):
@@ -121,7 +129,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
             with r.if_((old + 1).eq(nwarps)):
                 r.store(word(p.counters, done_base + s), 0)
                 arr = load_pointer(r, p.arrival_ptrs, s, f"arr{s}")
-                r.store(word(arr, p.my_rank), rows_to_s + 1, Sem.RELEASE, Scope.SYS)
+                r.store(word(arr, sender), rows_to_s + 1, Sem.RELEASE, Scope.SYS)
 
 
 def build_combine_async(cfg) -> ir.Kernel:

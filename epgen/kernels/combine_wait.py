@@ -1,15 +1,17 @@
 """``combine_wait``: a source rank waits for every destination's arrival word, then reduces
-its tokens' returned rows (docs/combine.md; BF16 over P2P).
+its tokens' returned rows (docs/combine.md).
 
 Every block's threads ``d < R`` wait (bounded, ``ld.acquire.sys``) until arrival word ``d``
-is non-zero, the block barrier, then the abort check. Thread ``i`` of the grid takes
-elements ``i, i + grid, ...`` of ``[T, H]``; per element, in float32: ``acc = 0``; for ``k =
-0 .. K-1`` in order, where ``topk_ids[t, k]`` is a valid expert (in ``[0, E)``: dispatch
-sent that slot a row), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; with ``has_residual``,
-``acc = add.rn.f32(acc, residual[t])`` (BF16 widened); the result rounds to
-BF16, nearest even, NaN quiet (integer rounding of the f32 bits: the same result as
-``cvt.rn.bf16.f32``). ``weighted = 0``: the unreduced rows ``[T, K, H]`` are copied out
-instead (slots without a row give zero).
+is non-zero, the block barrier, then the abort check. Warp ``w`` of the grid takes tokens
+``w, w + warps, ...`` and its lanes the row's 16-byte chunks (8 BF16 elements each); per
+element, in float32: ``acc = 0``; for ``k = 0 .. K-1`` in order, where ``topk_ids[t, k]`` is
+a slot dispatch sent a row (an expert in ``[0, E)``; under ``skip_a2a`` one of this device's
+experts), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; with the shared expert (the fused
+kernel only) ``acc = add.rn.f32(acc, s[t])``; with ``has_residual``, ``acc =
+add.rn.f32(acc, residual[t])`` (BF16 widened); the result rounds to BF16, nearest even, NaN
+quiet (integer rounding of the f32 bits: the same result as ``cvt.rn.bf16.f32``).
+``weighted = 0``: the unreduced rows ``[T, K, H]`` are copied out instead (slots without a
+row give zero).
 
 Re-arming: after its wait each block adds one to the block counter (word 0 of the combine
 wait region, ``atom.acq_rel.gpu.add``); the last block re-arms the arrival words and the
@@ -25,7 +27,7 @@ from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
 from ..combine_layout import CombineLayout
-from .common import exit_if_aborted, word
+from .common import VEC, exit_if_aborted, word
 
 KERNEL_NAME = "ep_combine_wait"
 
@@ -68,18 +70,33 @@ def declare_params(kb: ir.KernelBuilder) -> CombineWaitParams:
     return p
 
 
-def bf16_to_f32(r: ir.RoleBuilder, bits, name: str):
-    """BF16 bits (u16) widened to f32 exactly: ``cvt.u32.u16``, ``shl.b32 16``, ``mov.b32``."""
-    return r.let(name, ir.Bitcast(T.f32, bits.cast(T.u32) << 16))
+def bf16_pair_to_f32(r: ir.RoleBuilder, w, name: str):
+    """The two BF16 elements of a u32 (element ``2j`` in the low half, as in memory) widened
+    to f32 exactly: ``shl.b32 16`` of the word, ``and.b32 0xffff0000`` of it, ``mov.b32``."""
+    w = ir.as_expr(w)
+    return (r.let(f"{name}_lo", ir.Bitcast(T.f32, w << 16)),
+            r.let(f"{name}_hi", ir.Bitcast(T.f32, w & 0xFFFF0000)))
 
 
 def f32_to_bf16(r: ir.RoleBuilder, x, name: str):
-    """f32 to BF16 bits (u16), nearest even, NaN to a quiet NaN of the same sign: the integer
-    form of ``cvt.rn.bf16.f32`` (``u + 0x7fff + ((u >> 16) & 1)``, then ``>> 16``)."""
+    """f32 to BF16 bits (in the low half of a u32), nearest even, NaN to a quiet NaN of the
+    same sign: the integer form of ``cvt.rn.bf16.f32`` (``u + 0x7fff + ((u >> 16) & 1)``,
+    then ``>> 16``)."""
     u = r.let(f"{name}_u", ir.Bitcast(T.u32, x))
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return r.let(name, ir.Select(nan, (u >> 16) | 0x40, rounded).cast(T.u16))
+    return r.let(name, ir.Select(nan, (u >> 16) | 0x40, rounded))
+
+
+def add_chunk(r: ir.RoleBuilder, acc: list, vec, name: str, weight=None, valid=None):
+    """``acc[j] = fma.rn.f32(weight, y[j], acc[j])`` (``add.rn.f32`` without a weight) for
+    the 8 BF16 elements ``y`` of one 16-byte vector; with ``valid``, only where it holds
+    (``selp``: the vector was loaded either way)."""
+    for q in range(4):
+        for j, y in enumerate(bf16_pair_to_f32(r, ir.Extract(vec, q), f"{name}{q}")):
+            a = acc[2 * q + j]
+            new = ir.Fma(weight, y, a) if weight is not None else a + y
+            r.assign(a, new if valid is None else ir.Select(valid, new, a))
 
 
 def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
@@ -100,40 +117,88 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
             r.store(ctr, 0)
 
 
-def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
-    """Per element of the source's tokens: the weighted sum in slot order, or the copy of the
-    unreduced rows (module docstring)."""
+def valid_slot(cfg, gid, my_rank):
+    """Whether a top-k id is a slot dispatch sent a row for: an expert in ``[0, E)``, or under
+    ``skip_a2a`` one of this device's experts ``[my_rank * L, my_rank * L + L)`` (global ids;
+    the others stay on their own devices)."""
+    if not cfg.skip_a2a:
+        return (gid >= ir.Const(0, T.s32)) & (gid < ir.Const(cfg.n_experts, T.s32))
+    rel = gid - (ir.as_expr(my_rank) * cfg.layout.n_local_experts).cast(T.s32)
+    return (rel >= ir.Const(0, T.s32)) & (rel < ir.Const(cfg.layout.n_local_experts, T.s32))
+
+
+def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
+                              shared_expert=None):
+    """Warp ``w`` of the grid takes tokens ``w, w + warps, ...``; its lanes load the token's
+    top-k ids (and weights) once, then take the 16-byte chunks ``lane, lane + 32, ...`` of the
+    row: per chunk, the ``K`` slots' ``ld.global.v4.b32`` issued together (every slot of a
+    token lies inside the receive buffer; a slot without a row is read and discarded), then
+    for ``k`` in order over the valid slots 8 ``fma.rn.f32`` (one chain per element, a
+    ``selp`` keeping the old value for the others); then the shared expert's chunk
+    (``shared_expert = (rows, row0, t_se)``: expert-output row ``t - row0`` for the tokens
+    ``[row0, row0 + t_se)``) and the residual's (``add.rn.f32``); rounding, one
+    ``st.global.v4.b32``. ``weighted = 0``: each slot's chunk is copied to the unreduced
+    ``[T, K, H]`` output (``ld``/``st.global.v4.b32``, the loads issued together; zero for a
+    slot without a row)."""
     fmt = cfg.token_fmt
-    K, H, E = fmt.top_k, fmt.hid_dim, cfg.n_experts
-    total = r.let("n_elems", p.n_tokens * H)
-    with r.for_range("i", r.global_thread_id(), total, r.grid_threads()) as i:
-        t = r.let("t", i // H)
-        h = r.let("h", i % H)
-        acc = r.var("acc", T.f32, ir.Const(0.0, T.f32))
-        for k in range(K):
-            slot = r.let(f"slot{k}", t * K + k)
-            gid = r.load(word(p.topk_ids, slot), T.s32, name=f"id{k}")
-            valid = r.let(f"valid{k}", (gid >= ir.Const(0, T.s32)) & (gid < ir.Const(E, T.s32)))
-            y = r.var(f"y{k}", T.u16, ir.Const(0, T.u16))
-            elem = (slot * H + h).cast(T.u64) * 2
-            with r.if_(valid):
-                r.assign(y, r.load(p.combine_buf + elem, T.u16, name=f"y{k}_ld"))
-            with r.if_(p.weighted.ne(0)):
-                with r.if_(valid):
-                    w = r.load(word(p.weights, slot), T.f32, name=f"w{k}")
-                    r.assign(acc, ir.Fma(w, bf16_to_f32(r, y, f"yf{k}"), acc))
-            with r.else_():
-                r.store(p.out + elem, y)
+    K, H = fmt.top_k, fmt.hid_dim
+    n_chunks = H // 8
+    row_bytes = H * 2
+    gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
+    nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
+    zero = ir.Const(0.0, T.f32)
+    with r.for_range("t", gwarp, p.n_tokens, nwarps) as t:
+        slots = [r.let(f"slot{k}", t * K + k) for k in range(K)]
+        valid = [r.let(f"valid{k}", valid_slot(
+            cfg, r.load(word(p.topk_ids, slots[k]), T.s32, name=f"id{k}"), p.my_rank))
+            for k in range(K)]
+
+        def chunk(base, row, c):
+            return base + (ir.as_expr(row).cast(T.u64) * row_bytes + c.cast(T.u64) * 16)
+
         with r.if_(p.weighted.ne(0)):
-            out_elem = (t * H + h).cast(T.u64) * 2
-            with r.if_(p.has_residual.ne(0)):
-                res = r.load(p.residual + out_elem, T.u16, name="res_ld")
-                r.assign(acc, acc + bf16_to_f32(r, res, "resf"))
-            r.store(p.out + out_elem, f32_to_bf16(r, acc, "o16"))
+            ws = [r.load(word(p.weights, slots[k]), T.f32, name=f"w{k}") for k in range(K)]
+            if shared_expert is not None:
+                se_rows, row0, t_se = shared_expert
+                se_row = r.let("se_row", t - row0)
+                in_se = r.let("in_se", (t >= row0) & (se_row < t_se))
+            with r.for_range("c", r.lane, n_chunks, 32) as c:
+                acc = [r.var(f"acc{j}", T.f32, zero) for j in range(8)]
+                ys = [r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"y{k}")
+                      for k in range(K)]
+                for k in range(K):
+                    add_chunk(r, acc, ys[k], f"yf{k}_", ws[k], valid[k])
+                if shared_expert is not None:
+                    with r.if_(in_se):
+                        add_chunk(r, acc, r.load(chunk(se_rows, se_row, c), VEC, name="se"),
+                                  "sef")
+                with r.if_(p.has_residual.ne(0)):
+                    add_chunk(r, acc, r.load(chunk(p.residual, t, c), VEC, name="res"), "resf")
+                o = [f32_to_bf16(r, a, f"o{j}") for j, a in enumerate(acc)]
+                words = tuple(o[2 * q] | (o[2 * q + 1] << 16) for q in range(4))
+                r.store(chunk(p.out, t, c), ir.Pack(VEC, words))
+        with r.else_():
+            with r.for_range("c", r.lane, n_chunks, 32) as c:
+                us = [r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"u{k}")
+                      for k in range(K)]
+                for k in range(K):
+                    words = tuple(ir.Select(valid[k], ir.Extract(us[k], q), ir.Const(0, T.u32))
+                                  for q in range(4))
+                    r.store(chunk(p.out, slots[k], c), ir.Pack(VEC, words))
+
+
+def check_hid_dim(cfg):
+    """``ValueError`` unless ``hid_dim`` is a multiple of 8 (the reduce moves 16-byte chunks
+    of 8 BF16 elements)."""
+    H = cfg.token_fmt.hid_dim
+    if H % 8:
+        raise ValueError(f"combine: hid_dim must be a multiple of 8 (the reduce reads 16-byte "
+                         f"chunks of 8 BF16 elements), got hid_dim={H}")
 
 
 def build_combine_wait(cfg) -> ir.Kernel:
     """The combine_wait entry point: every block waits, then reduces its share."""
+    check_hid_dim(cfg)
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb)
     with kb.role("reduce", blocks=(0, None)) as r:
@@ -143,4 +208,5 @@ def build_combine_wait(cfg) -> ir.Kernel:
 
 
 __all__ = ["build_combine_wait", "wait_for_all_arrivals", "reduce_and_copy_to_output",
+           "check_hid_dim", "valid_slot",
            "KERNEL_NAME", "CombineWaitParams"]

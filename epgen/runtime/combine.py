@@ -1,5 +1,7 @@
 """The combine round trip of an ``EmulatedWorld`` (docs/combine.md): per-rank combine buffers,
-their peer pointer tables, the two launches and the results. BF16 over P2P only."""
+their peer pointer tables, the launches (the split ``ep_combine_async`` + ``ep_combine_wait``,
+or the fused ``ep_combine`` when the world runs the fused dispatch) and the results. Every
+dispatch format and layout, ``skip_a2a`` and ``fused_shared_expert``; P2P only."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from ..errors import EPInputError
 from ..formats.bf16_codec import bf16_bits
 from ..kernels import build_combine_module
 from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
+from ..kernels.combine_fused import KERNEL_NAME as C_FUSED
 from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from .program import Program
 
@@ -21,13 +24,11 @@ GUARD_BYTES = 4096
 
 
 def check_supported(cfg) -> None:
-    """``ValueError`` for the configurations combine does not take yet."""
+    """``ValueError`` for the configurations combine does not take (yet)."""
     why = []
-    if cfg.token_fmt.name != "BF16":
-        why.append(f"format {cfg.token_fmt.name} (only BF16 so far)")
-    for flag in ("ep_final_layout", "fused_shared_expert", "skip_a2a"):
-        if getattr(cfg, flag):
-            why.append(f"{flag} (not yet)")
+    if cfg.token_fmt.hid_dim % 8:
+        why.append(f"hid_dim={cfg.token_fmt.hid_dim} (must be a multiple of 8: the reduce "
+                   f"reads 16-byte chunks of 8 BF16 elements)")
     if cfg.needs_shmem:
         why.append("use_shmem with destinations outside the P2P group (not yet)")
     if why:
@@ -59,26 +60,56 @@ def combine_sizes(cfg) -> dict:
     return CombineLayout(cfg).describe()
 
 
+def p2p_peers(cfg, index: int, n: int) -> range:
+    """The participant indices in participant ``index``'s pointer tables (``n``
+    participants): its P2P group (``p2p_world_size`` consecutive ranks), which under
+    ``skip_a2a`` (``p2p_world_size = 1``) is the device alone."""
+    P = cfg.p2p_world_size
+    first = (index // P) * P
+    return range(first, min(first + P, n))
+
+
 class Combiner:
     """The combine side of a world: built on first use (``world.combine``); ``co_resident``:
-    the world's rule for grids that must all be resident (``world.co_resident``)."""
+    the world's rule for grids that must all be resident (``world.co_resident``). ``fused``
+    follows the world's dispatch (``world.fused``): the fused ``ep_combine`` when dispatch
+    runs the fused ``ep_dispatch`` (always with ``fused_shared_expert``), else the split
+    kernels."""
 
     def __init__(self, world, co_resident):
         cfg = world.cfg
         check_supported(cfg)
         self.world = world
+        self.fused = bool(world.fused)
         module = co_resident(build_combine_module(cfg), len(world.rank_ids) * cfg.n_sms,
                              world.cuda.sm_count(world.device))
         self.program = Program(module, arch=world.program.arch, device=world.device,
                                backend=world.cuda)
+        if self.fused:
+            self._check_capacity()
         self.bufs = [CombineBuffers(world.cuda, cfg, rk) for rk in world.ranks]
         world.synchronize()
+        n = len(world.ranks)
         table = lambda attr, r: world.cuda.to_device(  # noqa: E731
-            np.array([getattr(self.bufs[q], attr).ptr for q in world.rank_ids], np.uint64),
-            device=world.ranks[r].device)
+            np.array([getattr(self.bufs[q], attr).ptr for q in p2p_peers(cfg, r, n)],
+                     np.uint64), device=world.ranks[r].device)
         self.recv_ptrs = [table("recv", r) for r in range(len(world.ranks))]
         self.arrival_ptrs = [table("arrival", r) for r in range(len(world.ranks))]
         self.weighted = self.has_residual = False    # set by ``load``
+
+    def _check_capacity(self):
+        """``ValueError`` when the GPU cannot hold every rank's ``ep_combine`` grid at once
+        (its reduce waits for the other grids' sends)."""
+        w, cfg = self.world, self.world.cfg
+        per_sm = self.program.blocks_per_sm(C_FUSED)
+        sms = w.cuda.sm_count(w.device)
+        need = len(w.rank_ids) * cfg.n_sms
+        if need > per_sm * sms:
+            raise ValueError(
+                f"world.combine: {len(w.rank_ids)} ranks x n_sms={cfg.n_sms} blocks of "
+                f"{C_FUSED} need {need} co-resident blocks, but this GPU holds "
+                f"{per_sm * sms} ({per_sm} per SM x {sms} SMs at "
+                f"num_threads={cfg.num_threads}); lower n_sms or num_threads")
 
     def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
         """One combine of the world's last dispatch (module docstring of ``world.combine``):
@@ -141,10 +172,18 @@ class Combiner:
 
     def enqueue(self):
         """Enqueue every rank's ``ep_combine_async`` (after every rank's last dispatch_wait),
-        then every rank's ``ep_combine_wait`` (after every rank's combine_async); no host
-        synchronisation. Each rank's ``wait_done`` is the end of its combine_wait."""
+        then every rank's ``ep_combine_wait`` (after every rank's combine_async); or, fused,
+        every rank's ``ep_combine`` (after every rank's last dispatch); no host
+        synchronisation. Each rank's ``wait_done`` is the end of its last combine launch."""
         w, cfg = self.world, self.world.cfg
         done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
+        if self.fused:
+            for i, rk in enumerate(w.ranks):
+                for ev in done:
+                    rk.stream.wait(ev)
+                self.program.launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
+                rk.wait_done = w.cuda.record_event(rk.stream)
+            return
         events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in done:
@@ -176,6 +215,16 @@ class Combiner:
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
                 "my_rank": rk.rank, "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}
+
+    def fused_args(self, i: int) -> dict:
+        """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
+        ``skip_a2a`` with the shared expert the devices' count (``allreduce_world_size``, as
+        for ``ep_dispatch``)."""
+        args = {**self.async_args(i), **self.wait_args(i)}
+        names = {p.name for p in self.program.module.kernel(C_FUSED).params}
+        if "allreduce_world_size" in names:
+            args["allreduce_world_size"] = len(self.world.rank_ids)
+        return args
 
     def finish(self):
         """Synchronise the world, raise what the kernels reported (refused rows:
