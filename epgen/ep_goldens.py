@@ -197,3 +197,13 @@ for _preset, _suffix, _fmt in GOLDEN_FORMATS:
     _register(_preset, _suffix, _fmt)
 for _name in (*FLAG_VARIANTS, *SHMEM_VARIANTS):
     _register_flag_variant(_name)
+
+
+# The device-side check of top-k ids (``ep_check_ids``; epgen.kernels.check_ids), run by the
+# torch API before dispatch: its own module.
+@golden("check_ids/small", description="preset small: ep_check_ids, the device-side check "
+                                        "of one rank's top-k ids")
+def check_ids_small_module():
+    from .kernels.check_ids import build_check_ids_module
+    from .presets import load_preset
+    return build_check_ids_module(load_preset("small"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import ir
-from ir import CacheHint, ShflMode
+from ir import AtomOp, CacheHint, Scope, Sem, ShflMode, diag
 from ir import types as T
 
 VEC = T.vec(T.u32, 4)          # one 16-byte access
@@ -171,3 +171,24 @@ def block_inclusive_scan(r: ir.RoleBuilder, value, warp_totals: ir.Expr, n_warps
         r.assign(acc, acc + prev)
     comm_sync(r, comm_barrier_id)
     return acc
+
+
+def report_record(r: ir.RoleBuilder, err_buf, rank, kernel_name: str, magic: int, index,
+                  expected, last_seen):
+    """This thread claims a record of the error buffer (``atom.relaxed.sys.add`` on its count
+    word) and, if one is left, stores a ``magic`` record (``ir.diag``: a bounds or an input
+    record): kernel tag, rank, block, warp, ``index``, ``expected``, ``last_seen`` (u32
+    each). The abort word is not raised: the kernel goes on."""
+    slot = r.atomic(AtomOp.ADD, word(err_buf, diag.COUNT_WORD), 1, Sem.RELAXED, Scope.SYS,
+                    name="rec_slot")
+    with r.if_(slot < diag.MAX_RECORDS):
+        base = r.let("rec_base", slot * diag.RECORD_WORDS + diag.HEADER_WORDS)
+        F = diag.FIELDS
+        vals = {"magic": ir.Const(magic, T.u32),
+                "kernel_tag": ir.Const(diag.kernel_tag(kernel_name), T.u32),
+                "rank": ir.as_expr(rank), "block": r.block, "warp": r.warp,
+                "index": ir.as_expr(index).cast(T.u32),
+                "expected": ir.as_expr(expected).cast(T.u32),
+                "last_seen": ir.as_expr(last_seen).cast(T.u32)}
+        for name, v in vals.items():
+            r.store(word(err_buf, base + F[name]), v)

@@ -23,6 +23,10 @@ RECORD_MAGIC = 0xE9D1A600
 #: fields, ``index`` = the row, ``expected`` = its token, ``last_seen`` = its slot; ``decode``
 #: skips it (``decode_bounds`` reads it)
 BOUNDS_MAGIC = 0xE9D1A601
+#: magic of an input record (``ep_check_ids``: a top-k id out of range or repeated within its
+#: token): ``index`` = the token, ``expected`` = the top-k slot, ``last_seen`` = the id (its
+#: low 32 bits); ``decode`` skips it (``decode_ids`` reads it)
+IDS_MAGIC = 0xE9D1A602
 
 # word offsets inside one record; 64-bit fields take two words (low word first)
 FIELDS = {
@@ -86,6 +90,26 @@ def decode(words, kernels) -> list[TimeoutRecord]:
             rank=rec["rank"], block=rec["block"], thread=rec["thread"], warp=rec["warp"],
             smid=rec["smid"], index=rec["index"], expected=rec["expected"],
             last_seen=rec["last_seen"], elapsed_ns=rec["elapsed_ns"], site_id=rec["site_id"]))
+    return out
+
+
+def _s32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def decode_ids(words) -> list[dict]:
+    """The input records (``IDS_MAGIC``) of ``words``: ``{"rank", "t", "k", "id"}`` each
+    (``id`` as a signed 32-bit value)."""
+    n = min(int(words[COUNT_WORD]), MAX_RECORDS)
+    out = []
+    for i in range(n):
+        base = HEADER_WORDS + i * RECORD_WORDS
+        if int(words[base + FIELDS["magic"]]) != IDS_MAGIC:
+            continue
+        out.append({"rank": int(words[base + FIELDS["rank"]]),
+                    "t": int(words[base + FIELDS["index"]]),
+                    "k": int(words[base + FIELDS["expected"]]),
+                    "id": _s32(int(words[base + FIELDS["last_seen"]]))})
     return out
 
 

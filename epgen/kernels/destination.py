@@ -80,13 +80,16 @@ class StagedDestination:
         """One top-k slot of a token routed to global expert ``g`` (on ``dst_rank``): unless
         ``skip_a2a`` leaves it to another device, set ``co_word`` to its counter offset ``e * R
         + dst`` and ``slot`` to the row reserved on it (``atom.relaxed.gpu.add`` on the
-        reserved counter), then ``slot_address``. Vars not set keep their values
-        (``NO_SLOT``, 0: nothing sent)."""
+        reserved counter), then ``slot_address``; ``g >= n_experts`` (an id the id check
+        dropped) reserves nothing. Vars not set keep their values (``NO_SLOT``, 0: nothing
+        sent)."""
         cfg, p = self.cfg, self.p
         lay = cfg.layout
         L, R = lay.n_local_experts, cfg.n_ranks
         e = r.let("e", g % L)
-        with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else ir.Const(1, T.pred)):
+        # under skip_a2a ids are global and another device's are skipped; else an id past
+        # the experts (the id check's sentinel for a bad one) reserves nothing
+        with r.if_(dst_rank.eq(p.my_rank) if cfg.skip_a2a else g < cfg.n_experts):
             co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
             r.assign(co_word, co)
             r.assign(slot, r.atomic(AtomOp.ADD, _word(p.counters, co), 1, Sem.RELAXED,

@@ -69,9 +69,9 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
             if cfg.skip_a2a:
                 takes = dst_rank.eq(p.my_rank)
             elif shmem:     # the remote slots are the cross-group fan-out's
-                takes = in_group(cfg, dst_rank, p.my_rank)
-            else:
-                takes = ir.Const(1, T.pred)
+                takes = in_group(cfg, dst_rank, p.my_rank) & (g < E)
+            else:           # an id past the experts (dropped by the id check): no slot
+                takes = g < E
             with r.if_(takes):
                 co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
                 slot = r.var("slot", T.u32, 0)

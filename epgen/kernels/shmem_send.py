@@ -71,7 +71,7 @@ def cross_group_fan_out(r: ir.RoleBuilder, cfg, p, t, msg):
     with r.if_((r.warp < rcs) & (r.lane < K)):
         g = r.load(_word(p.topk_ids, t * K + r.lane), T.u32, cache=CacheHint.NC, name="g_rc")
         dst_rank = r.let("dst_rank_rc", g // L)
-        with r.if_((g % rcs).eq(rc) & is_remote(cfg, dst_rank, p.my_rank)):
+        with r.if_((g % rcs).eq(rc) & is_remote(cfg, dst_rank, p.my_rank) & (g < E)):
             e = r.let("e_rc", g % L)
             co = r.let("co_rc", e * R + dst_rank)
             slot = r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED, Scope.GPU,
