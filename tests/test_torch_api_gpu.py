@@ -14,6 +14,7 @@ import pytest
 
 import epgen
 from epgen import reference, routing
+from epgen.errors import EPInputError
 
 from world_checks import make_cfg
 
@@ -152,6 +153,24 @@ def test_captured_dispatch_replays_fresh_inputs(seed):
         g.replay()
         ep.check()
         _assert(cfg, outs, toks, ids, seed, f"replay {replay}")
+
+
+@pytest.mark.parametrize("kind", ["past_the_experts", "negative", "repeated", "huge_int64"])
+def test_bad_ids_are_reported_by_the_device_and_dropped(kind, seed):
+    world = _world()
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    rng = np.random.default_rng(seed)
+    toks, ids, x, i = _inputs(rng, cfg)
+    t, k = int(rng.integers(0, cfg.max_tokens_per_rank)), int(rng.integers(1, cfg.token_fmt.top_k))
+    bad = i[2].clone()
+    bad[t, k] = {"past_the_experts": cfg.n_experts, "negative": -3, "huge_int64": 1 << 40,
+                 "repeated": int(i[2][t, 0])}[kind]
+    ep.dispatch(x, i[:2] + [bad] + i[3:])
+    with pytest.raises(EPInputError, match=rf"rank 2 token {t} slot {k}: id"):
+        ep.check()
+    outs = ep.dispatch(x, i)       # the next call is clean
+    ep.check()
+    _assert(cfg, outs, toks, ids, seed, "after the bad call")
 
 
 def test_host_time_per_call(seed):

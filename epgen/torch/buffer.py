@@ -25,9 +25,13 @@ import attrs
 
 from .. import interop
 from ..errors import EPInputError
+from ..kernels.check_ids import BLOCK_THREADS as CHECK_THREADS
+from ..kernels.check_ids import KERNEL_NAME as CHECK
+from ..kernels.check_ids import build_check_ids_module, id_bound
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from ..runtime.program import Program
 from . import streams, tensors
 
 
@@ -155,24 +159,39 @@ class EPBuffer:
 
     # -- launches ---------------------------------------------------------------------------
     def _prepare_dispatch(self):
-        w, n = self.world, self.cfg.n_sms
-        gen = 1 if self.cfg.ep_prod_reserve else None
+        """Every handled rank's launches, prepared: ``ep_check_ids`` (the ids into the rank's
+        id buffer), then dispatch_async and dispatch_wait, or the fused ``ep_dispatch``."""
+        w, n, cfg = self.world, self.cfg.n_sms, self.cfg
+        gen = 1 if cfg.ep_prod_reserve else None
+        checks = {}
+        check_grid = -(-cfg.max_tokens_per_rank // CHECK_THREADS)
+        launches = []
+        for i in self.index:
+            rk = w.ranks[i]
+            dev = rk.stream.device.device_id
+            if dev not in checks:
+                checks[dev] = Program(build_check_ids_module(cfg), device=rk.stream.device)
+            launches.append(checks[dev].prepare(CHECK, check_grid, {
+                "ids_in": rk.topk_ids, "ids_wide": 0, "ids_out": rk.topk_ids, "n_tokens": 0,
+                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr,
+                "timeout_ns": w.timeout_ns}))
+        steps = [(CHECK, launches)]
         if self.fused:
             rows = w.fused_rows()
-            steps = [(FUSED, [w._program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
-                              for i in self.index])]
+            steps.append((FUSED, [w._program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
+                                  for i in self.index]))
         else:
             a, b = w.async_rows(gen), w.wait_rows()
-            steps = [(ASYNC, [w._program_of(w.ranks[i]).prepare(ASYNC, n, a[i])
-                              for i in self.index]),
-                     (WAIT, [w._program_of(w.ranks[i]).prepare(WAIT, n, b[i],
-                                                              programmatic=True)
-                             for i in self.index])]
+            steps.append((ASYNC, [w._program_of(w.ranks[i]).prepare(ASYNC, n, a[i])
+                                  for i in self.index]))
+            steps.append((WAIT, [w._program_of(w.ranks[i]).prepare(WAIT, n, b[i],
+                                                                   programmatic=True)
+                                 for i in self.index]))
         self._dispatch = steps
-        #: per handled rank, per launch taking them, the slots a call rewrites
-        hot = ("input_tokens", "topk_ids", "n_tokens", "prod_gen")
-        self._hot = [[{n: pl.slot(n) for n in hot if n in pl.params} for _, launches in steps
-                      for pl in (launches[j],) if "n_tokens" in pl.params]
+        #: per handled rank: (slot, name) of every parameter a call rewrites, every launch
+        hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens", "prod_gen")
+        self._hot = [[(pl.slot(name), name) for _, ls in steps for pl in (ls[j],)
+                      for name in hot if name in pl.params]
                      for j in range(len(self.ranks))]
 
     def _enqueue(self, steps, stream_handle: int):
@@ -222,16 +241,19 @@ class EPBuffer:
         outs = []
         for j, (rk, (xt, xinfo, it, iinfo, wt, T)) in enumerate(zip(self.ranks, checked)):
             if T == 0:
-                tok_ptr, ids_ptr = rk.tokens.ptr, rk.topk_ids.ptr
+                values = {"input_tokens": rk.tokens.ptr, "ids_in": rk.topk_ids.ptr,
+                          "ids_wide": 0, "n_tokens": 0, "prod_gen": gen}
             else:
-                tok_ptr = xt.data_ptr() if xinfo is None else self._token_pointer(rk, xinfo, T, s)
-                ids_ptr = it.data_ptr() if iinfo is None else iinfo.ptr
-            for slots in self._hot[j]:
-                slots["input_tokens"][0] = tok_ptr
-                slots["topk_ids"][0] = ids_ptr
-                slots["n_tokens"][0] = T
-                if gen is not None and "prod_gen" in slots:
-                    slots["prod_gen"][0] = gen
+                values = {"input_tokens": xt.data_ptr() if xinfo is None
+                          else self._token_pointer(rk, xinfo, T, s),
+                          "ids_in": it.data_ptr() if iinfo is None else iinfo.ptr,
+                          "ids_wide": int((it.element_size() if iinfo is None
+                                           else iinfo.itemsize) == 8),
+                          "n_tokens": T, "prod_gen": gen}
+            for slot, name in self._hot[j]:
+                v = values[name]
+                if v is not None:
+                    slot[0] = v
             rk.n_tokens = T
             out = self.outputs[j]
             out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt
@@ -267,8 +289,24 @@ class EPBuffer:
     # -- errors -----------------------------------------------------------------------------
     def check(self, context: str = "dispatch") -> None:
         """Synchronise the caller's stream and the ranks' streams, then raise what the
-        kernels recorded (``EPTimeoutError``; refused combine rows: ``EPInputError``)."""
+        kernels recorded: bad top-k ids (``EPInputError`` naming rank, token, slot and id;
+        each such slot was dropped), expired waits (``EPTimeoutError``)."""
+        from ir import diag
         self.torch.cuda.current_stream(self.device).synchronize()
+        self.world.synchronize()
+        errs = {id(b): b for b in (self.world._err_of(rk) for rk in self.ranks)}.values()
+        bad = [rec for b in errs for rec in diag.decode_ids(b.array.to_host())]
+        if bad:
+            for b in errs:
+                b.array.zero()
+            self.world.synchronize()
+            bound = id_bound(self.cfg)
+            listed = "; ".join(f"rank {r['rank']} token {r['t']} slot {r['k']}: id {r['id']}"
+                               for r in bad[:10])
+            more = f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""
+            raise EPInputError(f"topk_ids: {len(bad)} bad expert id(s), each slot dropped "
+                               f"(ids must be in [0, {bound}) and unique within a token): "
+                               f"{listed}{more}")
         self.world.check(context)
 
 

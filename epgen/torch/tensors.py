@@ -81,27 +81,29 @@ def tokens_input(torch, x, name: str, cfg, device: int):
 
 
 def ids_input(torch, ids, name: str, T: int, K: int, device: int):
-    """``ids`` checked as one rank's top-k ids ``[T, top_k]`` on device ``device``: a torch
-    int64 tensor (what ``torch.topk`` gives) is converted to int32 on the current stream, a
-    non-contiguous one made contiguous; another library's array must be int32 and
-    C-contiguous. Returns ``(ids, info)``. The values are not read (the kernels check them)."""
+    """``ids`` checked as one rank's top-k ids ``[T, top_k]``, int32 or int64 (what
+    ``torch.topk`` gives), on device ``device``; a non-contiguous torch tensor is made
+    contiguous on the current stream. Returns ``(ids, info)`` (``info`` None for a torch
+    tensor). The values are not read: ``ep_check_ids`` checks them on the device."""
     if isinstance(ids, torch.Tensor):
         if not ids.is_cuda:
             raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
-        if ids.dtype in (torch.int64, torch.int16, torch.uint8):
-            ids = ids.to(torch.int32)
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise EPInputError(f"{name}: dtype {ids.dtype} must be torch.int32 or torch.int64")
         ids = ids.contiguous()
-        if ids.dtype == torch.int32 and tuple(ids.shape) == (T, K) \
-                and ids.device.index == device:
-            return ids, None
+        if tuple(ids.shape) != (T, K):
+            raise EPInputError(f"{name}: shape {tuple(ids.shape)} must be [T, top_k] = "
+                               f"[{T}, {K}]")
+        if ids.device.index != device:
+            raise EPInputError(f"{name}: must be on CUDA device {device}")
+        return ids, None
     info = interop.describe(ids, name)
     if not info.on_device or info.device != device:
         raise EPInputError(f"{name}: must be on CUDA device {device}")
     if tuple(info.shape) != (T, K):
         raise EPInputError(f"{name}: shape {tuple(info.shape)} must be [T, top_k] = [{T}, {K}]")
-    if info.dtype != "int32":
-        raise EPInputError(f"{name}: dtype {info.dtype} must be int32 (or a torch integer "
-                           f"tensor, converted on the device)")
+    if info.dtype not in ("int32", "int64"):
+        raise EPInputError(f"{name}: dtype {info.dtype} must be int32 or int64")
     if not info.contiguous:
         raise EPInputError(f"{name}: must be C-contiguous (byte strides {info.strides})")
     return ids, info
