@@ -632,9 +632,13 @@ class EmulatedWorld(RankWorld):
         BF16 over P2P only (``ValueError`` otherwise). An
         out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written for
         it). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
+        return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info)
+
+    def combiner(self):
+        """The world's combine side (``runtime.combine.Combiner``), built on first use."""
         if getattr(self, "_combiner", None) is None:
             self._combiner = Combiner(self, co_resident)
-        return self._combiner.run(expert_outputs, topk_weights, residual, src_info=_src_info)
+        return self._combiner
 
     # -- capacity ----------------------------------------------------------------------------
     def _check_capacity(self):

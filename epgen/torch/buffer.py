@@ -262,6 +262,75 @@ class EPBuffer:
         self._enqueue(self._dispatch, s)
         return outs[0] if len(outs) == 1 and not isinstance(x, (list, tuple)) else outs
 
+    # -- combine ----------------------------------------------------------------------------
+    def _prepare_combine(self):
+        """The world's combine side (built as ``world.combine`` builds it) and every handled
+        rank's combine launches, prepared."""
+        from ..runtime.combine import C_ASYNC, C_FUSED, C_WAIT
+        c = self.world.combiner()
+        n, steps = self.cfg.n_sms, []
+        if c.fused:
+            steps.append((C_FUSED, [c.program.prepare(C_FUSED, n, c.fused_args(i))
+                                    for i in self.index]))
+        else:
+            steps.append((C_ASYNC, [c.program.prepare(C_ASYNC, n, c.async_args(i))
+                                    for i in self.index]))
+            steps.append((C_WAIT, [c.program.prepare(C_WAIT, n, c.wait_args(i))
+                                   for i in self.index]))
+        self._combiner, self._combine = c, steps
+        hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens")
+        self._combine_hot = [[(pl.slot(name), name) for _, ls in steps for pl in (ls[j],)
+                              for name in hot if name in pl.params]
+                             for j in range(len(self.ranks))]
+
+    def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None):
+        """Enqueue the combine of the last dispatch: ``expert_out`` ``[rows, hid_dim]`` BF16,
+        the experts' outputs on the grouped rows ``out`` (that dispatch's ``DispatchOutput``)
+        delivered, per handled rank (a list for several). The router weights are
+        ``topk_weights`` or those given to ``dispatch``; with weights the result is each
+        source token's ``sum_k w[t, k] * y[t, k]`` (+ ``residual[t]``) ``[T, hid_dim]`` BF16,
+        without them the unreduced ``[T, top_k, hid_dim]``: a tensor viewing the rank's
+        output buffer, valid until the next combine."""
+        torch, cfg = self.torch, self.cfg
+        H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+        ys = self._per_rank(expert_out, "expert_out")
+        outs = self._per_rank(out, "out")
+        ws = self._per_rank(topk_weights, "topk_weights", optional=True)
+        rs = self._per_rank(residual, "residual", optional=True)
+        if self._combine is None:
+            self._prepare_combine()
+        rows_max = cfg.layout.max_out_rows
+        checked = []
+        for rk, y, o, w, res in zip(self.ranks, ys, outs, ws, rs):
+            T = o.n_tokens
+            y = tensors.rows_input(torch, y, f"expert_out[{rk.rank}]", rows_max, H, self.device)
+            w = o.topk_weights if w is None else tensors.weights_input(
+                torch, w, f"topk_weights[{rk.rank}]", T, K, self.device)[0]
+            if res is not None:
+                if w is None:
+                    raise EPInputError(f"residual[{rk.rank}]: needs router weights (the "
+                                       f"unreduced rows take none)")
+                res = tensors.rows_input(torch, res, f"residual[{rk.rank}]", T, H, self.device,
+                                         exact=True)
+            checked.append((y, w, res, T))
+        s = self._stream(stream)
+        results = []
+        for j, (rk, (y, w, res, T)) in enumerate(zip(self.ranks, checked)):
+            b = self._combiner.bufs[self.index[j]]
+            values = {"expert_out": y.data_ptr(),
+                      "weights": w.data_ptr() if w is not None else b.weights.ptr,
+                      "weighted": int(w is not None),
+                      "residual": res.data_ptr() if res is not None else b.residual.ptr,
+                      "has_residual": int(res is not None), "n_tokens": T}
+            for slot, name in self._combine_hot[j]:
+                slot[0] = values[name]
+            shape = (T, H) if w is not None else (T, K, H)
+            results.append(tensors.view(torch, b.out, dtype="bfloat16", shape=shape))
+        self._keep_combine = checked
+        self._enqueue(self._combine, s)
+        return results[0] if len(results) == 1 and not isinstance(out, (list, tuple)) \
+            else results
+
     def _token_pointer(self, rk, info, T: int, stream_handle: int) -> int:
         """The address the send kernel reads the tokens from: the input itself when
         contiguous, else the rank's input buffer after a packing 2-D copy on the stream."""

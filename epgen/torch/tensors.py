@@ -109,6 +109,21 @@ def ids_input(torch, ids, name: str, T: int, K: int, device: int):
     return ids, info
 
 
+def rows_input(torch, y, name: str, rows: int, H: int, device: int, exact: bool = False):
+    """``y`` checked as BF16 rows ``[n, H]`` (``n <= rows``, or ``== rows`` with ``exact``)
+    in a torch CUDA tensor on ``device``, made contiguous on the current stream if needed."""
+    if not isinstance(y, torch.Tensor) or not y.is_cuda:
+        raise EPInputError(f"{name}: must be a torch CUDA tensor")
+    if y.dtype != torch.bfloat16:
+        raise EPInputError(f"{name}: dtype {y.dtype} must be torch.bfloat16")
+    if y.dim() != 2 or y.shape[1] != H or (y.shape[0] != rows if exact else y.shape[0] > rows):
+        want = f"[{rows}, {H}]" if exact else f"[rows <= {rows}, {H}]"
+        raise EPInputError(f"{name}: shape {tuple(y.shape)} must be {want}")
+    if y.device.index != device:
+        raise EPInputError(f"{name}: must be on CUDA device {device}")
+    return y.contiguous()
+
+
 def weights_input(torch, w, name: str, T: int, K: int, device: int):
     """``w`` checked as one rank's router weights ``[T, top_k]`` float32 on ``device``
     (a torch tensor of another float dtype is converted there). Returns ``(w, info)``."""
@@ -125,4 +140,4 @@ def weights_input(torch, w, name: str, T: int, K: int, device: int):
     return w, info
 
 
-__all__ = ["view", "tokens_input", "ids_input", "weights_input"]
+__all__ = ["view", "tokens_input", "ids_input", "rows_input", "weights_input"]
