@@ -213,6 +213,7 @@ def test_dispatch_then_combine_on_device(fused, seed):
         w = [rng.random((len(a), cfg.token_fmt.top_k), dtype=np.float32) for a in ids] \
             if call < 2 else None                       # call 2: the unreduced rows
         outs = ep.dispatch(x, i, None if w is None else [torch.from_numpy(a).cuda() for a in w])
+        results = [o.to_reference(cfg) for o in outs]      # before combine reads them
         ys = _expert_rows(rng, cfg, outs)
         res = [rng.integers(0, 1 << 16, size=(len(a), cfg.token_fmt.hid_dim), dtype=np.uint16)
                & np.uint16(0xBFFF) for a in ids] if call == 1 else None
@@ -220,7 +221,6 @@ def test_dispatch_then_combine_on_device(fused, seed):
                          residual=None if res is None else [_tensor(r) for r in res])
         ep.check("combine")
         host = [g.view(torch.int16).cpu().numpy().view(np.uint16) for g in got]
-        results = [o.to_reference(cfg) for o in outs]
         want = reference.combine(cfg, results, ys, w, residual=res,
                                  n_tokens=[len(a) for a in ids])
         for r, (g, e) in enumerate(zip(host, want)):
