@@ -125,6 +125,15 @@ def combine_small_module():
     return build_combine_module(load_preset("small"))
 
 
+@golden("combine/shmem", description="preset small + use_shmem, p2p_world_size=1: the combine "
+                                      "kernels with every source reached by NVSHMEM")
+def combine_shmem_module():
+    from .kernels import build_combine_module
+    from .presets import load_preset
+    return build_combine_module(load_preset("small").replace(use_shmem=True,
+                                                             p2p_world_size=1))
+
+
 # The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with
 # fused_shared_expert) and the fused-roles test kernel (``ep/fused_roles``: the small preset).
 @golden("ep/fused", description="preset small: the fused single-launch kernel ep_dispatch "

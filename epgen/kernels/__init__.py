@@ -26,12 +26,12 @@ def build_module(cfg) -> ir.Module:
 
 def build_combine_module(cfg) -> ir.Module:
     """The combine entry points of ``cfg`` (``ep_combine_async``, ``ep_combine_wait``; BF16
-    over P2P, docs/combine.md) in a module of their own, so the dispatch module is unchanged."""
+    over P2P, and NVSHMEM to the sources outside a P2P group, docs/combine.md) in a module of
+    their own, so the dispatch module is unchanged."""
     if cfg.token_fmt.name != "BF16" or cfg.ep_final_layout or cfg.fused_shared_expert \
-            or cfg.skip_a2a or cfg.needs_shmem:
+            or cfg.skip_a2a:
         raise ValueError("combine: only the BF16 format over P2P is built so far (not "
-                         "ep_final_layout, fused_shared_expert, skip_a2a or use_shmem with "
-                         "remote destinations)")
+                         "ep_final_layout, fused_shared_expert or skip_a2a)")
     if cfg.n_ranks > cfg.layout.combine_rank_completion_region.size:
         raise ValueError(f"combine: n_ranks={cfg.n_ranks} exceeds the "
                          f"{cfg.layout.combine_rank_completion_region.size} done counters of "

@@ -2,7 +2,7 @@
 its tokens' returned rows (docs/combine.md; BF16 over P2P).
 
 Every block's threads ``d < R`` wait (bounded, ``ld.acquire.sys``) until arrival word ``d``
-is non-zero, the block barrier, then the abort check. Thread ``i`` of the grid takes
+(u32, or u64 under the SHMEM transport: ``CombineLayout.arrival_word_bytes``) is non-zero, the block barrier, then the abort check. Thread ``i`` of the grid takes
 elements ``i, i + grid, ...`` of ``[T, H]``; per element, in float32: ``acc = 0``; for ``k =
 0 .. K-1`` in order, where ``topk_ids[t, k]`` is a valid expert (in ``[0, E)``: dispatch
 sent that slot a row), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; with ``has_residual``,
@@ -86,17 +86,20 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
     """Threads ``d < R`` wait for arrival word ``d``; barrier; abort check; the last block to
     pass re-arms the words (module docstring)."""
     R = cfg.n_ranks
-    ctr = word(p.counters, CombineLayout(cfg).wait_counter_offset)
+    clay = CombineLayout(cfg)
+    ctr = word(p.counters, clay.wait_counter_offset)
+    nbytes = clay.arrival_word_bytes          # u64 words under the SHMEM transport
+    dtype = T.u64 if nbytes == 8 else T.u32
     with r.if_(r.tid < R):
-        r.spin_wait(word(p.arrival, r.tid), T.u32, CmpOp.NE, 0, buffer="combine_arrival",
-                    index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)
+        r.spin_wait(word(p.arrival, r.tid, nbytes), dtype, CmpOp.NE, 0,
+                    buffer="combine_arrival", index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)
     r.syncthreads()
     exit_if_aborted(r, p.err_buf)
     with r.if_(r.tid.eq(0)):
         old = r.atomic(AtomOp.ADD, ctr, 1, Sem.ACQ_REL, Scope.GPU, name="wait_old")
         with r.if_((old + 1).eq(r.n_blocks)):
             for d in range(R):
-                r.store(word(p.arrival, d), 0)
+                r.store(word(p.arrival, d, nbytes), ir.Const(0, dtype))
             r.store(ctr, 0)
 
 

@@ -28,8 +28,6 @@ def check_supported(cfg) -> None:
     for flag in ("ep_final_layout", "fused_shared_expert", "skip_a2a"):
         if getattr(cfg, flag):
             why.append(f"{flag} (not yet)")
-    if cfg.needs_shmem:
-        why.append("use_shmem with destinations outside the P2P group (not yet)")
     if why:
         raise ValueError("world.combine: not supported for this configuration: "
                          + "; ".join(why))
