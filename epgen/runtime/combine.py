@@ -1,5 +1,6 @@
-"""The combine round trip of an ``EmulatedWorld`` (docs/combine.md): per-rank combine buffers,
-their peer pointer tables, the two launches and the results. BF16 over P2P only."""
+"""The combine round trip of a world (docs/combine.md): per-rank combine buffers, their
+pointer tables, the two launches and the results. BF16; P2P peer stores, and NVSHMEM to the
+sources outside a P2P group (``use_shmem``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 from ir import diag
 
 from ..combine_layout import CombineLayout
-from ..errors import EPInputError
+from ..errors import EPInputError, EPTimeoutError
 from ..formats.bf16_codec import bf16_bits
 from ..kernels import build_combine_module
 from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
@@ -35,18 +36,26 @@ def check_supported(cfg) -> None:
 
 class CombineBuffers:
     """One rank's combine buffers: the receive buffer ``[max_tokens_per_rank, K, H]`` BF16
-    (plus ``GUARD_BYTES``) and the ``R`` arrival words (both peer-visible), the expert
-    outputs, the weights and the output."""
+    (plus ``GUARD_BYTES``) and the ``R`` arrival words (u32, or u64 under the SHMEM
+    transport), which peers write, the expert outputs (the source of the SHMEM puts), the
+    weights, the residual and the output. ``peer_memory``: where the peer-written buffers
+    come from (a peer-accessible pool, ``P2PWorld``; the symmetric heap, ``ShmemWorld``);
+    ``send_memory``: where the expert outputs come from (the symmetric heap, ``ShmemWorld``);
+    None: the device's default memory."""
 
-    def __init__(self, cuda, cfg, rk):
+    def __init__(self, cuda, cfg, rk, peer_memory=None, send_memory=None):
         fmt, lay = cfg.token_fmt, cfg.layout
         T, K, H = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim
-        z = lambda shape, dt: cuda.zeros(shape, dt, device=rk.device, stream=rk.stream)  # noqa: E731
+
+        def z(shape, dt, memory=None):
+            kw = {} if memory is None else {"memory_resource": memory}
+            return cuda.zeros(shape, dt, device=rk.device, stream=rk.stream, **kw)
         clay = CombineLayout(cfg)
         self.recv_bytes = clay.recv_bytes
-        self.recv = z(self.recv_bytes + GUARD_BYTES, np.uint8)
-        self.arrival = z(clay.arrival_words, np.uint32)
-        self.expert_out = z((lay.max_out_rows, H), np.uint16)
+        self.recv = z(self.recv_bytes + GUARD_BYTES, np.uint8, peer_memory)
+        self.arrival = z(clay.arrival_words,
+                         np.uint64 if clay.arrival_word_bytes == 8 else np.uint32, peer_memory)
+        self.expert_out = z((lay.max_out_rows, H), np.uint16, send_memory)
         self.weights = z((T, K), np.float32)
         self.residual = z((T, H), np.uint16)
         self.out = z(T * K * H, np.uint16)
@@ -59,7 +68,14 @@ def combine_sizes(cfg) -> dict:
 
 class Combiner:
     """The combine side of a world: built on first use (``world.combine``); ``co_resident``:
-    the world's rule for grids that must all be resident (``world.co_resident``)."""
+    the world's rule for grids that must all be resident (``world.co_resident``).
+
+    The placement hooks (``_load``, ``_memory``, ``_peer_address``, ``_program_of``) are
+    those of one process that holds every rank (``EmulatedWorld``); ``P2PWorld`` and
+    ``ShmemWorld`` override them. Entry ``q`` of rank ``r``'s tables (``recv_ptrs``,
+    ``arrival_ptrs``: one entry per source) is ``q``'s buffer as ``r`` reaches it when ``q`` is
+    in ``r``'s P2P group, and ``r``'s own buffer otherwise: the symmetric address the kernel's
+    NVSHMEM calls name (``kernels.combine_shmem``)."""
 
     def __init__(self, world, co_resident):
         cfg = world.cfg
@@ -67,15 +83,80 @@ class Combiner:
         self.world = world
         module = co_resident(build_combine_module(cfg), len(world.rank_ids) * cfg.n_sms,
                              world.cuda.sm_count(world.device))
-        self.program = Program(module, arch=world.program.arch, device=world.device,
-                               backend=world.cuda)
-        self.bufs = [CombineBuffers(world.cuda, cfg, rk) for rk in world.ranks]
+        self._load(module)
+        self.bufs = [CombineBuffers(world.cuda, cfg, rk, **self._memory(rk))
+                     for rk in world.ranks]
         world.synchronize()
-        table = lambda attr, r: world.cuda.to_device(  # noqa: E731
-            np.array([getattr(self.bufs[q], attr).ptr for q in world.rank_ids], np.uint64),
-            device=world.ranks[r].device)
-        self.recv_ptrs = [table("recv", r) for r in range(len(world.ranks))]
-        self.arrival_ptrs = [table("arrival", r) for r in range(len(world.ranks))]
+        self._register_symmetric()
+        self.build_tables()
+
+    # -- placement hooks ---------------------------------------------------------------------
+    def _load(self, module):
+        """Load ``module`` (``self.program``; one GPU)."""
+        w = self.world
+        self.program = Program(module, arch=w.program.arch, device=w.device, backend=w.cuda)
+
+    def _program_of(self, rk):
+        """The ``Program`` that launches rank ``rk``'s combine kernels."""
+        return self.program
+
+    def _memory(self, rk) -> dict:
+        """``CombineBuffers``' memory resources for rank ``rk`` (default memory)."""
+        return {}
+
+    def _peer_address(self, i: int, q: int, attr: str) -> int:
+        """The address of rank ``q``'s buffer ``attr`` as ``ranks[i]`` reaches it (one
+        address space: the buffer's own)."""
+        return getattr(self.bufs[self.world.rank_ids.index(q)], attr).ptr
+
+    # -- tables ------------------------------------------------------------------------------
+    def build_tables(self):
+        """Every rank's ``recv_ptrs`` and ``arrival_ptrs`` (class docstring)."""
+        n = len(self.world.ranks)
+        self.recv_ptrs = [self._table(i, "recv") for i in range(n)]
+        self.arrival_ptrs = [self._table(i, "arrival") for i in range(n)]
+
+    def _table(self, i: int, attr: str):
+        w, cfg = self.world, self.world.cfg
+        r, P = w.ranks[i].rank, cfg.p2p_world_size
+        own = getattr(self.bufs[i], attr).ptr
+        ptrs = [self._peer_address(i, q, attr) if not cfg.needs_shmem or q // P == r // P
+                else own for q in range(cfg.n_ranks)]
+        return w.cuda.to_device(np.array(ptrs, np.uint64), device=w.ranks[i].device)
+
+    def _register_symmetric(self):
+        """On the simulator, under the SHMEM transport: every rank's receive buffer and
+        arrival words with the machine's symmetric heap (``backends.sim.shmem``), so a put or
+        signal to this rank's own address lands at the same offset of the target PE's."""
+        w = self.world
+        if not w.cfg.needs_shmem or not getattr(w.cuda, "RUNS_IR", False):
+            return
+        heap = w.cuda.symmetric_heap()
+        for rk, b in zip(w.ranks, self.bufs):
+            for name in ("recv", "arrival"):
+                buf = getattr(b, name)
+                heap.register(rk.rank, f"combine_{name}", buf.ptr, buf.nbytes)
+
+    # -- errors ------------------------------------------------------------------------------
+    def _errs(self) -> list:
+        """The world's error buffers (one per GPU of ``P2PWorld``), each once."""
+        out = {}
+        for rk in self.world.ranks:
+            err = self.world._err_of(rk)
+            out.setdefault(id(err), err)
+        return list(out.values())
+
+    def _raise_timeouts(self):
+        """After the synchronise: one ``EPTimeoutError`` with every error buffer's records
+        if any wait expired (each used buffer re-armed)."""
+        records, expired = [], False
+        for err in self._errs():
+            got = err.take(self.program.module.kernels)
+            if got is not None:
+                expired = True
+                records += got
+        if expired:
+            raise EPTimeoutError(records, "combine")
 
     def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
         """One combine of the world's last dispatch (module docstring of ``world.combine``).
@@ -125,27 +206,27 @@ class Combiner:
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in done:
                 rk.stream.wait(ev)
-            self.program.launch(C_ASYNC, cfg.n_sms, {
+            self._program_of(rk).launch(C_ASYNC, cfg.n_sms, {
                 "expert_out": b.expert_out, "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
-                "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}, rk.stream)
+                "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns}, rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in events:
                 rk.stream.wait(ev)
-            self.program.launch(C_WAIT, cfg.n_sms, {
+            self._program_of(rk).launch(C_WAIT, cfg.n_sms, {
                 "combine_buf": b.recv, "arrival": b.arrival, "topk_ids": rk.topk_ids,
                 "weights": b.weights, "weighted": int(topk_weights is not None),
                 "residual": b.residual, "has_residual": int(residual is not None),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
-                "my_rank": rk.rank, "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns},
+                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns},
                 rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
         w.synchronize()
         self._raise_bounds()
         try:
-            w.err.check(self.program.module.kernels, "combine")
+            self._raise_timeouts()
         except Exception:
             self._rearm()
             w.reset()
@@ -160,12 +241,16 @@ class Combiner:
         return out
 
     def _raise_bounds(self):
-        """``EPInputError`` naming every row combine_async refused (bounds records)."""
-        words = self.world.err.array.to_host()
-        recs = diag.decode_bounds(words)
+        """``EPInputError`` naming every row combine_async refused (bounds records of every
+        error buffer)."""
+        recs = []
+        for err in self._errs():
+            got = diag.decode_bounds(err.array.to_host())
+            if got:
+                recs += got
+                err.array.zero()
         if not recs:
             return
-        self.world.err.array.zero()
         self.world.synchronize()
         rows = "; ".join(f"rank {r['rank']} src_info[{r['row']}] = ({r['t']}, {r['k']})"
                          for r in recs)
