@@ -559,3 +559,33 @@ def test_combine_takes_this_ranks_own_arrays():
     with pytest.raises(TypeError, match="own arrays"):
         w.combine([np.zeros((0, 256), np.uint16)])
     w.close()
+
+
+def test_gpu_combine_program_checks_on_the_simulator(seed):
+    """The PE program of tests/test_shmem_gpu.py's combine tests (``combine_rounds``) on two
+    simulated PEs (a smaller grid): it says every call matched; and it can fail (a row of
+    every expert output altered: a mismatch reported)."""
+    import test_shmem_gpu as gpu
+
+    for n, p in [(2, 1), (4, 2)]:           # the GPU tests' configurations are valid
+        assert gpu.combine_config(n, p).needs_shmem
+    assert not gpu.combine_config(2, 2).needs_shmem
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4, use_shmem=True,
+                p2p_world_size=1)
+    machine = SymmetricMachine(seed)
+    worlds = make_worlds(cfg, machine, [])
+    said = []
+    ok, errors = collectively(machine, worlds, [
+        (lambda w=w: gpu.combine_rounds(w, 3, seed, said.append)) for w in worlds])
+    assert errors == [None, None] and ok == [True, True], (errors, said)
+    assert sorted(said) == sorted(f"rank {r} call {c}: combine matches the reference"
+                                  for r in range(2) for c in range(3))
+    real = worlds[0].combine
+    worlds[0].combine = lambda y, *a: real(y ^ np.uint16(1), *a)
+    said.clear()
+    ok, errors = collectively(machine, worlds, [
+        (lambda w=w: gpu.combine_rounds(w, 1, seed, said.append)) for w in worlds])
+    assert errors == [None, None] and False in ok, said
+    assert any("combine differs" in line for line in said), said
+    for w in worlds:
+        w.close()
