@@ -2,8 +2,8 @@
 its tokens' returned rows (docs/combine.md; BF16 over P2P).
 
 Every block's threads ``d < R`` wait (bounded, ``ld.acquire.sys``) until arrival word ``d``
-(u32, or u64 under the SHMEM transport: ``CombineLayout.arrival_word_bytes``) is non-zero,
-the block barrier, then the abort check. Thread ``i`` of the grid takes elements ``i, i + grid, ...`` of ``[T, H]``; per element, in float32: ``acc = 0``; for ``k =
+is non-zero, the block barrier, then the abort check. Thread ``i`` of the grid takes
+elements ``i, i + grid, ...`` of ``[T, H]``; per element, in float32: ``acc = 0``; for ``k =
 0 .. K-1`` in order, where ``topk_ids[t, k]`` is a valid expert (in ``[0, E)``: dispatch
 sent that slot a row), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; with ``has_residual``,
 ``acc = add.rn.f32(acc, residual[t])`` (BF16 widened); the result rounds to
@@ -14,6 +14,9 @@ instead (slots without a row give zero).
 Re-arming: after its wait each block adds one to the block counter (word 0 of the combine
 wait region, ``atom.acq_rel.gpu.add``); the last block re-arms the arrival words and the
 counter to 0, after every block of this call has seen them.
+
+The arrival words are u32, or u64 under the SHMEM transport (a signal sets a u64 word:
+``CombineLayout.arrival_word_bytes``).
 """
 
 from __future__ import annotations
