@@ -8,6 +8,7 @@ step (each enqueues, then the machine runs both); on the GPU each PE is its own 
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 
 import numpy as np
@@ -452,32 +453,41 @@ class SymmetricMachine(sim_backend.Machine):
 
 def collectively(machine, worlds, calls):
     """``calls[i]()`` (PE i's call) in a thread per PE, one thread at a time, as if each PE
-    were its own process: a world's ``synchronize`` is collective (the last PE to reach it
-    runs every launch queued by all of them, as their GPUs would run them at once); host
-    copies do not run the queue meanwhile (each PE's copies touch only its own buffers).
-    Returns ``(results, errors)`` per PE."""
+    were its own process: a world's ``synchronize`` is collective (when every PE still
+    running has reached one, every launch queued by all of them runs, as their GPUs would
+    run them at once); host copies do not run the queue meanwhile (each PE's copies touch
+    only its own buffers). Returns ``(results, errors)`` per PE."""
     import threading
 
     n = len(worlds)
-    lock = threading.Lock()
+    cond = threading.Condition()
+    state = {"running": n, "waiting": 0, "generation": 0}
     real_drain = machine.drain
-    barrier = threading.Barrier(n, action=real_drain, timeout=300)
+
+    def release_if_all_wait():
+        if state["waiting"] and state["waiting"] == state["running"]:
+            real_drain()
+            state["waiting"] = 0
+            state["generation"] += 1
+            cond.notify_all()
 
     def sync():
-        lock.release()
-        try:
-            barrier.wait()
-        finally:
-            lock.acquire()
+        state["waiting"] += 1
+        gen = state["generation"]
+        release_if_all_wait()
+        while state["generation"] == gen:
+            if not cond.wait(timeout=300):
+                raise TimeoutError("collectively: a PE never reached its synchronize")
     out, errors = [None] * n, [None] * n
 
     def worker(i):
-        with lock:
+        with cond:
             try:
                 out[i] = calls[i]()
             except BaseException as e:      # noqa: BLE001 (reported to the test)
                 errors[i] = e
-                barrier.abort()
+            state["running"] -= 1
+            release_if_all_wait()
     machine.drain = lambda: None
     for w in worlds:
         w.synchronize = sync
@@ -589,3 +599,49 @@ def test_gpu_combine_program_checks_on_the_simulator(seed):
     assert any("combine differs" in line for line in said), said
     for w in worlds:
         w.close()
+
+
+def test_combine_corrupted_row_for_a_remote_pe_is_reported_after_the_barrier(seed):
+    """PE 1 corrupts a row whose source is PE 0 (a put): PE 1's combine raises
+    ``EPInputError`` naming it after meeting PE 0 at the call barrier (the kernels finished on
+    both), PE 0's call returns; the next call of both is exact."""
+    from combine_checks import expert_outputs, weights
+    from epgen.errors import EPInputError
+    from epgen.reference_combine import source_of_rows
+
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4, use_shmem=True,
+                p2p_world_size=1)
+    T = cfg.max_tokens_per_rank
+    machine = SymmetricMachine(seed)
+    log = []
+    worlds = make_worlds(cfg, machine, log)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        toks, ids = routing.routing(rng, cfg, [T, T])
+        results = round_trip(worlds, machine, toks, ids)
+        remote = np.flatnonzero(source_of_rows(results[1]) == 0)
+        if len(remote):
+            break
+    assert len(remote), f"seed {seed}: no row from PE 0 to PE 1 in 20 routings"
+    ys = expert_outputs(rng, cfg, results)
+    row = int(rng.choice(remote))
+    bad = results[1].src_info.copy()
+    bad[row] = (T, 0)
+    del log[:]
+    out, errors = collectively(machine, worlds, [
+        lambda: worlds[0].combine(ys[0], None),
+        lambda: worlds[1].combine(ys[1], None, _src_info=bad)])
+    assert errors[0] is None and out[0].shape == (T, cfg.token_fmt.top_k, 256)
+    assert isinstance(errors[1], EPInputError), errors
+    assert re.search(rf"rank 1 src_info\[{row}\] = \({T}, 0\)", str(errors[1]))
+    assert sorted(e for e in log if e[0] == "barrier" and e[2] == "call") == \
+        [("barrier", 0, "call"), ("barrier", 1, "call")]
+    toks, ids = routing.routing(rng, cfg, [T, T])
+    results = round_trip(worlds, machine, toks, ids)
+    ys = expert_outputs(rng, cfg, results)
+    w = weights(rng, cfg, ids)
+    got = combine_all(machine, worlds, ys, w)
+    for r, want in enumerate(reference.combine(cfg, results, ys, w)):
+        assert np.array_equal(got[r], want), f"seed {seed} rank {r} after the error"
+    for w_ in worlds:
+        w_.close()
