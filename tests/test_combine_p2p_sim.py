@@ -92,3 +92,38 @@ def test_combine_residency_is_checked_per_gpu(seed, monkeypatch):
         monkeypatch.setattr(p2p_mod.Program, "blocks_per_sm", lambda self, name, shmem=0: 0)
         with pytest.raises(CapacityError, match="P2PWorld.combine: GPU 0: 2 ranks"):
             world.combine([], None)
+
+
+def test_a_missing_combine_async_times_out_on_every_gpu_then_recovers(seed, monkeypatch):
+    """Rank 1's ep_combine_async never runs: both ranks' ep_combine_wait give up on their own
+    GPU's deadline (word 1 never arrives), one EPTimeoutError holds the records of both
+    GPUs' error buffers, and after it the world works again."""
+    from epgen.errors import EPTimeoutError
+    from epgen.kernels.combine_async import KERNEL_NAME as C_ASYNC
+
+    cfg = _cfg(2)
+    rng = np.random.default_rng(seed)
+    with sim_p2p_world(cfg, seed, max_spins=300, timeouts=True) as world:
+        _round_trips(world, rng, seed, calls=1)             # builds the combiner
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        results = world.dispatch(toks, ids)
+        real = p2p_mod.P2PCombiner._program_of
+
+        class Skip:
+            def __init__(self, program, rank):
+                self.program, self.rank = program, rank
+
+            def launch(self, name, *a, **kw):
+                if not (name == C_ASYNC and self.rank == 1):
+                    self.program.launch(name, *a, **kw)
+        monkeypatch.setattr(p2p_mod.P2PCombiner, "_program_of",
+                            lambda self, rk: Skip(real(self, rk), rk.rank))
+        with pytest.raises(EPTimeoutError) as err:
+            world.combine(expert_outputs(rng, cfg, results), None)
+        recs = err.value.records
+        assert {r.rank for r in recs} == {0, 1}, recs
+        assert {r.kernel for r in recs} == {"ep_combine_wait"}, recs
+        for d in world.device_ids:
+            assert not world.errs[d].array.to_host().any(), f"GPU {d} buffer re-armed"
+        monkeypatch.setattr(p2p_mod.P2PCombiner, "_program_of", real)
+        _round_trips(world, rng, seed, calls=1)
