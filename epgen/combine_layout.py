@@ -22,8 +22,15 @@ class CombineLayout:
 
     @property
     def arrival_words(self) -> int:
-        """``R`` u32 arrival words, word ``d`` written by destination ``d``; peer-visible."""
+        """``R`` arrival words, word ``d`` written by destination ``d``; peer-visible."""
         return self.cfg.n_ranks
+
+    @property
+    def arrival_word_bytes(self) -> int:
+        """4 (u32 words), or 8 under the SHMEM transport (``cfg.needs_shmem``): a source
+        outside the sender's P2P group gets its word through ``nvshmemx_signal_op``, which
+        sets a u64 signal word, so every word of the array is a u64 there."""
+        return 8 if self.cfg.needs_shmem else 4
 
     @property
     def done_counter_offset(self) -> int:
@@ -38,5 +45,6 @@ class CombineLayout:
     def describe(self) -> dict:
         return {"combine_recv_bytes": self.recv_bytes,
                 "combine_arrival_words": self.arrival_words,
+                "combine_arrival_word_bytes": self.arrival_word_bytes,
                 "combine_done_counter_offset": self.done_counter_offset,
                 "combine_wait_counter_offset": self.wait_counter_offset}

@@ -136,6 +136,8 @@ COMBINE_VARIANTS = {
     "fused_se": ({"fused_shared_expert": True}, True),
     "fused_se_skip_a2a": ({"fused_shared_expert": True, "skip_a2a": True, "n_ranks": 1,
                            "p2p_world_size": 1, "n_experts": 8}, True),
+    # every source reached by NVSHMEM
+    "shmem": ({"use_shmem": True, "p2p_world_size": 1}, False),
 }
 
 

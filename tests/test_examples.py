@@ -76,8 +76,12 @@ def test_torch_experts_on_the_cpu_simulator(seed):
     assert "torch BF16 experts" in proc.stdout
 
 
+def test_final_layout_layer_passes(seed):
+    proc, text = run_example([*TINY, "--set", "ep_final_layout=true", "--seed", str(seed)])
+    assert_passes(proc, text)
+
+
 @pytest.mark.parametrize("argv, word", [
-    (["--set", "ep_final_layout=true"], "ep_final_layout"),
     (["--set", "fused_shared_expert=true"], "fused_shared_expert"),
     (["--tokens", "33"], "--tokens"),
     (["--preset", "nope"], "--preset"),

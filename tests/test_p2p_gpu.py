@@ -308,3 +308,62 @@ def test_cli_run_p2p_one_gpu(capsys, seed):
     assert cli.main(["run", "--preset", "small", "--world", "p2p", "--devices", "0,0",
                      "--calls", "2", "--seed", str(seed)]) == 0
     assert capsys.readouterr().out.count("matches the reference") == 2
+
+
+# ---- combine ---------------------------------------------------------------------------------------
+def _combine_and_compare(world, rng, seed, call, counts):
+    """One dispatch then one combine (weights on even calls, None on odd ones, a residual
+    every fourth call) against ``reference.combine``, bit for bit."""
+    from combine_checks import expert_outputs, weights
+
+    cfg = world.cfg
+    toks, ids = routing.routing(rng, cfg, counts)
+    results = run_and_compare(world, toks, ids, seed, f", call {call}")
+    ys = expert_outputs(rng, cfg, results)
+    w = weights(rng, cfg, ids) if call % 2 == 0 else None
+    res = None
+    if call % 4 == 0:
+        res = [rng.integers(0, 1 << 16, size=(len(i), cfg.token_fmt.hid_dim), dtype=np.uint16)
+               & np.uint16(0xBFFF) for i in ids]
+    got = world.combine(ys, w, residual=res)
+    want = reference.combine(cfg, results, ys, w, residual=res, n_tokens=[len(i) for i in ids])
+    for s, (g, r) in enumerate(zip(got, want)):
+        assert g.shape == r.shape and np.array_equal(g, r), \
+            f"seed {seed} call {call} rank {s}: {np.count_nonzero(g != r)} elements differ"
+
+
+@by_gpus()
+def test_combine_matches_the_reference(n, seed):
+    """``P2PWorld.combine`` after each dispatch: the receive buffers and arrival words in the
+    peer pools, written by the peers' GPUs."""
+    cfg = make_cfg(n)
+    world = world_for(cfg)
+    rng = np.random.default_rng(seed)
+    for call in range(6):
+        counts = cfg.max_tokens_per_rank if call < 4 else random_counts(rng, cfg)
+        _combine_and_compare(world, rng, seed, call, counts)
+
+
+@by_gpus((2, 4, 8))
+def test_combine_200_back_to_back_calls(n, seed):
+    cfg = make_cfg(n, STRESS)
+    world = world_for(cfg)
+    rng = np.random.default_rng(seed)
+    for call in range(200):
+        _combine_and_compare(world, rng, seed, call, random_counts(rng, cfg))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_combine_ranks_sharing_gpu0(n, seed):
+    cfg = make_cfg(n, STRESS)
+    world = world_for(cfg, devices=[0] * n)
+    rng = np.random.default_rng(seed)
+    for call in range(8):
+        _combine_and_compare(world, rng, seed, call, random_counts(rng, cfg))
+
+
+@by_gpus((2, 4))
+def test_combine_corrupted_src_info_row_is_reported(n, seed):
+    from combine_checks import corrupted_row_check
+
+    corrupted_row_check(world_for(make_cfg(n, STRESS)), np.random.default_rng(seed), d=n - 1)

@@ -10,6 +10,10 @@ of the parametrised tests; ``EPGEN_SHMEM_TIMEOUT`` (default 300) bounds each lau
 seconds.
 
     PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_shmem_gpu.py
+
+The combine tests launch this file itself as each PE's program (``python
+tests/test_shmem_gpu.py combine ...``, ``combine_pe``): every PE dispatches and combines its
+own part with ``ShmemWorld`` and checks it against the numpy reference.
 """
 
 from __future__ import annotations
@@ -127,3 +131,138 @@ def test_1000_calls():
     proc = launch(2, group(2, 1) + ["--calls", "1000", "--tokens", "8", "--seed", "4"],
                   timeout=TIMEOUT)
     assert_all_match(proc, 2, 1000)
+
+
+# ---- combine -------------------------------------------------------------------------------------
+
+def launch_combine(n: int, args: list[str], timeout: float = TIMEOUT):
+    """``epgen launch -n n -- python tests/test_shmem_gpu.py combine ARGS``."""
+    env = {**os.environ, "PYTHONPATH": REPO, "NVSHMEM_REMOTE_TRANSPORT": "none",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+    mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
+    cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(timeout),
+           "--grace", "10", *mps, "--", sys.executable, os.path.abspath(__file__), "combine",
+           *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout + 60)
+
+
+def assert_all_combined(proc, n: int, calls: int):
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    for r in range(n):
+        got = re.findall(rf"^\[rank {r}\] rank {r} call \d+: combine matches the reference$",
+                         proc.stdout, re.M)
+        assert len(got) == calls, f"rank {r}: {len(got)} of {calls} calls matched\n{text[-6000:]}"
+
+
+@pytest.mark.parametrize("n", PES)
+def test_combine_every_peer_by_shmem(n):
+    """p2p_world_size=1: every row to another PE by put, its arrival word by signal."""
+    proc = launch_combine(n, ["--n-ranks", str(n), "--p2p", "1", "--calls", "6", "--seed", "5"])
+    assert_all_combined(proc, n, 6)
+
+
+@pytest.mark.parametrize("n", [n for n in PES if n >= 4])
+def test_combine_p2p_groups_and_shmem_between_them(n):
+    """p2p_world_size=2: the group's peer by nvshmem_ptr stores, the others by SHMEM."""
+    proc = launch_combine(n, ["--n-ranks", str(n), "--p2p", "2", "--calls", "6", "--seed", "6"])
+    assert_all_combined(proc, n, 6)
+
+
+def test_combine_all_in_one_p2p_group():
+    """p2p_world_size=n_ranks: ShmemWorld's combine with no NVSHMEM call (nvshmem_ptr
+    stores only)."""
+    proc = launch_combine(2, ["--n-ranks", "2", "--p2p", "2", "--calls", "4", "--seed", "7"])
+    assert_all_combined(proc, 2, 4)
+
+
+def test_combine_200_calls():
+    proc = launch_combine(2, ["--n-ranks", "2", "--p2p", "1", "--calls", "200", "--seed", "8"])
+    assert_all_combined(proc, 2, 200)
+
+
+def combine_rounds(world, calls: int, seed: int, say=print) -> bool:
+    """``calls`` dispatch + combine rounds of this PE's ``world`` (``use_shmem``; the weights
+    on even calls, None on odd ones, a residual every fourth call). Every PE draws every
+    rank's inputs from the same seed; the expert output of slot ``(t, k)`` of source ``s`` is
+    a fixed random row ``Y[s][t, k]``, so each destination builds its rows from its own
+    ``src_info`` and each source's expectation is ``reference.combine`` over the reference
+    dispatch. Says ``rank R call C: combine matches the reference`` per call; False at the
+    first mismatch."""
+    import numpy as np
+
+    from epgen import reference, routing
+    from epgen.reference_combine import source_of_rows
+
+    cfg, me = world.cfg, world.rank
+    n, K, H, T = cfg.n_ranks, cfg.token_fmt.top_k, cfg.token_fmt.hid_dim, cfg.max_tokens_per_rank
+    rng = np.random.default_rng(seed)
+
+    def rows_of(res, Y):
+        src = source_of_rows(res)
+        if not len(src):
+            return np.zeros((0, H), np.uint16)
+        return np.stack([Y[s][t, k] for s, (t, k) in zip(src, res.src_info)])
+
+    for call in range(calls):
+        counts = [T] * n if call < 2 else [int(rng.integers(0, T + 1)) for _ in range(n)]
+        toks, ids = routing.routing(rng, cfg, counts)
+        Y = [rng.integers(0, 1 << 16, size=(T, K, H), dtype=np.uint16) & np.uint16(0xBFFF)
+             for _ in range(n)]
+        w = [rng.standard_normal((c, K)).astype(np.float32) for c in counts] \
+            if call % 2 == 0 else None
+        res = [rng.integers(0, 1 << 16, size=(c, H), dtype=np.uint16) & np.uint16(0xBFFF)
+               for c in counts] if call % 4 == 0 else None
+        ref = reference.dispatch(cfg, toks, ids)
+        got_d = world.dispatch(toks[me], ids[me])
+        problems = reference.compare(cfg, ref[me], got_d)
+        if problems:
+            say(f"rank {me} call {call}: dispatch differs: {problems[:3]}")
+            return False
+        got = world.combine(rows_of(got_d, Y), None if w is None else w[me],
+                            None if res is None else res[me])
+        want = reference.combine(cfg, ref, [rows_of(r, Y) for r in ref], w, residual=res,
+                                 n_tokens=counts)[me]
+        if got.shape != want.shape or not np.array_equal(got, want):
+            bad = np.count_nonzero(got != want) if got.shape == want.shape else got.shape
+            say(f"rank {me} call {call}: combine differs ({bad})")
+            return False
+        say(f"rank {me} call {call}: combine matches the reference")
+    return True
+
+
+def combine_config(n: int, p2p: int):
+    """The small preset with ``use_shmem``, ``n`` ranks in P2P groups of ``p2p``."""
+    from epgen import presets
+
+    table = {**presets.preset_data("small"), "n_ranks": n, "p2p_world_size": p2p,
+             "use_shmem": True}
+    if n >= 8:
+        table["n_sms"] = N_SMS_8_PES
+    return presets.config_from_dict(table)
+
+
+def combine_pe(argv: list[str]) -> int:
+    """One PE's program (``combine_rounds`` in a ``ShmemWorld``): exit status 0 when every
+    call matched."""
+    import argparse
+
+    import epgen
+
+    ap = argparse.ArgumentParser(prog="test_shmem_gpu.py combine")
+    ap.add_argument("--n-ranks", type=int, required=True)
+    ap.add_argument("--p2p", type=int, required=True)
+    ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    with epgen.ShmemWorld(combine_config(args.n_ranks, args.p2p)) as world:
+        ok = combine_rounds(world, args.calls, args.seed,
+                            say=lambda line: print(line, flush=True))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["combine"]:
+        sys.exit("usage: test_shmem_gpu.py combine --n-ranks N --p2p P [--calls C] [--seed S]")
+    sys.exit(combine_pe(sys.argv[2:]))

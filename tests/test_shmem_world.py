@@ -8,6 +8,7 @@ step (each enqueues, then the machine runs both); on the GPU each PE is its own 
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 
 import numpy as np
@@ -31,9 +32,13 @@ def small(**changes):
 
 
 class FakePool(Pool):
+    """A PE's symmetric heap: ``allocs``, what ``SymmetricMachine`` allocated from it, in
+    order (the same order on every PE, as ``nvshmem_malloc`` requires)."""
+
     def __init__(self, log):
         super().__init__(0, ())
         self.log = log
+        self.allocs = []
 
     def free_all(self):
         self.log.append("free_all")
@@ -44,6 +49,7 @@ class FakeHost:
 
     def __init__(self, log, null_peers=()):
         self.log, self.worlds, self.null_peers = log, {}, set(null_peers)
+        self.pools = {}
 
     def view(self, pe):
         return _HostView(self, pe)
@@ -63,7 +69,9 @@ class _HostView:
         self.initialized = True
 
     def symmetric_resource(self):
-        return FakePool(self.shared.log)
+        pool = FakePool(self.shared.log)
+        self.shared.pools[self.pe] = pool
+        return pool
 
     def ptr(self, p, pe):
         if pe in self.shared.null_peers:
@@ -75,6 +83,11 @@ class _HostView:
         for attr in SYMMETRIC:
             if getattr(me.ranks[0], attr).ptr == p:
                 return getattr(peer.ranks[0], attr).ptr
+        # later symmetric allocations (the combine's): the same allocation of the peer's heap
+        mine, theirs = self.shared.pools[self.pe].allocs, self.shared.pools[pe].allocs
+        for i, a in enumerate(mine):
+            if a.ptr <= p < a.ptr + a.nbytes and i < len(theirs):
+                return theirs[i].ptr + (p - a.ptr)
         raise AssertionError(f"nvshmem_ptr of a non-symmetric address {p:#x}")
 
     def finalize(self):
@@ -418,3 +431,217 @@ def test_bench_run_on_one_simulated_rank(monkeypatch):
     assert "median 10.0 us" in lines[0]
     assert sum(1 for e in log if e == ("barrier", 0, "bench")) == 2 * 4
     assert made[0]._closed
+
+
+# ---- combine ------------------------------------------------------------------------------------
+
+class SymmetricMachine(sim_backend.Machine):
+    """A ``backends.sim.Machine`` that records each allocation from a ``FakePool`` in it."""
+
+    def zeros(self, shape, dtype, device=None, stream=None, memory_resource=None):
+        a = super().zeros(shape, dtype, device, stream, memory_resource)
+        if isinstance(memory_resource, FakePool):
+            memory_resource.allocs.append(a)
+        return a
+
+    def to_device(self, host, device=None, stream=None, memory_resource=None):
+        a = super().to_device(host, device, stream, memory_resource)
+        if isinstance(memory_resource, FakePool):
+            memory_resource.allocs.append(a)
+        return a
+
+
+def collectively(machine, worlds, calls):
+    """``calls[i]()`` (PE i's call) in a thread per PE, one thread at a time, as if each PE
+    were its own process: a world's ``synchronize`` is collective (when every PE still
+    running has reached one, every launch queued by all of them runs, as their GPUs would
+    run them at once); host copies do not run the queue meanwhile (each PE's copies touch
+    only its own buffers). Returns ``(results, errors)`` per PE."""
+    import threading
+
+    n = len(worlds)
+    cond = threading.Condition()
+    state = {"running": n, "waiting": 0, "generation": 0}
+    real_drain = machine.drain
+
+    def release_if_all_wait():
+        if state["waiting"] and state["waiting"] == state["running"]:
+            real_drain()
+            state["waiting"] = 0
+            state["generation"] += 1
+            cond.notify_all()
+
+    def sync():
+        state["waiting"] += 1
+        gen = state["generation"]
+        release_if_all_wait()
+        while state["generation"] == gen:
+            if not cond.wait(timeout=300):
+                raise TimeoutError("collectively: a PE never reached its synchronize")
+    out, errors = [None] * n, [None] * n
+
+    def worker(i):
+        with cond:
+            try:
+                out[i] = calls[i]()
+            except BaseException as e:      # noqa: BLE001 (reported to the test)
+                errors[i] = e
+            state["running"] -= 1
+            release_if_all_wait()
+    machine.drain = lambda: None
+    for w in worlds:
+        w.synchronize = sync
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        machine.drain = real_drain
+        for w in worlds:
+            del w.synchronize
+    return out, errors
+
+
+def combine_all(machine, worlds, ys, w=None, res=None):
+    out, errors = collectively(machine, worlds, [
+        (lambda i=i: worlds[i].combine(ys[i], None if w is None else w[i],
+                                       None if res is None else res[i]))
+        for i in range(len(worlds))])
+    for e in errors:
+        if e is not None:
+            raise e
+    return out
+
+
+COMBINE_CFGS = {"p2p": {}, "shmem_p2p1": {"use_shmem": True, "p2p_world_size": 1}}
+
+
+@pytest.mark.parametrize("flags", COMBINE_CFGS.values(), ids=list(COMBINE_CFGS))
+def test_two_pes_combine_matches_the_reference(flags, seed):
+    """Each PE combines its own part (the other PE's kernels running alongside): bit for bit
+    ``reference.combine``, weights and None, a residual, back-to-back calls; the combine
+    buffers are symmetric allocations, the table entry of a remote PE is this PE's own
+    address, of an in-group PE its ``nvshmem_ptr``."""
+    from combine_checks import expert_outputs, weights
+
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4, **flags)
+    machine = SymmetricMachine(seed)
+    log = []
+    worlds = make_worlds(cfg, machine, log)
+    rng = np.random.default_rng(seed)
+    H = cfg.token_fmt.hid_dim
+    for call in range(2):
+        toks, ids = routing.routing(rng, cfg, [cfg.max_tokens_per_rank, 3 - call])
+        results = round_trip(worlds, machine, toks, ids)
+        ys = expert_outputs(rng, cfg, results)
+        wt = weights(rng, cfg, ids)
+        res = [rng.integers(0, 1 << 16, size=(len(i), H), dtype=np.uint16) & np.uint16(0xBFFF)
+               for i in ids]
+        cases = [("weighted", wt, None), ("unreduced", None, None), ("residual", wt, res)]
+        for what, w, rr in cases:
+            got = combine_all(machine, worlds, ys, w, rr)
+            want = reference.combine(cfg, results, ys, w, residual=rr,
+                                     n_tokens=[len(i) for i in ids])
+            for r in range(2):
+                assert got[r].shape == want[r].shape and np.array_equal(got[r], want[r]), \
+                    f"seed {seed} call {call} {what} rank {r}"
+    assert sum(1 for e in log if e == ("barrier", 0, "combine-ready")) == 1
+    for w in worlds:
+        comb, pool = w._combiner, w.pool
+        b = comb.bufs[0]
+        for attr in ("recv", "arrival", "expert_out"):
+            assert any(a.ptr == getattr(b, attr).ptr for a in pool.allocs), attr
+        for attr in ("weights", "residual", "out"):
+            assert not any(a.ptr == getattr(b, attr).ptr for a in pool.allocs), attr
+        table = np.asarray(comb.recv_ptrs[0].to_host())
+        peer = worlds[1 - w.rank]._combiner.bufs[0].recv.ptr
+        assert table[w.rank] == b.recv.ptr
+        assert table[1 - w.rank] == (b.recv.ptr if cfg.needs_shmem else peer)
+    for w in worlds:
+        w.close()
+
+
+def test_combine_takes_this_ranks_own_arrays():
+    cfg = small(n_ranks=1, p2p_world_size=1, n_experts=8)
+    (w,) = make_worlds(cfg, SymmetricMachine(0), [])
+    with pytest.raises(TypeError, match="own arrays"):
+        w.combine([np.zeros((0, 256), np.uint16)])
+    w.close()
+
+
+def test_gpu_combine_program_checks_on_the_simulator(seed):
+    """The PE program of tests/test_shmem_gpu.py's combine tests (``combine_rounds``) on two
+    simulated PEs (a smaller grid): it says every call matched; and it can fail (a row of
+    every expert output altered: a mismatch reported)."""
+    import test_shmem_gpu as gpu
+
+    for n, p in [(2, 1), (4, 2)]:           # the GPU tests' configurations are valid
+        assert gpu.combine_config(n, p).needs_shmem
+    assert not gpu.combine_config(2, 2).needs_shmem
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4, use_shmem=True,
+                p2p_world_size=1)
+    machine = SymmetricMachine(seed)
+    worlds = make_worlds(cfg, machine, [])
+    said = []
+    ok, errors = collectively(machine, worlds, [
+        (lambda w=w: gpu.combine_rounds(w, 3, seed, said.append)) for w in worlds])
+    assert errors == [None, None] and ok == [True, True], (errors, said)
+    assert sorted(said) == sorted(f"rank {r} call {c}: combine matches the reference"
+                                  for r in range(2) for c in range(3))
+    real = worlds[0].combine
+    worlds[0].combine = lambda y, *a: real(y ^ np.uint16(1), *a)
+    said.clear()
+    ok, errors = collectively(machine, worlds, [
+        (lambda w=w: gpu.combine_rounds(w, 1, seed, said.append)) for w in worlds])
+    assert errors == [None, None] and False in ok, said
+    assert any("combine differs" in line for line in said), said
+    for w in worlds:
+        w.close()
+
+
+def test_combine_corrupted_row_for_a_remote_pe_is_reported_after_the_barrier(seed):
+    """PE 1 corrupts a row whose source is PE 0 (a put): PE 1's combine raises
+    ``EPInputError`` naming it after meeting PE 0 at the call barrier (the kernels finished on
+    both), PE 0's call returns; the next call of both is exact."""
+    from combine_checks import expert_outputs, weights
+    from epgen.errors import EPInputError
+    from epgen.reference_combine import source_of_rows
+
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4, use_shmem=True,
+                p2p_world_size=1)
+    T = cfg.max_tokens_per_rank
+    machine = SymmetricMachine(seed)
+    log = []
+    worlds = make_worlds(cfg, machine, log)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        toks, ids = routing.routing(rng, cfg, [T, T])
+        results = round_trip(worlds, machine, toks, ids)
+        remote = np.flatnonzero(source_of_rows(results[1]) == 0)
+        if len(remote):
+            break
+    assert len(remote), f"seed {seed}: no row from PE 0 to PE 1 in 20 routings"
+    ys = expert_outputs(rng, cfg, results)
+    row = int(rng.choice(remote))
+    bad = results[1].src_info.copy()
+    bad[row] = (T, 0)
+    del log[:]
+    out, errors = collectively(machine, worlds, [
+        lambda: worlds[0].combine(ys[0], None),
+        lambda: worlds[1].combine(ys[1], None, _src_info=bad)])
+    assert errors[0] is None and out[0].shape == (T, cfg.token_fmt.top_k, 256)
+    assert isinstance(errors[1], EPInputError), errors
+    assert re.search(rf"rank 1 src_info\[{row}\] = \({T}, 0\)", str(errors[1]))
+    assert sorted(e for e in log if e[0] == "barrier" and e[2] == "call") == \
+        [("barrier", 0, "call"), ("barrier", 1, "call")]
+    toks, ids = routing.routing(rng, cfg, [T, T])
+    results = round_trip(worlds, machine, toks, ids)
+    ys = expert_outputs(rng, cfg, results)
+    w = weights(rng, cfg, ids)
+    got = combine_all(machine, worlds, ys, w)
+    for r, want in enumerate(reference.combine(cfg, results, ys, w)):
+        assert np.array_equal(got[r], want), f"seed {seed} rank {r} after the error"
+    for w_ in worlds:
+        w_.close()

@@ -30,11 +30,8 @@ def build_combine_module(cfg) -> ir.Module:
     dispatch module is unchanged: ``ep_combine_async``, ``ep_combine_wait`` and the fused
     single launch ``ep_combine``; with ``fused_shared_expert`` only ``ep_combine`` (as for
     dispatch: only the fused kernels take the shared expert). Every dispatch format (the
-    expert outputs are BF16), every layout, ``skip_a2a``; over P2P only (``use_shmem`` with
-    destinations outside the P2P group is refused); ``hid_dim`` a multiple of 8."""
-    if cfg.needs_shmem:
-        raise ValueError("combine: only P2P transport is built so far (not use_shmem with "
-                         "destinations outside the P2P group)")
+    expert outputs are BF16), every layout, ``skip_a2a``; over P2P, and NVSHMEM to the sources outside a P2P
+    group (``use_shmem``); ``hid_dim`` a multiple of 8."""
     check_hid_dim(cfg)
     if cfg.n_ranks > cfg.layout.combine_rank_completion_region.size:
         raise ValueError(f"combine: n_ranks={cfg.n_ranks} exceeds the "

@@ -13,7 +13,8 @@ over the rows of every block of one source across the whole grid; each row's ``s
 max_tokens_per_rank``, ``0 <= k < K``) and a row outside is reported into the error buffer
 (a ``diag.BOUNDS_MAGIC`` record: the row, ``t`` and ``k``) and not written; else its ``H *
 2`` bytes go, in 16-byte vectors, to slot ``(t, k)`` of source ``s``'s combine receive
-buffer ``[max_tokens_per_rank, K, H]`` through the peer pointer table.
+buffer ``[max_tokens_per_rank, K, H]`` through the peer pointer table (under the SHMEM
+transport, to a source outside the P2P group, by NVSHMEM: ``combine_shmem``).
 
 Completion, per source ``s``: each warp, after its rows to ``s`` (``bar.warp.sync``), adds
 one to this rank's done counter ``s`` (``atom.acq_rel.sys.add``, combine rank-completion
@@ -32,7 +33,8 @@ from ir import AtomOp, Scope, Sem, diag
 from ir import types as T
 
 from ..combine_layout import CombineLayout
-from .common import load_pointer, warp_copy, word
+from .combine_shmem import complete_puts, publish_arrival, send_row
+from .common import load_pointer, word
 
 KERNEL_NAME = "ep_combine_async"
 
@@ -121,15 +123,15 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
                     slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
                     dst = r.let("dst_row", dst_buf + slot * row_bytes, peer=True)
                     src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
-                    warp_copy(r, dst, src, n_vec, tag="cb")
+                    send_row(r, cfg, p, s, dst, src, row_bytes, n_vec)
+        complete_puts(r, cfg, p, s)
         r.warp_sync()
         with r.if_(r.lane.eq(0)):
             old = r.atomic(AtomOp.ADD, word(p.counters, done_base + s), 1, Sem.ACQ_REL,
                            Scope.SYS, name="done_old")
             with r.if_((old + 1).eq(nwarps)):
                 r.store(word(p.counters, done_base + s), 0)
-                arr = load_pointer(r, p.arrival_ptrs, s, f"arr{s}")
-                r.store(word(arr, sender), rows_to_s + 1, Sem.RELEASE, Scope.SYS)
+                publish_arrival(r, cfg, p, s, rows_to_s + 1, sender)
 
 
 def build_combine_async(cfg) -> ir.Kernel:

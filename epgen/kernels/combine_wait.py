@@ -16,6 +16,9 @@ row give zero).
 Re-arming: after its wait each block adds one to the block counter (word 0 of the combine
 wait region, ``atom.acq_rel.gpu.add``); the last block re-arms the arrival words and the
 counter to 0, after every block of this call has seen them.
+
+The arrival words are u32, or u64 under the SHMEM transport (a signal sets a u64 word:
+``CombineLayout.arrival_word_bytes``).
 """
 
 from __future__ import annotations
@@ -103,17 +106,20 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
     """Threads ``d < R`` wait for arrival word ``d``; barrier; abort check; the last block to
     pass re-arms the words (module docstring)."""
     R = cfg.n_ranks
-    ctr = word(p.counters, CombineLayout(cfg).wait_counter_offset)
+    clay = CombineLayout(cfg)
+    ctr = word(p.counters, clay.wait_counter_offset)
+    nbytes = clay.arrival_word_bytes          # u64 words under the SHMEM transport
+    dtype = T.u64 if nbytes == 8 else T.u32
     with r.if_(r.tid < R):
-        r.spin_wait(word(p.arrival, r.tid), T.u32, CmpOp.NE, 0, buffer="combine_arrival",
-                    index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)
+        r.spin_wait(word(p.arrival, r.tid, nbytes), dtype, CmpOp.NE, 0,
+                    buffer="combine_arrival", index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)
     r.syncthreads()
     exit_if_aborted(r, p.err_buf)
     with r.if_(r.tid.eq(0)):
         old = r.atomic(AtomOp.ADD, ctr, 1, Sem.ACQ_REL, Scope.GPU, name="wait_old")
         with r.if_((old + 1).eq(r.n_blocks)):
             for d in range(R):
-                r.store(word(p.arrival, d), 0)
+                r.store(word(p.arrival, d, nbytes), ir.Const(0, dtype))
             r.store(ctr, 0)
 
 

@@ -1,7 +1,8 @@
-"""The combine round trip of an ``EmulatedWorld`` (docs/combine.md): per-rank combine buffers,
-their peer pointer tables, the launches (the split ``ep_combine_async`` + ``ep_combine_wait``,
-or the fused ``ep_combine`` when the world runs the fused dispatch) and the results. Every
-dispatch format and layout, ``skip_a2a`` and ``fused_shared_expert``; P2P only."""
+"""The combine round trip of a world (docs/combine.md): per-rank combine buffers, their
+pointer tables, the launches (the split ``ep_combine_async`` + ``ep_combine_wait``, or the
+fused ``ep_combine`` when the world runs the fused dispatch) and the results. Every dispatch
+format and layout, ``skip_a2a`` and ``fused_shared_expert``; P2P peer stores, and NVSHMEM
+to the sources outside a P2P group (``use_shmem``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 from ir import diag
 
 from ..combine_layout import CombineLayout
-from ..errors import EPInputError
+from ..errors import EPInputError, EPTimeoutError
 from ..formats.bf16_codec import bf16_bits
 from ..kernels import build_combine_module
 from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
@@ -29,8 +30,6 @@ def check_supported(cfg) -> None:
     if cfg.token_fmt.hid_dim % 8:
         why.append(f"hid_dim={cfg.token_fmt.hid_dim} (must be a multiple of 8: the reduce "
                    f"reads 16-byte chunks of 8 BF16 elements)")
-    if cfg.needs_shmem:
-        why.append("use_shmem with destinations outside the P2P group (not yet)")
     if why:
         raise ValueError("world.combine: not supported for this configuration: "
                          + "; ".join(why))
@@ -38,18 +37,26 @@ def check_supported(cfg) -> None:
 
 class CombineBuffers:
     """One rank's combine buffers: the receive buffer ``[max_tokens_per_rank, K, H]`` BF16
-    (plus ``GUARD_BYTES``) and the ``R`` arrival words (both peer-visible), the expert
-    outputs, the weights and the output."""
+    (plus ``GUARD_BYTES``) and the ``R`` arrival words (u32, or u64 under the SHMEM
+    transport), which peers write, the expert outputs (the source of the SHMEM puts), the
+    weights, the residual and the output. ``peer_memory``: where the peer-written buffers
+    come from (a peer-accessible pool, ``P2PWorld``; the symmetric heap, ``ShmemWorld``);
+    ``send_memory``: where the expert outputs come from (the symmetric heap, ``ShmemWorld``);
+    None: the device's default memory."""
 
-    def __init__(self, cuda, cfg, rk):
+    def __init__(self, cuda, cfg, rk, peer_memory=None, send_memory=None):
         fmt, lay = cfg.token_fmt, cfg.layout
         T, K, H = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim
-        z = lambda shape, dt: cuda.zeros(shape, dt, device=rk.device, stream=rk.stream)  # noqa: E731
+
+        def z(shape, dt, memory=None):
+            kw = {} if memory is None else {"memory_resource": memory}
+            return cuda.zeros(shape, dt, device=rk.device, stream=rk.stream, **kw)
         clay = CombineLayout(cfg)
         self.recv_bytes = clay.recv_bytes
-        self.recv = z(self.recv_bytes + GUARD_BYTES, np.uint8)
-        self.arrival = z(clay.arrival_words, np.uint32)
-        self.expert_out = z((lay.max_out_rows, H), np.uint16)
+        self.recv = z(self.recv_bytes + GUARD_BYTES, np.uint8, peer_memory)
+        self.arrival = z(clay.arrival_words,
+                         np.uint64 if clay.arrival_word_bytes == 8 else np.uint32, peer_memory)
+        self.expert_out = z((lay.max_out_rows, H), np.uint16, send_memory)
         self.weights = z((T, K), np.float32)
         self.residual = z((T, H), np.uint16)
         self.out = z(T * K * H, np.uint16)
@@ -60,21 +67,20 @@ def combine_sizes(cfg) -> dict:
     return CombineLayout(cfg).describe()
 
 
-def p2p_peers(cfg, index: int, n: int) -> range:
-    """The participant indices in participant ``index``'s pointer tables (``n``
-    participants): its P2P group (``p2p_world_size`` consecutive ranks), which under
-    ``skip_a2a`` (``p2p_world_size = 1``) is the device alone."""
-    P = cfg.p2p_world_size
-    first = (index // P) * P
-    return range(first, min(first + P, n))
-
-
 class Combiner:
     """The combine side of a world: built on first use (``world.combine``); ``co_resident``:
     the world's rule for grids that must all be resident (``world.co_resident``). ``fused``
     follows the world's dispatch (``world.fused``): the fused ``ep_combine`` when dispatch
     runs the fused ``ep_dispatch`` (always with ``fused_shared_expert``), else the split
-    kernels."""
+    kernels.
+
+    The placement hooks (``_load``, ``_memory``, ``_peer_address``, ``_program_of``) are
+    those of one process that holds every rank (``EmulatedWorld``); ``P2PWorld`` and
+    ``ShmemWorld`` override them. Entry ``q`` of rank ``r``'s tables (``recv_ptrs``,
+    ``arrival_ptrs``: one entry per source) is ``q``'s buffer as ``r`` reaches it when ``q`` is
+    in ``r``'s P2P group, and ``r``'s own buffer otherwise: the symmetric address the kernel's
+    NVSHMEM calls name (``kernels.combine_shmem``). Under ``skip_a2a`` each device is its own
+    world: its tables hold its own buffers alone."""
 
     def __init__(self, world, co_resident):
         cfg = world.cfg
@@ -83,18 +89,14 @@ class Combiner:
         self.fused = bool(world.fused)
         module = co_resident(build_combine_module(cfg), len(world.rank_ids) * cfg.n_sms,
                              world.cuda.sm_count(world.device))
-        self.program = Program(module, arch=world.program.arch, device=world.device,
-                               backend=world.cuda)
+        self._load(module)
         if self.fused:
             self._check_capacity()
-        self.bufs = [CombineBuffers(world.cuda, cfg, rk) for rk in world.ranks]
+        self.bufs = [CombineBuffers(world.cuda, cfg, rk, **self._memory(rk))
+                     for rk in world.ranks]
         world.synchronize()
-        n = len(world.ranks)
-        table = lambda attr, r: world.cuda.to_device(  # noqa: E731
-            np.array([getattr(self.bufs[q], attr).ptr for q in p2p_peers(cfg, r, n)],
-                     np.uint64), device=world.ranks[r].device)
-        self.recv_ptrs = [table("recv", r) for r in range(len(world.ranks))]
-        self.arrival_ptrs = [table("arrival", r) for r in range(len(world.ranks))]
+        self._register_symmetric()
+        self.build_tables()
         self.weighted = self.has_residual = False    # set by ``load``
 
     def _check_capacity(self):
@@ -110,6 +112,76 @@ class Combiner:
                 f"{C_FUSED} need {need} co-resident blocks, but this GPU holds "
                 f"{per_sm * sms} ({per_sm} per SM x {sms} SMs at "
                 f"num_threads={cfg.num_threads}); lower n_sms or num_threads")
+
+    # -- placement hooks ---------------------------------------------------------------------
+    def _load(self, module):
+        """Load ``module`` (``self.program``; one GPU)."""
+        w = self.world
+        self.program = Program(module, arch=w.program.arch, device=w.device, backend=w.cuda)
+
+    def _program_of(self, rk):
+        """The ``Program`` that launches rank ``rk``'s combine kernels."""
+        return self.program
+
+    def _memory(self, rk) -> dict:
+        """``CombineBuffers``' memory resources for rank ``rk`` (default memory)."""
+        return {}
+
+    def _peer_address(self, i: int, q: int, attr: str) -> int:
+        """The address of rank ``q``'s buffer ``attr`` as ``ranks[i]`` reaches it (one
+        address space: the buffer's own)."""
+        return getattr(self.bufs[self.world.rank_ids.index(q)], attr).ptr
+
+    # -- tables ------------------------------------------------------------------------------
+    def build_tables(self):
+        """Every rank's ``recv_ptrs`` and ``arrival_ptrs`` (class docstring)."""
+        n = len(self.world.ranks)
+        self.recv_ptrs = [self._table(i, "recv") for i in range(n)]
+        self.arrival_ptrs = [self._table(i, "arrival") for i in range(n)]
+
+    def _table(self, i: int, attr: str):
+        w, cfg = self.world, self.world.cfg
+        r, P = w.ranks[i].rank, cfg.p2p_world_size
+        own = getattr(self.bufs[i], attr).ptr
+        if cfg.skip_a2a:
+            return w.cuda.to_device(np.array([own], np.uint64), device=w.ranks[i].device)
+        ptrs = [self._peer_address(i, q, attr) if not cfg.needs_shmem or q // P == r // P
+                else own for q in range(cfg.n_ranks)]
+        return w.cuda.to_device(np.array(ptrs, np.uint64), device=w.ranks[i].device)
+
+    def _register_symmetric(self):
+        """On the simulator, under the SHMEM transport: every rank's receive buffer and
+        arrival words with the machine's symmetric heap (``backends.sim.shmem``), so a put or
+        signal to this rank's own address lands at the same offset of the target PE's."""
+        w = self.world
+        if not w.cfg.needs_shmem or not getattr(w.cuda, "RUNS_IR", False):
+            return
+        heap = w.cuda.symmetric_heap()
+        for rk, b in zip(w.ranks, self.bufs):
+            for name in ("recv", "arrival"):
+                buf = getattr(b, name)
+                heap.register(rk.rank, f"combine_{name}", buf.ptr, buf.nbytes)
+
+    # -- errors ------------------------------------------------------------------------------
+    def _errs(self) -> list:
+        """The world's error buffers (one per GPU of ``P2PWorld``), each once."""
+        out = {}
+        for rk in self.world.ranks:
+            err = self.world._err_of(rk)
+            out.setdefault(id(err), err)
+        return list(out.values())
+
+    def _raise_timeouts(self):
+        """After the synchronise: one ``EPTimeoutError`` with every error buffer's records
+        if any wait expired (each used buffer re-armed)."""
+        records, expired = [], False
+        for err in self._errs():
+            got = err.take(self.program.module.kernels)
+            if got is not None:
+                expired = True
+                records += got
+        if expired:
+            raise EPTimeoutError(records, "combine")
 
     def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
         """One combine of the world's last dispatch (module docstring of ``world.combine``):
@@ -181,19 +253,19 @@ class Combiner:
             for i, rk in enumerate(w.ranks):
                 for ev in done:
                     rk.stream.wait(ev)
-                self.program.launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
+                self._program_of(rk).launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
                 rk.wait_done = w.cuda.record_event(rk.stream)
             return
         events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in done:
                 rk.stream.wait(ev)
-            self.program.launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
+            self._program_of(rk).launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in events:
                 rk.stream.wait(ev)
-            self.program.launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
+            self._program_of(rk).launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 
     def async_args(self, i: int) -> dict:
@@ -203,7 +275,7 @@ class Combiner:
         return {"expert_out": b.expert_out, "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
-                "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}
+                "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns}
 
     def wait_args(self, i: int) -> dict:
         """``ep_combine_wait``'s launch arguments for rank index ``i`` (the last ``load``'s
@@ -214,7 +286,7 @@ class Combiner:
                 "weights": b.weights, "weighted": int(self.weighted),
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
-                "my_rank": rk.rank, "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns}
+                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns}
 
     def fused_args(self, i: int) -> dict:
         """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
@@ -235,7 +307,7 @@ class Combiner:
         w.synchronize()
         self._raise_bounds()
         try:
-            w.err.check(self.program.module.kernels, "combine")
+            self._raise_timeouts()
         except Exception:
             self._rearm()
             w.reset()
@@ -250,12 +322,16 @@ class Combiner:
         return out
 
     def _raise_bounds(self):
-        """``EPInputError`` naming every row combine_async refused (bounds records)."""
-        words = self.world.err.array.to_host()
-        recs = diag.decode_bounds(words)
+        """``EPInputError`` naming every row combine_async refused (bounds records of every
+        error buffer)."""
+        recs = []
+        for err in self._errs():
+            got = diag.decode_bounds(err.array.to_host())
+            if got:
+                recs += got
+                err.array.zero()
         if not recs:
             return
-        self.world.err.array.zero()
         self.world.synchronize()
         rows = "; ".join(f"rank {r['rank']} src_info[{r['row']}] = ({r['t']}, {r['k']})"
                          for r in recs)

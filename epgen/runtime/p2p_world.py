@@ -46,6 +46,11 @@ a round trip, the ordering between calls, re-arming, results) is ``RankWorld``
   atomic between GPUs.
 - **Inputs**: host arrays are copied to each rank's GPU; a device array given for rank ``r``
   must live on rank ``r``'s GPU (checked before anything is copied).
+- **Combine** (``combine``, docs/combine.md): the combine kernels are loaded once per GPU as
+  the dispatch kernels are; each rank's combine receive buffer and arrival words come from
+  its GPU's peer-accessible pool (its P2P peers write them), the rest is local; every rank's
+  tables hold its P2P peers' buffers (and, for a source outside the group on the simulator's
+  SHMEM model, its own). The grids are checked for residency per GPU as above.
 """
 
 from __future__ import annotations
@@ -54,12 +59,15 @@ import operator
 
 from ..errors import EPTimeoutError
 from ..kernels import build_module
+from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
+from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .program import Program
-from .world import CapacityError, GenerationCounter, RankWorld, _Rank, p2p_group
+from .world import CapacityError, GenerationCounter, RankWorld, _Rank, co_resident, p2p_group
 
 
 class PeerAccessError(RuntimeError):
@@ -221,6 +229,17 @@ class P2PWorld(RankWorld):
         for d in self.device_ids:        # the tables' and error buffers' default-stream copies
             cuda.get_device(d).sync()
 
+    # -- combine -----------------------------------------------------------------------------
+    def combine(self, expert_outputs, topk_weights=None, residual=None, *, _src_info=None):
+        """Combine the last ``dispatch``, as ``EmulatedWorld.combine`` (docs/combine.md):
+        per rank ``expert_outputs[d]`` ``[rows, H]`` BF16, ``topk_weights[s]`` ``[T, K]``
+        float32 or None, ``residual[s]`` ``[T, H]`` BF16 or None; returns per rank its
+        ``[T, H]`` (or unreduced ``[T, K, H]``) BF16 bits. ``_src_info``: test hook
+        (``runtime.combine.Combiner.run``)."""
+        if getattr(self, "_combiner", None) is None:
+            self._combiner = P2PCombiner(self)
+        return self._combiner.run(expert_outputs, topk_weights, residual, src_info=_src_info)
+
     # -- RankWorld hooks -----------------------------------------------------------------------
     def _program_of(self, rk):
         return self.programs[rk.device]
@@ -261,3 +280,38 @@ class P2PWorld(RankWorld):
                                      f"rank {r} runs on GPU {self.devices[r]}: pass each "
                                      f"rank's tokens on its own GPU (or as a host array)")
         super().load_inputs(tokens, topk_ids)
+
+
+class P2PCombiner(Combiner):
+    """The combine of a ``P2PWorld``: one ``Program`` per GPU (lowered once per
+    architecture), the peer-written buffers in each GPU's peer-accessible pool, the residency
+    of every GPU's combine grids checked (``CapacityError``)."""
+
+    def __init__(self, world: P2PWorld):
+        cfg = world.cfg
+        share = max(world.devices.count(d) for d in world.device_ids)
+        super().__init__(world, lambda module, _blocks, sms: co_resident(
+            module, share * cfg.n_sms, sms))
+
+    def _load(self, module):
+        w = self.world
+        self.programs, by_arch = {}, {}
+        for d in w.device_ids:
+            a = w.programs[d].arch
+            first = by_arch.get(a)
+            self.programs[d] = Program(module, arch=a, device=d,
+                                       ptx=first.ptx if first is not None else None,
+                                       backend=w.cuda)
+            by_arch.setdefault(a, self.programs[d])
+        self.program = self.programs[w.devices[0]]
+        problems = residency_problems(
+            w.cfg, w.devices, (C_ASYNC, C_WAIT),
+            lambda name, d: self.programs[d].blocks_per_sm(name), w.cuda.sm_count)
+        if problems:
+            raise CapacityError("P2PWorld.combine: " + "; ".join(problems))
+
+    def _program_of(self, rk):
+        return self.programs[rk.device]
+
+    def _memory(self, rk) -> dict:
+        return {"peer_memory": self.world.pools[rk.device]}

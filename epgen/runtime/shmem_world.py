@@ -30,6 +30,13 @@ re-arming, results) is ``RankWorld`` (``world.py``) with one rank; this module a
 - **Host barriers**: after setup (every PE's buffers armed before any kernel writes to
   them), after every call (no PE's next call may write a receive buffer a peer is still
   draining: across processes there are no shared events) and at ``close``.
+- **Combine** (``combine``, docs/combine.md): this rank's expert outputs, weights and
+  residual in, its reduced tokens out. The combine receive buffer, the arrival words and the
+  expert outputs (the source of the puts) come from ``nvshmem_malloc`` too, allocated on
+  every PE's first ``combine`` in the same order; the P2P group's tables hold their
+  ``nvshmem_ptr`` addresses, the other entries this PE's own (the symmetric address of a
+  put or signal). A host barrier follows the allocation (every PE's words armed before any
+  peer writes them) and every call, as for dispatch.
 - **Failures**: a peer that dies or never starts leaves the others' bounded waits to expire:
   ``dispatch`` raises ``EPTimeoutError`` (as in the other worlds) and the world can still be
   closed; a barrier that a peer never reaches raises ``BootstrapTimeoutError`` naming it.
@@ -52,17 +59,20 @@ import numpy as np
 from backends.cuda.nvshmem_host import NvshmemHost
 
 from .. import reference
-from ..errors import EPTimeoutError
+from ..errors import EPInputError, EPTimeoutError
 from ..kernels import build_module
+from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
+from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from . import bootstrap as bootstrap_mod
 from . import trace as runtime_trace
+from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .p2p_world import PeerAccessError
 from .program import Program
-from .world import CapacityError, GenerationCounter, RankWorld, _Rank, p2p_group
+from .world import CapacityError, GenerationCounter, RankWorld, _Rank, co_resident, p2p_group
 
 #: set before NVSHMEM initialises, where the environment does not say otherwise
 NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
@@ -249,11 +259,25 @@ class ShmemWorld(RankWorld):
                 f"by SHMEM puts) or place the group on GPUs with an NVLink/PCIe peer path")
         return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.device)
 
+    def _peer_ptr(self, ptr: int, q: int) -> int:
+        """``nvshmem_ptr`` of this PE's symmetric address ``ptr`` on PE ``q`` of its P2P
+        group (its own: ``ptr``); NULL is a ``PeerAccessError``."""
+        p = ptr if q == self.rank else self.host.ptr(ptr, q)
+        if not p:
+            raise PeerAccessError(
+                f"ShmemWorld: rank {self.rank} cannot load and store the memory of PE {q} "
+                f"of its P2P group (nvshmem_ptr is NULL): a P2P group (p2p_world_size="
+                f"{self.cfg.p2p_world_size}) needs peer access between its GPUs; lower "
+                f"p2p_world_size (use_shmem=True reaches the others by SHMEM puts) or place "
+                f"the group on GPUs with an NVLink/PCIe peer path")
+        return p
+
     def _build_pointer_tables(self):
         r = self.rank
         self.recv_buf_ptrs = {r: self._pointer_table(r, "recv_buf")}
         self.recv_count_ptrs = {r: self._pointer_table(r, "recv_count")}
         self.final_ptrs = {r: self._final_layout_tables(r)}
+        self._register_symmetric()
         runtime_trace.allocate(self)
 
     # -- the per-rank API --------------------------------------------------------------------------
@@ -297,6 +321,24 @@ class ShmemWorld(RankWorld):
             g, res = super(ShmemWorld, self).dispatch_replayed(tokens, topk_ids, graph)
             return g, res[0]
         return self._after_call(run)
+
+    def combine(self, expert_out, topk_weights=None, residual=None, *, _src_info=None):
+        """Combine this PE's part of the last ``dispatch`` (every PE calls it; docs/combine.md):
+        ``expert_out`` ``[rows, H]`` BF16, one row per row of this rank's grouped output;
+        ``topk_weights`` ``[T, K]`` float32 or None; ``residual`` ``[T, H]`` BF16 or None.
+        Returns this rank's ``[T, H]`` BF16 bits (None weights: the unreduced ``[T, K, H]``),
+        as ``reference.combine(cfg, ...)[rank]``, after a host barrier of every PE.
+        ``_src_info``: test hook, this rank's replacement ``src_info``."""
+        self._require_open()
+        if any(isinstance(a, (list, tuple)) for a in (expert_out, topk_weights, residual)):
+            raise TypeError("ShmemWorld: combine takes this rank's own arrays (expert_out, "
+                            "topk_weights, residual), not a list per rank")
+        if getattr(self, "_combiner", None) is None:
+            self._combiner = ShmemCombiner(self)
+            self.bootstrap.barrier(f"w{self.index}-combine-ready")
+        one = lambda a: None if a is None else [a]  # noqa: E731
+        return self._after_call(lambda: self._combiner.run(
+            [expert_out], one(topk_weights), one(residual), src_info=one(_src_info))[0])
 
     def barrier(self, name: str = "user") -> None:
         """A host barrier of every PE (the bootstrap's)."""
@@ -356,3 +398,45 @@ class ShmemWorld(RankWorld):
             warnings.warn("ShmemWorld was not closed: its symmetric buffers are freed only "
                           "by close() (use 'with ShmemWorld(cfg) as world:')",
                           ResourceWarning, stacklevel=1)
+
+
+class ShmemCombiner(Combiner):
+    """The combine of a ``ShmemWorld`` (its one rank): the module loaded (and, when it links
+    NVSHMEM, ``nvshmemx_cumodule_init``), its grids checked for residency with the other PEs
+    of this GPU, the peer-written buffers and the expert outputs in the symmetric heap, the
+    P2P group's entries through ``nvshmem_ptr``."""
+
+    def __init__(self, world: ShmemWorld):
+        super().__init__(world, lambda module, _blocks, sms: co_resident(
+            module, world.sharers * world.cfg.n_sms, sms))
+
+    def _load(self, module):
+        w = self.world
+        super()._load(module)
+        if uses_nvshmem(self.program.ptx):
+            w.host.cumodule_init(self.program.loaded.cumodule())
+        sms = w.cuda.sm_count(w.device)
+        for name in (C_ASYNC, C_WAIT):
+            capacity = self.program.blocks_per_sm(name) * sms
+            need = w.sharers * w.cfg.n_sms
+            if need > capacity:
+                raise CapacityError(
+                    f"ShmemWorld.combine: {w.sharers} PE(s) on GPU {w.device_id} x n_sms="
+                    f"{w.cfg.n_sms} blocks of {name} need {need} co-resident blocks, but the "
+                    f"GPU holds {capacity}; lower n_sms to at most {capacity // w.sharers} "
+                    f"or num_threads")
+
+    def _memory(self, rk) -> dict:
+        return {"peer_memory": self.world.pool, "send_memory": self.world.pool}
+
+    def _peer_address(self, i: int, q: int, attr: str) -> int:
+        return self.world._peer_ptr(getattr(self.bufs[i], attr).ptr, q)
+
+    def _raise_bounds(self):
+        """As ``Combiner._raise_bounds``; a refused row still ends the call at the host
+        barrier of every PE (the kernels have finished everywhere), then raises."""
+        try:
+            super()._raise_bounds()
+        except EPInputError:
+            self.world.barrier("call")
+            raise
