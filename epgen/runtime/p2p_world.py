@@ -230,14 +230,19 @@ class P2PWorld(RankWorld):
             cuda.get_device(d).sync()
 
     # -- combine -----------------------------------------------------------------------------
+    def combiner(self):
+        """The world's combine side (``P2PCombiner``), built on first use."""
+        if getattr(self, "_combiner", None) is None:
+            self._combiner = P2PCombiner(self)
+        return self._combiner
+
     def combine(self, expert_outputs, topk_weights=None, residual=None, *, _src_info=None):
         """Combine the last ``dispatch``, as ``EmulatedWorld.combine`` (docs/combine.md):
         per rank ``expert_outputs[d]`` ``[rows, H]`` BF16, ``topk_weights[s]`` ``[T, K]``
         float32 or None, ``residual[s]`` ``[T, H]`` BF16 or None; returns per rank its
         ``[T, H]`` (or unreduced ``[T, K, H]``) BF16 bits. ``_src_info``: test hook
         (``runtime.combine.Combiner.run``)."""
-        if getattr(self, "_combiner", None) is None:
-            self._combiner = P2PCombiner(self)
+        self.combiner()
         return self._combiner.run(expert_outputs, topk_weights, residual, src_info=_src_info)
 
     # -- RankWorld hooks -----------------------------------------------------------------------

@@ -322,6 +322,12 @@ class ShmemWorld(RankWorld):
             return g, res[0]
         return self._after_call(run)
 
+    def combiner(self):
+        """The world's combine side (``ShmemCombiner``), built on first use."""
+        if getattr(self, "_combiner", None) is None:
+            self._combiner = ShmemCombiner(self)
+        return self._combiner
+
     def combine(self, expert_out, topk_weights=None, residual=None, *, _src_info=None):
         """Combine this PE's part of the last ``dispatch`` (every PE calls it; docs/combine.md):
         ``expert_out`` ``[rows, H]`` BF16, one row per row of this rank's grouped output;
@@ -334,7 +340,7 @@ class ShmemWorld(RankWorld):
             raise TypeError("ShmemWorld: combine takes this rank's own arrays (expert_out, "
                             "topk_weights, residual), not a list per rank")
         if getattr(self, "_combiner", None) is None:
-            self._combiner = ShmemCombiner(self)
+            self.combiner()
             self.bootstrap.barrier(f"w{self.index}-combine-ready")
         one = lambda a: None if a is None else [a]  # noqa: E731
         return self._after_call(lambda: self._combiner.run(

@@ -269,13 +269,14 @@ class EPBuffer:
         from ..runtime.combine import C_ASYNC, C_FUSED, C_WAIT
         c = self.world.combiner()
         n, steps = self.cfg.n_sms, []
+        prog = lambda i: c._program_of(self.world.ranks[i])  # noqa: E731
         if c.fused:
-            steps.append((C_FUSED, [c.program.prepare(C_FUSED, n, c.fused_args(i))
+            steps.append((C_FUSED, [prog(i).prepare(C_FUSED, n, c.fused_args(i))
                                     for i in self.index]))
         else:
-            steps.append((C_ASYNC, [c.program.prepare(C_ASYNC, n, c.async_args(i))
+            steps.append((C_ASYNC, [prog(i).prepare(C_ASYNC, n, c.async_args(i))
                                     for i in self.index]))
-            steps.append((C_WAIT, [c.program.prepare(C_WAIT, n, c.wait_args(i))
+            steps.append((C_WAIT, [prog(i).prepare(C_WAIT, n, c.wait_args(i))
                                    for i in self.index]))
         self._combiner, self._combine = c, steps
         hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens")
