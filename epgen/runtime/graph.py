@@ -19,6 +19,20 @@ input scale, the timeout. New inputs loaded into the world's buffers with ``load
 replay as they are; a changed token count, input buffer, input scale or timeout makes
 ``launch`` raise ``ValueError`` (capture again).
 
+Dispatch and combine in one graph (``world.capture_moe()``, docs/combine.md "CUDA
+graphs"): each call records the round trip, then the world's combine (``Combiner.enqueue``:
+every rank's ep_combine_async, then every rank's ep_combine_wait)::
+
+    graph = world.capture_moe()             # weighted=True, residual=False
+    world.load_inputs(tokens, topk_ids)
+    graph.combiner.load(expert_outputs, topk_weights)
+    graph.launch()
+    outputs = graph.combiner.finish()       # synchronises; every rank's [T, H] BF16 bits
+    results = world.results()               # the dispatch of the same replay
+
+The combine's choice of weights and residual is a launch argument too: frozen at the
+capture, and a ``Combiner.load`` with another choice makes the next ``launch`` raise.
+
 Ordering with the rest of the world: a replay starts after everything already enqueued on
 the world's rank streams, and every rank stream waits for its end, so stream calls
 (``dispatch``, ``enqueue_round_trip``), ``check``, ``results`` and replays mix freely.
@@ -41,13 +55,15 @@ class RoundTripGraph:
     docstring). ``launch(stream=None)`` replays it (on its own stream by default);
     ``close()`` (or the end of a ``with`` block) frees it."""
 
-    def __init__(self, world, calls: int = 1, stream=None):
+    def __init__(self, world, calls: int = 1, stream=None, combiner=None):
         if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1:
             raise ValueError(f"calls must be a positive integer (round trips per replay), "
                              f"got {calls!r}")
         from backends import cuda
         self.world = world
         self.calls = int(calls)
+        #: the world's ``Combiner`` whose launches follow each round trip (None: dispatch only)
+        self.combiner = combiner
         self.cuda = getattr(world, "cuda", cuda)       # the world's backend
         #: the backend's graphs: backends.cuda.graph, or a simulator's (``machine.graph``)
         self.graphs = cuda_graph if self.cuda is cuda else self.cuda.graph
@@ -65,6 +81,12 @@ class RoundTripGraph:
             out[f"rank {rk.rank} n_tokens"] = rk.n_tokens
             out[f"rank {rk.rank} tokens buffer"] = rk.tokens.ptr
             out[f"rank {rk.rank} topk_ids buffer"] = rk.topk_ids.ptr
+        if self.combiner is not None:
+            c = self.combiner
+            out["combine weighted"] = c.weighted
+            out["combine has_residual"] = c.has_residual
+            for rk, b in zip(w.ranks, c.bufs):
+                out[f"rank {rk.rank} expert_out buffer"] = b.expert_out.ptr
         return out
 
     def _record(self):
@@ -85,6 +107,8 @@ class RoundTripGraph:
                     rk.stream.wait(fork)
                 for _ in range(self.calls):
                     w.enqueue_round_trip()
+                    if self.combiner is not None:
+                        self.combiner.enqueue()
                 for rk in w.ranks:
                     self.stream.wait(cuda.record_event(rk.stream))
         finally:
@@ -107,7 +131,8 @@ class RoundTripGraph:
             if now[key] != was:
                 raise ValueError(f"RoundTripGraph: {key} changed since the capture ({was!r} -> "
                                  f"{now[key]!r}); the graph's launch arguments are frozen: "
-                                 f"capture again (world.capture_round_trip())")
+                                 f"capture again (world.capture_round_trip() or "
+                                 f"world.capture_moe())")
 
     def refresh(self) -> None:
         """Before a replay: with ``ep_prod_reserve``, record the launches again with the next

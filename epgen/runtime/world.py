@@ -640,6 +640,32 @@ class EmulatedWorld(RankWorld):
             self._combiner = Combiner(self, co_resident)
         return self._combiner
 
+    def capture_moe(self, calls: int = 1, stream=None, *, weighted: bool = True,
+                    residual: bool = False) -> RoundTripGraph:
+        """A ``RoundTripGraph`` of ``calls`` dispatch + combine round trips of every rank
+        (``graph.py``; docs/combine.md "CUDA graphs"): per call the launches of
+        ``enqueue_round_trip`` then those of ``Combiner.enqueue``, in one graph. ``weighted``
+        / ``residual``: the combine's launch arguments frozen into it (each replay's
+        ``graph.combiner.load`` must make the same choice). ``ValueError`` for a
+        configuration combine does not take (``runtime.combine.check_supported``)."""
+        if not isinstance(weighted, bool) or not isinstance(residual, bool):
+            raise ValueError(f"capture_moe: weighted and residual must be bools, got "
+                             f"{weighted!r}, {residual!r}")
+        if residual and not weighted:
+            raise ValueError("capture_moe: residual=True needs weighted=True (the unreduced "
+                             "rows take no residual)")
+        comb = self.combiner()
+        comb.weighted, comb.has_residual = weighted, residual
+        return RoundTripGraph(self, calls, stream, combiner=comb)
+
+    def combiner(self) -> Combiner:
+        """The world's ``Combiner`` (built on first use, as ``combine`` builds it): its
+        ``load``, ``enqueue`` and ``finish`` split a combine for graphs and back-to-back
+        calls."""
+        if getattr(self, "_combiner", None) is None:
+            self._combiner = Combiner(self, co_resident)
+        return self._combiner
+
     # -- capacity ----------------------------------------------------------------------------
     def _check_capacity(self):
         cfg = self.cfg
