@@ -209,6 +209,9 @@ def args_inspect(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument("--op", choices=("dispatch", "combine", "all"), default="dispatch",
+                   help="which kernels: dispatch (default), combine (ep_combine_async, "
+                        "ep_combine_wait, with the combine buffers) or all of them")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -217,8 +220,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from epgen import inspection
 
     cfg, overrides = _config(args)
+    if args.op != "dispatch":
+        from epgen.runtime.combine import check_supported
+        try:
+            check_supported(cfg)
+        except ValueError as e:
+            args.parser.error(f"argument --op: {e}")
     report = inspection.inspect_config(cfg, arch=args.arch, preset=args.preset or DEFAULT_PRESET,
-                                       overrides=overrides)
+                                       overrides=overrides, op=args.op)
     text = (json.dumps(report, indent=2) + "\n" if args.json
             else inspection.format_text(report))
     _write(text, args.output)
@@ -241,11 +250,20 @@ def cmd_variants(args: argparse.Namespace) -> int:
         return _print_matrix()
     from epgen import goldens
 
+    from epgen import variants
+
     names = goldens.names()
     width = max((len(n) for n in names), default=0)
     for name in names:
-        print(f"{name:<{width}}  {goldens.describe(name)}".rstrip())
+        cfg = variants.variant_config(name)
+        combine = "" if cfg is None else _combine_note(variants.combine_error(cfg))
+        print(f"{name:<{width}}  {goldens.describe(name)}{combine}".rstrip())
     return 0
+
+
+def _combine_note(error: str | None) -> str:
+    """`` [combine: yes]`` or `` [combine: no: <why>]`` after a variant's description."""
+    return " [combine: yes]" if error is None else f" [combine: no: {error}]"
 
 
 def _print_matrix() -> int:
@@ -253,9 +271,11 @@ def _print_matrix() -> int:
 
     combos = variants.combinations()
     legal = [c for c in combos if c.legal]
+    combine = [c for c in legal if c.combine_error is None]
     print(f"# {len(variants.MATRIX_FLAGS)} flags on preset {variants.BASE_PRESET}, "
           f"use_shmem=false: {len(legal)} legal, {len(combos) - len(legal)} illegal of "
-          f"{len(combos)} combinations (epgen/variants.py)")
+          f"{len(combos)} combinations (epgen/variants.py); the combine kernels build for "
+          f"{len(combine)} (combine=yes; why not: 'epgen inspect --op combine')")
     for c in sorted(combos, key=lambda c: not c.legal):
         if c.legal:
             detail = " ".join(c.cli_args())
@@ -264,7 +284,9 @@ def _print_matrix() -> int:
             # 'epgen inspect' with the combination's flags)
             detail = "; ".join(f"{', '.join(p)}: {re.split(r' [(]|, got ', rule)[0]}"
                                for p, rule in c.error.violations)
-        print(f"{'legal' if c.legal else 'illegal':<7}  {c.name}: {detail}")
+        comb = "-" if not c.legal else \
+            "combine=yes" if c.combine_error is None else "combine=no"
+        print(f"{'legal' if c.legal else 'illegal':<7}  {comb:<11}  {c.name}: {detail}")
     return 0
 
 

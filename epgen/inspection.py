@@ -7,7 +7,9 @@ blocks, as the world launches it), each role's named barriers, the ordered IR op
 the PTX instruction each must produce (with how often the PTX holds it), the PTX's atomics,
 releases and acquires by scope (``backends.nvptx.check_ptx``), the bounded waits, the NVSHMEM
 calls by role with their ordering role (put, fence, quiet, signal, query: ``ir.nvshmem``), and
-the ``ptxas`` resources when ``ptxas`` is found. Kernels that call NVSHMEM are checked and
+the ``ptxas`` resources when ``ptxas`` is found. ``op`` picks the kernels: dispatch (the
+default), combine (``ep_combine_async``, ``ep_combine_wait``) or all; with the combine, the
+report adds its per-rank buffers (``combine_buffers``). Kernels that call NVSHMEM are checked and
 assembled as they run: with NVSHMEM's device bitcode linked in (``nvptx.emit_linked_ptx``).
 """
 
@@ -121,16 +123,52 @@ def _region(r) -> dict:
     return {"name": r.name, "offset": r.offset, "size": r.size, "end": r.end, "doc": r.doc}
 
 
+OPS = ("dispatch", "combine", "all")
+"""The kernel sets ``inspect_config`` (and ``epgen inspect --op``) reports on."""
+
+
+def build_op_module(cfg, op: str):
+    """The IR module of ``op``'s kernels (``OPS``): the dispatch module, the combine module
+    (``ValueError`` where combine does not take ``cfg``), or both in one module."""
+    from .kernels import build_combine_module, build_module
+
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if op == "dispatch":
+        return build_module(cfg)
+    combine = build_combine_module(cfg)
+    if op == "combine":
+        return combine
+    return ir.Module("ep_dispatch_combine", build_module(cfg).kernels + combine.kernels)
+
+
+def combine_buffers(cfg) -> dict:
+    """Per rank, the combine's buffers in bytes (docs/combine.md "Buffers") and its counter
+    words (``CombineLayout.describe``)."""
+    from .combine_layout import CombineLayout
+    from .runtime.combine import GUARD_BYTES
+
+    fmt, lay = cfg.token_fmt, cfg.layout
+    T, K, H = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim
+    clay = CombineLayout(cfg)
+    sizes = {"combine_recv_buf": clay.recv_bytes, "combine_recv_guard": GUARD_BYTES,
+             "combine_arrival": 4 * clay.arrival_words,
+             "combine_expert_out": lay.max_out_rows * H * 2, "combine_weights": T * K * 4,
+             "combine_residual": T * H * 2, "combine_out": T * K * H * 2}
+    sizes["combine_total"] = sum(sizes.values())
+    return {"layout": clay.describe(), "bytes_per_rank": sizes}
+
+
 def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
-                   overrides: dict | None = None, ptxas: bool = True) -> dict:
+                   overrides: dict | None = None, ptxas: bool = True,
+                   op: str = "dispatch") -> dict:
     """The report of ``cfg`` (plain data, JSON-ready); ``preset`` and ``overrides`` only label
-    it. ``ptxas=False`` skips assembling."""
+    it. ``ptxas=False`` skips assembling. ``op``: which kernels (``OPS``; ``ValueError`` for
+    a combine ``cfg`` does not take)."""
     from backends import nvptx
 
-    from .kernels import build_module
-
     lay = cfg.layout
-    module = build_module(cfg)
+    module = build_op_module(cfg, op)
     link = {"needed": nvptx.uses_nvshmem(module), "error": None}
     try:
         ptx = nvptx.emit_linked_ptx(module, arch=arch)
@@ -161,13 +199,14 @@ def inspect_config(cfg, arch: str = "sm_90", preset: str | None = None,
             "ptxas": None if not assembled else assembled["kernels"].get(k.name),
         })
     return {
-        "preset": preset, "overrides": dict(overrides or {}), "arch": arch,
+        "preset": preset, "overrides": dict(overrides or {}), "arch": arch, "op": op,
         "parameters": cfg.describe(),
         "effective_flags": cfg.effective_flags(),
         "layout": lay.members(),
         "sizes": lay.sizes(),
         "counter_regions": [_region(r) for r in lay.counter_regions().values()],
         "dispatch_wait_words": [_region(w) for w in lay.dispatch_wait_words()],
+        "combine_buffers": combine_buffers(cfg) if op != "dispatch" else None,
         "kernels": kernels,
         "nvshmem_link": link,
         "ptxas": None if assembled is None else {k: v for k, v in assembled.items()
@@ -266,7 +305,9 @@ def format_text(report: dict) -> str:
     tuned = _changed_tuning(report["parameters"].get("tuning", {}))
     if tuned:
         label += ", tuned " + " ".join(f"{k}={v}" for k, v in tuned.items())
-    out = [f"preset {label}, arch {report['arch']}", "", "parameters"]
+    op = report.get("op", "dispatch")
+    out = [f"preset {label}, arch {report['arch']}"
+           + (f", {op} kernels" if op != "dispatch" else ""), "", "parameters"]
     out += _kv(_flat(report["parameters"]))
     if report.get("effective_flags"):
         out += ["", "effective flags"] + _kv(list(report["effective_flags"].items()))
@@ -280,6 +321,10 @@ def format_text(report: dict) -> str:
     out += _table(["word", "offset", "size", "end", "contents"],
                   [[w["name"], w["offset"], w["size"], w["end"], w["doc"]]
                    for w in report["dispatch_wait_words"]])
+    cb = report.get("combine_buffers")
+    if cb:
+        out += ["", "combine buffers (bytes per rank)"] + _kv(list(cb["bytes_per_rank"].items()))
+        out += ["", "combine layout"] + _kv(list(cb["layout"].items()))
     for k in report["kernels"]:
         out += [""] + _kernel_lines(k, report["arch"])
     link = report["nvshmem_link"]

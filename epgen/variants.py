@@ -18,6 +18,11 @@ when it raises (``Combination.error``, an ``EPConfigError`` naming the conflicti
 ``tests/test_variant_matrix.py`` builds, verifies, checks and assembles every legal one and
 checks every illegal one's message; ``epgen variants --matrix`` lists them all.
 
+Each combination also says whether the combine kernels build for it
+(``Combination.combine_error``: ``runtime.combine.check_supported``'s reason, None when they
+build); ``variant_config`` gives the configuration of a named variant, so ``epgen variants``
+can say the same of each.
+
 A new flag (a new ``BOOL_PARAMS`` entry) joins the matrix without a change here;
 docs/extending.md says what else it touches.
 """
@@ -102,6 +107,12 @@ class Combination:
         """``flag+flag+...`` of the flags set, ``stock`` for none."""
         return "+".join(self.flags) or "stock"
 
+    @property
+    def combine_error(self) -> str | None:
+        """Why the combine kernels do not build for this combination (None: they build; an
+        illegal combination: its configuration error)."""
+        return combine_error(self.config) if self.legal else str(self.error)
+
     def set_changes(self) -> dict:
         """The changes that differ from ``BASE_PRESET`` (what ``--set`` must say)."""
         from .presets import preset_data
@@ -115,6 +126,48 @@ class Combination:
         for key, value in self.set_changes().items():
             args += ["--set", f"{key}={_text(value)}"]
         return args
+
+
+def combine_error(cfg) -> str | None:
+    """None when the combine kernels build for ``cfg``, else why not
+    (``runtime.combine.check_supported``'s message, without its prefix)."""
+    from .runtime.combine import check_supported
+
+    try:
+        check_supported(cfg)
+    except ValueError as e:
+        return str(e).split(": ", 2)[-1]
+    return None
+
+
+def variant_config(name: str) -> EPConfig | None:
+    """The ``EPConfig`` a registered golden variant is built from (``ep/<preset>``, the
+    format and flag variants, ``ep/fused``, ``ep/fused_se``, ``combine/small``); None for the
+    others (the demos, test kernels)."""
+    from . import ep_goldens as eg
+    from .formats import make_format
+    from .presets import load_preset
+
+    group, _, rest = name.partition("/")
+    if group == "combine" and rest in eg.GOLDEN_PRESETS:
+        return load_preset(rest)
+    if group != "ep":
+        return None
+    if rest in eg.GOLDEN_PRESETS:
+        return load_preset(rest)
+    for preset, suffix, fmt in eg.GOLDEN_FORMATS:
+        if rest == f"{preset}_{suffix}":
+            cfg = load_preset(preset)
+            f = cfg.token_fmt
+            return cfg.replace(token_fmt=make_format(fmt, f.hid_dim, f.top_k,
+                                                     alignment=f.alignment))
+    if rest in eg.FLAG_VARIANTS or rest in eg.SHMEM_VARIANTS:
+        return eg.flag_variant_config(rest)
+    if rest == "fused":
+        return load_preset("small")
+    if rest == "fused_se":
+        return load_preset("small").replace(fused_shared_expert=True)
+    return None
 
 
 def _default(name: str):

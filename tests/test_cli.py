@@ -106,7 +106,8 @@ def test_variants_describe_what_they_set(capsys):
     from epgen.ep_goldens import FLAG_VARIANTS, GOLDEN_FORMATS
     status, out, _ = run_cli(capsys, "variants")
     assert status == 0
-    about = dict(line.split(None, 1) for line in out.splitlines())
+    about = dict(re.sub(r" \[combine: [^]]*\]$", "", line).split(None, 1)
+                 for line in out.splitlines())
     assert set(about) == set(goldens.names())
     assert all(text.strip() for text in about.values())
     for name, (preset, changes) in FLAG_VARIANTS.items():
@@ -131,9 +132,16 @@ def test_variants_matrix(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("# 8 flags on preset small, use_shmem=false: 44 legal, 212 "
                                "illegal of 256")
-    rows = [line.split(None, 1) for line in lines[1:]]
-    assert len(rows) == 256 and sum(kind == "legal" for kind, _ in rows) == 44
-    by_name = {rest.split(": ", 1)[0]: (kind, rest.split(": ", 1)[1]) for kind, rest in rows}
+    rows = [line.split(None, 2) for line in lines[1:]]
+    assert len(rows) == 256 and sum(kind == "legal" for kind, _, _ in rows) == 44
+    combine = {rest.split(": ", 1)[0]: comb for _, comb, rest in rows}
+    by_name = {rest.split(": ", 1)[0]: (kind, rest.split(": ", 1)[1]) for kind, _, rest in rows}
+    for c in variants.combinations():
+        assert combine[c.name] == ("-" if not c.legal else "combine=yes"
+                                   if c.combine_error is None else "combine=no"), c.name
+    n_combine = sum(v == "combine=yes" for v in combine.values())
+    assert 0 < n_combine <= 44 and f"the combine kernels build for {n_combine} " in lines[0]
+    assert combine["stock"] == "combine=yes" and combine["ep_final_layout"] == "combine=no"
     assert set(by_name) == {c.name for c in variants.combinations()}
     assert by_name["skip_a2a"] == ("legal", "--preset small --set n_ranks=1 --set "
                                             "p2p_world_size=1 --set n_experts=8 --set "
@@ -149,7 +157,7 @@ def test_matrix_line_feeds_ptx(capsys):
     _needs_backend()
     _, out, _ = run_cli(capsys, "variants", "--matrix")
     line = next(x for x in out.splitlines()
-                if x.startswith("legal    skip_a2a+has_rank_flag+ep_ord_r: "))
+                if re.match(r"legal +combine=\w+ +skip_a2a\+has_rank_flag\+ep_ord_r: ", x))
     status, ptx, err = run_cli(capsys, "ptx", "--ir", *line.split(": ", 1)[1].split())
     assert status == 0, err
     assert "ep_dispatch_async" in ptx
@@ -565,3 +573,55 @@ def test_inspect_to_file(capsys, tmp_path):
     status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--json", "-o", str(path))
     assert (status, out) == (0, ""), err
     assert json.loads(path.read_text())["preset"] == "small"
+
+
+def test_variants_say_whether_combine_builds(capsys):
+    """Each variant with a configuration ends in ``[combine: yes]`` or ``[combine: no: why]``,
+    as ``runtime.combine.check_supported`` decides; the demos say nothing."""
+    from epgen import variants
+    from epgen.runtime.combine import check_supported
+    status, out, _ = run_cli(capsys, "variants")
+    assert status == 0
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert lines["ep/small"].endswith("[combine: yes]")
+    assert lines["ep/final_layout"].endswith("[combine: no: ep_final_layout (not yet)]") \
+        or lines["ep/final_layout"].endswith("[combine: yes]")
+    assert "[combine" not in lines["demo/copy16"]
+    for name, line in lines.items():
+        cfg = variants.variant_config(name)
+        if cfg is None:
+            continue
+        try:
+            check_supported(cfg)
+            ok = True
+        except ValueError:
+            ok = False
+        assert line.endswith("[combine: yes]") == ok, name
+
+
+def test_inspect_combine(capsys):
+    """``inspect --op combine``: the combine kernels and the combine buffers; JSON too; a
+    configuration combine does not take is a usage error naming the reason."""
+    from epgen.combine_layout import CombineLayout
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--op", "combine")
+    assert status == 0, err
+    assert "combine kernels" in out.splitlines()[0]
+    assert "kernel ep_combine_async:" in out and "kernel ep_combine_wait:" in out
+    assert "kernel ep_dispatch_async:" not in out
+    cfg = presets.load_preset("small")
+    assert re.search(rf"combine_recv_buf +{CombineLayout(cfg).recv_bytes}\n", out)
+    assert "combine_arrival_words" in out
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--op", "all", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["op"] == "all"
+    assert {k["name"] for k in report["kernels"]} >= {"ep_dispatch_async", "ep_combine_async",
+                                                      "ep_combine_wait"}
+    assert report["combine_buffers"]["layout"] == CombineLayout(cfg).describe()
+    T, K, H = 32, 4, 256
+    assert report["combine_buffers"]["bytes_per_rank"]["combine_out"] == T * K * H * 2
+    status, out, _ = run_cli(capsys, "inspect", "--preset", "small", "--json")
+    assert json.loads(out)["combine_buffers"] is None
+    status, _, err = run_cli(capsys, "inspect", "--preset", "small", "--set", "format=NVFP4",
+                             "--op", "combine")
+    assert status == 2 and "argument --op" in err and "format NVFP4" in err

@@ -213,3 +213,32 @@ def test_legal_combination_assembles(matrix, name):
     module, _, key = matrix.build(name)
     report = matrix.assembled[key].result()
     assert {k.name for k in module.kernels} <= set(report.kernels), report.log
+
+
+# ---- combine -------------------------------------------------------------------------------
+def test_combine_builds_where_supported_and_is_refused_elsewhere():
+    """For every legal combination: where ``runtime.combine.check_supported`` accepts it the
+    combine module builds, verifies, emits PTX that passes the checker and (with ptxas)
+    assembles (each distinct PTX once); elsewhere ``build_combine_module`` refuses it with a
+    ``ValueError``. At least the stock combination builds."""
+    from epgen.kernels import build_combine_module
+    exe = nvptx.find_ptxas()
+    seen, built = set(), 0
+    for c in LEGAL:
+        if c.combine_error is not None:
+            with pytest.raises(ValueError):
+                build_combine_module(c.config)
+            continue
+        module = build_combine_module(c.config)
+        ir.verify(module)
+        ptx = nvptx.emit_ptx(module, arch=ARCH)
+        for kernel in module.kernels:
+            assert f".entry {kernel.name}(" in ptx, c.name
+        nvptx.check_ptx(module, ptx)
+        built += 1
+        key = hashlib.sha256(ptx.encode()).hexdigest()
+        if exe is not None and key not in seen:
+            seen.add(key)
+            report = nvptx.assemble(ptx, arch=ARCH)
+            assert {k.name for k in module.kernels} <= set(report.kernels), report.log
+    assert built >= 1 and variants.combination([]).combine_error is None
