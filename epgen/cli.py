@@ -339,6 +339,12 @@ def args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused", action="store_true",
                    help="run the fused single launch (ep_dispatch) instead of dispatch_async "
                         "then dispatch_wait")
+    p.add_argument("--combine", action="store_true",
+                   help="after each dispatch, a per-expert transform of every rank's grouped "
+                        "rows on the host (epgen.combine_run), then the combine with random "
+                        "router weights, checked bit for bit against epgen.reference.combine; "
+                        "with --graph, dispatch and combine are one graph (world.capture_moe) "
+                        "and the transform is of the reference dispatch's rows")
     p.add_argument("--batched", action="store_true",
                    help="launch every rank's grid of a kernel as one grid (emulated ranks "
                         "only): the ranks start together, as on their own GPUs")
@@ -453,6 +459,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.trace:
         cfg = _tuned(args, cfg, trace=True)
+    if args.combine:
+        _check_combine(args, cfg)
     world = make_world(args.world, cfg, arch=args.arch, devices=devices,
                        input_scale=args.input_scale, fused=True if args.fused else None,
                        batched=args.batched, backend=args.backend,
@@ -463,7 +471,13 @@ def cmd_run(args: argparse.Namespace) -> int:
           + (", the fused single launch" if world.fused else "")
           + (", every rank in one launch" if world.batched else "")
           + (", each call a CUDA-graph replay" if args.graph else "")
+          + (", dispatch + combine" if args.combine else "")
           + (", simulated on the CPU (backends.sim)" if args.backend == "sim" else ""))
+    if args.combine and (not hasattr(world, "combine")
+                         or args.graph and not hasattr(world, "capture_moe")):
+        raise CommandError(f"--combine{' --graph' if args.graph else ''}: "
+                           f"{type(world).__name__} has no "
+                           f"{'capture_moe' if args.graph else 'combine'} yet")
     graph = None
     timelines = []
     for call in range(args.calls):
@@ -471,7 +485,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.trace:
             runtime_trace.arm(world)
         t0 = time.perf_counter()
-        if args.graph:
+        combined = None
+        if args.combine:
+            graph, got, combined = _moe_call(world, cfg, rng, toks, ids, graph, args.graph)
+        elif args.graph:
             graph, got = world.dispatch_replayed(toks, ids, graph)
         else:
             got = world.dispatch(toks, ids)
@@ -484,6 +501,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         rows = sum(int(r.row_offsets[-1]) for r in got)
         print(f"call {call}: {rows} rows received, {dt * 1e3:.1f} ms (host round trip), "
               f"{'matches the reference' if not diffs else 'MISMATCH'}")
+        if combined is not None and not diffs:
+            diffs = _combine_diffs(cfg, toks, ids, got, *combined, graph=args.graph)
+            print(f"  combine: {'matches the reference' if not diffs else 'MISMATCH'}")
         if diffs:
             print("\n".join("  " + d for d in diffs[:10]))
             raise CommandError(f"results differ from the reference (seed {seed})")
@@ -493,6 +513,52 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"trace points, median of {len(timelines)} calls (us after each call's first "
             f"stamp; blocks: rank x block pairs there)"))
     return 0
+
+
+def _check_combine(args: argparse.Namespace, cfg) -> None:
+    """``--combine`` on a configuration the combine kernels do not take: a usage error
+    naming why (``runtime.combine.check_supported``)."""
+    from epgen.runtime.combine import check_supported
+
+    try:
+        check_supported(cfg)
+    except ValueError as e:
+        args.parser.error(f"argument --combine: {e}")
+
+
+def _moe_call(world, cfg, rng, toks, ids, graph, use_graph: bool):
+    """One ``run --combine`` call: dispatch, the per-expert transform of each rank's rows,
+    combine with random weights. Returns ``(graph, dispatch results, (expert outputs,
+    weights, combine results))``. With ``use_graph`` one replay of ``world.capture_moe()``
+    (captured on the first call), the expert outputs loaded before it: the transform of the
+    reference dispatch's rows."""
+    from epgen import combine_run, reference
+
+    w = combine_run.router_weights(rng, cfg, ids)
+    if not use_graph:
+        got = world.dispatch(toks, ids)
+        ys = [combine_run.expert_outputs(cfg, r) for r in got]
+        return None, got, (ys, w, world.combine(ys, w))
+    ys = [combine_run.expert_outputs(cfg, r) for r in reference.dispatch(cfg, toks, ids)]
+    world.load_inputs(toks, ids)
+    if graph is None:
+        graph = world.capture_moe()
+    graph.combiner.load(ys, w)
+    graph.launch()
+    world.check("graph replay")
+    out = graph.combiner.finish()
+    return graph, world.results(), (ys, w, out)
+
+
+def _combine_diffs(cfg, toks, ids, got, ys, w, out, *, graph: bool) -> list[str]:
+    """The combine's differences from the reference: end to end
+    (``combine_run.expected``); with ``graph`` (expert outputs computed before the replay)
+    ``reference.combine`` of the world's own dispatch results and those outputs."""
+    from epgen import combine_run, reference
+
+    want = reference.combine(cfg, got, ys, w) if graph else \
+        combine_run.expected(cfg, toks, ids, w)
+    return combine_run.differences(out, want)
 
 
 def _run_shmem(args: argparse.Namespace, cfg) -> int:
@@ -508,8 +574,12 @@ def _run_shmem(args: argparse.Namespace, cfg) -> int:
     if not 0 <= tokens <= cfg.max_tokens_per_rank:
         args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
                           f"{cfg.max_tokens_per_rank}], got {tokens}")
+    if args.combine:
+        _check_combine(args, cfg)
     world = make_world("shmem", cfg, arch=args.arch, input_scale=args.input_scale,
                        fused=True if args.fused else None)
+    if args.combine and not hasattr(world, "combine"):
+        raise CommandError("--combine: ShmemWorld has no combine yet")
     try:
         with world:
             _shmem_calls(args, cfg, world, tokens)
@@ -557,6 +627,17 @@ def _shmem_calls(args: argparse.Namespace, cfg, world, tokens: int) -> None:
         print(f"rank {r} call {call}: {int(got.row_offsets[-1])} rows received, "
               f"{dt * 1e3:.1f} ms (host round trip, barrier included), "
               f"{'matches the reference' if not diffs else 'MISMATCH'}", flush=True)
+        if args.combine:
+            from epgen import combine_run
+
+            # every rank draws every rank's weights (same seed), combines its own part
+            w = combine_run.router_weights(rng, cfg, ids)
+            out = world.combine(combine_run.expert_outputs(cfg, got), w[r])
+            cdiffs = combine_run.differences(
+                [out], [combine_run.expected(cfg, toks, ids, w)[r]])
+            print(f"rank {r} call {call} combine: "
+                  f"{'matches the reference' if not cdiffs else 'MISMATCH'}", flush=True)
+            diffs += cdiffs
         if diffs:
             print("\n".join("  " + d for d in diffs[:10]))
             raise CommandError(f"rank {r}: results differ from the reference (seed {seed})")

@@ -1,0 +1,114 @@
+"""``epgen run --combine`` on the simulator (emulated ranks, with and without ``--graph``; the
+P2P world where it has a combine), its refusals, and ``epgen.combine_run`` (the per-expert
+transform and the end-to-end reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epgen import cli, combine_run, reference, routing
+from epgen.reference_combine import bf16_to_f32
+from epgen.runtime.p2p_world import P2PWorld
+from epgen.runtime.world import EmulatedWorld
+
+from test_final_layout_sim import SHAPES, make_cfg
+
+TINY = ["--preset", "small", "--set", "n_experts=4", "--set", "hid_dim=16", "--set", "top_k=2",
+        "--set", "max_tokens_per_rank=4", "--set", "num_threads=64", "--set", "n_sms=4"]
+
+
+def run_cli(capsys, *argv):
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("extra", [[], ["--graph"], ["--tokens", "0"], ["--tokens", "3"]],
+                         ids=["stream", "graph", "no-tokens", "3-tokens"])
+def test_run_combine_on_the_simulator(capsys, extra, seed):
+    status, out, err = run_cli(capsys, "run", "--backend", "sim", *TINY, "--calls", "2",
+                               "--combine", "--seed", str(seed), *extra)
+    assert status == 0, f"seed {seed}: {out}{err}"
+    assert "dispatch + combine" in out.splitlines()[0]
+    assert out.count("  combine: matches the reference") == 2, out
+
+
+def test_run_combine_on_the_p2p_world(capsys, seed):
+    status, out, err = run_cli(capsys, "run", "--backend", "sim", "--world", "p2p", *TINY,
+                               "--calls", "1", "--combine", "--seed", str(seed))
+    if hasattr(P2PWorld, "combine"):
+        assert status == 0, f"seed {seed}: {out}{err}"
+        assert "combine: matches the reference" in out
+    else:
+        assert status == 1 and "P2PWorld has no combine yet" in err
+
+
+def test_a_wrong_combine_result_fails_the_run(capsys, monkeypatch, seed):
+    real = EmulatedWorld.combine
+
+    def flipped(self, *a, **kw):
+        out = real(self, *a, **kw)
+        out[-1] = out[-1].copy()
+        out[-1].reshape(-1)[-1] ^= np.uint16(1)
+        return out
+    monkeypatch.setattr(EmulatedWorld, "combine", flipped)
+    status, out, err = run_cli(capsys, "run", "--backend", "sim", *TINY, "--calls", "1",
+                               "--combine", "--seed", str(seed))
+    assert status == 1 and "combine: MISMATCH" in out and "1 elements differ" in out
+    assert f"seed {seed}" in err
+
+
+@pytest.mark.parametrize("sets, word", [(["--set", "format=NVFP4"], "format NVFP4"),
+                                        (["--set", "ep_final_layout=true"], "ep_final_layout")])
+def test_run_combine_refuses_what_combine_does_not_take(capsys, sets, word):
+    status, _, err = run_cli(capsys, "run", "--backend", "sim", "--preset", "small", *sets,
+                             "--combine")
+    assert status == 2 and "argument --combine" in err and word in err
+
+
+def test_the_transform_is_the_per_expert_affine_map(seed):
+    cfg = make_cfg(*SHAPES["R2-E4"])
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    L = cfg.layout.n_local_experts
+    for res in reference.dispatch(cfg, toks, ids):
+        y = combine_run.expert_outputs(cfg, res)
+        assert y.shape == (len(res.src_info), cfg.token_fmt.hid_dim) and y.dtype == np.uint16
+        for g, e in enumerate(res.expert_ids):
+            lo, hi = int(res.row_offsets[g]), int(res.row_offsets[g + 1])
+            gid = res.rank * L + int(e)
+            a, b = 1 + (37 * gid % 16) / 32, (gid % 9 - 4) / 64
+            x = bf16_to_f32(res.out_tokens[lo:hi]).astype(np.float64)
+            # exact in float64 to within one BF16 step of the float32 computation
+            assert np.allclose(bf16_to_f32(y[lo:hi]), x * a + b, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_the_reference_does_not_depend_on_the_row_order_within_a_block(seed):
+    """Permuting the rows of every (expert, source) block (as a world may) changes nothing:
+    the transform is row-wise."""
+    cfg = make_cfg(*SHAPES["R2-E4"])
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    w = combine_run.router_weights(rng, cfg, ids)
+    want = combine_run.expected(cfg, toks, ids, w)
+    shuffled = []
+    for res in reference.dispatch(cfg, toks, ids):
+        perm = np.arange(len(res.src_info))
+        L, R = res.counts.shape
+        for e in range(L):
+            for s in range(R):
+                lo, n = int(res.block_starts[e, s]), int(res.counts[e, s])
+                perm[lo:lo + n] = lo + rng.permutation(n)
+        res.out_tokens = res.out_tokens[perm]
+        res.src_info = res.src_info[perm]
+        shuffled.append(res)
+    got = reference.combine(cfg, shuffled, [combine_run.expert_outputs(cfg, r)
+                                            for r in shuffled], w)
+    assert not combine_run.differences(got, want)
+    got[0] = got[0].copy()
+    got[0][0, 0] ^= np.uint16(1)
+    assert combine_run.differences(got, want)[0].startswith("rank 0 combine: 1 elements")
