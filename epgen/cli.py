@@ -669,17 +669,24 @@ examples (on a GPU):
   {PROG} bench --tokens 4096 --routing zipf
   {PROG} bench --world p2p --tokens 128,4096 --json p2p.json
                                                  8 GPUs: vs NVLink and NCCL
+  {PROG} bench --op combine --tokens 128,4096      the combine alone, vs torch
+  {PROG} bench --op moe --variant default --variant g=graph
+                                                 dispatch + combine, streams and a graph
 
 Progress goes to stderr, the report and table to stdout. Exit status 1 when there is no
 GPU, a phase fails or a check fails; 2 for a bad option (before any GPU work)."""
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Time the dispatch round trip of a configuration's variants on an ``EmulatedWorld``
-    against a device-to-device copy and the PyTorch baseline (``epgen.bench``)."""
+    """Time the dispatch round trip (or ``--op combine|moe``) of a configuration's variants
+    on an ``EmulatedWorld`` against a device-to-device copy and the PyTorch baseline
+    (``epgen.bench``)."""
     from epgen.bench import driver, options
 
     cfg, _ = _config(args, default=P2P_BENCH_PRESET if args.world == "p2p" else BENCH_PRESET)
+    if args.world == "shmem" and args.op != "dispatch":
+        args.parser.error(f"argument --op {args.op}: only with --world emulated (the combine "
+                          f"of the other worlds is not benchmarked yet)")
     if args.world == "shmem":
         from epgen.bench import shmem
 
@@ -750,9 +757,10 @@ COMMANDS: dict[str, Command] = {
     "run": Command("run the kernels on the GPU (emulated ranks, or one GPU per rank with "
                    "--world p2p), or on the CPU with --backend sim, and check them against "
                    "the reference", args_run, cmd_run),
-    "bench": Command("on a GPU: time the dispatch round trip (dispatch_async, dispatch_wait) "
-                     "of one or more variants on an EmulatedWorld against a device-to-device "
-                     "copy and the PyTorch baseline; table, JSON, PNG plot",
+    "bench": Command("on a GPU: time the dispatch round trip (dispatch_async, dispatch_wait), "
+                     "the combine (--op combine) or both (--op moe) of one or more variants "
+                     "on an EmulatedWorld against a device-to-device copy and the PyTorch "
+                     "baseline; table, JSON, PNG plot",
                      args_bench, cmd_bench),
     "launch": Command("start N processes of a command, one per rank, with the torchrun rank "
                       "variables and a bootstrap directory (for --world shmem); prefixed "

@@ -6,3 +6,6 @@ from __future__ import annotations
 
 ROUTINGS = ("uniform", "zipf")
 WORLDS = ("emulated", "p2p", "shmem")
+OPS = ("dispatch", "combine", "moe")
+"""What ``epgen bench --op`` times: the dispatch round trip (the default), the combine alone
+(after an untimed dispatch), or dispatch + combine back to back (``moe``)."""

@@ -14,13 +14,13 @@ import datetime
 import sys
 
 from .. import reference
-from . import baseline, common, inputs, memory, p2p, runner
+from . import baseline, combine, combine_baseline, common, inputs, memory, p2p, runner
 from .common import NoGPUError, bf16_config, failures
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, publish
 from .timing import Gate, rate
-from .traffic import baseline_bytes, round_trip_bytes
+from .traffic import baseline_bytes, combine_bytes, op_bytes, round_trip_bytes
 
 
 def _fits(plan: Plan, need: int, out: dict, hint: str = "") -> bool:
@@ -114,6 +114,88 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, 
     return out
 
 
+def _combine_memory(cfg) -> int:
+    """Every rank's combine buffers (``inspection.combine_buffers``)."""
+    from ..inspection import combine_buffers
+    return cfg.n_ranks * combine_buffers(cfg)["bytes_per_rank"]["combine_total"]
+
+
+def combine_baseline_phase(plan: Plan, T: int, sets, w, torch, gate, copy_gbps,
+                           progress) -> dict:
+    """Time the combine (``--op combine``) or dispatch + combine (``moe``) baseline and check
+    one source against the reference (``combine_baseline``)."""
+    cfg = plan.config(T)
+    nbytes = op_bytes(cfg, T, plan.op) if plan.op == "combine" else \
+        baseline_bytes(cfg, T) + combine_bytes(cfg, T)["total"]
+    out = {"name": combine_baseline.NAMES[plan.op], "bytes": nbytes,
+           "memory": {"estimate": memory.baseline_memory(cfg, T, plan.sets)
+                      + 2 * combine_bytes(cfg, T)["rows"]}}
+    if not plan.baseline:
+        out["skipped"] = "--no-baseline"
+    elif torch is None:
+        out["skipped"] = "torch with CUDA is not available"
+    elif _fits(plan, out["memory"]["estimate"], out):
+        try:
+            b = combine_baseline.measure(torch, cfg, sets, w, plan.iters_for(T),
+                                         plan.warmup_for(T), gate, plan.device,
+                                         plan.check_rank, progress, op=plan.op)
+        except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            progress(f"  baseline FAILED: {out['error']}")
+            return out
+        m = out["round_trip"] = b["round_trip"]
+        m["bytes"] = nbytes
+        m["gbps"], m["fraction_of_copy"] = rate(nbytes, m["median_ms"], copy_gbps)
+        out["check"] = "ok" if not b["check"] else "FAILED: " + "; ".join(b["check"][:3])
+        out["check_against"] = f"reference, rank {plan.check_rank}, set 0"
+        progress(f"  baseline: {1e3 * m['median_ms']:.1f} us, check {out['check']}")
+    if "skipped" in out:
+        progress(f"  baseline skipped: {out['skipped']}")
+    return out
+
+
+def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: int, gate,
+                          copy_gbps, progress) -> dict:
+    """Build, check and time one variant's combine (``--op combine``) or dispatch + combine
+    (``moe``) on ``sets`` (``epgen.bench.combine``)."""
+    cfg = plan.config(T, variant, cap)
+    key = combine.PRIMARY[plan.op]
+    rt = round_trip_bytes(cfg, T)
+    cb = combine_bytes(cfg, T)
+    wm = memory.world_memory(cfg)
+    need_bytes = wm["total"] + _combine_memory(cfg) + memory.staged_inputs_memory(cfg, T,
+                                                                                  plan.sets)
+    out = {"label": variant.label, "spec": variant.spec, "config": cfg.describe(),
+           "bytes": {**rt, "layout": rt["layout"], "combine": cb,
+                     "total": op_bytes(cfg, T, plan.op)},
+           "memory": {"world": wm["total"], "combine": _combine_memory(cfg),
+                      "epgen_phase": need_bytes}}
+    if cap < need:
+        out["skipped"] = (f"--block-capacity {cap} is smaller than the largest (expert, "
+                          f"source) block of the routings ({need})")
+    elif _fits(plan, need_bytes, out):
+        try:
+            r = combine.measure_world(cfg, sets, w, plan.iters_for(T), plan.warmup_for(T),
+                                      gate, op=plan.op, device=plan.device, arch=plan.arch,
+                                      post_check=plan.post_check, progress=progress,
+                                      **variant.world_options)
+        except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            progress(f"  epgen {variant.label} FAILED: {out['error']}")
+            return out
+        m = r[key]
+        m["bytes"] = out["bytes"]["total"]
+        m["gbps"], m["fraction_of_copy"] = rate(m["bytes"], m["median_ms"], copy_gbps)
+        if copy_gbps:
+            m["byte_floor_us"] = m["bytes"] / copy_gbps / 1e3
+        out.update(r)
+        progress(f"  epgen {variant.label}: check {r['check']}, {key} "
+                 f"{1e3 * m['median_ms']:.1f} us")
+    if "skipped" in out:
+        progress(f"  epgen {variant.label} skipped: {out['skipped']}")
+    return out
+
+
 def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
     """One shape: the input sets and their block capacity, the baseline, every variant, and
     each variant's speed-up over the baseline."""
@@ -126,14 +208,24 @@ def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
                                   plan.seed)
     need, cap = inputs.block_capacity(plan.block_capacity, sets, plan.base.n_experts, T)
     out["largest_block"], out["recv_block_capacity"] = need, cap
-    out["baseline"] = baseline_phase(plan, T, sets, torch, gate, copy_gbps, progress)
+    key = combine.PRIMARY[plan.op]
+    if plan.op == "dispatch":
+        out["baseline"] = baseline_phase(plan, T, sets, torch, gate, copy_gbps, progress)
+    else:
+        w = combine.weights(plan.config(T), T, plan.seed)
+        out["baseline"] = combine_baseline_phase(plan, T, sets, w, torch, gate, copy_gbps,
+                                                 progress)
     out["variants"] = []
     for v in plan.variants:
         progress.step(f"T={T}: epgen {v.label}")
-        r = variant_phase(plan, T, v, sets, need, cap, gate, copy_gbps, progress)
-        if "round_trip" in r and "round_trip" in out["baseline"]:
+        if plan.op == "dispatch":
+            r = variant_phase(plan, T, v, sets, need, cap, gate, copy_gbps, progress)
+        else:
+            r = combine_variant_phase(plan, T, v, sets, w, need, cap, gate, copy_gbps,
+                                      progress)
+        if key in r and "round_trip" in out["baseline"]:
             r["speedup_vs_baseline"] = (out["baseline"]["round_trip"]["median_ms"]
-                                        / r["round_trip"]["median_ms"])
+                                        / r[key]["median_ms"])
         out["variants"].append(r)
     return out
 
@@ -153,13 +245,21 @@ def run(plan: Plan, progress: Progress) -> dict:
                    "arch": cuda.arch(dev), "sm_count": cuda.sm_count(dev),
                    "memory_total": memory.mem_info(plan.device)[1]},
         "plan": plan.describe(),
+        "op": plan.op,
         "method": {"timing": "CUDA events, fork/join over the rank streams, median",
                    "gate": plan.gate, "inputs": f"{plan.sets} staged sets rotated",
                    "bytes": "staged: input + 2 x messages + output rows; final layout: input "
                             "+ output rows; GB = 1e9 B",
                    "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
-        "shapes": [],
     }
+    if plan.op != "dispatch":
+        results["method"].update(
+            bytes="combine: 3 x routed rows + output rows (BF16); moe: dispatch + combine",
+            combine="transform-free: each rank's expert outputs are its grouped dispatch "
+                    "rows; weights loaded once",
+            baseline=("index_copy_ into [R*T*K, H] + float32 (slots * w).sum(K) to bf16"
+                      + ("; after argsort + index_select" if plan.op == "moe" else "")))
+    results["shapes"] = []
     torch, why = common.import_torch()
     gate = copy_gbps = None
     if torch is None:

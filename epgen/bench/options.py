@@ -9,7 +9,7 @@ import argparse
 import importlib.util
 import os
 
-from .choices import ROUTINGS, WORLDS
+from .choices import OPS, ROUTINGS, WORLDS
 
 VARIANT_HELP = (
     "a variant to time, repeatable (default: one, 'default': the configuration as given). "
@@ -116,6 +116,13 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
     p.add_argument("--devices", metavar="LIST",
                    help="with --world p2p: the GPU of each rank, comma-separated (default: "
                         "rank r on GPU r)")
+    p.add_argument("--op", choices=OPS, default="dispatch",
+                   help="what to time: dispatch (the round trip, the default), combine (the "
+                        "combine alone, each sample after an untimed dispatch; vs a torch "
+                        "index_copy + weighted sum) or moe (dispatch + combine back to back; "
+                        "vs the dispatch baseline then the combine's); combine and moe: "
+                        "BF16 over P2P on the emulated world, transform-free (each received "
+                        "row goes back as it came)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw a PNG: round-trip GB/s against tokens per rank for each variant "
@@ -179,8 +186,15 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
         parser.error("argument --plot: needs matplotlib (python3 -m pip install matplotlib)")
     world = getattr(args, "world", "emulated")
     devices = parse_devices(parser, getattr(args, "devices", None), world, base.n_ranks)
+    op = getattr(args, "op", "dispatch")
+    if op != "dispatch" and world != "emulated":
+        parser.error(f"argument --op {op}: only with --world emulated (the combine of the "
+                     f"other worlds is not benchmarked yet)")
+    if op == "combine" and any(dict(v.overrides).get("graph") for v in args.variant or ()):
+        parser.error("argument --variant: graph times a whole replay: with --op moe or "
+                     "dispatch, not --op combine")
     kw = {"variants": tuple(args.variant)} if args.variant else {}
-    kw.update(world=world, devices=devices)
+    kw.update(world=world, devices=devices, op=op)
     from .plan import Plan
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
                 seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,
@@ -199,4 +213,10 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
                 plan.config(T, v)
             except ValueError as exc:
                 parser.error(f"argument --variant {v.label} (at {T} tokens per rank): {exc}")
+            if op != "dispatch":
+                from ..runtime.combine import check_supported
+                try:
+                    check_supported(plan.config(T, v))
+                except ValueError as exc:
+                    parser.error(f"argument --op {op}: variant {v.label}: {exc}")
     return plan

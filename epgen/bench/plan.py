@@ -165,7 +165,9 @@ class Plan:
     the PyTorch baseline. ``iters``/``warmup`` None: by shape (``default_iters``,
     ``default_warmup``). ``block_capacity``: ``"fit"``, ``"full"`` or a number. ``world``:
     ``"emulated"`` (every rank on GPU ``device``) or ``"p2p"`` (one GPU per rank,
-    ``devices`` or rank r on GPU r; against the peer copy and NCCL, ``epgen.bench.p2p``)."""
+    ``devices`` or rank r on GPU r; against the peer copy and NCCL, ``epgen.bench.p2p``).
+    ``op``: what is timed (``choices.OPS``: the dispatch round trip, the combine, or both,
+    ``epgen.bench.combine``)."""
 
     base: EPConfig
     tokens: tuple[int, ...]
@@ -188,6 +190,7 @@ class Plan:
     arch: str | None = None
     world: str = "emulated"
     devices: tuple[int, ...] | None = None
+    op: str = "dispatch"
 
     def iters_for(self, tokens_per_rank: int) -> int:
         return self.iters or default_iters(tokens_per_rank)

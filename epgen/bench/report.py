@@ -18,8 +18,15 @@ from .memory import fmt_gb
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMINGS = (("round_trip", "round trip"), ("dispatch_async", "dispatch_async"),
-           ("dispatch_wait", "dispatch_wait"))
+           ("dispatch_wait", "dispatch_wait"), ("combine", "combine"),
+           ("moe", "dispatch + combine"))
 """Timed parts of an epgen variant: result key, table label."""
+PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}
+"""The figure of each ``--op`` the speed-up and the plot use (``epgen.bench.combine``)."""
+
+
+def _primary(results) -> str:
+    return PRIMARY[results.get("op", "dispatch")]
 
 
 class Progress:
@@ -86,11 +93,13 @@ def read_json(path: str) -> dict:
 def table_rows(results) -> list[dict]:
     """One row per timed part of every variant of every shape, then the baseline's."""
     rows = []
+    primary = _primary(results)
+    label_of = dict(TIMINGS)
     for s in results["shapes"]:
         common = {"shape": s["shape"], "T": s["tokens_per_rank"], "routing": s["routing"]}
         for v in s["variants"]:
-            if "round_trip" not in v:
-                rows.append({**common, "variant": f"epgen {v['label']} round trip",
+            if primary not in v:
+                rows.append({**common, "variant": f"epgen {v['label']} {label_of[primary]}",
                              "note": v.get("skipped") or v.get("error")})
                 continue
             for key, label in TIMINGS:
@@ -100,16 +109,17 @@ def table_rows(results) -> list[dict]:
                 rows.append({**common, "variant": f"epgen {v['label']} {label}",
                              "us": 1e3 * m["median_ms"], "gbps": m.get("gbps"),
                              "frac": m.get("fraction_of_copy"),
-                             "speedup": v.get("speedup_vs_baseline") if key == "round_trip"
+                             "speedup": v.get("speedup_vs_baseline") if key == primary
                              else None})
         b = s["baseline"]
+        name = b.get("name", BASELINE_NAME)
         if "round_trip" in b:
             m = b["round_trip"]
-            rows.append({**common, "variant": BASELINE_NAME, "us": 1e3 * m["median_ms"],
+            rows.append({**common, "variant": name, "us": 1e3 * m["median_ms"],
                          "gbps": m.get("gbps"), "frac": m.get("fraction_of_copy"),
                          "speedup": 1.0, "note": None if b["check"] == "ok" else b["check"]})
         else:
-            rows.append({**common, "variant": BASELINE_NAME,
+            rows.append({**common, "variant": name,
                          "note": b.get("skipped") or b.get("error")})
     return rows
 
@@ -174,8 +184,10 @@ def print_report(results, file=None) -> None:
                  if "gbps" in c.get(k, {})]
         print(f"device-to-device copy ({c['size_mib']} MiB, read + write): "
               + ", ".join(parts) + f"; reference {c['gbps']:.1f} GB/s", file=file)
+    what = {"dispatch": "round trip", "combine": "combine",
+            "moe": "dispatch + combine"}[results.get("op", "dispatch")]
     print_shapes(results, file, "baseline",
-                 lambda v: f"{fmt_gb(v['bytes']['total'])} per round trip")
+                 lambda v: f"{fmt_gb(v['bytes']['total'])} per {what}")
     print(file=file)
     print(format_table(table_rows(results)), file=file)
 
@@ -200,18 +212,24 @@ def plot_series(results) -> dict[str, list[tuple[int, float]]]:
     epgen variant (``epgen <label>``), then the baseline's; shapes without a number left
     out."""
     series: dict[str, list[tuple[int, float]]] = {}
+    key = _primary(results)
     for s in results["shapes"]:
         T = s["tokens_per_rank"]
         for v in s["variants"]:
             pts = series.setdefault(f"epgen {v['label']}", [])
-            if v.get("round_trip", {}).get("gbps") is not None:
-                pts.append((T, v["round_trip"]["gbps"]))
-    base = series.setdefault(BASELINE_NAME, [])
+            if v.get(key, {}).get("gbps") is not None:
+                pts.append((T, v[key]["gbps"]))
+    base = series.setdefault(_baseline_name(results), [])
     for s in results["shapes"]:
         gbps = s["baseline"].get("round_trip", {}).get("gbps")
         if gbps is not None:
             base.append((s["tokens_per_rank"], gbps))
     return {k: sorted(v) for k, v in series.items() if v}
+
+
+def _baseline_name(results) -> str:
+    names = [s["baseline"].get("name") for s in results["shapes"]]
+    return next((n for n in names if n), BASELINE_NAME)
 
 
 def draw_plot(series: dict, path: str, *, tokens, dashed: str, line=None, ylabel: str,
@@ -262,9 +280,11 @@ def plot(results, path: str) -> None:
     b = results["plan"]["base"]
     fmt = b["token_fmt"]
     routing = {s["routing"] for s in results["shapes"]}
-    draw_results_plot(results, plot_series(results), path, dashed=BASELINE_NAME,
+    what = {"dispatch": "dispatch round trip", "combine": "combine",
+            "moe": "dispatch + combine"}[results.get("op", "dispatch")]
+    draw_results_plot(results, plot_series(results), path, dashed=_baseline_name(results),
                       line=(copy, f"device copy ({copy:.0f} GB/s)") if copy else None,
                       ylabel="GB/s (each by the bytes it must move)",
-                      heading=f"dispatch round trip: {b['n_ranks']} emulated ranks, "
+                      heading=f"{what}: {b['n_ranks']} emulated ranks, "
                               f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, "
                               f"{fmt['name']}, {'/'.join(sorted(routing))} routing")

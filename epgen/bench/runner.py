@@ -30,7 +30,7 @@ class StagedInputs:
     ``i % n``; ``restore()`` puts the world's own buffers back."""
 
     def __init__(self, world, sets):
-        from backends import cuda
+        cuda = world.cuda            # backends.cuda, or the simulator's machine
         self.world = world
         self.orig = [(rk.tokens, rk.topk_ids, rk.n_tokens) for rk in world.ranks]
         self.sets = []

@@ -50,3 +50,31 @@ def baseline_bytes(cfg, tokens_per_rank: int) -> int:
     once (input rows: the baseline copies them as they are)."""
     n_routed = cfg.n_ranks * tokens_per_rank * cfg.token_fmt.top_k
     return 2 * n_routed * cfg.token_fmt.input_row_bytes
+
+
+def combine_bytes(cfg, tokens_per_rank) -> dict:
+    """Bytes a BF16 combine must move for ``tokens_per_rank`` (an int for every rank, or one
+    count per rank): ``rows`` = the routed rows' bytes (``n_routed * H * 2``); ``async`` =
+    2 * rows (each expert-output row read once and written once into its slot),
+    ``wait`` = rows + ``output`` (each slot read once by the reduction, each output row
+    ``H * 2`` bytes written once); ``total`` = 3 * rows + output. The PyTorch baseline
+    (scatter into ``[T, K, H]``, then the weighted sum) moves the same."""
+    H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+    counts = [tokens_per_rank] * cfg.n_ranks if isinstance(tokens_per_rank, (int, np.integer)) \
+        else list(tokens_per_rank)
+    n_tokens = int(sum(counts))
+    rows = n_tokens * K * H * 2
+    out = n_tokens * H * 2
+    return {"n_tokens": n_tokens, "n_routed": n_tokens * K, "rows": rows, "output": out,
+            "async": 2 * rows, "wait": rows + out, "total": 3 * rows + out}
+
+
+def op_bytes(cfg, tokens_per_rank, op: str) -> int:
+    """Total bytes of what ``--op`` times: the dispatch round trip, the combine, or both
+    (``moe``)."""
+    if op == "dispatch":
+        return round_trip_bytes(cfg, tokens_per_rank)["total"]
+    if op == "combine":
+        return combine_bytes(cfg, tokens_per_rank)["total"]
+    return round_trip_bytes(cfg, tokens_per_rank)["total"] + \
+        combine_bytes(cfg, tokens_per_rank)["total"]

@@ -1,0 +1,139 @@
+"""The combine figures of ``epgen bench --op combine|moe`` on an ``EmulatedWorld``, measured
+like the dispatch round trip (``runner``): staged input sets rotated through the iterations,
+device events around a fork/join over the rank streams behind the gate, the median of
+``iters`` samples after ``warmup``.
+
+Transform-free: each rank's expert-output buffer is pointed at its own grouped dispatch output
+(``Combiner.bufs[i].expert_out = rank.out_tokens``), so every received row goes back as it
+came and nothing is copied between timed calls; the router weights are loaded once (one
+random ``[T, K]`` set per rank, ``weights``). ``combine``: each sample's dispatch round trip
+is enqueued before the fork (untimed; the fork waits for it), the combine's launches
+(``Combiner.enqueue``) are timed. ``moe``: the round trip and the combine, one sample; with
+the ``graph`` variant, the replay of a ``world.capture_moe`` graph (one per input set).
+
+Checks: on set 0, ``world.dispatch`` + ``world.combine`` against ``reference.combine`` bit for
+bit before the timing, and the last timed call's dispatch and combine after it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from .. import reference
+from .memory import trim_memory_pool
+from .runner import StagedInputs
+from .timing import fork_join, sample, summarize
+
+PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}
+"""The result key of the figure each ``--op`` is compared by (speed-up, plot)."""
+
+
+def weights(cfg, tokens_per_rank: int, seed: int = 0) -> list[np.ndarray]:
+    """The run's router weights: per rank ``[T, K]`` float32, uniform in [0, 1)."""
+    rng = np.random.default_rng(seed + 2)
+    return [rng.random((tokens_per_rank, cfg.token_fmt.top_k), dtype=np.float32)
+            for _ in range(cfg.n_ranks)]
+
+
+def _check(cfg, got, results, w, what: str) -> None:
+    """``AssertionError`` unless ``got`` (the world's combine) is the reference combine of
+    the world's dispatch ``results``, transform-free, bit for bit."""
+    want = reference.combine(cfg, results, [r.out_tokens for r in results], w)
+    for s, (g, x) in enumerate(zip(got, want)):
+        if g.shape != x.shape or not np.array_equal(g, x):
+            raise AssertionError(f"{what}: rank {s} combine differs from the reference "
+                                 f"({np.count_nonzero(g != x) if g.shape == x.shape else 'shape'})")
+
+
+def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, device=None,
+                  arch=None, post_check: bool = True, progress, fused: bool | None = None,
+                  graph: bool = False, batched: bool = False, world_factory=None,
+                  timer=fork_join) -> dict:
+    """Build the world (``world_factory()``, default an ``EmulatedWorld``), check dispatch +
+    combine on set 0, time ``op`` (module docstring; ``timer``: the fork/join timing,
+    ``timing.fork_join``), check the last call. Raises when a check fails; ``ValueError``
+    for a configuration combine does not take."""
+    from ..runtime.combine import check_supported
+    from ..runtime.world import EmulatedWorld
+
+    check_supported(cfg)
+    key = PRIMARY[op]
+    res = {}
+    t0 = time.perf_counter()
+    world = (world_factory or (lambda: EmulatedWorld(cfg, arch=arch, device=device,
+                                                      fused=fused, batched=batched)))()
+    res["build_s"] = time.perf_counter() - t0
+    staged, comb, saved, graphs = None, None, None, []
+    try:
+        progress("  epgen: correctness check on set 0 (dispatch + combine vs reference)")
+        results = world.dispatch(*sets[0])
+        reference.assert_match(cfg, reference.dispatch(cfg, *sets[0]), results)
+        _check(cfg, world.combine([r.out_tokens for r in results], w), results, w, "set 0")
+        res["check"] = "ok"
+
+        comb = world.combiner()
+        staged = StagedInputs(world, sets)
+        staged.use(0)
+        H = cfg.token_fmt.hid_dim
+        comb.load([np.zeros((0, H), np.uint16)] * len(world.ranks), w)    # weights only
+        saved = [b.expert_out for b in comb.bufs]
+        for b, rk in zip(comb.bufs, world.ranks):
+            b.expert_out = rk.out_tokens
+        ts = world.cuda.create_stream(world.device)
+        streams = [rk.stream for rk in world.ranks]
+
+        def combine_once(i):
+            staged.use(i)
+            world.enqueue_round_trip()            # untimed: the fork waits for it
+            return timer(ts, streams, gate, comb.enqueue)
+
+        def moe_once(i):
+            staged.use(i)
+            return timer(ts, streams, gate,
+                         lambda: (world.enqueue_round_trip(), comb.enqueue()))
+
+        if graph:
+            for j in range(len(staged.sets)):
+                staged.use(j)
+                graphs.append(world.capture_moe(stream=ts))
+
+        def graph_once(i):
+            g = graphs[staged.use(i)]
+            g.refresh()
+            g.follow_world(ts)
+            ms, over = timer(ts, [], gate, lambda: g.replay(ts))
+            g.lead_world(ts)
+            return ms, over
+
+        once = combine_once if op == "combine" else graph_once if graph else moe_once
+        progress(f"  epgen: timing {key} ({warmup} warm-up + {iters} iterations)")
+        res[key] = summarize(sample(once, iters, warmup, gate))
+        world.check(f"benchmark {key}")
+        got = comb.finish()
+        if post_check:
+            last = staged.current
+            progress(f"  epgen: checking the last call's dispatch and combine (set {last})")
+            results = world.results()
+            reference.assert_match(cfg, reference.dispatch(cfg, *sets[last]), results)
+            _check(cfg, got, results, w, f"set {last} after timing")
+            res["post_check"] = "ok"
+    finally:
+        if saved is not None:
+            for b, buf in zip(comb.bufs, saved):
+                b.expert_out = buf
+        if staged is not None:
+            staged.restore()
+        world.synchronize()
+        for g in graphs:
+            g.close()
+        device = world.device
+        on_gpu = not getattr(world.cuda, "RUNS_IR", False)
+        staged = world = comb = None
+        gc.collect()
+        if on_gpu:
+            device.sync()
+            trim_memory_pool(device, progress)
+    return res
