@@ -4,7 +4,7 @@
 # from the repository root; a step that fails or times out is reported and the next one still
 # runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|geometry|graph-ab|p2p]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|geometry|graph-ab|p2p|combine]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -26,7 +26,10 @@
 # "graph-ab": the round trip as a CUDA-graph replay against stream launches, its GPU tests
 # first (about 6 minutes); "p2p": on a multi-GPU machine, the
 # P2P tests, `epgen run --world p2p` and the P2P benchmark on every GPU, about 2 minutes on
-# two GPUs). A/B arms of settled choices go with their experiment (docs/PERF.md records what
+# two GPUs); "combine": the combine's GPU tests (the CUDA graph of dispatch + combine and the
+# 1000-call loop included), `epgen run --combine` on streams and as graph replays, then
+# `epgen bench --op combine` and `--op moe` at decode and prefill, streams and graphs (about 5
+# minutes). A/B arms of settled choices go with their experiment (docs/PERF.md records what
 # each measured); an arm of a choice still worth switching sets it with ``--tune``.
 #
 # About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min); under a 10-minute
@@ -289,6 +292,20 @@ if [ "$what" = p2p ]; then
         --set format=NVFP4 --variant default --variant final=ep_final_layout,ep_prod_reserve \
         --json "$OUT/p2p-formats.json"
     grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-formats.log" | sed 's/^/    /'
+fi
+if [ "$what" = combine ]; then
+    LIMIT=200 gpu_tests combine-tests 300 tests/test_combine_gpu.py \
+        tests/test_combine_graph_gpu.py tests/test_combine_stress_gpu.py
+    step combine-run 60 python3 -m epgen run --preset small --calls 3 --combine
+    step combine-run-graph 60 python3 -m epgen run --preset small --calls 3 --combine --graph
+    grep -E "combine:|MISMATCH" "$OUT/combine-run.log" "$OUT/combine-run-graph.log" \
+        | sed 's/^/    /'
+    step combine-bench 150 python3 -m epgen bench --op combine --tokens 128,4096 \
+        --json "$OUT/combine-bench.json"
+    grep -E "combine|torch" "$OUT/combine-bench.log" | sed 's/^/    /'
+    step moe-bench 200 python3 -m epgen bench --op moe --tokens 128,4096 --variant default \
+        --variant graph=graph --json "$OUT/moe-bench.json"
+    grep -E "combine|torch" "$OUT/moe-bench.log" | sed 's/^/    /'
 fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 exit $status
