@@ -23,6 +23,8 @@ import ir
 from ir import nodes as N
 from ir import nvshmem as ir_nvshmem
 
+from .combine_layout import CombineLayout
+from .runtime.combine import GUARD_BYTES
 from .tuning import Tuning
 
 SCOPES = ("cta", "cluster", "gpu", "sys")
@@ -145,9 +147,6 @@ def build_op_module(cfg, op: str):
 def combine_buffers(cfg) -> dict:
     """Per rank, the combine's buffers in bytes (docs/combine.md "Buffers") and its counter
     words (``CombineLayout.describe``)."""
-    from .combine_layout import CombineLayout
-    from .runtime.combine import GUARD_BYTES
-
     fmt, lay = cfg.token_fmt, cfg.layout
     T, K, H = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim
     clay = CombineLayout(cfg)

@@ -36,6 +36,8 @@ from typing import Iterable
 import attrs
 
 from .config import BOOL_PARAMS, EPConfig, EPConfigError
+from .formats import make_format
+from .runtime.combine import check_supported
 
 BASE_PRESET = "small"
 """The preset every combination starts from."""
@@ -131,8 +133,6 @@ class Combination:
 def combine_error(cfg) -> str | None:
     """None when the combine kernels build for ``cfg``, else why not
     (``runtime.combine.check_supported``'s message, without its prefix)."""
-    from .runtime.combine import check_supported
-
     try:
         check_supported(cfg)
     except ValueError as e:
@@ -145,7 +145,6 @@ def variant_config(name: str) -> EPConfig | None:
     format and flag variants, ``ep/fused``, ``ep/fused_se``, ``combine/small``); None for the
     others (the demos, test kernels)."""
     from . import ep_goldens as eg
-    from .formats import make_format
     from .presets import load_preset
 
     group, _, rest = name.partition("/")

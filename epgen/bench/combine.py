@@ -23,8 +23,9 @@ import time
 import numpy as np
 
 from .. import reference
+from ..runtime.combine import check_supported
 from .memory import trim_memory_pool
-from .runner import StagedInputs
+from .runner import StagedInputs, emulated_world
 from .timing import fork_join, sample, summarize
 
 PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}
@@ -56,14 +57,11 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
     combine on set 0, time ``op`` (module docstring; ``timer``: the fork/join timing,
     ``timing.fork_join``), check the last call. Raises when a check fails; ``ValueError``
     for a configuration combine does not take."""
-    from ..runtime.combine import check_supported
-    from ..runtime.world import EmulatedWorld
-
     check_supported(cfg)
     key = PRIMARY[op]
     res = {}
     t0 = time.perf_counter()
-    world = (world_factory or (lambda: EmulatedWorld(cfg, arch=arch, device=device,
+    world = (world_factory or (lambda: emulated_world(cfg, arch=arch, device=device,
                                                       fused=fused, batched=batched)))()
     res["build_s"] = time.perf_counter() - t0
     staged, comb, saved, graphs = None, None, None, []

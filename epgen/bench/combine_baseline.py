@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import reference
 from ..reference_combine import bf16_to_f32, f32_to_bf16
+from .baseline import dispatch_torch
 from .timing import sample, summarize, timed_torch
 
 NAMES = {"combine": "torch index_copy+weighted sum",
@@ -82,8 +83,6 @@ def measure(torch, cfg, sets, weights, iters: int, warmup: int, gate, device_ind
     of each set, computed untimed first; ``moe``: the dispatch baseline then those) on the
     input ``sets`` (rotated) on its own torch stream. Returns ``{"round_trip": summary,
     "check": [differences]}``."""
-    from .baseline import dispatch_torch
-
     dev = torch.device("cuda", device_index)
     stream = torch.cuda.Stream(device=dev)
     res = {}

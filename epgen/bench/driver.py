@@ -14,6 +14,7 @@ import datetime
 import sys
 
 from .. import reference
+from ..inspection import combine_buffers
 from . import baseline, combine, combine_baseline, common, inputs, memory, p2p, runner
 from .common import NoGPUError, bf16_config, failures
 from .memory import fmt_gb
@@ -116,7 +117,6 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, 
 
 def _combine_memory(cfg) -> int:
     """Every rank's combine buffers (``inspection.combine_buffers``)."""
-    from ..inspection import combine_buffers
     return cfg.n_ranks * combine_buffers(cfg)["bytes_per_rank"]["combine_total"]
 
 

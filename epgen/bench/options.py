@@ -214,9 +214,8 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
             except ValueError as exc:
                 parser.error(f"argument --variant {v.label} (at {T} tokens per rank): {exc}")
             if op != "dispatch":
-                from ..runtime.combine import check_supported
                 try:
-                    check_supported(plan.config(T, v))
+                    plan.check_op(T, v)
                 except ValueError as exc:
                     parser.error(f"argument --op {op}: variant {v.label}: {exc}")
     return plan

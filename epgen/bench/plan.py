@@ -26,6 +26,7 @@ import attrs
 
 from ..config import BOOL_PARAMS, EPConfig
 from ..presets import parse_value
+from ..runtime.combine import check_supported
 from ..tuning import TuningError, parse_tune
 from .choices import ROUTINGS, WORLDS
 
@@ -215,6 +216,12 @@ class Plan:
             overrides["tuning"] = self.base.tuning.replace(**tune)
         return self.base.replace(max_tokens_per_rank=tokens_per_rank, recv_block_capacity=cap,
                                  **overrides)
+
+    def check_op(self, tokens_per_rank: int, variant: Variant) -> None:
+        """``ValueError`` when ``op`` is a combine one and the combine kernels do not take
+        this shape's and variant's configuration (``runtime.combine.check_supported``)."""
+        if self.op != "dispatch":
+            check_supported(self.config(tokens_per_rank, variant))
 
     def describe(self) -> dict:
         """Plain data (for the JSON)."""

@@ -58,6 +58,12 @@ class StagedInputs:
             rk.tokens, rk.topk_ids, rk.n_tokens = x, a, T
 
 
+def emulated_world(cfg, **options):
+    """``EmulatedWorld(cfg, **options)`` (the world the benchmark runs by default)."""
+    from ..runtime.world import EmulatedWorld
+    return EmulatedWorld(cfg, **options)
+
+
 def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch=None,
                   post_check: bool = True, progress, fused: bool | None = None,
                   graph: bool = False, batched: bool = False, world_factory=None) -> dict:
