@@ -112,3 +112,12 @@ def test_the_reference_does_not_depend_on_the_row_order_within_a_block(seed):
     got[0] = got[0].copy()
     got[0][0, 0] ^= np.uint16(1)
     assert combine_run.differences(got, want)[0].startswith("rank 0 combine: 1 elements")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["--graph"], ["--fused"]], ids=["stream", "graph", "fused"])
+def test_run_combine_on_the_gpu(capsys, extra, seed):
+    status, out, err = run_cli(capsys, "run", "--preset", "small", "--calls", "3",
+                               "--combine", "--seed", str(seed), *extra)
+    assert status == 0, f"seed {seed}: {out}{err}"
+    assert out.count("  combine: matches the reference") == 3, out
