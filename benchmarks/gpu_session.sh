@@ -295,7 +295,8 @@ if [ "$what" = p2p ]; then
 fi
 if [ "$what" = combine ]; then
     LIMIT=200 gpu_tests combine-tests 300 tests/test_combine_gpu.py \
-        tests/test_combine_graph_gpu.py tests/test_combine_stress_gpu.py
+        tests/test_combine_graph_gpu.py tests/test_combine_stress_gpu.py \
+        tests/test_combine_cli.py tests/test_bench_combine_gpu.py
     step combine-run 60 python3 -m epgen run --preset small --calls 3 --combine
     step combine-run-graph 60 python3 -m epgen run --preset small --calls 3 --combine --graph
     grep -E "combine:|MISMATCH" "$OUT/combine-run.log" "$OUT/combine-run-graph.log" \
