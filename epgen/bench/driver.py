@@ -128,8 +128,10 @@ def combine_baseline_phase(plan: Plan, T: int, sets, w, torch, gate, copy_gbps,
     nbytes = op_bytes(cfg, T, plan.op) if plan.op == "combine" else \
         baseline_bytes(cfg, T) + combine_bytes(cfg, T)["total"]
     out = {"name": combine_baseline.NAMES[plan.op], "bytes": nbytes,
+           # each set's grouped rows, the slots, the grouped output of moe, and the float32
+           # product of the reduction (twice the slots)
            "memory": {"estimate": memory.baseline_memory(cfg, T, plan.sets)
-                      + 2 * combine_bytes(cfg, T)["rows"]}}
+                      + (plan.sets + 4) * combine_bytes(cfg, T)["rows"]}}
     if not plan.baseline:
         out["skipped"] = "--no-baseline"
     elif torch is None:
