@@ -242,3 +242,26 @@ def test_combine_builds_where_supported_and_is_refused_elsewhere():
             report = nvptx.assemble(ptx, arch=ARCH)
             assert {k.name for k in module.kernels} <= set(report.kernels), report.log
     assert built >= 1 and variants.combination([]).combine_error is None
+
+
+def test_named_variants_combine_builds_where_supported():
+    """Every registered variant with a configuration (``variants.variant_config``): where
+    ``epgen variants`` says ``[combine: yes]`` the combine module builds, verifies and its PTX
+    passes the checker; elsewhere ``build_combine_module`` refuses it."""
+    from epgen import goldens
+    from epgen.kernels import build_combine_module
+    named = [n for n in goldens.names() if variants.variant_config(n) is not None]
+    assert {"ep/small", "ep/default", "ep/final_layout", "combine/small"} <= set(named)
+    assert variants.variant_config("ep/default_nvfp4").token_fmt.name == "NVFP4"
+    assert variants.variant_config("ep/fused_se").fused_shared_expert
+    assert variants.variant_config("ep/shmem_mixed") == flag_variant_config("shmem_mixed")
+    assert variants.variant_config("demo/copy16") is None
+    for name in named:
+        cfg = variants.variant_config(name)
+        if variants.combine_error(cfg) is not None:
+            with pytest.raises(ValueError):
+                build_combine_module(cfg)
+            continue
+        module = build_combine_module(cfg)
+        ir.verify(module)
+        nvptx.check_ptx(module, nvptx.emit_ptx(module, arch=ARCH))
