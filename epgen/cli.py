@@ -487,7 +487,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         combined = None
         if args.combine:
-            graph, got, combined = _moe_call(world, cfg, rng, toks, ids, graph, args.graph)
+            graph, got, combined = _moe_call(world, cfg, rng, toks, ids, graph, args.graph,
+                                             args.input_scale)
         elif args.graph:
             graph, got = world.dispatch_replayed(toks, ids, graph)
         else:
@@ -502,7 +503,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"call {call}: {rows} rows received, {dt * 1e3:.1f} ms (host round trip), "
               f"{'matches the reference' if not diffs else 'MISMATCH'}")
         if combined is not None and not diffs:
-            diffs = _combine_diffs(cfg, toks, ids, got, *combined, graph=args.graph)
+            diffs = _combine_diffs(cfg, toks, ids, got, *combined, graph=args.graph,
+                                   input_scale=args.input_scale)
             print(f"  combine: {'matches the reference' if not diffs else 'MISMATCH'}")
         if diffs:
             print("\n".join("  " + d for d in diffs[:10]))
@@ -526,7 +528,7 @@ def _check_combine(args: argparse.Namespace, cfg) -> None:
         args.parser.error(f"argument --combine: {e}")
 
 
-def _moe_call(world, cfg, rng, toks, ids, graph, use_graph: bool):
+def _moe_call(world, cfg, rng, toks, ids, graph, use_graph: bool, scale: float):
     """One ``run --combine`` call: dispatch, the per-expert transform of each rank's rows,
     combine with random weights. Returns ``(graph, dispatch results, (expert outputs,
     weights, combine results))``. With ``use_graph`` one replay of ``world.capture_moe()``
@@ -537,9 +539,10 @@ def _moe_call(world, cfg, rng, toks, ids, graph, use_graph: bool):
     w = combine_run.router_weights(rng, cfg, ids)
     if not use_graph:
         got = world.dispatch(toks, ids)
-        ys = [combine_run.expert_outputs(cfg, r) for r in got]
+        ys = [combine_run.expert_outputs(cfg, r, scale) for r in got]
         return None, got, (ys, w, world.combine(ys, w))
-    ys = [combine_run.expert_outputs(cfg, r) for r in reference.dispatch(cfg, toks, ids)]
+    ys = [combine_run.expert_outputs(cfg, r, scale)
+          for r in reference.dispatch(cfg, toks, ids, input_scale=scale)]
     world.load_inputs(toks, ids)
     if graph is None:
         graph = world.capture_moe()
@@ -550,14 +553,15 @@ def _moe_call(world, cfg, rng, toks, ids, graph, use_graph: bool):
     return graph, world.results(), (ys, w, out)
 
 
-def _combine_diffs(cfg, toks, ids, got, ys, w, out, *, graph: bool) -> list[str]:
+def _combine_diffs(cfg, toks, ids, got, ys, w, out, *, graph: bool,
+                   input_scale: float) -> list[str]:
     """The combine's differences from the reference: end to end
     (``combine_run.expected``); with ``graph`` (expert outputs computed before the replay)
     ``reference.combine`` of the world's own dispatch results and those outputs."""
     from epgen import combine_run, reference
 
     want = reference.combine(cfg, got, ys, w) if graph else \
-        combine_run.expected(cfg, toks, ids, w)
+        combine_run.expected(cfg, toks, ids, w, input_scale)
     return combine_run.differences(out, want)
 
 
@@ -632,9 +636,9 @@ def _shmem_calls(args: argparse.Namespace, cfg, world, tokens: int) -> None:
 
             # every rank draws every rank's weights (same seed), combines its own part
             w = combine_run.router_weights(rng, cfg, ids)
-            out = world.combine(combine_run.expert_outputs(cfg, got), w[r])
+            out = world.combine(combine_run.expert_outputs(cfg, got, args.input_scale), w[r])
             cdiffs = combine_run.differences(
-                [out], [combine_run.expected(cfg, toks, ids, w)[r]])
+                [out], [combine_run.expected(cfg, toks, ids, w, args.input_scale)[r]])
             print(f"rank {r} call {call} combine: "
                   f"{'matches the reference' if not cdiffs else 'MISMATCH'}", flush=True)
             diffs += cdiffs

@@ -98,9 +98,12 @@ def test_a_combine_that_did_not_run_fails_the_post_check(seed):
                               timer=no_combine, progress=lambda m: None)
 
 
-def test_unsupported_configuration_is_refused_before_building():
-    cfg = make_cfg(*SHAPES["R2-E4"], ep_final_layout=True)
-    with pytest.raises(ValueError, match="ep_final_layout"):
+def test_unsupported_configuration_is_refused_before_building(monkeypatch):
+    def refuse(cfg):
+        raise ValueError("world.combine: not supported for this configuration: testing")
+    monkeypatch.setattr(combine, "check_supported", refuse)
+    cfg = make_cfg(*SHAPES["R2-E4"])
+    with pytest.raises(ValueError, match="testing"):
         combine.measure_world(cfg, [], [], 1, 0, None, op="combine",
                               world_factory=lambda: pytest.fail("built"),
                               progress=lambda m: None)
@@ -199,8 +202,6 @@ def test_dispatch_stays_the_default(fake_gpu):  # noqa: F811
     (["--op", "combine", "--world", "p2p"], "argument --op combine: only with --world emulated"),
     (["--op", "moe", "--world", "shmem"], "argument --op moe: only with --world emulated"),
     (["--op", "combine", "--variant", "g=graph"], "graph times a whole replay"),
-    (["--op", "combine", "--set", "format=NVFP4"], "format NVFP4"),
-    (["--op", "moe", "--variant", "f=ep_final_layout"], "variant f: .*ep_final_layout"),
     (["--op", "bogus"], "invalid choice"),
 ])
 def test_bad_op_arguments_are_usage_errors(argv, match, capsys):
@@ -208,3 +209,35 @@ def test_bad_op_arguments_are_usage_errors(argv, match, capsys):
         cli.main(["bench", *RUN, *argv])
     assert info.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_a_configuration_combine_does_not_take_is_a_usage_error(monkeypatch, capsys):
+    from epgen.bench import plan
+
+    def refuse(cfg):
+        if cfg.ep_final_layout:
+            raise ValueError("world.combine: not supported for this configuration: testing")
+    monkeypatch.setattr(plan, "check_supported", refuse)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", *RUN, "--op", "moe", "--variant", "f=ep_final_layout"])
+    assert info.value.code == 2
+    assert re.search("argument --op moe: variant f: .*testing", capsys.readouterr().err)
+    bench_args(*RUN, "--op", "moe", "--variant", "default")          # accepted
+
+
+@pytest.mark.parametrize("fmt", ["NVFP4", "BlockwiseFP8"])
+def test_measure_world_with_a_quantising_format_on_the_simulator(fmt, seed):
+    """A quantising format's rows are not BF16: fixed random BF16 expert outputs instead,
+    checked like the transform-free ones."""
+    import epgen
+    from epgen.formats import make_format
+    H = 128
+    cfg = epgen.EPConfig(num_threads=64, n_sms=4, n_experts=4, n_ranks=2, max_tokens_per_rank=4,
+                         p2p_world_size=2, use_shmem=False, token_fmt=make_format(fmt, H, 2))
+    sets = inputs.make_input_sets(cfg, 4, 2, seed=seed)
+    w = combine.weights(cfg, 4, seed)
+    res = combine.measure_world(cfg, sets, w, 2, 0, None, op="moe",
+                                world_factory=lambda: EmulatedWorld(cfg, backend="sim",
+                                                                    sim_seed=seed),
+                                timer=_fake_timer, progress=lambda m: None)
+    assert res["check"] == "ok" and res["post_check"] == "ok", f"seed {seed}"

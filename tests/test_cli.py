@@ -141,7 +141,7 @@ def test_variants_matrix(capsys):
                                    if c.combine_error is None else "combine=no"), c.name
     n_combine = sum(v == "combine=yes" for v in combine.values())
     assert 0 < n_combine <= 44 and f"the combine kernels build for {n_combine} " in lines[0]
-    assert combine["stock"] == "combine=yes" and combine["ep_final_layout"] == "combine=no"
+    assert combine["stock"] == "combine=yes"
     assert set(by_name) == {c.name for c in variants.combinations()}
     assert by_name["skip_a2a"] == ("legal", "--preset small --set n_ranks=1 --set "
                                             "p2p_world_size=1 --set n_experts=8 --set "
@@ -622,6 +622,33 @@ def test_inspect_combine(capsys):
     assert report["combine_buffers"]["bytes_per_rank"]["combine_out"] == T * K * H * 2
     status, out, _ = run_cli(capsys, "inspect", "--preset", "small", "--json")
     assert json.loads(out)["combine_buffers"] is None
-    status, _, err = run_cli(capsys, "inspect", "--preset", "small", "--set", "format=NVFP4",
-                             "--op", "combine")
-    assert status == 2 and "argument --op" in err and "format NVFP4" in err
+
+def test_inspect_combine_refuses_what_combine_does_not_take(capsys, monkeypatch):
+    from epgen.runtime import combine as combine_mod
+
+    def refuse(cfg):
+        raise ValueError("world.combine: not supported for this configuration: testing")
+    monkeypatch.setattr(combine_mod, "check_supported", refuse)
+    status, _, err = run_cli(capsys, "inspect", "--preset", "small", "--op", "combine")
+    assert status == 2 and "argument --op" in err and "testing" in err
+
+
+def test_variants_show_the_reason_combine_does_not_build(capsys, monkeypatch):
+    from epgen import variants
+
+    def refuse(cfg):
+        if cfg.ep_final_layout:
+            raise ValueError("world.combine: not supported for this configuration: testing")
+    monkeypatch.setattr(variants, "check_supported", refuse)
+    status, out, _ = run_cli(capsys, "variants")
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert lines["ep/final_layout"].endswith("[combine: no: testing]")
+    assert lines["ep/small"].endswith("[combine: yes]")
+    variants.combinations.cache_clear()
+    try:
+        status, out, _ = run_cli(capsys, "variants", "--matrix")
+        rows = {line.split(None, 2)[2].split(": ")[0]: line.split()[1]
+                for line in out.splitlines()[1:]}
+        assert rows["ep_final_layout"] == "combine=no" and rows["stock"] == "combine=yes"
+    finally:
+        variants.combinations.cache_clear()

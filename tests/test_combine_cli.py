@@ -62,12 +62,27 @@ def test_a_wrong_combine_result_fails_the_run(capsys, monkeypatch, seed):
     assert f"seed {seed}" in err
 
 
-@pytest.mark.parametrize("sets, word", [(["--set", "format=NVFP4"], "format NVFP4"),
-                                        (["--set", "ep_final_layout=true"], "ep_final_layout")])
-def test_run_combine_refuses_what_combine_does_not_take(capsys, sets, word):
-    status, _, err = run_cli(capsys, "run", "--backend", "sim", "--preset", "small", *sets,
-                             "--combine")
-    assert status == 2 and "argument --combine" in err and word in err
+def test_run_combine_refuses_what_combine_does_not_take(capsys, monkeypatch):
+    """What ``runtime.combine.check_supported`` refuses (here: everything) is a usage error
+    naming the reason, before any world is built."""
+    from epgen.runtime import combine as combine_mod
+
+    def refuse(cfg):
+        raise ValueError("world.combine: not supported for this configuration: testing")
+    monkeypatch.setattr(combine_mod, "check_supported", refuse)
+    monkeypatch.setattr(cli, "make_world", lambda *a, **k: pytest.fail("built a world"))
+    status, _, err = run_cli(capsys, "run", "--backend", "sim", *TINY, "--combine")
+    assert status == 2 and "argument --combine" in err and "testing" in err
+
+
+@pytest.mark.parametrize("fmt", ["NVFP4", "MXFP8"])
+def test_run_combine_with_a_quantising_format(capsys, fmt, seed):
+    """The transform dequantizes each row with its own scales (``fmt.dequantize``)."""
+    tiny = [a if a != "hid_dim=16" else "hid_dim=64" for a in TINY]
+    status, out, err = run_cli(capsys, "run", "--backend", "sim", *tiny, "--set",
+                               f"format={fmt}", "--calls", "1", "--combine", "--seed", str(seed))
+    assert status == 0, f"seed {seed}: {out}{err}"
+    assert "combine: matches the reference" in out
 
 
 def test_the_transform_is_the_per_expert_affine_map(seed):

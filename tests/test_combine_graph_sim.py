@@ -134,9 +134,14 @@ def test_a_changed_combine_choice_or_token_count_is_refused(seed):
         graph.close()
 
 
-def test_configurations_combine_does_not_take_are_refused_before_capture(seed):
-    cfg = _cfg(ep_final_layout=True)
-    with sim_world(cfg, seed) as world:
-        with pytest.raises(ValueError, match="ep_final_layout"):
+def test_configurations_combine_does_not_take_are_refused_before_capture(seed, monkeypatch):
+    """Whatever ``check_supported`` refuses (here: everything) is refused before a capture."""
+    from epgen.runtime import combine as combine_mod
+
+    def refuse(cfg):
+        raise ValueError("world.combine: not supported for this configuration: testing")
+    monkeypatch.setattr(combine_mod, "check_supported", refuse)
+    with sim_world(_cfg(), seed) as world:
+        with pytest.raises(ValueError, match="not supported for this configuration: testing"):
             world.capture_moe()
         assert world.cuda.capture is None

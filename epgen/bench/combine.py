@@ -5,8 +5,10 @@ device events around a fork/join over the rank streams behind the gate, the medi
 
 Transform-free: each rank's expert-output buffer is pointed at its own grouped dispatch output
 (``Combiner.bufs[i].expert_out = rank.out_tokens``), so every received row goes back as it
-came and nothing is copied between timed calls; the router weights are loaded once (one
-random ``[T, K]`` set per rank, ``weights``). ``combine``: each sample's dispatch round trip
+came and nothing is copied between timed calls; a quantising format's rows are not BF16, so
+there the expert-output buffers are filled once with random BF16 rows instead (the same
+bytes move). The router weights are loaded once (one random ``[T, K]`` set per rank,
+``weights``). ``combine``: each sample's dispatch round trip
 is enqueued before the fork (untimed; the fork waits for it), the combine's launches
 (``Combiner.enqueue``) are timed. ``moe``: the round trip and the combine, one sample; with
 the ``graph`` variant, the replay of a ``world.capture_moe`` graph (one per input set).
@@ -39,10 +41,28 @@ def weights(cfg, tokens_per_rank: int, seed: int = 0) -> list[np.ndarray]:
             for _ in range(cfg.n_ranks)]
 
 
-def _check(cfg, got, results, w, what: str) -> None:
+def _fixed_rows(cfg, seed: int = 0) -> list[np.ndarray] | None:
+    """None for BF16 (transform-free); else per rank ``max_out_rows`` random BF16 rows
+    (finite), the expert outputs of every call."""
+    if cfg.token_fmt.name == "BF16":
+        return None
+    rng = np.random.default_rng(seed + 3)
+    shape = (cfg.layout.max_out_rows, cfg.token_fmt.hid_dim)
+    return [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) & np.uint16(0xBFFF)
+            for _ in range(cfg.n_ranks)]
+
+
+def _rows(results, fixed) -> list:
+    """Each destination's expert outputs for ``results``: its rows, or the fixed ones."""
+    if fixed is None:
+        return [r.out_tokens for r in results]
+    return [f[:len(r.src_info)] for r, f in zip(results, fixed)]
+
+
+def _check(cfg, got, results, w, what: str, fixed=None) -> None:
     """``AssertionError`` unless ``got`` (the world's combine) is the reference combine of
-    the world's dispatch ``results``, transform-free, bit for bit."""
-    want = reference.combine(cfg, results, [r.out_tokens for r in results], w)
+    the world's dispatch ``results`` (expert outputs ``_rows``), bit for bit."""
+    want = reference.combine(cfg, results, _rows(results, fixed), w)
     for s, (g, x) in enumerate(zip(got, want)):
         if g.shape != x.shape or not np.array_equal(g, x):
             raise AssertionError(f"{what}: rank {s} combine differs from the reference "
@@ -67,19 +87,21 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
     staged, comb, saved, graphs = None, None, None, []
     try:
         progress("  epgen: correctness check on set 0 (dispatch + combine vs reference)")
+        fixed = _fixed_rows(cfg)
         results = world.dispatch(*sets[0])
         reference.assert_match(cfg, reference.dispatch(cfg, *sets[0]), results)
-        _check(cfg, world.combine([r.out_tokens for r in results], w), results, w, "set 0")
+        _check(cfg, world.combine(_rows(results, fixed), w), results, w, "set 0", fixed)
         res["check"] = "ok"
 
         comb = world.combiner()
         staged = StagedInputs(world, sets)
         staged.use(0)
         H = cfg.token_fmt.hid_dim
-        comb.load([np.zeros((0, H), np.uint16)] * len(world.ranks), w)    # weights only
-        saved = [b.expert_out for b in comb.bufs]
-        for b, rk in zip(comb.bufs, world.ranks):
-            b.expert_out = rk.out_tokens
+        comb.load(fixed or [np.zeros((0, H), np.uint16)] * len(world.ranks), w)
+        if fixed is None:
+            saved = [b.expert_out for b in comb.bufs]
+            for b, rk in zip(comb.bufs, world.ranks):
+                b.expert_out = rk.out_tokens
         ts = world.cuda.create_stream(world.device)
         streams = [rk.stream for rk in world.ranks]
 
@@ -116,7 +138,7 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
             progress(f"  epgen: checking the last call's dispatch and combine (set {last})")
             results = world.results()
             reference.assert_match(cfg, reference.dispatch(cfg, *sets[last]), results)
-            _check(cfg, got, results, w, f"set {last} after timing")
+            _check(cfg, got, results, w, f"set {last} after timing", fixed)
             res["post_check"] = "ok"
     finally:
         if saved is not None:

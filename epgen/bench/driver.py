@@ -123,8 +123,9 @@ def _combine_memory(cfg) -> int:
 def combine_baseline_phase(plan: Plan, T: int, sets, w, torch, gate, copy_gbps,
                            progress) -> dict:
     """Time the combine (``--op combine``) or dispatch + combine (``moe``) baseline and check
-    one source against the reference (``combine_baseline``)."""
-    cfg = plan.config(T)
+    one source against the reference (``combine_baseline``). The baseline moves BF16 rows
+    whatever epgen's token format, so it runs and is checked as BF16."""
+    cfg = bf16_config(plan.config(T))
     nbytes = op_bytes(cfg, T, plan.op) if plan.op == "combine" else \
         baseline_bytes(cfg, T) + combine_bytes(cfg, T)["total"]
     out = {"name": combine_baseline.NAMES[plan.op], "bytes": nbytes,
