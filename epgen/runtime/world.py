@@ -658,14 +658,6 @@ class EmulatedWorld(RankWorld):
         comb.weighted, comb.has_residual = weighted, residual
         return RoundTripGraph(self, calls, stream, combiner=comb)
 
-    def combiner(self) -> Combiner:
-        """The world's ``Combiner`` (built on first use, as ``combine`` builds it): its
-        ``load``, ``enqueue`` and ``finish`` split a combine for graphs and back-to-back
-        calls."""
-        if getattr(self, "_combiner", None) is None:
-            self._combiner = Combiner(self, co_resident)
-        return self._combiner
-
     # -- capacity ----------------------------------------------------------------------------
     def _check_capacity(self):
         cfg = self.cfg
