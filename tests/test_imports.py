@@ -38,6 +38,9 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
                          "llvmlite and the kernels only for the sections that need them"),
     "epgen.variants": (("epgen.ep_goldens", "epgen.presets"),
                        "the matrix reads the presets only when a combination is built"),
+    "epgen.interop": (("backends.cuda",),
+                      "host inputs never load the CUDA backend: the driver is asked only "
+                      "about device inputs"),
     "epgen.bench.memory": (("backends.cuda",),
                            "epgen.bench imports with numpy only (tests/test_bench.py::"
                            "test_import_is_light): backends.cuda inside device functions"),

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import attrs
 
-from .. import interop
+from ir import diag
+
+from .. import interop, reference
 from ..errors import EPInputError
 from ..kernels.check_ids import BLOCK_THREADS as CHECK_THREADS
 from ..kernels.check_ids import KERNEL_NAME as CHECK
@@ -31,7 +33,9 @@ from ..kernels.check_ids import build_check_ids_module, id_bound
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from ..runtime.combine import C_ASYNC, C_FUSED, C_WAIT
 from ..runtime.program import Program
+from ..runtime.world import region_a_blocks
 from . import streams, tensors
 
 
@@ -72,8 +76,6 @@ class DispatchOutput:
         """This output as the host ``reference.RankResult`` (synchronises: for tests and
         debugging), comparable with ``epgen.reference.dispatch`` by
         ``reference.assert_match``."""
-        from .. import reference
-        from ..runtime.world import region_a_blocks
         torch = _torch()
         row_offsets = self.row_offsets.cpu().numpy().view("uint32")
         n = int(row_offsets[-1])
@@ -266,7 +268,6 @@ class EPBuffer:
     def _prepare_combine(self):
         """The world's combine side (built as ``world.combine`` builds it) and every handled
         rank's combine launches, prepared."""
-        from ..runtime.combine import C_ASYNC, C_FUSED, C_WAIT
         c = self.world.combiner()
         n, steps = self.cfg.n_sms, []
         prog = lambda i: c._program_of(self.world.ranks[i])  # noqa: E731
@@ -361,7 +362,6 @@ class EPBuffer:
         """Synchronise the caller's stream and the ranks' streams, then raise what the
         kernels recorded: bad top-k ids (``EPInputError`` naming rank, token, slot and id;
         each such slot was dropped), expired waits (``EPTimeoutError``)."""
-        from ir import diag
         self.torch.cuda.current_stream(self.device).synchronize()
         self.world.synchronize()
         errs = {id(b): b for b in (self.world._err_of(rk) for rk in self.ranks)}.values()
