@@ -700,11 +700,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if failures:
             raise CommandError("bench: " + "; ".join(failures))
         return 0
+    if args.api == "torch" and args.world != "emulated":
+        args.parser.error("argument --api torch: only with --world emulated")
     plan = options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
     results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
-    if results["failures"]:
-        raise CommandError("bench: " + "; ".join(results["failures"]))
+    failures = list(results["failures"])
+    if args.api == "torch":
+        import json
+
+        from epgen.bench import torch_api
+        records, bad = torch_api.run(args, cfg, list(plan.tokens))
+        failures += bad
+        if args.json:
+            with open(args.json) as f:
+                data = json.load(f)
+            data["torch_api"] = records
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=1)
+    if failures:
+        raise CommandError("bench: " + "; ".join(failures))
     return 0
 
 

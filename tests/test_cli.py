@@ -652,3 +652,10 @@ def test_variants_show_the_reason_combine_does_not_build(capsys, monkeypatch):
         assert rows["ep_final_layout"] == "combine=no" and rows["stock"] == "combine=yes"
     finally:
         variants.combinations.cache_clear()
+
+
+def test_bench_api_torch_only_on_the_emulated_world(capsys):
+    """``bench --api torch`` measures ``epgen.torch.EPBuffer`` on an EmulatedWorld: with
+    another world it is a usage error naming the option."""
+    status, _, err = run_cli(capsys, "bench", "--api", "torch", "--world", "p2p")
+    assert status == 2 and "--api torch" in err

@@ -1,0 +1,134 @@
+"""``epgen bench --api torch``: the cost of the device-side API (``epgen.torch.EPBuffer``) on
+an ``EmulatedWorld``, after the usual figures of the same run.
+
+Per shape (tokens per rank), with the dispatch outputs fed back as the expert outputs (no
+expert work):
+
+- **host time** of one ``ep.dispatch`` and one ``ep.combine`` call, enqueue only, per rank:
+  each call timed on its own with ``time.perf_counter`` behind an idle stream (the stream is
+  synchronised between iterations, outside the timed span), median over the iterations;
+- **round trip** (dispatch + combine) on the device: CUDA events around the calls on the
+  caller's stream, median, as stream launches and as the replay of a ``torch.cuda.graph``
+  capture of the same calls, and their ratio.
+
+The first call of each shape is checked against ``epgen.reference`` (dispatch and combine)
+unless ``--no-post-check``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .. import reference, routing
+from ..runtime.world import EmulatedWorld
+
+
+def _bits_to_torch(torch, bits):
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
+        torch.bfloat16).cuda()
+
+
+def _check(torch, cfg, ep, toks, ids, x, i, w):
+    """One dispatch + combine checked against the reference; the first difference or None."""
+    outs = ep.dispatch(x, i, w)
+    ep.check()
+    got = [o.to_reference(cfg) for o in outs]
+    diffs = [d for want, g in zip(reference.dispatch(cfg, toks, ids), got)
+             for d in reference.compare(cfg, want, g)]
+    if diffs:
+        return f"dispatch: {diffs[0]}"
+    ys = [o.tokens for o in outs]
+    host_y = [o.out_tokens for o in got]
+    y = ep.combine(ys, outs)
+    ep.check("combine")
+    weights = [t.cpu().numpy() for t in w]
+    want = reference.combine(cfg, got, host_y, weights, n_tokens=[len(a) for a in ids])
+    for r, (g, e) in enumerate(zip(y, want)):
+        g = g.view(torch.int16).cpu().numpy().view(np.uint16)
+        if not np.array_equal(g, e):
+            return f"combine rank {r}: {np.count_nonzero(g != e)} elements differ"
+    return None
+
+
+def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
+    """Time every shape; returns (one record per shape, failures)."""
+    import torch
+
+    from ..torch import EPBuffer
+    out = sys.stdout if out is None else out
+    iters = args.iters or 50
+    records, failures = [], []
+    big = cfg.replace(max_tokens_per_rank=max([*tokens, cfg.max_tokens_per_rank]))
+    world = EmulatedWorld(big)
+    ep = EPBuffer(world)
+    R, K = big.n_ranks, big.token_fmt.top_k
+    for T in tokens:
+        rng = np.random.default_rng(args.seed)
+        toks, ids = routing.routing(rng, big, T)
+        x = [_bits_to_torch(torch, t) for t in toks]
+        i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
+        w = [torch.from_numpy(rng.random((T, K), dtype=np.float32)).cuda() for _ in ids]
+        if not args.no_post_check:
+            bad = _check(torch, big, ep, toks, ids, x, i, w)
+            if bad:
+                failures.append(f"torch api, {T} tokens: {bad}")
+                continue
+        stream = torch.cuda.current_stream()
+
+        def call():
+            outs = ep.dispatch(x, i, w)
+            return outs, ep.combine([o.tokens for o in outs], outs)
+        host_d, host_c, dev = [], [], []
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            t0 = time.perf_counter()
+            outs = ep.dispatch(x, i, w)
+            t1 = time.perf_counter()
+            ep.combine([o.tokens for o in outs], outs)
+            t2 = time.perf_counter()
+            end.record(stream)
+            torch.cuda.synchronize()
+            host_d.append((t1 - t0) / R * 1e6)
+            host_c.append((t2 - t1) / R * 1e6)
+            dev.append(start.elapsed_time(end) * 1e3)
+        ep.check("combine")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        replays = []
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            torch.cuda.synchronize()
+            replays.append(start.elapsed_time(end) * 1e3)
+        ep.check("combine")
+        rec = {"tokens_per_rank": T, "ranks": R,
+               "host_us_dispatch_per_rank": statistics.median(host_d),
+               "host_us_combine_per_rank": statistics.median(host_c),
+               "round_trip_us_stream": statistics.median(dev),
+               "round_trip_us_graph": statistics.median(replays)}
+        rec["stream_over_graph"] = rec["round_trip_us_stream"] / rec["round_trip_us_graph"]
+        records.append(rec)
+        print(f"torch api, {T} tokens/rank x {R} ranks: host {rec['host_us_dispatch_per_rank']:.1f}"
+              f" us/dispatch/rank, {rec['host_us_combine_per_rank']:.1f} us/combine/rank; "
+              f"dispatch+combine {rec['round_trip_us_stream']:.1f} us on the stream, "
+              f"{rec['round_trip_us_graph']:.1f} us as a graph replay "
+              f"(x{rec['stream_over_graph']:.2f})", file=out)
+        del graph
+    return records, failures
+
+
+__all__ = ["run"]
