@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import reference, routing
 from ..runtime.world import EmulatedWorld
+from ..torch import EPBuffer
 
 
 def _bits_to_torch(torch, bits):
@@ -57,8 +58,6 @@ def _check(torch, cfg, ep, toks, ids, x, i, w):
 def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
     """Time every shape; returns (one record per shape, failures)."""
     import torch
-
-    from ..torch import EPBuffer
     out = sys.stdout if out is None else out
     iters = args.iters or 50
     records, failures = [], []
