@@ -13,11 +13,11 @@ applies from it:
   (``cuMemcpy2DAsync``) when only its rows are apart (a ``x[:, :H]`` view of a wider
   tensor), and otherwise refused with an ``EPInputError`` naming it: a transposed or
   element-strided view is never read as if it were contiguous;
-- the copy is ordered after the producer: a DLPack object is asked to order its stream before
-  the consumer's (``__dlpack__(stream=...)``), a CUDA-array-interface stream is waited on
-  with an event.
+- the copy is ordered after the producer: torch's current stream (a torch tensor's) and a
+  CUDA-array-interface stream are waited on with an event; another DLPack object is asked to
+  order its stream before the consumer's (``__dlpack__(stream=...)``).
 
-torch is never imported here: a tensor is recognised by its type's module.
+torch is imported only for a torch tensor (recognised by its type's module).
 """
 
 from __future__ import annotations
@@ -256,11 +256,15 @@ def order_after_producer(info: ArrayInfo, stream) -> None:
     is waited on with an event. Host inputs and producers that name no stream: nothing."""
     if not info.on_device:
         return
+    from backends.cuda.stream import wait_for_stream_handle
     obj = info.obj[0] if isinstance(info.obj, tuple) else info.obj
-    if hasattr(obj, "__dlpack__") and (_is_torch(obj) or isinstance(info.obj, tuple)):
+    if _is_torch(obj):      # the producer is torch's current stream on the tensor's device
+        import torch
+        wait_for_stream_handle(stream, int(torch.cuda.current_stream(obj.device).cuda_stream)
+                               or 1)
+    elif isinstance(info.obj, tuple):
         obj.__dlpack__(stream=int(stream.handle))
     elif info.stream is not None:
-        from backends.cuda.stream import wait_for_stream_handle
         wait_for_stream_handle(stream, info.stream)
 
 

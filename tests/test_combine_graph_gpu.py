@@ -73,7 +73,6 @@ def test_replays_and_stream_calls_match_the_reference(mode, seed):
                 graph.launch()
                 got = graph.combiner.finish()
             _check(world, toks, ids, ys, w, res, got, seed, f"{mode} call {call}")
-        assert graph.exec.replays == 4
 
 
 def test_two_calls_per_replay(seed):

@@ -122,6 +122,15 @@ def _outputs_of(torch, cfg, rk) -> DispatchOutput:
         region_a=region_a)
 
 
+def _check_program(world, device):
+    """``ep_check_ids`` loaded on ``device``, once per world (every handle shares it)."""
+    cache = world.__dict__.setdefault("_check_ids_programs", {})
+    key = device.device_id
+    if key not in cache:
+        cache[key] = Program(build_check_ids_module(world.cfg), device=device)
+    return cache[key]
+
+
 class EPBuffer:
     """Dispatch and combine of ``world``'s ranks on torch CUDA tensors (module docstring).
     ``rank``: only that rank (one handle per rank of an ``EmulatedWorld``, as one process
@@ -156,8 +165,11 @@ class EPBuffer:
         self.outputs = [_outputs_of(torch, self.cfg, rk) for rk in self.ranks]
         self.lanes = None if self.on_caller_stream else streams.Lanes(
             [rk.stream for rk in self.ranks])
-        self._dispatch = None      # (kernel name, [prepared launch per handled rank]) steps
         self._keep = ()            # this call's converted inputs, alive until the next call
+        # every launch prepared now (the first call must not compile: the other ranks'
+        # kernels would wait for it): (kernel name, [prepared launch per handled rank])
+        self._prepare_dispatch()
+        self._combine = None       # prepared on the first combine (builds the combine side)
 
     # -- launches ---------------------------------------------------------------------------
     def _prepare_dispatch(self):
@@ -172,7 +184,7 @@ class EPBuffer:
             rk = w.ranks[i]
             dev = rk.stream.device.device_id
             if dev not in checks:
-                checks[dev] = Program(build_check_ids_module(cfg), device=rk.stream.device)
+                checks[dev] = _check_program(w, rk.stream.device)
             launches.append(checks[dev].prepare(CHECK, check_grid, {
                 "ids_in": rk.topk_ids, "ids_wide": 0, "ids_out": rk.topk_ids, "n_tokens": 0,
                 "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr,
@@ -236,8 +248,6 @@ class EPBuffer:
             wt = None if wi is None else tensors.weights_input(
                 torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)[0]
             checked.append((xt, xinfo, it, iinfo, wt, T))
-        if self._dispatch is None:
-            self._prepare_dispatch()
         s = self._stream(stream)
         gen = self.world.prod_gen.next() if cfg.ep_prod_reserve else None
         outs = []
