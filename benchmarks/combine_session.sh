@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the one-GPU machine for the combine and the torch API: their GPU tests, the
+# ShmemWorld combine under MPS (2 and 4 PEs), then `epgen bench --op combine --api torch`
+# and `--op moe` at decode and prefill; each step under its own timeout (about 9 minutes at
+# most), logs and JSON under $OUT.
+#
+#   OUT=dir benchmarks/combine_session.sh
+set -u
+OUT=${OUT:-combine-session-out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NVLS=1
+step() {   # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "[$((SECONDS - t0))s] $name: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|torch api|combine|moe|copy" "$OUT/$name.log" \
+        | tail -25 | sed 's/^/    /'
+}
+step tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE -s \
+    tests/test_torch_api_gpu.py tests/test_interop_gpu.py tests/test_combine_graph_gpu.py \
+    tests/test_bench_combine_gpu.py
+if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    timeout 30 nvidia-cuda-mps-control -d && echo "MPS started"
+fi
+EPGEN_SHMEM_PES=2,4 EPGEN_SHMEM_TIMEOUT=120 step shmem 180 python3 -m pytest -m gpu -q \
+    -p no:cacheprovider -rfE tests/test_shmem_gpu.py -k combine
+[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | timeout 30 nvidia-cuda-mps-control
+unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+step combine-bench 130 python3 -m epgen bench --op combine --tokens 128,4096 --api torch \
+    --json "$OUT/combine-bench.json"
+step moe-bench 140 python3 -m epgen bench --op moe --tokens 128,4096 --variant default \
+    --variant final=ep_final_layout,ep_prod_reserve --variant graph=graph \
+    --json "$OUT/moe-bench.json"
