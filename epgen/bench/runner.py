@@ -15,6 +15,8 @@ read + written; the larger bandwidth is the reference the fractions use.
 
 from __future__ import annotations
 
+import warnings
+
 import gc
 import time
 
@@ -173,7 +175,9 @@ def measure_copy(torch, device_index: int, mib: int, iters: int, gate) -> dict:
         with cupy.cuda.Device(device_index):
             ca = cupy.full(n, 7, dtype=cupy.uint8)
             cb = cupy.empty_like(ca)
-            cs = cupy.cuda.ExternalStream(stream.cuda_stream)
+            with warnings.catch_warnings():   # CuPy 14 deprecates it for Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cs = cupy.cuda.ExternalStream(stream.cuda_stream)
 
             def cp_copy():
                 with cs:

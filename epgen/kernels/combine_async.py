@@ -7,8 +7,11 @@ count)`` of the grouped output, read from dispatch_wait's Region A (pair ``w = e
 ``[2w] = 1024 + end row``, ``[2w + 1] = count``). Region A has that form in every layout:
 the staged one, ``ep_final_layout`` (capacity-strided: the block where its source reserved
 it; with ``ep_prod_reserve``: source-rank order) and ``fused_shared_expert`` (the blocks
-start after the shared expert's group 0, whose rows are nobody's to send back). Warps stride
-over the rows of every block of one source across the whole grid; each row's ``src_info[row]
+start after the shared expert's group 0, whose rows are nobody's to send back). For each
+source in turn, the warps with ``gwarp % L == e`` share pair ``(e, s)`` (with fewer warps
+than experts, a warp takes pairs ``gwarp, gwarp + n_warps, ...``): each reads the pair's
+two Region A words once and strides over its rows, so a warp's dependent reads per source
+are one pair's, not every pair's. Each row's ``src_info[row]
 = (t, k)`` (written by dispatch_wait in every layout) is bounds-checked (``0 <= t <
 max_tokens_per_rank``, ``0 <= k < K``) and a row outside is reported into the error buffer
 (a ``diag.BOUNDS_MAGIC`` record: the row, ``t`` and ``k``) and not written; else its ``H *
@@ -18,8 +21,8 @@ transport, to a source outside the P2P group, by NVSHMEM: ``combine_shmem``).
 
 Completion, per source ``s``: each warp, after its rows to ``s`` (``bar.warp.sync``), adds
 one to this rank's done counter ``s`` (``atom.acq_rel.sys.add``, combine rank-completion
-region); the warp that brings it to the number of warps re-arms it to 0 and publishes
-``rows + 1`` into this rank's word of source ``s``'s arrival words (``st.release.sys``):
+region); the warp that brings it to the number of warps re-arms it to 0, sums Region A's
+counts of source ``s`` (``rows_to_source``) and publishes ``rows + 1`` into this rank's word of source ``s``'s arrival words (``st.release.sys``):
 word ``my_rank``, or under ``skip_a2a`` (``n_ranks = 1``: the device is its own only source
 and destination) word 0.
 """
@@ -29,10 +32,11 @@ from __future__ import annotations
 import attrs
 
 import ir
-from ir import AtomOp, Scope, Sem, diag
+from ir import AtomOp, Scope, Sem, ShflMode, diag
 from ir import types as T
 
 from ..combine_layout import CombineLayout
+from ..primitives import warp_inclusive_scan
 from .combine_shmem import complete_puts, publish_arrival, send_row
 from .common import load_pointer, word
 
@@ -101,17 +105,19 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     sender = ir.Const(0, T.u32) if cfg.skip_a2a else p.my_rank
     gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
     nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
+    # the warps with gwarp % L == e share pair (e, s): one Region A read per pair and warp
+    e_first = r.let("e_first", gwarp % L)
+    sub = r.let("pair_sub", gwarp // L)
+    n_sub = r.let("pair_n_sub", ((nwarps - e_first + (L - 1)) // L).max(1))
     for s in range(R):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
-        rows_to_s = r.var(f"rows_to_{s}", T.u32, 0)
-        for e in range(L):
-            w = e * R + s
+        with r.for_range(f"e_{s}", e_first, L, nwarps) as e:
+            w = r.let(f"pair_{s}", e * R + s)
             end = r.load(word(p.counters, region_a + 2 * w), T.u32, name="blk_end")
-            cnt = r.let(f"cnt_{e}_{s}", r.load(word(p.counters, region_a + 2 * w + 1), T.u32,
-                                             name="blk_cnt"))
-            start = r.let(f"start_{e}_{s}", end - 1024 - cnt)
-            r.assign(rows_to_s, rows_to_s + cnt)
-            with r.for_range(f"j_{e}_{s}", gwarp, cnt, nwarps) as j:
+            cnt = r.let(f"cnt_{s}", r.load(word(p.counters, region_a + 2 * w + 1), T.u32,
+                                           name="blk_cnt"))
+            start = r.let(f"start_{s}", end - 1024 - cnt)
+            with r.for_range(f"j_{s}", sub, cnt, n_sub) as j:
                 row = r.let("row", start + j)
                 t = r.let("src_t", r.load(word(p.src_info, row * 2), T.s32, name="t_ld"))
                 k = r.let("src_k", r.load(word(p.src_info, row * 2 + 1), T.s32, name="k_ld"))
@@ -126,12 +132,32 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
                     send_row(r, cfg, p, s, dst, src, row_bytes, n_vec)
         complete_puts(r, cfg, p, s)
         r.warp_sync()
+        old = r.var(f"done_old_{s}", T.u32, 0)
         with r.if_(r.lane.eq(0)):
-            old = r.atomic(AtomOp.ADD, word(p.counters, done_base + s), 1, Sem.ACQ_REL,
-                           Scope.SYS, name="done_old")
-            with r.if_((old + 1).eq(nwarps)):
+            r.assign(old, r.atomic(AtomOp.ADD, word(p.counters, done_base + s), 1,
+                                   Sem.ACQ_REL, Scope.SYS, name="done_add"))
+        last = r.shfl(ShflMode.IDX, old, 0, name=f"done_b_{s}")
+        with r.if_((last + 1).eq(nwarps)):
+            rows_to_s = rows_to_source(r, cfg, p, s)
+            with r.if_(r.lane.eq(0)):
                 r.store(word(p.counters, done_base + s), 0)
                 publish_arrival(r, cfg, p, s, rows_to_s + 1, sender)
+
+
+def rows_to_source(r: ir.RoleBuilder, cfg, p, s: int) -> ir.Var:
+    """The whole (last) warp: the rows this rank returns to source ``s``, the sum of Region
+    A's counts of pairs ``(e, s)``: lane ``l`` loads those of ``e = l, l + 32, ...``
+    (``ld.global.u32``), then a warp scan (``shfl.sync.up``) and lane 31's total
+    (``shfl.sync.idx``)."""
+    lay = cfg.layout
+    L, R = lay.n_local_experts, cfg.n_ranks
+    region_a = lay.dispatch_wait_region.offset
+    mine = r.var(f"rows_lane_{s}", T.u32, 0)
+    with r.for_range(f"re_{s}", r.lane, L, 32) as e:
+        r.assign(mine, mine + r.load(word(p.counters, region_a + 2 * (e * R + s) + 1), T.u32,
+                                     name="cnt_sum"))
+    total = warp_inclusive_scan(r, mine, name=f"rows_scan_{s}")
+    return r.shfl(ShflMode.IDX, total, 31, name=f"rows_to_{s}")
 
 
 def build_combine_async(cfg) -> ir.Kernel:
