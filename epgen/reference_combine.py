@@ -89,10 +89,12 @@ def _expert_rows(cfg, dispatch_results, expert_outputs) -> list[np.ndarray]:
 
 
 def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
-            *, residual=None, n_tokens: Sequence[int] | None = None) -> list[np.ndarray]:
+            *, residual=None, n_tokens: Sequence[int] | None = None,
+            sources: Sequence[int] | None = None) -> list[np.ndarray]:
     """Per source rank, its tokens' combined rows (module docstring). ``n_tokens``: each
     source's token count (default: the rows of its weights, or of its residual; required
-    for the unreduced form without a residual)."""
+    for the unreduced form without a residual). ``sources``: compute only these sources'
+    results (the others are None): a benchmark's check at large shapes."""
     K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
     ys = _expert_rows(cfg, dispatch_results, expert_outputs)
     n_src = cfg.n_ranks if not cfg.skip_a2a else len(dispatch_results)
@@ -105,8 +107,10 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
     if len(n_tokens) != n_src:
         raise EPInputError(f"one entry per source rank ({n_src}), got {len(n_tokens)}")
     # rows[s][t, k] = the expert output row that slot (t, k) of source s received
-    rows = [np.zeros((T, K, H), np.uint16) for T in n_tokens]
-    got = [np.zeros((T, K), bool) for T in n_tokens]
+    wanted = set(range(n_src)) if sources is None else {int(x) for x in sources}
+    rows = [np.zeros((T, K, H), np.uint16) if s in wanted else None
+            for s, T in enumerate(n_tokens)]
+    got = [np.zeros((T, K), bool) if s in wanted else None for s, T in enumerate(n_tokens)]
     for d, (res, y) in enumerate(zip(dispatch_results, ys)):
         src = source_of_rows(res) if not cfg.skip_a2a else np.where(
             res.src_info[:, 0] >= 0, d, -1).astype(np.int32)
@@ -115,6 +119,8 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
         sent = np.nonzero(src >= 0)[0]
         t_of, k_of = res.src_info[sent, 0], res.src_info[sent, 1]
         for s in np.unique(src[sent]):
+            if int(s) not in wanted:
+                continue
             mine = src[sent] == s
             t, k = t_of[mine], k_of[mine]
             bad = (t < 0) | (t >= n_tokens[s]) | (k < 0) | (k >= K)
@@ -129,6 +135,9 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
         return rows
     out = []
     for s, T in enumerate(n_tokens):
+        if s not in wanted:
+            out.append(None)
+            continue
         w = np.asarray(topk_weights[s], np.float32)
         if w.shape != (T, K):
             raise EPInputError(f"topk_weights[{s}]: must be [{T}, {K}] float32, got {w.shape}")

@@ -155,3 +155,19 @@ def test_bf16_nan_stays_nan():
     out = f32_to_bf16(nan)
     assert ((out & 0x7F80) == 0x7F80).all() and ((out & 0x7F) != 0).all()
     assert out[1] >> 15 == 1
+
+
+def test_sources_computes_only_those(seed):
+    """``sources=``: the chosen sources' results are those of the whole computation, the
+    others None."""
+    from epgen import reference, routing
+    from epgen.presets import load_preset
+    cfg = load_preset("small")
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    res = reference.dispatch(cfg, toks, ids)
+    ys = [r.out_tokens for r in res]
+    w = [rng.random((len(i), cfg.token_fmt.top_k), dtype=np.float32) for i in ids]
+    full = reference.combine(cfg, res, ys, w)
+    part = reference.combine(cfg, res, ys, w, sources=[1])
+    assert part[0] is None and np.array_equal(part[1], full[1]), f"seed {seed}"

@@ -52,6 +52,10 @@ def _fixed_rows(cfg, seed: int = 0) -> list[np.ndarray] | None:
             for _ in range(cfg.n_ranks)]
 
 
+#: above this many tokens per rank the check covers two sources (``_check``)
+PREFILL_CHECK_TOKENS = 512
+
+
 def _rows(results, fixed) -> list:
     """Each destination's expert outputs for ``results``: its rows, or the fixed ones."""
     if fixed is None:
@@ -62,8 +66,14 @@ def _rows(results, fixed) -> list:
 def _check(cfg, got, results, w, what: str, fixed=None) -> None:
     """``AssertionError`` unless ``got`` (the world's combine) is the reference combine of
     the world's dispatch ``results`` (expert outputs ``_rows``), bit for bit."""
-    want = reference.combine(cfg, results, _rows(results, fixed), w)
+    # every source at small shapes; at large ones (the reference's float32 sums of R * T * K
+    # rows take minutes) the first and the last source
+    big = max(len(r) for r in w) > PREFILL_CHECK_TOKENS if w is not None else False
+    only = [0, len(got) - 1] if big else None
+    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only)
     for s, (g, x) in enumerate(zip(got, want)):
+        if x is None:
+            continue
         if g.shape != x.shape or not np.array_equal(g, x):
             raise AssertionError(f"{what}: rank {s} combine differs from the reference "
                                  f"({np.count_nonzero(g != x) if g.shape == x.shape else 'shape'})")

@@ -59,11 +59,11 @@ def check(cfg, sets, weights, check_rank: int, slots, out) -> list[str]:
     n = [len(i) for i in ids]
     s = check_rank
     diffs = []
-    exact = reference.combine(cfg, want, ys, None, n_tokens=n)[s]
+    exact = reference.combine(cfg, want, ys, None, n_tokens=n, sources=[s])[s]
     if not np.array_equal(np.asarray(slots), exact):
         diffs.append(f"rank {s} slots: {np.count_nonzero(np.asarray(slots) != exact)} elements "
                      f"differ from the reference")
-    ref = bf16_to_f32(reference.combine(cfg, want, ys, weights, n_tokens=n)[s])
+    ref = bf16_to_f32(reference.combine(cfg, want, ys, weights, n_tokens=n, sources=[s])[s])
     got = bf16_to_f32(np.asarray(out, np.uint16))
     with np.errstate(invalid="ignore", over="ignore"):
         bound = 2.0 ** -7 * (np.abs(np.asarray(weights[s], np.float64))[..., None]
