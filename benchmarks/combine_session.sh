@@ -5,6 +5,9 @@
 # most), logs and JSON under $OUT.
 #
 #   OUT=dir benchmarks/combine_session.sh
+#
+# (TESTS_K / SHMEM_K / SHMEM_PES and the *_S step limits narrow it when device time is short;
+# the defaults leave out the decode-shape combine tests, which the benches check anyway.)
 set -u
 OUT=${OUT:-combine-session-out}
 mkdir -p "$OUT"
@@ -18,20 +21,22 @@ step() {   # step NAME SECONDS COMMAND...
     grep -E "passed|failed|^FAILED|^ERROR|torch api|combine|moe|copy" "$OUT/$name.log" \
         | tail -25 | sed 's/^/    /'
 }
-step tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE -s \
-    tests/test_torch_api_gpu.py tests/test_interop_gpu.py tests/test_combine_graph_gpu.py \
-    tests/test_bench_combine_gpu.py
+step tests "${TESTS_S:-140}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 \
+    -rfE -s tests/test_torch_api_gpu.py tests/test_interop_gpu.py tests/test_combine_graph_gpu.py \
+    tests/test_bench_combine_gpu.py tests/test_combine_stress_gpu.py tests/test_combine_gpu.py \
+    -k "${TESTS_K:-not decode}"
 if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
     export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     timeout 30 nvidia-cuda-mps-control -d && echo "MPS started"
 fi
-EPGEN_SHMEM_PES=2,4 EPGEN_SHMEM_TIMEOUT=120 step shmem 180 python3 -m pytest -m gpu -q \
-    -p no:cacheprovider -rfE tests/test_shmem_gpu.py -k combine
+EPGEN_SHMEM_PES=${SHMEM_PES:-2,4} EPGEN_SHMEM_TIMEOUT=120 step shmem "${SHMEM_S:-180}" \
+    python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_shmem_gpu.py \
+    -k "${SHMEM_K:-combine}"
 [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | timeout 30 nvidia-cuda-mps-control
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-step combine-bench 130 python3 -m epgen bench --op combine --tokens 128,4096 --api torch \
+step combine-bench "${BENCH_S:-130}" python3 -m epgen bench --op combine --tokens 128,4096 --api torch \
     --json "$OUT/combine-bench.json"
-step moe-bench 140 python3 -m epgen bench --op moe --tokens 128,4096 --variant default \
+step moe-bench "${BENCH_S:-140}" python3 -m epgen bench --op moe --tokens 128,4096 --variant default \
     --variant final=ep_final_layout,ep_prod_reserve --variant graph=graph \
     --json "$OUT/moe-bench.json"
