@@ -18,6 +18,7 @@ combine of every source, or of the first and the last above 512 tokens per rank)
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -67,11 +68,15 @@ def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
     out = sys.stdout if out is None else out
     iters = args.iters or 50
     records, failures = [], []
-    big = cfg.replace(max_tokens_per_rank=max([*tokens, cfg.max_tokens_per_rank]))
-    world = EmulatedWorld(big)
-    ep = EPBuffer(world)
-    R, K = big.n_ranks, big.token_fmt.top_k
     for T in tokens:
+        # a world per shape, freed after it: the prefill shape's buffers next to the
+        # benchmark's own ran the H200 out of memory
+        gc.collect()
+        torch.cuda.empty_cache()
+        big = cfg.replace(max_tokens_per_rank=max(T, 1))
+        world = EmulatedWorld(big)
+        ep = EPBuffer(world)
+        R, K = big.n_ranks, big.token_fmt.top_k
         rng = np.random.default_rng(args.seed)
         toks, ids = routing.routing(rng, big, T)
         x = [_bits_to_torch(torch, t) for t in toks]
@@ -132,7 +137,7 @@ def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
               f"dispatch+combine {rec['round_trip_us_stream']:.1f} us on the stream, "
               f"{rec['round_trip_us_graph']:.1f} us as a graph replay "
               f"(x{rec['stream_over_graph']:.2f})", file=out)
-        del graph
+        del graph, ep, world
     return records, failures
 
 
