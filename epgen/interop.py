@@ -22,15 +22,16 @@ torch is imported only for a torch tensor (recognised by its type's module).
 
 from __future__ import annotations
 
-import ctypes
-
 import attrs
 import numpy as np
 
-from .errors import EPInputError
+from backends import dlpack
+from backends.dlpack import DL_CPU as _DL_CPU
+from backends.dlpack import DL_CUDA as _DL_CUDA
+from backends.dlpack import DL_CUDA_HOST as _DL_CUDA_HOST
+from backends.dlpack import DL_CUDA_MANAGED as _DL_CUDA_MANAGED
 
-#: DLPack device types (dlpack.h): host, CUDA, pinned host, CUDA managed
-_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+from .errors import EPInputError
 #: DLPack dtype codes: int, uint, float, bfloat
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
 
@@ -139,20 +140,6 @@ def _device_of(ptr: int) -> int | None:
         return None
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
 def _dl_dtype(code: int, bits: int, lanes: int, name: str) -> tuple[str, int]:
     if lanes != 1:
         raise EPInputError(f"{name}: DLPack vector dtypes (lanes={lanes}) are not supported")
@@ -173,9 +160,7 @@ def _dlpack_info(obj, name: str) -> ArrayInfo:
         capsule = obj.__dlpack__(stream=None)
     except TypeError:
         capsule = obj.__dlpack__()
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    t = dlpack.tensor_of(capsule)
     dtype, item = _dl_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes, name)
     shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     if t.strides:

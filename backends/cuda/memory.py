@@ -18,6 +18,7 @@ import operator
 
 import numpy as np
 
+from .. import dlpack
 from . import compat
 from .errors import check, cuda_errors
 from .stream import _ordinal, as_stream, get_device, using_device
@@ -354,21 +355,7 @@ def pointer_device(obj) -> int | None:
 
 
 # -- pointer extraction -------------------------------------------------------------------------
-_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+_DL_CUDA, _DL_CUDA_MANAGED = dlpack.DL_CUDA, dlpack.DL_CUDA_MANAGED
 
 
 def _pointer_from_cai(interface: dict) -> int:
@@ -391,11 +378,7 @@ def _pointer_from_dlpack(obj) -> int:
         capsule = obj.__dlpack__(stream=-1)  # -1: no synchronisation requested
     except (TypeError, ValueError, RuntimeError, BufferError):
         capsule = obj.__dlpack__()
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype = ctypes.c_void_p
-    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    address = get_pointer(capsule, b"dltensor")
-    tensor = _DLTensor.from_address(address)
+    tensor = dlpack.tensor_of(capsule)
     return int(tensor.data or 0) + int(tensor.byte_offset)
 
 

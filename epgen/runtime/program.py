@@ -77,25 +77,27 @@ class Program:
 
     def launch(self, name: str, grid: int, args: dict, stream=None, shmem: int = 0, *,
                programmatic: bool = False):
+        k = self._checked(name, args)
+        names = [p.name for p in k.params]
+        self.kernel(name).launch(grid, k.block_threads, [args[n] for n in names], stream,
+                                 shmem, int_scalars=True, programmatic=programmatic)
+
+    def _checked(self, name: str, args: dict):
+        """Kernel ``name``'s IR, after ``TypeError`` unless ``args`` names exactly its
+        parameters."""
         k = self.module.kernel(name)
         names = [p.name for p in k.params]
         missing = [n for n in names if n not in args]
         extra = sorted(set(args) - set(names))
         if missing or extra:
             raise TypeError(f"kernel {name}: missing arguments {missing}, unknown {extra}")
-        self.kernel(name).launch(grid, k.block_threads, [args[n] for n in names], stream,
-                                 shmem, int_scalars=True, programmatic=programmatic)
+        return k
 
     def prepare(self, name: str, grid: int, args: dict, *, programmatic: bool = False):
         """``name``'s launch with ``args`` (by IR parameter name) packed once: an object
         with ``set(param, value)`` and ``launch(stream)`` (``backends.cuda.prepared``; the
         simulator keeps the arguments and launches through ``launch``)."""
-        k = self.module.kernel(name)
-        names = [p.name for p in k.params]
-        missing = [n for n in names if n not in args]
-        extra = sorted(set(args) - set(names))
-        if missing or extra:
-            raise TypeError(f"kernel {name}: missing arguments {missing}, unknown {extra}")
+        k = self._checked(name, args)
         if getattr(self.backend, "RUNS_IR", False):
             return _HeldLaunch(self, name, grid, dict(args), programmatic)
         from backends.cuda.prepared import PreparedLaunch
