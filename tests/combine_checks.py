@@ -87,6 +87,21 @@ def residuals(rng, cfg, ids):
             & np.uint16(0xBFFF) for i in ids]
 
 
+def combine_matches(world, rng, seed, call, results, ids):
+    """After a dispatch (``results`` of the ids ``ids``): one combine with weights on even
+    calls and None on odd ones, a residual every fourth call, against ``reference.combine``
+    bit for bit (the error names the seed, the call and the source)."""
+    cfg = world.cfg
+    ys = expert_outputs(rng, cfg, results)
+    w = weights(rng, cfg, ids) if call % 2 == 0 else None
+    res = residuals(rng, cfg, ids) if call % 4 == 0 else None
+    got = world.combine(ys, w, residual=res)
+    want = reference.combine(cfg, results, ys, w, residual=res, n_tokens=[len(i) for i in ids])
+    for s, (g, r) in enumerate(zip(got, want)):
+        assert g.shape == r.shape and np.array_equal(g, r), \
+            f"seed {seed} call {call} rank {s}: {np.count_nonzero(g != r)} elements differ"
+
+
 def check_round_trips(world, rng, seed, inputs, what: str = ""):
     """For each ``(tokens, topk_ids)`` of ``inputs``: dispatch, then combine with weights
     and a residual, with weights alone, and unreduced, each against ``reference.combine``

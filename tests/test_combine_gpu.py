@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen import reference, routing
+from epgen import routing
 
-from combine_checks import (check_round_trips, corrupted_row_check, expert_outputs,
-                            round_trip_inputs, weights)
+from combine_checks import (check_round_trips, combine_matches, corrupted_row_check,
+                            round_trip_inputs)
 from world_checks import make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -39,17 +39,7 @@ def _check(world, rng, seed, call, n_tok):
     cfg = world.cfg
     toks, ids = routing.routing(rng, cfg, n_tok)
     results = world.dispatch(toks, ids)
-    ys = expert_outputs(rng, cfg, results)
-    w = weights(rng, cfg, ids) if call % 2 == 0 else None
-    res = None
-    if call % 4 == 0:
-        res = [rng.integers(0, 1 << 16, size=(len(i), cfg.token_fmt.hid_dim), dtype=np.uint16)
-               & np.uint16(0xBFFF) for i in ids]
-    got = world.combine(ys, w, residual=res)
-    want = reference.combine(cfg, results, ys, w, residual=res, n_tokens=[len(i) for i in ids])
-    for s, (g, r) in enumerate(zip(got, want)):
-        assert g.shape == r.shape and np.array_equal(g, r), \
-            f"seed {seed} call {call} rank {s}: {np.count_nonzero(g != r)} elements differ"
+    combine_matches(world, rng, seed, call, results, ids)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

@@ -314,22 +314,12 @@ def test_cli_run_p2p_one_gpu(capsys, seed):
 def _combine_and_compare(world, rng, seed, call, counts):
     """One dispatch then one combine (weights on even calls, None on odd ones, a residual
     every fourth call) against ``reference.combine``, bit for bit."""
-    from combine_checks import expert_outputs, weights
+    from combine_checks import combine_matches
 
     cfg = world.cfg
     toks, ids = routing.routing(rng, cfg, counts)
     results = run_and_compare(world, toks, ids, seed, f", call {call}")
-    ys = expert_outputs(rng, cfg, results)
-    w = weights(rng, cfg, ids) if call % 2 == 0 else None
-    res = None
-    if call % 4 == 0:
-        res = [rng.integers(0, 1 << 16, size=(len(i), cfg.token_fmt.hid_dim), dtype=np.uint16)
-               & np.uint16(0xBFFF) for i in ids]
-    got = world.combine(ys, w, residual=res)
-    want = reference.combine(cfg, results, ys, w, residual=res, n_tokens=[len(i) for i in ids])
-    for s, (g, r) in enumerate(zip(got, want)):
-        assert g.shape == r.shape and np.array_equal(g, r), \
-            f"seed {seed} call {call} rank {s}: {np.count_nonzero(g != r)} elements differ"
+    combine_matches(world, rng, seed, call, results, ids)
 
 
 @by_gpus()
