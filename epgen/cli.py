@@ -710,7 +710,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         import json
 
         from epgen.bench import torch_api
-        records, bad = torch_api.run(args, cfg, list(plan.tokens))
+        records, bad = torch_api.run(args, plan)
         failures += bad
         if args.json:
             with open(args.json) as f:

@@ -36,3 +36,19 @@ def test_bench_op_on_the_gpu(op, variants, tmp_path, capsys):
             assert 0 < m["fraction_of_copy"] < 10
     b = data["shapes"][0]["baseline"]
     assert b.get("check") == "ok" or "skipped" in b, b
+
+
+def test_bench_api_torch_reports_host_time_and_graph_ratio(tmp_path, capsys):
+    pytest.importorskip("torch")
+    js = tmp_path / "torch.json"
+    status = cli.main(["bench", *QUICK, "--op", "combine", "--api", "torch", "--json", str(js)])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    recs = json.loads(js.read_text())["torch_api"]
+    assert [r["tokens_per_rank"] for r in recs] == [32]
+    for r in recs:
+        assert 0 < r["host_us_dispatch_per_rank"] < 1000 and 0 < r["host_us_combine_per_rank"] < 1000
+        assert r["round_trip_us_graph"] > 0
+        assert r["stream_over_graph"] == pytest.approx(
+            r["round_trip_us_stream"] / r["round_trip_us_graph"])
+    assert "torch api, 32 tokens/rank" in out

@@ -25,9 +25,12 @@ import time
 
 import numpy as np
 
-from .. import reference, routing
+from .. import reference
 from ..runtime.world import EmulatedWorld
+from . import inputs
+from .memory import trim_memory_pool
 from .combine import PREFILL_CHECK_TOKENS
+from .combine import weights as combine_weights
 from ..torch import EPBuffer
 
 
@@ -62,26 +65,29 @@ def _check(torch, cfg, ep, toks, ids, x, i, w):
     return None
 
 
-def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
-    """Time every shape; returns (one record per shape, failures)."""
+def run(args, plan, out=None) -> tuple[list[dict], list[str]]:
+    """Time every shape of ``plan`` on its first input set, its router weights and its
+    receive-block capacity (the sizing of the figures before it); returns (one record per
+    shape, failures)."""
     import torch
     out = sys.stdout if out is None else out
     iters = args.iters or 50
     records, failures = [], []
-    for T in tokens:
-        # a world per shape, freed after it: the prefill shape's buffers next to the
-        # benchmark's own ran the H200 out of memory
+    for T in plan.tokens:
+        # a world per shape, freed after it (the prefill world is tens of GB)
         gc.collect()
         torch.cuda.empty_cache()
-        big = cfg.replace(max_tokens_per_rank=max(T, 1))
+        sets = inputs.make_input_sets(plan.config(T), T, 1, plan.routing, plan.zipf_s,
+                                      plan.seed)
+        _need, cap = inputs.block_capacity(plan.block_capacity, sets, plan.base.n_experts, T)
+        big = plan.config(T, block_capacity=cap)
         world = EmulatedWorld(big)
         ep = EPBuffer(world)
-        R, K = big.n_ranks, big.token_fmt.top_k
-        rng = np.random.default_rng(args.seed)
-        toks, ids = routing.routing(rng, big, T)
+        R = big.n_ranks
+        toks, ids = sets[0]
         x = [_bits_to_torch(torch, t) for t in toks]
         i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
-        w = [torch.from_numpy(rng.random((T, K), dtype=np.float32)).cuda() for _ in ids]
+        w = [torch.from_numpy(a).cuda() for a in combine_weights(big, T, plan.seed)]
         if not args.no_post_check:
             bad = _check(torch, big, ep, toks, ids, x, i, w)
             if bad:
@@ -125,7 +131,7 @@ def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
             torch.cuda.synchronize()
             replays.append(start.elapsed_time(end) * 1e3)
         ep.check("combine")
-        rec = {"tokens_per_rank": T, "ranks": R,
+        rec = {"tokens_per_rank": T, "ranks": R, "recv_block_capacity": cap,
                "host_us_dispatch_per_rank": statistics.median(host_d),
                "host_us_combine_per_rank": statistics.median(host_c),
                "round_trip_us_stream": statistics.median(dev),
@@ -137,7 +143,11 @@ def run(args, cfg, tokens: list[int], out=None) -> tuple[list[dict], list[str]]:
               f"dispatch+combine {rec['round_trip_us_stream']:.1f} us on the stream, "
               f"{rec['round_trip_us_graph']:.1f} us as a graph replay "
               f"(x{rec['stream_over_graph']:.2f})", file=out)
+        device = world.device
         del graph, ep, world
+        gc.collect()
+        device.sync()
+        trim_memory_pool(device, lambda msg: None)
     return records, failures
 
 
