@@ -539,11 +539,19 @@ class Layout:
         return self._E
 
     @property
+    def prod_gen_word_offset(self) -> int:
+        """Ours: UInt64 word offset, in the prod buffer, of the rank's generation word (its
+        low 32 bits: the last call's generation tag, 0 before the first call). dispatch_async
+        reads it, dispatch_wait's aux block advances it (1, 2, ..., skipping 0 on a wrap)."""
+        return 2 * self._E
+
+    @property
     def prod_buf_words(self) -> int:
         """Ours: UInt64 words of one rank's prod buffer (``ep_prod_reserve``; peer-visible,
-        zeroed once at allocation, never re-armed: generation tags start at 1 and grow
-        every call): ``E`` early counts then ``E`` mailboxes; 0 without ``ep_prod_reserve``."""
-        return 2 * self._E if self.cfg.ep_prod_reserve else 0
+        zeroed once at allocation, never re-armed: the kernels advance the generation every
+        call): ``E`` early counts, ``E`` mailboxes, then the generation word; 0 without
+        ``ep_prod_reserve``."""
+        return 2 * self._E + 1 if self.cfg.ep_prod_reserve else 0
 
     @property
     def prod_buf_bytes(self) -> int:

@@ -7,7 +7,10 @@ width ``I`` (``--ffn-dim``), and routes every token to ``K`` of them:
 1. **Router** (per rank, its own tokens): ``logits = x @ W_router`` in float32 ``[T, E]``,
    the ``K`` largest as ``topk_ids`` and the softmax of those ``K`` logits as
    ``topk_weights`` (float32).
-2. **Dispatch**: ``world.dispatch(tokens, topk_ids)``. Destination ``d`` gets every row
+2. **Dispatch**: on a GPU ``ep.dispatch(x, topk_ids, topk_weights)`` of an
+   ``epgen.torch.EPBuffer`` (torch tensors in, device tensors out, on the current stream,
+   no host synchronisation), on the simulator ``world.dispatch(tokens, topk_ids)`` (numpy).
+   Destination ``d`` gets every row
    routed to its experts, grouped per local expert: group ``j`` holds rows
    ``[row_offsets[j], row_offsets[j + 1])`` of local expert ``expert_ids[j]`` (global expert
    ``d * L + expert_ids[j]``); the first ``counts[expert].sum()`` of them are the received
@@ -15,7 +18,10 @@ width ``I`` (``--ffn-dim``), and routes every token to ``K`` of them:
 3. **Experts**: each group's received rows through its expert, one batch per expert (what a
    grouped GEMM does); the outputs are BF16, one row per row of the grouped output (padding
    rows zero).
-4. **Combine**: ``world.combine(expert_outputs, topk_weights)`` sends every row back to the
+   On a GPU the experts slice the grouped rows by ``row_offsets``, which this example reads
+   to the host (one small copy; a grouped GEMM would take the offsets on the device).
+4. **Combine**: ``ep.combine(expert_outputs, out)`` (``world.combine(expert_outputs,
+   topk_weights)`` on the simulator) sends every row back to the
    source slot ``(t, k)`` it came from (``src_info``) and each source reduces its slots:
    ``out[t] = sum_k w[t, k] * y[t, k]``, fma in float32 in slot order, rounded to BF16.
 5. **Check**: a dense MoE on one device with the same weights (every token through its
@@ -295,18 +301,25 @@ class TorchExperts:
     def mlp(self, e, x):
         return (self.F.silu(x @ self.gate[e]) * (x @ self.up[e])) @ self.down[e]
 
-    def route(self, x_bits):
+    def route_device(self, x):
+        """``(topk_ids int64, topk_weights float32)`` of BF16 tokens ``x``, on the device."""
         torch = self.torch
-        logits = self._to(x_bits).float() @ self.router
-        top, ids = torch.topk(logits, self.K, dim=1)
-        w = torch.softmax(top, dim=1)
-        return ids.to(torch.int32).cpu().numpy(), w.cpu().numpy().astype(np.float32)
+        top, ids = torch.topk(x.float() @ self.router, self.K, dim=1)
+        return ids, torch.softmax(top, dim=1)
 
-    def grouped(self, rows_bits, groups, swap=None):
-        x = self._to(rows_bits)
+    def route(self, x_bits):
+        ids, w = self.route_device(self._to(x_bits))
+        return ids.to(self.torch.int32).cpu().numpy(), w.cpu().numpy().astype(np.float32)
+
+    def grouped_device(self, x, groups, swap=None):
+        """BF16 outputs of the device rows ``x`` for ``groups`` (other rows zero)."""
         y = self.torch.zeros_like(x)
         for e, a, b in groups:
             y[a:b] = self.mlp((swap or {}).get(e, e), x[a:b])
+        return y
+
+    def grouped(self, rows_bits, groups, swap=None):
+        y = self.grouped_device(self._to(rows_bits), groups, swap)
         return y.view(self.torch.int16).cpu().numpy().view(np.uint16)
 
     def dense(self, x_bits, ids, w):
@@ -381,8 +394,48 @@ def experts_of(args, cfg, device="cuda"):
     return TorchExperts(*shape, device="cpu" if args.backend == "sim" else device)
 
 
+def device_groups(cfg, out):
+    """``expert_groups`` of a ``DispatchOutput``: its ``row_offsets``, ``expert_ids`` and
+    per-expert received counts copied to the host (the one host read of the GPU path)."""
+    L = cfg.layout.n_local_experts
+    offsets = out.row_offsets.view(out.expert_ids.dtype).cpu().numpy().view(np.uint32)
+    ids = out.expert_ids.cpu().numpy()
+    per_expert = out.counts.sum(dim=1).cpu().numpy().astype(np.int64)
+    groups = []
+    for j in range(len(ids)):
+        e, start = int(ids[j]), int(offsets[j])
+        if per_expert[e]:
+            groups.append((out.rank * L + e, start, start + int(per_expert[e])))
+    return groups
+
+
+def torch_layer(args, cfg, ep, experts, tokens, input_scale):
+    """The GPU path through ``epgen.torch.EPBuffer`` ``ep`` (every rank it handles): route,
+    dispatch, experts and combine on device tensors. Returns the combined outputs (BF16
+    bits), ids and weights per rank, on the host for the check."""
+    torch, fmt = experts.torch, cfg.token_fmt
+    x = [experts._to(t) for t in tokens]
+    routes = [experts.route_device(t) for t in x]
+    outs = ep.dispatch(x, [i for i, _ in routes], [w for _, w in routes])
+    ys = []
+    for out in outs:
+        groups = device_groups(cfg, out)
+        if fmt.name == "BF16":
+            rows = out.tokens
+        else:   # no device dequantiser here: the format's rows go through the host
+            res = out.to_reference(cfg)
+            rows = experts._to(as_bf16(fmt, res.out_tokens, res.out_scales, input_scale))
+        ys.append(experts.grouped_device(
+            rows, groups, planted_swap(args.plant, out.rank, groups, cfg.n_experts)))
+    combined = ep.combine(ys, outs)
+    bits = [c.view(torch.int16).cpu().numpy().view(np.uint16) for c in combined]
+    return (bits, [i.to(torch.int32).cpu().numpy() for i, _ in routes],
+            [w.cpu().numpy().astype(np.float32) for _, w in routes])
+
+
 def run_emulated(args, cfg, T):
-    """Every rank in this process: ``EmulatedWorld`` on the GPU or the CPU simulator."""
+    """Every rank in this process: ``EmulatedWorld`` on the GPU (through the torch API) or
+    the CPU simulator (the numpy API)."""
     import epgen
 
     fmt = cfg.token_fmt
@@ -390,16 +443,21 @@ def run_emulated(args, cfg, T):
     world = (epgen.EmulatedWorld(cfg, backend="sim", sim_seed=args.seed)
              if args.backend == "sim" else epgen.EmulatedWorld(cfg))
     tokens = [rank_tokens(args.seed, r, T, fmt.hid_dim) for r in range(cfg.n_ranks)]
-    routes = [experts.route(x) for x in tokens]
-    ids, weights = [i for i, _ in routes], [w for _, w in routes]
-    results = world.dispatch(tokens, ids)
-    outputs = []
-    for res in results:
-        groups = expert_groups(cfg, res)
-        rows = as_bf16(fmt, res.out_tokens, res.out_scales, world.input_scale)
-        outputs.append(experts.grouped(
-            rows, groups, planted_swap(args.plant, res.rank, groups, cfg.n_experts)))
-    combined = world.combine(outputs, weights)
+    if args.backend == "sim":
+        routes = [experts.route(x) for x in tokens]
+        ids, weights = [i for i, _ in routes], [w for _, w in routes]
+        results = world.dispatch(tokens, ids)
+        outputs = []
+        for res in results:
+            groups = expert_groups(cfg, res)
+            rows = as_bf16(fmt, res.out_tokens, res.out_scales, world.input_scale)
+            outputs.append(experts.grouped(
+                rows, groups, planted_swap(args.plant, res.rank, groups, cfg.n_experts)))
+        combined = world.combine(outputs, weights)
+    else:
+        import epgen.torch
+        combined, ids, weights = torch_layer(args, cfg, epgen.torch.EPBuffer(world), experts,
+                                             tokens, world.input_scale)
     x = np.concatenate([format_round_trip(fmt, t, world.input_scale) for t in tokens])
     dense, mag = experts.dense(x, np.concatenate(ids), np.concatenate(weights))
     print(TOLERANCE_NOTE)
@@ -419,12 +477,18 @@ def run_shmem(args, cfg, T):
         r = world.rank
         experts = experts_of(args, cfg, device=f"cuda:{world.device_id}")
         x = rank_tokens(args.seed, r, T, fmt.hid_dim)
-        ids, w = experts.route(x)
-        res = world.dispatch(x, ids)
-        groups = expert_groups(cfg, res)
-        rows = as_bf16(fmt, res.out_tokens, res.out_scales, world.input_scale)
-        y = experts.grouped(rows, groups, planted_swap(args.plant, r, groups, cfg.n_experts))
-        combined = world.combine(y, w)
+        if isinstance(experts, TorchExperts):
+            import epgen.torch
+            (combined,), (ids,), (w,) = torch_layer(args, cfg, epgen.torch.EPBuffer(world),
+                                                    experts, [x], world.input_scale)
+        else:
+            ids, w = experts.route(x)
+            res = world.dispatch(x, ids)
+            groups = expert_groups(cfg, res)
+            rows = as_bf16(fmt, res.out_tokens, res.out_scales, world.input_scale)
+            y = experts.grouped(rows, groups, planted_swap(args.plant, r, groups,
+                                                           cfg.n_experts))
+            combined = world.combine(y, w)
         dense, mag = experts.dense(format_round_trip(fmt, x, world.input_scale), ids, w)
         if r == 0:
             print(TOLERANCE_NOTE)

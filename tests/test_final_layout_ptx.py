@@ -125,7 +125,7 @@ def test_early_count_and_mailbox_are_64bit_sys_releases():
     stores = [s for role in ("monitor", "signal")
               for s in ir_nodes(PROD, ASYNC, role, N.Store, sem=Sem.RELEASE, scope=Scope.SYS)]
     assert len(stores) == 3 and all(s.value.dtype.bits == 64 for s in stores)
-    tagged = [s for s in stores if any(isinstance(e, N.Param) and e.name == "prod_gen"
+    tagged = [s for s in stores if any(isinstance(e, N.Var) and e.name.startswith("prod_gen")
                                        for e in N.walk_expr(s.value))]
     assert len(tagged) == 2                     # early count and mailbox carry the generation
 
@@ -139,7 +139,24 @@ def test_generation_polls_are_64bit_sys_acquires():
     for spin in (early, mailbox):
         assert (spin.sem, spin.scope, spin.dtype.bits) == (Sem.ACQUIRE, Scope.SYS, 64)
         assert (spin.shift, spin.mask) == (32, 0xFFFFFFFF)
-        assert isinstance(spin.expected, N.Cast) and spin.expected.a.name == "prod_gen"
+        assert isinstance(spin.expected, N.Cast) and spin.expected.a.name.startswith("prod_gen")
+
+
+def test_generation_is_a_device_word_the_wait_advances():
+    """No generation launch argument: dispatch_async reads the rank's generation word
+    (relaxed, gpu scope), dispatch_wait's aux block stores the next one."""
+    async_k, wait_k = module(PROD).kernel(ASYNC), module(PROD).kernel(WAIT)
+    assert "prod_gen" not in [p.name for p in async_k.params]
+    assert async_k.param("prod_gen_word") and wait_k.param("prod_gen_word")
+    reads = [ld for role in ("monitor", "comm")
+             for ld in ir_nodes(PROD, ASYNC, role, N.Load, sem=Sem.RELAXED, scope=Scope.GPU)
+             if isinstance(ld.addr, N.Param) and ld.addr.name == "prod_gen_word"]
+    assert len(reads) >= 2
+    (advance,) = [st for st in ir_nodes(PROD, WAIT, "aux", N.Store, sem=Sem.RELAXED,
+                                        scope=Scope.GPU)
+                  if isinstance(st.addr, N.Param) and st.addr.name == "prod_gen_word"]
+    assert advance.value.dtype.bits == 32
+    assert count(PROD, WAIT, "st.relaxed.gpu.global.b32") >= 1
 
 
 def test_peer_written_words_are_peer_params():

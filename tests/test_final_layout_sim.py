@@ -104,25 +104,18 @@ def test_capacity_strided_blocks_land_in_reservation_order(seed):
     assert len(orders) == 2, f"seed {seed}: block orders seen {orders}"
 
 
-def test_generation_wraps_without_stale_tags(seed):
-    """A tiny generation limit: the world zeroes the prod buffers before reusing tag 1."""
+def test_generation_wraps_on_the_device(seed):
+    """The generation words start two below the 32-bit limit: the kernels advance them
+    through the wrap (skipping 0) and every call still matches the reference."""
     cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS["prod_reserve"])
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed) as world:
-        world.prod_gen.limit = 2
+        world.set_prod_generations(2**32 - 3)
         seen = []
-        for toks, ids in random_inputs(rng, cfg, 5):
+        for toks, ids in random_inputs(rng, cfg, 4):
             run_calls(world, cfg, rng, [(toks, ids)], seed)
-            seen.append(world.prod_gen.value)
-    assert seen == [1, 2, 1, 2, 1]
-
-
-def test_generation_counter():
-    wraps = []
-    gen = world_mod.GenerationCounter(lambda: wraps.append(1), limit=3)
-    assert [gen.next() for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
-    assert len(wraps) == 2
-    assert world_mod.GenerationCounter(None).limit == 2**32 - 1
+            seen.append(world.prod_generations())
+    assert seen == [[2**32 - 2] * 2, [2**32 - 1] * 2, [1] * 2, [2] * 2], f"seed {seed}"
 
 
 def test_region_a_blocks():
@@ -143,10 +136,10 @@ MUTATIONS = {
     # last call's base
     "handoff_not_rearmed": ("final_layout", lambda mp: mp.setattr(
         final_layout, "rearm_handoff", lambda *a, **k: None)),
-    # every call with the same generation: last call's early counts and mailboxes satisfy
-    # this call's waits
+    # the generation never advances: last call's early counts and mailboxes satisfy this
+    # call's waits
     "generation_frozen": ("prod_reserve", lambda mp: mp.setattr(
-        world_mod.GenerationCounter, "next", lambda self: 1)),
+        final_layout, "advance_generation", lambda *a, **k: None)),
     # the reserver ignores the earlier experts' rows: blocks of different experts overlap
     "expert_start_ignored": ("prod_reserve", lambda mp: mp.setattr(
         final_layout, "_padded", lambda cfg, n: 0)),

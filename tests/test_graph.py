@@ -1,7 +1,6 @@
 """``RoundTripGraph``'s host logic without a GPU: the capture's fork and join around the
 world's launches, the ordering of a replay with the rank streams, frozen launch arguments,
-and the re-capture of every replay with ``ep_prod_reserve`` (update in place, or
-re-instantiate when the driver refuses). The CUDA calls are fakes that log what they would
+and no re-capture ever (``ep_prod_reserve``'s generation advances on the device). The CUDA calls are fakes that log what they would
 enqueue; tests/test_graph_gpu.py runs the real thing."""
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import types
 import pytest
 
 from epgen.runtime import graph as G
-from epgen.runtime.world import GenerationCounter
 
 
 class Stream:
@@ -41,13 +39,11 @@ class World:
         self.cfg = types.SimpleNamespace(ep_prod_reserve=prod)
         self.ranks = [Rank(r, log) for r in range(2)]
         self.timeout_ns, self.input_scale = 10, 1.0
-        self.prod_gen = GenerationCounter(lambda: log.append(("wrap",)), limit=100)
 
     def enqueue_round_trip(self):
-        gen = self.prod_gen.next() if self.cfg.ep_prod_reserve else None
         for rk in self.ranks:
             assert rk.wait_done in (None, "captured"), "a capture waited on an outside event"
-            self.log.append(("round trip", rk.rank, gen))
+            self.log.append(("round trip", rk.rank))
             rk.wait_done = "captured"
 
 
@@ -65,21 +61,12 @@ def fake(monkeypatch):
         log.append(("end capture", cap.graph))
 
     class Exec:
-        refuse = False
-
         def __init__(self, graph):
             self.graph = graph
             log.append(("instantiate", graph))
 
         def launch(self, stream):
             log.append(("graph launch", stream.name, self.graph))
-
-        def update(self, graph):
-            log.append(("update", graph))
-            if Exec.refuse:
-                return False
-            self.graph = graph
-            return True
 
         def destroy(self):
             log.append(("destroy exec", self.graph))
@@ -105,14 +92,13 @@ def test_capture_forks_every_rank_and_joins_back(fake):
     fork = log[1][2]
     assert log[1][:2] == ("record", "origin")
     assert log[2:4] == [("wait", "rank0", fork), ("wait", "rank1", fork)]
-    assert [e for e in log if e[0] == "round trip"] == [("round trip", r, None)
+    assert [e for e in log if e[0] == "round trip"] == [("round trip", r)
                                                         for _ in range(2) for r in range(2)]
     end = kinds.index("end capture")
     joins = [e for e in log[:end] if e[:2] == ("wait", "origin")]
     assert len(joins) == 2                          # every rank joined back into the origin
     assert kinds[end + 1:] == ["instantiate", "destroy graph"]
     assert [rk.wait_done for rk in w.ranks] == ["old0", "old1"]   # restored after the capture
-    assert g.fresh
 
 
 def test_launch_orders_after_and_before_the_rank_streams(fake):
@@ -152,34 +138,18 @@ def test_changed_arguments_refused_before_anything_is_enqueued(fake, name):
     assert log == []
 
 
-def test_prod_reserve_recaptures_every_replay_after_the_first(fake):
-    log, Exec = fake
-    w = World(log, prod=True)
-    g = G.RoundTripGraph(w, calls=2, stream=Stream("origin", log))
-    assert [e[2] for e in log if e[0] == "round trip"] == [1, 1, 2, 2]
-    del log[:]
-    g.launch()                                   # the captured generations, unused yet
-    assert "begin capture" not in [e[0] for e in log]
-    g.launch()
-    assert [e[2] for e in log if e[0] == "round trip"] == [3, 3, 4, 4]
-    assert [e[0] for e in log if e[0] in ("update", "instantiate", "destroy exec")] == \
-        ["update"]
-    del log[:]
-    Exec.refuse = True                           # the driver refuses: instantiate again
-    g.launch()
-    assert [e[0] for e in log if e[0] in ("update", "instantiate", "destroy exec",
-                                          "destroy graph", "graph launch")] == \
-        ["update", "instantiate", "destroy exec", "destroy graph", "graph launch"]
-
-
-def test_prod_reserve_wraps_before_a_capture_not_inside(fake):
+def test_prod_reserve_replays_the_graph_unchanged(fake):
+    """The generation is the kernels' own: every replay is one graph launch, with no
+    re-capture and no update."""
     log, _ = fake
     w = World(log, prod=True)
-    w.prod_gen.value = 99
-    G.RoundTripGraph(w, calls=2, stream=Stream("origin", log))
+    g = G.RoundTripGraph(w, calls=2, stream=Stream("origin", log))
+    del log[:]
+    for _ in range(3):
+        g.launch()
     kinds = [e[0] for e in log]
-    assert kinds.index("wrap") < kinds.index("begin capture")
-    assert [e[2] for e in log if e[0] == "round trip"] == [1, 1, 2, 2]
+    assert kinds.count("graph launch") == 3
+    assert not {"begin capture", "update", "instantiate"} & set(kinds)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, None])

@@ -355,8 +355,9 @@ def test_final_layout_buffers(c):
     assert prod.max_out_rows == make(c).layout.max_out_rows
     # E early counts (destination side), then E mailboxes (source side), UInt64 words
     assert prod.prod_early_count_offset == 0 and prod.prod_mailbox_offset == E
-    assert prod.prod_buf_words == 2 * E and prod.prod_buf_bytes == 16 * E
-    assert prod.sizes()["prod_buf_words"] == 2 * E
+    assert prod.prod_gen_word_offset == 2 * E     # after the early counts and mailboxes
+    assert prod.prod_buf_words == 2 * E + 1 and prod.prod_buf_bytes == 16 * E + 8
+    assert prod.sizes()["prod_buf_words"] == 2 * E + 1
     # the reservation cursors end the receive-count buffer and start at 0
     init = prod.recv_count_initial()
     assert (init[prod.rc_cursor_base:] == 0).all() and len(init) == prod.rc_cursor_base + L

@@ -182,9 +182,21 @@ def test_combine_200_calls():
     assert_all_combined(proc, 2, 200)
 
 
-def combine_rounds(world, calls: int, seed: int, say=print) -> bool:
+@pytest.mark.parametrize("p2p", [1, 2])
+def test_torch_api_on_shmem_world(p2p):
+    """``epgen.torch.EPBuffer`` of each PE's ``ShmemWorld``: torch tensors in and out on the
+    PE's current stream (by SHMEM, or nvshmem_ptr stores inside one group), dispatch and
+    combine checked against the reference."""
+    pytest.importorskip("torch")
+    proc = launch_combine(2, ["--n-ranks", "2", "--p2p", str(p2p), "--calls", "5",
+                              "--seed", "9", "--api", "torch"])
+    assert_all_combined(proc, 2, 5)
+
+
+def combine_rounds(world, calls: int, seed: int, say=print, api: str = "numpy") -> bool:
     """``calls`` dispatch + combine rounds of this PE's ``world`` (``use_shmem``; the weights
-    on even calls, None on odd ones, a residual every fourth call). Every PE draws every
+    on even calls, None on odd ones, a residual every fourth call), through the numpy API or
+    (``api="torch"``) an ``epgen.torch.EPBuffer`` on torch CUDA tensors. Every PE draws every
     rank's inputs from the same seed; the expert output of slot ``(t, k)`` of source ``s`` is
     a fixed random row ``Y[s][t, k]``, so each destination builds its rows from its own
     ``src_info`` and each source's expectation is ``reference.combine`` over the reference
@@ -196,6 +208,16 @@ def combine_rounds(world, calls: int, seed: int, say=print) -> bool:
     from epgen.reference_combine import source_of_rows
 
     cfg, me = world.cfg, world.rank
+    ep = torch = None
+    if api == "torch":
+        import torch
+
+        import epgen.torch
+        ep = epgen.torch.EPBuffer(world)
+
+    def on_gpu(bits):
+        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
+            torch.bfloat16).cuda()
     n, K, H, T = cfg.n_ranks, cfg.token_fmt.top_k, cfg.token_fmt.hid_dim, cfg.max_tokens_per_rank
     rng = np.random.default_rng(seed)
 
@@ -215,13 +237,25 @@ def combine_rounds(world, calls: int, seed: int, say=print) -> bool:
         res = [rng.integers(0, 1 << 16, size=(c, H), dtype=np.uint16) & np.uint16(0xBFFF)
                for c in counts] if call % 4 == 0 else None
         ref = reference.dispatch(cfg, toks, ids)
-        got_d = world.dispatch(toks[me], ids[me])
+        if ep is None:
+            got_d = world.dispatch(toks[me], ids[me])
+        else:
+            out = ep.dispatch(on_gpu(toks[me]), torch.from_numpy(ids[me]).cuda(),
+                              None if w is None else torch.from_numpy(w[me]).cuda())
+            ep.check()
+            got_d = out.to_reference(cfg)
         problems = reference.compare(cfg, ref[me], got_d)
         if problems:
             say(f"rank {me} call {call}: dispatch differs: {problems[:3]}")
             return False
-        got = world.combine(rows_of(got_d, Y), None if w is None else w[me],
-                            None if res is None else res[me])
+        if ep is None:
+            got = world.combine(rows_of(got_d, Y), None if w is None else w[me],
+                                None if res is None else res[me])
+        else:
+            y = ep.combine(on_gpu(rows_of(got_d, Y)), out,
+                           residual=None if res is None else on_gpu(res[me]))
+            ep.check("combine")
+            got = y.view(torch.int16).cpu().numpy().view(np.uint16)
         want = reference.combine(cfg, ref, [rows_of(r, Y) for r in ref], w, residual=res,
                                  n_tokens=counts)[me]
         if got.shape != want.shape or not np.array_equal(got, want):
@@ -255,10 +289,11 @@ def combine_pe(argv: list[str]) -> int:
     ap.add_argument("--p2p", type=int, required=True)
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api", choices=["numpy", "torch"], default="numpy")
     args = ap.parse_args(argv)
     with epgen.ShmemWorld(combine_config(args.n_ranks, args.p2p)) as world:
         ok = combine_rounds(world, args.calls, args.seed,
-                            say=lambda line: print(line, flush=True))
+                            say=lambda line: print(line, flush=True), api=args.api)
     return 0 if ok else 1
 
 

@@ -36,6 +36,7 @@ class WaitParams:
     my_rank: ir.Param
     err_buf: ir.Param
     hdr_p: ir.Param | None = None
+    prod_gen_word: ir.Param | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
@@ -51,6 +52,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
         hdr_p=final_layout.declare_wait_params(kb, cfg),
+        prod_gen_word=final_layout.declare_wait_generation(kb, cfg),
     )
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
@@ -364,5 +366,7 @@ def build_dispatch_wait(cfg) -> ir.Kernel:
     with kb.role("copy", blocks=(0, last)) as r:
         copy_received_tokens_to_output(r, kb, cfg, p)
     with kb.role("aux", blocks=(last, None)) as r:
+        if p.prod_gen_word is not None:
+            final_layout.advance_generation(r, p.prod_gen_word)
         wait_for_arrivals_and_compute_offsets(r, kb, cfg, p)
     return kb.build()

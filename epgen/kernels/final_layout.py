@@ -51,14 +51,15 @@ class FinalAsyncParams:
     grouped output and header array (and, for a format with output scales, its output
     scales: ``scales_ptrs``); the rank-local hand-off words (capacity-strided); with
     ``ep_prod_reserve`` the table of every rank's prod buffer, this rank's mailboxes
-    (``prod_gen_p``, the reference ``copy_and_send_tokens`` argument) and the generation."""
+    (``prod_gen_p``, the reference ``copy_and_send_tokens`` argument) and this rank's
+    generation word (``prod_gen_word``: the last call's generation, ``call_generation``)."""
 
     out_ptrs: ir.Param
     hdr_ptrs: ir.Param
     base_handoff_p: ir.Param | None = None
     prod_ptrs: ir.Param | None = None
     prod_gen_p: ir.Param | None = None
-    prod_gen: ir.Param | None = None
+    prod_gen_word: ir.Param | None = None
     scales_ptrs: ir.Param | None = None
 
 
@@ -76,7 +77,7 @@ def declare_async_params(kb: ir.KernelBuilder, cfg) -> FinalAsyncParams | None:
             **tables,
             prod_ptrs=kb.param("prod_ptrs", T.ptr_global),
             prod_gen_p=kb.param("prod_gen_p", T.ptr_global, peer=True),
-            prod_gen=kb.param("prod_gen", T.u32))
+            prod_gen_word=kb.param("prod_gen_word", T.ptr_global))
     return FinalAsyncParams(**tables, base_handoff_p=kb.param("base_handoff_p", T.ptr_global))
 
 
@@ -84,6 +85,38 @@ def declare_wait_params(kb: ir.KernelBuilder, cfg) -> ir.Param | None:
     """dispatch_wait's ``hdr_p`` (this rank's header array, written by peers), or None
     without ``ep_final_layout``."""
     return kb.param("hdr_p", T.ptr_global, peer=True) if cfg.ep_final_layout else None
+
+
+def declare_wait_generation(kb: ir.KernelBuilder, cfg) -> ir.Param | None:
+    """dispatch_wait's ``prod_gen_word`` (this rank's generation word, which its aux block
+    advances: ``advance_generation``), or None without ``ep_prod_reserve``."""
+    return kb.param("prod_gen_word", T.ptr_global) if cfg.ep_prod_reserve else None
+
+
+def _next_generation(last) -> ir.Expr:
+    """``last + 1``, skipping 0 (the value of a freshly zeroed tag) when the u32 wraps."""
+    nxt = ir.as_expr(last) + 1
+    return ir.Select(nxt.eq(0), ir.Const(1, T.u32), nxt)
+
+
+def call_generation(r: ir.RoleBuilder, fl: FinalAsyncParams) -> ir.Var:
+    """This call's generation tag in dispatch_async: the word ``prod_gen_word`` holds the
+    last call's (``ld.relaxed.gpu.global.b32``; 0 before the first call), this call's is the
+    next (``_next_generation``). Every rank's word advances once per call, so all ranks agree
+    on the tag with no host involvement (a captured graph replays unchanged)."""
+    last = r.load(fl.prod_gen_word, T.u32, Sem.RELAXED, Scope.GPU, name="prod_gen_last")
+    return r.let("prod_gen", _next_generation(last))
+
+
+def advance_generation(r: ir.RoleBuilder, word) -> None:
+    """dispatch_wait's aux block, thread 0, at entry: store this call's generation into the
+    rank's generation word (``ld.relaxed.gpu.global.b32`` then ``st.relaxed.gpu.global.b32``).
+    Every dispatch_async block has exited before dispatch_wait starts (stream order, or a
+    programmatic launch triggered at each block's exit), so each read the old value; the
+    next call's dispatch_async starts after this kernel ends."""
+    with r.if_(r.tid.eq(0)):
+        last = r.load(word, T.u32, Sem.RELAXED, Scope.GPU, name="gen_last")
+        r.store(word, _next_generation(last), Sem.RELAXED, Scope.GPU)
 
 
 def _tagged(value, gen) -> ir.Expr:
@@ -117,12 +150,13 @@ def reserve_rows(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, g, count):
     e = r.let("fl_e", g % L)
     dst_p2p = dst_rank % cfg.p2p_world_size
     if cfg.ep_prod_reserve:
+        gen = call_generation(r, fl)
         with r.if_(r.lane.eq(0)):
             prod_dst = load_pointer(r, fl.prod_ptrs, dst_p2p, "prod_dst")
             r.store(_word(prod_dst, lay.prod_early_count_offset + e * R + p.my_rank, 8),
-                    _tagged(count, fl.prod_gen), Sem.RELEASE, Scope.SYS)
+                    _tagged(count, gen), Sem.RELEASE, Scope.SYS)
         with r.if_(dst_rank.eq(p.my_rank)):
-            reserve_for_sources(r, cfg, p, fl, e)
+            reserve_for_sources(r, cfg, p, fl, e, gen)
         return None
     off = r.var("fl_off", T.u32, 0)
     with r.if_(r.lane.eq(0)):
@@ -138,15 +172,16 @@ def reserve_rows(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, g, count):
     return off
 
 
-def reserve_for_sources(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, e):
+def reserve_for_sources(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, e, gen):
     """The reserver of local expert ``e`` (``ep_prod_reserve``; the whole monitor warp of
     global expert ``my_rank * L + e``). For each expert ``e2 <= e``, lanes ``< R`` wait
     (bounded, ``ld.acquire.sys.global.b64``) until early-count word ``e2 * R + lane`` carries
     this call's generation; the warp sums each expert (``redux.sync.add``), the padded totals
     of ``e2 < e`` give expert ``e``'s first row, an exclusive scan over sources
-    (``shfl.sync.up``) each source's block base. Lane ``src`` with a non-empty block writes
-    ``base | gen << 32`` into mailbox ``e * R + my_rank`` of rank ``src``
-    (``st.release.sys.global.b64``)."""
+    (``shfl.sync.up``) each source's block base. Lane ``src`` writes ``base | gen << 32``
+    into mailbox ``e * R + my_rank`` of rank ``src`` (``st.release.sys.global.b64``), an
+    empty block's too: every mailbox then holds the last call's tag or this one's, so no
+    stale tag can match when the 32-bit generation wraps."""
     lay = cfg.layout
     R, P = cfg.n_ranks, cfg.p2p_world_size
     early = load_pointer(r, fl.prod_ptrs, p.my_rank % P, "early_here")
@@ -157,7 +192,7 @@ def reserve_for_sources(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, e):
         with r.if_(r.lane < R):
             idx = r.let("rsv_idx", e2 * R + r.lane)
             seen = r.spin_wait(_word(early, lay.prod_early_count_offset + idx, 8), T.u64,
-                               CmpOp.EQ, fl.prod_gen, buffer="prod_early_count", index=idx,
+                               CmpOp.EQ, gen, buffer="prod_early_count", index=idx,
                                sem=Sem.ACQUIRE, scope=Scope.SYS, shift=GEN_SHIFT, mask=LOW32,
                                name="early")
             r.assign(c, seen.cast(T.u32))
@@ -168,10 +203,10 @@ def reserve_for_sources(r: ir.RoleBuilder, cfg, p, fl: FinalAsyncParams, e):
     exit_if_aborted(r, p.err_buf)
     incl = warp_inclusive_scan(r, mine, "rsv_scan")
     base = r.let("rsv_base", start + incl - mine)
-    with r.if_((r.lane < R) & (mine > 0)):
+    with r.if_(r.lane < R):
         src = load_pointer(r, fl.prod_ptrs, r.lane, "mailbox_src")
         r.store(_word(src, lay.prod_mailbox_offset + e * R + p.my_rank, 8),
-                _tagged(base, fl.prod_gen), Sem.RELEASE, Scope.SYS)
+                _tagged(base, gen), Sem.RELEASE, Scope.SYS)
 
 
 def count_word(cfg, count, off) -> ir.Expr:
@@ -209,7 +244,7 @@ def copy_to_final_row(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, msg, dst_ran
     lay, fmt = cfg.layout, cfg.token_fmt
     dst_p2p = dst_rank % cfg.p2p_world_size
     if cfg.ep_prod_reserve:
-        seen = r.spin_wait(_word(fl.prod_gen_p, co, 8), T.u64, CmpOp.EQ, fl.prod_gen,
+        seen = r.spin_wait(_word(fl.prod_gen_p, co, 8), T.u64, CmpOp.EQ, call_generation(r, fl),
                            buffer="prod_mailbox", index=co, sem=Sem.ACQUIRE, scope=Scope.SYS,
                            shift=GEN_SHIFT, mask=LOW32, name="mailbox")
         base = r.let("row_base", seen.cast(T.u32))
@@ -249,6 +284,7 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
     its header row where the layout keeps them there (``hdr_scale_bytes``: transposed
     scales, written row-major), and None for a format without output scales."""
     lay, fmt = cfg.layout, cfg.token_fmt
+    gen = call_generation(r, fl) if cfg.ep_prod_reserve else None
     base = r.var("row_base", T.u32, 0)
     # the lanes still to serve, lowest first (a data-dependent loop LLVM does not unroll, so
     # the PTX holds one copy of each wait)
@@ -258,7 +294,7 @@ def warp_final_rows(r: ir.RoleBuilder, cfg, fl: FinalAsyncParams, co_word, slot,
         r.assign(pending, pending & (pending - 1))
         co = r.shfl(ir.ShflMode.IDX, co_word, k, name="co_k")
         if cfg.ep_prod_reserve:
-            seen = r.spin_wait(_word(fl.prod_gen_p, co, 8), T.u64, CmpOp.EQ, fl.prod_gen,
+            seen = r.spin_wait(_word(fl.prod_gen_p, co, 8), T.u64, CmpOp.EQ, gen,
                                buffer="prod_mailbox", index=co, sem=Sem.ACQUIRE,
                                scope=Scope.SYS, shift=GEN_SHIFT, mask=LOW32, name="mailbox")
             value = seen.cast(T.u32)

@@ -37,10 +37,8 @@ Ordering with the rest of the world: a replay starts after everything already en
 the world's rank streams, and every rank stream waits for its end, so stream calls
 (``dispatch``, ``enqueue_round_trip``), ``check``, ``results`` and replays mix freely.
 
-``ep_prod_reserve``: every call needs a new generation (``prod_gen``), a launch argument. Each
-``launch`` after the first records the launches again with the next generations and
-updates the instantiated graph in place (``cuGraphExecUpdate``; host work only, nothing runs
-twice).
+``ep_prod_reserve``: the kernels advance each call's generation on the device (a word of
+each rank's prod buffer), so a replay needs no update either.
 """
 
 from __future__ import annotations
@@ -70,7 +68,6 @@ class RoundTripGraph:
         self.stream = stream if stream is not None else self.cuda.create_stream(world.device)
         self.frozen = self._state()
         self.exec = self._instantiate()
-        self.fresh = True      # the generations recorded at capture are not used yet
 
     # -- capture ---------------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -95,8 +92,6 @@ class RoundTripGraph:
         streams' last-call events are set aside during the capture (a captured stream may
         not wait on an event recorded outside it) and put back after."""
         w, cuda = self.world, self.cuda
-        if w.cfg.ep_prod_reserve:
-            w.prod_gen.reserve(self.calls)   # a wrap (synchronising) cannot run in a capture
         saved = [rk.wait_done for rk in w.ranks]
         for rk in w.ranks:
             rk.wait_done = None
@@ -135,22 +130,8 @@ class RoundTripGraph:
                                  f"world.capture_moe())")
 
     def refresh(self) -> None:
-        """Before a replay: with ``ep_prod_reserve``, record the launches again with the next
-        generations and update the instantiated graph (re-instantiate if the driver refuses
-        the update); nothing otherwise."""
+        """Before a replay: ``check_unchanged`` (the graph itself never needs an update)."""
         self.check_unchanged()
-        if not self.world.cfg.ep_prod_reserve:
-            return
-        if self.fresh:
-            self.fresh = False
-            return
-        cap = self._record()
-        try:
-            if not self.exec.update(cap.graph):
-                old, self.exec = self.exec, self.graphs.GraphExec(cap.graph)
-                old.destroy()
-        finally:
-            cap.destroy()
 
     def follow_world(self, stream) -> None:
         """``stream`` waits for everything already enqueued on the world's rank streams."""

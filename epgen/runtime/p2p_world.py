@@ -67,7 +67,7 @@ from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .program import Program
-from .world import CapacityError, GenerationCounter, RankWorld, _Rank, co_resident, p2p_group
+from .world import CapacityError, RankWorld, _Rank, co_resident, p2p_group
 
 
 class PeerAccessError(RuntimeError):
@@ -224,7 +224,6 @@ class P2PWorld(RankWorld):
                       for r, d in enumerate(self.devices)]
         self.errs = {d: DiagBuffer(d, cuda=cuda) for d in self.device_ids}
         self._build_pointer_tables()
-        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()
         for d in self.device_ids:        # the tables' and error buffers' default-stream copies
             cuda.get_device(d).sync()

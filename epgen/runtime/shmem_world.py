@@ -72,7 +72,7 @@ from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .p2p_world import PeerAccessError
 from .program import Program
-from .world import CapacityError, GenerationCounter, RankWorld, _Rank, co_resident, p2p_group
+from .world import CapacityError, RankWorld, _Rank, co_resident, p2p_group
 
 #: set before NVSHMEM initialises, where the environment does not say otherwise
 NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
@@ -220,7 +220,6 @@ class ShmemWorld(RankWorld):
                             send_memory_resource=self.pool)]
         self.err = DiagBuffer(self.device, cuda=cuda)
         self._build_pointer_tables()
-        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()
         self.device.sync()            # the tables' and error buffer's default-stream copies
 

@@ -24,8 +24,9 @@ not take the shared expert) and refuses ``fused=False``.
 header array directly, so the world allocates both per rank and passes every kernel the
 tables of all ranks' pointers; the same event ordering also keeps a call's rows from being
 overwritten by the next call before the host has read them. ``ep_prod_reserve``: every call
-gets a new generation (``prod_gen`` = 1, 2, ...; ``GenerationCounter``), so the early counts
-and mailboxes of the prod buffers never need re-arming.
+tags its early counts and mailboxes with a new generation, which the kernels keep in a word
+of each rank's prod buffer and advance themselves (``layout.prod_gen_word_offset``), so the
+prod buffers never need re-arming and the host passes nothing per call.
 
 Everything but the placement (one GPU, one program, one error buffer, the co-residency of
 all ranks' grids) lives in ``RankWorld``, which ``P2PWorld`` (``p2p_world.py``: one GPU per
@@ -68,34 +69,6 @@ from .program import Program
 class CapacityError(ValueError):
     """The ranks' grids cannot all be resident on the GPU at once (their spin-waits could
     deadlock): the message names the parameters to change."""
-
-
-class GenerationCounter:
-    """The ``prod_gen`` of successive calls: 1, 2, ... up to ``limit`` (the 32-bit tag's
-    largest value). Before it would wrap, ``on_wrap()`` runs (the world waits for every
-    launch and zeroes the prod buffers), so a tag left by an old call can never equal a
-    later call's generation; 0 is never used, the value of a freshly zeroed word."""
-
-    LIMIT = (1 << 32) - 1
-
-    def __init__(self, on_wrap, limit: int = LIMIT):
-        self.on_wrap = on_wrap
-        self.limit = limit
-        self.value = 0
-
-    def next(self) -> int:
-        if self.value >= self.limit:
-            self.on_wrap()
-            self.value = 0
-        self.value += 1
-        return self.value
-
-    def reserve(self, n: int) -> None:
-        """Make sure the next ``n`` values come without a wrap (wrapping now if they would
-        not): a CUDA-graph capture records ``n`` calls and cannot synchronise inside."""
-        if self.value + n > self.limit:
-            self.on_wrap()
-            self.value = 0
 
 
 def region_a_blocks(region_a, L: int, R: int) -> tuple[np.ndarray, np.ndarray]:
@@ -214,7 +187,7 @@ class RankWorld:
     ``cuda``, ``fused``, ``timeout_ns``,
     ``input_scale``, ``program`` (a ``Program`` of the world's IR module), ``ranks``
     (``_Rank``), then calls ``_build_pointer_tables()`` (which allocates the trace buffers
-    too) and sets ``prod_gen``. The hooks
+    too). The hooks
     ``_program_of(rk)``, ``_err_of(rk)`` and ``_raise_timeouts(context)`` say which program
     launches a rank's kernels, which error buffer they report into, and how expired waits
     are collected; the defaults are those of one GPU (``program``, ``err``)."""
@@ -305,13 +278,6 @@ class RankWorld:
         if cfg.ep_prod_reserve:
             out["prod_ptrs"] = self._pointer_table(r, "prod_buf")
         return out
-
-    def _rearm_prod_buffers(self):
-        """Before the generation wraps: wait for every launch, zero every prod buffer."""
-        self.synchronize()
-        for rk in self.ranks:
-            rk.prod_buf.zero()
-        self.synchronize()
 
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
@@ -406,9 +372,30 @@ class RankWorld:
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
                 "err_buf": self._err_of(rk).ptr, "timeout_ns": self.timeout_ns}
 
-    def async_rows(self, gen: int | None = None) -> list[dict]:
-        """Every rank's dispatch_async arguments by parameter name (``gen``: the
-        ``ep_prod_reserve`` generation of the call)."""
+    def _gen_word(self, rk) -> int:
+        """Rank ``rk``'s generation word (``ep_prod_reserve``)."""
+        return rk.prod_buf.ptr + 8 * self.cfg.layout.prod_gen_word_offset
+
+    def prod_generations(self) -> list[int]:
+        """Each rank's generation word (``ep_prod_reserve``): the tag of its last call, 0
+        before the first. Synchronises; for tests and debugging."""
+        self.synchronize()
+        off = self.cfg.layout.prod_gen_word_offset
+        return [int(rk.prod_buf.to_host()[off]) & 0xFFFFFFFF for rk in self.ranks]
+
+    def set_prod_generations(self, value: int) -> None:
+        """Set every rank's generation word to ``value`` (between calls; a test of the
+        32-bit wrap starts near it). Synchronises."""
+        self.synchronize()
+        off = self.cfg.layout.prod_gen_word_offset
+        for rk in self.ranks:
+            words = rk.prod_buf.to_host()
+            words[off] = value
+            rk.prod_buf.copy_from_host(words)
+        self.synchronize()
+
+    def async_rows(self) -> list[dict]:
+        """Every rank's dispatch_async arguments by parameter name (the same every call)."""
         lay = self.cfg.layout
         rows = []
         for rk in self.ranks:
@@ -416,7 +403,7 @@ class RankWorld:
             args.update(self.final_ptrs[rk.rank])
             if self.cfg.ep_prod_reserve:
                 args.update(prod_gen_p=rk.prod_buf.ptr + 8 * lay.prod_mailbox_offset,
-                            prod_gen=gen)
+                            prod_gen_word=self._gen_word(rk))
             elif self.cfg.ep_final_layout:
                 args.update(base_handoff_p=rk.counter_ptr(lay.final_layout_region))
             rows.append(args)
@@ -429,6 +416,8 @@ class RankWorld:
             args = self._wait_args(rk)
             if self.cfg.ep_final_layout:
                 args["hdr_p"] = rk.hdr_buf
+            if self.cfg.ep_prod_reserve:
+                args["prod_gen_word"] = self._gen_word(rk)
             rows.append(args)
         return rows
 
@@ -450,9 +439,8 @@ class RankWorld:
 
     def dispatch_async(self):
         """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
-        gen = self.prod_gen.next() if self.cfg.ep_prod_reserve else None
         self._after_previous_call()
-        self._launch_ranks(ASYNC, self.async_rows(gen), first=True)
+        self._launch_ranks(ASYNC, self.async_rows(), first=True)
 
     def dispatch_wait(self):
         """Enqueue every rank's dispatch_wait (a programmatic dependent launch of its
@@ -522,11 +510,15 @@ class RankWorld:
             raise
 
     def reset(self):
-        """Re-arm every buffer a failed call may have left half-used."""
+        """Re-arm every buffer a failed call may have left half-used; the prod buffers
+        (``ep_prod_reserve``) are zeroed, so every rank's generation starts again from 0
+        (a failed call may have advanced some ranks' and not others')."""
         lay = self.cfg.layout
         for rk in self.ranks:
             rk.recv_count.copy_from_host(lay.recv_count_initial())
             rk.counters.zero()
+            if self.cfg.ep_prod_reserve:
+                rk.prod_buf.zero()
             rk.wait_done = None
         self.synchronize()
 
@@ -619,7 +611,6 @@ class EmulatedWorld(RankWorld):
         self.ranks = [_Rank(cuda, cfg, r, self.device) for r in self.rank_ids]
         self.err = DiagBuffer(self.device, cuda=cuda)
         self._build_pointer_tables()
-        self.prod_gen = GenerationCounter(self._rearm_prod_buffers)
         self.synchronize()
 
     # -- combine -----------------------------------------------------------------------------

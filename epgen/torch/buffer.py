@@ -3,7 +3,7 @@ caller's CUDA stream with no host synchronisation and no host read of device dat
 
 Each kernel launch of each rank is prepared once (``Program.prepare``: the parameters
 packed, one ``cuLaunchKernelEx`` per call); a call rewrites only what changed (the input
-pointers, the token count, the ``ep_prod_reserve`` generation) and enqueues. Where the
+pointers, the token count) and enqueues. Where the
 launches go:
 
 - on the caller's stream itself, when the order of one stream is enough: a handle of one rank
@@ -166,6 +166,7 @@ class EPBuffer:
         self.lanes = None if self.on_caller_stream else streams.Lanes(
             [rk.stream for rk in self.ranks])
         self._keep = ()            # this call's converted inputs, alive until the next call
+        self.producers = streams.Producers(self.ranks[0].stream.device)
         # every launch prepared now (the first call must not compile: the other ranks'
         # kernels would wait for it): (kernel name, [prepared launch per handled rank])
         self._prepare_dispatch()
@@ -176,7 +177,6 @@ class EPBuffer:
         """Every handled rank's launches, prepared: ``ep_check_ids`` (the ids into the rank's
         id buffer), then dispatch_async and dispatch_wait, or the fused ``ep_dispatch``."""
         w, n, cfg = self.world, self.cfg.n_sms, self.cfg
-        gen = 1 if cfg.ep_prod_reserve else None
         checks = {}
         check_grid = -(-cfg.max_tokens_per_rank // CHECK_THREADS)
         launches = []
@@ -195,7 +195,7 @@ class EPBuffer:
             steps.append((FUSED, [w._program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
                                   for i in self.index]))
         else:
-            a, b = w.async_rows(gen), w.wait_rows()
+            a, b = w.async_rows(), w.wait_rows()
             steps.append((ASYNC, [w._program_of(w.ranks[i]).prepare(ASYNC, n, a[i])
                                   for i in self.index]))
             steps.append((WAIT, [w._program_of(w.ranks[i]).prepare(WAIT, n, b[i],
@@ -203,7 +203,7 @@ class EPBuffer:
                                  for i in self.index]))
         self._dispatch = steps
         #: per handled rank: (slot, name) of every parameter a call rewrites, every launch
-        hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens", "prod_gen")
+        hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens")
         self._hot = [[(pl.slot(name), name) for _, ls in steps for pl in (ls[j],)
                       for name in hot if name in pl.params]
                      for j in range(len(self.ranks))]
@@ -235,37 +235,35 @@ class EPBuffer:
         torch, cfg = self.torch, self.cfg
         xs, ids, ws = self._per_rank(x, "x"), self._per_rank(topk_ids, "topk_ids"), \
             self._per_rank(topk_weights, "topk_weights", optional=True)
-        if cfg.ep_prod_reserve and torch.cuda.is_current_stream_capturing():
-            raise EPInputError("ep_prod_reserve: a captured dispatch would replay one "
-                               "generation for every call; capture a configuration without "
-                               "ep_prod_reserve")
         K = cfg.token_fmt.top_k
-        checked = []
+        checked, infos = [], []     # infos: the inputs of other libraries (their producers)
         for rk, xi, ii, wi in zip(self.ranks, xs, ids, ws):
             xt, xinfo = tensors.tokens_input(torch, xi, f"x[{rk.rank}]", cfg, self.device)
             T = xt.shape[0] if xinfo is None else xinfo.shape[0]
             it, iinfo = tensors.ids_input(torch, ii, f"topk_ids[{rk.rank}]", T, K, self.device)
-            wt = None if wi is None else tensors.weights_input(
-                torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)[0]
+            wt, winfo = (None, None) if wi is None else tensors.weights_input(
+                torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)
             checked.append((xt, xinfo, it, iinfo, wt, T))
+            for info in (xinfo, iinfo, winfo):
+                if info is not None and not isinstance(info.obj, torch.Tensor):
+                    infos.append(info)
         s = self._stream(stream)
-        gen = self.world.prod_gen.next() if cfg.ep_prod_reserve else None
+        for info in infos:
+            self.producers.order(info, s)
         outs = []
         for j, (rk, (xt, xinfo, it, iinfo, wt, T)) in enumerate(zip(self.ranks, checked)):
             if T == 0:
                 values = {"input_tokens": rk.tokens.ptr, "ids_in": rk.topk_ids.ptr,
-                          "ids_wide": 0, "n_tokens": 0, "prod_gen": gen}
+                          "ids_wide": 0, "n_tokens": 0}
             else:
                 values = {"input_tokens": xt.data_ptr() if xinfo is None
                           else self._token_pointer(rk, xinfo, T, s),
                           "ids_in": it.data_ptr() if iinfo is None else iinfo.ptr,
                           "ids_wide": int((it.element_size() if iinfo is None
                                            else iinfo.itemsize) == 8),
-                          "n_tokens": T, "prod_gen": gen}
+                          "n_tokens": T}
             for slot, name in self._hot[j]:
-                v = values[name]
-                if v is not None:
-                    slot[0] = v
+                slot[0] = values[name]
             rk.n_tokens = T
             out = self.outputs[j]
             out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt
@@ -315,24 +313,38 @@ class EPBuffer:
         checked = []
         for rk, y, o, w, res in zip(self.ranks, ys, outs, ws, rs):
             T = o.n_tokens
-            y = tensors.rows_input(torch, y, f"expert_out[{rk.rank}]", rows_max, H, self.device)
-            w = o.topk_weights if w is None else tensors.weights_input(
-                torch, w, f"topk_weights[{rk.rank}]", T, K, self.device)[0]
+            y, yinfo = tensors.rows_input(torch, y, f"expert_out[{rk.rank}]", rows_max, H,
+                                          self.device)
+            winfo = None
+            if w is None:
+                w = o.topk_weights
+                if w is not None and not isinstance(w, torch.Tensor):
+                    winfo = interop.describe(w, f"topk_weights[{rk.rank}]")
+            else:
+                w, winfo = tensors.weights_input(torch, w, f"topk_weights[{rk.rank}]", T, K,
+                                                 self.device)
+            rinfo = None
             if res is not None:
                 if w is None:
                     raise EPInputError(f"residual[{rk.rank}]: needs router weights (the "
                                        f"unreduced rows take none)")
-                res = tensors.rows_input(torch, res, f"residual[{rk.rank}]", T, H, self.device,
-                                         exact=True)
-            checked.append((y, w, res, T))
+                res, rinfo = tensors.rows_input(torch, res, f"residual[{rk.rank}]", T, H,
+                                                self.device, exact=True)
+            checked.append((y, w, res, T, (yinfo, winfo, rinfo)))
         s = self._stream(stream)
+        for *_, infos in checked:
+            for info in infos:
+                if info is not None and not isinstance(info.obj, torch.Tensor):
+                    self.producers.order(info, s)
         results = []
-        for j, (rk, (y, w, res, T)) in enumerate(zip(self.ranks, checked)):
+        for j, (rk, (y, w, res, T, infos)) in enumerate(zip(self.ranks, checked)):
             b = self._combiner.bufs[self.index[j]]
-            values = {"expert_out": y.data_ptr(),
-                      "weights": w.data_ptr() if w is not None else b.weights.ptr,
+            ptr = lambda v, info: v.data_ptr() if info is None or isinstance(  # noqa: E731
+                info.obj, torch.Tensor) else info.ptr
+            values = {"expert_out": ptr(y, infos[0]),
+                      "weights": ptr(w, infos[1]) if w is not None else b.weights.ptr,
                       "weighted": int(w is not None),
-                      "residual": res.data_ptr() if res is not None else b.residual.ptr,
+                      "residual": ptr(res, infos[2]) if res is not None else b.residual.ptr,
                       "has_residual": int(res is not None), "n_tokens": T}
             for slot, name in self._combine_hot[j]:
                 slot[0] = values[name]

@@ -41,6 +41,34 @@ class Lanes:
             check(drv.cuStreamWaitEvent(c, ev, 0), "cuStreamWaitEvent")
 
 
+class Producers:
+    """Orders a caller's stream after the producers of another library's inputs: a DLPack
+    object is asked to order its stream before the caller's (``__dlpack__(stream=caller)``),
+    a ``__cuda_array_interface__`` array that names its stream is waited on with an event
+    (one non-timing event, made on first use and re-recorded). A torch tensor needs nothing:
+    its producer is torch's current stream, the caller's stream by torch's rules."""
+
+    def __init__(self, device):
+        self.device, self.event = device, None
+
+    def order(self, info, caller: int) -> None:
+        """``info``: an ``interop.ArrayInfo`` of a device input (None: a torch tensor)."""
+        if info is None:
+            return
+        if isinstance(info.obj, tuple):
+            info.obj[0].__dlpack__(stream=caller)
+            return
+        if info.stream is None:
+            return
+        drv = compat.driver()
+        if self.event is None:
+            self.device.set_current()
+            self.event = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                               "cuEventCreate")
+        check(drv.cuEventRecord(self.event, drv.CUstream(info.stream)), "cuEventRecord")
+        check(drv.cuStreamWaitEvent(drv.CUstream(caller), self.event, 0), "cuStreamWaitEvent")
+
+
 def copy_rows(dst: int, src: int, pitch: int, row_bytes: int, rows: int, stream: int,
               device) -> None:
     """Pack ``rows`` rows of ``row_bytes`` bytes, ``pitch`` apart from ``src``, to ``dst``
@@ -55,4 +83,4 @@ def copy_rows(dst: int, src: int, pitch: int, row_bytes: int, rows: int, stream:
     check(drv.cuMemcpy2DAsync(m, drv.CUstream(stream)), "cuMemcpy2DAsync")
 
 
-__all__ = ["Lanes", "copy_rows"]
+__all__ = ["Lanes", "Producers", "copy_rows"]

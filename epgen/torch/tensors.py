@@ -111,17 +111,35 @@ def ids_input(torch, ids, name: str, T: int, K: int, device: int):
 
 def rows_input(torch, y, name: str, rows: int, H: int, device: int, exact: bool = False):
     """``y`` checked as BF16 rows ``[n, H]`` (``n <= rows``, or ``== rows`` with ``exact``)
-    in a torch CUDA tensor on ``device``, made contiguous on the current stream if needed."""
-    if not isinstance(y, torch.Tensor) or not y.is_cuda:
-        raise EPInputError(f"{name}: must be a torch CUDA tensor")
-    if y.dtype != torch.bfloat16:
-        raise EPInputError(f"{name}: dtype {y.dtype} must be torch.bfloat16")
-    if y.dim() != 2 or y.shape[1] != H or (y.shape[0] != rows if exact else y.shape[0] > rows):
-        want = f"[{rows}, {H}]" if exact else f"[rows <= {rows}, {H}]"
-        raise EPInputError(f"{name}: shape {tuple(y.shape)} must be {want}")
-    if y.device.index != device:
-        raise EPInputError(f"{name}: must be on CUDA device {device}")
-    return y.contiguous()
+    on CUDA device ``device``: returns ``(y, info)``, a torch tensor (made contiguous on the
+    current stream if needed) with ``info`` None, or another library's C-contiguous array
+    (DLPack, ``__cuda_array_interface__``; BF16 or its uint16 bits) and its ``ArrayInfo``."""
+    want = f"[{rows}, {H}]" if exact else f"[rows <= {rows}, {H}]"
+    if isinstance(y, torch.Tensor):
+        if not y.is_cuda:
+            raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
+        if y.dtype not in _torch_token_dtypes(torch):
+            raise EPInputError(f"{name}: dtype {y.dtype} must be torch.bfloat16")
+        shape, dev = tuple(y.shape), y.device.index
+    else:
+        info = interop.describe(y, name)
+        if not info.on_device:
+            raise EPInputError(f"{name}: a host array; the torch API takes device arrays")
+        if info.dtype not in ("bfloat16", "uint16"):
+            raise EPInputError(f"{name}: dtype {info.dtype} must be bfloat16 (or its uint16 "
+                               f"bits)")
+        shape, dev = tuple(info.shape), info.device
+    if len(shape) != 2 or shape[1] != H or (shape[0] != rows if exact else shape[0] > rows):
+        raise EPInputError(f"{name}: shape {shape} must be {want}")
+    if dev != device:
+        raise EPInputError(f"{name}: on CUDA device {dev}, the rank's buffers are on device "
+                           f"{device}")
+    if isinstance(y, torch.Tensor):
+        return y.contiguous(), None
+    if not info.contiguous:
+        raise EPInputError(f"{name}: must be C-contiguous (byte strides {info.strides}); "
+                           f"pass a contiguous copy")
+    return y, info
 
 
 def weights_input(torch, w, name: str, T: int, K: int, device: int):
