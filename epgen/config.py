@@ -27,6 +27,9 @@ from .formats.base import TokenFormat
 from .layout import MAX_GPUS_PER_NODE, WARP_SIZE, Layout, ceildiv
 from .tuning import Tuning, tuning_from_dict
 
+#: Every element index the kernels compute in 32-bit arithmetic stays below this
+#: (``EPConfig.index_extents``).
+INDEX_LIMIT = 2**31
 #: Most threads per block on NVIDIA, and the reference's ``WARP_SIZE**2`` bound on E.
 MAX_THREADS = 1024
 INT_PARAMS = ("num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
@@ -229,7 +232,28 @@ class EPConfig:
              f"{self.has_rank_flag}, ep_ord_r={self.ep_ord_r}")
         for params, text in self.token_fmt.check_config(self):
             rule(False, tuple(params), text)
+        if not bad:     # the extents come from the layout, which needs the rules above
+            for params, what, value in self.index_extents():
+                rule(value < INDEX_LIMIT, params,
+                     f"{what} = {value} must be < 2**31: the kernels compute these indices "
+                     f"in 32-bit arithmetic (byte offsets are 64-bit)")
         return bad
+
+    def index_extents(self) -> list[tuple[tuple[str, ...], str, int]]:
+        """The element extents the kernels index in 32-bit arithmetic, each ``(parameters,
+        what, largest index + 1)``; ``EPConfig`` requires every one to be ``< 2**31``
+        (``INDEX_LIMIT``). Byte offsets are computed in 64 bits from these indices."""
+        lay, K = self.layout, self.token_fmt.top_k
+        return [
+            (("n_experts", "max_tokens_per_rank", "recv_block_capacity"),
+             "receive-buffer slots n_local_experts * n_ranks * block_capacity",
+             lay.n_local_experts * self.n_ranks * lay.block_capacity),
+            (("n_experts", "n_ranks", "max_tokens_per_rank", "token_fmt",
+              "fused_shared_expert"),
+             "src_info words 2 * max_out_rows", 2 * lay.max_out_rows),
+            (("max_tokens_per_rank", "token_fmt.top_k"),
+             "top-k ids max_tokens_per_rank * top_k", self.max_tokens_per_rank * K),
+        ]
 
     # ---- derived --------------------------------------------------------------------------
     @functools.cached_property
