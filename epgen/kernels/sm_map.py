@@ -6,7 +6,7 @@ and ``pack_shared_expert_inputs``' ``pack_sm_id``, ``n_active_comm_sms``, ``n_se
 ``SMMap`` is the standalone kernels' mapping: every role on its usual blocks, every SM
 argument left to the builder's default (derived from ``%ctaid.x`` and ``%nctaid.x``), so the
 generated code is the one without a map. A persistent fused kernel remaps SMs by passing
-another map (``ReversedSubsetSMs`` is the test kernel's); the composers
+another map (``ReversedSubsetSMs`` is the test kernel's, ``sm_remap``); the composers
 (``dispatch_async.add_send_phase``, ``dispatch_fused.build_dispatch_fused``) ask it for each
 role's block range and keyword arguments. Emits nothing itself but the u32 expressions the
 roles evaluate.
