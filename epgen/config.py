@@ -61,6 +61,12 @@ SHMEM_EXCLUSIVE = {
 }
 
 
+class EPFlagNoEffect(UserWarning):
+    """A flag set on a configuration where the build does not use it, so the kernels are
+    those built without it (``EPConfig.inert_flags`` says which and why);
+    ``epgen.kernels.build_module`` warns with it, the CLI prints it to stderr."""
+
+
 #: What the CLI and ``epgen inspect`` say of ``use_shmem=True`` without a remote destination.
 SHMEM_ALL_P2P_NOTE = ("use_shmem=true but every destination is in the P2P group: no NVSHMEM "
                       "call")
@@ -281,15 +287,31 @@ class EPConfig:
     def effective_flags(self) -> dict:
         """What the build makes of the flags where it differs from their face value (plain
         data, for ``epgen inspect``): ``use_shmem`` without a remote destination builds the
-        P2P kernels; with one, the remote destinations go through NVSHMEM."""
+        P2P kernels; with one, the remote destinations go through NVSHMEM; and every flag of
+        ``inert_flags``."""
+        out = {}
         if self.shmem_all_p2p:
-            return {"use_shmem": "the P2P kernels, no NVSHMEM call (every destination is in "
-                                 "the P2P group)"}
-        if self.use_shmem and self.needs_shmem:
-            return {"use_shmem": f"NVSHMEM puts and signals to the destinations outside the "
-                                 f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
-                                 f"of n_ranks={self.n_ranks}); peer stores inside it"}
-        return {}
+            out["use_shmem"] = ("the P2P kernels, no NVSHMEM call (every destination is in "
+                                "the P2P group)")
+        elif self.use_shmem and self.needs_shmem:
+            out["use_shmem"] = (f"NVSHMEM puts and signals to the destinations outside the "
+                                f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
+                                f"of n_ranks={self.n_ranks}); peer stores inside it")
+        out.update(self.inert_flags())
+        return out
+
+    def inert_flags(self) -> dict:
+        """The flags that are set but build nothing different here, each with why (the
+        kernels are the ones without the flag): ``ep_copy_role_split`` on a geometry the
+        reference's split rule rejects (``layout.role_split.enabled`` false)."""
+        split = self.layout.role_split
+        if not self.ep_copy_role_split or split.enabled:
+            return {}
+        return {"ep_copy_role_split": (
+            f"no effect (the kernels are those without it): the copy/publisher split needs "
+            f"hid_dim // 8 == {split.n_trips} * n_copy_threads with n_copy_threads = "
+            f"num_threads - {32 * split.n_publisher_warps} > 0, got hid_dim // 8 = "
+            f"{split.n_items} and n_copy_threads = {split.n_copy_threads}")}
 
     def replace(self, **changes) -> EPConfig:
         """A copy with ``changes`` applied (validated again)."""
