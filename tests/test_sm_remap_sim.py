@@ -104,3 +104,25 @@ class _StubRole:
 
     def let(self, name, value):
         return value
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_words_reserved_for_a_fused_consumer_stay_untouched(fused, seed):
+    """The L1 virtual-slot ticket and the L2 pool cursors are placement only here (the layout
+    reserves them for a fused consumer): after back-to-back round trips, split or fused, with
+    every word the kernels wait on re-armed, they still hold their initial 0."""
+    cfg = _cfg(fused_shared_expert=fused)
+    lay = cfg.layout
+    base = lay.dispatch_wait_region.offset
+    reserved = slice(base + lay.l1_vslot_ticket_offset,
+                     base + lay.l2_pool_cursor_offset + lay.l2_pool_cursor_slots)
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed, fused=fused) as world:
+        for call in range(2):
+            toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+            world.dispatch(toks, ids)
+            for r, rk in enumerate(world.ranks):
+                words = rk.counters.to_host()
+                assert not words[reserved].any(), f"seed {seed}, call {call}, rank {r}"
+                # the check reads the words the kernels do use too: the ready flag is down
+                assert words[base + lay.ready_flag_offset] == 0
