@@ -21,6 +21,7 @@ import difflib
 import os
 import re
 import sys
+import warnings
 from typing import Callable, NamedTuple
 
 PROG = "epgen"
@@ -86,6 +87,8 @@ def _config(args: argparse.Namespace, default: str = DEFAULT_PRESET):
         parser.error(f"preset {name}{sets}: {e}")
     if cfg.shmem_all_p2p:
         print(f"note: {SHMEM_ALL_P2P_NOTE}", file=sys.stderr)
+    for flag, why in cfg.inert_flags().items():
+        print(f"warning: {flag}: {why}", file=sys.stderr)
     world = getattr(args, "world", None)
     if (cfg.needs_shmem and world not in (None, "shmem")
             and getattr(args, "backend", "cuda") != "sim"):
@@ -808,7 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        from epgen.config import EPFlagNoEffect
+        with warnings.catch_warnings():    # _config has printed each one already
+            warnings.simplefilter("ignore", EPFlagNoEffect)
+            return args.run(args)
     except BrokenPipeError:
         # `epgen ptx | head`: the reader left; not an error. Point stdout at devnull so the
         # interpreter's final flush does not complain.

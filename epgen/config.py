@@ -27,6 +27,9 @@ from .formats.base import TokenFormat
 from .layout import MAX_GPUS_PER_NODE, WARP_SIZE, Layout, ceildiv
 from .tuning import Tuning, tuning_from_dict
 
+#: Every element index the kernels compute in 32-bit arithmetic stays below this
+#: (``EPConfig.index_extents``).
+INDEX_LIMIT = 2**31
 #: Most threads per block on NVIDIA, and the reference's ``WARP_SIZE**2`` bound on E.
 MAX_THREADS = 1024
 INT_PARAMS = ("num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
@@ -56,6 +59,12 @@ SHMEM_EXCLUSIVE = {
                            "yet",
     "ep_copy_role_split": "the publisher warps' fan-out has no SHMEM cross-group fan-out yet",
 }
+
+
+class EPFlagNoEffect(UserWarning):
+    """A flag set on a configuration where the build does not use it, so the kernels are
+    those built without it (``EPConfig.inert_flags`` says which and why);
+    ``epgen.kernels.build_module`` warns with it, the CLI prints it to stderr."""
 
 
 #: What the CLI and ``epgen inspect`` say of ``use_shmem=True`` without a remote destination.
@@ -229,7 +238,28 @@ class EPConfig:
              f"{self.has_rank_flag}, ep_ord_r={self.ep_ord_r}")
         for params, text in self.token_fmt.check_config(self):
             rule(False, tuple(params), text)
+        if not bad:     # the extents come from the layout, which needs the rules above
+            for params, what, value in self.index_extents():
+                rule(value < INDEX_LIMIT, params,
+                     f"{what} = {value} must be < 2**31: the kernels compute these indices "
+                     f"in 32-bit arithmetic (byte offsets are 64-bit)")
         return bad
+
+    def index_extents(self) -> list[tuple[tuple[str, ...], str, int]]:
+        """The element extents the kernels index in 32-bit arithmetic, each ``(parameters,
+        what, largest index + 1)``; ``EPConfig`` requires every one to be ``< 2**31``
+        (``INDEX_LIMIT``). Byte offsets are computed in 64 bits from these indices."""
+        lay, K = self.layout, self.token_fmt.top_k
+        return [
+            (("n_experts", "max_tokens_per_rank", "recv_block_capacity"),
+             "receive-buffer slots n_local_experts * n_ranks * block_capacity",
+             lay.n_local_experts * self.n_ranks * lay.block_capacity),
+            (("n_experts", "n_ranks", "max_tokens_per_rank", "token_fmt",
+              "fused_shared_expert"),
+             "src_info words 2 * max_out_rows", 2 * lay.max_out_rows),
+            (("max_tokens_per_rank", "token_fmt.top_k"),
+             "top-k ids max_tokens_per_rank * top_k", self.max_tokens_per_rank * K),
+        ]
 
     # ---- derived --------------------------------------------------------------------------
     @functools.cached_property
@@ -257,15 +287,31 @@ class EPConfig:
     def effective_flags(self) -> dict:
         """What the build makes of the flags where it differs from their face value (plain
         data, for ``epgen inspect``): ``use_shmem`` without a remote destination builds the
-        P2P kernels; with one, the remote destinations go through NVSHMEM."""
+        P2P kernels; with one, the remote destinations go through NVSHMEM; and every flag of
+        ``inert_flags``."""
+        out = {}
         if self.shmem_all_p2p:
-            return {"use_shmem": "the P2P kernels, no NVSHMEM call (every destination is in "
-                                 "the P2P group)"}
-        if self.use_shmem and self.needs_shmem:
-            return {"use_shmem": f"NVSHMEM puts and signals to the destinations outside the "
-                                 f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
-                                 f"of n_ranks={self.n_ranks}); peer stores inside it"}
-        return {}
+            out["use_shmem"] = ("the P2P kernels, no NVSHMEM call (every destination is in "
+                                "the P2P group)")
+        elif self.use_shmem and self.needs_shmem:
+            out["use_shmem"] = (f"NVSHMEM puts and signals to the destinations outside the "
+                                f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
+                                f"of n_ranks={self.n_ranks}); peer stores inside it")
+        out.update(self.inert_flags())
+        return out
+
+    def inert_flags(self) -> dict:
+        """The flags that are set but build nothing different here, each with why (the
+        kernels are the ones without the flag): ``ep_copy_role_split`` on a geometry the
+        reference's split rule rejects (``layout.role_split.enabled`` false)."""
+        split = self.layout.role_split
+        if not self.ep_copy_role_split or split.enabled:
+            return {}
+        return {"ep_copy_role_split": (
+            f"no effect (the kernels are those without it): the copy/publisher split needs "
+            f"hid_dim // 8 == {split.n_trips} * n_copy_threads with n_copy_threads = "
+            f"num_threads - {32 * split.n_publisher_warps} > 0, got hid_dim // 8 = "
+            f"{split.n_items} and n_copy_threads = {split.n_copy_threads}")}
 
     def replace(self, **changes) -> EPConfig:
         """A copy with ``changes`` applied (validated again)."""

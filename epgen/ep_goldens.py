@@ -195,6 +195,27 @@ def ep_fused_roles_module():
     return ir.Module(KERNEL_NAME, (build_fused_roles(load_preset("small")),))
 
 
+# The SM-remapping test kernel (``ep/sm_remap``: the small preset, the warp send path;
+# ``ep/sm_remap_se``: with fused_shared_expert, the packers' SM arguments too).
+@golden("ep/sm_remap", description="preset small: the ep_dispatch_sm_remap test kernel (the "
+                                     "fused kernel with every role on remapped SMs)")
+def ep_sm_remap_module():
+    import ir
+    from .kernels.sm_remap import KERNEL_NAME, build_dispatch_sm_remap
+    from .presets import load_preset
+    return ir.Module(KERNEL_NAME, (build_dispatch_sm_remap(load_preset("small")),))
+
+
+@golden("ep/sm_remap_se", description="preset small + fused_shared_expert=true: the "
+                                        "ep_dispatch_sm_remap test kernel with the packers")
+def ep_sm_remap_se_module():
+    import ir
+    from .kernels.sm_remap import KERNEL_NAME, build_dispatch_sm_remap
+    from .presets import load_preset
+    cfg = load_preset("small").replace(fused_shared_expert=True)
+    return ir.Module(KERNEL_NAME, (build_dispatch_sm_remap(cfg),))
+
+
 for _preset, _suffix, _fmt in GOLDEN_FORMATS:
     _register(_preset, _suffix, _fmt)
 for _name in (*FLAG_VARIANTS, *SHMEM_VARIANTS):

@@ -238,7 +238,14 @@ class Layout:
 
     @property
     def l2_pool_cursor_slots(self) -> int:
-        """``2 * n_local_experts + 2``."""
+        """``2 * n_local_experts + 2``.
+
+        The ticket and the pool cursors are words the reference reserves for a fused
+        consumer's own scheduling. Here they are placement only: no kernel reads, writes or
+        re-arms them (they stay at the counters' initial 0), ``assert_l1_vslot_ticket_layout``
+        checks that they overlap no word a kernel does use, and a consumer fused next to the
+        dispatch that takes them owns their protocol and their re-arming.
+        """
         return 2 * self._L + 2
 
     @property
@@ -339,7 +346,8 @@ class Layout:
     def dispatch_wait_words(self) -> list[CounterRegion]:
         """Every named word or range of the dispatch_wait counter region (offsets relative to
         the region), in address order. Region C's tail ``[3E + L, 4E)`` is unused by the
-        tile claim and may host the L1 ticket and the L2 pool cursors."""
+        tile claim and hosts the L1 ticket and the L2 pool cursors when they fit (words
+        reserved for a fused consumer; no kernel here uses them: ``l2_pool_cursor_slots``)."""
         E, L = self._E, self._L
         words = [
             CounterRegion("region_A_pair_end_count", 0, 2 * E,
@@ -354,9 +362,11 @@ class Layout:
             CounterRegion("shared_expert_started", self.shared_expert_started_offset, 1,
                           "Region G"),
             CounterRegion("l1_vslot_ticket", self.l1_vslot_ticket_offset, 1,
-                          "L1 virtual-slot ticket (re-armed by the aux block)"),
+                          "L1 virtual-slot ticket: reserved for a fused consumer, unused "
+                          "here"),
             CounterRegion("l2_pool_cursor", self.l2_pool_cursor_offset,
-                          self.l2_pool_cursor_slots, "L2 ready-pool cursors"),
+                          self.l2_pool_cursor_slots, "L2 ready-pool cursors: reserved for a "
+                          "fused consumer, unused here"),
             CounterRegion("sm_schedule", self.sm_schedule_offset, self.cfg.n_sms,
                           "first expert of each comm SM"),
         ]

@@ -261,6 +261,25 @@ def test_ptx_tune_changes_the_generated_code(capsys):
     assert re.search(group_sync, plain) and not re.search(group_sync, tuned)
 
 
+def test_a_flag_without_effect_is_said_on_stderr_and_in_inspect(capsys):
+    """ep_copy_role_split on the small preset's geometry builds the stock kernels: the CLI
+    warns once on stderr (``ptx`` builds, the build's own warning is not repeated) and
+    ``inspect`` lists it under the effective flags."""
+    status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--ir", "--set",
+                               "ep_copy_role_split=true")
+    assert status == 0, err
+    assert err.count("ep_copy_role_split: no effect") == 1, err
+    assert err.startswith("warning: ep_copy_role_split: no effect"), err
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--set",
+                               "ep_copy_role_split=true")
+    assert status in (0, 1), err
+    assert "warning: ep_copy_role_split: no effect" in err
+    flags = out.split("effective flags", 1)[1]
+    assert re.search(r"ep_copy_role_split +no effect", flags), out
+    status, out, err = run_cli(capsys, "inspect", "--preset", "small")
+    assert "ep_copy_role_split" not in err and "no effect" not in out
+
+
 def test_inspect_shows_the_tuning(capsys):
     status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--tune",
                                "send_warps_per_token_max=1")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from epgen import BF16Format, EPConfig, EPConfigError, TokenFormat
+from epgen.presets import load_preset
 
 PAGE_PARAMS = ["num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
                "p2p_world_size", "token_fmt", "use_shmem", "fused_shared_expert", "skip_a2a",
@@ -213,3 +214,32 @@ def test_final_layout_excludes_the_fused_shared_expert():
         EPConfig(num_threads=256, n_sms=17, n_experts=32, n_ranks=2, max_tokens_per_rank=8,
                  p2p_world_size=2, use_shmem=False, token_fmt=BF16Format(hid_dim=64, top_k=2),
                  ep_final_layout=True, fused_shared_expert=True)
+
+
+@pytest.mark.parametrize("preset,largest", [("small", 2**27 - 1), ("default", 2**23 - 1)])
+def test_32_bit_index_limit_at_the_boundary(preset, largest):
+    """The largest max_tokens_per_rank whose receive-buffer slots (E * T here) and src_info
+    words stay below 2**31 builds; one more is refused, naming the parameters and the rule."""
+    from epgen.config import INDEX_LIMIT
+    base = load_preset(preset)
+    cfg = base.replace(max_tokens_per_rank=largest)
+    assert max(v for _, _, v in cfg.index_extents()) < INDEX_LIMIT
+    lay = cfg.layout
+    assert lay.recv_buf_bytes // lay.msg_bytes == cfg.index_extents()[0][2]
+    with pytest.raises(EPConfigError) as err:
+        base.replace(max_tokens_per_rank=largest + 1)
+    assert any("max_tokens_per_rank" in params and "must be < 2**31" in rule
+               and "32-bit" in rule for params, rule in err.value.violations)
+    if base.n_experts * 100_000_000 >= 2**31:
+        with pytest.raises(EPConfigError, match="receive-buffer slots"):
+            base.replace(max_tokens_per_rank=100_000_000)
+
+
+def test_32_bit_limit_counts_the_receive_block_capacity():
+    """recv_block_capacity bounds the receive slots: a huge max_tokens_per_rank with a small
+    capacity is refused only by the rows it can still receive."""
+    base = load_preset("small")
+    cfg = base.replace(max_tokens_per_rank=2**27, recv_block_capacity=2**25)
+    assert cfg.index_extents()[0][2] == 16 * 2**25
+    with pytest.raises(EPConfigError, match="src_info words 2 \\* max_out_rows"):
+        base.replace(max_tokens_per_rank=2**28, recv_block_capacity=2**26 + 1)

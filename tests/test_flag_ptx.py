@@ -130,12 +130,22 @@ def test_role_split_publishers_fan_out():
 
 
 def test_role_split_flag_without_geometry_is_stock():
-    """The flag on a geometry the rule rejects (256 threads, H = 256) changes nothing."""
+    """The flag on a geometry the rule rejects (256 threads, H = 256) changes nothing, and
+    says so: a build warning and the effective flags name the flag and the rule."""
+    from epgen.config import EPFlagNoEffect
     small = _cfg("small")
     flagged = small.replace(ep_copy_role_split=True)
     assert not flagged.layout.role_split.enabled
-    assert ir.print_module(build_module(flagged)) == ir.print_module(build_module(small))
-    assert _bodies(flagged) == _bodies(small)
+    with pytest.warns(EPFlagNoEffect, match="ep_copy_role_split: no effect .*hid_dim // 8 "
+                                            "== 3 \\* n_copy_threads.*got hid_dim // 8 = 32 "
+                                            "and n_copy_threads = 128"):
+        flagged_module = build_module(flagged)
+    assert ir.print_module(flagged_module) == ir.print_module(build_module(small))
+    with pytest.warns(EPFlagNoEffect):
+        assert _bodies(flagged) == _bodies(small)
+    assert "ep_copy_role_split" in flagged.effective_flags()
+    assert "ep_copy_role_split" not in small.effective_flags()
+    assert "ep_copy_role_split" not in _cfg("role_split").effective_flags()
 
 
 def test_role_split_needs_the_whole_block_as_comm_role():

@@ -104,3 +104,23 @@ def test_tile_scales_land_before_the_l1_release():
     release = text.index("red.release.gpu", scales)
     assert "bar.sync comm id=1" in text[scales:release]
     assert dynamic_smem_bytes(cfg) == dynamic_smem_bytes(small()) + 8 * 128
+
+
+@pytest.mark.parametrize("flags", [dict(ep_final_layout=True),
+                                   dict(ep_final_layout=True, ep_prod_reserve=True)])
+def test_final_layout_refuses_the_l1_release(flags):
+    """The final layout's header pass publishes no L1 arrivals: asking for them (the
+    fused-roles kernel does) is an error naming both, not a kernel whose ffn waits forever."""
+    with pytest.raises(ValueError, match="emit_l1_release is not implemented with "
+                                         "ep_final_layout"):
+        build_fused_roles(small(**flags), FusedRolesSpec())
+
+
+def test_final_layout_refuses_a_scatter_sm_id():
+    cfg = small(ep_final_layout=True)
+    kb = ir.KernelBuilder("k", cfg.num_threads)
+    p = dispatch_wait.declare_params(kb, cfg)
+    with kb.role("copy", blocks=(0, 8)) as r:
+        with pytest.raises(ValueError, match="scatter_sm_id is not taken with ep_final_layout"):
+            dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p,
+                                                         scatter_sm_id=r.block)

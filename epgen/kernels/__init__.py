@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
+
 import ir
+
+from ..config import EPFlagNoEffect
 
 from .combine_async import build_combine_async
 from .combine_fused import build_combine_fused
@@ -16,7 +20,11 @@ def build_module(cfg) -> ir.Module:
     """The dispatch entry points of ``cfg`` in one module: ``ep_dispatch_async``,
     ``ep_dispatch_wait`` and the fused single launch ``ep_dispatch``; with
     ``fused_shared_expert`` only ``ep_dispatch`` (the standalone kernels do not take the shared
-    expert: the reference packs it only in the fused dispatch kernel); with ``ep_final_layout`` only the two standalone kernels."""
+    expert: the reference packs it only in the fused dispatch kernel); with ``ep_final_layout`` only the two standalone kernels.
+    A flag that builds nothing different here (``cfg.inert_flags()``) is an
+    ``EPFlagNoEffect`` warning."""
+    for flag, why in cfg.inert_flags().items():
+        warnings.warn(f"{flag}: {why}", EPFlagNoEffect, stacklevel=2)
     if cfg.fused_shared_expert:
         return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))
     split = (build_dispatch_async(cfg), build_dispatch_wait(cfg))

@@ -52,3 +52,14 @@ def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf, comm_barrier_id: int =
                     scope=Scope.GPU, backoff_ns=32)
     comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, err_buf)
+
+
+def send_sm(r: ir.RoleBuilder, first_block: int, sm_id=None, n_active_send_sms=None):
+    """``(sm_id, n_active_send_sms)`` of a sending block (reference ``copy_and_send_tokens``'
+    SM arguments): its index among the sending blocks and their count, as u32 expressions.
+    Defaults: ``block - first_block`` and ``grid - first_block`` (the sending blocks are
+    ``[first_block, grid)``); a fused kernel that sends from remapped blocks passes both
+    (ids ``0 .. n_active_send_sms - 1``, each on one block)."""
+    sm = r.block - first_block if sm_id is None else ir.as_expr(sm_id)
+    n = r.n_blocks - first_block if n_active_send_sms is None else ir.as_expr(n_active_send_sms)
+    return sm, n

@@ -29,6 +29,7 @@ from .send_policy import (send_warps_per_token, sends_from_every_block, uses_blo
                           uses_warp_send)
 from .send_staged import broadcast_tokens, send_buffer_tokens
 from .send_warp import warp_broadcast_tokens
+from .sm_map import DEFAULT_SMS
 
 KERNEL_NAME = "ep_dispatch_async"
 
@@ -69,21 +70,27 @@ def declare_params(kb: ir.KernelBuilder, cfg=None) -> AsyncParams:
 
 
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
-                         comm_barrier_id: int = -1, token_warps: int = 1):
+                         comm_barrier_id: int = -1, token_warps: int = 1, sm_id=None,
+                         n_active_send_sms=None):
     """Comm blocks: every token to its ``K`` destinations, by the send path the policy picks
     (``send_policy``): the warp path (``send_warp.warp_broadcast_tokens``, ``token_warps``
     warps per token), the block-staged broadcast (``send_staged.broadcast_tokens``) or the
     send-buffer staging with a warp per destination (``send_staged.send_buffer_tokens``).
     ``n_signal_sms``: the first sending block; ``comm_barrier_id`` as in ``comm_sync``.
-    Under ``skip_a2a`` destinations other than ``my_rank`` are skipped."""
+    Under ``skip_a2a`` destinations other than ``my_rank`` are skipped. ``sm_id`` and
+    ``n_active_send_sms`` (u32 IR values): this block's index among the sending blocks and
+    their count, default ``block - n_signal_sms`` and ``grid - n_signal_sms``
+    (``common.send_sm``), so a fused kernel can send from remapped blocks."""
+    sms = dict(sm_id=sm_id, n_active_send_sms=n_active_send_sms)
     if uses_warp_send(cfg):
-        return warp_broadcast_tokens(r, cfg, p, n_signal_sms, token_warps)
+        return warp_broadcast_tokens(r, cfg, p, n_signal_sms, token_warps, **sms)
     if uses_block_broadcast(cfg):
-        return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
-    return send_buffer_tokens(r, cfg, p, n_signal_sms, comm_barrier_id)
+        return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id, **sms)
+    return send_buffer_tokens(r, cfg, p, n_signal_sms, comm_barrier_id, **sms)
 
 
-def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None):
+def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None,
+                   sms=DEFAULT_SMS):
     """The dispatch_async roles of a kernel (the standalone kernel, and phase 1 of the fused
     one). Staged send paths: ``monitor`` blocks ``[0, n_signal_sms)``
     (``monitor_and_signal_completion``) and ``comm`` blocks ``[n_signal_sms, grid)``
@@ -92,24 +99,30 @@ def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None):
     sends: ``monitor`` ``[0, n_signal_sms)`` (``count_and_reserve``), ``comm`` ``[0, grid)``
     (``copy_and_send_tokens`` over every block), ``signal`` ``[0, n_signal_sms)``
     (``signal_after_sends``); a thread runs its roles in that order. The block-staged
-    broadcast does the same (``sends_from_every_block``)."""
+    broadcast does the same (``sends_from_every_block``). ``sms`` (``sm_map.SMMap``): each
+    role's blocks and SM arguments, default the ones above."""
     n_sig = cfg.layout.n_signal_sms
+
+    def role(name, start, stop):
+        return kb.role(name, blocks=sms.blocks(cfg, name, start, stop))
+
     if sends_from_every_block(cfg):
         if comm_tail is not None:
             raise ValueError("add_send_phase: comm_tail needs comm blocks that do not "
                              "monitor (the shared expert's staged path)")
-        with kb.role("monitor", blocks=(0, n_sig)) as r:
-            count_and_reserve(r, cfg, p)
+        with role("monitor", 0, n_sig) as r:
+            count_and_reserve(r, cfg, p, **sms.args(cfg, "monitor", r))
         token_warps = send_warps_per_token(cfg) if uses_warp_send(cfg) else 1
-        with kb.role("comm", blocks=(0, None)) as r:
-            copy_and_send_tokens(r, cfg, p, 0, token_warps=token_warps)
-        with kb.role("signal", blocks=(0, n_sig)) as r:
-            signal_after_sends(r, cfg, p, token_warps)
+        with role("comm", 0, None) as r:
+            copy_and_send_tokens(r, cfg, p, 0, token_warps=token_warps,
+                                 **sms.args(cfg, "comm", r))
+        with role("signal", 0, n_sig) as r:
+            signal_after_sends(r, cfg, p, token_warps, **sms.args(cfg, "signal", r))
         return
-    with kb.role("monitor", blocks=(0, n_sig)) as r:
-        monitor_and_signal_completion(r, cfg, p)
-    with kb.role("comm", blocks=(n_sig, None)) as r:
-        copy_and_send_tokens(r, cfg, p, n_sig)
+    with role("monitor", 0, n_sig) as r:
+        monitor_and_signal_completion(r, cfg, p, **sms.args(cfg, "monitor", r))
+    with role("comm", n_sig, None) as r:
+        copy_and_send_tokens(r, cfg, p, n_sig, **sms.args(cfg, "comm", r))
         if comm_tail is not None:
             comm_tail(r)
 

@@ -27,6 +27,7 @@ from ir import types as T
 from . import dispatch_async, dispatch_wait, trace
 from .shared_expert import (pack_shared_expert_inputs, publish_send_buf_ready,
                             se_token_slice, send_buf_ready_ptr)
+from .sm_map import DEFAULT_SMS
 
 KERNEL_NAME = "ep_dispatch"
 
@@ -57,11 +58,13 @@ class _SharedParams:
         return self._kb.diagnostics(err_buf, timeout_ns, rank)
 
 
-def build_dispatch_fused(cfg) -> ir.Kernel:
-    """The fused entry point ``ep_dispatch`` (module docstring)."""
+def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Kernel:
+    """The fused entry point ``ep_dispatch`` (module docstring). ``sms``
+    (``sm_map.SMMap``): each role's blocks and the SM arguments of its builder, default the
+    ones above; ``name``: the kernel's name (a remapped test kernel's own)."""
     lay = cfg.layout
     se = bool(cfg.fused_shared_expert)
-    kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
+    kb = ir.KernelBuilder(name, cfg.num_threads)
     view = _SharedParams(kb)
     pa = dispatch_async.declare_params(view)
     pw = dispatch_wait.declare_params(view, cfg)
@@ -73,28 +76,33 @@ def build_dispatch_fused(cfg) -> ir.Kernel:
     def se_slice(r):
         return se_token_slice(r, cfg, pa.n_tokens, pa.my_rank, world)
 
+    def role(name, start, stop):
+        return kb.role(name, blocks=sms.blocks(cfg, name, start, stop))
+
     dispatch_async.add_send_phase(
         kb, cfg, pa, comm_tail=(lambda r: publish_send_buf_ready(
-            r, cfg, pw.atomic_counter, se_slice(r)[1])) if se else None)
-    with kb.role("aux", blocks=(last, None)) as r:
+            r, cfg, pw.atomic_counter, se_slice(r)[1])) if se else None, sms=sms)
+    with role("aux", last, None) as r:
         dispatch_wait.wait_for_arrivals_and_compute_offsets(
-            r, kb, cfg, pw, reserved_shared_expert_tokens=se_slice(r)[1] if se else None)
+            r, kb, cfg, pw, reserved_shared_expert_tokens=se_slice(r)[1] if se else None,
+            **sms.args(cfg, "aux", r))
     if se:
-        with kb.role("pack", blocks=(0, last)) as r:
+        with role("pack", 0, last) as r:
             row0, t_se = se_slice(r)
-            n_active = r.let("n_active_comm", r.n_blocks - 1)
+            pack_args = sms.args(cfg, "pack", r)
+            if not pack_args:   # the standalone mapping: the highest blocks pack
+                n_active = r.let("n_active_comm", r.n_blocks - 1)
+                pack_args = dict(pack_sm_id=r.let("pack_sm_id", n_active - 1 - r.block),
+                                 n_active_comm_sms=n_active, n_send_sms=r.n_blocks - n_sig)
             send_rows = pa.send_buf_p if not cfg.skip_a2a else \
                 r.let("se_rows", pa.send_buf_p + row0.cast(T.u64) * lay.msg_bytes)
             pack_shared_expert_inputs(
                 r, cfg, send_rows=send_rows,
                 output_tokens=pw.output_tokens,
                 fused_se_counter=send_buf_ready_ptr(cfg, pw.atomic_counter),
-                shared_expert_token_count=t_se,
-                pack_sm_id=r.let("pack_sm_id", n_active - 1 - r.block),
-                n_active_comm_sms=n_active, n_send_sms=r.n_blocks - n_sig,
-                err_buf=pw.err_buf)
-    with kb.role("copy", blocks=(0, last)) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw)
+                shared_expert_token_count=t_se, err_buf=pw.err_buf, **pack_args)
+    with role("copy", 0, last) as r:
+        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw, **sms.args(cfg, "copy", r))
     return kb.build()
 
 

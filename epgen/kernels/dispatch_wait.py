@@ -61,7 +61,8 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
 def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                                           p: WaitParams, comm_barrier_id: int = -1, *,
                                           reserved_shared_expert_tokens=None,
-                                          flag_readers_per_block: int = 1):
+                                          flag_readers_per_block: int = 1,
+                                          n_active_offset_sms=None):
     """Aux block. Thread ``w < E`` waits (bounded, ``ld.acquire.sys``) until receive-count word
     ``w = e*R + src`` is published; a block-wide inclusive scan of the counts gives
     ``row_offsets`` (expert-major, source-major inside an expert), the within-expert rank
@@ -69,7 +70,9 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
     (``fill_sm_schedule``); thread 0 stores the cleanup count (Region D: ``grid - 1`` times
     ``flag_readers_per_block``, the roles of a copy block that each lower it once) and raises
     the ready flag with ``st.release.gpu`` (Region E). After the flag: the per-pair row ranges
-    (Region A) and the re-armed sentinels.
+    (Region A) and the re-armed sentinels. ``n_active_offset_sms`` (a u32 IR value; default
+    ``grid - 1``) is the number of copy blocks: the readers of the ready flag and the blocks
+    the SM schedule spreads over, so a fused kernel that copies on fewer blocks passes it.
 
     With ``fused_shared_expert`` the shared expert is group 0 (``expert_ids[j] = j``, local
     expert ``e`` is group ``e + 1``) of ``reserved_shared_expert_tokens`` rows (a u32
@@ -122,10 +125,11 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, kb: ir.KernelBuilde
         r.store(_word(ctr, lay.rank_prefix_offset + tid), incl - raw_start)
     with r.if_(tid < L):
         r.store(_word(ctr, lay.work_counter_offset + tid), 0)
-    fill_sm_schedule(r, cfg, ctr, S, totals, comm_barrier_id)
+    n_copy = r.n_blocks - 1 if n_active_offset_sms is None else ir.as_expr(n_active_offset_sms)
+    fill_sm_schedule(r, cfg, ctr, S, totals, comm_barrier_id, n_copy)
     comm_sync(r, comm_barrier_id)
     with r.if_(tid.eq(0)):
-        n_readers = r.n_blocks - 1
+        n_readers = n_copy
         if flag_readers_per_block != 1:
             n_readers = n_readers * flag_readers_per_block
         r.store(_word(ctr, lay.cleanup_counter_offset), n_readers)
@@ -181,6 +185,19 @@ def check_l1_release(cfg, l1_arrival_ptr, token_block: int, atomic_pad: int, del
                          f"{cfg.token_fmt.name} with {KS}")
 
 
+def check_final_layout_copy(emit_l1_release: bool, scatter_sm_id) -> None:
+    """``ep_final_layout``'s copy role (``final_layout.copy_received_headers``, one expert per
+    block) publishes no L1 arrivals and takes its expert from the block index: refuse the
+    arguments it would otherwise drop, naming them."""
+    if emit_l1_release:
+        raise ValueError("emit_l1_release is not implemented with ep_final_layout (the "
+                         "final layout's header pass publishes no L1 arrival counters): "
+                         "build without one of them")
+    if scatter_sm_id is not None:
+        raise ValueError("scatter_sm_id is not taken with ep_final_layout (its header pass "
+                         "assigns experts by block index)")
+
+
 def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams, comm_barrier_id: int = -1):
     """Per-expert arrivals (legacy): thread ``w < E`` waits (bounded, ``ld.acquire.sys``;
     ``gpu`` under ``skip_a2a``) until count word ``w`` is not the sentinel, then the comm
@@ -205,7 +222,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                                    comm_barrier_id: int = -1, *, comm_smem_base: int | None = None,
                                    emit_l1_release: bool = False, l1_release_token_block: int = 1,
                                    l1_release_atomic_pad: int = 1, l1_release_delta: int = 1,
-                                   l1_arrival_ptr=None):
+                                   l1_arrival_ptr=None, scatter_sm_id=None):
     """Comm blocks. Thread 0 waits (bounded, ``ld.acquire.gpu``) for the ready flag. Block
     ``b`` starts on expert ``sm_schedule[b]`` and warp 0 claims tiles of 128 of the expert's
     tokens (``atom.acquire.gpu.add`` on its tile counter), moving on to later experts when it
@@ -231,8 +248,13 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     L1 arrival counter (u32 word ``l1_arrival_ptr + e * l1_release_atomic_pad``): one
     ``red.release.gpu.global.add.u32`` of ``l1_release_delta`` per ``l1_release_token_block``
     tokens (the last block of an expert may be partial), so expert ``e``'s counter ends at
-    ``delta * ceil(count_e / token_block)``."""
+    ``delta * ceil(count_e / token_block)``. ``scatter_sm_id`` (a u32 IR value, default the
+    block index): the block's index among the copy blocks, which picks its entry of the SM
+    schedule, so a fused kernel can run the role on remapped blocks (ids ``0 ..
+    n_active_offset_sms - 1``, each once). ``ep_final_layout`` takes neither
+    ``emit_l1_release`` nor ``scatter_sm_id`` (``check_final_layout_copy``)."""
     if cfg.ep_final_layout:
+        check_final_layout_copy(emit_l1_release, scatter_sm_id)
         return final_layout.copy_received_headers(r, kb, cfg, p, comm_barrier_id)
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R, K = lay.n_local_experts, cfg.n_ranks, lay.top_k
@@ -256,7 +278,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     claim = r.var("claim", T.u32, 0)
     loaded_e = r.var("loaded_e", T.u32, L)
     with r.if_(r.warp.eq(0)):
-        r.assign(cur_e, first_expert(r, cfg, ctr).min(L))
+        r.assign(cur_e, first_expert(r, cfg, ctr, scatter_sm_id).min(L))
         with r.if_(cur_e < L):
             r.assign(cur_tiles, load_expert_tiles(r, cfg, ctr, cur_e))
     with r.while_(ir.Const(1, T.pred)):

@@ -19,7 +19,8 @@ from .send_policy import sends_through_shmem
 from .shmem_send import in_group, is_remote, signal_remote_count
 
 
-def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int = 0):
+def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int = 0,
+                                  sm_id=None):
     """Aux blocks: warp ``w`` of block ``b`` owns global expert ``b*n_warps + w``. The warp
     counts that expert's ``(token, k)`` pairs (``count_routed``: ``redux.sync.add``); lane 0
     waits (bounded, ``ld.acquire.gpu``) until the comm warps have finished that many copies,
@@ -44,14 +45,16 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int
     ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
     be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
     and a block's monitor warps are the role's warps, so block ``b`` owns experts
-    ``b * role_warps + w``."""
+    ``b * role_warps + w``. ``sm_id`` (a u32 IR value, default the block index) is that
+    ``b``: a fused kernel that runs the role on remapped blocks passes each block's index
+    among the monitor blocks (``monitor_expert``)."""
     if r.thread_base % 32 or comm_warp_base != r.thread_base // 32:
         raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
                          f"warp (its thread range starts at thread {r.thread_base}, warp-"
                          f"aligned)")
     E, K = cfg.n_experts, cfg.layout.top_k
     dest = destination(cfg, p)
-    expert_idx, g = monitor_expert(r, cfg, p)
+    expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count = r.var("count", T.u32, 0)
     fl_off = dest.offset_var(r)
     with r.if_(expert_idx < E):
@@ -60,10 +63,12 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int
     signal_completion(r, cfg, p, expert_idx, g, count, fl_off)
 
 
-def monitor_expert(r: ir.RoleBuilder, cfg, p):
-    """``(expert_idx, g)`` of this monitor warp: ``block * role_warps + warp``, and the
-    global expert it owns (``+ L * my_rank`` under ``skip_a2a``)."""
-    expert_idx = r.let("expert_idx", r.block * (r.n_threads // 32) + r.warp)
+def monitor_expert(r: ir.RoleBuilder, cfg, p, sm_id=None):
+    """``(expert_idx, g)`` of this monitor warp: ``sm_id * role_warps + warp`` (``sm_id``: the
+    block's index among the monitor blocks, default the block index), and the global expert
+    it owns (``+ L * my_rank`` under ``skip_a2a``)."""
+    sm = r.block if sm_id is None else ir.as_expr(sm_id)
+    expert_idx = r.let("expert_idx", sm * (r.n_threads // 32) + r.warp)
     g = r.let("g", expert_idx + cfg.layout.n_local_experts * p.my_rank if cfg.skip_a2a
               else expert_idx)
     return expert_idx, g
@@ -84,16 +89,16 @@ def monitor_state(r: ir.RoleBuilder, field: int | None = None):
     return base if field is None else _word(base, r.warp + field * warps)
 
 
-def count_and_reserve(r: ir.RoleBuilder, cfg, p):
+def count_and_reserve(r: ir.RoleBuilder, cfg, p, sm_id=None):
     """Role ``monitor`` of the warp send path (whole monitor blocks, before the sends): the
     counts from one shared histogram per block (``count_block_experts``) into the monitor
     state, then the destination's reservation (``destination``: with ``ep_final_layout``
     ``final_layout.reserve_rows``) and, capacity-strided, the block offset into the monitor
     state. Counting and reserving come before every send: the final layout's sends wait for
-    the block bases published here."""
+    the block bases published here. ``sm_id`` as in ``monitor_expert``."""
     E, K = cfg.n_experts, cfg.layout.top_k
     dest = destination(cfg, p)
-    expert_idx, g = monitor_expert(r, cfg, p)
+    expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp, monitor_state(r))
 
     def keep_offset(off):
@@ -104,11 +109,11 @@ def count_and_reserve(r: ir.RoleBuilder, cfg, p):
                          lambda: r.load(monitor_state(r, 0), T.u32, name="count"), keep_offset)
 
 
-def signal_after_sends(r: ir.RoleBuilder, cfg, p, token_warps: int = 1):
+def signal_after_sends(r: ir.RoleBuilder, cfg, p, token_warps: int = 1, sm_id=None):
     """Role ``signal`` of the warp send path (the monitor blocks, after their own sends):
     ``signal_completion`` with the count and offset the role ``monitor`` left in the
-    monitor state; ``token_warps`` as the sends'."""
-    expert_idx, g = monitor_expert(r, cfg, p)
+    monitor state; ``token_warps`` as the sends'; ``sm_id`` as ``count_and_reserve``'s."""
+    expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count = r.let("count", r.load(monitor_state(r, 0), T.u32, name="count_ld"))
     fl_off = destination(cfg, p).carried_offset(
         r, lambda: r.load(monitor_state(r, 1), T.u32, name="fl_off_ld"))

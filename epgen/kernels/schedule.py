@@ -61,12 +61,15 @@ def sm_schedule(expert_counts, n_blocks: int, n_entries: int | None = None) -> n
     return table
 
 
-def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, comm_barrier_id: int = -1):
+def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, comm_barrier_id: int = -1,
+                     n_copy_blocks=None):
     """Aux block: write the ``n_sms``-entry table at ``ctr + sm_schedule_offset`` words from
     the inclusive prefix ``S`` (shared, one u32 per count word ``e*R + src``). Every thread of
     the role takes part: a zero fill of the table, a block scan of "expert has tokens" (three
     ``comm_sync``, reusing ``warp_totals``), then thread ``e < L`` stores its expert's blocks.
-    The caller's barrier before the ready flag's ``st.release.gpu`` publishes the table."""
+    The caller's barrier before the ready flag's ``st.release.gpu`` publishes the table.
+    ``n_copy_blocks``: the copy blocks (a u32 value; default ``grid - 1``), of which the
+    first ``n_sms`` get entries."""
     lay = cfg.layout
     L, R, E = lay.n_local_experts, cfg.n_ranks, cfg.n_experts
     table = _word(ctr, lay.sm_schedule_offset)
@@ -85,7 +88,8 @@ def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, comm_barrier_i
     with r.if_(has.ne(0)):
         z = r.load(_word(warp_totals, n_warps - 1), T.u32, name="n_nonzero")
         total = r.load(_word(S, E - 1), T.u32, name="c_total").cast(T.u64)
-        n = r.let("n_copy", (r.n_blocks - 1).min(cfg.n_sms))
+        n_copy = r.n_blocks - 1 if n_copy_blocks is None else ir.as_expr(n_copy_blocks)
+        n = r.let("n_copy", n_copy.min(cfg.n_sms))
         spare = r.let("spare", ir.Select(n > z, n - z, ir.Const(0, T.u32)).cast(T.u64))
         lo = r.let("sched_lo", ((spare * c_before.cast(T.u64)) // total).cast(T.u32))
         hi = r.let("sched_hi", ((spare * (c_before + c_e).cast(T.u64)) // total).cast(T.u32))
@@ -94,13 +98,15 @@ def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, comm_barrier_i
             r.store(_word(table, b), tid)
 
 
-def first_expert(r: ir.RoleBuilder, cfg, ctr) -> ir.Var:
-    """This copy block's first expert: ``table[block]`` (a block past the table's ``n_sms``
-    entries starts on expert 0, which is always a correct start)."""
+def first_expert(r: ir.RoleBuilder, cfg, ctr, sm_id=None) -> ir.Var:
+    """This copy block's first expert: ``table[sm_id]`` (``sm_id`` the block's index among the
+    copy blocks, default the block index; a block past the table's ``n_sms`` entries starts
+    on expert 0, which is always a correct start)."""
     lay = cfg.layout
+    sm = r.block if sm_id is None else ir.as_expr(sm_id)
     e0 = r.var("sched_e0", T.u32, 0)
-    with r.if_(r.block < cfg.n_sms):
-        r.assign(e0, r.load(_word(ctr, lay.sm_schedule_offset + r.block), T.u32,
+    with r.if_(sm < cfg.n_sms):
+        r.assign(e0, r.load(_word(ctr, lay.sm_schedule_offset + sm), T.u32,
                             name="sched_ld"))
     return e0
 

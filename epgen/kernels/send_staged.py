@@ -11,7 +11,7 @@ import ir
 from ir import AtomOp, CacheHint, Scope, Sem, ShflMode
 from ir import types as T
 
-from .common import VEC, comm_sync
+from .common import VEC, comm_sync, send_sm
 from .common import word as _word
 from .destination import NO_SLOT, destination
 from .send_policy import sends_through_shmem
@@ -19,7 +19,7 @@ from .shmem_send import cross_group_fan_out, in_group
 
 
 def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
-                       comm_barrier_id: int = -1):
+                       comm_barrier_id: int = -1, sm_id=None, n_active_send_sms=None):
     """The send-buffer path of ``copy_and_send_tokens`` (the role split, the shared expert,
     the final layout of formats the warp path cannot write). Comm blocks: block-strided
     over tokens. All threads stage token ``t`` (payload by the
@@ -46,8 +46,9 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
     reserved, finished = p.counters, _word(p.counters, E)
     split = active_role_split(r, cfg)
     shmem = sends_through_shmem(cfg)
-    n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
-    with r.for_range("t", r.block - n_signal_sms, p.n_tokens, n_comm) as t:
+    sm, n_active = send_sm(r, n_signal_sms, sm_id, n_active_send_sms)
+    n_comm = r.let("n_comm", n_active)
+    with r.for_range("t", sm, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
         src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
         if split is None:
@@ -184,7 +185,7 @@ def count_staged_copies(r: ir.RoleBuilder, cfg, p, cos):
 
 
 def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
-                               comm_barrier_id: int = -1):
+                               comm_barrier_id: int = -1, sm_id=None, n_active_send_sms=None):
     """``broadcast_tokens`` as a two-stage pipeline on two shared buffers, one send join per
     token (measured on the H200 at prefill against three joins per token, one buffer:
     ``ep_send_join_named`` round trip BF16 0.764 -> 0.799 of copy, NVFP4 0.475 -> 0.533,
@@ -205,8 +206,9 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
         return (msgs + (b * msg_stride).cast(T.u64), dsts + (b * 8 * K).cast(T.u64),
                 cos + (b * 4 * K).cast(T.u64))
 
-    n_comm = r.let("n_comm", r.n_blocks - n_signal_sms)
-    first = r.let("t_first", r.block - n_signal_sms)
+    sm, n_active = send_sm(r, n_signal_sms, sm_id, n_active_send_sms)
+    n_comm = r.let("n_comm", n_active)
+    first = r.let("t_first", sm)
     with r.if_(first < p.n_tokens):
         stage_token(r, cfg, p, first, *buffers(ir.Const(0, T.u32)))
     prefetch = cfg.token_fmt.splits_staging
@@ -230,7 +232,7 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
 
 
 def broadcast_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
-                     comm_barrier_id: int = -1):
+                     comm_barrier_id: int = -1, sm_id=None, n_active_send_sms=None):
     """``copy_and_send_tokens``' P2P path when the send buffer is not needed afterwards (no
     role split, no final layout, no shared expert): the block stages token ``t`` once, in
     shared memory, and every thread then stores its 16-byte vectors of the message to all
@@ -242,7 +244,8 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
     (``red.release.gpu.add``: the barrier orders every thread's stores before it). Same
     slots, counters and completion as the stock path. The joins are the send join, so
     ``ep_send_join_named`` moves each to ``bar.sync 3, <threads>``."""
-    return broadcast_tokens_pipelined(r, cfg, p, n_signal_sms, comm_barrier_id)
+    return broadcast_tokens_pipelined(r, cfg, p, n_signal_sms, comm_barrier_id, sm_id,
+                                      n_active_send_sms)
 
 
 def active_role_split(r: ir.RoleBuilder, cfg):

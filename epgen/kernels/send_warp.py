@@ -11,6 +11,7 @@ import ir
 from ir import AtomOp, CacheHint, Scope, Sem, ShflMode
 from ir import types as T
 
+from .common import send_sm
 from .common import word as _word
 from .destination import NO_SLOT, destination
 from .send_policy import TOKEN_GROUP_BARRIER_BASE
@@ -29,7 +30,7 @@ def token_group_sync(r: ir.RoleBuilder, group, token_warps: int):
 
 
 def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
-                          token_warps: int = 1):
+                          token_warps: int = 1, sm_id=None, n_active_send_sms=None):
     """The stock P2P send path: each warp sends its tokens alone, no block-wide join, so
     each block has as many tokens in flight as it has warps. The sending warps are those of
     blocks ``[first_block, grid)`` (0 when the monitor blocks send too), numbered
@@ -78,16 +79,17 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
         raise ValueError(f"token_warps={token_warps} must divide the role's {warps} warps, "
                          f"and the final layout keeps one warp per token")
     per_round = min(32 // K, 4)               # tokens per round: one top-k slot per lane
-    n_send_blocks = r.let("n_send_blocks", r.n_blocks - first_block)
+    sm, n_active = send_sm(r, first_block, sm_id, n_active_send_sms)
+    n_send_blocks = r.let("n_send_blocks", n_active)
     # block-fastest numbering: few tokens (decode) still spread over every sending block
     if split:
         part = r.let("token_part", r.warp % token_warps)
         group = r.let("token_group", r.warp // token_warps)
         n_send_warps = r.let("n_send_groups", n_send_blocks * (warps // token_warps))
-        first = r.let("first_token", group * n_send_blocks + (r.block - first_block))
+        first = r.let("first_token", group * n_send_blocks + sm)
     else:
         n_send_warps = r.let("n_send_warps", n_send_blocks * warps)
-        first = r.let("first_token", r.warp * n_send_blocks + (r.block - first_block))
+        first = r.let("first_token", r.warp * n_send_blocks + sm)
     lane_tok = r.let("lane_tok", r.lane // K)
     with r.for_range("t0", first, p.n_tokens, n_send_warps * per_round) as t0:
         t = r.let("t", t0 + lane_tok * n_send_warps)     # the token of this lane's slot
