@@ -17,7 +17,6 @@ import pytest
 import epgen
 from epgen import reference, routing
 from epgen.layout import RECV_COUNT_SENTINEL
-from epgen.runtime.world import GenerationCounter
 from world_checks import kinds, make_cfg, only_rank0_records, world_for
 
 pytestmark = pytest.mark.gpu
@@ -57,8 +56,8 @@ def check_rearmed(world, context: str):
     """The state the next call needs: cursors and hand-off words back at 0; with
     ep_prod_reserve every early count tagged with this call's generation."""
     cfg, lay = world.cfg, world.cfg.layout
-    gen = world.prod_gen.value
-    for rk in world.ranks:
+    gens = world.prod_generations() if cfg.ep_prod_reserve else [None] * len(world.ranks)
+    for rk, gen in zip(world.ranks, gens):
         rc = rk.recv_count.to_host()
         assert (rc[:lay.rank_flag_base] == RECV_COUNT_SENTINEL).all(), context
         assert (rc[lay.rc_cursor_base:] == 0).all(), f"{context}: rank {rk.rank} cursors {rc}"
@@ -111,7 +110,7 @@ def test_back_to_back_1000_calls(flags, seed):
     cfg = make_cfg(*STRESS, **FLAGS[flags])
     world = epgen.EmulatedWorld(cfg)
     rng = np.random.default_rng(seed)
-    gen0 = world.prod_gen.value
+    gen0 = world.prod_generations() if cfg.ep_prod_reserve else None
     for call in range(1000):
         counts = [int(rng.integers(0, cfg.max_tokens_per_rank + 1)) for _ in range(cfg.n_ranks)]
         toks, ids = routing.routing(rng, cfg, counts)
@@ -122,23 +121,24 @@ def test_back_to_back_1000_calls(flags, seed):
         if call % 100 == 99:
             check_rearmed(world, f"seed {seed}, call {call}")
     if cfg.ep_prod_reserve:
-        assert world.prod_gen.value == gen0 + 1000
+        assert world.prod_generations() == [g + 1000 for g in gen0]
 
 
 def test_generation_wrap(seed):
-    """The 32-bit generation wraps: tags 0xFFFFFFFE, 0xFFFFFFFF, then the world zeroes the
-    prod buffers and starts again at 1; every call stays correct."""
+    """The 32-bit generation wraps on the device: tags 0xFFFFFFFE, 0xFFFFFFFF, then 1 (0 is
+    skipped) with no host work; every call stays correct."""
     cfg = make_cfg(*STRESS, **FLAGS["prod_reserve"])
     world = epgen.EmulatedWorld(cfg)
     rng = np.random.default_rng(seed)
-    world.prod_gen.value = GenerationCounter.LIMIT - 2
+    world.set_prod_generations(2**32 - 3)
     gens = []
     for _ in range(4):
         toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
         run_and_compare(cfg, toks, ids, seed, world)
-        gens.append(world.prod_gen.value)
+        (gen,) = set(world.prod_generations())
+        gens.append(gen)
         check_rearmed(world, f"seed {seed}, gen {gens[-1]:#x}")
-    assert gens == [GenerationCounter.LIMIT - 1, GenerationCounter.LIMIT, 1, 2]
+    assert gens == [2**32 - 2, 2**32 - 1, 1, 2]
 
 
 def test_row_order_is_rank_major_with_prod_reserve(seed):
