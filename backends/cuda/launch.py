@@ -11,8 +11,10 @@ cuda.core's ``launch`` passes a plain Python ``int`` as a 64-bit *pointer* and a
   memory (``DeviceArray``, ``Buffer``, ``__cuda_array_interface__``, DLPack) into addresses and
   rejects Python ``int``/``float``/``bool`` with a ``TypeError`` naming the argument.
 
-Where the driver reports parameter sizes (``cuKernelGetParamInfo``), :func:`launch` also checks
-the count and byte size of every argument before launching.
+For a :class:`~backends.cuda.kernel.KernelHandle` whose parameter count is known (from its PTX
+``.entry``), :func:`launch` also checks the count and byte size of every argument against the
+driver's parameter sizes (``cuKernelGetParamInfo``, asked once per parameter, never past the
+last) before launching; a bare cuda.core ``Kernel`` gets no such check.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from . import compat
 from .errors import check, cuda_errors
 from .memory import as_device_pointer
 from .graph import stream_handle
-from .kernel import KernelHandle, _param_sizes, cufunction, set_max_dynamic_shared_memory
+from .kernel import KernelHandle, cufunction, set_max_dynamic_shared_memory
 from .stream import as_stream, using_device
 
 __all__ = ["launch", "launch_by_value", "pack_args", "pack_arg", "check_untyped_args",
@@ -245,8 +247,7 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
         packed = check_untyped_args(args, param_names)
     shmem = operator.index(shmem)
     with using_device(device) as dev:
-        sizes = (kernel.param_sizes() if isinstance(kernel, KernelHandle)
-                 else _param_sizes(core_kernel))
+        sizes = kernel.param_sizes() if isinstance(kernel, KernelHandle) else None
         _check_sizes(packed, sizes, kname)
         _ensure_dynamic_smem(kernel, shmem)
         stream = as_stream(stream, dev)
