@@ -19,7 +19,7 @@ import types
 import pytest
 
 from backends.cuda import compat, stream
-from backends.cuda.kernel import KernelHandle, entry_param_count
+from backends.cuda.kernel import KernelHandle, entry_param_count, kernel_param_sizes
 from backends.cuda.module import LoadedModule
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -76,6 +76,9 @@ class FakeDriver:
 
     def cuDriverGetVersion(self):
         return self._result("cuDriverGetVersion", SUCCESS, 13000)
+
+    def cuKernelGetParamCount(self, handle):
+        return self._result("cuKernelGetParamCount", SUCCESS, handle.n_params)
 
     def cuKernelGetParamInfo(self, handle, index):
         self.calls.append(("cuKernelGetParamInfo", index))
@@ -190,15 +193,29 @@ def test_param_sizes_ask_only_below_the_entry_count(fake, n):
     assert _param_queries(fake.drv) == list(range(n))
 
 
-def test_param_sizes_count_from_the_types_without_an_entry_count(fake):
-    k = _handle(3, param_types=("ptr.global", "u32", "u32"))
+def test_param_sizes_count_from_the_driver_without_an_entry_count(fake):
+    k = _handle(3, param_types=("ptr.global", "u32"))      # the driver's count wins
     assert k.param_sizes() == (4, 8, 4)
+    assert fake.drv.calls.count("cuKernelGetParamCount") == 1
     assert _param_queries(fake.drv) == [0, 1, 2] and fake.drv.errors == []
 
 
-def test_param_sizes_unknown_count_asks_nothing(fake):
+def test_bare_kernel_sizes_from_the_driver_count(fake):
+    core_kernel = types.SimpleNamespace(handle=FakeDriver.CUkernel(2))
+    assert kernel_param_sizes(core_kernel) == (4, 8)
+    assert kernel_param_sizes(core_kernel, 1) == (4,)
+    assert _param_queries(fake.drv) == [0, 1, 0] and fake.drv.errors == []
+
+
+def test_param_sizes_without_the_driver_count(fake, monkeypatch):
+    """A 12.4 - 12.9 driver has the sizes but not the count: the types' count, else
+    nothing asked."""
+    monkeypatch.setattr(fake.drv, "cuDriverGetVersion", lambda: (Result(0), 12080))
+    assert _handle(3, param_types=("u64", "u32", "u32")).param_sizes() == (4, 8, 4)
     assert _handle(3).param_sizes() is None
-    assert _param_queries(fake.drv) == []
+    assert kernel_param_sizes(types.SimpleNamespace(handle=FakeDriver.CUkernel(3))) is None
+    assert _param_queries(fake.drv) == [0, 1, 2] and fake.drv.errors == []
+    assert "cuKernelGetParamCount" not in fake.drv.calls
 
 
 def test_param_sizes_on_an_old_driver(fake, monkeypatch):

@@ -21,8 +21,8 @@ from .errors import check, cuda_errors
 from .stream import using_device
 
 __all__ = ["KernelHandle", "KernelAttributes", "kernel_attributes", "max_active_blocks_per_sm",
-           "set_max_dynamic_shared_memory", "cufunction", "driver_param_sizes",
-           "entry_param_count", "DEFAULT_DYNAMIC_SMEM_LIMIT"]
+           "set_max_dynamic_shared_memory", "cufunction", "kernel_param_sizes",
+           "driver_param_count", "driver_param_sizes", "entry_param_count", "DEFAULT_DYNAMIC_SMEM_LIMIT"]
 
 #: Dynamic shared memory a kernel may use without raising its attribute (48 KiB).
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
@@ -78,13 +78,12 @@ class KernelHandle:
 
     def param_sizes(self) -> tuple[int, ...] | None:
         """Byte size of each kernel parameter from the driver, or None where the driver
-        cannot tell (``cuKernelGetParamInfo`` needs driver 12.4+) or the parameter count is
-        unknown. The count comes from the PTX ``.entry`` (``param_count``), else from the
-        parameter types; the driver is asked for exactly that many parameters and never for
-        an index past the last (that probe fails with ``CUDA_ERROR_INVALID_VALUE``, which
-        compute-sanitizer reports as an API error)."""
+        cannot tell (:func:`kernel_param_sizes`). The count comes from the PTX ``.entry``
+        (``param_count``), else from the driver, else from the parameter types."""
         if self._param_sizes is None:
             count = self.param_count
+            if count is None:
+                count = driver_param_count(self.kernel)
             if count is None and self.param_types is not None:
                 count = len(self.param_types)
             sizes = None if count is None else driver_param_sizes(self.kernel, count)
@@ -92,26 +91,54 @@ class KernelHandle:
         return self._param_sizes or None
 
 
-#: the first driver version with ``cuKernelGetParamInfo`` / ``cuFuncGetParamInfo``
+#: the first driver versions with ``cu{Kernel,Func}GetParamInfo`` and ``...GetParamCount``
 PARAM_INFO_DRIVER_VERSION = 12040
+PARAM_COUNT_DRIVER_VERSION = 13000
+
+
+def kernel_param_sizes(core_kernel, count: int | None = None) -> tuple[int, ...] | None:
+    """The byte size of each parameter of a cuda.core ``Kernel`` from the driver, asked for
+    indices below ``count`` only (None: the driver's own count, ``driver_param_count``);
+    None where the driver cannot tell. Never an index past the last parameter: cuda.core's
+    ``Kernel.arguments_info`` counts by probing until ``cuKernelGetParamInfo`` fails with
+    ``CUDA_ERROR_INVALID_VALUE``, which compute-sanitizer reports as an API error."""
+    if count is None:
+        count = driver_param_count(core_kernel)
+    return None if count is None else driver_param_sizes(core_kernel, count)
+
+
+def _param_query(core_kernel, what: str, min_version: int):
+    """(handle, the driver's ``cuKernel<what>`` or ``cuFunc<what>``, its name), or None
+    below ``min_version``."""
+    drv = compat.driver()
+    if int(check(drv.cuDriverGetVersion(), "cuDriverGetVersion")) < min_version:
+        return None
+    handle = compat.kernel_handle(core_kernel)
+    call = ("cuKernel" if isinstance(handle, drv.CUkernel) else "cuFunc") + what
+    query = getattr(drv, call, None)
+    return None if query is None else (handle, query, call)
+
+
+def driver_param_count(core_kernel) -> int | None:
+    """How many parameters the driver says a cuda.core ``Kernel`` takes
+    (``cuKernelGetParamCount`` / ``cuFuncGetParamCount``, driver 13.0+), else None."""
+    q = _param_query(core_kernel, "GetParamCount", PARAM_COUNT_DRIVER_VERSION)
+    if q is None:
+        return None
+    handle, query, call = q
+    return int(check(query(handle), call))
 
 
 def driver_param_sizes(core_kernel, count: int) -> tuple[int, ...] | None:
     """The byte sizes of parameters ``0 .. count-1`` of a cuda.core ``Kernel`` from the
     driver (``cuKernelGetParamInfo`` for a ``CUkernel``, ``cuFuncGetParamInfo`` for a
-    ``CUfunction``), one call per index below ``count``; None on a driver without them.
-    (cuda.core's ``Kernel.arguments_info`` instead counts by probing until the driver
-    refuses an index.)"""
+    ``CUfunction``), one call per index below ``count``; None on a driver without them."""
     if count == 0:
         return ()
-    drv = compat.driver()
-    if int(check(drv.cuDriverGetVersion(), "cuDriverGetVersion")) < PARAM_INFO_DRIVER_VERSION:
+    q = _param_query(core_kernel, "GetParamInfo", PARAM_INFO_DRIVER_VERSION)
+    if q is None:
         return None
-    handle = compat.kernel_handle(core_kernel)
-    call = "cuKernelGetParamInfo" if isinstance(handle, drv.CUkernel) else "cuFuncGetParamInfo"
-    query = getattr(drv, call, None)
-    if query is None:
-        return None
+    handle, query, call = q
     return tuple(int(check(query(handle, i), call)[1]) for i in range(count))
 
 
