@@ -22,6 +22,7 @@ try:
 except ImportError:  # run as a script from anywhere: the repository root holds epgen/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from backends.cuda.errors import CudaUnavailableError  # noqa: E402
 from epgen import presets  # noqa: E402
 from epgen.bench import driver, options  # noqa: E402
 from epgen.bench.plan import parse_variant  # noqa: E402
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     plan, args = parse_args(argv)
     try:
         results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
-    except driver.NoGPUError as exc:
+    except CudaUnavailableError as exc:
         raise SystemExit(f"dispatch_bench: error: {exc}") from None
     for line in results["failures"]:
         print(f"dispatch_bench: error: {line}", file=sys.stderr)

@@ -53,11 +53,12 @@ import traceback
 
 import numpy as np
 
+from backends.cuda.errors import CudaUnavailableError
+
 from .. import presets, reference
 from ..formats import BF16Format
 from . import common, inputs, memory, report, runner
 from .baseline import compare_grouping
-from .common import NoGPUError
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
@@ -495,8 +496,9 @@ def run(plan: Plan, progress: Progress) -> dict:
 
     from ..runtime.p2p_world import check_peer_access
     if not cuda.gpu_available():
-        raise NoGPUError("no usable CUDA GPU here (backends.cuda.gpu_available() is False); "
-                         "run the P2P benchmark on a machine with several NVIDIA GPUs")
+        raise CudaUnavailableError("no usable CUDA GPU here (backends.cuda.gpu_available() is "
+                                   "False); run the P2P benchmark on a machine with several "
+                                   "NVIDIA GPUs")
     commit, dirty = git_commit()
     devices = p2p_devices(plan)
     n_gpus = cuda.device_count()
