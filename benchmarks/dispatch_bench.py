@@ -22,7 +22,6 @@ try:
 except ImportError:  # run as a script from anywhere: the repository root holds epgen/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends.cuda.errors import CudaUnavailableError  # noqa: E402
 from epgen import presets  # noqa: E402
 from epgen.bench import driver, options  # noqa: E402
 from epgen.bench.plan import parse_variant  # noqa: E402
@@ -76,6 +75,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from backends.cuda.errors import CudaUnavailableError
     plan, args = parse_args(argv)
     try:
         results = driver.execute(plan, json_path=args.json, plot_path=args.plot)

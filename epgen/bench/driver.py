@@ -13,8 +13,6 @@ from __future__ import annotations
 import datetime
 import sys
 
-from backends.cuda.errors import CudaUnavailableError
-
 from .. import reference
 from ..inspection import combine_buffers
 from . import baseline, combine, combine_baseline, common, inputs, memory, p2p, runner
@@ -239,6 +237,7 @@ def run(plan: Plan, progress: Progress) -> dict:
     """Run every shape and variant of ``plan``; ``CudaUnavailableError`` without a usable
     GPU."""
     from backends import cuda
+    from backends.cuda.errors import CudaUnavailableError
     if not cuda.gpu_available():
         raise CudaUnavailableError("no usable CUDA GPU here (backends.cuda.gpu_available() is "
                                    "False); run the benchmark on a machine with an NVIDIA GPU")
