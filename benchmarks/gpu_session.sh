@@ -35,8 +35,9 @@
 # final+prod, fused: 4 runs each), each run under `timeout`, its errors counted into
 # $OUT/sanitizer-summary.txt; exit 1 on any error, timeout, failed run or run left out by the
 # time budget (SANITIZER_BUDGET_S, default 450 s for the whole mode, each run at most
-# SANITIZER_LIMIT, default 90 s; SANITIZER_RUNS="small fused" restricts the runs by name):
-# at most about 8 minutes on one H200. A/B arms of settled choices go with their
+# SANITIZER_LIMIT, default 90 s; SANITIZER_RUNS="small fused" restricts the runs by name,
+# SANITIZER_TOOLS="racecheck synccheck" the tools, e.g. for a second call when the budget
+# left runs out): at most about 8 minutes on one H200. A/B arms of settled choices go with their
 # experiment (docs/PERF.md records what each measured); an arm of a choice still worth
 # switching sets it with ``--tune``.
 #
@@ -354,7 +355,7 @@ if [ "$what" = sanitizer ]; then
         status=1
     else
         printf '%-10s %-32s %6s %5s  %s\n' tool run errors secs verdict >"$san_table"
-        for tool in memcheck racecheck initcheck synccheck; do
+        for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
             slow=--slow
             [ $tool = memcheck ] && slow=
             # shellcheck disable=SC2086

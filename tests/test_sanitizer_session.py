@@ -88,6 +88,11 @@ def test_budget_and_run_filter(tmp_path):
                                   SANITIZER_BUDGET_S="5")
     assert proc.returncode == 1 and _rows(table)
     assert all("time budget" in r[4] for r in _rows(table))
+    proc, table, _ = _session(tmp_path, "nothing-matches", SANITIZER_RUNS="fused",
+                              SANITIZER_TOOLS="synccheck initcheck")
+    assert proc.returncode == 0
+    assert [(r[0], r[1]) for r in _rows(table)] == [("synccheck", "fused"),
+                                                    ("initcheck", "fused")]
 
 
 def test_the_runs_are_valid_command_lines():
