@@ -436,7 +436,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg, _ = _config(args)
     devices = _devices(args, cfg.n_ranks)
-    tokens = _run_tokens(args, cfg)
+    tokens = _checked_run_args(args, cfg)
     if args.world == "shmem":
         return _run_shmem(args, cfg, tokens)
     if args.drop_rank is not None:
@@ -509,9 +509,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_tokens(args: argparse.Namespace, cfg) -> int:
-    """The tokens per rank of ``epgen run``, after a usage error (exit 2, before anything
-    touches a GPU) for any bad ``--tokens``, ``--calls``, ``--seed`` or ``--input-scale``."""
+def _checked_run_args(args: argparse.Namespace, cfg) -> int:
+    """``epgen run``'s ``--tokens``, ``--calls``, ``--seed`` and ``--input-scale`` checked,
+    a usage error (exit 2) naming a bad one before anything touches a GPU; returns the
+    tokens per rank."""
     tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
     if not 0 <= tokens <= cfg.max_tokens_per_rank:
         args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
