@@ -351,7 +351,8 @@ if [ "$what" = sanitizer ]; then
     san_table="$OUT/sanitizer-summary.txt"
     san_t0=$SECONDS
     if [ -z "$san_bin" ]; then
-        echo "sanitizer: no compute-sanitizer on this machine (PATH, /usr/local/cuda*/bin)"
+        echo "sanitizer: no compute-sanitizer on this machine (PATH, /usr/local/cuda*/bin)" \
+            | tee "$san_table"
         status=1
     else
         printf '%-10s %-32s %6s %5s  %s\n' tool run errors secs verdict >"$san_table"

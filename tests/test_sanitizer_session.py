@@ -127,3 +127,16 @@ def test_small_run_is_sanitizer_clean():
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, proc.stdout[-4000:]
+
+
+def test_no_compute_sanitizer_fails_the_session(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out),
+           "PATH": f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_session.sh", "sanitizer"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    if "no compute-sanitizer" not in proc.stdout:
+        pytest.skip("a compute-sanitizer is installed under /usr/local/cuda*")
+    assert proc.returncode == 1
+    with tarfile.open(out / "sanitizer.tar.gz") as tar:
+        assert "no compute-sanitizer" in tar.extractfile("./sanitizer-summary.txt").read().decode()
