@@ -75,10 +75,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from backends.cuda.errors import CudaUnavailableError
     plan, args = parse_args(argv)
     try:
         results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
-    except driver.NoGPUError as exc:
+    except CudaUnavailableError as exc:
         raise SystemExit(f"dispatch_bench: error: {exc}") from None
     for line in results["failures"]:
         print(f"dispatch_bench: error: {line}", file=sys.stderr)

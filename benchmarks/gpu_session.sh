@@ -4,7 +4,7 @@
 # from the repository root; a step that fails or times out is reported and the next one still
 # runs.
 #
-#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|geometry|graph-ab|p2p|combine]
+#   EPGEN_COMMIT=<commit> benchmarks/gpu_session.sh [tests|bench|all|formats|latency|latency-nvfp4|trace|batch-ab|format-variants|profile|recv-ab|split-ab|block-ab|geometry|graph-ab|p2p|combine|sanitizer]
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
@@ -29,8 +29,17 @@
 # two GPUs); "combine": the combine's GPU tests (the CUDA graph of dispatch + combine and the
 # 1000-call loop included), `epgen run --combine` on streams and as graph replays, then
 # `epgen bench --op combine` and `--op moe` at decode and prefill, streams and graphs (about 5
-# minutes). A/B arms of settled choices go with their experiment (docs/PERF.md records what
-# each measured); an arm of a choice still worth switching sets it with ``--tune``.
+# minutes); "sanitizer": compute-sanitizer's memcheck over one dispatch + combine call of
+# every single-GPU variant and format of the small preset (benchmarks/sanitizer_runs.py lists
+# them: 16 runs), racecheck, initcheck and synccheck over its --slow subset (BF16, NVFP4,
+# final+prod, fused: 4 runs each), each run under `timeout`, its errors counted into
+# $OUT/sanitizer-summary.txt; exit 1 on any error, timeout, failed run or run left out by the
+# time budget (SANITIZER_BUDGET_S, default 450 s for the whole mode, each run at most
+# SANITIZER_LIMIT, default 90 s; SANITIZER_RUNS="small fused" restricts the runs by name,
+# SANITIZER_TOOLS="racecheck synccheck" the tools, e.g. for a second call when the budget
+# left runs out): at most about 8 minutes on one H200. A/B arms of settled choices go with their
+# experiment (docs/PERF.md records what each measured); an arm of a choice still worth
+# switching sets it with ``--tune``.
 #
 # About 14 minutes for "all" on one H200 (tests ~5.5 min, benchmarks ~9 min); under a 10-minute
 # limit per command, run "tests" then "bench" (each under `timeout 590`).
@@ -307,6 +316,59 @@ if [ "$what" = combine ]; then
     step moe-bench 200 python3 -m epgen bench --op moe --tokens 128,4096 --variant default \
         --variant graph=graph --json "$OUT/moe-bench.json"
     grep -E "combine|torch" "$OUT/moe-bench.log" | sed 's/^/    /'
+fi
+sanitize() {   # sanitize TOOL SECONDS NAME ARGS...: one `epgen run` under compute-sanitizer
+               # TOOL, its verdict and error count appended to the summary table
+    local tool=$1 limit=$2 name=$3
+    shift 3
+    local log="$OUT/sanitizer-$tool-$name.log" t0=$SECONDS
+    local left=$((${SANITIZER_BUDGET_S:-450} - (SECONDS - san_t0)))
+    [ "$left" -lt "$limit" ] && limit=$left     # the whole mode stays within the budget
+    if [ "$limit" -lt 10 ]; then
+        printf '%-10s %-32s %6s %5s  %s\n' "$tool" "$name" - 0 "not run: time budget" \
+            >>"$san_table"
+        status=1
+        return
+    fi
+    timeout "$limit" "$san_bin" --tool "$tool" --print-limit 50 \
+        python3 -m epgen run "$@" >"$log" 2>&1
+    local rc=$? errors verdict=ok
+    errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$log" | tail -1 | grep -oE "[0-9]+$")
+    if [ $rc -eq 124 ]; then verdict="timed out after ${limit}s"
+    elif [ -z "$errors" ]; then verdict="no sanitizer summary (exit $rc)"
+    elif [ "$errors" -gt 0 ]; then verdict="$errors errors"
+    elif [ $rc -ne 0 ]; then verdict="exit $rc"
+    fi
+    [ "$verdict" != ok ] && status=1
+    printf '%-10s %-32s %6s %5s  %s\n' "$tool" "$name" "${errors:-?}" \
+        $((SECONDS - t0)) "$verdict" >>"$san_table"
+}
+if [ "$what" = sanitizer ]; then
+    # compute-sanitizer over every single-GPU variant and format (header); a run that fails
+    # shows the tool's report in its log, $OUT/sanitizer-TOOL-NAME.log
+    san_bin=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+        2>/dev/null | head -1)
+    san_table="$OUT/sanitizer-summary.txt"
+    san_t0=$SECONDS
+    if [ -z "$san_bin" ]; then
+        echo "sanitizer: no compute-sanitizer on this machine (PATH, /usr/local/cuda*/bin)" \
+            | tee "$san_table"
+        status=1
+    else
+        printf '%-10s %-32s %6s %5s  %s\n' tool run errors secs verdict >"$san_table"
+        for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
+            slow=--slow
+            [ $tool = memcheck ] && slow=
+            # shellcheck disable=SC2086
+            while read -r name args; do
+                case " ${SANITIZER_RUNS:-$name} " in *" $name "*) ;; *) continue ;; esac
+                # shellcheck disable=SC2086
+                sanitize "$tool" "${SANITIZER_LIMIT:-90}" "$name" $args
+            done < <(python3 benchmarks/sanitizer_runs.py $slow)
+        done
+        sed 's/^/    /' "$san_table"
+        echo "    ($("$san_bin" --version | tail -1); $((SECONDS - san_t0)) s)"
+    fi
 fi
 tar -czf "$FINAL_OUT/$what.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 exit $status

@@ -439,22 +439,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg, _ = _config(args)
     devices = _devices(args, cfg.n_ranks)
+    tokens = _checked_run_args(args, cfg)
     if args.world == "shmem":
-        return _run_shmem(args, cfg)
+        return _run_shmem(args, cfg, tokens)
     if args.drop_rank is not None:
         args.parser.error("argument --drop-rank: only with --world shmem")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
-    if not 0 <= tokens <= cfg.max_tokens_per_rank:
-        args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
-                          f"{cfg.max_tokens_per_rank}], got {tokens}")
     rng = np.random.default_rng(seed)
     weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" else None
-    if getattr(cfg.token_fmt, "uses_input_scale", False):
-        try:
-            cfg.token_fmt.check_input_scale(args.input_scale)
-        except ValueError as e:
-            args.parser.error(f"argument --input-scale: {e}")
     if args.backend == "sim" and args.trace:
         args.parser.error("argument --trace: the simulator has no clock (--backend sim "
                           "stamps the interpreter's step count, not time); run on a GPU")
@@ -520,6 +512,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_run_args(args: argparse.Namespace, cfg) -> int:
+    """``epgen run``'s ``--tokens``, ``--calls``, ``--seed`` and ``--input-scale`` checked,
+    a usage error (exit 2) naming a bad one before anything touches a GPU; returns the
+    tokens per rank."""
+    tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
+    if not 0 <= tokens <= cfg.max_tokens_per_rank:
+        args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
+                          f"{cfg.max_tokens_per_rank}], got {tokens}")
+    if args.calls < 1:
+        args.parser.error(f"argument --calls: must be >= 1, got {args.calls}")
+    if args.seed is not None and args.seed < 0:
+        args.parser.error(f"argument --seed: must be >= 0, got {args.seed}")
+    if getattr(cfg.token_fmt, "uses_input_scale", False):
+        try:
+            cfg.token_fmt.check_input_scale(args.input_scale)
+        except ValueError as e:
+            args.parser.error(f"argument --input-scale: {e}")
+    return tokens
+
+
 def _check_combine(args: argparse.Namespace, cfg) -> None:
     """``--combine`` on a configuration the combine kernels do not take: a usage error
     naming why (``runtime.combine.check_supported``)."""
@@ -568,7 +580,7 @@ def _combine_diffs(cfg, toks, ids, got, ys, w, out, *, graph: bool,
     return combine_run.differences(out, want)
 
 
-def _run_shmem(args: argparse.Namespace, cfg) -> int:
+def _run_shmem(args: argparse.Namespace, cfg, tokens: int) -> int:
     """``epgen run --world shmem``: this process's rank of a ``ShmemWorld`` (one process per
     rank); every rank draws every rank's inputs from the same seed (rank 0's, shared through
     the bootstrap when ``--seed`` is not given), computes the whole reference and compares
@@ -577,10 +589,6 @@ def _run_shmem(args: argparse.Namespace, cfg) -> int:
         args.parser.error("--world shmem: not with --graph, --trace, --batched or --backend sim")
     if args.drop_rank is not None and not 0 <= args.drop_rank < cfg.n_ranks:
         args.parser.error(f"argument --drop-rank: must be in [0, n_ranks={cfg.n_ranks})")
-    tokens = cfg.max_tokens_per_rank if args.tokens is None else args.tokens
-    if not 0 <= tokens <= cfg.max_tokens_per_rank:
-        args.parser.error(f"argument --tokens: must be in [0, max_tokens_per_rank="
-                          f"{cfg.max_tokens_per_rank}], got {tokens}")
     if args.combine:
         _check_combine(args, cfg)
     world = make_world("shmem", cfg, arch=args.arch, input_scale=args.input_scale,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from epgen import BF16Format, EPConfig, cli, reference, routing
-from epgen.bench import baseline, common, driver, memory, options, p2p, runner, timing
+from epgen.bench import baseline, common, driver, inputs, memory, options, p2p, runner, timing
 from epgen.formats import make_format
 from epgen.presets import load_preset
 
@@ -171,8 +171,10 @@ GRAPH_SEEN = []
 
 
 def _fake_world(cfg, sets, iters, warmup, gate, *, device=None, arch=None, post_check=True,
-                progress=None, graph=False, world_factory=None):
+                progress=None, graph=False, world_factory=None, host_sync=False):
     assert callable(world_factory)
+    # epgen is timed as NCCL is: host-synchronised, no gate, whatever --no-gate says
+    assert host_sync and gate is None
     GRAPH_SEEN.append(graph)
     rt = 0.05 if cfg.ep_final_layout else 0.1
     s = timing.summarize
@@ -245,6 +247,7 @@ def test_whole_p2p_run_on_fakes(fake_gpus, tmp_path, capsys):
     lines = out.splitlines()
     assert lines[0].startswith("epgen bench --world p2p") and "GPUs 0,1 of 2" in lines[0]
     assert "ring 360.0 GB/s (the reference), pair 400.0 GB/s" in out
+    assert "epgen and NCCL timed alike: from an idle device, host enqueue included" in out
     header = next(x for x in lines if x.startswith("shape"))
     assert "GB/s/GPU" in header and "frac link" in header and "vs NCCL" in header
     assert sum(p2p.NCCL_NAME in x for x in lines) == 2
@@ -475,3 +478,70 @@ def test_gpu_memory_shortfalls_counts_the_ranks_a_gpu_holds(monkeypatch):
     assert p2p.gpu_memory_shortfalls(plan, cfg, 16, (0, 1)) == {}
     assert p2p.gpu_memory_shortfalls(plan, cfg, 16, (0, 0)) == {
         0: (2 * per_rank, int(1.5 * per_rank / 0.9))}
+
+
+# ---- epgen timed as NCCL is: from an idle device, host enqueue included --------------------------
+@pytest.mark.parametrize("host_sync", [False, True])
+def test_measure_world_host_sync_on_the_simulator(host_sync, seed, monkeypatch):
+    """``runner.measure_world(host_sync=True)``, the real measurement on the simulator with
+    the event timing replaced: every sample starts after the host waited for every rank
+    stream and the timing stream (no sample without); the checks pass either way."""
+    from backends.sim import stream as sim_stream
+    from epgen.runtime.world import EmulatedWorld
+    from test_final_layout_sim import SHAPES, make_cfg
+
+    cfg = make_cfg(*SHAPES["R2-E4"])
+    sets = inputs.make_input_sets(cfg, cfg.max_tokens_per_rank, 2, seed=seed)
+    events = []
+    real_sync = sim_stream.Stream.sync
+    monkeypatch.setattr(sim_stream.Stream, "sync",
+                        lambda s: (events.append(("sync", id(s))), real_sync(s))[1])
+
+    def timer(ts, streams, gate, body):
+        events.append(("sample", tuple(id(s) for s in (*streams, ts))))
+        body()
+        return 0.5, False
+
+    res = runner.measure_world(cfg, sets, 2, 1, None, progress=lambda m: None,
+                               world_factory=lambda: EmulatedWorld(cfg, backend="sim",
+                                                                   sim_seed=seed),
+                               host_sync=host_sync, timer=timer)
+    assert res["check"] == "ok" and res["post_check"] == "ok", f"seed {seed}"
+    assert res["round_trip"]["n"] == 2 and res["round_trip"]["median_ms"] == 0.5
+    samples = [i for i, e in enumerate(events) if e[0] == "sample"]
+    assert len(samples) == 3 * (2 + 1)                    # async, wait, round trip
+    for i in samples:
+        want = events[i][1]
+        before = {e[1] for e in events[i - len(want):i] if e[0] == "sync"}
+        assert (before == set(want)) == host_sync, (i, events[i - len(want):i])
+
+
+def test_measure_world_host_sync_takes_no_gate():
+    with pytest.raises(ValueError, match="host_sync.*no gate"):
+        runner.measure_world(None, [], 1, 0, object(), progress=print, host_sync=True)
+
+
+def test_p2p_gate_is_the_peer_copies_only(fake_gpus, monkeypatch, tmp_path):
+    """With the gate on, the peer copies are gated, epgen and NCCL are not (both timed
+    host-synchronised); the JSON says so."""
+    gates = []
+
+    class FakeGate:
+        def __init__(self, torch, device):
+            gates.append(self)
+
+        def describe(self):
+            return {"initial_ms": 2.0}
+    monkeypatch.setattr(p2p, "Gate", FakeGate)
+    copy_gate = []
+    monkeypatch.setattr(p2p, "measure_peer_copy", lambda devices, mib, iters, gate: (
+        copy_gate.append(gate) or {"size_mib": mib, "bytes_per_gpu": mib << 20,
+                                   "devices": list(devices), "pair": {"gbps_per_gpu": 400.0},
+                                   "ring": {"gbps_per_gpu": 360.0}, "gbps_per_gpu": 360.0}))
+    path = tmp_path / "p2p.json"
+    run = [a for a in RUN if a != "--no-gate"]
+    assert cli.main(["bench", *run, "--json", str(path)]) == 0
+    assert len(gates) == 1 and copy_gate == gates             # _fake_world asserts gate None
+    method = json.loads(path.read_text())["method"]
+    assert method["timing"] == p2p.TIMING and method["gate"] == "peer copies only"
+    assert "host enqueue included" in method["timing"] and "NCCL" in method["timing"]

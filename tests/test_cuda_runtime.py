@@ -458,6 +458,19 @@ def test_python_int_scalar_is_rejected(module):
 
 
 @pytest.mark.gpu
+def test_param_sizes_from_the_entry_count(module):
+    """The PTX entry's count, then one driver query per parameter (tests/test_host_path.py
+    pins that no index past the last is asked)."""
+    from backends.cuda.kernel import driver_param_count, kernel_param_sizes
+
+    k = module.kernel("add_one")
+    assert k.param_count == 3
+    assert k.param_sizes() == (8, 4, 4)
+    assert driver_param_count(k.kernel) in (3, None)       # None below driver 13.0
+    assert kernel_param_sizes(k.kernel) in ((8, 4, 4), None)
+
+
+@pytest.mark.gpu
 def test_device_array_round_trip_and_memsets():
     host = np.arange(64, dtype=np.uint32).reshape(8, 8)
     arr = bc.to_device(host)

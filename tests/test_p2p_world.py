@@ -23,6 +23,7 @@ from epgen.runtime.p2p_world import (PeerAccessError, assign_devices, check_peer
                                      peer_pairs, peers_of, residency_problems)
 from epgen.runtime.world import CapacityError, p2p_group
 
+from backends.cuda.errors import CudaUnavailableError
 from backends.sim import SimHang
 from sim_p2p import PlacementError, PlacementMachine, fake_gpus, sim_p2p_world
 from world_checks import run_only
@@ -80,7 +81,7 @@ def test_assign_devices_refuses_too_few_gpus():
     with pytest.raises(ValueError, match=r"n_ranks=8 needs 8 GPUs \(one per rank\), this "
                                          r"machine has 2"):
         assign_devices(8, None, 2)
-    with pytest.raises(ValueError, match="no usable CUDA GPU"):
+    with pytest.raises(CudaUnavailableError, match="no usable CUDA GPU"):
         assign_devices(1, None, 0)
 
 

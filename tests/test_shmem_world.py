@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from backends import sim as sim_backend
+from backends.cuda.errors import CudaUnavailableError
 from backends.sim.machine import Pool
 from epgen import presets, reference, routing
 from epgen.errors import EPTimeoutError
@@ -272,7 +273,7 @@ def test_rules(monkeypatch):
         sw.resolve_rank(cfg, 2)
     assert sw.resolve_device(None, 8, 11) == 3
     assert sw.resolve_device(1, 2, 0) == 1
-    with pytest.raises(ValueError, match="no usable CUDA GPU"):
+    with pytest.raises(CudaUnavailableError, match="no usable CUDA GPU"):
         sw.resolve_device(None, 0, 0)
     assert sw.local_sharers(0, 1, 4) == 4 and sw.local_sharers(1, 2, 4) == 2
     with pytest.raises(ValueError, match="use_shmem=True"):

@@ -12,6 +12,7 @@ The free functions accept a :class:`KernelHandle` or a bare cuda.core ``Kernel``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -20,7 +21,8 @@ from .errors import check, cuda_errors
 from .stream import using_device
 
 __all__ = ["KernelHandle", "KernelAttributes", "kernel_attributes", "max_active_blocks_per_sm",
-           "set_max_dynamic_shared_memory", "cufunction", "DEFAULT_DYNAMIC_SMEM_LIMIT"]
+           "set_max_dynamic_shared_memory", "cufunction", "kernel_param_sizes",
+           "driver_param_count", "driver_param_sizes", "entry_param_count", "DEFAULT_DYNAMIC_SMEM_LIMIT"]
 
 #: Dynamic shared memory a kernel may use without raising its attribute (48 KiB).
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
@@ -46,13 +48,16 @@ class KernelHandle:
 
     def __init__(self, module, name: str, kernel, device,
                  param_types: Sequence | None = None,
-                 param_names: Sequence[str] | None = None) -> None:
+                 param_names: Sequence[str] | None = None,
+                 param_count: int | None = None) -> None:
         self.module = module
         self.name = name
         self.kernel = kernel
         self.device = device
         self.param_types = tuple(param_types) if param_types is not None else None
         self.param_names = tuple(param_names) if param_names is not None else None
+        #: how many parameters the kernel's ``.entry`` declares (None: unknown)
+        self.param_count = param_count
         self._param_sizes: tuple[int, ...] | None = None
         self._dynamic_smem_ok = 0  # dynamic shared memory bytes known to be allowed
 
@@ -72,23 +77,81 @@ class KernelHandle:
         set_max_dynamic_shared_memory(self, nbytes)
 
     def param_sizes(self) -> tuple[int, ...] | None:
-        """Byte size of each kernel parameter from the driver, or None where the driver or
-        cuda.core cannot tell (``cuKernelGetParamInfo`` needs driver 12.4+)."""
+        """Byte size of each kernel parameter from the driver, or None where the driver
+        cannot tell (:func:`kernel_param_sizes`). The count comes from the PTX ``.entry``
+        (``param_count``), else from the driver, else from the parameter types."""
         if self._param_sizes is None:
-            self._param_sizes = _param_sizes(self.kernel)
+            count = self.param_count
+            if count is None:
+                count = driver_param_count(self.kernel)
+            if count is None and self.param_types is not None:
+                count = len(self.param_types)
+            sizes = None if count is None else driver_param_sizes(self.kernel, count)
+            self._param_sizes = () if sizes is None else sizes
         return self._param_sizes or None
 
 
-def _param_sizes(kernel) -> tuple[int, ...]:
-    try:
-        infos = kernel.arguments_info
-    except Exception:  # noqa: BLE001 - best effort: no validation where unsupported
+#: the first driver versions with ``cu{Kernel,Func}GetParamInfo`` and ``...GetParamCount``
+PARAM_INFO_DRIVER_VERSION = 12040
+PARAM_COUNT_DRIVER_VERSION = 13000
+
+
+def kernel_param_sizes(core_kernel, count: int | None = None) -> tuple[int, ...] | None:
+    """The byte size of each parameter of a cuda.core ``Kernel`` from the driver, asked for
+    indices below ``count`` only (None: the driver's own count, ``driver_param_count``);
+    None where the driver cannot tell. Never an index past the last parameter: cuda.core's
+    ``Kernel.arguments_info`` counts by probing until ``cuKernelGetParamInfo`` fails with
+    ``CUDA_ERROR_INVALID_VALUE``, which compute-sanitizer reports as an API error."""
+    if count is None:
+        count = driver_param_count(core_kernel)
+    return None if count is None else driver_param_sizes(core_kernel, count)
+
+
+def _param_query(core_kernel, what: str, min_version: int):
+    """(handle, the driver's ``cuKernel<what>`` or ``cuFunc<what>``, its name), or None
+    below ``min_version``."""
+    drv = compat.driver()
+    if int(check(drv.cuDriverGetVersion(), "cuDriverGetVersion")) < min_version:
+        return None
+    handle = compat.kernel_handle(core_kernel)
+    call = ("cuKernel" if isinstance(handle, drv.CUkernel) else "cuFunc") + what
+    query = getattr(drv, call, None)
+    return None if query is None else (handle, query, call)
+
+
+def driver_param_count(core_kernel) -> int | None:
+    """How many parameters the driver says a cuda.core ``Kernel`` takes
+    (``cuKernelGetParamCount`` / ``cuFuncGetParamCount``, driver 13.0+), else None."""
+    q = _param_query(core_kernel, "GetParamCount", PARAM_COUNT_DRIVER_VERSION)
+    if q is None:
+        return None
+    handle, query, call = q
+    return int(check(query(handle), call))
+
+
+def driver_param_sizes(core_kernel, count: int) -> tuple[int, ...] | None:
+    """The byte sizes of parameters ``0 .. count-1`` of a cuda.core ``Kernel`` from the
+    driver (``cuKernelGetParamInfo`` for a ``CUkernel``, ``cuFuncGetParamInfo`` for a
+    ``CUfunction``), one call per index below ``count``; None on a driver without them."""
+    if count == 0:
         return ()
-    sizes = []
-    for info in infos:
-        size = getattr(info, "size", None)
-        sizes.append(int(size if size is not None else info[1]))
-    return tuple(sizes)
+    q = _param_query(core_kernel, "GetParamInfo", PARAM_INFO_DRIVER_VERSION)
+    if q is None:
+        return None
+    handle, query, call = q
+    return tuple(int(check(query(handle, i), call)[1]) for i in range(count))
+
+
+def entry_param_count(ptx: str, name: str) -> int | None:
+    """How many ``.param`` declarations the PTX ``.entry name( ... )`` has (0 for an entry
+    without a parameter list); None when ``ptx`` has no such entry."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"(?![\w$])\s*(\()?", ptx)
+    if m is None:
+        return None
+    if m.group(1) is None:
+        return 0
+    end = ptx.find(")", m.end())
+    return len(re.findall(r"\.param\b", ptx[m.end():end if end >= 0 else None]))
 
 
 def _unwrap(kernel) -> tuple[object, object | None, str]:

@@ -11,8 +11,9 @@ cuda.core's ``launch`` passes a plain Python ``int`` as a 64-bit *pointer* and a
   memory (``DeviceArray``, ``Buffer``, ``__cuda_array_interface__``, DLPack) into addresses and
   rejects Python ``int``/``float``/``bool`` with a ``TypeError`` naming the argument.
 
-Where the driver reports parameter sizes (``cuKernelGetParamInfo``), :func:`launch` also checks
-the count and byte size of every argument before launching.
+Where the driver reports parameter sizes (``cuKernelGetParamInfo``, asked once per parameter
+below the count the PTX ``.entry`` or the driver gives, never past the last), :func:`launch`
+also checks the count and byte size of every argument before launching.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from . import compat
 from .errors import check, cuda_errors
 from .memory import as_device_pointer
 from .graph import stream_handle
-from .kernel import KernelHandle, _param_sizes, cufunction, set_max_dynamic_shared_memory
+from .kernel import KernelHandle, cufunction, kernel_param_sizes, set_max_dynamic_shared_memory
 from .stream import as_stream, using_device
 
 __all__ = ["launch", "launch_by_value", "pack_args", "pack_arg", "check_untyped_args",
@@ -246,7 +247,7 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
     shmem = operator.index(shmem)
     with using_device(device) as dev:
         sizes = (kernel.param_sizes() if isinstance(kernel, KernelHandle)
-                 else _param_sizes(core_kernel))
+                 else kernel_param_sizes(core_kernel))
         _check_sizes(packed, sizes, kname)
         _ensure_dynamic_smem(kernel, shmem)
         stream = as_stream(stream, dev)

@@ -14,7 +14,7 @@ from . import compat
 from .compile import compile_ptx, normalize_arch
 from .errors import check, cuda_errors
 from .kernel import (DEFAULT_DYNAMIC_SMEM_LIMIT, KernelAttributes, KernelHandle, cufunction,
-                     kernel_attributes, max_active_blocks_per_sm,
+                     entry_param_count, kernel_attributes, max_active_blocks_per_sm,
                      set_max_dynamic_shared_memory)
 from .launch import launch as _launch
 from .stream import get_device, using_device
@@ -63,7 +63,8 @@ class LoadedModule:
             with using_device(self.device), \
                     cuda_errors(f"loading kernel {name!r} of module {self.name!r}"):
                 core_kernel = self.object_code.get_kernel(name)
-            loaded = LoadedKernel(self, name, core_kernel, self.device)
+            loaded = LoadedKernel(self, name, core_kernel, self.device,
+                                  param_count=entry_param_count(self.ptx, name))
             self._kernels[name] = loaded
         if param_types is not None:
             loaded.param_types = tuple(param_types)

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from . import compat
 from .errors import CudaError, CudaUnavailableError, check, cuda_errors
 
-__all__ = ["gpu_available", "require_driver", "device_count", "get_device", "using_device",
+__all__ = ["gpu_available", "require_driver", "device_count", "current_ordinal", "get_device",
+           "using_device",
            "sm_count", "arch", "driver_version", "default_stream", "as_stream", "create_stream",
            "create_event", "record", "record_event", "elapsed_ms", "Timer", "enable_peer_access",
            "can_access_peer"]
@@ -75,12 +76,25 @@ def device_count() -> int:
     return check(compat.driver().cuDeviceGetCount(), "cuDeviceGetCount")
 
 
+def current_ordinal() -> int:
+    """The device of the context current on this thread, or 0 when none is (cuda.core's
+    and the runtime's choice). ``cuCtxGetCurrent`` first: ``cuCtxGetDevice`` without a
+    current context fails with ``CUDA_ERROR_INVALID_CONTEXT``, which compute-sanitizer
+    reports as an API error (cuda.core's ``Device()`` calls it unguarded)."""
+    drv = compat.driver()
+    ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        return 0
+    return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
+
+
 def get_device(device=None):
     """The cuda.core ``Device`` for ``device`` (an ordinal, a ``Device``, or ``None`` for the
-    current one), made current on this thread."""
+    current one, :func:`current_ordinal`), made current on this thread."""
     require_driver()
+    ordinal = current_ordinal() if device is None else int(device)
     with cuda_errors("selecting the CUDA device"):
-        dev = compat.core().Device(device if device is None else int(device))
+        dev = compat.core().Device(ordinal)
         dev.set_current()
     return dev
 
@@ -255,12 +269,19 @@ def enable_peer_access(dev_a, dev_b) -> bool:
         raise CudaError(f"device {a} cannot access device {b}'s memory (cuDeviceCanAccessPeer "
                         "is false: no NVLink/PCIe peer path)", name="PEER_ACCESS_UNSUPPORTED",
                         call="cuCtxEnablePeerAccess")
+    if (a, b) in _peer_enabled:     # asking again would fail with ..._ALREADY_ENABLED
+        return False
     drv = compat.driver()
     with using_device(b):
         peer_ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
     with using_device(a):
         result = drv.cuCtxEnablePeerAccess(peer_ctx, 0)
-        if result[0] == drv.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-            return False
-        check(result, "cuCtxEnablePeerAccess")
-    return True
+        already = result[0] == drv.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        if not already:
+            check(result, "cuCtxEnablePeerAccess")
+    _peer_enabled.add((a, b))
+    return not already
+
+
+#: (a, b) pairs of primary contexts whose peer access this process has enabled
+_peer_enabled: set[tuple[int, int]] = set()

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 from ..formats import BF16Format
 
-__all__ = ["NoGPUError", "bf16_config", "failures", "import_torch"]
-
-
-class NoGPUError(RuntimeError):
-    """No usable CUDA GPU here."""
+__all__ = ["bf16_config", "failures", "import_torch"]
 
 
 def import_torch():

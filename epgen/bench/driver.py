@@ -16,7 +16,7 @@ import sys
 from .. import reference
 from ..inspection import combine_buffers
 from . import baseline, combine, combine_baseline, common, inputs, memory, p2p, runner
-from .common import NoGPUError, bf16_config, failures
+from .common import bf16_config, failures
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, publish
@@ -234,11 +234,13 @@ def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
 
 
 def run(plan: Plan, progress: Progress) -> dict:
-    """Run every shape and variant of ``plan``; ``NoGPUError`` without a usable GPU."""
+    """Run every shape and variant of ``plan``; ``CudaUnavailableError`` without a usable
+    GPU."""
     from backends import cuda
+    from backends.cuda.errors import CudaUnavailableError
     if not cuda.gpu_available():
-        raise NoGPUError("no usable CUDA GPU here (backends.cuda.gpu_available() is False); "
-                         "run the benchmark on a machine with an NVIDIA GPU")
+        raise CudaUnavailableError("no usable CUDA GPU here (backends.cuda.gpu_available() is "
+                                   "False); run the benchmark on a machine with an NVIDIA GPU")
     dev = cuda.get_device(plan.device)
     commit, dirty = git_commit()
     results = {

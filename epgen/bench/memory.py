@@ -77,9 +77,9 @@ def trim_memory_pool(device, progress) -> None:
     try:
         from backends.cuda import check, compat, using_device
         drv = compat.driver()
-        with using_device(device):
-            dev = check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
-            pool = check(drv.cuDeviceGetMemPool(dev), "cuDeviceGetMemPool")
+        with using_device(device) as dev:
+            pool = check(drv.cuDeviceGetMemPool(drv.CUdevice(int(dev.device_id))),
+                         "cuDeviceGetMemPool")
             check(drv.cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo")
     except Exception as exc:  # noqa: BLE001
         progress(f"  (memory pool not trimmed: {type(exc).__name__}: {exc})")

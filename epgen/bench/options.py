@@ -104,7 +104,9 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
     p.add_argument("--check-rank", type=int, default=0, metavar="R",
                    help="rank whose baseline output is checked (default 0)")
     p.add_argument("--no-gate", action="store_true",
-                   help="no spin kernel ahead of the start event: times include host enqueue")
+                   help="no spin kernel ahead of the start event: times include host enqueue "
+                        "(--world p2p times epgen as its NCCL baseline, host enqueue included, "
+                        "always; there the gate is the peer copies' only)")
     p.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--no-post-check", action="store_true",
                    help="skip the check of each world's output after the timing")

@@ -4,14 +4,20 @@ on a ``P2PWorld`` (one GPU per rank), against the NVLink bandwidth and against
 
 Method
 ------
-* **Shapes, variants, inputs, timing**: as the emulated benchmark (``epgen.bench``): each
-  shape is a number of tokens per rank, each variant a set of flag overrides; ``sets`` input
-  sets staged on each rank's GPU and rotated; CUDA events around a fork/join over the rank
-  streams (a timing stream on the first rank's GPU that every rank's stream waits on and that
-  waits on every rank's stream: cross-GPU event waits), behind the spin-kernel gate on that
-  GPU; the median of ``iters`` samples after ``warmup``; the output checked against the numpy
-  reference before and after timing.
-* **NVLink reference** (``measure_peer_copy``): ``copy_mib`` MiB copied between GPUs with
+* **Shapes, variants, inputs**: as the emulated benchmark (``epgen.bench``): each shape is a
+  number of tokens per rank, each variant a set of flag overrides; ``sets`` input sets staged
+  on each rank's GPU and rotated; the output checked against the numpy reference before and
+  (unless ``--no-post-check``) after timing.
+* **Timing, the same for epgen and NCCL** (``TIMING``): every sample starts from an idle
+  device and includes the host's enqueue time, with no spin-kernel gate, because the NCCL job
+  cannot be gated (its split sizes go through the host, so the host waits for the device in
+  the middle of the job). epgen: the host waits for every rank stream, then CUDA events
+  around a fork/join over the rank streams (a timing stream on the first rank's GPU that
+  every rank's stream waits on and that waits on every rank's stream: cross-GPU event waits,
+  ``runner.measure_world(host_sync=True)``); NCCL as below. The median of ``iters`` samples
+  after ``warmup``. (The emulated benchmark gates its samples instead: device time only.)
+* **NVLink reference** (``measure_peer_copy``, behind the gate unless ``--no-gate``: copies
+  alone, no host work inside): ``copy_mib`` MiB copied between GPUs with
   ``cuMemcpyAsync`` (buffers in peer-accessible pools, peer access enabled, so the copy
   engines move it over the direct peer path): ``pair``, GPU ``d0`` to ``d1`` alone; ``ring``,
   every GPU sending to the next at once (each GPU sends and receives one copy, as in the
@@ -31,8 +37,8 @@ Method
   on the host), ``all_to_all_single`` of the rows, then the permute into (local expert,
   source) groups (one stable argsort of the received rows' experts, one ``index_select``).
   Timed with CUDA events per rank after a ``dist.barrier()`` and a synchronise (so host time,
-  which the host sync makes part of the job, is included); an iteration's time is the
-  slowest rank's; the median over iterations. Rows move as BF16 (the input), whatever the
+  which the host sync makes part of the job, is included, as in epgen's samples); an
+  iteration's time is the slowest rank's; the median over iterations. Rows move as BF16 (the input), whatever the
   epgen variant's format. Checked: one rank's grouping of set 0 against the reference.
   Speed-up = NCCL time / epgen time; the goal: > 1 at both shapes.
 * **Fewer than 2 GPUs**: nothing runs; the results say why (``skipped``).
@@ -57,7 +63,6 @@ from .. import presets, reference
 from ..formats import BF16Format
 from . import common, inputs, memory, report, runner
 from .baseline import compare_grouping
-from .common import NoGPUError
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
@@ -399,9 +404,10 @@ def gpu_memory_shortfalls(plan: Plan, cfg, T: int, devices) -> dict:
     return out
 
 
-def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, devices, gate,
+def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, devices,
                   link_gbps, progress) -> dict:
-    """Build, check and time one variant's ``P2PWorld`` on ``sets``."""
+    """Build, check and time one variant's ``P2PWorld`` on ``sets``, as the NCCL baseline
+    is timed: from an idle device, host enqueue included, no gate (module docstring)."""
     from ..runtime.p2p_world import P2PWorld
     cfg = plan.config(T, variant, cap)
     nbytes = sets_link_bytes(cfg, sets)
@@ -429,9 +435,9 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, device
         progress(f"  epgen {variant.label} FAILED: {out['error']}")
         return out
     try:
-        r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), gate,
+        r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), None,
                                  arch=plan.arch, post_check=plan.post_check, progress=progress,
-                                 graph=opts.get("graph", False),
+                                 graph=opts.get("graph", False), host_sync=True,
                                  world_factory=lambda: P2PWorld(cfg, arch=plan.arch,
                                                                 devices=devices,
                                                                 fused=opts.get("fused")))
@@ -449,7 +455,7 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, device
     return out
 
 
-def run_shape(plan: Plan, T: int, devices, torch, gate, link_gbps, progress) -> dict:
+def run_shape(plan: Plan, T: int, devices, torch, link_gbps, progress) -> dict:
     out = {"shape": shape_name(T), "tokens_per_rank": T, "routing": plan.routing,
            "zipf_s": plan.zipf_s if plan.routing == "zipf" else None,
            "iters": plan.iters_for(T), "warmup": plan.warmup_for(T)}
@@ -477,11 +483,18 @@ def run_shape(plan: Plan, T: int, devices, torch, gate, link_gbps, progress) -> 
     out["variants"] = []
     for v in plan.variants:
         progress.step(f"T={T}: epgen {v.label} on GPUs {','.join(map(str, devices))}")
-        r = variant_phase(plan, T, v, sets, need, cap, devices, gate, link_gbps, progress)
+        r = variant_phase(plan, T, v, sets, need, cap, devices, link_gbps, progress)
         if "round_trip" in r and "round_trip" in b:
             r["speedup_vs_baseline"] = b["round_trip"]["median_ms"] / r["round_trip"]["median_ms"]
         out["variants"].append(r)
     return out
+
+
+#: how the P2P benchmark times epgen and the NCCL baseline (the same way: module docstring)
+TIMING = ("from an idle device, host enqueue included, no gate, median over iterations: "
+          "epgen after the host waited for every rank stream, CUDA events around a fork/join "
+          "over the rank streams (cross-GPU); NCCL per rank after a dist.barrier() and a "
+          "synchronise, CUDA events around the job, the slowest rank per iteration")
 
 
 def failures(results) -> list[str]:
@@ -492,11 +505,13 @@ def failures(results) -> list[str]:
 def run(plan: Plan, progress: Progress) -> dict:
     """The P2P benchmark of ``plan`` (``plan.world == "p2p"``)."""
     from backends import cuda
+    from backends.cuda.errors import CudaUnavailableError
 
     from ..runtime.p2p_world import check_peer_access
     if not cuda.gpu_available():
-        raise NoGPUError("no usable CUDA GPU here (backends.cuda.gpu_available() is False); "
-                         "run the P2P benchmark on a machine with several NVIDIA GPUs")
+        raise CudaUnavailableError("no usable CUDA GPU here (backends.cuda.gpu_available() is "
+                                   "False); run the P2P benchmark on a machine with several "
+                                   "NVIDIA GPUs")
     commit, dirty = git_commit()
     devices = p2p_devices(plan)
     n_gpus = cuda.device_count()
@@ -505,8 +520,7 @@ def run(plan: Plan, progress: Progress) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit, "git_dirty": dirty, "command": sys.argv,
         "gpus": n_gpus, "devices": list(devices), "plan": plan.describe(),
-        "method": {"timing": "CUDA events, fork/join over the rank streams (cross-GPU), "
-                             "median", "gate": plan.gate,
+        "method": {"timing": TIMING, "gate": "peer copies only" if plan.gate else "none",
                    "inputs": f"{plan.sets} staged sets rotated",
                    "link_bytes": "remote (token, k) messages (staged) or output+header rows "
                                  "(final layout) of the busiest GPU; GB = 1e9 B",
@@ -545,7 +559,7 @@ def run(plan: Plan, progress: Progress) -> dict:
     progress(f"  peer copy per GPU: ring {link_gbps:.1f} GB/s, pair "
              f"{results['peer_copy']['pair']['gbps_per_gpu']:.1f} GB/s")
     for T in plan.tokens:
-        results["shapes"].append(run_shape(plan, T, devices, torch, gate, link_gbps, progress))
+        results["shapes"].append(run_shape(plan, T, devices, torch, link_gbps, progress))
     if gate is not None:
         results["gate"] = gate.describe()
     results["failures"] = failures(results)
@@ -601,6 +615,8 @@ def print_report(results, file=None) -> None:
         print(f"peer copy per GPU ({c['size_mib']} MiB, cuMemcpyAsync): ring "
               f"{c['ring']['gbps_per_gpu']:.1f} GB/s (the reference), pair "
               f"{c['pair']['gbps_per_gpu']:.1f} GB/s", file=file)
+    print("epgen and NCCL timed alike: from an idle device, host enqueue included, no gate",
+          file=file)
     report.print_shapes(results, file, "nccl", lambda v: f"busiest GPU "
                         f"{v['link_bytes']['busiest'] / 1e6:.3f} MB over the links per round trip")
     print(file=file)

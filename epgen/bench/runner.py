@@ -68,7 +68,8 @@ def emulated_world(cfg, **options):
 
 def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch=None,
                   post_check: bool = True, progress, fused: bool | None = None,
-                  graph: bool = False, batched: bool = False, world_factory=None) -> dict:
+                  graph: bool = False, batched: bool = False, world_factory=None,
+                  host_sync: bool = False, timer=fork_join) -> dict:
     """Build the world (``world_factory()``, default an ``EmulatedWorld`` on ``device``,
     single-launch with ``fused``, every rank in one launch with ``batched``), check it against the reference on set 0, time
     dispatch_async, dispatch_wait and the round trip (fork/join over the rank streams,
@@ -76,9 +77,14 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
     the round trip), check the last round trip's output. Raises when a check fails.
 
     With ``graph`` only the round trip is timed, as the replay of a ``RoundTripGraph``
-    (one captured per input set, ``world.capture_round_trip``) on the timing stream."""
-    from backends import cuda
+    (one captured per input set, ``world.capture_round_trip``) on the timing stream.
 
+    ``host_sync`` (with ``gate`` None): every sample starts from an idle device, the host
+    having waited for every rank stream and the timing stream, so it includes the host's
+    enqueue time, as a baseline that synchronises the host before its events does (the P2P
+    benchmark's NCCL job). ``timer``: the fork/join timing (``timing.fork_join``)."""
+    if host_sync and gate is not None:
+        raise ValueError("measure_world: host_sync times host enqueue; it takes no gate")
     from ..runtime.world import EmulatedWorld
     res = {}
     t0 = time.perf_counter()
@@ -94,23 +100,23 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
         res["check"] = "ok"
 
         staged = StagedInputs(world, sets)
-        ts = cuda.create_stream(device)
+        ts = world.cuda.create_stream(device)
         streams = [rk.stream for rk in world.ranks]
 
         def async_once(i):
             staged.use(i)
-            ms, over = fork_join(ts, streams, gate, world.dispatch_async)
+            ms, over = timer(ts, streams, gate, world.dispatch_async)
             world.dispatch_wait()                  # untimed: drains the buffers
             return ms, over
 
         def wait_once(i):
             staged.use(i)
             world.dispatch_async()                 # untimed: the fork waits for it
-            return fork_join(ts, streams, gate, world.dispatch_wait)
+            return timer(ts, streams, gate, world.dispatch_wait)
 
         def round_once(i):
             staged.use(i)
-            return fork_join(ts, streams, gate, world.enqueue_round_trip)
+            return timer(ts, streams, gate, world.enqueue_round_trip)
 
         if graph:
             for j in range(len(staged.sets)):
@@ -121,9 +127,16 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
             g = graphs[staged.use(i)]
             g.refresh()
             g.follow_world(ts)
-            ms, over = fork_join(ts, [], gate, lambda: g.replay(ts))
+            ms, over = timer(ts, [], gate, lambda: g.replay(ts))
             g.lead_world(ts)
             return ms, over
+
+        def from_idle(once):
+            def run(i):
+                for s in (*streams, ts):
+                    s.sync()
+                return once(i)
+            return run if host_sync else once
 
         phases = (("round_trip", graph_once),) if graph else \
             (("round_trip", round_once),) if world.fused else (
@@ -131,7 +144,7 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
             ("round_trip", round_once))
         for name, once in phases:
             progress(f"  epgen: timing {name} ({warmup} warm-up + {iters} iterations)")
-            res[name] = summarize(sample(once, iters, warmup, gate))
+            res[name] = summarize(sample(from_idle(once), iters, warmup, gate))
             world.check(f"benchmark {name}")
         if post_check:
             last = staged.current

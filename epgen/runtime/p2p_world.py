@@ -55,7 +55,7 @@ a round trip, the ordering between calls, re-arming, results) is ``RankWorld``
 
 from __future__ import annotations
 
-import operator
+from backends.cuda.errors import CudaUnavailableError
 
 from ..errors import EPTimeoutError
 from ..kernels import build_module
@@ -68,42 +68,53 @@ from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .program import Program
 from .world import CapacityError, RankWorld, _Rank, co_resident, p2p_group
+from .world_args import check_world_args, device_ordinal
 
 
 class PeerAccessError(RuntimeError):
     """Two GPUs whose ranks share a P2P group cannot access each other's memory."""
 
 
+def check_devices(n_ranks: int, devices) -> tuple[int, ...] | None:
+    """``devices`` as GPU ordinals, one per rank (None stays None), whatever the machine:
+    ``ValueError`` naming the entry that is not an ordinal, or the count."""
+    if devices is None:
+        return None
+    try:
+        out = tuple(device_ordinal("P2PWorld", f"devices[{r}]", d)
+                    for r, d in enumerate(devices))
+    except TypeError:
+        raise ValueError(f"P2PWorld: devices = {devices!r} is not a sequence of GPU "
+                         f"ordinals") from None
+    if len(out) != n_ranks:
+        raise ValueError(f"P2PWorld: devices has {len(out)} entries, one per rank is "
+                         f"{n_ranks}")
+    return out
+
+
 def assign_devices(n_ranks: int, devices, n_devices: int) -> tuple[int, ...]:
     """The GPU ordinal of every rank: ``devices`` (one ordinal per rank; ranks may share a
-    GPU), or rank ``r`` on GPU ``r`` when ``devices`` is None. ``ValueError`` naming the
-    problem when the machine (``n_devices`` GPUs) cannot hold them."""
+    GPU), or rank ``r`` on GPU ``r`` when ``devices`` is None. ``devices`` itself is checked
+    first (``ValueError`` naming the entry), then the machine: ``CudaUnavailableError``
+    without a GPU (``n_devices`` 0), ``ValueError`` naming the problem when its GPUs cannot
+    hold the ranks."""
+    out = check_devices(n_ranks, devices)
     if n_devices < 1:
-        raise ValueError("P2PWorld: no usable CUDA GPU here (backends.cuda.device_count() is "
-                         "0); P2PWorld needs one GPU per rank")
-    if devices is None:
+        raise CudaUnavailableError("P2PWorld: no usable CUDA GPU here "
+                                   "(backends.cuda.device_count() is 0); P2PWorld needs one "
+                                   "GPU per rank")
+    if out is None:
         if n_devices < n_ranks:
             raise ValueError(
                 f"P2PWorld: n_ranks={n_ranks} needs {n_ranks} GPUs (one per rank), this "
                 f"machine has {n_devices}; pass devices=[...] to place the ranks (several "
                 f"ranks may share a GPU) or use EmulatedWorld (every rank on one GPU)")
         return tuple(range(n_ranks))
-    out = []
-    for r, d in enumerate(devices):
-        try:
-            if isinstance(d, bool):
-                raise TypeError
-            d = operator.index(d)
-        except TypeError:
-            raise ValueError(f"P2PWorld: devices[{r}] = {d!r} is not a GPU ordinal") from None
-        if not 0 <= d < n_devices:
+    for r, d in enumerate(out):
+        if d >= n_devices:
             raise ValueError(f"P2PWorld: devices[{r}] = {d} is not a GPU of this machine "
                              f"(ordinals 0..{n_devices - 1})")
-        out.append(d)
-    if len(out) != n_ranks:
-        raise ValueError(f"P2PWorld: devices has {len(out)} entries, one per rank is "
-                         f"{n_ranks}")
-    return tuple(out)
+    return out
 
 
 def sim_gpus(cfg, devices) -> int:
@@ -197,6 +208,8 @@ class P2PWorld(RankWorld):
     def __init__(self, cfg, arch: str | None = None, devices=None,
                  timeout_ns: int | None = None, fused: bool | None = None,
                  input_scale: float = 1.0, backend="cuda", sim_seed: int | None = None):
+        check_world_args("P2PWorld", timeout_ns=timeout_ns)
+        check_devices(cfg.n_ranks, devices)
         self._init_common(cfg, fused, "P2PWorld", timeout_ns, input_scale, backend, sim_seed,
                           participants=cfg.n_ranks, n_gpus=sim_gpus(cfg, devices))
         cuda = self.cuda

@@ -56,6 +56,7 @@ import warnings
 
 import numpy as np
 
+from backends.cuda.errors import CudaUnavailableError
 from backends.cuda.nvshmem_host import NvshmemHost
 
 from .. import reference
@@ -73,6 +74,7 @@ from .diagnostics import DiagBuffer
 from .p2p_world import PeerAccessError
 from .program import Program
 from .world import CapacityError, RankWorld, _Rank, co_resident, p2p_group
+from .world_args import check_world_args, device_ordinal
 
 #: set before NVSHMEM initialises, where the environment does not say otherwise
 NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
@@ -105,16 +107,20 @@ def resolve_rank(cfg, rank: int | None, world_size: int | None = None) -> int:
 
 
 def resolve_device(device: int | None, n_devices: int, local_rank: int) -> int:
-    """The GPU of this PE: ``device``, else ``local_rank % n_devices``."""
+    """The GPU of this PE: ``device``, else ``local_rank % n_devices``. ``device`` is
+    checked first (``ValueError``), then the machine (``CudaUnavailableError`` without a
+    GPU)."""
+    if device is not None:
+        device = device_ordinal("ShmemWorld", "device", device)
     if n_devices < 1:
-        raise ValueError("ShmemWorld: no usable CUDA GPU here (backends.cuda.device_count() "
-                         "is 0)")
+        raise CudaUnavailableError("ShmemWorld: no usable CUDA GPU here "
+                                   "(backends.cuda.device_count() is 0)")
     if device is None:
         return local_rank % n_devices
-    if not 0 <= int(device) < n_devices:
+    if device >= n_devices:
         raise ValueError(f"ShmemWorld: device {device} is not a GPU of this machine "
                          f"(ordinals 0..{n_devices - 1})")
-    return int(device)
+    return device
 
 
 def local_sharers(device: int, n_devices: int, local_world_size: int) -> int:
@@ -169,6 +175,7 @@ class ShmemWorld(RankWorld):
                  fused: bool | None = None, input_scale: float = 1.0, bootstrap=None,
                  host=None, barrier_timeout_s: float | None = None, backend="cuda"):
         self._closed = True                  # nothing to release until NVSHMEM is up
+        check_world_args("ShmemWorld", timeout_ns=timeout_ns, device=device)
         self.rank = resolve_rank(cfg, rank, getattr(bootstrap, "world_size", None))
         check_transport(cfg)
         self._init_common(cfg, fused, "ShmemWorld", timeout_ns, input_scale, backend,

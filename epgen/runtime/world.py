@@ -52,6 +52,7 @@ from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .graph import RoundTripGraph
 from .program import Program
+from .world_args import check_world_args
 
 
 #: Each rank's dispatch_wait is launched as a programmatic dependent launch (PDL) of its
@@ -594,6 +595,7 @@ class EmulatedWorld(RankWorld):
                  fused: bool | None = None, input_scale: float = 1.0,
                  devices: int | None = None, batched: bool = False, backend="cuda",
                  sim_seed: int | None = None):
+        check_world_args("EmulatedWorld", timeout_ns=timeout_ns, device=device)
         self.rank_ids = participants(cfg, devices)
         self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale, backend,
                           sim_seed, participants=len(self.rank_ids))
