@@ -366,7 +366,7 @@ def test_dispatch_then_combine_on_device(fused, seed):
 def test_p2p_world_rank_on_its_gpu(seed):
     """``EPBuffer`` of a ``P2PWorld`` (here its one rank on the one GPU: the rank's own
     stream and memory pool): dispatch and combine match the reference."""
-    world = epgen.P2PWorld(make_cfg(1, 8, 256, 4, 32, 256, 6))
+    world = epgen.P2PWorld(make_cfg(1, 4, 256, 4, 32, 256, 6))
     cfg, ep = world.cfg, ept.EPBuffer(world)
     rng = np.random.default_rng(seed)
     toks, ids, x, i = _inputs(rng, cfg)

@@ -126,7 +126,11 @@ def driver_param_count(core_kernel) -> int | None:
     if q is None:
         return None
     handle, query, call = q
-    return int(check(query(handle), call))
+    try:
+        result = query(handle)
+    except RuntimeError:    # the bindings declare it, the installed driver library lacks it
+        return None
+    return int(check(result, call))
 
 
 def driver_param_sizes(core_kernel, count: int) -> tuple[int, ...] | None:

@@ -11,7 +11,8 @@ launches go:
   or every rank of an ``EmulatedWorld`` in one call with the split kernels
   (every rank's send kernel before any rank's receive kernel, so no kernel waits for one
   queued behind it);
-- otherwise (the fused single launch of several ranks, ranks on several GPUs) on each rank's own stream, forked from the caller's stream by an event and joined
+- otherwise (the fused single launch of several ranks, ``ep_prod_reserve``'s send kernels,
+  which wait for each other, ranks on several GPUs) on each rank's own stream, forked from the caller's stream by an event and joined
   back: the caller's stream waits for every rank, so whatever it runs next sees the outputs.
 
 Outputs are tensors that view the rank's output buffers: they are valid until the next call
@@ -159,8 +160,10 @@ class EPBuffer:
         self.fused = world.fused
         devices = {rk.stream.device.device_id for rk in self.ranks}
         whole = len(self.ranks) == len(world.ranks)
+        # ep_prod_reserve's send kernels wait for each other (the reservers' early counts
+        # and mailboxes), so they must run at once, on the ranks' own streams
         self.on_caller_stream = len(self.ranks) == 1 or (
-            whole and not self.fused and len(devices) == 1)
+            whole and not self.fused and not self.cfg.ep_prod_reserve and len(devices) == 1)
         self.device = self.ranks[0].stream.device.device_id
         self.outputs = [_outputs_of(torch, self.cfg, rk) for rk in self.ranks]
         self.lanes = None if self.on_caller_stream else streams.Lanes(

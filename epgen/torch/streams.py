@@ -56,7 +56,8 @@ class Producers:
         if info is None:
             return
         if isinstance(info.obj, tuple):
-            info.obj[0].__dlpack__(stream=caller)
+            # DLPack names the legacy default stream 1 (0 is not allowed)
+            info.obj[0].__dlpack__(stream=caller or 1)
             return
         if info.stream is None:
             return
