@@ -333,7 +333,10 @@ sanitize() {   # sanitize TOOL SECONDS NAME ARGS...: one `epgen run` under compu
     timeout "$limit" "$san_bin" --tool "$tool" --print-limit 50 \
         python3 -m epgen run "$@" >"$log" 2>&1
     local rc=$? errors verdict=ok
-    errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$log" | tail -1 | grep -oE "[0-9]+$")
+    # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK
+    # SUMMARY: H hazards displayed (N errors, W warnings)"
+    errors=$(grep -oE "ERROR SUMMARY: [0-9]+|SUMMARY: [0-9]+ hazards displayed \([0-9]+ errors" \
+        "$log" | tail -1 | grep -oE "[0-9]+( errors)?$" | grep -oE "^[0-9]+")
     if [ $rc -eq 124 ]; then verdict="timed out after ${limit}s"
     elif [ -z "$errors" ]; then verdict="no sanitizer summary (exit $rc)"
     elif [ "$errors" -gt 0 ]; then verdict="$errors errors"

@@ -146,6 +146,23 @@ def driver_param_sizes(core_kernel, count: int) -> tuple[int, ...] | None:
     return tuple(int(check(query(handle, i), call)[1]) for i in range(count))
 
 
+def probed_param_sizes(core_kernel) -> tuple[int, ...]:
+    """The byte sizes of a foreign cuda.core ``Kernel``'s parameters where nothing gives
+    their count: ``cuKernelGetParamInfo`` asked index by index until the driver refuses one
+    (compute-sanitizer reports that last call as an API error; epgen's own kernels never
+    come here, their count is their PTX entry's). () where the driver cannot tell."""
+    q = _param_query(core_kernel, "GetParamInfo", PARAM_INFO_DRIVER_VERSION)
+    if q is None:
+        return ()
+    handle, query, _ = q
+    sizes = []
+    while True:
+        err, _offset, size = query(handle, len(sizes))
+        if int(err) != 0:
+            return tuple(sizes)
+        sizes.append(int(size))
+
+
 def entry_param_count(ptx: str, name: str) -> int | None:
     """How many ``.param`` declarations the PTX ``.entry name( ... )`` has (0 for an entry
     without a parameter list); None when ``ptx`` has no such entry."""

@@ -29,7 +29,8 @@ from . import compat
 from .errors import check, cuda_errors
 from .memory import as_device_pointer
 from .graph import stream_handle
-from .kernel import KernelHandle, cufunction, kernel_param_sizes, set_max_dynamic_shared_memory
+from .kernel import (KernelHandle, cufunction, kernel_param_sizes, probed_param_sizes,
+                     set_max_dynamic_shared_memory)
 from .stream import as_stream, using_device
 
 __all__ = ["launch", "launch_by_value", "pack_args", "pack_arg", "check_untyped_args",
@@ -246,8 +247,12 @@ def launch(kernel, grid, block, args: Sequence = (), stream=None, shmem: int = 0
         packed = check_untyped_args(args, param_names)
     shmem = operator.index(shmem)
     with using_device(device) as dev:
-        sizes = (kernel.param_sizes() if isinstance(kernel, KernelHandle)
-                 else kernel_param_sizes(core_kernel))
+        if isinstance(kernel, KernelHandle):
+            sizes = kernel.param_sizes()
+        else:
+            sizes = kernel_param_sizes(core_kernel)
+            if sizes is None:       # a foreign kernel of unknown count: never launched unchecked
+                sizes = probed_param_sizes(core_kernel)
         _check_sizes(packed, sizes, kname)
         _ensure_dynamic_smem(kernel, shmem)
         stream = as_stream(stream, dev)

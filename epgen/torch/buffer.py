@@ -6,14 +6,13 @@ packed, one ``cuLaunchKernelEx`` per call); a call rewrites only what changed (t
 pointers, the token count) and enqueues. Where the
 launches go:
 
-- on the caller's stream itself, when the order of one stream is enough: a handle of one rank
-  (``ShmemWorld``, or one rank of an ``EmulatedWorld`` called from that rank's own stream),
-  or every rank of an ``EmulatedWorld`` in one call with the split kernels
-  (every rank's send kernel before any rank's receive kernel, so no kernel waits for one
-  queued behind it);
-- otherwise (the fused single launch of several ranks, ``ep_prod_reserve``'s send kernels,
-  which wait for each other, ranks on several GPUs) on each rank's own stream, forked from the caller's stream by an event and joined
-  back: the caller's stream waits for every rank, so whatever it runs next sees the outputs.
+- a handle of one rank (``ShmemWorld``, ``P2PWorld(rank=...)``-style use, or one rank of an
+  ``EmulatedWorld`` called from that rank's own stream): on the caller's stream itself;
+- a handle of several ranks: on each rank's own stream, forked from the caller's stream by
+  an event and joined back, so the ranks run at once (the fused kernels and
+  ``ep_prod_reserve``'s send kernels wait for each other; the others would otherwise run one
+  rank after another) and the caller's stream waits for every rank: whatever it runs next
+  sees the outputs, and the next call of any rank starts after every rank's last.
 
 Outputs are tensors that view the rank's output buffers: they are valid until the next call
 on this buffer (``DispatchOutput.clone()`` copies them). Errors the kernels record (expired
@@ -160,10 +159,10 @@ class EPBuffer:
         self.fused = world.fused
         devices = {rk.stream.device.device_id for rk in self.ranks}
         whole = len(self.ranks) == len(world.ranks)
-        # ep_prod_reserve's send kernels wait for each other (the reservers' early counts
-        # and mailboxes), so they must run at once, on the ranks' own streams
-        self.on_caller_stream = len(self.ranks) == 1 or (
-            whole and not self.fused and not self.cfg.ep_prod_reserve and len(devices) == 1)
+        # several ranks run at once on their own streams: the fused kernels and
+        # ep_prod_reserve's send kernels wait for each other, and the others would run one
+        # rank after another on one stream
+        self.on_caller_stream = len(self.ranks) == 1
         self.device = self.ranks[0].stream.device.device_id
         self.outputs = [_outputs_of(torch, self.cfg, rk) for rk in self.ranks]
         self.lanes = None if self.on_caller_stream else streams.Lanes(

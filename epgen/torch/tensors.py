@@ -149,6 +149,8 @@ def weights_input(torch, w, name: str, T: int, K: int, device: int):
         if not w.is_cuda:
             raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
         w = w.to(torch.float32).contiguous()
+        if tuple(w.shape) == (T, K) and w.device.index == device:
+            return w, None          # the common case, checked without building an ArrayInfo
     info = interop.describe(w, name)
     if not info.on_device or info.device != device:
         raise EPInputError(f"{name}: must be on CUDA device {device}")
