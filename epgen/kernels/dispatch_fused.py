@@ -94,7 +94,7 @@ def build_dispatch_fused(cfg) -> ir.Kernel:
                 n_active_comm_sms=n_active, n_send_sms=r.n_blocks - n_sig,
                 err_buf=pw.err_buf)
     with kb.role("copy", blocks=(0, last)) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw)
+        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw, **trace.copy_args(kb))
     return kb.build()
 
 
