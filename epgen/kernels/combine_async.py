@@ -142,8 +142,8 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
             rows_to_s = rows_to_source(r, cfg, p, s)
             with r.if_(r.lane.eq(0)):
                 r.store(word(p.counters, done_base + s), 0)
+                trace.stamp(r, "send.arrival_raised", s, leader=False)  # before the signal
                 publish_arrival(r, cfg, p, s, rows_to_s + 1, sender)
-                trace.stamp(r, "send.arrival_published", s, leader=False)
 
 
 def rows_to_source(r: ir.RoleBuilder, cfg, p, s: int) -> ir.Var:

@@ -239,7 +239,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     compiles every stamp out); the role writes ring ``trace_comm_ring_id`` of the
     ``trace_rings_per_cta`` rings of ``trace_ring_capacity`` events each block owns from ring
     ``trace_ring_base`` on: ``copy.flag_seen`` in each warp, ``copy.tile`` for each of warp 0's
-    claims and, with ``trace_scatter_release``, ``copy.l1_release`` after each L1 release."""
+    claims and, with ``trace_scatter_release``, ``copy.l1_release`` before each L1 release."""
     if not isinstance(trace_buf, (trace.TraceBuf, trace.NullTrace)):
         raise ValueError(f"trace_buf must be a trace.TraceBuf or trace.NullTrace, got "
                          f"{trace_buf!r}")
@@ -356,16 +356,16 @@ def emit_l1_arrival_release(r: ir.RoleBuilder, l1_arrival_ptr, e, n_in_tile, tok
     """Warp 0, after the barrier that follows a tile's copy: ``ceil(n_in_tile / token_block)``
     ``red.release.gpu.global.add.u32`` of ``delta`` on expert ``e``'s L1 arrival counter
     (u32 word ``e * atomic_pad``), one per token block, spread over the lanes; each lane
-    stamps ``copy.l1_release`` on ``ring`` after each of its releases (payload: ``e << 32``
-    and the expert's token block, ``first_block`` that of the tile's first)."""
+    stamps ``copy.l1_release`` on ``ring`` just before each of its releases (payload: ``e <<
+    32`` and the expert's token block, ``first_block`` that of the tile's first)."""
     n_rel = (n_in_tile + (token_block - 1)) // token_block if token_block > 1 else n_in_tile
     with r.if_(r.warp.eq(0)):
         with r.for_range("l1_rel", r.lane, n_rel, 32) as i:
-            r.red(AtomOp.ADD, _word(l1_arrival_ptr, e * atomic_pad), delta, Sem.RELEASE,
-                  Scope.GPU)
-            if ring.enabled:
+            if ring.enabled:    # before the release: no consumer can precede the stamp
                 ring.stamp(r, "copy.l1_release", (e.cast(T.u64) << 32)
                            | (first_block + i).cast(T.u64), leader=False)
+            r.red(AtomOp.ADD, _word(l1_arrival_ptr, e * atomic_pad), delta, Sem.RELEASE,
+                  Scope.GPU)
 
 
 def lower_ready_flag_if_last(r: ir.RoleBuilder, cfg, ctr):

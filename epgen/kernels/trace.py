@@ -50,9 +50,9 @@ EVENTS = tuple(f"{role}.{edge}" for role in ROLES for edge in ("begin", "end")) 
     "aux.flag_raised",      # just before the ready flag's st.release.gpu
     "copy.flag_seen",       # the ready flag seen by the warp
     "copy.tile",            # warp 0 claimed a tile [expert << 32 | tile]
-    "copy.l1_release",      # one L1 release, after its red.release [expert << 32 | token block]
+    "copy.l1_release",      # just before one L1 release [expert << 32 | token block]
     "ffn.l1_seen",          # an expert's L1 arrival counter complete [expert]
-    "send.arrival_published",   # combine: the rows to a source sent, its arrival raised [source]
+    "send.arrival_raised",      # combine: just before a source's arrival word is [source]
     "reduce.arrivals_seen",     # combine: every destination's arrival word seen
 )
 PARAM = "trace_buf"

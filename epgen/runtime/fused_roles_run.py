@@ -40,7 +40,8 @@ class FusedRolesRunner:
         self.world, self.spec, self.cfg = world, spec, cfg
         self.smem = dynamic_smem_bytes(cfg)
         self.program = Program(ir.Module(KERNEL_NAME, (build_fused_roles(cfg, spec),)),
-                               arch=world.program.arch, device=world.device)
+                               arch=world.program.arch, device=world.device,
+                               backend=world.cuda)
         runtime_trace.allocate(world, self.program.module)   # built with trace rings only
         per_sm = self.program.blocks_per_sm(KERNEL_NAME, self.smem)
         sms = world.cuda.sm_count(world.device)

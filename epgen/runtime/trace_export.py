@@ -28,7 +28,7 @@ PHASES = ("X", "i", "M")
 METADATA = ("process_name", "thread_name", "process_sort_index", "thread_sort_index")
 #: hand-off events whose payload is ``a << 32 | b``: the names of ``a`` and ``b``
 PAYLOAD_FIELDS = {"copy.tile": ("expert", "tile"), "copy.l1_release": ("expert", "token_block"),
-                  "ffn.l1_seen": (None, "expert"), "send.arrival_published": (None, "source")}
+                  "ffn.l1_seen": (None, "expert"), "send.arrival_raised": (None, "source")}
 TID_STRIDE = 1 << 20
 
 
