@@ -446,3 +446,18 @@ def test_epgen_run_trace_without_a_file_prints_the_table(tmp_path, capsys, monke
     out = capsys.readouterr().out
     assert "trace events, median of 1 calls" in out and "written to" not in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_traced_kernels_assemble_and_keep_their_ordering():
+    """The traced dispatch, combine and fused-roles kernels: the PTX checker finds every
+    ordered operation and ptxas assembles them (sm_90)."""
+    from backends.nvptx import assemble, check_ptx, emit_ptx, find_ptxas
+    from epgen.kernels.fused_roles import build_fused_roles
+    cfg = traced(presets.load_preset("small"), trace_rings_per_cta=2)
+    for m in (build_module(cfg), build_combine_module(cfg),
+              ir.Module("ep_fused_roles", (build_fused_roles(cfg),))):
+        ptx = emit_ptx(m, "sm_90")
+        check_ptx(m, ptx)
+        assert "atom.relaxed.gpu.global.add.u32" in ptx
+        if find_ptxas() is not None:
+            assemble(ptx, "sm_90")
