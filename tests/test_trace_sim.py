@@ -74,16 +74,42 @@ def test_null_trace_builds_the_golden_kernel():
     assert ir.print_kernel(_copy_kernel(cfg)) == plain
 
 
+def test_null_trace_ptx_is_the_golden():
+    """The small preset's dispatch module with dispatch_wait's copy role given ``NullTrace``
+    and every other trace argument: byte for byte the PTX golden ``ep/small``."""
+    from backends.nvptx import emit_ptx
+    from epgen.kernels import build_dispatch_async, build_dispatch_fused
+    from golden_util import golden_path, normalize
+    from test_golden import ARCH
+    cfg = presets.load_preset("small")
+    null = _copy_kernel(cfg, trace_buf=trace.NullTrace(), trace_scatter_release=True,
+                        trace_rings_per_cta=2, trace_ring_capacity=16, trace_comm_ring_id=1,
+                        trace_ring_base=3)
+    module = ir.Module("ep_dispatch", (build_dispatch_async(cfg), null,
+                                       build_dispatch_fused(cfg)))
+    assert normalize(emit_ptx(module, arch=ARCH)) == golden_path("ep/small", "ptx").read_text()
+
+
+def test_ptx_of_the_traced_combine(capsys):
+    """``epgen ptx --op combine --trace --ir``: every combine kernel takes ``trace_buf``."""
+    assert cli.main(["ptx", "--preset", "small", "--op", "combine", "--trace", "--ir"]) == 0
+    text = capsys.readouterr().out
+    assert text.count(f"param ${trace.PARAM}:") == 3
+
+
 def test_trace_buf_argument_stamps_the_copy_role():
     cfg = presets.load_preset("small")
     kb = ir.KernelBuilder("k", cfg.num_threads)
     p = dispatch_wait.declare_params(kb, cfg)
     sink = trace.TraceBuf(kb.param(trace.PARAM, ir.types.ptr_global), p.my_rank)
     with kb.role("copy") as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p, trace_buf=sink,
-                                                     trace_ring_capacity=8)
+        dispatch_wait.copy_received_tokens_to_output(
+            r, kb, cfg, p, trace_buf=sink, trace_ring_capacity=8, trace_rings_per_cta=3,
+            trace_comm_ring_id=2, trace_ring_base=p.my_rank * 27)
     text = ir.print_kernel(kb.build())
-    assert "globaltimer" in text and "trace_idx" in text
+    # ring my_rank * 27 + ctaid * 3 + 2 of 32 + 8 * 32 bytes
+    assert "add(mul($my_rank, 27:u32), add(mul(@ctaid.x, 3:u32), 2:u32))" in text, text
+    assert "288:u64" in text and "globaltimer" in text
 
 
 @pytest.mark.parametrize("change,match", [

@@ -150,7 +150,11 @@ class Ring:
 
     def _record(self, r: ir.RoleBuilder, eid: int, payload) -> None:
         now = r.let("trace_now", r.sreg(ir.SReg.GLOBALTIMER))
-        q = ir.as_expr(self.ring_base, T.u32) + r.block * self.rings_per_cta + self.ring_id
+        q = r.block * self.rings_per_cta if self.rings_per_cta != 1 else r.block
+        if self.ring_id:
+            q = q + self.ring_id
+        if not (isinstance(self.ring_base, int) and self.ring_base == 0):
+            q = ir.as_expr(self.ring_base, T.u32) + q
         ring = r.let("trace_ring", self.sink.buf + q.cast(T.u64) * ring_bytes(self.capacity))
         idx = r.atomic(AtomOp.ADD, ring, 1, Sem.RELAXED, Scope.GPU, name="trace_idx")
         with r.if_(idx < self.capacity):
