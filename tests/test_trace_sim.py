@@ -487,3 +487,23 @@ def test_traced_kernels_assemble_and_keep_their_ordering():
         assert "atom.relaxed.gpu.global.add.u32" in ptx
         if find_ptxas() is not None:
             assemble(ptx, "sm_90")
+
+
+@pytest.mark.parametrize("world", [["--world", "p2p"], ["--batched"], ["--fused", "--graph"]],
+                         ids=["p2p", "batched", "fused_graph"])
+def test_epgen_run_trace_in_every_world(world, tmp_path, capsys):
+    """Ranks on their own (simulated) GPUs, every rank in one launch (each rank's own block
+    numbers), the fused kernel replayed from a graph: one track per rank, role and block."""
+    path = tmp_path / "w.json"
+    assert cli.main(["run", "--preset", "small", "--backend", "sim", "--calls", "2",
+                     "--seed", "6", *world, "--trace", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert trace_export.validate(doc) == []
+    cfg = presets.load_preset("small")
+    wait = "ep_dispatch" if "--fused" in world else "ep_dispatch_wait"
+    for pid in (1, 2):
+        tracks = {e["args"]["name"] for e in doc["traceEvents"]
+                  if e["name"] == "thread_name" and e["pid"] == pid}
+        assert {f"{wait} copy block {b}" for b in range(cfg.n_sms - 1)} <= tracks
+        assert f"{wait} aux block {cfg.n_sms - 1}" in tracks
+        assert all(int(t.rsplit(" ", 1)[1]) < cfg.n_sms for t in tracks)
