@@ -241,16 +241,18 @@ def test_tile_events_name_every_claimed_tile(seed):
 
 
 def test_rings_drop_past_their_capacity(seed):
-    """A ring of 2 events keeps 2 per block and counts the rest as dropped."""
-    cfg = traced(make_cfg(*SHAPES["R2-E4"]), trace_ring_capacity=2, trace_rings_per_cta=2)
+    """A ring of 2 events keeps 2 per block (every warp of a block records more) and counts
+    the rest as dropped."""
+    cfg = traced(make_cfg(*SHAPES["R2-E4"]), trace_ring_capacity=2)
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed) as world:
         runtime_trace.arm(world)
         world.dispatch(*routing.routing(rng, cfg, cfg.max_tokens_per_rank))
         tl = runtime_trace.read(world)
     for kernel, ev in tl.events.items():
-        per_block = np.unique(ev[["rank", "block"]], return_counts=True)[1]
-        assert per_block.max() <= 2 and tl.dropped[kernel] > 0, kernel
+        blocks, per_block = np.unique(ev[["rank", "block"]], return_counts=True)
+        assert len(blocks) == cfg.n_ranks * cfg.n_sms and (per_block == 2).all(), kernel
+        assert tl.dropped[kernel] > 0, kernel
 
 
 def test_combine_phases_are_stamped(seed):
@@ -285,10 +287,11 @@ def test_combine_phases_are_stamped(seed):
 
 def _l1_release_kernel(cfg, token_block: int):
     """dispatch_wait with L1 releases (``emit_l1_release``, one u32 counter per expert) and
-    the kernel's trace arguments: the copy role of a fused consumer, without the consumer."""
+    the kernel's trace arguments: the copy role of a fused consumer, without the consumer,
+    on ring 1 of each block (the aux role on ring 0)."""
     kb = ir.KernelBuilder(dispatch_wait.KERNEL_NAME, cfg.num_threads)
     p = dispatch_wait.declare_params(kb, cfg)
-    trace.instrument(kb, cfg, p.my_rank)
+    trace.instrument(kb, cfg, p.my_rank, role_rings={"copy": 1})
     l1 = kb.param("l1_arrival_ptr", ir.types.ptr_global)
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     with kb.role("copy", blocks=(0, last)) as r:
@@ -334,6 +337,11 @@ def test_every_l1_release_is_an_event(release, seed):
     ev = tl.events[kernel.name]
     check_events(world, tl, f"seed {seed}")
     rel = ev[ev["event"] == POINT["copy.l1_release"]]
+    # ring 1 of a copy block holds the copy role's events, ring 0 is empty
+    rings = world.ranks[0].trace_bufs[kernel.name].to_host().view(runtime_trace.EVENT_DTYPE)
+    rings = rings.reshape(cfg.n_sms, 2, -1)
+    assert (rings["t"][:cfg.n_sms - 1, 0, 0] == 0).all()
+    assert (rings["t"][:cfg.n_sms - 1, 1, 0] > 0).all() and (rings["t"][-1, 0, 0] > 0)
     if not release:
         assert rel.size == 0
         return
