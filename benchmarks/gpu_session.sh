@@ -8,8 +8,8 @@
 #
 # (default all; "formats": the quantising formats' GPU tests, quantiser sweep and round trips;
 # "latency": the round trip from 1 to 128 tokens per rank, stream launches and graph replays
-# ("latency-nvfp4": NVFP4's, about a minute); "trace": the trace points' GPU tests and
-# `epgen run --trace` timelines of decode calls, then "latency-nvfp4" (about 4 minutes);
+# ("latency-nvfp4": NVFP4's, about a minute); "trace": the trace rings' GPU tests and
+# `epgen run --trace FILE.json` timelines (and Perfetto files) of decode calls, then "latency-nvfp4" (about 4 minutes);
 # "batch-ab": every rank's grid in one launch against one launch per rank, its GPU tests,
 # decode and prefill A/B arms and a batched timeline (about 5 minutes); "format-variants":
 # the quantising formats' ORD-R, ep_send_join_named, fused and final+prod round trips at
@@ -145,11 +145,12 @@ latency_nvfp4() {   # NVFP4's round trip from 1 to 128 tokens per rank (its deco
 if [ "$what" = latency-nvfp4 ]; then
     latency_nvfp4
 fi
-trace_runs() {   # trace_runs NAME ARGS...: `epgen run --trace` (20 calls), its timeline
+trace_runs() {   # trace_runs NAME ARGS...: `epgen run --trace FILE` (20 calls), its timeline
     local name=$1
     shift
-    step "trace-$name" 120 python3 -m epgen run --trace --calls 20 --seed 7 "$@"
-    sed -n '/^trace points/,$p' "$OUT/trace-$name.log" | sed 's/^/    /'
+    step "trace-$name" 120 python3 -m epgen run --trace "$OUT/trace-$name.json" --calls 20 \
+        --seed 7 "$@"
+    sed -n '/^trace events/,$p' "$OUT/trace-$name.log" | sed 's/^/    /'
 }
 if [ "$what" = format-variants ]; then
     # the quantising formats' other variants at prefill (every variant must reach 0.85):
@@ -181,7 +182,7 @@ if [ "$what" = batch-ab ]; then
         --fused --graph
 fi
 if [ "$what" = trace ]; then
-    # where the decode round trip's time goes: the trace points' GPU tests, then the
+    # where the decode round trip's time goes: the trace rings' GPU tests, then the
     # timeline of NVFP4 (the decode target left) and BF16 at decode, and NVFP4 at 1 token
     gpu_tests trace-tests 200 tests/test_trace_gpu.py
     nvfp4=(--preset decode --set format=NVFP4)

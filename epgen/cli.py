@@ -163,7 +163,7 @@ def args_ptx(p: argparse.ArgumentParser) -> None:
                         "one by-value table of n_ranks rows, n_sms blocks per rank), as "
                         "'epgen run --batched' launches them")
     p.add_argument("--trace", action="store_true",
-                   help="the kernels with trace points, as 'epgen run --trace' builds them")
+                   help="the kernels with trace rings, as 'epgen run --trace' builds them")
     p.add_argument("--op", choices=("dispatch", "combine", "all"), default="dispatch",
                    help="which kernels: dispatch (default), combine (ep_combine_async, "
                         "ep_combine_wait; BF16 over P2P) or all of them in one module")
@@ -187,8 +187,8 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         cfg, _ = _config(args)
         if args.trace:
             cfg = _tuned(args, cfg, trace=True)
-        if args.op != "dispatch" and (args.batched or args.trace):
-            args.parser.error(f"argument --op: {args.op} not allowed with --batched or --trace")
+        if args.op != "dispatch" and args.batched:
+            args.parser.error(f"argument --op: {args.op} not allowed with --batched")
         try:
             combine = build_combine_module(cfg) if args.op != "dispatch" else None
         except ValueError as e:
@@ -351,12 +351,14 @@ def args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batched", action="store_true",
                    help="launch every rank's grid of a kernel as one grid (emulated ranks "
                         "only): the ranks start together, as on their own GPUs")
-    p.add_argument("--trace", action="store_true",
-                   help="build the kernels with trace points (tuning.trace, "
+    p.add_argument("--trace", nargs="?", const="", default=None, metavar="FILE.json",
+                   help="build the kernels with trace rings (tuning.trace, "
                         "epgen.kernels.trace) and print "
                         "where each call's time went: per role and hand-off, the first and "
-                        "last block there (us after the call's first stamp), the median over "
-                        "the calls")
+                        "last block there (us after the call's first event), the median over "
+                        "the calls; with FILE.json, also write every call's events as a "
+                        "Chrome trace-event file (one track per rank, role and block) that "
+                        "ui.perfetto.dev opens")
     _add_world(p)
     p.add_argument("--backend", choices=RUN_BACKENDS, default="cuda",
                    help="cuda: run on the GPU (the default); sim: interpret the kernels' IR on "
@@ -447,12 +449,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     weights = routing.zipf_weights(cfg.n_experts, rng=rng) if args.routing == "zipf" else None
-    if args.backend == "sim" and args.trace:
-        args.parser.error("argument --trace: the simulator has no clock (--backend sim "
-                          "stamps the interpreter's step count, not time); run on a GPU")
     from epgen.runtime import trace as runtime_trace
 
-    if args.trace:
+    tracing = args.trace is not None
+    if tracing:
         cfg = _tuned(args, cfg, trace=True)
     if args.combine:
         _check_combine(args, cfg)
@@ -477,7 +477,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     timelines = []
     for call in range(args.calls):
         toks, ids = routing.routing(rng, cfg, tokens, weights)
-        if args.trace:
+        if tracing:
             runtime_trace.arm(world)
         t0 = time.perf_counter()
         combined = None
@@ -489,7 +489,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             got = world.dispatch(toks, ids)
         dt = time.perf_counter() - t0
-        if args.trace:
+        if tracing:
             timelines.append(runtime_trace.read(world))
         want = reference.dispatch(cfg, toks, ids, input_scale=args.input_scale)
         diffs = [d for x, a in zip(want, got)
@@ -505,10 +505,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             print("\n".join("  " + d for d in diffs[:10]))
             raise CommandError(f"results differ from the reference (seed {seed})")
     if timelines:
+        sim = args.backend == "sim"
+        unit = "simulator clock ticks / 1000" if sim else "us"
         print(runtime_trace.format_rows(
             runtime_trace.median_rows(timelines),
-            f"trace points, median of {len(timelines)} calls (us after each call's first "
-            f"stamp; blocks: rank x block pairs there)"))
+            f"trace events, median of {len(timelines)} calls ({unit} after each call's first "
+            f"event; blocks: rank x block pairs there)"))
+        dropped = sum(sum(tl.dropped.values()) for tl in timelines)
+        if dropped:
+            print(f"trace: {dropped} events did not fit their rings (raise "
+                  f"--tune trace_ring_capacity={cfg.tuning.trace_ring_capacity})",
+                  file=sys.stderr)
+        if args.trace:
+            from epgen.runtime import trace_export
+
+            trace_export.write(args.trace, timelines,
+                               clock="sim: one tick per %globaltimer read" if sim else
+                               "globaltimer")
+            print(f"trace: {len(timelines)} calls written to {args.trace} (Chrome trace-event "
+                  f"JSON; open it in ui.perfetto.dev)")
     return 0
 
 
@@ -585,7 +600,7 @@ def _run_shmem(args: argparse.Namespace, cfg, tokens: int) -> int:
     rank); every rank draws every rank's inputs from the same seed (rank 0's, shared through
     the bootstrap when ``--seed`` is not given), computes the whole reference and compares
     its own part."""
-    if args.graph or args.trace or args.batched or args.backend != "cuda":
+    if args.graph or args.trace is not None or args.batched or args.backend != "cuda":
         args.parser.error("--world shmem: not with --graph, --trace, --batched or --backend sim")
     if args.drop_rank is not None and not 0 <= args.drop_rank < cfg.n_ranks:
         args.parser.error(f"argument --drop-rank: must be in [0, n_ranks={cfg.n_ranks})")

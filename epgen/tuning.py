@@ -64,9 +64,17 @@ class Tuning:
     #: final layout with transposed scales: rows per tile of dispatch_wait's header-pass
     #: scale copy
     scale_chunk_rows: int = attrs.field(default=128, validator=_power_of_two)
-    #: stamp ``%globaltimer`` trace points at every role's begin and end (an extra kernel
-    #: parameter ``trace_buf``); off, the PTX is that of a build without tracing
+    #: record ``%globaltimer`` events in per-block trace rings at every role's begin, end and
+    #: hand-offs (an extra kernel parameter ``trace_buf``: ``epgen.kernels.trace``); off, the
+    #: PTX is that of a build without tracing and the other ``trace_*`` fields change nothing
     trace: bool = attrs.field(default=False, validator=_bool)
+    #: with ``trace``: trace rings per block (the roles of a block spread their claims over
+    #: them)
+    trace_rings_per_cta: int = attrs.field(default=1, validator=_positive)
+    #: with ``trace``: events one ring keeps per call (later ones are counted as dropped)
+    trace_ring_capacity: int = attrs.field(default=512, validator=_positive)
+    #: with ``trace``: also stamp each L1 release of a copy role that emits them
+    trace_scatter_release: bool = attrs.field(default=True, validator=_bool)
 
     def replace(self, **changes) -> Tuning:
         """A copy with ``changes`` applied (validated again)."""

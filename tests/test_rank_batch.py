@@ -162,7 +162,7 @@ def test_batched_world_traces_every_rank(seed):
         world.dispatch(*routing.routing(rng, cfg, cfg.max_tokens_per_rank))
         tl = runtime_trace.read(world)
     wait = tl.stamps["ep_dispatch_wait"]
-    seen = wait[..., trace.POINTS.index("copy.flag_seen"), 0] != runtime_trace.UNSTAMPED
+    seen = wait[..., trace.EVENTS.index("copy.flag_seen"), 0] != runtime_trace.UNSTAMPED
     # each rank's copy blocks stamped their own rank's rows: the table gave each its my_rank
     assert seen[:, :cfg.n_sms - 1].all() and not seen[:, cfg.n_sms - 1].any(), f"seed {seed}"
 

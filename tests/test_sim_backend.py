@@ -203,7 +203,6 @@ def test_cli_run_sim_refuses_the_default_preset():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--backend", "sim", "--trace"], "argument --trace: the simulator has no clock"),
     (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
 ])
 def test_cli_run_backend_usage_errors(argv, message, capsys):

@@ -38,6 +38,7 @@ from ir import types as T
 from ..combine_layout import CombineLayout
 from ..primitives import warp_inclusive_scan
 from .combine_shmem import complete_puts, publish_arrival, send_row
+from . import trace
 from .common import load_pointer, word
 
 KERNEL_NAME = "ep_combine_async"
@@ -141,6 +142,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
             rows_to_s = rows_to_source(r, cfg, p, s)
             with r.if_(r.lane.eq(0)):
                 r.store(word(p.counters, done_base + s), 0)
+                trace.stamp(r, "send.arrival_raised", s, leader=False)  # before the signal
                 publish_arrival(r, cfg, p, s, rows_to_s + 1, sender)
 
 
@@ -166,6 +168,7 @@ def build_combine_async(cfg) -> ir.Kernel:
         raise ValueError("combine_async: a row must be a whole number of 16-byte vectors")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb)
+    trace.instrument(kb, cfg, p.my_rank)
     with kb.role("send", blocks=(0, None)) as r:
         send_tokens_back(r, cfg, p)
     return kb.build()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ir
 from ir import types as T
 
-from . import combine_async, combine_wait
+from . import combine_async, combine_wait, trace
 from .dispatch_fused import _SharedParams
 from .shared_expert import se_token_slice
 
@@ -38,6 +38,7 @@ def build_combine_fused(cfg) -> ir.Kernel:
     pw = combine_wait.declare_params(view)
     se = bool(cfg.fused_shared_expert)
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None
+    trace.instrument(kb, cfg, pw.my_rank)
     with kb.role("send", blocks=(0, None)) as r:
         combine_async.send_tokens_back(r, cfg, pa)
     with kb.role("reduce", blocks=(0, None)) as r:

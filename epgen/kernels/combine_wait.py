@@ -30,6 +30,7 @@ from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
 from ..combine_layout import CombineLayout
+from . import trace
 from .common import VEC, exit_if_aborted, word
 
 KERNEL_NAME = "ep_combine_wait"
@@ -115,6 +116,7 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
                     buffer="combine_arrival", index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)
     r.syncthreads()
     exit_if_aborted(r, p.err_buf)
+    trace.stamp(r, "reduce.arrivals_seen")
     with r.if_(r.tid.eq(0)):
         old = r.atomic(AtomOp.ADD, ctr, 1, Sem.ACQ_REL, Scope.GPU, name="wait_old")
         with r.if_((old + 1).eq(r.n_blocks)):
@@ -207,6 +209,7 @@ def build_combine_wait(cfg) -> ir.Kernel:
     check_hid_dim(cfg)
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
     p = declare_params(kb)
+    trace.instrument(kb, cfg, p.my_rank)
     with kb.role("reduce", blocks=(0, None)) as r:
         wait_for_all_arrivals(r, cfg, p)
         reduce_and_copy_to_output(r, cfg, p)

@@ -102,7 +102,8 @@ def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Ke
                 fused_se_counter=send_buf_ready_ptr(cfg, pw.atomic_counter),
                 shared_expert_token_count=t_se, err_buf=pw.err_buf, **pack_args)
     with role("copy", 0, last) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw, **sms.args(cfg, "copy", r))
+        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw, **sms.args(cfg, "copy", r),
+                                                      **trace.copy_args(kb))
     return kb.build()
 
 

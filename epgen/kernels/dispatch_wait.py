@@ -222,7 +222,12 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                                    comm_barrier_id: int = -1, *, comm_smem_base: int | None = None,
                                    emit_l1_release: bool = False, l1_release_token_block: int = 1,
                                    l1_release_atomic_pad: int = 1, l1_release_delta: int = 1,
-                                   l1_arrival_ptr=None, scatter_sm_id=None):
+                                   l1_arrival_ptr=None, scatter_sm_id=None,
+                                   trace_scatter_release: bool = False,
+                                   trace_rings_per_cta: int = 1, trace_ring_capacity: int = 1,
+                                   trace_comm_ring_id: int = 0,
+                                   trace_buf: trace.TraceBuf | trace.NullTrace = trace.NullTrace(),
+                                   trace_ring_base=0):
     """Comm blocks. Thread 0 waits (bounded, ``ld.acquire.gpu``) for the ready flag. Block
     ``b`` starts on expert ``sm_schedule[b]`` and warp 0 claims tiles of 128 of the expert's
     tokens (``atom.acquire.gpu.add`` on its tile counter), moving on to later experts when it
@@ -252,7 +257,20 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     block index): the block's index among the copy blocks, which picks its entry of the SM
     schedule, so a fused kernel can run the role on remapped blocks (ids ``0 ..
     n_active_offset_sms - 1``, each once). ``ep_final_layout`` takes neither
-    ``emit_l1_release`` nor ``scatter_sm_id`` (``check_final_layout_copy``)."""
+    ``emit_l1_release`` nor ``scatter_sm_id`` (``check_final_layout_copy``).
+
+    Trace (``epgen.kernels.trace``): ``trace_buf`` is the sink (``NullTrace``, the default,
+    compiles every stamp out); the role writes ring ``trace_comm_ring_id`` of the
+    ``trace_rings_per_cta`` rings of ``trace_ring_capacity`` events each block owns from ring
+    ``trace_ring_base`` on: ``copy.flag_seen`` in each warp, ``copy.tile`` for each of warp 0's
+    claims and, with ``trace_scatter_release``, ``copy.l1_release`` before each L1 release."""
+    if not isinstance(trace_buf, (trace.TraceBuf, trace.NullTrace)):
+        raise ValueError(f"trace_buf must be a trace.TraceBuf or trace.NullTrace, got "
+                         f"{trace_buf!r}")
+    if not isinstance(trace_scatter_release, bool):
+        raise ValueError(f"trace_scatter_release must be a bool, got {trace_scatter_release!r}")
+    ring = trace_buf.ring(rings_per_cta=trace_rings_per_cta, ring_capacity=trace_ring_capacity,
+                          ring_id=trace_comm_ring_id, ring_base=trace_ring_base)
     if cfg.ep_final_layout:
         check_final_layout_copy(emit_l1_release, scatter_sm_id)
         return final_layout.copy_received_headers(r, kb, cfg, p, comm_barrier_id)
@@ -271,7 +289,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     tile_msgs = scratch.buffer("tile_msgs", fmt.tile_smem_bytes(TT)) \
         if fmt.copies_scales_per_tile else None
     wait_ready_flag(r, cfg, ctr, p.err_buf, comm_barrier_id)
-    trace.stamp(r, "copy.flag_seen")
+    ring.stamp(r, "copy.flag_seen")
     # warp 0's claim state (registers; meaningful in warp 0 only)
     cur_e = r.var("cur_e", T.u32, L)
     cur_tiles = r.var("cur_tiles", T.u32, 0)
@@ -284,6 +302,9 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
     with r.while_(ir.Const(1, T.pred)):
         with r.if_(r.warp.eq(0)):
             claim_next_tile(r, cfg, ctr, cur_e, cur_tiles, claim)
+            if trace_buf.enabled:
+                with r.if_(cur_e < L):
+                    ring.stamp(r, "copy.tile", (cur_e.cast(T.u64) << 32) | claim.cast(T.u64))
             with r.if_((cur_e < L) & cur_e.ne(loaded_e)):
                 with r.if_(r.lane < R):
                     r.store(_word(prefix, r.lane),
@@ -297,7 +318,6 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                 r.store(vals + 4, claim)
                 r.store(vals + 8, cur_e)
         comm_sync(r, comm_barrier_id)
-        trace.stamp(r, "copy.tile")
         e = r.let("e", r.load(vals + 8, T.u32, name="e_ld"))
         with r.if_(e >= L):
             r.break_()
@@ -348,19 +368,27 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, kb: ir.KernelBuilder, cfg,
                 comm_sync(r, comm_barrier_id)
         if emit_l1_release:
             emit_l1_arrival_release(r, l1_arrival_ptr, e, n_in_tile, l1_release_token_block,
-                                    l1_release_atomic_pad, l1_release_delta)
+                                    l1_release_atomic_pad, l1_release_delta,
+                                    ring if trace_scatter_release else trace.NullTrace(),
+                                    ts // l1_release_token_block)
     with r.if_(r.tid.eq(0)):
         lower_ready_flag_if_last(r, cfg, ctr)
 
 
 def emit_l1_arrival_release(r: ir.RoleBuilder, l1_arrival_ptr, e, n_in_tile, token_block: int,
-                            atomic_pad: int, delta: int):
+                            atomic_pad: int, delta: int, ring=trace.NullTrace(),
+                            first_block=0):
     """Warp 0, after the barrier that follows a tile's copy: ``ceil(n_in_tile / token_block)``
     ``red.release.gpu.global.add.u32`` of ``delta`` on expert ``e``'s L1 arrival counter
-    (u32 word ``e * atomic_pad``), one per token block, spread over the lanes."""
+    (u32 word ``e * atomic_pad``), one per token block, spread over the lanes; each lane
+    stamps ``copy.l1_release`` on ``ring`` just before each of its releases (payload: ``e <<
+    32`` and the expert's token block, ``first_block`` that of the tile's first)."""
     n_rel = (n_in_tile + (token_block - 1)) // token_block if token_block > 1 else n_in_tile
     with r.if_(r.warp.eq(0)):
-        with r.for_range("l1_rel", r.lane, n_rel, 32):
+        with r.for_range("l1_rel", r.lane, n_rel, 32) as i:
+            if ring.enabled:    # before the release: no consumer can precede the stamp
+                ring.stamp(r, "copy.l1_release", (e.cast(T.u64) << 32)
+                           | (first_block + i).cast(T.u64), leader=False)
             r.red(AtomOp.ADD, _word(l1_arrival_ptr, e * atomic_pad), delta, Sem.RELEASE,
                   Scope.GPU)
 
@@ -386,7 +414,7 @@ def build_dispatch_wait(cfg) -> ir.Kernel:
     trace.instrument(kb, cfg, p.my_rank)
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     with kb.role("copy", blocks=(0, last)) as r:
-        copy_received_tokens_to_output(r, kb, cfg, p)
+        copy_received_tokens_to_output(r, kb, cfg, p, **trace.copy_args(kb))
     with kb.role("aux", blocks=(last, None)) as r:
         if p.prod_gen_word is not None:
             final_layout.advance_generation(r, p.prod_gen_word)

@@ -34,6 +34,7 @@ import ir
 from ir import CmpOp, ReduxOp, Scope, Sem
 from ir import types as T
 
+from . import trace
 from .common import DATA_READY_FLAG, VEC, VEC_BYTES, exit_if_aborted
 from .common import word as _word
 from .dispatch_wait import (copy_received_tokens_to_output, copy_scratch_bytes, declare_params,
@@ -120,6 +121,7 @@ def ffn_consume_l1_arrivals(r: ir.RoleBuilder, cfg, p, spec: FusedRolesSpec, sme
                         blocks * spec.l1_release_delta, buffer="l1_arrival",
                         index=e * spec.l1_release_atomic_pad, sem=Sem.ACQUIRE, scope=Scope.GPU,
                         backoff_ns=64)
+            trace.stamp(r, "ffn.l1_seen", e, leader=False)
             r.store(smem, r.load(_word(p.row_offsets, e), T.u32, name="ffn_start"))
             r.store(smem + 4, total)
         r.bar_sync(bar)
@@ -154,6 +156,7 @@ def build_fused_roles(cfg, spec: FusedRolesSpec = FusedRolesSpec()) -> ir.Kernel
     p = declare_params(kb, cfg)
     l1_arrival = kb.param("l1_arrival_ptr", T.ptr_global)
     ffn_out = kb.param("ffn_out", T.ptr_global)
+    trace.instrument(kb, cfg, p.my_rank, role_rings={"ffn": 1, "copy": 0})
     X = spec.ffn_threads
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     smem = kb.dynamic_shared_memory()
@@ -164,7 +167,8 @@ def build_fused_roles(cfg, spec: FusedRolesSpec = FusedRolesSpec()) -> ir.Kernel
             r, kb, cfg, p, spec.comm_barrier_id, comm_smem_base=FFN_SMEM_BYTES,
             emit_l1_release=True, l1_release_token_block=spec.l1_release_token_block,
             l1_release_atomic_pad=spec.l1_release_atomic_pad,
-            l1_release_delta=spec.l1_release_delta, l1_arrival_ptr=l1_arrival)
+            l1_release_delta=spec.l1_release_delta, l1_arrival_ptr=l1_arrival,
+            **trace.copy_args(kb))
     with kb.role("aux", blocks=(last, None)) as r:
         wait_for_arrivals_and_compute_offsets(r, kb, cfg, p, flag_readers_per_block=2)
     return kb.build()

@@ -17,6 +17,7 @@ from ..kernels import build_combine_module
 from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
 from ..kernels.combine_fused import KERNEL_NAME as C_FUSED
 from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
+from . import trace as runtime_trace
 from .program import Program
 
 #: bytes after each rank's combine receive buffer that no kernel may write (the tests check
@@ -90,6 +91,7 @@ class Combiner:
         module = co_resident(build_combine_module(cfg), len(world.rank_ids) * cfg.n_sms,
                              world.cuda.sm_count(world.device))
         self._load(module)
+        runtime_trace.allocate(world, module)     # kernels built with trace rings only
         if self.fused:
             self._check_capacity()
         self.bufs = [CombineBuffers(world.cuda, cfg, rk, **self._memory(rk))
@@ -272,7 +274,8 @@ class Combiner:
         """``ep_combine_async``'s launch arguments for rank index ``i``."""
         w = self.world
         rk, b = w.ranks[i], self.bufs[i]
-        return {"expert_out": b.expert_out, "src_info": rk.src_info,
+        return {**w._trace_args(C_ASYNC, rk), "expert_out": b.expert_out,
+                "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
                 "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns}
@@ -282,7 +285,8 @@ class Combiner:
         weighted / residual choice)."""
         w = self.world
         rk, b = w.ranks[i], self.bufs[i]
-        return {"combine_buf": b.recv, "arrival": b.arrival, "topk_ids": rk.topk_ids,
+        return {**w._trace_args(C_WAIT, rk), "combine_buf": b.recv, "arrival": b.arrival,
+                "topk_ids": rk.topk_ids,
                 "weights": b.weights, "weighted": int(self.weighted),
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
@@ -292,7 +296,8 @@ class Combiner:
         """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
         ``skip_a2a`` with the shared expert the devices' count (``allreduce_world_size``, as
         for ``ep_dispatch``)."""
-        args = {**self.async_args(i), **self.wait_args(i)}
+        args = {**self.async_args(i), **self.wait_args(i),
+                **self.world._trace_args(C_FUSED, self.world.ranks[i])}
         names = {p.name for p in self.program.module.kernel(C_FUSED).params}
         if "allreduce_world_size" in names:
             args["allreduce_world_size"] = len(self.world.rank_ids)

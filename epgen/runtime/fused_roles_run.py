@@ -12,6 +12,7 @@ import ir
 
 from ..kernels.fused_roles import (KERNEL_NAME, FusedRolesSpec, build_fused_roles,
                                    dynamic_smem_bytes)
+from . import trace as runtime_trace
 from .program import Program
 from .world import CapacityError
 
@@ -39,7 +40,9 @@ class FusedRolesRunner:
         self.world, self.spec, self.cfg = world, spec, cfg
         self.smem = dynamic_smem_bytes(cfg)
         self.program = Program(ir.Module(KERNEL_NAME, (build_fused_roles(cfg, spec),)),
-                               arch=world.program.arch, device=world.device)
+                               arch=world.program.arch, device=world.device,
+                               backend=world.cuda)
+        runtime_trace.allocate(world, self.program.module)   # built with trace rings only
         per_sm = self.program.blocks_per_sm(KERNEL_NAME, self.smem)
         sms = world.cuda.sm_count(world.device)
         if cfg.n_ranks * cfg.n_sms > per_sm * sms:
@@ -65,7 +68,7 @@ class FusedRolesRunner:
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
                 "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns, "l1_arrival_ptr": l1,
-                "ffn_out": ffn}, rk.stream, shmem=self.smem)
+                "ffn_out": ffn, **w._trace_args(KERNEL_NAME, rk)}, rk.stream, shmem=self.smem)
             rk.wait_done = rk.stream.record()
         self.check()
         return FusedRolesResult(w.results(), [a.to_host() for a in self.l1],
