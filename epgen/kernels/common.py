@@ -52,3 +52,15 @@ def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf, comm_barrier_id: int =
                     scope=Scope.GPU, backoff_ns=32)
     comm_sync(r, comm_barrier_id)
     exit_if_aborted(r, err_buf)
+
+
+def published_count_word(cfg, w):
+    """Whether count word ``w = e * R + src`` is one a source publishes: ``w < E`` whose
+    source ``src < n_sources``. Under ``skip_a2a`` with ``n_ranks > 1`` only the rank-0
+    column ``w % R == 0`` is (the rank coordinate is forced to 0); the other words stay
+    the sentinel and count 0."""
+    lay = cfg.layout
+    cond = w < cfg.n_experts
+    if lay.n_sources < cfg.n_ranks:
+        cond = cond & ((w % cfg.n_ranks) < lay.n_sources)
+    return cond

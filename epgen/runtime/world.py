@@ -141,7 +141,10 @@ def participants(cfg, devices: int | None) -> list[int]:
 
 def p2p_group(cfg, r: int) -> range:
     """The ranks of rank ``r``'s P2P group (``p2p_world_size`` consecutive ranks): the order
-    of the entries of ``r``'s pointer tables (entry ``q % p2p_world_size`` is rank ``q``)."""
+    of the entries of ``r``'s pointer tables (entry ``q % p2p_world_size`` is rank ``q``).
+    Under ``skip_a2a`` a device reaches only itself, whatever ``p2p_world_size``: ``[r]``."""
+    if cfg.skip_a2a:
+        return range(r, r + 1)
     P = cfg.p2p_world_size
     return range((r // P) * P, (r // P) * P + P)
 
@@ -268,8 +271,8 @@ class RankWorld:
         """Every rank's tables: receive buffers, receive-count words, and the
         ``ep_final_layout`` ones (``_final_layout_tables``); then, for kernels built with trace
         points, every rank's trace buffers (``epgen.runtime.trace.allocate``)."""
-        # under skip_a2a P == 1, so a device's tables hold only its own buffers (the host
-        # passes only local pointers)
+        # under skip_a2a a device's group is itself, so its tables hold only its own buffers
+        # (the host passes only local pointers)
         ids = self.rank_ids
         self.recv_buf_ptrs = [self._pointer_table(r, "recv_buf") for r in ids]
         self.recv_count_ptrs = [self._pointer_table(r, "recv_count") for r in ids]
