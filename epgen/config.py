@@ -14,8 +14,7 @@ argument) owns global experts ``[L * d, L * d + L)``; ``topk_ids`` stay global (
 65536: an id no device owns is dropped). Every derived member keeps its formula in ``E`` and
 ``R`` (``epgen.layout``); the rank coordinate of the receive layouts is forced to 0. The
 reference host's own instantiation, ``n_ranks = 1`` and ``n_experts`` = one device's experts,
-is the ``R = 1`` case of the same formulas and builds the same kernels for a device as any
-other ``R`` with the same ``L``, but for the offsets that scale with ``E``.
+is the ``R = 1`` case of the same formulas (docs/flags.md, ``skip_a2a``).
 """
 
 from __future__ import annotations

@@ -91,3 +91,24 @@ def test_fewer_devices_than_ranks(seed):
         assert int(np.asarray(res.counts).sum()) == int(((ids[d] >= d * L)
                                                          & (ids[d] < d * L + L)).sum())
 
+
+
+def test_one_gpu_per_device(seed):
+    """``P2PWorld``: the R devices of the global form on R simulated GPUs (rank ``r`` is
+    device ``r``; no peer access needed, every table holds the device's own buffers)."""
+    from epgen.runtime.p2p_world import P2PWorld
+    rng = np.random.default_rng(seed)
+    cfg = _cfg(R=3)
+    world = P2PWorld(cfg, backend="sim", sim_seed=seed)
+    _check_dispatch(world, _inputs(rng, cfg, 3), seed, "P2PWorld")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=3), "P2PWorld")
+
+
+def test_p2p_world_size_changes_nothing():
+    """The kernels of the global form are the same for every ``p2p_world_size``: under
+    skip_a2a every pointer table is read at entry 0 and every P2P coordinate is 0."""
+    from epgen.goldens import print_ir
+    from epgen.kernels import build_combine_module, build_module
+    texts = {P: (print_ir(build_module(_cfg(R=4, P=P))),
+                 print_ir(build_combine_module(_cfg(R=4, P=P)))) for P in (1, 2, 4)}
+    assert texts[1] == texts[2] == texts[4]

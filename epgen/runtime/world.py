@@ -3,7 +3,7 @@ stream, running the generated dispatch kernels.
 
 ``skip_a2a`` (the reference instantiates it per device): ``EmulatedWorld(cfg, devices=D)`` runs ``D`` independent
 devices, each with ``my_rank`` = its device id, its own buffers and pointer tables that hold only
-its own buffers (the kernels are built with ``n_ranks = 1``); inputs are one per device, with
+its own buffers (whatever ``n_ranks`` and ``p2p_world_size``); inputs are one per device, with
 global top-k ids, and the results compare with ``reference.dispatch(cfg, tokens, topk_ids,
 ranks=list(range(D)))``.
 
@@ -120,15 +120,16 @@ def co_resident(module, blocks: int, sms: int):
 
 def participants(cfg, devices: int | None) -> list[int]:
     """The ``my_rank`` of each emulated participant: ranks ``0 .. n_ranks-1``, or under
-    ``skip_a2a`` devices ``0 .. devices-1`` (default 1). ``devices`` without ``skip_a2a`` is
-    a ``ValueError``."""
+    ``skip_a2a`` devices ``0 .. devices-1`` (default ``n_ranks``: one device per rank's slice
+    of the experts, 1 in the per-device form). ``devices`` without ``skip_a2a`` is a
+    ``ValueError``."""
     if not cfg.skip_a2a:
         if devices is not None:
             raise ValueError(f"EmulatedWorld: devices={devices!r} applies only with skip_a2a "
                              f"(independent devices); without it the world emulates "
                              f"n_ranks={cfg.n_ranks} ranks")
         return list(range(cfg.n_ranks))
-    n = 1 if devices is None else devices
+    n = cfg.n_ranks if devices is None else devices
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"EmulatedWorld: devices must be a positive integer (skip_a2a "
                          f"devices on this GPU), got {devices!r}")
