@@ -13,6 +13,11 @@ range-checked.
 Words of the counter array are Int32 (``EPLocalSyncCounters``); words of the receive-count
 buffer are UInt64.
 
+``skip_a2a`` changes no formula: ``n_experts`` and ``n_ranks`` stay global (``L = E // R`` per
+device), and ``recv_buf_layout`` / ``recv_count_layout`` force the rank coordinate to 0.
+What a device actually uses is said by two members of ours, ``n_sources`` (1: itself) and
+``n_monitored_experts`` (its ``L`` experts).
+
 ``ep_final_layout`` / ``ep_prod_reserve`` (ours; docs/final-layout.md) add,
 per rank: a header array row-parallel to the grouped output (``hdr_*``, peer-visible), the
 reservation cursors ``[rc_cursor_base, +L)`` of the receive-count buffer (initialised 0), the

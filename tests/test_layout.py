@@ -297,7 +297,8 @@ def test_skip_a2a_second_ticket_branch_by_hand():
     lay = cfg.layout
     assert (lay.l1_vslot_ticket_offset, lay.l2_pool_cursor_offset) == (36, 37)
     assert (lay.rank_flag_base, lay.rc_cursor_base, lay.recv_count_size()) == (8, 12, 14)
-    assert lay.recv_count_layout(1, 2) == 4 and lay.recv_buf_layout(1, 2, 3) == 19 * 160   # msg = 128 + 16 + 16
+    # msg = 128 + 16 + 16 = 160; slot row (1 * 4 + 0) * 4 + 3 = 19
+    assert lay.recv_count_layout(1, 2) == 4 and lay.recv_buf_layout(1, 2, 3) == 19 * 160
 
 
 def test_skip_a2a_per_device_form_is_the_r1_case():

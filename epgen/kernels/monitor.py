@@ -119,14 +119,13 @@ def signal_after_sends(r: ir.RoleBuilder, cfg, p, token_warps: int = 1):
 def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
                       token_warps: int = 1):
     """The monitor warp's lane 0, for its expert (``expert_idx < n_monitored_experts``: ``E``,
-    ``L`` under ``skip_a2a``): bounded wait until the
-    finished counter reaches ``count`` (``ld.acquire.gpu``; ``token_warps * count`` when
-    that many warps share each token and each counts its share of a copy), publish the
-    count word (``destination``'s ``count_word``; or the ORD-R rank completion), re-arm the
-    counters (and the destination's words: the final layout's hand-off). A destination
-    outside the P2P group (``sends_through_shmem``) gets the count word through
-    ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead, with or without
-    ORD-R."""
+    ``L`` under ``skip_a2a``): bounded wait until the finished counter reaches ``count``
+    (``ld.acquire.gpu``; ``token_warps * count`` when that many warps share each token and each
+    counts its share of a copy), publish the count word (``destination``'s ``count_word``; or
+    the ORD-R rank completion), re-arm the counters (and the destination's words: the final
+    layout's hand-off). A destination outside the P2P group (``sends_through_shmem``) gets the
+    count word through ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead,
+    with or without ORD-R."""
     dest = destination(cfg, p)
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
