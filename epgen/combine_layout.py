@@ -22,8 +22,9 @@ class CombineLayout:
 
     @property
     def arrival_words(self) -> int:
-        """``R`` arrival words, word ``d`` written by destination ``d``; peer-visible."""
-        return self.cfg.n_ranks
+        """``n_sources`` arrival words (``R``; 1 under ``skip_a2a``, where the device is its
+        own only destination), word ``d`` written by destination ``d``; peer-visible."""
+        return self.cfg.layout.n_sources
 
     @property
     def arrival_word_bytes(self) -> int:

@@ -8,11 +8,13 @@ Every parameter of the reference page exists here under the same name with the s
 Construction validates every constraint (the reference's plus ours) and raises
 ``EPConfigError`` (a ``ValueError``) listing each violated rule with the parameters it names.
 
-``skip_a2a`` follows the reference's per-device instantiation: the kernels are built for
-one device, ``n_experts`` = that device's experts and ``n_ranks = 1``, while ``topk_ids`` stay
-global and ``my_rank`` (a launch argument) is the real device id. So ``skip_a2a`` requires
-``n_ranks == 1``; with ``n_ranks > 1`` the dispatch_wait aux block would wait for count words
-nobody writes.
+``skip_a2a`` keeps the reference page's parameters: ``n_ranks = R`` and ``n_experts = E`` as
+without it, ``L = E // R`` experts per device, and the device with ``my_rank = d`` (a launch
+argument) owns global experts ``[L * d, L * d + L)``; ``topk_ids`` stay global (any id below
+65536: an id no device owns is dropped). Every derived member keeps its formula in ``E`` and
+``R`` (``epgen.layout``); the rank coordinate of the receive layouts is forced to 0. The
+reference host's own instantiation, ``n_ranks = 1`` and ``n_experts`` = one device's experts,
+is the ``R = 1`` case of the same formulas (docs/flags.md, ``skip_a2a``).
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ class EPConfig:
              f"must be <= {WARP_SIZE} (per-rank prefix and lanes in dispatch_wait), got {R}")
         rule(K <= WARP_SIZE, ("token_fmt.top_k",),
              f"top_k must be <= {WARP_SIZE} (one lane per top-k slot), got {K}")
-        if not self.skip_a2a:  # under skip_a2a the ids are global, n_experts is local
+        if not self.skip_a2a:  # under skip_a2a a token may have ids on other devices only
             rule(K <= E, ("token_fmt.top_k", "n_experts"),
                  f"top_k must be <= n_experts (top-k ids are unique per token), got top_k={K}, "
                  f"n_experts={E}")
@@ -210,9 +212,6 @@ class EPConfig:
                          f"use_shmem with p2p_world_size={self.p2p_world_size} < n_ranks={R} "
                          f"(destinations reached through NVSHMEM) and {flag} are exclusive: "
                          f"{SHMEM_EXCLUSIVE[flag]}")
-        rule(not self.skip_a2a or R == 1, ("skip_a2a", "n_ranks"),
-             f"skip_a2a kernels are instantiated per device with n_ranks=1 and n_experts = "
-             f"that device's experts (topk ids stay global), got n_ranks={R}")
         rule(self.ep_final_layout or not self.ep_prod_reserve,
              ("ep_prod_reserve", "ep_final_layout"),
              "ep_prod_reserve requires ep_final_layout")

@@ -30,7 +30,8 @@ FLAG_VARIANTS = {
     "ord_r": ("small", {"ep_ord_r": True, "has_rank_flag": True}),
     "ord_r_named": ("small", {"ep_ord_r": True, "has_rank_flag": True,
                               "ep_send_join_named": True}),
-    # skip_a2a kernels are built per device: n_ranks = 1, n_experts = the device's 8 experts
+    # skip_a2a in the reference host's per-device form, the R = 1 case of its formulas:
+    # n_ranks = 1, n_experts = the device's 8 experts (ep/skip_a2a_global: the global form)
     "skip_a2a": ("small", {"skip_a2a": True, "n_ranks": 1, "p2p_world_size": 1,
                            "n_experts": 8}),
     "final_layout": ("small", {"ep_final_layout": True}),
@@ -136,6 +137,9 @@ COMBINE_VARIANTS = {
     "fused_se": ({"fused_shared_expert": True}, True),
     "fused_se_skip_a2a": ({"fused_shared_expert": True, "skip_a2a": True, "n_ranks": 1,
                            "p2p_world_size": 1, "n_experts": 8}, True),
+    # skip_a2a with the small preset's global n_ranks = 2, n_experts = 16 (same 8 experts
+    # per device as combine/skip_a2a)
+    "skip_a2a_global": ({"skip_a2a": True}, False),
     # every source reached by NVSHMEM
     "shmem": ({"use_shmem": True, "p2p_world_size": 1}, False),
 }
@@ -214,6 +218,17 @@ def ep_sm_remap_se_module():
     from .presets import load_preset
     cfg = load_preset("small").replace(fused_shared_expert=True)
     return ir.Module(KERNEL_NAME, (build_dispatch_sm_remap(cfg),))
+
+
+# skip_a2a with the reference's global parameters (not a FLAG_VARIANTS entry: the variant
+# matrix builds skip_a2a on ep/skip_a2a's per-device base)
+@golden("ep/skip_a2a_global", description="preset small + skip_a2a=true (n_ranks=2, "
+                                           "n_experts=16 global: 8 experts per device, "
+                                           "my_rank picks them)")
+def ep_skip_a2a_global_module():
+    from .kernels import build_module
+    from .presets import load_preset
+    return build_module(load_preset("small").replace(skip_a2a=True))
 
 
 for _preset, _suffix, _fmt in GOLDEN_FORMATS:

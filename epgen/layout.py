@@ -13,6 +13,11 @@ range-checked.
 Words of the counter array are Int32 (``EPLocalSyncCounters``); words of the receive-count
 buffer are UInt64.
 
+``skip_a2a`` changes no formula: ``n_experts`` and ``n_ranks`` stay global (``L = E // R`` per
+device), and ``recv_buf_layout`` / ``recv_count_layout`` force the rank coordinate to 0.
+What a device actually uses is said by two members of ours, ``n_sources`` (1: itself) and
+``n_monitored_experts`` (its ``L`` experts).
+
 ``ep_final_layout`` / ``ep_prod_reserve`` (ours; docs/final-layout.md) add,
 per rank: a header array row-parallel to the grouped output (``hdr_*``, peer-visible), the
 reservation cursors ``[rc_cursor_base, +L)`` of the receive-count buffer (initialised 0), the
@@ -147,6 +152,22 @@ class Layout:
     def n_local_experts(self) -> int:
         """``n_experts // n_ranks``."""
         return self.cfg.n_experts // self.cfg.n_ranks
+
+    @property
+    def n_sources(self) -> int:
+        """Ours: the source ranks a destination receives from, the extent of the rank
+        coordinate actually written: ``n_ranks``, or 1 under ``skip_a2a``, where the device is
+        its own only source and every receive layout forces the rank coordinate to 0 (the
+        words and slots of coordinates ``1 .. n_ranks-1`` stay unused)."""
+        return 1 if self.cfg.skip_a2a else self.cfg.n_ranks
+
+    @property
+    def n_monitored_experts(self) -> int:
+        """Ours: the dispatch_async monitor warps that count and signal, ``expert_idx <
+        n_monitored_experts``: every expert, ``n_experts``; under ``skip_a2a`` the device's
+        own ``n_local_experts`` (warp ``e`` owns global expert ``e + L * my_rank``; no token
+        leaves the device, so nobody waits for the other experts' counts)."""
+        return self._L if self.cfg.skip_a2a else self.cfg.n_experts
 
     @property
     def n_warps(self) -> int:
@@ -310,8 +331,9 @@ class Layout:
 
     def recv_buf_layout(self, e, r, slot, byte=0):
         """Byte offset of ``(e, r, slot, byte)`` in the row-major receive buffer
-        ``[L, R, max_tokens_per_rank, msg_bytes]`` (the slot extent is ``block_capacity``);
-        ``r`` is forced to 0 under ``skip_a2a``."""
+        ``[L, R, max_tokens_per_rank, msg_bytes]`` (the slot extent is ``block_capacity``):
+        ``((e * R + r) * block_capacity + slot) * msg_bytes + byte``; ``r`` is forced to 0
+        under ``skip_a2a`` (the expert stride stays ``R * block_capacity``)."""
         self._check_recv("recv_buf_layout", e, r)
         _check_coord("recv_buf_layout", "slot", slot, self.block_capacity)
         _check_coord("recv_buf_layout", "byte", byte, self.msg_bytes)
@@ -321,7 +343,7 @@ class Layout:
 
     def recv_count_layout(self, e, r):
         """Word offset ``e * n_ranks + r`` in the row-major ``[L, R]`` count grid; ``r`` is
-        forced to 0 under ``skip_a2a``."""
+        forced to 0 under ``skip_a2a`` (word ``e * R``)."""
         self._check_recv("recv_count_layout", e, r)
         if self.cfg.skip_a2a:
             r = 0
@@ -591,11 +613,12 @@ class Layout:
         """Routed rows a destination can receive: every source sends each token at most
         ``min(top_k, L)`` times to it, and each (expert, source) block holds at most
         ``block_capacity`` (the reference sizes ``L * R * max_tokens_per_rank``, which is never
-        smaller); plus ``max_tokens_per_rank`` shared-expert rows with ``fused_shared_expert``."""
+        smaller), from each of ``n_sources`` sources (one under ``skip_a2a``); plus
+        ``max_tokens_per_rank`` shared-expert rows with ``fused_shared_expert``."""
         se = self.cfg.max_tokens_per_rank if self.cfg.fused_shared_expert else 0
         per_source = min(self.cfg.max_tokens_per_rank * min(self.top_k, self._L),
                          self._L * self.block_capacity)
-        return self._R * per_source + se
+        return self.n_sources * per_source + se
 
     @property
     def capacity_strided(self) -> bool:

@@ -19,10 +19,11 @@ any order of whole blocks that tiles that range exactly. With ``ep_prod_reserve`
 is the standard one above, blocks source-rank-major (deterministic), rows inside a block still
 in reservation order.
 
-``skip_a2a`` follows the reference's per-device instantiation: ``cfg.n_ranks == 1`` and
-``cfg.n_experts`` is one device's expert count ``L``; the lists hold one input per *device*,
-``ranks`` gives each device's id (default ``0, 1, ...``), and device ``d`` keeps its own tokens
-routed to global experts ``[d*L, (d+1)*L)``. With ``fused_shared_expert`` it packs its slice
+``skip_a2a``: ``L = n_experts // n_ranks`` experts per device (``n_ranks`` and ``n_experts``
+global, or ``n_ranks = 1`` and one device's experts, the reference host's per-device form);
+the lists hold one input per *device*, ``ranks`` gives each device's id (default ``0, 1,
+...``), and device ``d`` keeps its own tokens routed to global experts ``[d*L, (d+1)*L)``, all
+of them at source coordinate 0 (``counts[:, 0]``; the other columns are 0). With ``fused_shared_expert`` it packs its slice
 of the (replicated) tokens, ``allreduce_world_size`` ``W`` ways (default: the number of
 devices).
 

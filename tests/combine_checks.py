@@ -129,7 +129,7 @@ def round_trip_inputs(rng, cfg, n_calls, devices=None):
     first call full; under ``skip_a2a``, one per device with global ids over every device's
     experts."""
     n = cfg.n_ranks if devices is None else devices
-    E = cfg.n_experts * (1 if devices is None else devices)
+    E = cfg.n_experts if devices is None else cfg.layout.n_local_experts * devices
     out = []
     for call in range(n_calls):
         counts = [cfg.max_tokens_per_rank if call == 0 else

@@ -136,3 +136,14 @@ def test_run_combine_on_the_gpu(capsys, extra, seed):
                                "--combine", "--seed", str(seed), *extra)
     assert status == 0, f"seed {seed}: {out}{err}"
     assert out.count("  combine: matches the reference") == 3, out
+
+
+@pytest.mark.parametrize("world", ["emulated", "p2p"])
+def test_run_skip_a2a_with_global_ranks(capsys, world, seed):
+    """``skip_a2a`` with the preset's global ``n_ranks = 2``: one device per rank's expert
+    slice, dispatch and combine against the reference."""
+    status, out, err = run_cli(capsys, "run", "--backend", "sim", "--world", world, *TINY,
+                               "--set", "skip_a2a=true", "--calls", "1", "--combine",
+                               "--seed", str(seed))
+    assert status == 0, f"seed {seed}: {out}{err}"
+    assert "matches the reference" in out and "combine: matches the reference" in out

@@ -123,7 +123,6 @@ VIOLATIONS = [
      ["n_sms", "n_signal_sms"], "at least one comm SM"),
     (dict(skip_a2a=True, use_shmem=True, n_ranks=1, n_experts=32, p2p_world_size=1),
      ["skip_a2a", "use_shmem"], "exclusive"),
-    (dict(skip_a2a=True), ["skip_a2a", "n_ranks"], "n_ranks=1"),
     (dict(ep_prod_reserve=True), ["ep_prod_reserve", "ep_final_layout"], "requires"),
     (dict(ep_final_layout=True, skip_a2a=True, n_ranks=1, n_experts=32, p2p_world_size=1),
      ["ep_final_layout", "skip_a2a"], "exclusive"),
@@ -197,6 +196,12 @@ VALID = [
     dict(timeout_ns=0),
     # K may exceed n_experts under skip_a2a: the ids are global, n_experts is one device's
     dict(n_experts=4, n_ranks=1, p2p_world_size=1, skip_a2a=True, num_threads=128, n_sms=8),
+    # skip_a2a with the reference's parameters: n_ranks and n_experts global, any P | R
+    dict(skip_a2a=True),
+    dict(skip_a2a=True, p2p_world_size=1),
+    dict(skip_a2a=True, p2p_world_size=2, has_rank_flag=True, ep_ord_r=True,
+         fused_shared_expert=True),
+    dict(n_experts=16, n_ranks=8, skip_a2a=True, num_threads=128, n_sms=8),  # K = 8 > L = 2
 ]
 
 
@@ -243,3 +248,14 @@ def test_32_bit_limit_counts_the_receive_block_capacity():
     assert cfg.index_extents()[0][2] == 16 * 2**25
     with pytest.raises(EPConfigError, match="src_info words 2 \\* max_out_rows"):
         base.replace(max_tokens_per_rank=2**28, recv_block_capacity=2**26 + 1)
+
+
+def test_skip_a2a_keeps_the_global_parameters():
+    """skip_a2a takes the reference's n_ranks and n_experts as they are: L = E // R experts
+    per device, the derived members in the global E and R (not a per-device E)."""
+    cfg = make(skip_a2a=True)
+    assert (cfg.n_experts, cfg.n_ranks, cfg.layout.n_local_experts) == (256, 8, 32)
+    assert cfg.layout.rank_flag_base == 256 and cfg.layout.cleanup_counter_offset == 1024
+    assert not cfg.needs_shmem and cfg.effective_flags() == {}
+    with pytest.raises(EPConfigError, match="n_experts must be a multiple of n_ranks"):
+        make(skip_a2a=True, n_experts=250)

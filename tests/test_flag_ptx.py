@@ -32,7 +32,13 @@ def _bodies(cfg) -> dict[str, str]:
 
 
 def _cfg(name: str):
+    if name == "skip_a2a_global":      # skip_a2a with the preset's global n_ranks, n_experts
+        return load_preset("small").replace(skip_a2a=True)
     return load_preset(name) if name in ("small", "default") else flag_variant_config(name)
+
+
+SKIP_FORMS = pytest.mark.parametrize("form", ["skip_a2a", "skip_a2a_global"],
+                                     ids=["per_device", "global"])
 
 
 def _count(pattern: str, text: str) -> int:
@@ -223,9 +229,10 @@ def test_ord_r_flags_come_together(flags):
 
 
 # ---- skip_a2a -------------------------------------------------------------------------------
+@SKIP_FORMS
 @pytest.mark.parametrize("ord_r", [False, True], ids=["legacy", "ord_r"])
-def test_skip_a2a_signals_at_gpu_scope(ord_r):
-    cfg = _cfg("skip_a2a")
+def test_skip_a2a_signals_at_gpu_scope(ord_r, form):
+    cfg = _cfg(form)
     if ord_r:
         cfg = cfg.replace(ep_ord_r=True, has_rank_flag=True)
     bodies = _bodies(cfg)
@@ -255,21 +262,23 @@ def _vars(kernel):
                         yield x
 
 
-def test_skip_a2a_has_no_peer_memory():
+@SKIP_FORMS
+def test_skip_a2a_has_no_peer_memory(form):
     """Under skip_a2a no parameter or local is marked peer and nothing derives from one; the
     stock build marks its peer pointers."""
     from ir.verify import peer_vars
-    for kernel in build_module(_cfg("skip_a2a")).kernels:
+    for kernel in build_module(_cfg(form)).kernels:
         assert not [v.name for v in _vars(kernel) if v.peer], kernel.name
         assert peer_vars(kernel) == frozenset()
     stock = build_module(_cfg("small"))
     assert any(v.peer for k in stock.kernels for v in _vars(k))
 
 
-def test_skip_a2a_uses_only_pointer_table_entry_zero():
+@SKIP_FORMS
+def test_skip_a2a_uses_only_pointer_table_entry_zero(form):
     """The async kernel reads only entry 0 of its pointer tables (the device's own buffers):
     every ``ld.global.nc.b64`` of a table has no offset."""
-    body = _bodies(_cfg("skip_a2a"))[ASYNC]
+    body = _bodies(_cfg(form))[ASYNC]
     stock = _bodies(_cfg("small"))[ASYNC]
     def direct(text):
         """Per table parameter: is its base loaded from directly (entry 0, no index)?"""

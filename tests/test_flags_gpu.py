@@ -55,9 +55,14 @@ def make_cfg(R, E, H, K, T, threads, sms, **flags):
 
 
 def make_skip_cfg(D, L, H, K, T, threads, sms, **flags):
-    """A skip_a2a configuration (kernels built per device: n_ranks = 1, n_experts = L) and
-    its device count."""
+    """A skip_a2a configuration in the per-device form (n_ranks = 1, n_experts = L) and its
+    device count."""
     return make_cfg(1, L, H, K, T, threads, sms, skip_a2a=True, **flags), D
+
+
+def make_global_skip_cfg(D, L, H, K, T, threads, sms, **flags):
+    """The same devices in skip_a2a's global form: n_ranks = D, n_experts = D * L."""
+    return make_cfg(D, D * L, H, K, T, threads, sms, skip_a2a=True, **flags), D
 
 
 _worlds = {}
@@ -250,6 +255,13 @@ def test_skip_a2a_edge_cases(case, seed):
 @pytest.mark.parametrize("shape", SKIP_SHAPES[:2], ids=skip_id)
 def test_skip_a2a_with_ord_r(shape, seed):
     check_skip_random(*make_skip_cfg(*shape, **ORD_R), seed)
+
+
+@pytest.mark.parametrize("flags", [{}, ORD_R], ids=["legacy", "ord_r"])
+@pytest.mark.parametrize("shape", SKIP_SHAPES, ids=skip_id)
+def test_skip_a2a_global_form(shape, flags, seed):
+    """n_ranks and n_experts global: the count grid's rank-0 column, one source per device."""
+    check_skip_random(*make_global_skip_cfg(*shape, **flags), seed)
 
 
 def test_skip_a2a_pointer_tables_are_local(seed):

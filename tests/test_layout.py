@@ -228,6 +228,91 @@ def test_skip_a2a_forces_rank_coordinate_zero():
     assert "rank coord 0" in lay.members()["recv_buf_layout"]
 
 
+def _skip(c, **flags):
+    """The skip_a2a config of ``c`` in the reference's form: ``n_ranks = R`` and
+    ``n_experts = E`` global, as without skip_a2a (skip_a2a sends nothing off the device, so no
+    SHMEM transport whatever ``P``)."""
+    num_threads, n_sms, E, R, max_tpr, P, H, K = c
+    return EPConfig(num_threads=num_threads, n_sms=n_sms, n_experts=E, n_ranks=R,
+                    max_tokens_per_rank=max_tpr, p2p_world_size=P,
+                    token_fmt=BF16Format(hid_dim=H, top_k=K), use_shmem=False, skip_a2a=True,
+                    **flags)
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_skip_a2a_members_keep_the_page_formulas(c):
+    """Under skip_a2a every comptime member keeps the page's formula in the global
+    ``n_experts`` and ``n_ranks`` (the page has no skip_a2a-dependent member)."""
+    check_members(_skip(c), c)
+
+
+# E = 32 experts over R = 4 ranks (L = 8), 256 threads (8 warps), 9 SMs, 16 tokens per rank,
+# BF16 H = 256, K = 4: msg = align16(512) + align16(4) + align16(8) = 544 bytes. Every value
+# below is worked out by hand from the page's formulas.
+SKIP_REF = (256, 9, 32, 4, 16, 4, 256, 4)
+SKIP_REF_MEMBERS = {
+    "n_local_experts": 8,                  # E // R
+    "n_warps": 8, "msg_bytes": 544,
+    "n_signal_sms": 4,                     # ceildiv(32, 8)
+    "n_dispatch_async_comm_sms": 5,        # 9 - 4
+    "n_dispatch_wait_comm_sms": 8,         # 9 - 1
+    "rank_prefix_offset": 64, "work_counter_offset": 96, "cleanup_counter_offset": 128,
+    "ready_flag_offset": 129, "send_buf_ready_offset": 130,
+    "shared_expert_started_offset": 131,
+    "sm_schedule_offset": 199,             # 6 * 32 + 7
+    "l2_pool_cursor_slots": 18,            # 2 * 8 + 2
+    "l1_vslot_ticket_offset": 104,         # 1 + 18 <= 32 - 8: 3 * 32 + 8
+    "l2_pool_cursor_offset": 105,
+    "rank_flag_base": 32,                  # L * R
+    "rc_cursor_base": 36,                  # 32 + R
+}
+
+
+def test_skip_a2a_reference_form_by_hand():
+    cfg = _skip(SKIP_REF, has_rank_flag=True, ep_ord_r=True)
+    lay = cfg.layout
+    for name, want in SKIP_REF_MEMBERS.items():
+        assert getattr(lay, name) == want, (name, getattr(lay, name), want)
+    assert lay.recv_count_size() == 44                 # L*R + R + L = 32 + 4 + 8
+    assert lay.rank_flag_offset(0) == 32 and lay.rank_flag_offset(3) == 35
+    # the rank coordinate is forced to 0 for any my_rank; the expert stride stays R slots
+    for my_rank in (0, 1, 3, 7):
+        assert lay.recv_count_layout(5, my_rank) == 20                 # 5 * 4 + 0
+        assert lay.recv_buf_layout(5, my_rank, 3, 10) == 323 * 544 + 10  # (5*4*16 + 3)
+    assert lay.send_buf_layout(3, 10) == 3 * 544 + 10
+    assert lay.recv_buf_bytes == 8 * 4 * 16 * 544                      # [L, R, 16, msg]
+    assert lay.recv_count_bytes == 8 * 44
+    assert lay.dispatch_async_region.size == 2 * 32 + 8
+    assert lay.dispatch_wait_region.size == 6 * 32 + 8 + 9
+    # ours: one source (the device itself), the device's 8 experts monitored
+    assert (lay.n_sources, lay.n_monitored_experts) == (1, 8)
+    assert lay.max_recv_tokens == 64                   # 1 source x min(16 * 4, 8 * 16)
+    words = lay.recv_count_initial()
+    assert (words[:36] == 2**64 - 1).all() and (words[36:] == 0).all()
+
+
+def test_skip_a2a_second_ticket_branch_by_hand():
+    # E = 8 over R = 4 (L = 2): 1 + (2*2 + 2) = 7 > E - L = 6, so the ticket is 4E + 4
+    cfg = _skip((64, 5, 8, 4, 4, 1, 64, 2))
+    lay = cfg.layout
+    assert (lay.l1_vslot_ticket_offset, lay.l2_pool_cursor_offset) == (36, 37)
+    assert (lay.rank_flag_base, lay.rc_cursor_base, lay.recv_count_size()) == (8, 12, 14)
+    # msg = 128 + 16 + 16 = 160; slot row (1 * 4 + 0) * 4 + 3 = 19
+    assert lay.recv_count_layout(1, 2) == 4 and lay.recv_buf_layout(1, 2, 3) == 19 * 160
+
+
+def test_skip_a2a_per_device_form_is_the_r1_case():
+    """n_ranks = 1 with n_experts = one device's experts (the reference host's
+    instantiation): the same formulas with R = 1, by hand."""
+    cfg = _skip((256, 9, 8, 1, 16, 1, 256, 4))
+    lay = cfg.layout
+    assert lay.n_local_experts == 8 and lay.n_signal_sms == 1
+    assert (lay.rank_flag_base, lay.rc_cursor_base, lay.recv_count_size()) == (8, 9, 17)
+    assert (lay.l1_vslot_ticket_offset, lay.sm_schedule_offset) == (36, 55)  # 4E+4, 6E+7
+    assert lay.recv_count_layout(5, 3) == 5 and lay.recv_buf_layout(5, 3, 3) == 83 * 544
+    assert (lay.n_sources, lay.n_monitored_experts) == (1, 8)
+
+
 def test_layout_methods_accept_ir_expressions():
     lay = make(CONFIGS[0]).layout
     e = ir.const(3)

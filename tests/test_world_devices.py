@@ -47,3 +47,11 @@ def test_global_ids_must_fit_uint16():
     assert participants(cfg, 65536 // 8) == list(range(8192))
     with pytest.raises(ValueError, match="65536"):
         participants(cfg, 65536 // 8 + 1)
+
+
+def test_global_skip_a2a_defaults_to_one_device_per_rank():
+    """skip_a2a with the global n_ranks: by default one device per rank's expert slice (the
+    per-device form, n_ranks = 1, keeps its one device)."""
+    cfg = make(skip_a2a=True)
+    assert cfg.n_ranks == 2 and participants(cfg, None) == [0, 1]
+    assert participants(cfg, 3) == [0, 1, 2]

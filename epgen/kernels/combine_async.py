@@ -23,8 +23,8 @@ Completion, per source ``s``: each warp, after its rows to ``s`` (``bar.warp.syn
 one to this rank's done counter ``s`` (``atom.acq_rel.sys.add``, combine rank-completion
 region); the warp that brings it to the number of warps re-arms it to 0, sums Region A's
 counts of source ``s`` (``rows_to_source``) and publishes ``rows + 1`` into this rank's word of source ``s``'s arrival words (``st.release.sys``):
-word ``my_rank``, or under ``skip_a2a`` (``n_ranks = 1``: the device is its own only source
-and destination) word 0.
+word ``my_rank``, or under ``skip_a2a`` (the device is its own only source and destination:
+``n_sources = 1``, pairs ``(e, 0)`` only) word 0.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     e_first = r.let("e_first", gwarp % L)
     sub = r.let("pair_sub", gwarp // L)
     n_sub = r.let("pair_n_sub", ((nwarps - e_first + (L - 1)) // L).max(1))
-    for s in range(R):
+    for s in range(lay.n_sources):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
         with r.for_range(f"e_{s}", e_first, L, nwarps) as e:
             w = r.let(f"pair_{s}", e * R + s)

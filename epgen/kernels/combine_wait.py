@@ -1,15 +1,16 @@
 """``combine_wait``: a source rank waits for every destination's arrival word, then reduces
 its tokens' returned rows (docs/combine.md).
 
-Every block's threads ``d < R`` wait (bounded, ``ld.acquire.sys``) until arrival word ``d``
-is non-zero, the block barrier, then the abort check. Warp ``w`` of the grid takes tokens
-``w, w + warps, ...`` and its lanes the row's 16-byte chunks (8 BF16 elements each); per
-element, in float32: ``acc = 0``; for ``k = 0 .. K-1`` in order, where ``topk_ids[t, k]`` is
-a slot dispatch sent a row (an expert in ``[0, E)``; under ``skip_a2a`` one of this device's
-experts), ``acc = fma.rn.f32(w[t, k], y[t, k], acc)``; with the shared expert (the fused
-kernel only) ``acc = add.rn.f32(acc, s[t])``; with ``has_residual``, ``acc =
-add.rn.f32(acc, residual[t])`` (BF16 widened); the result rounds to BF16, nearest even, NaN
-quiet (integer rounding of the f32 bits: the same result as ``cvt.rn.bf16.f32``).
+Every block's threads ``d < n_sources`` (``R``; 1 under ``skip_a2a``) wait (bounded,
+``ld.acquire.sys``) until arrival word ``d`` is non-zero, the block barrier, then the abort
+check. Warp ``w`` of the grid takes tokens ``w, w + warps, ...`` and its lanes the row's
+16-byte chunks (8 BF16 elements each); per element, in float32: ``acc = 0``; for ``k = 0 ..
+K-1`` in order, where ``topk_ids[t, k]`` is a slot dispatch sent a row (an expert in ``[0,
+E)``; under ``skip_a2a`` one of this device's experts), ``acc = fma.rn.f32(w[t, k], y[t, k],
+acc)``; with the shared expert (the fused kernel only) ``acc = add.rn.f32(acc, s[t])``; with
+``has_residual``, ``acc = add.rn.f32(acc, residual[t])`` (BF16 widened); the result rounds to
+BF16, nearest even, NaN quiet (integer rounding of the f32 bits: the same result as
+``cvt.rn.bf16.f32``).
 ``weighted = 0``: the unreduced rows ``[T, K, H]`` are copied out instead (slots without a
 row give zero).
 
@@ -104,9 +105,9 @@ def add_chunk(r: ir.RoleBuilder, acc: list, vec, name: str, weight=None, valid=N
 
 
 def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
-    """Threads ``d < R`` wait for arrival word ``d``; barrier; abort check; the last block to
-    pass re-arms the words (module docstring)."""
-    R = cfg.n_ranks
+    """Threads ``d < n_sources`` (``R``; 1 under ``skip_a2a``) wait for arrival word ``d``;
+    barrier; abort check; the last block to pass re-arms the words (module docstring)."""
+    R = cfg.layout.n_sources
     clay = CombineLayout(cfg)
     ctr = word(p.counters, clay.wait_counter_offset)
     nbytes = clay.arrival_word_bytes          # u64 words under the SHMEM transport

@@ -63,3 +63,15 @@ def send_sm(r: ir.RoleBuilder, first_block: int, sm_id=None, n_active_send_sms=N
     sm = r.block - first_block if sm_id is None else ir.as_expr(sm_id)
     n = r.n_blocks - first_block if n_active_send_sms is None else ir.as_expr(n_active_send_sms)
     return sm, n
+
+
+def published_count_word(cfg, w):
+    """Whether count word ``w = e * R + src`` is one a source publishes: ``w < E`` whose
+    source ``src < n_sources``. Under ``skip_a2a`` with ``n_ranks > 1`` only the rank-0
+    column ``w % R == 0`` is (the rank coordinate is forced to 0); the other words stay
+    the sentinel and count 0."""
+    lay = cfg.layout
+    cond = w < cfg.n_experts
+    if lay.n_sources < cfg.n_ranks:
+        cond = cond & ((w % cfg.n_ranks) < lay.n_sources)
+    return cond

@@ -13,7 +13,7 @@ from ir import types as T
 
 from . import final_layout, trace
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
-                     exit_if_aborted, lowest_set_bit, wait_ready_flag)
+                     exit_if_aborted, lowest_set_bit, published_count_word, wait_ready_flag)
 from .common import word as _word
 from .schedule import claim_next_tile, fill_sm_schedule, first_expert, load_expert_tiles
 from .scratch import Scratch
@@ -199,14 +199,15 @@ def check_final_layout_copy(emit_l1_release: bool, scatter_sm_id) -> None:
 
 
 def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams, comm_barrier_id: int = -1):
-    """Per-expert arrivals (legacy): thread ``w < E`` waits (bounded, ``ld.acquire.sys``;
+    """Per-expert arrivals (legacy): thread ``w < E`` of a published word
+    (``published_count_word``; the others count 0) waits (bounded, ``ld.acquire.sys``;
     ``gpu`` under ``skip_a2a``) until count word ``w`` is not the sentinel, then the comm
     barrier. Returns the u32 count of this thread and, capacity-strided (``ep_final_layout``
     alone), the block offset its count word carries in the high half (else None)."""
     c = r.var("c", T.u32, 0)
     strided = cfg.layout.capacity_strided
     block_off = r.var("block_off", T.u32, 0) if strided else None
-    with r.if_(r.tid < cfg.n_experts):
+    with r.if_(published_count_word(cfg, r.tid)):
         seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
                            buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
                            scope=Scope.GPU if cfg.skip_a2a else Scope.SYS)

@@ -34,8 +34,9 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int
     the block's offset when the layout is capacity-strided. With ``ep_ord_r`` the count word
     is a plain store and completion is published per destination rank
     (``ord_r.signal_rank_completion``: ``atom.acq_rel.gpu`` election, one ``st.release.sys``
-    rank flag). Under ``skip_a2a`` the warp owns global expert ``expert_idx + L * my_rank``,
-    the rank coordinates are 0 and the release is ``st.release.gpu``.
+    rank flag). Under ``skip_a2a`` the warps ``expert_idx < L`` (``n_monitored_experts``) own
+    global experts ``expert_idx + L * my_rank``, the others idle, the rank coordinates are 0
+    and the release is ``st.release.gpu``.
 
     This is the staged send paths' monitor. On the warp send path the standard kernels split
     it around the sends (``add_send_phase``): ``count_and_reserve`` before, in role
@@ -52,7 +53,7 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int
         raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
                          f"warp (its thread range starts at thread {r.thread_base}, warp-"
                          f"aligned)")
-    E, K = cfg.n_experts, cfg.layout.top_k
+    E, K = cfg.layout.n_monitored_experts, cfg.layout.top_k
     dest = destination(cfg, p)
     expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count = r.var("count", T.u32, 0)
@@ -96,7 +97,7 @@ def count_and_reserve(r: ir.RoleBuilder, cfg, p, sm_id=None):
     ``final_layout.reserve_rows``) and, capacity-strided, the block offset into the monitor
     state. Counting and reserving come before every send: the final layout's sends wait for
     the block bases published here. ``sm_id`` as in ``monitor_expert``."""
-    E, K = cfg.n_experts, cfg.layout.top_k
+    E, K = cfg.layout.n_monitored_experts, cfg.layout.top_k
     dest = destination(cfg, p)
     expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp, monitor_state(r))
@@ -122,19 +123,19 @@ def signal_after_sends(r: ir.RoleBuilder, cfg, p, token_warps: int = 1, sm_id=No
 
 def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
                       token_warps: int = 1):
-    """The monitor warp's lane 0, for its expert (``expert_idx < E``): bounded wait until the
-    finished counter reaches ``count`` (``ld.acquire.gpu``; ``token_warps * count`` when
-    that many warps share each token and each counts its share of a copy), publish the
-    count word (``destination``'s ``count_word``; or the ORD-R rank completion), re-arm the
-    counters (and the destination's words: the final layout's hand-off). A destination
-    outside the P2P group (``sends_through_shmem``) gets the count word through
-    ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead, with or without
-    ORD-R."""
+    """The monitor warp's lane 0, for its expert (``expert_idx < n_monitored_experts``: ``E``,
+    ``L`` under ``skip_a2a``): bounded wait until the finished counter reaches ``count``
+    (``ld.acquire.gpu``; ``token_warps * count`` when that many warps share each token and each
+    counts its share of a copy), publish the count word (``destination``'s ``count_word``; or
+    the ORD-R rank completion), re-arm the counters (and the destination's words: the final
+    layout's hand-off). A destination outside the P2P group (``sends_through_shmem``) gets the
+    count word through ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead,
+    with or without ORD-R."""
     dest = destination(cfg, p)
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     reserved, finished = p.counters, _word(p.counters, E)
-    with r.if_(expert_idx < E):
+    with r.if_(expert_idx < lay.n_monitored_experts):
         with r.if_(r.lane.eq(0)):
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)

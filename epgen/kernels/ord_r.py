@@ -11,8 +11,9 @@ Consumer side (the aux block of ``dispatch_wait``): acquire the ``R`` rank flags
 rank), then read the count words with plain loads; after the ready flag, restore the flags to
 the sentinel along with the count words.
 
-Under ``skip_a2a`` (``n_ranks == 1``, ``my_rank`` the device id) the rank coordinate of the flag
-is forced to 0, as in the receive layouts, and the scope is ``gpu``.
+Under ``skip_a2a`` (``my_rank`` the device id, its own only source) the rank coordinate of the
+flag is forced to 0, as in the receive layouts: one flag, ``rank_flag_offset(0)``, and the
+count words of the rank-0 column; the scope is ``gpu``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
-from .common import SENTINEL, comm_sync, exit_if_aborted
+from .common import SENTINEL, comm_sync, exit_if_aborted, published_count_word
 from .common import word as _word
 
 
@@ -63,10 +64,11 @@ def signal_rank_completion(r: ir.RoleBuilder, cfg, counts, signal_offset, value,
 
 def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf,
                        comm_barrier_id: int = -1, my_rank=None) -> ir.Var:
-    """dispatch_wait aux block, ORD-R arrivals: thread ``s < R`` waits (bounded,
-    ``ld.acquire.sys``; ``gpu`` under ``skip_a2a``) until source ``s``'s rank flag holds ``L``;
-    after the comm barrier, thread ``w < E`` reads count word ``w`` with a plain
-    ``ld.global.b64`` (published by the flag). Returns the u32 count of this thread.
+    """dispatch_wait aux block, ORD-R arrivals: thread ``s < n_sources`` (``R``; 1 under
+    ``skip_a2a``) waits (bounded, ``ld.acquire.sys``; ``gpu`` under ``skip_a2a``) until source
+    ``s``'s rank flag holds ``L``; after the comm barrier, thread ``w < E`` of a published word
+    (``common.published_count_word``; the others count 0) reads count word ``w`` with
+    a plain ``ld.global.b64`` (published by the flag). Returns the u32 count of this thread.
 
     With a source outside this rank's P2P group (``use_shmem``, ``p2p_world_size < n_ranks``;
     ``my_rank`` is then this rank) that source raises no rank flag: its count words arrive
@@ -81,7 +83,7 @@ def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf,
         raise ValueError("acquire_rank_flags: with sources outside the P2P group it needs "
                          "my_rank (which sources raise a rank flag)")
     P = cfg.p2p_world_size
-    flag_cond = tid < R
+    flag_cond = tid < lay.n_sources
     if shmem:
         flag_cond = flag_cond & (tid // P).eq(ir.as_expr(my_rank) // P)
     with r.if_(flag_cond):
@@ -100,7 +102,7 @@ def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf,
     exit_if_aborted(r, err_buf)
     if c is None:
         c = r.var("c", T.u32, 0)
-    plain = tid < E
+    plain = published_count_word(cfg, tid)
     if shmem:
         plain = plain & ((tid % R) // P).eq(ir.as_expr(my_rank) // P)
     with r.if_(plain):
@@ -109,10 +111,10 @@ def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf,
 
 
 def rearm_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p):
-    """dispatch_wait aux block, after the ready flag: thread ``s < R`` restores source
-    ``s``'s rank flag to the sentinel (plain ``st.global.b64``), the destination consumer's
-    duty in ORD-R."""
-    with r.if_(r.tid < cfg.n_ranks):
+    """dispatch_wait aux block, after the ready flag: thread ``s < n_sources`` restores
+    source ``s``'s rank flag to the sentinel (plain ``st.global.b64``), the destination
+    consumer's duty in ORD-R."""
+    with r.if_(r.tid < cfg.layout.n_sources):
         r.store(_word(recv_count_p, rank_flag_word(cfg, r.tid), 8), ir.Const(SENTINEL, T.u64))
 
 

@@ -3,7 +3,7 @@ stream, running the generated dispatch kernels.
 
 ``skip_a2a`` (the reference instantiates it per device): ``EmulatedWorld(cfg, devices=D)`` runs ``D`` independent
 devices, each with ``my_rank`` = its device id, its own buffers and pointer tables that hold only
-its own buffers (the kernels are built with ``n_ranks = 1``); inputs are one per device, with
+its own buffers (whatever ``n_ranks`` and ``p2p_world_size``); inputs are one per device, with
 global top-k ids, and the results compare with ``reference.dispatch(cfg, tokens, topk_ids,
 ranks=list(range(D)))``.
 
@@ -94,15 +94,16 @@ def co_resident(module, blocks: int, sms: int):
 
 def participants(cfg, devices: int | None) -> list[int]:
     """The ``my_rank`` of each emulated participant: ranks ``0 .. n_ranks-1``, or under
-    ``skip_a2a`` devices ``0 .. devices-1`` (default 1). ``devices`` without ``skip_a2a`` is
-    a ``ValueError``."""
+    ``skip_a2a`` devices ``0 .. devices-1`` (default ``n_ranks``: one device per rank's slice
+    of the experts, 1 in the per-device form). ``devices`` without ``skip_a2a`` is a
+    ``ValueError``."""
     if not cfg.skip_a2a:
         if devices is not None:
             raise ValueError(f"EmulatedWorld: devices={devices!r} applies only with skip_a2a "
                              f"(independent devices); without it the world emulates "
                              f"n_ranks={cfg.n_ranks} ranks")
         return list(range(cfg.n_ranks))
-    n = 1 if devices is None else devices
+    n = cfg.n_ranks if devices is None else devices
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"EmulatedWorld: devices must be a positive integer (skip_a2a "
                          f"devices on this GPU), got {devices!r}")
@@ -115,7 +116,10 @@ def participants(cfg, devices: int | None) -> list[int]:
 
 def p2p_group(cfg, r: int) -> range:
     """The ranks of rank ``r``'s P2P group (``p2p_world_size`` consecutive ranks): the order
-    of the entries of ``r``'s pointer tables (entry ``q % p2p_world_size`` is rank ``q``)."""
+    of the entries of ``r``'s pointer tables (entry ``q % p2p_world_size`` is rank ``q``).
+    Under ``skip_a2a`` a device reaches only itself, whatever ``p2p_world_size``: ``[r]``."""
+    if cfg.skip_a2a:
+        return range(r, r + 1)
     P = cfg.p2p_world_size
     return range((r // P) * P, (r // P) * P + P)
 
@@ -242,8 +246,8 @@ class RankWorld:
         """Every rank's tables: receive buffers, receive-count words, and the
         ``ep_final_layout`` ones (``_final_layout_tables``); then, for kernels built with trace
         points, every rank's trace buffers (``epgen.runtime.trace.allocate``)."""
-        # under skip_a2a P == 1, so a device's tables hold only its own buffers (the host
-        # passes only local pointers)
+        # under skip_a2a a device's group is itself, so its tables hold only its own buffers
+        # (the host passes only local pointers)
         ids = self.rank_ids
         self.recv_buf_ptrs = [self._pointer_table(r, "recv_buf") for r in ids]
         self.recv_count_ptrs = [self._pointer_table(r, "recv_count") for r in ids]
