@@ -78,14 +78,7 @@ class FusedRolesRunner:
     def check(self):
         """Synchronise; raise ``EPTimeoutError`` (records named by either program's kernels)
         if a wait expired, after re-arming the world."""
-        w = self.world
-        w.synchronize()
-        try:
-            w.err.check(tuple(w.program.module.kernels) + tuple(self.program.module.kernels),
-                        KERNEL_NAME)
-        except Exception:
-            w.reset()
-            raise
+        self.world.check_with(self.program, KERNEL_NAME)
 
 
 __all__ = ["FusedRolesRunner", "FusedRolesResult", "POISON"]

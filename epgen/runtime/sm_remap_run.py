@@ -44,16 +44,9 @@ class SMRemapRunner:
         return w.results()
 
     def check(self):
-        """Synchronise; raise ``EPTimeoutError`` (records named by the test kernel) if a wait
-        expired, after re-arming the world."""
-        w = self.world
-        w.synchronize()
-        try:
-            w.err.check(tuple(w.program.module.kernels) + tuple(self.program.module.kernels),
-                        KERNEL_NAME)
-        except Exception:
-            w.reset()
-            raise
+        """Synchronise; raise ``EPTimeoutError`` (records named by either program's kernels)
+        if a wait expired, after re-arming the world."""
+        self.world.check_with(self.program, KERNEL_NAME)
 
 
 __all__ = ["SMRemapRunner"]

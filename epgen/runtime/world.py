@@ -514,6 +514,18 @@ class RankWorld:
             self.reset()
             raise
 
+    def check_with(self, program, context: str):
+        """``check`` for a test kernel of another ``program`` launched on this world's buffers
+        (one GPU, the world's error buffer): its records are named by either program's
+        kernels."""
+        self.synchronize()
+        try:
+            self.err.check(tuple(self.program.module.kernels) + tuple(program.module.kernels),
+                           context)
+        except Exception:
+            self.reset()
+            raise
+
     def reset(self):
         """Re-arm every buffer a failed call may have left half-used; the prod buffers
         (``ep_prod_reserve``) are zeroed, so every rank's generation starts again from 0
