@@ -1,0 +1,151 @@
+"""Runs of the protocol under the simulator's weak-memory mode (``backends.sim.weak``),
+each compared with ``epgen.reference``.
+
+``CHECKED`` names the variants the checker knows: each is a golden variant (its kernels are
+the ones mutated) with the world that runs it (standalone or fused kernels, dispatch alone
+or dispatch then combine) and a small configuration (``SMALL``: fewer threads, blocks,
+experts and tokens than the variant's preset, so one run takes a second or two); ``--preset``
+and ``--set`` replace or change the configuration.
+
+``run_once(cfg, spec, seed, mutation)`` runs ``CALLS`` back-to-back round trips on a fresh
+weak machine seeded with ``seed`` (the interleaving and the memory model's choices), the
+variant's kernels with ``mutation`` applied, and returns the outcome: ``"ok"``, ``"wrong"``
+(a result differs from the reference), ``"hang"`` (a bounded wait polled past its limit:
+the protocol waits on a word that is never published) or ``"error"`` (the kernels did
+something the simulator refuses, e.g. an access out of bounds computed from a stale count).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from backends import sim as sim_backend
+
+from .mutations import Mutation, mutate
+
+CALLS = 2
+"""Round trips per run: the second one also checks the re-arming of the first."""
+
+MAX_SPINS = 20000
+
+SMALL = {"num_threads": 64, "n_sms": 4, "n_experts": 4, "max_tokens_per_rank": 6,
+         "hid_dim": 64, "top_k": 2}
+"""The configuration changes every checked variant is run with (on top of its own)."""
+
+
+@attrs.frozen
+class Spec:
+    """A checked variant: its preset and parameter changes, the world's ``fused`` and
+    whether a combine follows each dispatch."""
+
+    preset: str
+    changes: dict
+    fused: bool = False
+    combine: bool = False
+
+
+def _flag(name: str) -> dict:
+    from epgen import ep_goldens as eg
+    return dict({**eg.FLAG_VARIANTS, **eg.SHMEM_VARIANTS}[name][1])
+
+
+def checked() -> dict[str, Spec]:
+    """``variant -> Spec`` of every variant the checker runs."""
+    return {
+        "ep/small": Spec("small", {}),
+        "ep/ord_r": Spec("small", _flag("ord_r")),
+        "ep/final_layout_prod_reserve": Spec("small", _flag("final_layout_prod_reserve")),
+        "ep/fused": Spec("small", {}, fused=True),
+        "ep/shmem_p2p1": Spec("small", _flag("shmem_p2p1")),
+        "combine/small": Spec("small", {}, combine=True),
+    }
+
+
+def config(spec: Spec, preset: str | None = None, overrides: dict | None = None):
+    """The ``EPConfig`` a variant is checked with: ``preset`` (default the variant's) with the
+    variant's changes, ``SMALL`` (only when no preset is named) and ``overrides``."""
+    from epgen.presets import config_from_dict, preset_data, with_overrides
+
+    table = with_overrides(preset_data(preset or spec.preset),
+                           {**spec.changes, **({} if preset else SMALL), **(overrides or {})})
+    table.pop("description", None)
+    return config_from_dict(table)
+
+
+class WeakMachine(sim_backend.Machine):
+    """A weak-memory ``Machine`` that loads every module with ``mutation`` applied and
+    records the kernels launched."""
+
+    def __init__(self, seed: int, mutation: Mutation | None = None):
+        super().__init__(seed, memory="weak", max_spins=MAX_SPINS)
+        self.mutation = mutation
+        self.modules: list = []
+        self.kernels_run: set[str] = set()
+
+    def load_module(self, module, device=None):
+        if self.mutation is not None:
+            module = mutate(module, self.mutation.op_id, self.mutation.kind)
+        self.modules.append(module)
+        return super().load_module(module, device)
+
+    def launched(self, kernel, params, stream, deps) -> None:
+        self.kernels_run.add(kernel.name)
+
+
+def _world(cfg, spec: Spec, machine):
+    from epgen.runtime.world import EmulatedWorld
+    return EmulatedWorld(cfg, backend=machine, fused=True if spec.fused else None)
+
+
+def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
+    """``CALLS`` round trips; whether every result equals the reference."""
+    from epgen import combine_run, reference, routing
+
+    rng = np.random.default_rng(seed)
+    for _ in range(CALLS):
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        got = world.dispatch(toks, ids)
+        want = reference.dispatch(cfg, toks, ids)
+        if any(reference.compare(cfg, x, a) for x, a in zip(want, got)):
+            return False
+        if spec.combine:
+            w = combine_run.router_weights(rng, cfg, ids)
+            ys = [combine_run.expert_outputs(cfg, r) for r in got]
+            out = world.combine(ys, w)
+            if combine_run.differences(out, reference.combine(cfg, got, ys, w)):
+                return False
+    return True
+
+
+def run_once(cfg, spec: Spec, seed: int, mutation: Mutation | None = None,
+             machine: WeakMachine | None = None) -> tuple[str, str]:
+    """One weak-memory run (module docstring): the outcome (``"ok"``, ``"wrong"``,
+    ``"hang"`` or ``"error"``) and, for a hang or an error, its message."""
+    from epgen.errors import EPTimeoutError
+
+    machine = machine or WeakMachine(seed, mutation)
+    try:
+        world = _world(cfg, spec, machine)
+        return ("ok" if _round_trips(world, cfg, spec, seed) else "wrong"), ""
+    except (sim_backend.SimHang, EPTimeoutError) as e:
+        return "hang", str(e)
+    except (sim_backend.SimError, IndexError, ValueError, RuntimeError) as e:
+        return "error", f"{type(e).__name__}: {e}"
+
+
+def targets(cfg, spec: Spec, variant: str, seed: int = 0):
+    """The kernels a variant's mutations apply to: those of its golden module that the
+    world launches (from one unmutated run with ``seed``), as built by the world; and that
+    run's outcome."""
+    from epgen import goldens
+
+    names = {k.name for k in goldens.build_module(variant).kernels}
+    machine = WeakMachine(seed)
+    outcome = run_once(cfg, spec, seed, machine=machine)
+    kernels = {}
+    for m in machine.modules:
+        for k in m.kernels:
+            if k.name in names and k.name in machine.kernels_run:
+                kernels.setdefault(k.name, k)
+    return list(kernels.values()), outcome
