@@ -597,10 +597,11 @@ class Sim:
         if isinstance(s, N.Load):
             slot, dt = self._slot(s.dst), s.dst.dtype
             nc, acq = s.cache is not CacheHint.NONE, is_acquire(s.sem)
+            site = id(s)
 
             def load(th):
                 a = addr(th)
-                th.vars[slot] = self._wload(th, a, dt, nc)
+                th.vars[slot] = self._wload(th, a, dt, nc, site)
                 if acq:
                     wm.acquire(th, scope, a)
             return M, load
@@ -653,16 +654,16 @@ class Sim:
             return _mask(value, 64).to_bytes(8, "little")
         return _scalar_bytes(value, dtype)
 
-    def _wload(self, th, addr, dtype, nc=False):
-        """A global load under the weak model."""
+    def _wload(self, th, addr, dtype, nc=False, site=None):
+        """A global load under the weak model (``site``: the statement, weak.py)."""
         if isinstance(dtype, VecType):
             n = dtype.elem.nbytes
-            data = self.weak.load(th, addr, n * dtype.n, nc)
+            data = self.weak.load(th, addr, n * dtype.n, nc, site)
             return tuple(_scalar_value(data[i * n:(i + 1) * n], dtype.elem)
                          for i in range(dtype.n))
         if isinstance(dtype, PtrType):
-            return int.from_bytes(self.weak.load(th, addr, 8, nc), "little")
-        return _scalar_value(self.weak.load(th, addr, dtype.nbytes, nc), dtype)
+            return int.from_bytes(self.weak.load(th, addr, 8, nc, site), "little")
+        return _scalar_value(self.weak.load(th, addr, dtype.nbytes, nc, site), dtype)
 
     def _compile_call(self, s: N.Call):
         """An ``ir.nvshmem`` device function (``shmem.py`` says what each one does); any
@@ -745,7 +746,7 @@ class Sim:
     def _compile_spin(self, s: N.SpinWait, weak: bool = False):
         f = self._fn
         wm = self.weak if weak else None
-        acq, scope = is_acquire(s.sem), s.scope
+        acq, scope, site = is_acquire(s.sem), s.scope, id(s)
         bits, shift, mask, op = s.dtype.bits, s.shift, s.mask, s.cond
         addr, expected, index = f(s.addr), f(s.expected), f(s.site.index)
         udt, dt = T.DType("u", bits), s.dtype
@@ -758,7 +759,7 @@ class Sim:
             polls = 0
             while True:
                 seen = self._load(addr(th), dt) if wm is None else \
-                    self._wload(th, addr(th), dt)
+                    self._wload(th, addr(th), dt, site=site)
                 field = seen >> shift
                 if mask is not None:
                     field &= mask

@@ -73,7 +73,8 @@ def level(scope) -> int:
 
 
 class _Buf:
-    """One store buffer: ``word -> [bytearray(4), byte mask, arrival time, origin blocks]``."""
+    """One store buffer: ``word -> [bytearray(8), byte mask, the releases that moved its
+    bytes here, origins (launch, block) of its writers and readers]``."""
 
     __slots__ = ("words", "up", "dom", "lvl")
 
@@ -87,12 +88,13 @@ class _Buf:
 class _Block:
     """A CTA of a launch: its store buffer and its coherence floor per word."""
 
-    __slots__ = ("buf", "floor", "launch")
+    __slots__ = ("buf", "floor", "launch", "warp_reads")
 
     def __init__(self, buf, launch):
         self.buf = buf
         self.floor: dict = {}
         self.launch = launch
+        self.warp_reads: dict = {}  # (warp, statement, k, word) -> the bytes read
 
 
 class WeakMemory:
@@ -106,10 +108,11 @@ class WeakMemory:
         self.drain_p = drain
         self.stale_p = stale
         self.clock = 1
-        self.history: dict = {}     # word -> [(ts, prev bytes, prev ts, origin domain)]
+        self.epoch = 1              # when the last run ended: nothing older is kept
+        self.history: dict = {}     # word -> [(ts, prev bytes, prev ts, domain, seen since)]
         self.rel_view: dict = {}    # word -> (view of its releasers, domain of the last one)
         self.domains: dict = {}     # domain -> its _Buf
-        self.dirty: set = set()     # buffers with words
+        self.dirty: dict = {}       # buffers with words (a dict: a seed repeats its order)
 
     # -- threads and blocks ----------------------------------------------------------------
     def domain_buf(self, dom) -> _Buf:
@@ -119,6 +122,8 @@ class WeakMemory:
         return b
 
     def start_thread(self, th) -> None:
+        """``th`` starts: it sees what its launch's dependencies saw and wrote (and, in its
+        own domain, everything that has landed: its stream's earlier work)."""
         la = th.launch
         dom = int(th.params.get("my_rank", 0)) if "my_rank" in th.params else 0
         blocks = la.__dict__.setdefault("weak_blocks", {})
@@ -127,30 +132,54 @@ class WeakMemory:
             blk = blocks[th.block] = _Block(_Buf(self.domain_buf(dom), dom, CTA), la)
         th.wdom, th.wblk = dom, blk
         th.wbuf = _Buf(blk.buf, dom, 0)
-        th.f_own = th.f_all = th.g_seen = self.clock
+        th.wseq = {}
+        f_all = self.epoch
+        for d in la.deps:
+            view = d.__dict__.get("weak_view")
+            if view is not None:
+                f_all = max(f_all, view[0], view[1] if view[2] - {dom} else 0)
+        th.f_all = f_all
+        th.f_own = th.g_upto = self.clock
+        th.g_rels = set()
 
     def barrier(self, threads) -> None:
         """``bar.sync`` / ``bar.warp.sync`` among ``threads`` (one CTA)."""
         f_own = max(t.f_own for t in threads)
         f_all = max(t.f_all for t in threads)
-        g_seen = max(t.g_seen for t in threads)
+        g_upto = max(t.g_upto for t in threads)
+        g_rels = set().union(*(t.g_rels for t in threads))
         for t in threads:
             self._move_all(t.wbuf)
-            t.f_own, t.f_all, t.g_seen = f_own, f_all, g_seen
+            t.f_own, t.f_all, t.g_upto, t.g_rels = f_own, f_all, g_upto, set(g_rels)
 
     def launch_done(self, la) -> None:
-        """Every thread of ``la`` exited: its pending words move to the domain buffers."""
+        """Every thread of ``la`` exited: its pending words move to the domain buffers; a
+        launch that depends on it will see what its threads saw and, from another domain,
+        what it wrote."""
         for blk in la.__dict__.get("weak_blocks", {}).values():
             self._move_all(blk.buf)
+        la.weak_view = (max((t.f_all for t in la.threads), default=0), self.clock,
+                        {t.wdom for t in la.threads})
+
+    @staticmethod
+    def _domains(la) -> set:
+        rows = la.rank_params if la.rank_params is not None else [la.params]
+        return {int(r.get("my_rank", 0)) for r in rows}
 
     def before_launch(self, la) -> None:
-        """``la`` starts: the words its dependencies left in domain buffers land."""
-        deps = {id(d) for d in la.deps}
-        if not deps:
-            return
-        for buf in self.domains.values():
-            for w in [w for w, e in buf.words.items() if any(o[0] in deps for o in e[3])]:
-                self._move(buf, w)
+        """``la`` starts: the words that its dependencies of other domains left in domain
+        buffers land (a stream's later launch sees its domain's buffer anyway)."""
+        la.weak_doms = mine = self._domains(la)
+        deps = {id(d) for d in la.deps if d.__dict__.get("weak_doms", mine) - mine}
+        if deps:
+            for buf in self.domains.values():
+                for w in [w for w, e in buf.words.items()
+                          if any(o[0] in deps for o in e[3])]:
+                    self._move(buf, w)
+        for d in la.deps:
+            if "weak_view" in d.__dict__:
+                f, _, doms = d.weak_view
+                d.weak_view = (f, self.clock, doms)
 
     def retire_all(self) -> None:
         """Nothing runs: every buffer drains, the history is dropped."""
@@ -159,6 +188,8 @@ class WeakMemory:
                 self._move_all(buf)
         self.history.clear()
         self.rel_view.clear()
+        self.clock += 1
+        self.epoch = self.clock
 
     def round(self) -> None:
         """One scheduler round: each non-empty buffer moves one random word up, by chance."""
@@ -169,11 +200,13 @@ class WeakMemory:
                 self._move(buf, w)
 
     # -- buffers -------------------------------------------------------------------------------
-    def _put(self, buf: _Buf, w: int, data, mask: int, origins) -> None:
+    def _put(self, buf: _Buf, w: int, data, mask: int, origins, tag: int = 0) -> None:
+        """Bytes into ``buf``; ``tag``: the release that put them there (0: none)."""
         e = buf.words.get(w)
         if e is None:
-            buf.words[w] = [bytearray(data), mask, self.clock, set(origins)]
-            self.dirty.add(buf)
+            buf.words[w] = [bytearray(data), mask, {tag} if tag else set(), set(origins),
+                            self.clock]
+            self.dirty[buf] = None
             return
         if mask == _FULL:
             e[0][:] = data
@@ -182,24 +215,28 @@ class WeakMemory:
                 if mask >> i & 1:
                     e[0][i] = data[i]
         e[1] |= mask
-        e[2] = self.clock
+        if tag:
+            e[2].add(tag)
         e[3] |= origins
 
-    def _move(self, buf: _Buf, w: int) -> None:
+    def _move(self, buf: _Buf, w: int, tag: int = 0) -> None:
         e = buf.words.pop(w)
         if not buf.words:
-            self.dirty.discard(buf)
+            self.dirty.pop(buf, None)
         if buf.up is not None:
-            self._put(buf.up, w, e[0], e[1], e[3])
+            self._put(buf.up, w, e[0], e[1], e[3], tag)
+            if e[2]:
+                buf.up.words[w][2].update(e[2])
         else:
-            self._land(w, e[0], e[1], buf.dom, e[3])
+            self._land(w, e[0], e[1], buf.dom, e[3], e[4])
 
     def _move_all(self, buf: _Buf) -> None:
         for w in list(buf.words):
             self._move(buf, w)
 
-    def _land(self, w: int, data, mask: int, dom, origins=()) -> None:
-        """Bytes of word ``w`` reach memory (the coherence point)."""
+    def _land(self, w: int, data, mask: int, dom, origins=(), seen=None) -> None:
+        """Bytes of word ``w`` reach memory (the coherence point); ``seen``: since when the
+        writer's domain has seen them (in its domain buffer; default now)."""
         old = self.mem.read(w, WORD)
         new = bytearray(old)
         for i in range(WORD):
@@ -208,7 +245,7 @@ class WeakMemory:
         hist = self.history.setdefault(w, [])
         prev_ts = hist[-1][0] if hist else 0
         self.clock += 1
-        hist.append((self.clock, old, prev_ts, dom))
+        hist.append((self.clock, old, prev_ts, dom, self.clock if seen is None else seen))
         if len(hist) > _HISTORY:
             del hist[0]
         self.mem.write(w, bytes(new))
@@ -218,32 +255,55 @@ class WeakMemory:
                 blk.floor[w] = self.clock
 
     def release(self, th, scope) -> None:
-        """A release at ``scope`` by ``th`` (module docstring)."""
+        """A release at ``scope`` by ``th`` (module docstring). Words a ``gpu`` release moves
+        into the domain buffer carry its id; a ``sys`` release lands the domain buffer's
+        words whose release ``th`` has observed (its own, those its acquires and barriers
+        brought it, and every one from before its launch or its last acquire fence)."""
         lvl = level(scope)
+        self.clock += 1
+        rid = self.clock
         self._move_all(th.wbuf)
         if lvl >= GPU:
-            self._move_all(th.wblk.buf)
+            for w in list(th.wblk.buf.words):
+                self._move(th.wblk.buf, w, rid)
+            # the CTA's words that drained into the domain buffer before are released too
+            me = (id(th.launch), th.wblk)
+            for e in self.domain_buf(th.wdom).words.values():
+                if me in e[3]:
+                    e[2].add(rid)
+            th.g_rels.add(rid)
         if lvl >= SYS:
             buf = self.domain_buf(th.wdom)
-            for w in [w for w, e in buf.words.items() if e[2] <= th.g_seen]:
+            upto, rels = th.g_upto, th.g_rels
+            for w in [w for w, e in buf.words.items()
+                      if any(t <= upto or t in rels for t in e[2])]:
                 self._move(buf, w)
 
     def note_release(self, th, addr: int) -> None:
-        """``th`` wrote ``addr`` with a release: an acquirer of it inherits ``th``'s view."""
+        """``th`` wrote ``addr`` with a release: an acquirer of it inherits ``th``'s view
+        (its frontier, the releases it has observed)."""
         w = addr - addr % WORD
         old = self.rel_view.get(w)
-        self.rel_view[w] = (max(th.f_all, old[0]) if old else th.f_all, th.wdom)
+        if old is None or old[1] != th.wdom:
+            self.rel_view[w] = (th.f_all, th.wdom, th.g_upto, set(th.g_rels))
+        else:
+            old[3].update(th.g_rels)
+            self.rel_view[w] = (max(th.f_all, old[0]), th.wdom, max(th.g_upto, old[2]), old[3])
 
     def acquire(self, th, scope, addr: int | None = None) -> None:
         """An acquire by ``th`` at ``scope``; ``addr``: the word it read (None: a fence)."""
         self.clock += 1
-        th.f_own = th.g_seen = self.clock
-        if addr is None or level(scope) >= SYS:
-            th.f_all = self.clock
+        th.f_own = self.clock
+        if addr is None:
+            th.f_all = th.g_upto = self.clock
             return
+        if level(scope) >= SYS:
+            th.f_all = self.clock
         view = self.rel_view.get(addr - addr % WORD)
-        if view is not None and view[1] == th.wdom and view[0] > th.f_all:
-            th.f_all = view[0]
+        if view is not None and view[1] == th.wdom:
+            th.f_all = max(th.f_all, view[0])
+            th.g_upto = max(th.g_upto, view[2])
+            th.g_rels |= view[3]
 
     # -- accesses -------------------------------------------------------------------------------
     def _origin(self, th):
@@ -254,6 +314,7 @@ class WeakMemory:
         target = th.wbuf if lvl == 0 else th.wblk.buf if lvl == CTA else \
             self.domain_buf(th.wdom) if lvl == GPU else None
         origins = self._origin(th)
+        tag = self.clock if lvl == GPU else 0     # the release just made
         for w, off, chunk in _words(addr, data):
             mask = ((1 << len(chunk)) - 1) << off
             full = bytearray(WORD)
@@ -261,12 +322,30 @@ class WeakMemory:
             if target is None:
                 self._land(w, full, mask, th.wdom, origins)
             else:
-                self._put(target, w, full, mask, origins)
+                self._put(target, w, full, mask, origins, tag)
 
-    def load(self, th, addr: int, n: int, nc: bool = False) -> bytes:
+    def load(self, th, addr: int, n: int, nc: bool = False, site=None) -> bytes:
+        """The bytes a load of ``n`` bytes at ``addr`` by ``th`` returns. ``site``: the
+        statement: the lanes of a warp running it for the k-th time read the same value of
+        a word (one instruction, one transaction), so a warp-uniform load stays uniform."""
         out = bytearray()
+        key = None
+        if site is not None:
+            seq = th.wseq
+            k = seq[site] = seq.get(site, 0) + 1
+            key = (th.tid >> 5, site, k)
         for w, off, size in _spans(addr, n):
-            out += self._load_word(th, w, nc)[off:off + size]
+            own = th.wbuf.words.get(w)
+            if key is None or (own is not None and own[1] == _FULL):
+                out += self._load_word(th, w, nc)[off:off + size]
+                continue
+            cache = th.wblk.warp_reads
+            value = cache.get((key, w))
+            if value is None:
+                if len(cache) > 8192:
+                    cache.clear()
+                value = cache[(key, w)] = bytes(self._load_word(th, w, nc))
+            out += value[off:off + size]
         return bytes(out)
 
     def _load_word(self, th, w: int, nc: bool) -> bytearray:
@@ -294,9 +373,14 @@ class WeakMemory:
             return cur
         least = floor.get(w, 0)
         chosen, start = cur, hist[-1][0]
-        for ts, prev, prev_ts, dom in reversed(hist):
-            bound = least if nc else max(least, th.f_own if dom == th.wdom else th.f_all)
-            if ts <= bound or self.rng.random() >= self.stale_p:
+        for ts, prev, prev_ts, dom, seen in reversed(hist):
+            if nc:
+                older = ts <= least
+            elif dom == th.wdom:    # the domain saw it in its buffer before it landed
+                older = ts <= least or seen <= th.f_own
+            else:
+                older = ts <= max(least, th.f_all)
+            if older or self.rng.random() >= self.stale_p:
                 break
             chosen, start = prev, prev_ts
         if start > least:

@@ -29,7 +29,8 @@ CALLS = 2
 
 MAX_SPINS = 20000
 
-SMALL = {"num_threads": 64, "n_sms": 4, "n_experts": 4, "max_tokens_per_rank": 6,
+SMALL = {"num_threads": 64, "n_sms": 4, "n_experts": 4, "n_ranks": 4, "p2p_world_size": 4,
+         "max_tokens_per_rank": 6,
          "hid_dim": 64, "top_k": 2}
 """The configuration changes every checked variant is run with (on top of its own)."""
 
