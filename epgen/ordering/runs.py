@@ -44,6 +44,7 @@ class Spec:
     changes: dict
     fused: bool = False
     combine: bool = False
+    small: dict = attrs.Factory(dict)   # changes of ``SMALL`` for this variant
 
 
 def _flag(name: str) -> dict:
@@ -55,7 +56,8 @@ def checked() -> dict[str, Spec]:
     """``variant -> Spec`` of every variant the checker runs."""
     return {
         "ep/small": Spec("small", {}),
-        "ep/ord_r": Spec("small", _flag("ord_r")),
+        # two local experts per rank: the election then has more than one producer
+        "ep/ord_r": Spec("small", _flag("ord_r"), small={"n_experts": 8, "num_threads": 128}),
         "ep/final_layout_prod_reserve": Spec("small", _flag("final_layout_prod_reserve")),
         "ep/fused": Spec("small", {}, fused=True),
         "ep/shmem_p2p1": Spec("small", _flag("shmem_p2p1")),
@@ -65,28 +67,31 @@ def checked() -> dict[str, Spec]:
 
 def config(spec: Spec, preset: str | None = None, overrides: dict | None = None):
     """The ``EPConfig`` a variant is checked with: ``preset`` (default the variant's) with the
-    variant's changes, ``SMALL`` (only when no preset is named) and ``overrides``."""
+    variant's changes, ``SMALL`` and the variant's changes of it (only when no preset is
+    named) and ``overrides``."""
     from epgen.presets import config_from_dict, preset_data, with_overrides
 
     table = with_overrides(preset_data(preset or spec.preset),
-                           {**spec.changes, **({} if preset else SMALL), **(overrides or {})})
+                           {**spec.changes, **({} if preset else {**SMALL, **spec.small}),
+                            **(overrides or {})})
     table.pop("description", None)
     return config_from_dict(table)
 
 
 class WeakMachine(sim_backend.Machine):
-    """A weak-memory ``Machine`` that loads every module with ``mutation`` applied and
-    records the kernels launched."""
+    """A weak-memory ``Machine`` that loads every module through ``transform`` (an
+    ``ir.Module -> ir.Module`` function: a mutation, or a hand-made hazard) and records the
+    kernels launched."""
 
-    def __init__(self, seed: int, mutation: Mutation | None = None):
+    def __init__(self, seed: int, transform=None):
         super().__init__(seed, memory="weak", max_spins=MAX_SPINS)
-        self.mutation = mutation
+        self.transform = transform
         self.modules: list = []
         self.kernels_run: set[str] = set()
 
     def load_module(self, module, device=None):
-        if self.mutation is not None:
-            module = mutate(module, self.mutation.op_id, self.mutation.kind)
+        if self.transform is not None:
+            module = self.transform(module)
         self.modules.append(module)
         return super().load_module(module, device)
 
@@ -120,12 +125,15 @@ def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
 
 
 def run_once(cfg, spec: Spec, seed: int, mutation: Mutation | None = None,
-             machine: WeakMachine | None = None) -> tuple[str, str]:
-    """One weak-memory run (module docstring): the outcome (``"ok"``, ``"wrong"``,
-    ``"hang"`` or ``"error"``) and, for a hang or an error, its message."""
+             machine: WeakMachine | None = None, transform=None) -> tuple[str, str]:
+    """One weak-memory run (module docstring) with ``mutation`` (or ``transform``, a
+    function of the modules) applied: the outcome (``"ok"``, ``"wrong"``, ``"hang"`` or
+    ``"error"``) and, for a hang or an error, its message."""
     from epgen.errors import EPTimeoutError
 
-    machine = machine or WeakMachine(seed, mutation)
+    if mutation is not None:
+        transform = lambda m: mutate(m, mutation.op_id, mutation.kind)  # noqa: E731
+    machine = machine or WeakMachine(seed, transform)
     try:
         world = _world(cfg, spec, machine)
         return ("ok" if _round_trips(world, cfg, spec, seed) else "wrong"), ""
