@@ -9,9 +9,9 @@ before any global memory access, in a seeded random order, so reservation orders
 orders and the windows between a write and the read that should follow it vary from run to
 run.
 
-What it does not model: the weak memory model (every access is sequentially consistent, so
-a missing ``.release``/``.acquire`` or a too-narrow scope cannot show up here: the PTX
-checks and the GPU tests cover those), caches and the ``nc`` hint, time (``%globaltimer``
+What it does not model by default: the weak memory model (every access is sequentially
+consistent; ``Sim(memory="weak")`` compiles global accesses, fences and spin polls against
+``weak.WeakMemory`` instead, weak.py), caches and the ``nc`` hint, time (``%globaltimer``
 advances by one per read). A wait that polls more than ``max_spins`` times raises ``SimHang``,
 or with ``timeouts=True`` expires as a bounded wait does on the GPU (a diagnostic record in
 ``err_buf``, the abort word raised, the thread exits; every other wait then gives up).
