@@ -104,8 +104,11 @@ def test_hazard_plain_count_words_before_the_last_release():
 
 
 def test_hazard_combine_reduce_polls_without_acquire():
-    spec, cfg = _spec_cfg("combine/small")
-    op = "ep_combine_wait:reduce:0:spin_wait.acquire.sys.global.u32 combine_arrival"
+    # the fused ep_combine: no kernel boundary between a peer's sends and this rank's reduce
+    spec, cfg = _spec_cfg("combine/fused")
+    good = _outcomes(cfg, spec, SEEDS)
+    assert all(o[0] == "ok" for o in good.values()), f"correct kernels fail: {good}"
+    op = "ep_combine:reduce:0:spin_wait.acquire.sys.global.u32 combine_arrival"
     bad = _outcomes(cfg, spec, SEEDS, mutation=M.Mutation(op, "relaxed", True))
     assert any(o[0] != "ok" for o in bad.values()), \
         f"the reduce's poll without acquire not detected in seeds {SEEDS}"

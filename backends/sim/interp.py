@@ -174,6 +174,7 @@ class _Thread:
         self.spins = 0
         self.done = False
         self.pending_puts: list = []    # NVSHMEM puts not yet delivered (shmem.py)
+        self.wfenced = False            # weak.py: a release fence ran
 
 
 class _Launch:
@@ -586,6 +587,7 @@ class Sim:
             def fence(th):
                 if rel:
                     wm.release(th, scope)
+                    th.wfenced = True
                 if acq:
                     wm.acquire(th, scope)
             return self._SIMPLE, fence
@@ -614,7 +616,7 @@ class Sim:
                 if lvl:
                     wm.release(th, scope)
                 wm.store(th, a, self._bytes(val(th), dt), lvl)
-                if lvl:
+                if lvl or th.wfenced:
                     wm.note_release(th, a)
             return M, store
         if isinstance(s, N.SpinWait):
@@ -639,7 +641,7 @@ class Sim:
                 wm.release(th, scope)
             raw = wm.rmw(th, a, dt.nbytes, lambda b: self._bytes(
                 new(th, _scalar_value(b, dt)), dt))
-            if rel:
+            if rel or th.wfenced:
                 wm.note_release(th, a)
             if slot is not None:
                 th.vars[slot] = _scalar_value(raw, dt)
@@ -691,6 +693,7 @@ class Sim:
                     self.weak.rmw(th, a, 8, lambda b: (
                         ((int.from_bytes(b, "little") if add else 0) + v) & MASK64
                     ).to_bytes(8, "little"))
+                    self.weak.note_release(th, a)
                 elif sig_op == nvshmem.SIGNAL_SET:
                     self._store(a, v, T.u64)
                 elif sig_op == nvshmem.SIGNAL_ADD:

@@ -21,13 +21,14 @@ stream, so a seed repeats its run):
   ``.nc`` load may return an older value than the newest (the model of loads reordered
   earlier), but never one older than the thread's frontier: coherence (a CTA never reads a
   word older than one it has already read or written) and the last acquire.
-- **Acquire** (``ld.acquire``, a ``spin_wait``, an RMW with acquire semantics, a fence with
-  an acquire part) at ``sys`` scope, and every acquire fence, moves the thread's frontier to
-  now for every word. A ``gpu`` or ``cta`` scope acquire of a word moves it to now only for
-  words last written from the thread's own domain, and for the others to the view of that
-  word's releasers when they are of the thread's domain: a narrower acquire does not
-  synchronise with another domain's release, but causality stays transitive through a
-  release and acquire inside the domain. ``ld.global.nc``
+- **Acquire** (``ld.acquire``, a ``spin_wait``, an RMW with acquire semantics) of a word
+  moves the thread's frontier to the view of that word's releasers (what had landed when
+  they released, and the releases they had observed); nothing, when no release wrote it.
+  At ``gpu`` or ``cta`` scope it takes only a view of its own domain (a narrower acquire
+  does not synchronise with another domain's release; causality stays transitive through a
+  release and acquire inside the domain) and moves the frontier to now for its own
+  domain's words. An acquire fence moves the frontier to now for every word. A relaxed
+  store after a release fence carries the thread's view as a release store would. ``ld.global.nc``
   ignores the acquire frontier (it may return data older than any acquire, though never
   older than the CTA has already seen).
 - **RMW atomicity**: an atomic first lands the thread's own pending stores of that word,
@@ -38,8 +39,9 @@ stream, so a seed repeats its run):
   a launch starts after the words of the launches it depends on have landed; the host sees
   memory only after every launch has run and every buffer has drained.
 - NVSHMEM puts read their source through the issuing thread's view and land in memory at
-  the thread's quiet or fence; ``nvshmemx_signal_op`` is an RMW at ``sys`` scope without a
-  release (ordering the puts is the quiet's job).
+  the thread's quiet or fence; ``nvshmemx_signal_op`` is an RMW at ``sys`` scope that
+  carries the thread's view (the puts its quiet completed are visible to whoever acquires
+  the signal).
 
 What it does not model: shared memory (sequentially consistent: its races are the barriers'
 business, and the barriers are not weakened); release cumulativity exactly (a ``gpu`` release
@@ -280,28 +282,32 @@ class WeakMemory:
                 self._move(buf, w)
 
     def note_release(self, th, addr: int) -> None:
-        """``th`` wrote ``addr`` with a release: an acquirer of it inherits ``th``'s view
-        (its frontier, the releases it has observed)."""
+        """``th`` wrote ``addr`` with a release (or after a release fence): an acquirer of
+        it inherits ``th``'s view (now: everything the release landed, and the releases it
+        has observed)."""
         w = addr - addr % WORD
         old = self.rel_view.get(w)
         if old is None or old[1] != th.wdom:
-            self.rel_view[w] = (th.f_all, th.wdom, th.g_upto, set(th.g_rels))
+            self.rel_view[w] = (self.clock, th.wdom, th.g_upto, set(th.g_rels))
         else:
             old[3].update(th.g_rels)
-            self.rel_view[w] = (max(th.f_all, old[0]), th.wdom, max(th.g_upto, old[2]), old[3])
+            self.rel_view[w] = (self.clock, th.wdom, max(th.g_upto, old[2]), old[3])
 
     def acquire(self, th, scope, addr: int | None = None) -> None:
-        """An acquire by ``th`` at ``scope``; ``addr``: the word it read (None: a fence)."""
+        """An acquire by ``th`` at ``scope``; ``addr``: the word it read (None: a fence,
+        which acquires everything landed so far)."""
         self.clock += 1
         th.f_own = self.clock
         if addr is None:
             th.f_all = th.g_upto = self.clock
             return
-        if level(scope) >= SYS:
-            th.f_all = self.clock
         view = self.rel_view.get(addr - addr % WORD)
-        if view is not None and view[1] == th.wdom:
+        if view is None:
+            return
+        same = view[1] == th.wdom
+        if same or level(scope) >= SYS:
             th.f_all = max(th.f_all, view[0])
+        if same:
             th.g_upto = max(th.g_upto, view[2])
             th.g_rels |= view[3]
 

@@ -62,6 +62,7 @@ def checked() -> dict[str, Spec]:
         "ep/fused": Spec("small", {}, fused=True),
         "ep/shmem_p2p1": Spec("small", _flag("shmem_p2p1")),
         "combine/small": Spec("small", {}, combine=True),
+        "combine/fused": Spec("small", {}, fused=True, combine=True),
     }
 
 
