@@ -22,8 +22,9 @@ stream, so a seed repeats its run):
   earlier), but never one older than the thread's frontier: coherence (a CTA never reads a
   word older than one it has already read or written) and the last acquire.
 - **Acquire** (``ld.acquire``, a ``spin_wait``, an RMW with acquire semantics) of a word
-  moves the thread's frontier to the view of that word's releasers (what had landed when
-  they released, and the releases they had observed); nothing, when no release wrote it.
+  moves the thread's frontier to the view of that word's releasers (their own frontiers,
+  their domain's words landed when they released, the releases they had observed);
+  nothing, when no release wrote it.
   At ``gpu`` or ``cta`` scope it takes only a view of its own domain (a narrower acquire
   does not synchronise with another domain's release; causality stays transitive through a
   release and acquire inside the domain) and moves the frontier to now for its own
@@ -141,6 +142,7 @@ class WeakMemory:
             if view is not None:
                 f_all = max(f_all, view[0], view[1] if view[2] - {dom} else 0)
         th.f_all = f_all
+        th.f_peer = {}      # domain -> frontier for its words (views of its releases)
         th.f_own = th.g_upto = self.clock
         th.g_rels = set()
 
@@ -150,9 +152,13 @@ class WeakMemory:
         f_all = max(t.f_all for t in threads)
         g_upto = max(t.g_upto for t in threads)
         g_rels = set().union(*(t.g_rels for t in threads))
+        f_peer: dict = {}
+        for t in threads:
+            _merge(f_peer, t.f_peer)
         for t in threads:
             self._move_all(t.wbuf)
             t.f_own, t.f_all, t.g_upto, t.g_rels = f_own, f_all, g_upto, set(g_rels)
+            t.f_peer = dict(f_peer)
 
     def launch_done(self, la) -> None:
         """Every thread of ``la`` exited: its pending words move to the domain buffers; a
@@ -283,15 +289,19 @@ class WeakMemory:
 
     def note_release(self, th, addr: int) -> None:
         """``th`` wrote ``addr`` with a release (or after a release fence): an acquirer of
-        it inherits ``th``'s view (now: everything the release landed, and the releases it
-        has observed)."""
+        it inherits ``th``'s view: its frontiers, the releases it has observed, and its
+        domain's words landed so far."""
         w = addr - addr % WORD
         old = self.rel_view.get(w)
+        peers = dict(th.f_peer)
+        peers[th.wdom] = max(peers.get(th.wdom, 0), self.clock)
         if old is None or old[1] != th.wdom:
-            self.rel_view[w] = (self.clock, th.wdom, th.g_upto, set(th.g_rels))
+            self.rel_view[w] = (th.f_all, th.wdom, th.g_upto, set(th.g_rels), peers)
         else:
             old[3].update(th.g_rels)
-            self.rel_view[w] = (self.clock, th.wdom, max(th.g_upto, old[2]), old[3])
+            _merge(old[4], peers)
+            self.rel_view[w] = (max(th.f_all, old[0]), th.wdom, max(th.g_upto, old[2]),
+                                old[3], old[4])
 
     def acquire(self, th, scope, addr: int | None = None) -> None:
         """An acquire by ``th`` at ``scope``; ``addr``: the word it read (None: a fence,
@@ -307,6 +317,7 @@ class WeakMemory:
         same = view[1] == th.wdom
         if same or level(scope) >= SYS:
             th.f_all = max(th.f_all, view[0])
+            _merge(th.f_peer, view[4])
         if same:
             th.g_upto = max(th.g_upto, view[2])
             th.g_rels |= view[3]
@@ -385,7 +396,7 @@ class WeakMemory:
             elif dom == th.wdom:    # the domain saw it in its buffer before it landed
                 older = ts <= least or seen <= th.f_own
             else:
-                older = ts <= max(least, th.f_all)
+                older = ts <= max(least, th.f_all, th.f_peer.get(dom, 0))
             if older or self.rng.random() >= self.stale_p:
                 break
             chosen, start = prev, prev_ts
@@ -415,6 +426,12 @@ class WeakMemory:
     def land_put(self, th, addr: int, data: bytes) -> None:
         """An NVSHMEM put's bytes land in memory."""
         self.store(th, addr, data, SYS)
+
+
+def _merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if v > into.get(k, 0):
+            into[k] = v
 
 
 def _words(addr: int, data: bytes):

@@ -76,6 +76,19 @@ class Report:
                                "excuse": r.excuse} for r in self.results]}
 
 
+def from_json(data: dict) -> Report:
+    """The ``Report`` a ``to_json`` dict describes, its excuses read again from
+    ``undetected.toml`` (so an edited excuse shows in a table made from a saved run)."""
+    excused = excuses().get(data["variant"], {})
+    report = Report(data["variant"], data["seeds"],
+                    [(b["seed"], b["outcome"], b["message"]) for b in data["baseline"]])
+    for m in data["mutations"]:
+        mut = M.Mutation(m["operation"], m["mutation"], m["modelled"])
+        outcomes = [(int(s), o, "") for s, o in m["outcomes"].items()]
+        report.results.append(Result(mut, outcomes, excused.get(mut.name)))
+    return report
+
+
 def all_mutations(kernels) -> list[M.Mutation]:
     return [m for k in kernels for oid, s in M.ordered_ops(k) for m in M.mutations_of(s, oid)]
 
