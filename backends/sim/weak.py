@@ -113,7 +113,7 @@ class WeakMemory:
         self.clock = 1
         self.epoch = 1              # when the last run ended: nothing older is kept
         self.history: dict = {}     # word -> [(ts, prev bytes, prev ts, domain, seen since)]
-        self.rel_view: dict = {}    # word -> (view of its releasers, domain of the last one)
+        self.rel_view: dict = {}    # word -> {releasing domain -> its releasers' view}
         self.domains: dict = {}     # domain -> its _Buf
         self.dirty: dict = {}       # buffers with words (a dict: a seed repeats its order)
 
@@ -290,18 +290,19 @@ class WeakMemory:
     def note_release(self, th, addr: int) -> None:
         """``th`` wrote ``addr`` with a release (or after a release fence): an acquirer of
         it inherits ``th``'s view: its frontiers, the releases it has observed, and its
-        domain's words landed so far."""
+        domain's words landed so far (kept per releasing domain: a word may hold the flags
+        of several)."""
         w = addr - addr % WORD
-        old = self.rel_view.get(w)
+        views = self.rel_view.setdefault(w, {})
         peers = dict(th.f_peer)
         peers[th.wdom] = max(peers.get(th.wdom, 0), self.clock)
-        if old is None or old[1] != th.wdom:
-            self.rel_view[w] = (th.f_all, th.wdom, th.g_upto, set(th.g_rels), peers)
+        old = views.get(th.wdom)
+        if old is None:
+            views[th.wdom] = (th.f_all, th.g_upto, set(th.g_rels), peers)
         else:
-            old[3].update(th.g_rels)
-            _merge(old[4], peers)
-            self.rel_view[w] = (max(th.f_all, old[0]), th.wdom, max(th.g_upto, old[2]),
-                                old[3], old[4])
+            old[2].update(th.g_rels)
+            _merge(old[3], peers)
+            views[th.wdom] = (max(th.f_all, old[0]), max(th.g_upto, old[1]), old[2], old[3])
 
     def acquire(self, th, scope, addr: int | None = None) -> None:
         """An acquire by ``th`` at ``scope``; ``addr``: the word it read (None: a fence,
@@ -311,16 +312,16 @@ class WeakMemory:
         if addr is None:
             th.f_all = th.g_upto = self.clock
             return
-        view = self.rel_view.get(addr - addr % WORD)
-        if view is None:
-            return
-        same = view[1] == th.wdom
-        if same or level(scope) >= SYS:
-            th.f_all = max(th.f_all, view[0])
-            _merge(th.f_peer, view[4])
-        if same:
-            th.g_upto = max(th.g_upto, view[2])
-            th.g_rels |= view[3]
+        wide = level(scope) >= SYS
+        for dom, (f_all, g_upto, g_rels, peers) in self.rel_view.get(
+                addr - addr % WORD, {}).items():
+            same = dom == th.wdom
+            if same or wide:
+                th.f_all = max(th.f_all, f_all)
+                _merge(th.f_peer, peers)
+            if same:
+                th.g_upto = max(th.g_upto, g_upto)
+                th.g_rels |= g_rels
 
     # -- accesses -------------------------------------------------------------------------------
     def _origin(self, th):
