@@ -14,9 +14,10 @@ stream, so a seed repeats its run):
   the newest of its own buffer, its CTA's, its domain's, then memory.
 - **Release** (``st.release``, an RMW with release semantics, ``fence`` with a release part)
   at scope ``cta`` moves the thread's buffer into its CTA's; at ``gpu`` also the CTA's buffer
-  into the domain's; at ``sys`` also the domain buffer's words that the thread has observed
-  (those that arrived before its last ``gpu``-or-wider acquire) into memory. A released store
-  itself lands at its scope's level.
+  into the domain's (the words carry the release's id); at ``sys`` also the domain buffer's
+  words of releases the thread has observed (its own, those its acquires and barriers
+  brought it, all from before its launch) into memory. A released store itself lands at its
+  scope's level.
 - **Stale loads.** Memory keeps a short history per word. A weak, volatile, relaxed or
   ``.nc`` load may return an older value than the newest (the model of loads reordered
   earlier), but never one older than the thread's frontier: coherence (a CTA never reads a
@@ -29,16 +30,17 @@ stream, so a seed repeats its run):
   does not synchronise with another domain's release; causality stays transitive through a
   release and acquire inside the domain) and moves the frontier to now for its own
   domain's words. An acquire fence moves the frontier to now for every word. A relaxed
-  store after a release fence carries the thread's view as a release store would. ``ld.global.nc``
-  ignores the acquire frontier (it may return data older than any acquire, though never
+  store after a release fence carries the thread's view as a release store would.
+  ``ld.global.nc`` ignores the acquire frontier (it may return data older than any acquire, though never
   older than the CTA has already seen).
 - **RMW atomicity**: an atomic first lands the thread's own pending stores of that word,
   then reads and writes memory in one step, whatever its scope.
 - **``bar.sync`` and ``bar.warp.sync``** order at CTA scope: the participants' buffers move
   into the CTA's and each participant's frontier becomes the newest of theirs.
 - **Kernel boundaries**: a finished launch's thread and CTA buffers move to its domain's;
-  a launch starts after the words of the launches it depends on have landed; the host sees
-  memory only after every launch has run and every buffer has drained.
+  a launch starts after the words its dependencies of other domains left in domain buffers
+  have landed, with the frontier of what those dependencies saw (and, in its own domain,
+  of now); the host sees memory only after every launch has run and every buffer drained.
 - NVSHMEM puts read their source through the issuing thread's view and land in memory at
   the thread's quiet or fence; ``nvshmemx_signal_op`` is an RMW at ``sys`` scope that
   carries the thread's view (the puts its quiet completed are visible to whoever acquires
@@ -47,7 +49,9 @@ stream, so a seed repeats its run):
 What it does not model: shared memory (sequentially consistent: its races are the barriers'
 business, and the barriers are not weakened); release cumulativity exactly (a ``gpu`` release
 publishes every word in the CTA's buffer, also ones the thread never observed, and per word
-only the newest value waits in a buffer), so it can miss a bug, never invent one; a load of
+only the newest value waits in a buffer) and release views (an acquirer sees every word of
+the releaser's domain landed before the release), so it can miss a bug, never invent one
+(as far as the checks show: every unmutated variant passes every seed tried); a load of
 the thread's own domain reading a stale value of another thread's pending domain-level word;
 caches, time, the ``cluster`` scope (treated as ``cta``), the ``.sc`` order (an ``.sc`` fence
 is an ``acq_rel`` one), mixed-size atomics, proxies (``fence.proxy``, TMA).
