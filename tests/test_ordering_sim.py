@@ -193,3 +193,7 @@ def test_every_excuse_names_an_existing_mutation():
         for name, why in entries.items():
             assert " -> " in name and why.startswith(("redundant", "out of reach")), \
                 (variant, name)
+
+
+def test_the_cli_lists_the_checked_variants():
+    assert set(cli.CHECKED_VARIANTS) == set(runs.checked())

@@ -21,6 +21,11 @@ import attrs
 import numpy as np
 
 from backends import sim as sim_backend
+from epgen import combine_run, goldens, reference, routing
+from epgen import ep_goldens as eg
+from epgen.errors import EPTimeoutError
+from epgen.presets import config_from_dict, preset_data, with_overrides
+from epgen.runtime.world import EmulatedWorld
 
 from .mutations import Mutation, mutate
 
@@ -48,7 +53,6 @@ class Spec:
 
 
 def _flag(name: str) -> dict:
-    from epgen import ep_goldens as eg
     return dict({**eg.FLAG_VARIANTS, **eg.SHMEM_VARIANTS}[name][1])
 
 
@@ -70,8 +74,6 @@ def config(spec: Spec, preset: str | None = None, overrides: dict | None = None)
     """The ``EPConfig`` a variant is checked with: ``preset`` (default the variant's) with the
     variant's changes, ``SMALL`` and the variant's changes of it (only when no preset is
     named) and ``overrides``."""
-    from epgen.presets import config_from_dict, preset_data, with_overrides
-
     table = with_overrides(preset_data(preset or spec.preset),
                            {**spec.changes, **({} if preset else {**SMALL, **spec.small}),
                             **(overrides or {})})
@@ -101,14 +103,11 @@ class WeakMachine(sim_backend.Machine):
 
 
 def _world(cfg, spec: Spec, machine):
-    from epgen.runtime.world import EmulatedWorld
     return EmulatedWorld(cfg, backend=machine, fused=True if spec.fused else None)
 
 
 def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
     """``CALLS`` round trips; whether every result equals the reference."""
-    from epgen import combine_run, reference, routing
-
     rng = np.random.default_rng(seed)
     for _ in range(CALLS):
         toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
@@ -130,8 +129,6 @@ def run_once(cfg, spec: Spec, seed: int, mutation: Mutation | None = None,
     """One weak-memory run (module docstring) with ``mutation`` (or ``transform``, a
     function of the modules) applied: the outcome (``"ok"``, ``"wrong"``, ``"hang"`` or
     ``"error"``) and, for a hang or an error, its message."""
-    from epgen.errors import EPTimeoutError
-
     if mutation is not None:
         transform = lambda m: mutate(m, mutation.op_id, mutation.kind)  # noqa: E731
     machine = machine or WeakMachine(seed, transform)
@@ -148,8 +145,6 @@ def targets(cfg, spec: Spec, variant: str, seed: int = 0):
     """The kernels a variant's mutations apply to: those of its golden module that the
     world launches (from one unmutated run with ``seed``), as built by the world; and that
     run's outcome."""
-    from epgen import goldens
-
     names = {k.name for k in goldens.build_module(variant).kernels}
     machine = WeakMachine(seed)
     outcome = run_once(cfg, spec, seed, machine=machine)
