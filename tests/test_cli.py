@@ -64,7 +64,8 @@ def test_help_lists_every_subcommand(capsys):
     for name in ("ptx", "inspect", "variants", "diff", "run", "bench", "launch"):
         assert name in cli.COMMANDS
         assert f"    {name} " in out, f"{name} missing from epgen --help:\n{out}"
-    assert set(cli.COMMANDS) == {"ptx", "inspect", "variants", "diff", "run", "bench", "launch"}
+    assert set(cli.COMMANDS) == {"ptx", "inspect", "variants", "diff", "run", "bench", "launch",
+                                 "check-ordering"}
 
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))

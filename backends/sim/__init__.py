@@ -14,14 +14,16 @@ in a Python interpreter instead of on a GPU:
 - ``machine``  -- ``Machine``: the simulated GPUs, the object a world takes as its backend
 - ``shmem``    -- ``SymmetricHeap``: the NVSHMEM device functions (puts delivered at the
   issuing thread's quiet or fence, signals at once) over every PE in one process
+- ``weak``     -- ``WeakMemory``: the weak-memory mode, ``Machine(memory="weak")``: global
+  memory under an operational model of the PTX memory consistency model
 
     machine = Machine(seed=1)
     world = epgen.EmulatedWorld(cfg, backend=machine)     # or backend="sim", sim_seed=1
 
 What it models and what not: see each module; in short, the IR's semantics exactly
 (integer widths, f32 rounding, atomics, warp collectives, barriers, bounded waits), every
-access sequentially consistent (no weak memory model, no caches), no time, no occupancy
-limits. It is slow: a few microseconds per IR statement per thread (docs/sim.md).
+access sequentially consistent by default (``memory="weak"``: the weak model of ``weak.py``),
+no caches, no time, no occupancy limits. It is slow: a few microseconds per IR statement per thread (docs/sim.md).
 
 This package imports only ``ir``, numpy, ml_dtypes and the standard library.
 """

@@ -9,9 +9,9 @@ before any global memory access, in a seeded random order, so reservation orders
 orders and the windows between a write and the read that should follow it vary from run to
 run.
 
-What it does not model: the weak memory model (every access is sequentially consistent, so
-a missing ``.release``/``.acquire`` or a too-narrow scope cannot show up here: the PTX
-checks and the GPU tests cover those), caches and the ``nc`` hint, time (``%globaltimer``
+What it does not model by default: the weak memory model (every access is sequentially
+consistent; ``Sim(memory="weak")`` compiles global accesses, fences and spin polls against
+``weak.WeakMemory`` instead, weak.py), caches and the ``nc`` hint, time (``%globaltimer``
 advances by one per read). A wait that polls more than ``max_spins`` times raises ``SimHang``,
 or with ``timeouts=True`` expires as a bounded wait does on the GPU (a diagnostic record in
 ``err_buf``, the abort word raised, the thread exits; every other wait then gives up).
@@ -35,12 +35,13 @@ import struct
 from ir import diag, nvshmem
 from ir import nodes as N
 from ir import types as T
-from ir.enums import (AtomOp, BinOpKind, CmpOp, ReduxOp, ShflMode, SReg, UnOpKind,
-                      VoteMode)
+from ir.enums import (AtomOp, BinOpKind, CacheHint, CmpOp, ReduxOp, ShflMode, Space, SReg,
+                      UnOpKind, VoteMode)
 from ir.types import PtrType, VecType
 
 from .memory import Memory, SimError
 from .numerics import e4m3_code, e4m3_value, fma
+from .weak import WeakMemory, is_acquire, is_release, level as release_level
 
 MASK64 = (1 << 64) - 1
 
@@ -116,6 +117,12 @@ def _float_binop(op, a: float, b: float, dtype: T.DType) -> float:
     return _round_float(r, dtype)
 
 
+def _space(addr):
+    """The state space of an address expression (None when it has no pointer type)."""
+    t = getattr(addr, "dtype", None)
+    return t.space if isinstance(t, PtrType) else None
+
+
 def _bits(t) -> int:
     return 64 if isinstance(t, PtrType) else t.bits
 
@@ -167,6 +174,7 @@ class _Thread:
         self.spins = 0
         self.done = False
         self.pending_puts: list = []    # NVSHMEM puts not yet delivered (shmem.py)
+        self.wfenced = False            # weak.py: a release fence ran
 
 
 class _Launch:
@@ -200,13 +208,22 @@ class _Launch:
         return self.started and all(t.done for t in self.threads)
 
 
+MEMORY_MODELS = ("sc", "weak")
+"""``Sim(memory=...)``: sequentially consistent (the default), or the weak model of weak.py."""
+
+
 class Sim:
     """The interpreter. ``launch(kernel, grid, params, after=())`` queues a grid; ``run()``
     runs every queued grid to completion."""
 
     def __init__(self, seed: int = 0, max_spins: int = 20000, preempt: float = 0.2,
-                 timeouts: bool = False, shmem_delay: int = 256):
+                 timeouts: bool = False, shmem_delay: int = 256, memory: str = "sc"):
+        if memory not in MEMORY_MODELS:
+            raise ValueError(f"Sim: memory must be one of {', '.join(MEMORY_MODELS)}, got "
+                             f"{memory!r}")
         self.mem = Memory()
+        #: the weak-memory model (weak.py), or None: every access sequentially consistent
+        self.weak = WeakMemory(self.mem, seed) if memory == "weak" else None
         self.rng = random.Random(seed)
         self.max_spins = max_spins
         self.preempt = preempt
@@ -228,6 +245,8 @@ class Sim:
 
     def _start(self, la: _Launch):
         la.started = True
+        if self.weak is not None:
+            self.weak.before_launch(la)
         for b in range(la.grid):
             shared = {}
             for buf in la.kernel.shared:
@@ -240,6 +259,9 @@ class Sim:
                 th = _Thread(la, b, t)
                 th.gen = self._thread_body(th)
                 la.threads.append(th)
+                if self.weak is not None:
+                    self.weak.start_thread(th)
+        la.live = len(la.threads)
 
     def run(self) -> None:
         while True:
@@ -251,6 +273,8 @@ class Sim:
                 if any(not la.started for la in self.launches):
                     raise SimError("a launch waits on one that never finishes")
                 self.launches = []
+                if self.weak is not None:
+                    self.weak.retire_all()
                 return
             runnable = [t for t in live if t.waiting is None]
             if not runnable:
@@ -262,6 +286,8 @@ class Sim:
             for th in runnable:
                 if th.waiting is None and not th.done:
                     self._step(th)
+            if self.weak is not None:
+                self.weak.round()
 
     def _step(self, th: _Thread) -> None:
         reply, th.reply = th.reply, None
@@ -270,6 +296,9 @@ class Sim:
         except StopIteration:
             th.done = True
             self._recheck(th)
+            th.launch.live -= 1
+            if self.weak is not None and not th.launch.live:
+                self.weak.launch_done(th.launch)
             return
         kind = req[0]
         if kind == "yield":
@@ -315,6 +344,8 @@ class Sim:
             for t in waiting[:need]:
                 t.waiting = None
                 t.reply = None
+            if self.weak is not None:
+                self.weak.barrier(waiting[:need])
             del waiting[:need]
 
     def _try_warp(self, la, key) -> None:
@@ -328,6 +359,8 @@ class Sim:
             raise SimError(f"kernel {la.kernel.name} block {key[0]} warp {key[1]}: lanes at "
                            f"different warp collectives ({', '.join(names)})")
         node = waiting[0].reply[0]
+        if self.weak is not None and isinstance(node, N.WarpSync):
+            self.weak.barrier(waiting)
         vals = {t.tid % 32: t.reply[1] for t in waiting}
         for t in waiting:
             t.reply = self._collective(node, vals, t.tid % 32, t.reply[2])
@@ -434,6 +467,10 @@ class Sim:
     def _compile_stmt(self, s):
         f = self._fn
         S, M, G = self._SIMPLE, self._MEM, self._GEN
+        if self.weak is not None:
+            op = self._compile_weak(s)
+            if op is not None:
+                return op
         if isinstance(s, N.Assign):
             slot, v = self._slot(s.dst), f(s.value)
 
@@ -539,6 +576,97 @@ class Sim:
             return M, self._compile_call(s)
         raise SimError(f"the simulator does not run {type(s).__name__}")
 
+    # -- the weak-memory model (weak.py): global accesses, fences, spin polls ----------------
+    def _compile_weak(self, s):
+        """The weak model's form of a global access, fence or spin wait (None: not one)."""
+        f, wm = self._fn, self.weak
+        M, G = self._MEM, self._GEN
+        if isinstance(s, N.Fence):
+            rel, acq, scope = is_release(s.sem), is_acquire(s.sem), s.scope
+
+            def fence(th):
+                if rel:
+                    wm.release(th, scope)
+                    th.wfenced = True
+                if acq:
+                    wm.acquire(th, scope)
+            return self._SIMPLE, fence
+        if not isinstance(s, (N.Load, N.Store, N.AtomicRMW, N.AtomicCAS, N.SpinWait)):
+            return None
+        if _space(s.addr) is Space.SHARED:
+            return None
+        addr, scope = f(s.addr), s.scope
+        if isinstance(s, N.Load):
+            slot, dt = self._slot(s.dst), s.dst.dtype
+            nc, acq = s.cache is not CacheHint.NONE, is_acquire(s.sem)
+            site = id(s)
+
+            def load(th):
+                a = addr(th)
+                th.vars[slot] = self._wload(th, a, dt, nc, site)
+                if acq:
+                    wm.acquire(th, scope, a)
+            return M, load
+        if isinstance(s, N.Store):
+            val, dt = f(s.value), s.value.dtype
+            lvl = release_level(scope) if is_release(s.sem) else 0
+
+            def store(th):
+                a = addr(th)
+                if lvl:
+                    wm.release(th, scope)
+                wm.store(th, a, self._bytes(val(th), dt), lvl)
+                if lvl or th.wfenced:
+                    wm.note_release(th, a)
+            return M, store
+        if isinstance(s, N.SpinWait):
+            return G, self._compile_spin(s, weak=True)
+        rel, acq, dt = is_release(s.sem), is_acquire(s.sem), s.value.dtype
+        slot = None if s.dst is None else self._slot(s.dst)
+        val = f(s.value)
+        if isinstance(s, N.AtomicRMW):
+            op = s.op
+
+            def new(th, old):
+                return self._rmw(op, old, val(th), dt)
+        else:
+            cmp = f(s.compare)
+
+            def new(th, old):
+                return val(th) if old == cmp(th) else old
+
+        def atomic(th):
+            a = addr(th)
+            if rel:
+                wm.release(th, scope)
+            raw = wm.rmw(th, a, dt.nbytes, lambda b: self._bytes(
+                new(th, _scalar_value(b, dt)), dt))
+            if rel or th.wfenced:
+                wm.note_release(th, a)
+            if slot is not None:
+                th.vars[slot] = _scalar_value(raw, dt)
+            if acq:
+                wm.acquire(th, scope, a)
+        return M, atomic
+
+    def _bytes(self, value, dtype) -> bytes:
+        if isinstance(dtype, VecType):
+            return b"".join(_scalar_bytes(v, dtype.elem) for v in value)
+        if isinstance(dtype, PtrType):
+            return _mask(value, 64).to_bytes(8, "little")
+        return _scalar_bytes(value, dtype)
+
+    def _wload(self, th, addr, dtype, nc=False, site=None):
+        """A global load under the weak model (``site``: the statement, weak.py)."""
+        if isinstance(dtype, VecType):
+            n = dtype.elem.nbytes
+            data = self.weak.load(th, addr, n * dtype.n, nc, site)
+            return tuple(_scalar_value(data[i * n:(i + 1) * n], dtype.elem)
+                         for i in range(dtype.n))
+        if isinstance(dtype, PtrType):
+            return int.from_bytes(self.weak.load(th, addr, 8, nc, site), "little")
+        return _scalar_value(self.weak.load(th, addr, dtype.nbytes, nc, site), dtype)
+
     def _compile_call(self, s: N.Call):
         """An ``ir.nvshmem`` device function (``shmem.py`` says what each one does); any
         other extern function is a ``SimError``."""
@@ -550,7 +678,9 @@ class Sim:
             def put(th):
                 n = nbytes(th)
                 target = self._heap().translate(dest(th), pe(th), n)
-                th.pending_puts.append((target, bytes(self.mem.read(src(th), n))))
+                data = self.mem.read(src(th), n) if self.weak is None else \
+                    self.weak.load(th, src(th), n)
+                th.pending_puts.append((target, bytes(data)))
             return put
         if name == "nvshmemx_signal_op":
             addr, value, op, pe = args
@@ -558,7 +688,13 @@ class Sim:
             def signal(th):
                 a = self._heap().translate(addr(th), pe(th), 8)
                 v, sig_op = value(th) & MASK64, op(th)
-                if sig_op == nvshmem.SIGNAL_SET:
+                if self.weak is not None and sig_op in (nvshmem.SIGNAL_SET, nvshmem.SIGNAL_ADD):
+                    add = sig_op == nvshmem.SIGNAL_ADD
+                    self.weak.rmw(th, a, 8, lambda b: (
+                        ((int.from_bytes(b, "little") if add else 0) + v) & MASK64
+                    ).to_bytes(8, "little"))
+                    self.weak.note_release(th, a)
+                elif sig_op == nvshmem.SIGNAL_SET:
                     self._store(a, v, T.u64)
                 elif sig_op == nvshmem.SIGNAL_ADD:
                     self._store(a, (self._load(a, T.u64) + v) & MASK64, T.u64)
@@ -586,7 +722,10 @@ class Sim:
         for _ in range(self.rng.randrange(self.shmem_delay) if self.shmem_delay else 0):
             yield ("yield",)
         for target, data in th.pending_puts:
-            self.mem.write(target, data)
+            if self.weak is None:
+                self.mem.write(target, data)
+            else:
+                self.weak.land_put(th, target, data)
         th.pending_puts.clear()
 
     def _compile_collective(self, s):
@@ -607,8 +746,10 @@ class Sim:
                 th.vars[slot] = result
         return collective
 
-    def _compile_spin(self, s: N.SpinWait):
+    def _compile_spin(self, s: N.SpinWait, weak: bool = False):
         f = self._fn
+        wm = self.weak if weak else None
+        acq, scope, site = is_acquire(s.sem), s.scope, id(s)
         bits, shift, mask, op = s.dtype.bits, s.shift, s.mask, s.cond
         addr, expected, index = f(s.addr), f(s.expected), f(s.site.index)
         udt, dt = T.DType("u", bits), s.dtype
@@ -620,7 +761,8 @@ class Sim:
             want = _mask(expected(th), bits)
             polls = 0
             while True:
-                seen = self._load(addr(th), dt)
+                seen = self._load(addr(th), dt) if wm is None else \
+                    self._wload(th, addr(th), dt, site=site)
                 field = seen >> shift
                 if mask is not None:
                     field &= mask
@@ -631,9 +773,13 @@ class Sim:
                     if polls > self.max_spins and timeout(th) != 0:
                         self._expire(th, s, seen, want, polls)
                         raise _Exit()
-                    if self._load(err_buf(th) + 4 * diag.ABORT_WORD, T.u32):
+                    if (self._load if wm is None else
+                            lambda a, t: self._wload(th, a, t))(
+                            err_buf(th) + 4 * diag.ABORT_WORD, T.u32):
                         raise _Exit()   # another wait of the launch group gave up
                 yield ("spin", s.site, index(th), seen)
+            if wm is not None and acq:
+                wm.acquire(th, scope, addr(th))
             if slot is not None:
                 th.vars[slot] = seen
         return spin

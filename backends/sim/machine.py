@@ -74,7 +74,8 @@ class Machine:
     interleaving; ``max_spins``, ``timeouts`` and ``preempt`` are the interpreter's (a wait
     polling more than ``max_spins`` times raises ``SimHang``, or with ``timeouts`` expires as
     a bounded wait does on the GPU). ``reach(a, b)``: whether GPU a can access GPU b
-    (default: every pair)."""
+    (default: every pair). ``memory``: ``"sc"`` (every access sequentially consistent, the
+    default) or ``"weak"`` (the PTX memory model's weak behaviours, ``weak.py``)."""
 
     RUNS_IR = True
     name = "sim"
@@ -86,12 +87,13 @@ class Machine:
 
     def __init__(self, seed: int = 0, *, n_gpus: int = 1, max_spins: int = 20000,
                  timeouts: bool = False, preempt: float = 0.2, sm_count: int = 132,
-                 arch: str = "sm_90", reach=None, shmem_delay: int = 256):
+                 arch: str = "sm_90", reach=None, shmem_delay: int = 256, memory: str = "sc"):
         if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
             raise ValueError(f"Machine: n_gpus must be a positive integer, got {n_gpus!r}")
         self.seed = seed
         self.sim = Sim(seed=seed, max_spins=max_spins, preempt=preempt, timeouts=timeouts,
-                       shmem_delay=shmem_delay)
+                       shmem_delay=shmem_delay, memory=memory)
+        self.memory = memory
         self.mem = self.sim.mem
         self.n_gpus = n_gpus
         self._sm_count = int(sm_count)
@@ -103,7 +105,8 @@ class Machine:
         self._default_streams: dict[int, Stream] = {}
 
     def __repr__(self) -> str:
-        return f"sim.Machine(seed={self.seed}, n_gpus={self.n_gpus})"
+        weak = ", memory='weak'" if self.memory == "weak" else ""
+        return f"sim.Machine(seed={self.seed}, n_gpus={self.n_gpus}{weak})"
 
     # -- devices ---------------------------------------------------------------------------------
     def ordinal(self, device=None) -> int:

@@ -1,0 +1,156 @@
+"""Runs of the protocol under the simulator's weak-memory mode (``backends.sim.weak``),
+each compared with ``epgen.reference``.
+
+``CHECKED`` names the variants the checker knows: each is a golden variant (its kernels are
+the ones mutated) with the world that runs it (standalone or fused kernels, dispatch alone
+or dispatch then combine) and a small configuration (``SMALL``: fewer threads, blocks,
+experts and tokens than the variant's preset, so one run takes a second or two); ``--preset``
+and ``--set`` replace or change the configuration.
+
+``run_once(cfg, spec, seed, mutation)`` runs ``CALLS`` back-to-back round trips on a fresh
+weak machine seeded with ``seed`` (the interleaving and the memory model's choices), the
+variant's kernels with ``mutation`` applied, and returns the outcome: ``"ok"``, ``"wrong"``
+(a result differs from the reference), ``"hang"`` (a bounded wait polled past its limit:
+the protocol waits on a word that is never published) or ``"error"`` (the kernels did
+something the simulator refuses, e.g. an access out of bounds computed from a stale count).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from backends import sim as sim_backend
+from epgen import combine_run, goldens, reference, routing
+from epgen import ep_goldens as eg
+from epgen.errors import EPTimeoutError
+from epgen.presets import config_from_dict, preset_data, with_overrides
+from epgen.runtime.world import EmulatedWorld
+
+from .mutations import Mutation, mutate
+
+CALLS = 2
+"""Round trips per run: the second one also checks the re-arming of the first."""
+
+MAX_SPINS = 20000
+
+SMALL = {"num_threads": 64, "n_sms": 4, "n_experts": 4, "n_ranks": 4, "p2p_world_size": 4,
+         "max_tokens_per_rank": 6,
+         "hid_dim": 64, "top_k": 2}
+"""The configuration changes every checked variant is run with (on top of its own)."""
+
+
+@attrs.frozen
+class Spec:
+    """A checked variant: its preset and parameter changes, the world's ``fused`` and
+    whether a combine follows each dispatch."""
+
+    preset: str
+    changes: dict
+    fused: bool = False
+    combine: bool = False
+    small: dict = attrs.Factory(dict)   # changes of ``SMALL`` for this variant
+
+
+def _flag(name: str) -> dict:
+    return dict({**eg.FLAG_VARIANTS, **eg.SHMEM_VARIANTS}[name][1])
+
+
+def checked() -> dict[str, Spec]:
+    """``variant -> Spec`` of every variant the checker runs."""
+    return {
+        "ep/small": Spec("small", {}),
+        # two local experts per rank: the election then has more than one producer
+        "ep/ord_r": Spec("small", _flag("ord_r"), small={"n_experts": 8, "num_threads": 128}),
+        "ep/final_layout_prod_reserve": Spec("small", _flag("final_layout_prod_reserve")),
+        "ep/fused": Spec("small", {}, fused=True),
+        "ep/shmem_p2p1": Spec("small", _flag("shmem_p2p1")),
+        "combine/small": Spec("small", {}, combine=True),
+        "combine/fused": Spec("small", {}, fused=True, combine=True),
+    }
+
+
+def config(spec: Spec, preset: str | None = None, overrides: dict | None = None):
+    """The ``EPConfig`` a variant is checked with: ``preset`` (default the variant's) with the
+    variant's changes, ``SMALL`` and the variant's changes of it (only when no preset is
+    named) and ``overrides``."""
+    table = with_overrides(preset_data(preset or spec.preset),
+                           {**spec.changes, **({} if preset else {**SMALL, **spec.small}),
+                            **(overrides or {})})
+    table.pop("description", None)
+    return config_from_dict(table)
+
+
+class WeakMachine(sim_backend.Machine):
+    """A weak-memory ``Machine`` that loads every module through ``transform`` (an
+    ``ir.Module -> ir.Module`` function: a mutation, or a hand-made hazard) and records the
+    kernels launched."""
+
+    def __init__(self, seed: int, transform=None):
+        super().__init__(seed, memory="weak", max_spins=MAX_SPINS)
+        self.transform = transform
+        self.modules: list = []
+        self.kernels_run: set[str] = set()
+
+    def load_module(self, module, device=None):
+        if self.transform is not None:
+            module = self.transform(module)
+        self.modules.append(module)
+        return super().load_module(module, device)
+
+    def launched(self, kernel, params, stream, deps) -> None:
+        self.kernels_run.add(kernel.name)
+
+
+def _world(cfg, spec: Spec, machine):
+    return EmulatedWorld(cfg, backend=machine, fused=True if spec.fused else None)
+
+
+def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
+    """``CALLS`` round trips; whether every result equals the reference."""
+    rng = np.random.default_rng(seed)
+    for _ in range(CALLS):
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        got = world.dispatch(toks, ids)
+        want = reference.dispatch(cfg, toks, ids)
+        if any(reference.compare(cfg, x, a) for x, a in zip(want, got)):
+            return False
+        if spec.combine:
+            w = combine_run.router_weights(rng, cfg, ids)
+            ys = [combine_run.expert_outputs(cfg, r) for r in got]
+            out = world.combine(ys, w)
+            if combine_run.differences(out, reference.combine(cfg, got, ys, w)):
+                return False
+    return True
+
+
+def run_once(cfg, spec: Spec, seed: int, mutation: Mutation | None = None,
+             machine: WeakMachine | None = None, transform=None) -> tuple[str, str]:
+    """One weak-memory run (module docstring) with ``mutation`` (or ``transform``, a
+    function of the modules) applied: the outcome (``"ok"``, ``"wrong"``, ``"hang"`` or
+    ``"error"``) and, for a hang or an error, its message."""
+    if mutation is not None:
+        transform = lambda m: mutate(m, mutation.op_id, mutation.kind)  # noqa: E731
+    machine = machine or WeakMachine(seed, transform)
+    try:
+        world = _world(cfg, spec, machine)
+        return ("ok" if _round_trips(world, cfg, spec, seed) else "wrong"), ""
+    except (sim_backend.SimHang, EPTimeoutError) as e:
+        return "hang", str(e)
+    except (sim_backend.SimError, IndexError, ValueError, RuntimeError) as e:
+        return "error", f"{type(e).__name__}: {e}"
+
+
+def targets(cfg, spec: Spec, variant: str, seed: int = 0):
+    """The kernels a variant's mutations apply to: those of its golden module that the
+    world launches (from one unmutated run with ``seed``), as built by the world; and that
+    run's outcome."""
+    names = {k.name for k in goldens.build_module(variant).kernels}
+    machine = WeakMachine(seed)
+    outcome = run_once(cfg, spec, seed, machine=machine)
+    kernels = {}
+    for m in machine.modules:
+        for k in m.kernels:
+            if k.name in names and k.name in machine.kernels_run:
+                kernels.setdefault(k.name, k)
+    return list(kernels.values()), outcome
