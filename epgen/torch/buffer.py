@@ -122,6 +122,12 @@ def _outputs_of(torch, cfg, rk) -> DispatchOutput:
         region_a=region_a)
 
 
+def _address(value, info) -> int:
+    """The device address of a checked input: a torch tensor's (``info`` None, as the input
+    checks give for torch), else the other library's array's."""
+    return value.data_ptr() if info is None else info.ptr
+
+
 def _check_program(world, device):
     """``ep_check_ids`` loaded on ``device``, once per world (every handle shares it)."""
     cache = world.__dict__.setdefault("_check_ids_programs", {})
@@ -238,7 +244,7 @@ class EPBuffer:
         xs, ids, ws = self._per_rank(x, "x"), self._per_rank(topk_ids, "topk_ids"), \
             self._per_rank(topk_weights, "topk_weights", optional=True)
         K = cfg.token_fmt.top_k
-        checked, infos = [], []     # infos: the inputs of other libraries (their producers)
+        checked, infos = [], []     # infos: None for a torch tensor, else its producer to order
         for rk, xi, ii, wi in zip(self.ranks, xs, ids, ws):
             xt, xinfo = tensors.tokens_input(torch, xi, f"x[{rk.rank}]", cfg, self.device)
             T = xt.shape[0] if xinfo is None else xinfo.shape[0]
@@ -246,9 +252,7 @@ class EPBuffer:
             wt, winfo = (None, None) if wi is None else tensors.weights_input(
                 torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)
             checked.append((xt, xinfo, it, iinfo, wt, T))
-            for info in (xinfo, iinfo, winfo):
-                if info is not None and not isinstance(info.obj, torch.Tensor):
-                    infos.append(info)
+            infos += (xinfo, iinfo, winfo)
         s = self._stream(stream)
         for info in infos:
             self.producers.order(info, s)
@@ -336,17 +340,15 @@ class EPBuffer:
         s = self._stream(stream)
         for *_, infos in checked:
             for info in infos:
-                if info is not None and not isinstance(info.obj, torch.Tensor):
-                    self.producers.order(info, s)
+                self.producers.order(info, s)
         results = []
         for j, (rk, (y, w, res, T, infos)) in enumerate(zip(self.ranks, checked)):
             b = self._combiner.bufs[self.index[j]]
-            ptr = lambda v, info: v.data_ptr() if info is None or isinstance(  # noqa: E731
-                info.obj, torch.Tensor) else info.ptr
-            values = {"expert_out": ptr(y, infos[0]),
-                      "weights": ptr(w, infos[1]) if w is not None else b.weights.ptr,
+            values = {"expert_out": _address(y, infos[0]),
+                      "weights": _address(w, infos[1]) if w is not None else b.weights.ptr,
                       "weighted": int(w is not None),
-                      "residual": ptr(res, infos[2]) if res is not None else b.residual.ptr,
+                      "residual": _address(res, infos[2]) if res is not None
+                      else b.residual.ptr,
                       "has_residual": int(res is not None), "n_tokens": T}
             for slot, name in self._combine_hot[j]:
                 slot[0] = values[name]
