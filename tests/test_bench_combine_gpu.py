@@ -48,6 +48,8 @@ def test_bench_api_torch_reports_host_time_and_graph_ratio(tmp_path, capsys):
     assert [r["tokens_per_rank"] for r in recs] == [32]
     for r in recs:
         assert 0 < r["host_us_dispatch_per_rank"] < 1000 and 0 < r["host_us_combine_per_rank"] < 1000
+        assert 0 < r["host_us_dispatch_one_rank_handle"] < 1000
+        assert 0 < r["host_us_combine_one_rank_handle"] < 1000
         assert r["round_trip_us_graph"] > 0
         assert r["stream_over_graph"] == pytest.approx(
             r["round_trip_us_stream"] / r["round_trip_us_graph"])

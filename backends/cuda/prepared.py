@@ -5,8 +5,8 @@ the driver's parameter sizes), which costs tens of microseconds of host time per
 A prepared launch does that once: the arguments live in one byte buffer at the offsets the
 parameters' sizes and alignments give, ``kernelParams`` (one pointer per parameter into
 that buffer) and the ``CUlaunchConfig`` are built once, and ``launch(stream)`` is one
-``cuLaunchKernelEx``, called through ctypes on the driver library with those prebuilt
-structures (the cuda-bindings wrapper converts its config on every call: 6 us against
+``cuLaunchKernelEx``, called through ctypes with those prebuilt structures
+(``raw_driver``; the cuda-bindings wrapper converts its config on every call: 6 us against
 about 1 us). ``set(name, value)`` rewrites one parameter in place, checked like a
 first packing; the driver copies the parameters at the call (and a stream capture records
 them), so a later ``set`` never changes a launch already enqueued.
@@ -15,12 +15,11 @@ them), so a later ``set`` never changes a launch already enqueued.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 
-from . import compat
-from .errors import check, cuda_errors
+from . import raw_driver
+from .errors import cuda_errors
 from .graph import stream_handle
 from .kernel import KernelHandle, cufunction
 from .launch import _INT_TYPES, pack_arg, type_name
@@ -46,17 +45,6 @@ class _LaunchConfig(ctypes.Structure):
                 ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                 ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-@functools.cache
-def _driver_launch():
-    """The driver's ``cuLaunchKernelEx`` as a ctypes function."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuLaunchKernelEx
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p]
-    return fn
 
 
 def param_dtype(param_type) -> np.dtype:
@@ -113,7 +101,6 @@ class PreparedLaunch:
                             f"{len(values)}")
         for i, v in enumerate(values):
             self._write(i, v)
-        self._drv = compat.driver()
         cfg = _LaunchConfig(int(grid), 1, 1, int(block), 1, 1, 0, None, None, 0)
         if programmatic:
             self._attr = _LaunchAttribute(_PROGRAMMATIC_ATTR, b"", 1, b"")
@@ -124,7 +111,7 @@ class PreparedLaunch:
         with using_device(kernel.device):
             self._func = int(cufunction(kernel))
         self._param_ptr = int(self._params.ctypes.data)
-        self._launch = _driver_launch()
+        self._launch = raw_driver.launch_kernel_ex()
 
     def _write(self, i: int, value) -> None:
         packed = pack_arg(self.types[i], value, index=i, name=self.names[i], int_scalars=True)
@@ -158,4 +145,4 @@ class PreparedLaunch:
         err = self._launch(self._config_ref, self._func, self._param_ptr, None)
         if err:
             with cuda_errors(f"launching kernel {self.kernel.name!r}"):
-                check(self._drv.CUresult(err), "cuLaunchKernelEx")
+                raw_driver.raise_for(err, "cuLaunchKernelEx")

@@ -7,6 +7,9 @@ expert work):
 - **host time** of one ``ep.dispatch`` and one ``ep.combine`` call, enqueue only, per rank:
   each call timed on its own with ``time.perf_counter`` behind an idle stream (the stream is
   synchronised between iterations, outside the timed span), median over the iterations;
+- the same host times with **one handle per rank** (``EPBuffer(world, rank=r)``, each rank
+  called on its own stream), as an engine running one process per GPU pays them: no fork
+  and join of rank streams;
 - **round trip** (dispatch + combine) on the device: CUDA events around the calls on the
   caller's stream, median, as stream launches and as the replay of a ``torch.cuda.graph``
   capture of the same calls, and their ratio.
@@ -63,6 +66,31 @@ def _check(torch, cfg, ep, toks, ids, x, i, w):
         if not np.array_equal(g, e):
             return f"combine rank {r}: {np.count_nonzero(g != e)} elements differ"
     return None
+
+
+def _one_rank_handles(torch, world, x, i, w, iters: int) -> tuple[float, float]:
+    """Median host us of one dispatch and one combine call of a one-rank handle, every
+    rank's handle called on its own stream (a rank's receive kernel waits for the others')."""
+    eps = [EPBuffer(world, rank=rk.rank) for rk in world.ranks]
+    streams = [torch.cuda.Stream() for _ in eps]
+    host_d, host_c = [], []
+    for it in range(iters + 5):
+        outs, td, tc = [], 0.0, 0.0
+        for ep, s, xr, ir, wr in zip(eps, streams, x, i, w):
+            t0 = time.perf_counter()
+            outs.append(ep.dispatch(xr, ir, wr, stream=s))
+            td += time.perf_counter() - t0
+        for ep, s, o in zip(eps, streams, outs):
+            t0 = time.perf_counter()
+            ep.combine(o.tokens, o, stream=s)
+            tc += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        if it >= 5:
+            host_d.append(td / len(eps) * 1e6)
+            host_c.append(tc / len(eps) * 1e6)
+    for ep in eps:
+        ep.check("combine")
+    return statistics.median(host_d), statistics.median(host_c)
 
 
 def run(args, plan, out=None) -> tuple[list[dict], list[str]]:
@@ -131,15 +159,19 @@ def run(args, plan, out=None) -> tuple[list[dict], list[str]]:
             torch.cuda.synchronize()
             replays.append(start.elapsed_time(end) * 1e3)
         ep.check("combine")
+        one_d, one_c = _one_rank_handles(torch, world, x, i, w, iters)
         rec = {"tokens_per_rank": T, "ranks": R, "recv_block_capacity": cap,
                "host_us_dispatch_per_rank": statistics.median(host_d),
                "host_us_combine_per_rank": statistics.median(host_c),
+               "host_us_dispatch_one_rank_handle": one_d,
+               "host_us_combine_one_rank_handle": one_c,
                "round_trip_us_stream": statistics.median(dev),
                "round_trip_us_graph": statistics.median(replays)}
         rec["stream_over_graph"] = rec["round_trip_us_stream"] / rec["round_trip_us_graph"]
         records.append(rec)
         print(f"torch api, {T} tokens/rank x {R} ranks: host {rec['host_us_dispatch_per_rank']:.1f}"
               f" us/dispatch/rank, {rec['host_us_combine_per_rank']:.1f} us/combine/rank; "
+              f"one handle per rank: {one_d:.1f} us/dispatch, {one_c:.1f} us/combine; "
               f"dispatch+combine {rec['round_trip_us_stream']:.1f} us on the stream, "
               f"{rec['round_trip_us_graph']:.1f} us as a graph replay "
               f"(x{rec['stream_over_graph']:.2f})", file=out)

@@ -175,6 +175,8 @@ class EPBuffer:
             [rk.stream for rk in self.ranks])
         self._keep = ()            # this call's converted inputs, alive until the next call
         self.producers = streams.Producers(self.ranks[0].stream.device)
+        # the current stream's raw handle without building a torch Stream (what Triton uses)
+        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         # every launch prepared now (the first call must not compile: the other ranks'
         # kernels would wait for it): (kernel name, [prepared launch per handled rank])
         self._prepare_dispatch()
@@ -228,10 +230,13 @@ class EPBuffer:
                 pl.launch(rk.stream)
         self.lanes.join(stream_handle)
 
-    def _stream(self, stream):
-        torch = self.torch
-        s = stream if stream is not None else torch.cuda.current_stream(self.device)
-        return int(s.cuda_stream) if hasattr(s, "cuda_stream") else int(s)
+    def _stream(self, stream) -> int:
+        """The raw handle of ``stream``, default torch's current stream on the device."""
+        if stream is None:
+            if self._raw_current is not None:
+                return self._raw_current(self.device)
+            stream = self.torch.cuda.current_stream(self.device)
+        return int(stream.cuda_stream) if hasattr(stream, "cuda_stream") else int(stream)
 
     # -- dispatch ---------------------------------------------------------------------------
     def dispatch(self, x, topk_ids, topk_weights=None, *, stream=None):

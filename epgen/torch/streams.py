@@ -4,7 +4,7 @@ joining them back with events made once, and the packing 2-D copy of a strided i
 
 from __future__ import annotations
 
-from backends.cuda import compat
+from backends.cuda import compat, raw_driver
 from backends.cuda.errors import check
 
 
@@ -12,33 +12,33 @@ class Lanes:
     """The rank streams ``streams`` (cuda.core streams, possibly on several GPUs) as lanes
     of a caller's stream: ``fork(handle)`` makes each wait for the caller's work so far,
     ``join(handle)`` makes the caller wait for each (``cuEventRecord`` +
-    ``cuStreamWaitEvent``, non-timing events created once, each in its stream's context).
-    Inside a stream capture the fork and the join are the capture's edges."""
+    ``cuStreamWaitEvent`` through ``raw_driver`` on raw handles; non-timing events created
+    once, each in its stream's context). Inside a stream capture the fork and the join are
+    the capture's edges."""
 
     def __init__(self, streams):
         drv = compat.driver()
-        self.drv, self.streams = drv, list(streams)
-        self.handles = [drv.CUstream(int(s.handle)) for s in self.streams]
+        self.streams = list(streams)
+        self.handles = [int(s.handle) for s in self.streams]
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self.join_events = []
+        self._events = []          # the cuda-bindings objects, which own the events
         for s in self.streams:
             s.device.set_current()
-            self.join_events.append(check(drv.cuEventCreate(flags), "cuEventCreate"))
+            self._events.append(check(drv.cuEventCreate(flags), "cuEventCreate"))
         self.streams[0].device.set_current()
-        self.fork_event = check(drv.cuEventCreate(flags), "cuEventCreate")
+        self._events.append(check(drv.cuEventCreate(flags), "cuEventCreate"))
+        self.join_events = [int(e) for e in self._events[:-1]]
+        self.fork_event = int(self._events[-1])
 
     def fork(self, caller: int) -> None:
-        drv = self.drv
-        check(drv.cuEventRecord(self.fork_event, drv.CUstream(caller)), "cuEventRecord")
+        raw_driver.event_record(self.fork_event, caller)
         for h in self.handles:
-            check(drv.cuStreamWaitEvent(h, self.fork_event, 0), "cuStreamWaitEvent")
+            raw_driver.stream_wait_event(h, self.fork_event)
 
     def join(self, caller: int) -> None:
-        drv = self.drv
-        c = drv.CUstream(caller)
         for h, ev in zip(self.handles, self.join_events):
-            check(drv.cuEventRecord(ev, h), "cuEventRecord")
-            check(drv.cuStreamWaitEvent(c, ev, 0), "cuStreamWaitEvent")
+            raw_driver.event_record(ev, h)
+            raw_driver.stream_wait_event(caller, ev)
 
 
 class Producers:
@@ -61,13 +61,14 @@ class Producers:
             return
         if info.stream is None:
             return
-        drv = compat.driver()
         if self.event is None:
+            drv = compat.driver()
             self.device.set_current()
-            self.event = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                               "cuEventCreate")
-        check(drv.cuEventRecord(self.event, drv.CUstream(info.stream)), "cuEventRecord")
-        check(drv.cuStreamWaitEvent(drv.CUstream(caller), self.event, 0), "cuStreamWaitEvent")
+            self._event = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                                "cuEventCreate")
+            self.event = int(self._event)
+        raw_driver.event_record(self.event, int(info.stream))
+        raw_driver.stream_wait_event(caller, self.event)
 
 
 def copy_rows(dst: int, src: int, pitch: int, row_bytes: int, rows: int, stream: int,

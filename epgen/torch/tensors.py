@@ -3,6 +3,8 @@ need no device data (shapes, dtypes, devices, layout)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import interop
@@ -40,6 +42,7 @@ def view(torch, arr, *, dtype: str | None = None, shape=None, byte_offset: int =
     return t
 
 
+@functools.cache
 def _torch_token_dtypes(torch) -> tuple:
     return (torch.bfloat16, torch.uint16) if hasattr(torch, "uint16") else (torch.bfloat16,)
 
@@ -90,8 +93,9 @@ def ids_input(torch, ids, name: str, T: int, K: int, device: int):
             raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
         if ids.dtype not in (torch.int32, torch.int64):
             raise EPInputError(f"{name}: dtype {ids.dtype} must be torch.int32 or torch.int64")
-        ids = ids.contiguous()
-        if tuple(ids.shape) != (T, K):
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        if ids.shape != (T, K):
             raise EPInputError(f"{name}: shape {tuple(ids.shape)} must be [T, top_k] = "
                                f"[{T}, {K}]")
         if ids.device.index != device:
@@ -148,8 +152,11 @@ def weights_input(torch, w, name: str, T: int, K: int, device: int):
     if isinstance(w, torch.Tensor):
         if not w.is_cuda:
             raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
-        w = w.to(torch.float32).contiguous()
-        if tuple(w.shape) == (T, K) and w.device.index == device:
+        if w.dtype is not torch.float32:
+            w = w.to(torch.float32)
+        if not w.is_contiguous():
+            w = w.contiguous()
+        if w.shape == (T, K) and w.device.index == device:
             return w, None          # the common case, checked without building an ArrayInfo
     info = interop.describe(w, name)
     if not info.on_device or info.device != device:
