@@ -128,6 +128,27 @@ def _address(value, info) -> int:
     return value.data_ptr() if info is None else info.ptr
 
 
+class _HotParams:
+    """The parameters a call rewrites in one rank's prepared launches: each name's slots
+    (``PreparedLaunch.slot``) in every launch that takes it, written only when the value
+    differs from the one last written (the buffer owns these launches: nothing else writes
+    them)."""
+
+    def __init__(self, launches, names):
+        slots = {n: [pl.slot(n) for pl in launches if n in pl.params] for n in names}
+        self.slots = {n: ss for n, ss in slots.items() if ss}
+        self.last = dict.fromkeys(self.slots)
+
+    def write(self, values: dict) -> None:
+        last = self.last
+        for name, slots in self.slots.items():
+            v = values[name]
+            if last[name] != v:
+                for slot in slots:
+                    slot[0] = v
+                last[name] = v
+
+
 def _check_program(world, device):
     """``ep_check_ids`` loaded on ``device``, once per world (every handle shares it)."""
     cache = world.__dict__.setdefault("_check_ids_programs", {})
@@ -212,10 +233,8 @@ class EPBuffer:
                                                                    programmatic=True)
                                  for i in self.index]))
         self._dispatch = steps
-        #: per handled rank: (slot, name) of every parameter a call rewrites, every launch
         hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens")
-        self._hot = [[(pl.slot(name), name) for _, ls in steps for pl in (ls[j],)
-                      for name in hot if name in pl.params]
+        self._hot = [_HotParams([ls[j] for _, ls in steps], hot)
                      for j in range(len(self.ranks))]
 
     def _enqueue(self, steps, stream_handle: int):
@@ -273,8 +292,7 @@ class EPBuffer:
                           "ids_wide": int((it.element_size() if iinfo is None
                                            else iinfo.itemsize) == 8),
                           "n_tokens": T}
-            for slot, name in self._hot[j]:
-                slot[0] = values[name]
+            self._hot[j].write(values)
             rk.n_tokens = T
             out = self.outputs[j]
             out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt
@@ -300,9 +318,9 @@ class EPBuffer:
                                    for i in self.index]))
         self._combiner, self._combine = c, steps
         hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens")
-        self._combine_hot = [[(pl.slot(name), name) for _, ls in steps for pl in (ls[j],)
-                              for name in hot if name in pl.params]
+        self._combine_hot = [_HotParams([ls[j] for _, ls in steps], hot)
                              for j in range(len(self.ranks))]
+        self._results = {}     # (handled rank, shape): the tensor viewing its output buffer
 
     def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None):
         """Enqueue the combine of the last dispatch: ``expert_out`` ``[rows, hid_dim]`` BF16,
@@ -355,10 +373,13 @@ class EPBuffer:
                       "residual": _address(res, infos[2]) if res is not None
                       else b.residual.ptr,
                       "has_residual": int(res is not None), "n_tokens": T}
-            for slot, name in self._combine_hot[j]:
-                slot[0] = values[name]
+            self._combine_hot[j].write(values)
             shape = (T, H) if w is not None else (T, K, H)
-            results.append(tensors.view(torch, b.out, dtype="bfloat16", shape=shape))
+            view = self._results.get((j, shape))
+            if view is None:
+                view = self._results[j, shape] = tensors.view(torch, b.out, dtype="bfloat16",
+                                                              shape=shape)
+            results.append(view)
         self._keep_combine = checked
         self._enqueue(self._combine, s)
         return results[0] if len(results) == 1 and not isinstance(out, (list, tuple)) \
