@@ -197,3 +197,14 @@ def test_every_excuse_names_an_existing_mutation():
 
 def test_the_cli_lists_the_checked_variants():
     assert set(cli.CHECKED_VARIANTS) == set(runs.checked())
+
+
+def test_combine_fused_needs_its_elections_and_sys_arrival_stores():
+    # causal release views: an election without release leaves its warp's rows unpublished;
+    # scopes across GPUs: a gpu-scope arrival store does not synchronise with the sys poll
+    spec, cfg = _spec_cfg("combine/fused")
+    for op, kind in [("ep_combine:send:1:atom.acq_rel.sys.global.add", "relaxed"),
+                     ("ep_combine:send:2:st.release.sys.global", "gpu")]:
+        got = _outcomes(cfg, spec, SEEDS, mutation=M.Mutation(op, kind, True))
+        assert any(o[0] != "ok" for o in got.values()), \
+            f"{op} -> {kind} not detected in seeds {SEEDS}"

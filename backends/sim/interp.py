@@ -174,7 +174,7 @@ class _Thread:
         self.spins = 0
         self.done = False
         self.pending_puts: list = []    # NVSHMEM puts not yet delivered (shmem.py)
-        self.wfenced = False            # weak.py: a release fence ran
+        self.wfenced = 0                # weak.py: the level of the widest release fence run
 
 
 class _Launch:
@@ -587,7 +587,7 @@ class Sim:
             def fence(th):
                 if rel:
                     wm.release(th, scope)
-                    th.wfenced = True
+                    th.wfenced = max(th.wfenced, release_level(scope))
                 if acq:
                     wm.acquire(th, scope)
             return self._SIMPLE, fence
@@ -617,11 +617,12 @@ class Sim:
                     wm.release(th, scope)
                 wm.store(th, a, self._bytes(val(th), dt), lvl)
                 if lvl or th.wfenced:
-                    wm.note_release(th, a)
+                    wm.note_release(th, a, lvl or th.wfenced)
             return M, store
         if isinstance(s, N.SpinWait):
             return G, self._compile_spin(s, weak=True)
         rel, acq, dt = is_release(s.sem), is_acquire(s.sem), s.value.dtype
+        rlvl = release_level(scope)
         slot = None if s.dst is None else self._slot(s.dst)
         val = f(s.value)
         if isinstance(s, N.AtomicRMW):
@@ -642,7 +643,7 @@ class Sim:
             raw = wm.rmw(th, a, dt.nbytes, lambda b: self._bytes(
                 new(th, _scalar_value(b, dt)), dt))
             if rel or th.wfenced:
-                wm.note_release(th, a)
+                wm.note_release(th, a, rlvl if rel else th.wfenced)
             if slot is not None:
                 th.vars[slot] = _scalar_value(raw, dt)
             if acq:

@@ -5,56 +5,70 @@ operational model of the PTX memory consistency model, so a missing ``.release``
 The model (one ``WeakMemory`` per interpreter, its choices drawn from its own seeded random
 stream, so a seed repeats its run):
 
+- **Domains.** A *domain* is one emulated GPU: the rank or PE a thread runs for (the kernel's
+  ``my_rank`` argument), whichever simulated GPU runs it. ``sys`` is the scope that spans
+  domains; ``gpu`` spans the CTAs of one domain; ``cta`` one CTA.
 - **Store buffers in levels.** A thread's weak, volatile and relaxed global stores go to its
   own store buffer; buffers drain one level up (thread -> its CTA -> its domain -> memory)
   one randomly chosen 8-byte word at a time (an aligned access of up to 8 bytes is
-  single-copy atomic), a little each scheduler round, so stores become
-  visible late and out of order. A *domain* is what a ``sys`` scope separates: the emulated
-  rank or PE (the kernel's ``my_rank`` argument), whichever GPU it runs on. A thread reads
-  the newest of its own buffer, its CTA's, its domain's, then memory.
+  single-copy atomic), a little each scheduler round, so stores become visible late and out
+  of order, but every store becomes visible everywhere eventually (also a ``gpu``-scope one
+  read from another domain). A thread reads the newest of its own buffer, its CTA's, its
+  domain's, then memory.
+- **Causal pasts.** Every store is stamped (the writing thread, a global count); each buffered
+  word and each value in memory's history keeps the stamps of its writers. A thread's
+  *causal past* is a vector clock (thread -> the last stamp of it that happens-before): its
+  own stores, what its acquires synchronised with, what ``bar.sync`` brought it, and the
+  kernel boundary (the causal pasts of the launches it depends on; every word that had
+  landed, or was visible in its own domain, when it started).
 - **Release** (``st.release``, an RMW with release semantics, ``fence`` with a release part)
-  at scope ``cta`` moves the thread's buffer into its CTA's; at ``gpu`` also the CTA's buffer
-  into the domain's (the words carry the release's id); at ``sys`` also the domain buffer's
-  words of releases the thread has observed (its own, those its acquires and barriers
-  brought it, all from before its launch) into memory. A released store itself lands at its
-  scope's level.
+  at scope ``cta`` moves the thread's buffer into its CTA's; at ``gpu`` also the words of its
+  CTA's buffer that are in its causal past into its domain's; at ``sys`` also those of its
+  domain's buffer into memory (cumulativity: exactly what happens-before the release, not
+  what other threads left there). A released store itself lands at its scope's level.
+- **Release views.** A store with release semantics (or after a release fence) records on its
+  word the releaser's causal past and scope. An acquire (``ld.acquire``, a ``spin_wait``, an
+  RMW with acquire semantics) of that word at scope *s* synchronises with it, taking that
+  causal past into its own, only when each scope includes the other thread: both ``sys``
+  across domains, both at least ``gpu`` across the CTAs of a domain. A ``gpu`` release is
+  thus invisible to another domain's ``sys`` acquire and a ``gpu`` acquire to another
+  domain's ``sys`` release.
 - **Stale loads.** Memory keeps a short history per word. A weak, volatile, relaxed or
   ``.nc`` load may return an older value than the newest (the model of loads reordered
-  earlier), but never one older than the thread's frontier: coherence (a CTA never reads a
-  word older than one it has already read or written) and the last acquire.
-- **Acquire** (``ld.acquire``, a ``spin_wait``, an RMW with acquire semantics) of a word
-  moves the thread's frontier to the view of that word's releasers (their own frontiers,
-  their domain's words landed when they released, the releases they had observed);
-  nothing, when no release wrote it.
-  At ``gpu`` or ``cta`` scope it takes only a view of its own domain (a narrower acquire
-  does not synchronise with another domain's release; causality stays transitive through a
-  release and acquire inside the domain) and moves the frontier to now for its own
-  domain's words. An acquire fence moves the frontier to now for every word. A relaxed
-  store after a release fence carries the thread's view as a release store would.
-  ``ld.global.nc`` ignores the acquire frontier (it may return data older than any acquire, though never
-  older than the CTA has already seen).
+  earlier), but never one older than a write in the thread's causal past (nor, by
+  coherence, one older than its CTA has already read or written).
+  ``ld.global.nc`` ignores the causal past (it may return data older than any acquire,
+  though never older than the CTA has already seen).
+- **Fences.** An acquire fence makes every word landed so far part of the causal past (time
+  based: the model does not track which release a relaxed load read). A relaxed store
+  after a release fence carries the thread's causal past as a release store of the fence's
+  scope would.
 - **RMW atomicity**: an atomic first lands the thread's own pending stores of that word,
   then reads and writes memory in one step, whatever its scope.
 - **``bar.sync`` and ``bar.warp.sync``** order at CTA scope: the participants' buffers move
-  into the CTA's and each participant's frontier becomes the newest of theirs.
+  into the CTA's and each participant's causal past becomes the union of theirs.
 - **Kernel boundaries**: a finished launch's thread and CTA buffers move to its domain's;
   a launch starts after the words its dependencies of other domains left in domain buffers
-  have landed, with the frontier of what those dependencies saw (and, in its own domain,
-  of now); the host sees memory only after every launch has run and every buffer drained.
+  have landed, with their causal pasts (and, in its own domain, everything visible now);
+  the host sees memory only after every launch has run and every buffer drained.
 - NVSHMEM puts read their source through the issuing thread's view and land in memory at
   the thread's quiet or fence; ``nvshmemx_signal_op`` is an RMW at ``sys`` scope that
-  carries the thread's view (the puts its quiet completed are visible to whoever acquires
-  the signal).
+  carries the thread's causal past (the puts its quiet completed are visible to whoever
+  acquires the signal).
 
-What it does not model: shared memory (sequentially consistent: its races are the barriers'
-business, and the barriers are not weakened); release cumulativity exactly (a ``gpu`` release
-publishes every word in the CTA's buffer, also ones the thread never observed, and per word
-only the newest value waits in a buffer) and release views (an acquirer sees every word of
-the releaser's domain landed before the release), so it can miss a bug, never invent one
-(as far as the checks show: every unmutated variant passes every seed tried); a load of
-the thread's own domain reading a stale value of another thread's pending domain-level word;
-caches, time, the ``cluster`` scope (treated as ``cta``), the ``.sc`` order (an ``.sc`` fence
-is an ``acq_rel`` one), mixed-size atomics, proxies (``fence.proxy``, TMA).
+What it does not model, so it can miss a bug but, as far as the checks show, not invent one
+(every unmutated variant passes every seed tried): shared memory (sequentially consistent:
+its races are the barriers' business, and the barriers are not weakened); a load reading a
+store that comes later (load buffering: loads take values of stores already made, so an
+ordering that only keeps a read before a later write is out of its reach); observation by a
+plain read (a write a thread only read, without an acquire, does not join its causal past);
+per word only the newest value waits in a buffer, and a buffered word any of whose writers
+the releaser knows moves up whole; release sequences exactly (an acquire synchronises with
+every earlier release of the word by a thread its scope includes); the scopes of atomicity
+(a ``gpu`` RMW is atomic with another domain's); a load of the thread's own domain reading a
+stale value of another thread's pending domain-level word; caches, time, the ``cluster``
+scope (treated as ``cta``), the ``.sc`` order (an ``.sc`` fence is an ``acq_rel`` one),
+mixed-size atomics, proxies (``fence.proxy``, TMA).
 """
 
 from __future__ import annotations
@@ -70,6 +84,7 @@ _RELEASES = (Sem.RELEASE, Sem.ACQ_REL, Sem.SC)
 _ACQUIRES = (Sem.ACQUIRE, Sem.ACQ_REL, Sem.SC)
 
 CTA, GPU, SYS = 1, 2, 3
+_EMPTY: dict = {}
 
 
 def level(scope) -> int:
@@ -80,8 +95,8 @@ def level(scope) -> int:
 
 
 class _Buf:
-    """One store buffer: ``word -> [bytearray(8), byte mask, the releases that moved its
-    bytes here, origins (launch, block) of its writers and readers]``."""
+    """One store buffer: ``word -> [bytearray(8), byte mask, writers {thread: its first
+    stamp here}, origins (launch, block) of its writers and readers, since when it is here]``."""
 
     __slots__ = ("words", "up", "dom", "lvl")
 
@@ -107,7 +122,7 @@ class _Block:
 class WeakMemory:
     """Global memory of a ``Sim`` under the weak model (module docstring). ``drain``: the
     chance per scheduler round that a non-empty buffer moves one word up; ``stale``: the
-    chance a load steps one more value back into the history, when the frontier allows."""
+    chance a load steps one more value back into the history, when the causal past allows."""
 
     def __init__(self, mem, seed: int = 0, drain: float = 0.05, stale: float = 0.5):
         self.mem = mem
@@ -116,8 +131,11 @@ class WeakMemory:
         self.stale_p = stale
         self.clock = 1
         self.epoch = 1              # when the last run ended: nothing older is kept
-        self.history: dict = {}     # word -> [(ts, prev bytes, prev ts, domain, seen since)]
-        self.rel_view: dict = {}    # word -> {releasing domain -> its releasers' view}
+        self.stamp = 0              # the last store's stamp
+        self.threads = 0            # threads started (their ids in the vector clocks)
+        self.history: dict = {}     # word -> [(ts, prev bytes, prev ts, domain, seen since,
+        #                                      writers)]
+        self.rel_view: dict = {}    # word -> {(domain, CTA, level) -> [vc, kb, f_all]}
         self.domains: dict = {}     # domain -> its _Buf
         self.dirty: dict = {}       # buffers with words (a dict: a seed repeats its order)
 
@@ -129,8 +147,8 @@ class WeakMemory:
         return b
 
     def start_thread(self, th) -> None:
-        """``th`` starts: it sees what its launch's dependencies saw and wrote (and, in its
-        own domain, everything that has landed: its stream's earlier work)."""
+        """``th`` starts: its causal past is its launch's dependencies' (and, in its own
+        domain, everything visible now: its stream's earlier work)."""
         la = th.launch
         dom = int(th.params.get("my_rank", 0)) if "my_rank" in th.params else 0
         blocks = la.__dict__.setdefault("weak_blocks", {})
@@ -140,38 +158,52 @@ class WeakMemory:
         th.wdom, th.wblk = dom, blk
         th.wbuf = _Buf(blk.buf, dom, 0)
         th.wseq = {}
-        f_all = self.epoch
-        for d in la.deps:
-            view = d.__dict__.get("weak_view")
-            if view is not None:
+        self.threads += 1
+        th.wid, th.wlast = self.threads, 0
+        th.f_all, th.vc, th.kb = self._start_view(la, dom)
+
+    def _start_view(self, la, dom) -> tuple:
+        """``(f_all, vector clock, per-domain start times)`` a thread of ``la`` in ``dom``
+        starts with (one per launch and domain, shared by its threads)."""
+        cache = la.__dict__.setdefault("weak_start", {})
+        got = cache.get(dom)
+        if got is None:
+            f_all, vc, kb = self.epoch, _EMPTY, _EMPTY
+            for d in la.deps:
+                view = d.__dict__.get("weak_view")
+                if view is None or view[3] < self.epoch:
+                    continue
                 f_all = max(f_all, view[0], view[1] if view[2] - {dom} else 0)
-        th.f_all = f_all
-        th.f_peer = {}      # domain -> frontier for its words (views of its releases)
-        th.f_own = th.g_upto = self.clock
-        th.g_rels = set()
+                vc, kb = _join(vc, view[4]), _join(kb, view[5])
+            got = cache[dom] = (f_all, vc, _join(kb, {dom: self.clock}))
+            self.clock += 1     # what is put from now on is not known by that
+        return got
 
     def barrier(self, threads) -> None:
         """``bar.sync`` / ``bar.warp.sync`` among ``threads`` (one CTA)."""
-        f_own = max(t.f_own for t in threads)
         f_all = max(t.f_all for t in threads)
-        g_upto = max(t.g_upto for t in threads)
-        g_rels = set().union(*(t.g_rels for t in threads))
-        f_peer: dict = {}
+        vc, kb = _join_all(t.vc for t in threads), _join_all(t.kb for t in threads)
+        vc = dict(vc)
         for t in threads:
-            _merge(f_peer, t.f_peer)
+            if t.wlast:
+                vc[t.wid] = t.wlast
         for t in threads:
             self._move_all(t.wbuf)
-            t.f_own, t.f_all, t.g_upto, t.g_rels = f_own, f_all, g_upto, set(g_rels)
-            t.f_peer = dict(f_peer)
+            t.f_all, t.vc, t.kb = f_all, vc, kb
 
     def launch_done(self, la) -> None:
         """Every thread of ``la`` exited: its pending words move to the domain buffers; a
-        launch that depends on it will see what its threads saw and, from another domain,
-        what it wrote."""
+        launch that depends on it will know what its threads knew and, from another domain,
+        see what it wrote."""
         for blk in la.__dict__.get("weak_blocks", {}).values():
             self._move_all(blk.buf)
+        vc = dict(_join_all(t.vc for t in la.threads))
+        for t in la.threads:
+            if t.wlast:
+                vc[t.wid] = t.wlast
         la.weak_view = (max((t.f_all for t in la.threads), default=0), self.clock,
-                        {t.wdom for t in la.threads})
+                        {t.wdom for t in la.threads}, self.clock, vc,
+                        _join_all(t.kb for t in la.threads))
 
     @staticmethod
     def _domains(la) -> set:
@@ -190,8 +222,8 @@ class WeakMemory:
                     self._move(buf, w)
         for d in la.deps:
             if "weak_view" in d.__dict__:
-                f, _, doms = d.weak_view
-                d.weak_view = (f, self.clock, doms)
+                v = d.weak_view
+                d.weak_view = (v[0], self.clock) + v[2:]
 
     def retire_all(self) -> None:
         """Nothing runs: every buffer drains, the history is dropped."""
@@ -212,12 +244,11 @@ class WeakMemory:
                 self._move(buf, w)
 
     # -- buffers -------------------------------------------------------------------------------
-    def _put(self, buf: _Buf, w: int, data, mask: int, origins, tag: int = 0) -> None:
-        """Bytes into ``buf``; ``tag``: the release that put them there (0: none)."""
+    def _put(self, buf: _Buf, w: int, data, mask: int, origins, writers) -> None:
+        """Bytes into ``buf``; ``writers``: their stamps (thread -> its first stamp)."""
         e = buf.words.get(w)
         if e is None:
-            buf.words[w] = [bytearray(data), mask, {tag} if tag else set(), set(origins),
-                            self.clock]
+            buf.words[w] = [bytearray(data), mask, dict(writers), set(origins), self.clock]
             self.dirty[buf] = None
             return
         if mask == _FULL:
@@ -227,26 +258,25 @@ class WeakMemory:
                 if mask >> i & 1:
                     e[0][i] = data[i]
         e[1] |= mask
-        if tag:
-            e[2].add(tag)
+        for t, s in writers.items():
+            if t not in e[2]:
+                e[2][t] = s
         e[3] |= origins
 
-    def _move(self, buf: _Buf, w: int, tag: int = 0) -> None:
+    def _move(self, buf: _Buf, w: int) -> None:
         e = buf.words.pop(w)
         if not buf.words:
             self.dirty.pop(buf, None)
         if buf.up is not None:
-            self._put(buf.up, w, e[0], e[1], e[3], tag)
-            if e[2]:
-                buf.up.words[w][2].update(e[2])
+            self._put(buf.up, w, e[0], e[1], e[3], e[2])
         else:
-            self._land(w, e[0], e[1], buf.dom, e[3], e[4])
+            self._land(w, e[0], e[1], buf.dom, e[3], e[4], e[2])
 
     def _move_all(self, buf: _Buf) -> None:
         for w in list(buf.words):
             self._move(buf, w)
 
-    def _land(self, w: int, data, mask: int, dom, origins=(), seen=None) -> None:
+    def _land(self, w: int, data, mask: int, dom, origins=(), seen=None, writers=_EMPTY):
         """Bytes of word ``w`` reach memory (the coherence point); ``seen``: since when the
         writer's domain has seen them (in its domain buffer; default now)."""
         old = self.mem.read(w, WORD)
@@ -257,7 +287,8 @@ class WeakMemory:
         hist = self.history.setdefault(w, [])
         prev_ts = hist[-1][0] if hist else 0
         self.clock += 1
-        hist.append((self.clock, old, prev_ts, dom, self.clock if seen is None else seen))
+        hist.append((self.clock, old, prev_ts, dom, self.clock if seen is None else seen,
+                     writers))
         if len(hist) > _HISTORY:
             del hist[0]
         self.mem.write(w, bytes(new))
@@ -266,66 +297,72 @@ class WeakMemory:
             if blk is not None:
                 blk.floor[w] = self.clock
 
+    @staticmethod
+    def _knows(th, writers) -> bool:
+        """Whether a write of ``writers`` is in ``th``'s causal past (by its stamp)."""
+        vc = th.vc
+        for t, s in writers.items():
+            if t == th.wid or s <= vc.get(t, 0):
+                return True
+        return False
+
+    def _past(self, th, e, dom) -> bool:
+        """Whether buffered word ``e`` (in a buffer of domain ``dom``) happens-before ``th``'s
+        next release: a writer's stamp, or visible in ``dom`` before ``th`` knew it all."""
+        return self._knows(th, e[2]) or e[4] <= th.kb.get(dom, 0)
+
     def release(self, th, scope) -> None:
-        """A release at ``scope`` by ``th`` (module docstring). Words a ``gpu`` release moves
-        into the domain buffer carry its id; a ``sys`` release lands the domain buffer's
-        words whose release ``th`` has observed (its own, those its acquires and barriers
-        brought it, and every one from before its launch or its last acquire fence)."""
+        """A release at ``scope`` by ``th`` (module docstring): what happens-before it moves
+        up to the scope's level; the rest stays where it is."""
         lvl = level(scope)
         self.clock += 1
-        rid = self.clock
         self._move_all(th.wbuf)
         if lvl >= GPU:
-            for w in list(th.wblk.buf.words):
-                self._move(th.wblk.buf, w, rid)
-            # the CTA's words that drained into the domain buffer before are released too
-            me = (id(th.launch), th.wblk)
-            for e in self.domain_buf(th.wdom).words.values():
-                if me in e[3]:
-                    e[2].add(rid)
-            th.g_rels.add(rid)
+            buf = th.wblk.buf
+            for w in [w for w, e in buf.words.items() if self._past(th, e, th.wdom)]:
+                self._move(buf, w)
         if lvl >= SYS:
             buf = self.domain_buf(th.wdom)
-            upto, rels = th.g_upto, th.g_rels
-            for w in [w for w, e in buf.words.items()
-                      if any(t <= upto or t in rels for t in e[2])]:
+            for w in [w for w, e in buf.words.items() if self._past(th, e, th.wdom)]:
                 self._move(buf, w)
 
-    def note_release(self, th, addr: int) -> None:
-        """``th`` wrote ``addr`` with a release (or after a release fence): an acquirer of
-        it inherits ``th``'s view: its frontiers, the releases it has observed, and its
-        domain's words landed so far (kept per releasing domain: a word may hold the flags
-        of several)."""
+    def note_release(self, th, addr: int, lvl: int = SYS) -> None:
+        """``th`` wrote ``addr`` with a release at level ``lvl`` (or after a release fence):
+        an acquirer of it whose scope includes ``th`` and is included by ``lvl`` inherits
+        ``th``'s causal past (kept per releasing domain, CTA and level: a word may hold the
+        flags of several)."""
         w = addr - addr % WORD
         views = self.rel_view.setdefault(w, {})
-        peers = dict(th.f_peer)
-        peers[th.wdom] = max(peers.get(th.wdom, 0), self.clock)
-        old = views.get(th.wdom)
+        vc = dict(th.vc)
+        if th.wlast:
+            vc[th.wid] = th.wlast
+        key = (th.wdom, (id(th.launch), th.block), lvl)
+        old = views.get(key)
         if old is None:
-            views[th.wdom] = (th.f_all, th.g_upto, set(th.g_rels), peers)
+            views[key] = [vc, th.kb, th.f_all]
         else:
-            old[2].update(th.g_rels)
-            _merge(old[3], peers)
-            views[th.wdom] = (max(th.f_all, old[0]), max(th.g_upto, old[1]), old[2], old[3])
+            old[0], old[1] = _join(old[0], vc), _join(old[1], th.kb)
+            old[2] = max(old[2], th.f_all)
 
     def acquire(self, th, scope, addr: int | None = None) -> None:
         """An acquire by ``th`` at ``scope``; ``addr``: the word it read (None: a fence,
         which acquires everything landed so far)."""
         self.clock += 1
-        th.f_own = self.clock
         if addr is None:
-            th.f_all = th.g_upto = self.clock
+            th.f_all = self.clock
+            th.kb = _join(th.kb, {th.wdom: self.clock})
+            self.clock += 1
             return
-        wide = level(scope) >= SYS
-        for dom, (f_all, g_upto, g_rels, peers) in self.rel_view.get(
-                addr - addr % WORD, {}).items():
-            same = dom == th.wdom
-            if same or wide:
-                th.f_all = max(th.f_all, f_all)
-                _merge(th.f_peer, peers)
-            if same:
-                th.g_upto = max(th.g_upto, g_upto)
-                th.g_rels |= g_rels
+        lvl, me = level(scope), (id(th.launch), th.block)
+        for (dom, blk, rlvl), (vc, kb, f_all) in self.rel_view.get(
+                addr - addr % WORD, _EMPTY).items():
+            if dom != th.wdom:
+                if rlvl < SYS or lvl < SYS:
+                    continue
+            elif blk != me and (rlvl < GPU or lvl < GPU):
+                continue
+            th.f_all = max(th.f_all, f_all)
+            th.vc, th.kb = _join(th.vc, vc), _join(th.kb, kb)
 
     # -- accesses -------------------------------------------------------------------------------
     def _origin(self, th):
@@ -336,15 +373,17 @@ class WeakMemory:
         target = th.wbuf if lvl == 0 else th.wblk.buf if lvl == CTA else \
             self.domain_buf(th.wdom) if lvl == GPU else None
         origins = self._origin(th)
-        tag = self.clock if lvl == GPU else 0     # the release just made
+        self.stamp += 1
+        th.wlast = self.stamp
+        writers = {th.wid: self.stamp}
         for w, off, chunk in _words(addr, data):
             mask = ((1 << len(chunk)) - 1) << off
             full = bytearray(WORD)
             full[off:off + len(chunk)] = chunk
             if target is None:
-                self._land(w, full, mask, th.wdom, origins)
+                self._land(w, full, mask, th.wdom, origins, None, writers)
             else:
-                self._put(target, w, full, mask, origins, tag)
+                self._put(target, w, full, mask, origins, writers)
 
     def load(self, th, addr: int, n: int, nc: bool = False, site=None) -> bytes:
         """The bytes a load of ``n`` bytes at ``addr`` by ``th`` returns. ``site``: the
@@ -395,13 +434,12 @@ class WeakMemory:
             return cur
         least = floor.get(w, 0)
         chosen, start = cur, hist[-1][0]
-        for ts, prev, prev_ts, dom, seen in reversed(hist):
+        for ts, prev, prev_ts, dom, seen, writers in reversed(hist):
             if nc:
                 older = ts <= least
-            elif dom == th.wdom:    # the domain saw it in its buffer before it landed
-                older = ts <= least or seen <= th.f_own
-            else:
-                older = ts <= max(least, th.f_all, th.f_peer.get(dom, 0))
+            else:   # in the causal past: by time (boundaries, fences) or by a writer's stamp
+                older = ts <= least or ts <= th.f_all or seen <= th.kb.get(dom, 0) or \
+                    self._knows(th, writers)
             if older or self.rng.random() >= self.stale_p:
                 break
             chosen, start = prev, prev_ts
@@ -433,10 +471,30 @@ class WeakMemory:
         self.store(th, addr, data, SYS)
 
 
-def _merge(into: dict, other: dict) -> None:
-    for k, v in other.items():
-        if v > into.get(k, 0):
-            into[k] = v
+def _join(a: dict, b: dict) -> dict:
+    """The pointwise maximum of two vector clocks (``a`` itself when ``b`` adds nothing;
+    neither is changed: threads share them)."""
+    if a is b or not b:
+        return a
+    if not a:
+        return b
+    out = None
+    for k, v in b.items():
+        if v > a.get(k, 0):
+            if out is None:
+                out = dict(a)
+            out[k] = v
+    return a if out is None else out
+
+
+def _join_all(clocks) -> dict:
+    out: dict = _EMPTY
+    seen = set()
+    for c in clocks:
+        if id(c) not in seen:
+            seen.add(id(c))
+            out = _join(out, c)
+    return out
 
 
 def _words(addr: int, data: bytes):

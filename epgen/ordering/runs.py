@@ -34,6 +34,10 @@ CALLS = 2
 
 MAX_SPINS = 20000
 
+MAX_ROUNDS = 100000
+"""Scheduler rounds per run (an unmutated run takes a few hundred): a mutated run past it
+is a hang, e.g. a copy loop bounded by a stale count that never ends."""
+
 SMALL = {"num_threads": 64, "n_sms": 4, "n_experts": 4, "n_ranks": 4, "p2p_world_size": 4,
          "max_tokens_per_rank": 6,
          "hid_dim": 64, "top_k": 2}
@@ -91,6 +95,15 @@ class WeakMachine(sim_backend.Machine):
         self.transform = transform
         self.modules: list = []
         self.kernels_run: set[str] = set()
+        self._rounds = 0
+        self._round = self.sim.weak.round
+        self.sim.weak.round = self._bounded_round
+
+    def _bounded_round(self) -> None:
+        self._rounds += 1
+        if self._rounds > MAX_ROUNDS:
+            raise sim_backend.SimHang(f"the run took more than {MAX_ROUNDS} scheduler rounds")
+        self._round()
 
     def load_module(self, module, device=None):
         if self.transform is not None:
