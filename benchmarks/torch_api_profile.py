@@ -78,7 +78,8 @@ def main() -> None:
           f"{'one handle per rank' if args.per_rank else 'one handle'} "
           f"(torch.cuda.synchronize after each call included)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
-    _sections(torch, eps[0], x, ids, w, args.per_rank)
+    if not args.per_rank:      # a lone one-rank handle's kernels would wait for the others
+        _sections(torch, eps[0], x, ids, w)
 
 
 def _median_us(fn, n: int = 300) -> float:
@@ -92,13 +93,9 @@ def _median_us(fn, n: int = 300) -> float:
     return statistics.median(times) * 1e6
 
 
-def _sections(torch, ep, x, ids, w, one_rank: bool) -> None:
-    """Host-time medians of the parts of a dispatch call of ``ep`` (module docstring); with
-    one-rank handles only the first rank's calls, which the others' kernels are not waiting
-    for, are timed by their enqueue (the kernels then time out: not run here)."""
-    if one_rank:
-        print("sections: run without --per-rank (a lone rank's kernels wait for the others)")
-        return
+def _sections(torch, ep, x, ids, w) -> None:
+    """Host-time medians of the parts of a dispatch call of ``ep``, a handle of every rank
+    (module docstring)."""
     n = len(ep.ranks)
     s = torch.cuda.current_stream().cuda_stream
     full = _median_us(lambda: ep.dispatch(x, ids, w))

@@ -149,13 +149,19 @@ def test_each_mutation_changes_exactly_one_operation():
         M.mutate(module, "ep_dispatch_wait:aux:99:st.release.gpu.global", "relaxed")
 
 
-def test_weakened_operations_are_detected():
-    spec, cfg = _spec_cfg("ep/small")
-    for op, kind in [("ep_dispatch_async:comm:0:red.release.gpu.global.add", "relaxed"),
-                     ("ep_dispatch_async:signal:1:st.release.sys.global", "gpu")]:
+def _assert_detected(variant: str, weakenings) -> None:
+    """Each (operation, kind) weakening of ``variant`` fails at least one of ``SEEDS``."""
+    spec, cfg = _spec_cfg(variant)
+    for op, kind in weakenings:
         got = _outcomes(cfg, spec, SEEDS, mutation=M.Mutation(op, kind, True))
         assert any(o[0] != "ok" for o in got.values()), \
-            f"{op} -> {kind} not detected in seeds {SEEDS}"
+            f"{variant}: {op} -> {kind} not detected in seeds {SEEDS}"
+
+
+def test_weakened_operations_are_detected():
+    _assert_detected("ep/small",
+                     [("ep_dispatch_async:comm:0:red.release.gpu.global.add", "relaxed"),
+                      ("ep_dispatch_async:signal:1:st.release.sys.global", "gpu")])
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -202,9 +208,6 @@ def test_the_cli_lists_the_checked_variants():
 def test_combine_fused_needs_its_elections_and_sys_arrival_stores():
     # causal release views: an election without release leaves its warp's rows unpublished;
     # scopes across GPUs: a gpu-scope arrival store does not synchronise with the sys poll
-    spec, cfg = _spec_cfg("combine/fused")
-    for op, kind in [("ep_combine:send:1:atom.acq_rel.sys.global.add", "relaxed"),
-                     ("ep_combine:send:2:st.release.sys.global", "gpu")]:
-        got = _outcomes(cfg, spec, SEEDS, mutation=M.Mutation(op, kind, True))
-        assert any(o[0] != "ok" for o in got.values()), \
-            f"{op} -> {kind} not detected in seeds {SEEDS}"
+    _assert_detected("combine/fused",
+                     [("ep_combine:send:1:atom.acq_rel.sys.global.add", "relaxed"),
+                      ("ep_combine:send:2:st.release.sys.global", "gpu")])
