@@ -45,7 +45,7 @@ def test_bench_api_torch_reports_host_time_and_graph_ratio(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert status == 0, err[-3000:]
     recs = json.loads(js.read_text())["torch_api"]
-    assert [r["tokens_per_rank"] for r in recs] == [32]
+    assert [(r["tokens_per_rank"], r["kernels"]) for r in recs] == [(32, "staged"), (32, "fused")]
     for r in recs:
         assert 0 < r["host_us_dispatch_per_rank"] < 1000 and 0 < r["host_us_combine_per_rank"] < 1000
         assert 0 < r["host_us_dispatch_one_rank_handle"] < 1000
@@ -53,4 +53,4 @@ def test_bench_api_torch_reports_host_time_and_graph_ratio(tmp_path, capsys):
         assert r["round_trip_us_graph"] > 0
         assert r["stream_over_graph"] == pytest.approx(
             r["round_trip_us_stream"] / r["round_trip_us_graph"])
-    assert "torch api, 32 tokens/rank" in out
+    assert "staged kernels" in out and "fused kernels" in out

@@ -1,8 +1,10 @@
 """``epgen bench --api torch``: the cost of the device-side API (``epgen.torch.EPBuffer``) on
 an ``EmulatedWorld``, after the usual figures of the same run.
 
-Per shape (tokens per rank), with the dispatch outputs fed back as the expert outputs (no
-expert work):
+Per shape (tokens per rank) and kernel form (the staged kernels, ``dispatch_async`` +
+``dispatch_wait`` and ``combine_async`` + ``combine_wait``, then the fused single launches
+``ep_dispatch`` and ``ep_combine``: one launch fewer per call), with the dispatch outputs fed
+back as the expert outputs (no expert work):
 
 - **host time** of one ``ep.dispatch`` and one ``ep.combine`` call, enqueue only, per rank:
   each call timed on its own with ``time.perf_counter`` behind an idle stream (the stream is
@@ -93,94 +95,107 @@ def _one_rank_handles(torch, world, x, i, w, iters: int) -> tuple[float, float]:
     return statistics.median(host_d), statistics.median(host_c)
 
 
+#: the kernel forms timed, by the name a record carries: ``EmulatedWorld``'s ``fused``
+KERNEL_FORMS = (("staged", False), ("fused", True))
+
+
 def run(args, plan, out=None) -> tuple[list[dict], list[str]]:
-    """Time every shape of ``plan`` on its first input set, its router weights and its
-    receive-block capacity (the sizing of the figures before it); returns (one record per
-    shape, failures)."""
-    import torch
+    """Time every shape of ``plan`` and kernel form (``KERNEL_FORMS``) on the shape's first
+    input set, its router weights and its receive-block capacity (the sizing of the figures
+    before it); returns (one record per shape and form, failures)."""
     out = sys.stdout if out is None else out
-    iters = args.iters or 50
     records, failures = [], []
     for T in plan.tokens:
-        # a world per shape, freed after it (the prefill world is tens of GB)
-        gc.collect()
-        torch.cuda.empty_cache()
-        sets = inputs.make_input_sets(plan.config(T), T, 1, plan.routing, plan.zipf_s,
-                                      plan.seed)
-        _need, cap = inputs.block_capacity(plan.block_capacity, sets, plan.base.n_experts, T)
-        big = plan.config(T, block_capacity=cap)
-        world = EmulatedWorld(big)
-        ep = EPBuffer(world)
-        R = big.n_ranks
-        toks, ids = sets[0]
-        x = [_bits_to_torch(torch, t) for t in toks]
-        i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
-        w = [torch.from_numpy(a).cuda() for a in combine_weights(big, T, plan.seed)]
-        if not args.no_post_check:
-            bad = _check(torch, big, ep, toks, ids, x, i, w)
-            if bad:
-                failures.append(f"torch api, {T} tokens: {bad}")
-                continue
-        stream = torch.cuda.current_stream()
-
-        def call():
-            outs = ep.dispatch(x, i, w)
-            return outs, ep.combine([o.tokens for o in outs], outs)
-        host_d, host_c, dev = [], [], []
-        for _ in range(5):
-            call()
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            t0 = time.perf_counter()
-            outs = ep.dispatch(x, i, w)
-            t1 = time.perf_counter()
-            ep.combine([o.tokens for o in outs], outs)
-            t2 = time.perf_counter()
-            end.record(stream)
-            torch.cuda.synchronize()
-            host_d.append((t1 - t0) / R * 1e6)
-            host_c.append((t2 - t1) / R * 1e6)
-            dev.append(start.elapsed_time(end) * 1e3)
-        ep.check("combine")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        replays = []
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            torch.cuda.synchronize()
-            replays.append(start.elapsed_time(end) * 1e3)
-        ep.check("combine")
-        one_d, one_c = _one_rank_handles(torch, world, x, i, w, iters)
-        rec = {"tokens_per_rank": T, "ranks": R, "recv_block_capacity": cap,
-               "host_us_dispatch_per_rank": statistics.median(host_d),
-               "host_us_combine_per_rank": statistics.median(host_c),
-               "host_us_dispatch_one_rank_handle": one_d,
-               "host_us_combine_one_rank_handle": one_c,
-               "round_trip_us_stream": statistics.median(dev),
-               "round_trip_us_graph": statistics.median(replays)}
-        rec["stream_over_graph"] = rec["round_trip_us_stream"] / rec["round_trip_us_graph"]
-        records.append(rec)
-        print(f"torch api, {T} tokens/rank x {R} ranks: host {rec['host_us_dispatch_per_rank']:.1f}"
-              f" us/dispatch/rank, {rec['host_us_combine_per_rank']:.1f} us/combine/rank; "
-              f"one handle per rank: {one_d:.1f} us/dispatch, {one_c:.1f} us/combine; "
-              f"dispatch+combine {rec['round_trip_us_stream']:.1f} us on the stream, "
-              f"{rec['round_trip_us_graph']:.1f} us as a graph replay "
-              f"(x{rec['stream_over_graph']:.2f})", file=out)
-        device = world.device
-        del graph, ep, world
-        gc.collect()
-        device.sync()
-        trim_memory_pool(device, lambda msg: None)
+        for form, fused in KERNEL_FORMS:
+            rec = _time_form(args, plan, T, form, fused, failures, out)
+            if rec is not None:
+                records.append(rec)
     return records, failures
+
+
+def _time_form(args, plan, T: int, form: str, fused: bool, failures: list, out):
+    """One shape's record for one kernel form (module docstring), None when its check
+    failed (the failure appended to ``failures``)."""
+    import torch
+    iters = args.iters or 50
+    # a world per shape and form, freed after it (the prefill world is tens of GB)
+    gc.collect()
+    torch.cuda.empty_cache()
+    sets = inputs.make_input_sets(plan.config(T), T, 1, plan.routing, plan.zipf_s,
+                                  plan.seed)
+    _need, cap = inputs.block_capacity(plan.block_capacity, sets, plan.base.n_experts, T)
+    big = plan.config(T, block_capacity=cap)
+    world = EmulatedWorld(big, fused=fused)
+    ep = EPBuffer(world)
+    R = big.n_ranks
+    toks, ids = sets[0]
+    x = [_bits_to_torch(torch, t) for t in toks]
+    i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
+    w = [torch.from_numpy(a).cuda() for a in combine_weights(big, T, plan.seed)]
+    if not args.no_post_check:
+        bad = _check(torch, big, ep, toks, ids, x, i, w)
+        if bad:
+            failures.append(f"torch api, {T} tokens, {form}: {bad}")
+            return None
+    stream = torch.cuda.current_stream()
+
+    def call():
+        outs = ep.dispatch(x, i, w)
+        return outs, ep.combine([o.tokens for o in outs], outs)
+    host_d, host_c, dev = [], [], []
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        t0 = time.perf_counter()
+        outs = ep.dispatch(x, i, w)
+        t1 = time.perf_counter()
+        ep.combine([o.tokens for o in outs], outs)
+        t2 = time.perf_counter()
+        end.record(stream)
+        torch.cuda.synchronize()
+        host_d.append((t1 - t0) / R * 1e6)
+        host_c.append((t2 - t1) / R * 1e6)
+        dev.append(start.elapsed_time(end) * 1e3)
+    ep.check("combine")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replays = []
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        torch.cuda.synchronize()
+        replays.append(start.elapsed_time(end) * 1e3)
+    ep.check("combine")
+    one_d, one_c = _one_rank_handles(torch, world, x, i, w, iters)
+    rec = {"tokens_per_rank": T, "kernels": form, "ranks": R, "recv_block_capacity": cap,
+           "host_us_dispatch_per_rank": statistics.median(host_d),
+           "host_us_combine_per_rank": statistics.median(host_c),
+           "host_us_dispatch_one_rank_handle": one_d,
+           "host_us_combine_one_rank_handle": one_c,
+           "round_trip_us_stream": statistics.median(dev),
+           "round_trip_us_graph": statistics.median(replays)}
+    rec["stream_over_graph"] = rec["round_trip_us_stream"] / rec["round_trip_us_graph"]
+    print(f"torch api, {T} tokens/rank x {R} ranks, {form} kernels: host "
+          f"{rec['host_us_dispatch_per_rank']:.1f} us/dispatch/rank, {rec['host_us_combine_per_rank']:.1f} us/combine/rank; "
+          f"one handle per rank: {one_d:.1f} us/dispatch, {one_c:.1f} us/combine; "
+          f"dispatch+combine {rec['round_trip_us_stream']:.1f} us on the stream, "
+          f"{rec['round_trip_us_graph']:.1f} us as a graph replay "
+          f"(x{rec['stream_over_graph']:.2f})", file=out)
+    device = world.device
+    del graph, ep, world
+    gc.collect()
+    device.sync()
+    trim_memory_pool(device, lambda msg: None)
+    return rec
 
 
 __all__ = ["run"]
