@@ -99,14 +99,15 @@ def _sections(torch, ep, x, ids, w) -> None:
     n = len(ep.ranks)
     s = torch.cuda.current_stream().cuda_stream
     full = _median_us(lambda: ep.dispatch(x, ids, w))
-    enq = _median_us(lambda: ep._enqueue(ep._dispatch, s))
+    enq = _median_us(lambda: ep._enqueue(ep._dispatch, s, ep._check_all))
     lanes = _median_us(lambda: (ep.lanes.fork(s), ep.lanes.join(s)))
-    one = _median_us(lambda: ep._dispatch[0][1][0].launch(s))
+    check = ep._check_all or ep._dispatch[0][1][0]
+    one = _median_us(lambda: check.launch(s))
     print(f"per dispatch call of {n} ranks, host us (per rank): whole {full:.1f} "
           f"({full / n:.1f}); enqueue {enq:.1f} ({enq / n:.1f}); fork + join {lanes:.1f} "
-          f"({lanes / n:.1f}); one prepared launch (ep_check_ids) {one:.1f}; "
-          f"launches per rank {len(ep._dispatch)}")
-
+          f"({lanes / n:.1f}); one id-check launch ({check.kernel.name}) {one:.1f}; "
+          f"launches per rank {len(ep._dispatch)}"
+          f"{' + one id check of every rank' if ep._check_all else ''}")
 
 if __name__ == "__main__":
     main()

@@ -245,3 +245,11 @@ def check_ids_small_module():
     from .kernels.check_ids import build_check_ids_module
     from .presets import load_preset
     return build_check_ids_module(load_preset("small"))
+
+
+@golden("check_ids/small_ranks4", description="preset small: ep_check_ids_ranks4, the check "
+                                              "of four ranks' top-k ids in one launch")
+def check_ids_small_ranks4_module():
+    from .kernels.check_ids import build_check_ids_module
+    from .presets import load_preset
+    return build_check_ids_module(load_preset("small"), n_ranks=4)

@@ -13,7 +13,8 @@ import pytest
 import ir
 from ir import diag
 from epgen import reference, routing
-from epgen.kernels.check_ids import build_check_ids_module, id_bound
+from epgen.kernels.check_ids import (blocks_per_rank, build_check_ids_module, id_bound,
+                                     kernel_name, param_name)
 from epgen.presets import load_preset
 from epgen.runtime.program import Program
 from epgen.runtime.world import EmulatedWorld
@@ -76,6 +77,47 @@ def test_valid_ids_pass_and_bad_ones_are_reported(wide, seed):
     keep = np.ones_like(out, bool)
     keep[[r["t"] for r in recs], [r["k"] for r in recs]] = False
     assert np.array_equal(out[keep], bad[keep].astype(np.int32)), f"seed {seed}"
+
+
+def test_the_ranks_form_checks_each_rank_as_its_own_launch_would(seed):
+    """``ep_check_ids_ranks3``: three ranks in one launch, of different token counts and id
+    widths, one with no bad id; each rank's output and records are those of a one-rank
+    launch of its ids (and name that rank), and nothing is written past a rank's tokens."""
+    from backends.sim import Machine
+    rng = np.random.default_rng(seed)
+    cfg = load_preset("small")
+    machine = Machine()
+    n, T_max = 3, cfg.max_tokens_per_rank
+    _, ids = routing.routing(rng, cfg, T_max)
+    inputs, args, outs = [], {}, []
+    for j, (T, wide) in enumerate([(T_max, True), (T_max // 2, False), (T_max - 1, True)]):
+        bad = ids[j % len(ids)][:T].astype(np.int64)
+        if j != 1:
+            bad, _ = _plant(rng, cfg, bad)
+        bad = bad if wide else np.where(np.abs(bad) < 2**31, bad, -7).astype(np.int32)
+        inputs.append(bad)
+        out = machine.to_device(np.full((T_max, bad.shape[1]), -99, np.int32))
+        outs.append(out)
+        for name, v in (("ids_in", machine.to_device(np.ascontiguousarray(bad))),
+                        ("ids_wide", int(wide)), ("ids_out", out), ("n_tokens", T),
+                        ("my_rank", 10 + j)):
+            args[param_name(name, j, n)] = v
+    err = machine.zeros(diag.BUFFER_WORDS, np.uint32)
+    args.update(err_buf=err, timeout_ns=10**9)
+    program = Program(build_check_ids_module(cfg, n), backend=machine)
+    program.launch(kernel_name(n), n * blocks_per_rank(cfg), args, machine.create_stream())
+    recs = diag.decode_ids(err.to_host())
+    for j, bad in enumerate(inputs):
+        want, want_recs = _run_check(Machine(), cfg, bad, rank=10 + j)
+        got = outs[j].to_host()
+        T = len(bad)
+        assert np.array_equal(got[:T], want), f"seed {seed} rank {j}"
+        assert (got[T:] == -99).all(), f"seed {seed} rank {j}: written past its {T} tokens"
+        mine = sorted((r["t"], r["k"], r["id"]) for r in recs if r["rank"] == 10 + j)
+        assert mine == sorted((r["t"], r["k"], r["id"]) for r in want_recs), \
+            f"seed {seed} rank {j}: {mine} against {want_recs}"
+        assert (j == 1) == (not mine), f"seed {seed} rank {j}"
+    assert all(10 <= r["rank"] < 10 + n for r in recs), f"seed {seed}: {recs}"
 
 
 def test_dispatch_of_checked_ids_drops_only_the_bad_slots(seed):

@@ -10,6 +10,13 @@ dispatch kernels never count and never send: each reservation requires ``g < n_e
 and reported as an input record (``ir.diag.IDS_MAGIC``: token, slot, id) that the host
 raises as ``EPInputError`` at the next check. So a bad id drops that one slot of its token
 and nothing is written out of bounds.
+
+``build_check_ids(cfg, n_ranks)`` with ``n_ranks > 1`` builds ``ep_check_ids_ranks{n}``: the
+same check of ``n`` ranks of one GPU in one launch (what a torch-API handle of several ranks
+launches once per call instead of once per rank). Rank ``j``'s parameters carry the suffix
+``_{j}`` (``ids_in_0``, ...); its blocks are ``[j * B, (j + 1) * B)`` of a grid of ``n * B``
+(``B = blocks_per_rank(cfg)``), each rank's values picked by a chain of ``selp`` on the
+block's rank.
 """
 
 from __future__ import annotations
@@ -32,21 +39,51 @@ def id_bound(cfg) -> int:
     return SKIP_A2A_BOUND if cfg.skip_a2a else cfg.n_experts
 
 
-def build_check_ids(cfg) -> ir.Kernel:
-    """The ``ep_check_ids`` entry point (module docstring): per id ``ld.global.s32`` or
-    ``.s64``, range and repeat compares (``setp``), ``selp`` of the id or the sentinel,
-    ``st.global.b32``; a record (``report_record``) per invalid id."""
+#: the per-rank parameters, in order
+RANK_PARAMS = (("ids_in", T.ptr_global), ("ids_wide", T.u32), ("ids_out", T.ptr_global),
+               ("n_tokens", T.u32), ("my_rank", T.u32))
+
+
+def kernel_name(n_ranks: int = 1) -> str:
+    """The entry point checking ``n_ranks`` ranks in one launch."""
+    return KERNEL_NAME if n_ranks == 1 else f"{KERNEL_NAME}_ranks{n_ranks}"
+
+
+def blocks_per_rank(cfg) -> int:
+    """Blocks one rank's tokens take: one thread per token of ``max_tokens_per_rank``."""
+    return -(-cfg.max_tokens_per_rank // BLOCK_THREADS)
+
+
+def param_name(name: str, j: int, n_ranks: int) -> str:
+    """Rank ``j``'s parameter ``name`` in the ``n_ranks`` form (``ids_in_2``)."""
+    return name if n_ranks == 1 else f"{name}_{j}"
+
+
+def build_check_ids(cfg, n_ranks: int = 1) -> ir.Kernel:
+    """The ``ep_check_ids`` entry point (module docstring), or its ``n_ranks`` form: per id
+    ``ld.global.s32`` or ``.s64``, range and repeat compares (``setp``), ``selp`` of the id
+    or the sentinel, ``st.global.b32``; a record (``report_record``) per invalid id."""
+    if n_ranks < 1:
+        raise ValueError(f"build_check_ids: n_ranks={n_ranks} must be >= 1")
     K, bound = cfg.token_fmt.top_k, id_bound(cfg)
-    kb = ir.KernelBuilder(KERNEL_NAME, BLOCK_THREADS)
-    ids_in = kb.param("ids_in", T.ptr_global)
-    wide = kb.param("ids_wide", T.u32)
-    ids_out = kb.param("ids_out", T.ptr_global)
-    n_tokens = kb.param("n_tokens", T.u32)
-    my_rank = kb.param("my_rank", T.u32)
+    kb = ir.KernelBuilder(kernel_name(n_ranks), BLOCK_THREADS)
+    per_rank = [{name: kb.param(param_name(name, j, n_ranks), ty) for name, ty in RANK_PARAMS}
+                for j in range(n_ranks)]
     err_buf = kb.param("err_buf", T.ptr_global)
-    kb.diagnostics(err_buf=err_buf, rank=my_rank)
+    kb.diagnostics(err_buf=err_buf, rank=per_rank[0]["my_rank"])
     with kb.role("check", blocks=(0, None)) as r:
-        with r.for_range("t", r.global_thread_id(), n_tokens, r.grid_threads()) as t:
+        if n_ranks == 1:
+            p, first, stride = per_rank[0], r.global_thread_id(), r.grid_threads()
+        else:
+            B = blocks_per_rank(cfg)
+            j = r.let("rank_j", r.block // B)
+            p = {name: r.let(f"{name}_j", _pick(j, [pr[name] for pr in per_rank]))
+                 for name, _ in RANK_PARAMS}
+            first = (r.block % B) * BLOCK_THREADS + r.tid
+            stride = ir.Const(B * BLOCK_THREADS, T.u32)
+        ids_in, wide, ids_out = p["ids_in"], p["ids_wide"], p["ids_out"]
+        n_tokens, my_rank = p["n_tokens"], p["my_rank"]
+        with r.for_range("t", first, n_tokens, stride) as t:
             seen = []
             for k in range(K):
                 i = t * K + k
@@ -67,10 +104,19 @@ def build_check_ids(cfg) -> ir.Kernel:
     return kb.build()
 
 
-def build_check_ids_module(cfg) -> ir.Module:
-    """``ep_check_ids`` in a module of its own (the dispatch module is unchanged)."""
-    return ir.Module("ep_check_ids", (build_check_ids(cfg),))
+def _pick(j, values):
+    """``values[j]`` as a chain of ``selp`` on ``j == i`` (the last one the default)."""
+    out = values[-1]
+    for i in range(len(values) - 2, -1, -1):
+        out = ir.Select(j.eq(i), values[i], out)
+    return out
 
 
-__all__ = ["build_check_ids", "build_check_ids_module", "id_bound", "KERNEL_NAME",
-           "BLOCK_THREADS"]
+def build_check_ids_module(cfg, n_ranks: int = 1) -> ir.Module:
+    """``ep_check_ids`` (or its ``n_ranks`` form) in a module of its own (the dispatch
+    module is unchanged)."""
+    return ir.Module(kernel_name(n_ranks), (build_check_ids(cfg, n_ranks),))
+
+
+__all__ = ["build_check_ids", "build_check_ids_module", "id_bound", "kernel_name",
+           "blocks_per_rank", "param_name", "RANK_PARAMS", "KERNEL_NAME", "BLOCK_THREADS"]

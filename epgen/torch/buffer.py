@@ -3,16 +3,17 @@ caller's CUDA stream with no host synchronisation and no host read of device dat
 
 Each kernel launch of each rank is prepared once (``Program.prepare``: the parameters
 packed, one ``cuLaunchKernelEx`` per call); a call rewrites only what changed (the input
-pointers, the token count) and enqueues. Where the
-launches go:
+pointers, the token count) and enqueues. Where the launches go:
 
 - a handle of one rank (``ShmemWorld``, ``P2PWorld(rank=...)``-style use, or one rank of an
   ``EmulatedWorld`` called from that rank's own stream): on the caller's stream itself;
-- a handle of several ranks: on each rank's own stream, forked from the caller's stream by
-  an event and joined back, so the ranks run at once (the fused kernels and
-  ``ep_prod_reserve``'s send kernels wait for each other; the others would otherwise run one
-  rank after another) and the caller's stream waits for every rank: whatever it runs next
-  sees the outputs, and the next call of any rank starts after every rank's last.
+- a handle of several ranks: the id check of every rank in one launch on the caller's
+  stream (``ep_check_ids_ranks{n}``, when the ranks share one GPU), then each rank's
+  kernels on its own stream, forked from the caller's stream by an event and joined back,
+  so the ranks run at once (the fused kernels and ``ep_prod_reserve``'s send kernels wait
+  for each other; the others would otherwise run one rank after another) and the caller's
+  stream waits for every rank: whatever it runs next sees the outputs, and the next call of
+  any rank starts after every rank's last.
 
 Outputs are tensors that view the rank's output buffers: they are valid until the next call
 on this buffer (``DispatchOutput.clone()`` copies them). Errors the kernels record (expired
@@ -29,7 +30,8 @@ from .. import interop, reference
 from ..errors import EPInputError
 from ..kernels.check_ids import BLOCK_THREADS as CHECK_THREADS
 from ..kernels.check_ids import KERNEL_NAME as CHECK
-from ..kernels.check_ids import build_check_ids_module, id_bound
+from ..kernels.check_ids import (blocks_per_rank, build_check_ids_module, id_bound,
+                                 kernel_name, param_name)
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
@@ -129,13 +131,19 @@ def _address(value, info) -> int:
 
 
 class _HotParams:
-    """The parameters a call rewrites in one rank's prepared launches: each name's slots
-    (``PreparedLaunch.slot``) in every launch that takes it, written only when the value
-    differs from the one last written (the buffer owns these launches: nothing else writes
-    them)."""
+    """The parameters a call rewrites in one rank's prepared launches: each value name's
+    slots (``PreparedLaunch.slot``) in every launch that takes it, written only when the
+    value differs from the one last written (the buffer owns these launches: nothing else
+    writes them). ``launches``: ``(launch, {value name: its parameter name there})`` pairs;
+    a name the mapping leaves out is its own parameter name."""
 
     def __init__(self, launches, names):
-        slots = {n: [pl.slot(n) for pl in launches if n in pl.params] for n in names}
+        slots = {n: [] for n in names}
+        for pl, rename in launches:
+            for n in names:
+                pn = rename.get(n, n)
+                if pn in pl.params:
+                    slots[n].append(pl.slot(pn))
         self.slots = {n: ss for n, ss in slots.items() if ss}
         self.last = dict.fromkeys(self.slots)
 
@@ -149,12 +157,13 @@ class _HotParams:
                 last[name] = v
 
 
-def _check_program(world, device):
-    """``ep_check_ids`` loaded on ``device``, once per world (every handle shares it)."""
+def _check_program(world, device, n_ranks: int = 1):
+    """``ep_check_ids`` (its ``n_ranks`` form) loaded on ``device``, once per world (every
+    handle shares it)."""
     cache = world.__dict__.setdefault("_check_ids_programs", {})
-    key = device.device_id
+    key = (device.device_id, n_ranks)
     if key not in cache:
-        cache[key] = Program(build_check_ids_module(world.cfg), device=device)
+        cache[key] = Program(build_check_ids_module(world.cfg, n_ranks), device=device)
     return cache[key]
 
 
@@ -205,22 +214,18 @@ class EPBuffer:
 
     # -- launches ---------------------------------------------------------------------------
     def _prepare_dispatch(self):
-        """Every handled rank's launches, prepared: ``ep_check_ids`` (the ids into the rank's
-        id buffer), then dispatch_async and dispatch_wait, or the fused ``ep_dispatch``."""
+        """Every handled rank's launches, prepared: the id check (``ep_check_ids`` per rank,
+        or one ``ep_check_ids_ranks{n}`` of every rank when the handle holds several ranks
+        of one GPU with one error buffer: ``_check_all``, launched on the caller's stream
+        before the fork), then dispatch_async and dispatch_wait, or the fused
+        ``ep_dispatch``."""
         w, n, cfg = self.world, self.cfg.n_sms, self.cfg
-        checks = {}
-        check_grid = -(-cfg.max_tokens_per_rank // CHECK_THREADS)
-        launches = []
-        for i in self.index:
-            rk = w.ranks[i]
-            dev = rk.stream.device.device_id
-            if dev not in checks:
-                checks[dev] = _check_program(w, rk.stream.device)
-            launches.append(checks[dev].prepare(CHECK, check_grid, {
-                "ids_in": rk.topk_ids, "ids_wide": 0, "ids_out": rk.topk_ids, "n_tokens": 0,
-                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr,
-                "timeout_ns": w.timeout_ns}))
-        steps = [(CHECK, launches)]
+        steps, self._check_all, check_renames = [], None, []
+        errs = {id(w._err_of(rk)) for rk in self.ranks}
+        if not self.on_caller_stream and self.lanes.one_device and len(errs) == 1:
+            self._check_all, check_renames = self._prepare_check_all()
+        else:
+            steps.append((CHECK, self._prepare_checks()))
         if self.fused:
             rows = w.fused_rows()
             steps.append((FUSED, [w._program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
@@ -234,10 +239,44 @@ class EPBuffer:
                                  for i in self.index]))
         self._dispatch = steps
         hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens")
-        self._hot = [_HotParams([ls[j] for _, ls in steps], hot)
+        self._hot = [_HotParams([(ls[j], {}) for _, ls in steps]
+                                + ([(self._check_all, check_renames[j])] if check_renames
+                                   else []), hot)
                      for j in range(len(self.ranks))]
 
-    def _enqueue(self, steps, stream_handle: int):
+    def _prepare_checks(self) -> list:
+        """One ``ep_check_ids`` launch per handled rank (the ids into the rank's id buffer)."""
+        w, cfg = self.world, self.cfg
+        grid = -(-cfg.max_tokens_per_rank // CHECK_THREADS)
+        launches = []
+        for i in self.index:
+            rk = w.ranks[i]
+            launches.append(_check_program(w, rk.stream.device).prepare(CHECK, grid, {
+                "ids_in": rk.topk_ids, "ids_wide": 0, "ids_out": rk.topk_ids, "n_tokens": 0,
+                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr,
+                "timeout_ns": w.timeout_ns}))
+        return launches
+
+    def _prepare_check_all(self):
+        """The one ``ep_check_ids_ranks{n}`` launch of every handled rank, and each rank's
+        renaming of the hot values to its parameters."""
+        w, k = self.world, len(self.ranks)
+        args, renames = {}, []
+        for j, rk in enumerate(self.ranks):
+            names = {v: param_name(v, j, k) for v in ("ids_in", "ids_wide", "n_tokens")}
+            args.update({names["ids_in"]: rk.topk_ids, names["ids_wide"]: 0,
+                         param_name("ids_out", j, k): rk.topk_ids, names["n_tokens"]: 0,
+                         param_name("my_rank", j, k): rk.rank})
+            renames.append(names)
+        args.update(err_buf=w._err_of(self.ranks[0]).ptr, timeout_ns=w.timeout_ns)
+        prog = _check_program(w, self.ranks[0].stream.device, k)
+        return prog.prepare(kernel_name(k), k * blocks_per_rank(self.cfg), args), renames
+
+    def _enqueue(self, steps, stream_handle: int, first=None):
+        """``first`` (a prepared launch, or None) on the caller's stream, then ``steps``
+        (each rank's launches in order) on the caller's stream or on the rank streams."""
+        if first is not None:
+            first.launch(stream_handle)
         if self.on_caller_stream:
             for _, launches in steps:
                 for pl in launches:
@@ -298,7 +337,7 @@ class EPBuffer:
             out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt
             outs.append(out)
         self._keep = checked
-        self._enqueue(self._dispatch, s)
+        self._enqueue(self._dispatch, s, self._check_all)
         return outs[0] if len(outs) == 1 and not isinstance(x, (list, tuple)) else outs
 
     # -- combine ----------------------------------------------------------------------------

@@ -20,6 +20,8 @@ class Lanes:
         drv = compat.driver()
         self.streams = list(streams)
         self.handles = [int(s.handle) for s in self.streams]
+        #: every lane on one GPU
+        self.one_device = len({s.device.device_id for s in self.streams}) == 1
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._events = []          # the cuda-bindings objects, which own the events
         for s in self.streams:
