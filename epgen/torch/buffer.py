@@ -357,7 +357,7 @@ class EPBuffer:
                                    for i in self.index]))
         self._combiner, self._combine = c, steps
         hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens")
-        self._combine_hot = [_HotParams([ls[j] for _, ls in steps], hot)
+        self._combine_hot = [_HotParams([(ls[j], {}) for _, ls in steps], hot)
                              for j in range(len(self.ranks))]
         self._results = {}     # (handled rank, shape): the tensor viewing its output buffer
 
