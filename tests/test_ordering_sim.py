@@ -211,3 +211,36 @@ def test_combine_fused_needs_its_elections_and_sys_arrival_stores():
     _assert_detected("combine/fused",
                      [("ep_combine:send:1:atom.acq_rel.sys.global.add", "relaxed"),
                       ("ep_combine:send:2:st.release.sys.global", "gpu")])
+
+
+def test_a_mutated_run_that_reads_a_guarded_load_stale_is_detected(monkeypatch):
+    """A mutated run whose results come out right but which read stale a load that no
+    unmutated run read stale is detected (``"stale"``, naming the load); stale reads of a
+    racy load (read stale unmutated too) are not."""
+    def fake_run(cfg, spec, seed, mutation=None, observe=None, **kw):
+        observe.update({"k:r:load3": 2, "k:r:load0": 1} if seed == 1 else {"k:r:load0": 5})
+        return "ok", ""
+    monkeypatch.setattr(runs, "run_once", fake_run)
+    mut = M.Mutation("k:r:0:st.release.gpu.global", "relaxed", True)
+    racy = {"k:r:load0": 1}
+    assert sweep._mutated_run(None, None, 0, mut, racy) == ("ok", "")
+    assert sweep._mutated_run(None, None, 1, mut, racy) == \
+        ("stale", "guarded loads read stale: k:r:load3")
+
+
+def test_load_sites_name_a_kernels_global_loads_in_statement_order():
+    """``runs.load_sites`` names every global load ``kernel:role:load<i>`` in statement
+    order and no shared one; a mutation keeps the names (it changes orderings, not loads)."""
+    import ir
+    module = ir.Module("m", tuple(_small_kernels()))
+    names = runs.load_sites([module])
+    assert names, "no global load named"
+    for k in module.kernels:
+        for role in k.roles:
+            loads = [s for s in N.walk(role.body) if isinstance(s, N.Load)]
+            got = [names[id(s)] for s in loads if id(s) in names]
+            assert got == [f"{k.name}:{role.name}:load{i}" for i in range(len(got))]
+            assert all(id(s) in names or M.is_shared(s) for s in loads)
+    op, mutation = M.ordered_ops(module.kernels[0])[0][0], "relaxed"
+    mutated = runs.load_sites([M.mutate(module, op, mutation)])
+    assert sorted(mutated.values()) == sorted(names.values())

@@ -60,7 +60,7 @@ class _World:
         raise AssertionError(f"{addr:#x} never became visible")
 
 
-def _stale_reads(rel: int, acq: int, same_rank: bool) -> list:
+def _stale_reads(rel: int, acq: int, same_rank: bool, sites: dict | None = None) -> list:
     """Seeds whose reader read ``data`` stale after acquiring the writer's flag: the writer
     lands ``data`` = 1 in memory, then stores ``flag`` with a release at ``rel``; the reader
     (another rank, or another CTA of the writer's) acquires it at ``acq`` and reads ``data``."""
@@ -74,8 +74,10 @@ def _stale_reads(rel: int, acq: int, same_rank: bool) -> list:
         w.release_store(writer, w.flag, rel)
         w.wait(reader, w.flag)
         w.wm.acquire(reader, SCOPE[acq], w.flag)
-        if w.wm.load(reader, w.data, 4) != ONE:
+        if w.wm.load(reader, w.data, 4, site="data") != ONE:
             stale.append(seed)
+        if sites is not None:
+            sites[seed] = dict(w.wm.stale_reads)
     return stale
 
 
@@ -123,3 +125,15 @@ def test_a_release_publishes_only_its_causal_past():
 def test_a_release_publishes_what_it_acquired():
     wrong = [s for s, seen, landed in _published(synced=True) if not (seen and landed)]
     assert not wrong, f"a release did not publish the store it had acquired in seeds {wrong}"
+
+
+@pytest.mark.parametrize("rel,acq,same_rank", [(GPU, SYS, False), (SYS, SYS, False)])
+def test_a_stale_read_is_counted_at_its_load_site(rel, acq, same_rank):
+    """``WeakMemory.stale_reads`` counts, by load site, the loads that returned an older
+    value than memory's newest: exactly the seeds that read ``data`` stale."""
+    sites: dict = {}
+    stale = _stale_reads(rel, acq, same_rank, sites)
+    counted = [seed for seed, got in sites.items() if got.get("data")]
+    assert counted == stale, f"release {SCOPE[rel]}, acquire {SCOPE[acq]}: stale in seeds " \
+        f"{stale}, counted in {counted}"
+    assert bool(stale) == (rel != acq), f"seeds {list(SEEDS)}: {stale}"

@@ -38,7 +38,9 @@ stream, so a seed repeats its run):
   earlier), but never one older than a write in the thread's causal past (nor, by
   coherence, one older than its CTA has already read or written).
   ``ld.global.nc`` ignores the causal past (it may return data older than any acquire,
-  though never older than the CTA has already seen).
+  though never older than the CTA has already seen). A load that returned an older value
+  is counted by its statement (``stale_reads``; polls of a ``spin_wait`` too), which the
+  ordering checker uses to tell guarded loads from racy ones.
 - **Fences.** An acquire fence makes every word landed so far part of the causal past (time
   based: the model does not track which release a relaxed load read). A relaxed store
   after a release fence carries the thread's causal past as a release store of the fence's
@@ -138,6 +140,10 @@ class WeakMemory:
         self.rel_view: dict = {}    # word -> {(domain, CTA, level) -> [vc, kb, f_all]}
         self.domains: dict = {}     # domain -> its _Buf
         self.dirty: dict = {}       # buffers with words (a dict: a seed repeats its order)
+        #: load site -> how many of its loads returned an older value than memory's newest
+        #: (a stale read; polls are not counted: they read again)
+        self.stale_reads: dict = {}
+        self._stepped_back = False
 
     # -- threads and blocks ----------------------------------------------------------------
     def domain_buf(self, dom) -> _Buf:
@@ -391,6 +397,7 @@ class WeakMemory:
         a word (one instruction, one transaction), so a warp-uniform load stays uniform."""
         out = bytearray()
         key = None
+        self._stepped_back = False
         if site is not None:
             seq = th.wseq
             k = seq[site] = seq.get(site, 0) + 1
@@ -407,6 +414,8 @@ class WeakMemory:
                     cache.clear()
                 value = cache[(key, w)] = bytes(self._load_word(th, w, nc))
             out += value[off:off + size]
+        if self._stepped_back and site is not None:
+            self.stale_reads[site] = self.stale_reads.get(site, 0) + 1
         return bytes(out)
 
     def _load_word(self, th, w: int, nc: bool) -> bytearray:
@@ -445,6 +454,8 @@ class WeakMemory:
             chosen, start = prev, prev_ts
         if start > least:
             floor[w] = start
+        if chosen is not cur:
+            self._stepped_back = True
         return chosen
 
     def rmw(self, th, addr: int, n: int, fn) -> bytes:

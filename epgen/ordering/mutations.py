@@ -43,7 +43,8 @@ class Mutation:
         return f"{self.op_id} -> {self.kind}"
 
 
-def _shared(s) -> bool:
+def is_shared(s) -> bool:
+    """Whether access ``s`` is to shared memory."""
     t = getattr(s.addr, "dtype", None)
     return getattr(t, "space", None) is Space.SHARED
 
@@ -52,7 +53,7 @@ def is_ordered(s) -> bool:
     """Whether statement ``s`` is an ordered operation (module docstring)."""
     if isinstance(s, N.Fence):
         return True
-    if not isinstance(s, _ACCESS) or _shared(s):
+    if not isinstance(s, _ACCESS) or is_shared(s):
         return False
     return isinstance(s, N.SpinWait) or s.sem in _ORDERING or s.scope is Scope.SYS
 

@@ -13,6 +13,12 @@ variant's kernels with ``mutation`` applied, and returns the outcome: ``"ok"``, 
 (a result differs from the reference), ``"hang"`` (a bounded wait polled past its limit:
 the protocol waits on a word that is never published) or ``"error"`` (the kernels did
 something the simulator refuses, e.g. an access out of bounds computed from a stale count).
+With ``observe`` (a dict) it also fills in the run's stale reads: load site
+(``kernel:role:load<i>``, ``i`` counting the role's global loads in statement order) ->
+how many of its loads returned an older value than memory's newest. The sweep
+(``sweep.py``) calls a load site *guarded* when no unmutated run read it stale, and a
+mutated run that reads one stale is detected (``"stale"``) even when its results come out
+right.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from epgen.errors import EPTimeoutError
 from epgen.presets import config_from_dict, preset_data, with_overrides
 from epgen.runtime.world import EmulatedWorld
 
-from .mutations import Mutation, mutate
+from ir import nodes as N
+
+from .mutations import Mutation, is_shared, mutate
 
 CALLS = 2
 """Round trips per run: the second one also checks the re-arming of the first."""
@@ -137,11 +145,28 @@ def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
     return True
 
 
+def load_sites(modules) -> dict[int, str]:
+    """``id(load statement) -> kernel:role:load<i>`` for the global loads of ``modules``
+    (a name that a mutation leaves as it is: mutations change orderings, not loads)."""
+    names = {}
+    for m in modules:
+        for k in m.kernels:
+            for role in k.roles:
+                i = 0
+                for s in N.walk(role.body):
+                    if isinstance(s, N.Load) and not is_shared(s):
+                        names[id(s)] = f"{k.name}:{role.name}:load{i}"
+                        i += 1
+    return names
+
+
 def run_once(cfg, spec: Spec, seed: int, mutation: Mutation | None = None,
-             machine: WeakMachine | None = None, transform=None) -> tuple[str, str]:
+             machine: WeakMachine | None = None, transform=None,
+             observe: dict | None = None) -> tuple[str, str]:
     """One weak-memory run (module docstring) with ``mutation`` (or ``transform``, a
     function of the modules) applied: the outcome (``"ok"``, ``"wrong"``, ``"hang"`` or
-    ``"error"``) and, for a hang or an error, its message."""
+    ``"error"``) and, for a hang or an error, its message; ``observe``: filled with the
+    run's stale reads by load site."""
     if mutation is not None:
         transform = lambda m: mutate(m, mutation.op_id, mutation.kind)  # noqa: E731
     machine = machine or WeakMachine(seed, transform)
@@ -152,15 +177,21 @@ def run_once(cfg, spec: Spec, seed: int, mutation: Mutation | None = None,
         return "hang", str(e)
     except (sim_backend.SimError, IndexError, ValueError, RuntimeError) as e:
         return "error", f"{type(e).__name__}: {e}"
+    finally:
+        if observe is not None:
+            names = load_sites(machine.modules)
+            for site, n in machine.sim.weak.stale_reads.items():
+                if site in names:
+                    observe[names[site]] = observe.get(names[site], 0) + n
 
 
-def targets(cfg, spec: Spec, variant: str, seed: int = 0):
+def targets(cfg, spec: Spec, variant: str, seed: int = 0, observe: dict | None = None):
     """The kernels a variant's mutations apply to: those of its golden module that the
     world launches (from one unmutated run with ``seed``), as built by the world; and that
-    run's outcome."""
+    run's outcome (``observe`` as in ``run_once``)."""
     names = {k.name for k in goldens.build_module(variant).kernels}
     machine = WeakMachine(seed)
-    outcome = run_once(cfg, spec, seed, machine=machine)
+    outcome = run_once(cfg, spec, seed, machine=machine, observe=observe)
     kernels = {}
     for m in machine.modules:
         for k in m.kernels:

@@ -4,8 +4,10 @@ operations it needs.
 ``check(variant, seeds=..., mutate=...)`` first runs the variant's kernels unmutated for every
 seed (each must match the reference: the kernels' orderings are enough, as far as the model
 sees), then, for each mutation asked for (``mutations.py``), the mutated kernels for every
-seed; a mutation is *detected* in ``k`` of ``N`` seeds when ``k`` runs went wrong, hung or
-failed. ``report.ok`` holds when the unmutated runs all pass and every mutation not excused
+seed; a mutation is *detected* in ``k`` of ``N`` seeds when ``k`` runs went wrong, hung,
+failed, or read a guarded load stale (``"stale"``: a load site that no unmutated run of any
+seed read stale returned an older value than memory's newest, ``runs.py``), so a weakening
+whose stale data happened to equal the new data still counts. ``report.ok`` holds when the unmutated runs all pass and every mutation not excused
 for the variant (``undetected.toml``: the mutation and the argument why it needs no
 detection) is detected. The excused ones are reported too: an excused mutation that is
 detected after all is a note (the excuse is stale), not a failure.
@@ -52,6 +54,7 @@ class Report:
     seeds: list
     baseline: list          # per seed: (seed, outcome, message)
     results: list = attrs.Factory(list)
+    racy: list = attrs.Factory(list)    # load sites the unmutated runs read stale
 
     @property
     def baseline_ok(self) -> bool:
@@ -69,6 +72,7 @@ class Report:
         return {"variant": self.variant, "seeds": self.seeds, "ok": self.ok,
                 "baseline": [{"seed": s, "outcome": o, "message": m}
                              for s, o, m in self.baseline],
+                "racy_loads": list(self.racy),
                 "mutations": [{"operation": r.mutation.op_id, "mutation": r.mutation.kind,
                                "modelled": r.mutation.modelled,
                                "detected": r.detected, "runs": len(r.outcomes),
@@ -81,7 +85,8 @@ def from_json(data: dict) -> Report:
     ``undetected.toml`` (so an edited excuse shows in a table made from a saved run)."""
     excused = excuses().get(data["variant"], {})
     report = Report(data["variant"], data["seeds"],
-                    [(b["seed"], b["outcome"], b["message"]) for b in data["baseline"]])
+                    [(b["seed"], b["outcome"], b["message"]) for b in data["baseline"]],
+                    racy=list(data.get("racy_loads", [])))
     for m in data["mutations"]:
         mut = M.Mutation(m["operation"], m["mutation"], m["modelled"])
         outcomes = [(int(s), o, "") for s, o in m["outcomes"].items()]
@@ -114,22 +119,36 @@ def check(variant: str, seeds, mutate=None, cfg=None, progress=None) -> Report:
     spec = runs.checked()[variant]
     cfg = cfg or runs.config(spec)
     seeds = list(seeds)
-    kernels, first = runs.targets(cfg, spec, variant, seeds[0])
-    baseline = [(seeds[0], *first)] + [(s, *runs.run_once(cfg, spec, s)) for s in seeds[1:]]
-    report = Report(variant, seeds, baseline)
+    racy: dict = {}
+    kernels, first = runs.targets(cfg, spec, variant, seeds[0], observe=racy)
+    baseline = [(seeds[0], *first)] + [(s, *runs.run_once(cfg, spec, s, observe=racy))
+                                       for s in seeds[1:]]
+    report = Report(variant, seeds, baseline, racy=sorted(racy))
     if progress:
         progress(f"{variant}: unmutated: " + ", ".join(f"seed {s} {o}" for s, o, _ in baseline))
     if mutate is None or not report.baseline_ok:
         return report
     excused = excuses().get(variant, {})
     for m in select(all_mutations(kernels), mutate):
-        outcomes = [(s, *runs.run_once(cfg, spec, s, m)) for s in seeds] if m.modelled else []
+        outcomes = [(s, *_mutated_run(cfg, spec, s, m, racy)) for s in seeds] \
+            if m.modelled else []
         r = Result(m, outcomes, excused.get(m.name))
         report.results.append(r)
         if progress:
             progress(f"  {m.name}: " + (f"detected {r.detected}/{len(outcomes)}"
                                         if m.modelled else "not modelled"))
     return report
+
+
+def _mutated_run(cfg, spec, seed: int, m: M.Mutation, racy) -> tuple[str, str]:
+    """One mutated run's outcome, ``"stale"`` when it came out right but read a guarded
+    load (one not in ``racy``) stale."""
+    seen: dict = {}
+    outcome, message = runs.run_once(cfg, spec, seed, m, observe=seen)
+    guarded = sorted(set(seen) - set(racy))
+    if outcome == "ok" and guarded:
+        return "stale", "guarded loads read stale: " + ", ".join(guarded)
+    return outcome, message
 
 
 def _how(r: Result) -> str:
@@ -142,6 +161,9 @@ def table(report: Report) -> str:
     lines = [f"`{report.variant}`, seeds {', '.join(map(str, report.seeds))}: unmutated runs "
              + ("all match the reference" if report.baseline_ok else "FAIL: " + "; ".join(
                  f"seed {s} {o} {m}" for s, o, m in report.baseline if o != "ok")), ""]
+    if report.racy:
+        lines[-1:-1] = ["", "Loads the unmutated runs read stale (racy by design, not guarded): "
+                        + ", ".join(f"`{x}`" for x in report.racy)]
     if not report.results:
         return "\n".join(lines)
     lines += ["| operation | weakened to | detected | how | must detect |",
