@@ -86,8 +86,9 @@ def test_transposed_scales_travel_in_the_header_rows(seed, monkeypatch):
     run_calls(cfg, seed, n_calls=1)
     monkeypatch.setattr(BlockScaledEmitter, "emit_copy_tile_scales",
                         lambda *a, **k: None)
+    # three calls: one call's random token counts may all be 0 (nothing to get wrong)
     with pytest.raises(AssertionError):
-        run_calls(cfg, seed, n_calls=1)
+        run_calls(cfg, seed, n_calls=3)
 
 
 def test_scales_of_ragged_rows_are_refused():
