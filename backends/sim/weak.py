@@ -140,8 +140,8 @@ class WeakMemory:
         self.rel_view: dict = {}    # word -> {(domain, CTA, level) -> [vc, kb, f_all]}
         self.domains: dict = {}     # domain -> its _Buf
         self.dirty: dict = {}       # buffers with words (a dict: a seed repeats its order)
-        #: load site -> how many of its loads returned an older value than memory's newest
-        #: (a stale read; polls are not counted: they read again)
+        #: load site (the statement) -> how many of its loads returned an older value than
+        #: memory's newest (a spin_wait's polls too, under the spin_wait)
         self.stale_reads: dict = {}
         self._stepped_back = False
 
