@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ir
 from ir import diag
 from epgen import reference, routing
 from epgen.kernels.check_ids import (blocks_per_rank, build_check_ids_module, id_bound,
@@ -121,7 +120,6 @@ def test_the_ranks_form_checks_each_rank_as_its_own_launch_would(seed):
 
 
 def test_dispatch_of_checked_ids_drops_only_the_bad_slots(seed):
-    from backends.sim import Machine
     rng = np.random.default_rng(seed)
     cfg = load_preset("small")
     toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)

@@ -193,8 +193,6 @@ class EPBuffer:
                                  f"{[rk.rank for rk in world.ranks]}")
         self.index = [world.ranks.index(rk) for rk in self.ranks]
         self.fused = world.fused
-        devices = {rk.stream.device.device_id for rk in self.ranks}
-        whole = len(self.ranks) == len(world.ranks)
         # several ranks run at once on their own streams: the fused kernels and
         # ep_prod_reserve's send kernels wait for each other, and the others would run one
         # rank after another on one stream
@@ -219,7 +217,7 @@ class EPBuffer:
         of one GPU with one error buffer: ``_check_all``, launched on the caller's stream
         before the fork), then dispatch_async and dispatch_wait, or the fused
         ``ep_dispatch``."""
-        w, n, cfg = self.world, self.cfg.n_sms, self.cfg
+        w, n = self.world, self.cfg.n_sms
         steps, self._check_all, check_renames = [], None, []
         errs = {id(w._err_of(rk)) for rk in self.ranks}
         if not self.on_caller_stream and self.lanes.one_device and len(errs) == 1:
