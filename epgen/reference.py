@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from . import interop
 from .errors import EPInputError
 from .reference_combine import combine
 
@@ -50,7 +51,8 @@ UINT16_IDS = 1 << 16
 # ---- input validation ----------------------------------------------------------------------
 def _shape_dtype(x) -> tuple[tuple[int, ...], str]:
     """Shape and element dtype name of a numpy/ml_dtypes array, a torch tensor, a CUDA array
-    (``__cuda_array_interface__``) or anything ``np.asarray`` accepts; no data is read."""
+    (``__cuda_array_interface__``), a DLPack object or anything ``np.asarray`` accepts; no
+    device data is read."""
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return tuple(int(d) for d in x.shape), str(x.dtype).removeprefix("torch.")
     try:
@@ -59,16 +61,32 @@ def _shape_dtype(x) -> tuple[tuple[int, ...], str]:
         cai = None
     if cai is not None:
         return tuple(cai["shape"]), np.dtype(cai["typestr"]).name
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        info = interop.describe(x, "input")
+        return tuple(int(d) for d in info.shape), info.dtype
     arr = np.asarray(x)
     return arr.shape, arr.dtype.name
 
 
 def _host_ids(x, where: str) -> np.ndarray:
+    """``x`` as a host array (numpy, torch CPU, DLPack host objects); a device array is
+    refused with an ``EPInputError`` naming ``where``."""
+    if isinstance(x, np.ndarray):
+        return x
+    on_device = f"{where}: expert ids must be readable on the host (copy them to a numpy " \
+        f"array first): a device array"
+    if getattr(x, "__cuda_array_interface__", None) is not None:
+        raise EPInputError(on_device)
     try:
-        return np.asarray(x)
-    except Exception as exc:  # a device tensor: the caller must copy ids to the host
+        info = interop.describe(x, where)
+    except EPInputError:
+        raise
+    except Exception as exc:
         raise EPInputError(f"{where}: expert ids must be readable on the host (copy them to "
                            f"a numpy array first): {exc}") from exc
+    if info.on_device:
+        raise EPInputError(on_device)
+    return interop.host_array(x, where)
 
 
 def _as_list(x, name: str) -> list:

@@ -84,3 +84,42 @@ def test_torch_cpu_bf16_tensors_dispatch(seed):
     _dispatch_both(cfg, seed, as_torch)
     info = interop.describe(as_torch(np.zeros((2, 4), np.uint16)), "x")
     assert info.dtype == "bfloat16" and info.strides == (16, 2) and not info.on_device
+
+
+class _DLPackOnly:
+    """An object that offers its array only through the DLPack protocol."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, stream=None, **kw):
+        return self._a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_transposed_torch_cpu_tensor_dispatches_as_its_values(seed):
+    """A column-major (transposed) BF16 CPU tensor: its values, not its memory order."""
+    torch = pytest.importorskip("torch")
+    cfg = load_preset("small")
+
+    def transposed(t):
+        base = torch.from_numpy(np.ascontiguousarray(t).view(np.int16)).view(torch.bfloat16)
+        x = torch.empty(t.shape[1], t.shape[0], dtype=torch.bfloat16).t()
+        x.copy_(base)
+        assert not x.is_contiguous()
+        return x
+    _dispatch_both(cfg, seed, transposed)
+
+
+def test_dlpack_only_inputs_dispatch(seed):
+    """Tokens and ids offered only through ``__dlpack__`` (host memory) dispatch as their
+    arrays; the ids as int64 too."""
+    cfg = load_preset("small")
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    got = world.dispatch([_DLPackOnly(np.ascontiguousarray(t)) for t in toks],
+                         [_DLPackOnly(i.astype(np.int64)) for i in ids])
+    reference.assert_match(cfg, reference.dispatch(cfg, toks, ids), got)
