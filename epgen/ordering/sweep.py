@@ -7,10 +7,11 @@ sees), then, for each mutation asked for (``mutations.py``), the mutated kernels
 seed; a mutation is *detected* in ``k`` of ``N`` seeds when ``k`` runs went wrong, hung,
 failed, or read a guarded load stale (``"stale"``: a load site that no unmutated run of any
 seed read stale returned an older value than memory's newest, ``runs.py``), so a weakening
-whose stale data happened to equal the new data still counts. ``report.ok`` holds when the unmutated runs all pass and every mutation not excused
-for the variant (``undetected.toml``: the mutation and the argument why it needs no
-detection) is detected. The excused ones are reported too: an excused mutation that is
-detected after all is a note (the excuse is stale), not a failure.
+whose stale data happened to equal the new data still counts. ``report.ok`` holds when the
+unmutated runs all pass and every mutation not excused for the variant (``undetected.toml``:
+the mutation and the argument why it needs no detection) is detected. The excused ones are
+reported too: an excused mutation that is detected after all is a note (the excuse is
+stale), not a failure.
 """
 
 from __future__ import annotations

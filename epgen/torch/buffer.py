@@ -28,7 +28,6 @@ from ir import diag
 
 from .. import interop, reference
 from ..errors import EPInputError
-from ..kernels.check_ids import BLOCK_THREADS as CHECK_THREADS
 from ..kernels.check_ids import KERNEL_NAME as CHECK
 from ..kernels.check_ids import (blocks_per_rank, build_check_ids_module, id_bound,
                                  kernel_name, param_name)
@@ -242,30 +241,30 @@ class EPBuffer:
                                    else []), hot)
                      for j in range(len(self.ranks))]
 
+    @staticmethod
+    def _check_args(rk) -> dict:
+        """Rank ``rk``'s id-check arguments (by ``check_ids.RANK_PARAMS`` name): its own id
+        buffer in and out until a call sets the input."""
+        return {"ids_in": rk.topk_ids, "ids_wide": 0, "ids_out": rk.topk_ids, "n_tokens": 0,
+                "my_rank": rk.rank}
+
     def _prepare_checks(self) -> list:
         """One ``ep_check_ids`` launch per handled rank (the ids into the rank's id buffer)."""
-        w, cfg = self.world, self.cfg
-        grid = -(-cfg.max_tokens_per_rank // CHECK_THREADS)
-        launches = []
-        for i in self.index:
-            rk = w.ranks[i]
-            launches.append(_check_program(w, rk.stream.device).prepare(CHECK, grid, {
-                "ids_in": rk.topk_ids, "ids_wide": 0, "ids_out": rk.topk_ids, "n_tokens": 0,
-                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr,
-                "timeout_ns": w.timeout_ns}))
-        return launches
+        w = self.world
+        return [_check_program(w, rk.stream.device).prepare(
+                    CHECK, blocks_per_rank(self.cfg),
+                    {**self._check_args(rk), "err_buf": w._err_of(rk).ptr,
+                     "timeout_ns": w.timeout_ns})
+                for rk in self.ranks]
 
     def _prepare_check_all(self):
         """The one ``ep_check_ids_ranks{n}`` launch of every handled rank, and each rank's
         renaming of the hot values to its parameters."""
         w, k = self.world, len(self.ranks)
-        args, renames = {}, []
-        for j, rk in enumerate(self.ranks):
-            names = {v: param_name(v, j, k) for v in ("ids_in", "ids_wide", "n_tokens")}
-            args.update({names["ids_in"]: rk.topk_ids, names["ids_wide"]: 0,
-                         param_name("ids_out", j, k): rk.topk_ids, names["n_tokens"]: 0,
-                         param_name("my_rank", j, k): rk.rank})
-            renames.append(names)
+        args = {param_name(name, j, k): v for j, rk in enumerate(self.ranks)
+                for name, v in self._check_args(rk).items()}
+        renames = [{v: param_name(v, j, k) for v in ("ids_in", "ids_wide", "n_tokens")}
+                   for j in range(k)]
         args.update(err_buf=w._err_of(self.ranks[0]).ptr, timeout_ns=w.timeout_ns)
         prog = _check_program(w, self.ranks[0].stream.device, k)
         return prog.prepare(kernel_name(k), k * blocks_per_rank(self.cfg), args), renames
