@@ -22,8 +22,9 @@ step() {   # step NAME SECONDS COMMAND...
         | tail -25 | sed 's/^/    /'
 }
 step tests "${TESTS_S:-140}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 \
-    -rfE -s tests/test_torch_api_gpu.py tests/test_interop_gpu.py tests/test_combine_graph_gpu.py \
-    tests/test_bench_combine_gpu.py tests/test_combine_stress_gpu.py tests/test_combine_gpu.py \
+    -rfE -s tests/gpu/test_torch_api_gpu.py tests/gpu/test_interop_gpu.py \
+    tests/gpu/test_combine_graph_gpu.py tests/gpu/test_bench_combine_gpu.py \
+    tests/gpu/test_combine_stress_gpu.py tests/gpu/test_combine_gpu.py \
     -k "${TESTS_K:-not decode}"
 if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
     export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
@@ -31,7 +32,7 @@ if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
     timeout 30 nvidia-cuda-mps-control -d && echo "MPS started"
 fi
 EPGEN_SHMEM_PES=${SHMEM_PES:-2,4} EPGEN_SHMEM_TIMEOUT=120 step shmem "${SHMEM_S:-180}" \
-    python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_shmem_gpu.py \
+    python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/gpu/test_shmem_gpu.py \
     -k "${SHMEM_K:-combine}"
 [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | timeout 30 nvidia-cuda-mps-control
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

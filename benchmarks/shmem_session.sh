@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ShmemWorld on one GPU machine: MPS on (when nvidia-cuda-mps-control exists and we are
-# root), tests/test_shmem_gpu.py for 2, 4 and 8 PEs (each PE's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+# root), tests/gpu/test_shmem_gpu.py for 2, 4 and 8 PEs (each PE's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
 # floor(100/N), so the shares sum to <= 100), MPS off; everything under timeouts, logs in $OUT.
 #
 #   EPGEN_COMMIT=<commit> timeout 590 benchmarks/shmem_session.sh
@@ -39,14 +39,14 @@ trap stop_mps EXIT
 status=0
 for n in 2 4 8; do
     echo "== $n PEs ==" | tee -a "$LOG"
-    # tests/test_shmem_gpu.py passes --mps-share to epgen launch when CUDA_MPS_PIPE_DIRECTORY is set
+    # tests/gpu/test_shmem_gpu.py passes --mps-share to epgen launch when CUDA_MPS_PIPE_DIRECTORY is set
     EPGEN_SHMEM_PES=$n timeout 400 "$PY" -m pytest -m gpu -q -p no:cacheprovider -x \
-        tests/test_shmem_gpu.py -k "every_peer or p2p_groups" -rA 2>&1 | tee "$OUT/pes-$n.log" | tail -5 | tee -a "$LOG"
+        tests/gpu/test_shmem_gpu.py -k "every_peer or p2p_groups" -rA 2>&1 | tee "$OUT/pes-$n.log" | tail -5 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
 echo "== formats, ORD-R, fused, dead peer, 1000 calls (2 and 4 PEs) ==" | tee -a "$LOG"
 EPGEN_SHMEM_PES=2,4 timeout 500 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_shmem_gpu.py -k "not every_peer and not p2p_groups" -rA 2>&1 \
+    tests/gpu/test_shmem_gpu.py -k "not every_peer and not p2p_groups" -rA 2>&1 \
     | tee "$OUT/rest.log" | tail -8 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "== epgen launch, by hand ==" | tee -a "$LOG"

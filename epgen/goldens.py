@@ -14,7 +14,7 @@ else the first paragraph of the builder's docstring.
 
 ``load_all()`` imports the modules that register variants (the demo kernels, the EP kernels
 of some presets), so the registry is complete; ``golden_outputs(name)`` builds a variant and
-returns its IR text and its PTX. The golden tests (``tests/test_golden.py``) and the CLI
+returns its IR text and its PTX. The golden tests (``tests/ptx/test_golden.py``) and the CLI
 (``epgen ptx --variant NAME``, ``epgen variants``) read the registry through these functions.
 """
 

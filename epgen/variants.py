@@ -15,7 +15,7 @@ combination, so that every combination ``EPConfig`` accepts is reachable:
 
 A combination is *legal* when ``EPConfig`` accepts it (``Combination.config``) and *illegal*
 when it raises (``Combination.error``, an ``EPConfigError`` naming the conflicting flags).
-``tests/test_variant_matrix.py`` builds, verifies, checks and assembles every legal one and
+``tests/ptx/test_variant_matrix.py`` builds, verifies, checks and assembles every legal one and
 checks every illegal one's message; ``epgen variants --matrix`` lists them all.
 
 Each combination also says whether the combine kernels build for it

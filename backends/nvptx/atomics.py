@@ -6,7 +6,7 @@ becomes ``atom.global.add.u32``, i.e. relaxed at gpu scope, silently weakening t
 ``cmpxchg`` is honoured, but keeping RMW and CAS in one table spelled exactly as PTX spells it
 (``atom.<sem>.<scope>.<space>.<op>.<type>``, the semantics always explicit, ``relaxed``
 included) gives one place to read and one test matrix pinning every line, whatever LLVM does.
-tests/test_atomics_matrix.py also checks that the flag matches what the linked LLVM emits, so
+tests/ptx/test_atomics_matrix.py also checks that the flag matches what the linked LLVM emits, so
 an upgrade that honours ``atomicrmw`` shows up as a failing test, not as silent drift.
 
 ``red`` (no result) exists only with ``.relaxed``/``.release`` and without ``exch``; other

@@ -3,7 +3,7 @@ its exact qualifiers, so no regeneration can silently drop a ``.release`` or a `
 
 ``ordered_ops`` maps each ordered IR operation to the one PTX instruction it must produce;
 this mapping is written here independently of the lowering (for loads, stores, fences and
-barriers it is what LLVM 22 emits, confirmed by tests/test_ptx_checker.py). ``check_ptx``
+barriers it is what LLVM 22 emits, confirmed by tests/ptx/test_ptx_checker.py). ``check_ptx``
 counts those instructions in each kernel's ``.entry`` body: LLVM may duplicate an operation
 (unrolling) but must not drop one, so each distinct instruction must occur at least as often
 as IR operations expect it.

@@ -45,7 +45,7 @@ Method
 
 The pure parts (``link_bytes``, ``gpu_rates``, ``slowest_rank_times``,
 ``alltoall_permute_numpy``, the NCCL job's numpy twin, and the report) are tested on the CPU
-(tests/test_bench_p2p.py); the device parts need several GPUs (docs/multi-gpu.md).
+(tests/sim/test_bench_p2p.py); the device parts need several GPUs (docs/multi-gpu.md).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class NVFP4Emitter(BlockScaledEmitter):
         u32. The quotient by 6 (``quant_ir.quotient_by_fma``, on ``min(g * amax,
         SCALE_INPUT_CLAMP)``) and the ``cvt`` decode give the same scale bytes and
         multipliers as a ``div.rn.f32`` and the integer decode (``quant_ir.e4m3_to_f32``)
-        for every input (tests/test_formats_quant.py), with one ``div.rn.f32`` fewer per
+        for every input (tests/unit/test_formats_quant.py), with one ``div.rn.f32`` fewer per
         8-element item."""
         g = kernel_param(r, "input_scale", T.f32)
         scaled = r.let("nv_gamax", (g * amax).min(f32(SCALE_INPUT_CLAMP)))

@@ -2,7 +2,7 @@
 
 The element encoders (``e4m3_pairs``, ``e2m1_nibble``, ``e4m3_to_f32``, ``e8m0_ceil``,
 ``e8m0_to_f32``) and ``bf16x8_to_f32`` emit straight-line ``Assign`` statements only (no
-memory access, no control flow), so ``tests/ir_numpy.py`` can evaluate the very IR a kernel
+memory access, no control flow), so ``tests/support/ir_numpy.py`` can evaluate the very IR a kernel
 contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
 
 - bf16 -> f32: ``shl.b32`` / ``and.b32`` (a bf16 is the upper half of an f32);
@@ -133,7 +133,7 @@ def quotient_by_fma(r: ir.RoleBuilder, x, d: float, name: str) -> ir.Var:
     """``x / d`` for an f32 constant ``d`` without ``div.rn.f32`` (Markstein): ``y = RN(1/d)``,
     ``q0 = x * y``, ``rem = fma(-q0, d, x)`` (exact), ``q = fma(rem, y, q0)``. That is
     ``div.rn.f32``'s result wherever the quotient is normal (for ``d = 6``: every f32 ``x`` in
-    ``[0, 4096]``, tests/test_formats_quant.py, all of them with ``EPGEN_EXHAUSTIVE=1``); a
+    ``[0, 4096]``, tests/unit/test_formats_quant.py, all of them with ``EPGEN_EXHAUSTIVE=1``); a
     subnormal quotient may be an ulp off, and infinities give NaN, so callers clamp ``x``."""
     y = f32(np.float32(1) / np.float32(d))
     q0 = r.let(f"{name}_q0", ir.as_expr(x) * y)
@@ -168,7 +168,7 @@ def e2m1_by_rounding_add(r: ir.RoleBuilder, a, name: str) -> ir.Expr:
     6, 7 at ``e = 2``; below 1, ``n`` itself (0, 0.5, 1.0 are 0, 1, 2). ``min.f32`` turns
     +inf into 6 and a NaN into 6 (the caller drops NaN). 16-17 PTX instructions an element
     with its multiply, where counting the 7 rounding thresholds (``setp``/``selp`` each)
-    took 27-29 for the same codes; tests/test_formats_quant.py checks every code against
+    took 27-29 for the same codes; tests/unit/test_formats_quant.py checks every code against
     ml_dtypes."""
     s = r.let(f"{name}_sat", ir.as_expr(a).min(f32(FP4_SATURATION)))
     e_bits = r.let(f"{name}_ebits", ir.Bitcast(T.u32, s.max(f32(1.0))) & 0x7F800000)

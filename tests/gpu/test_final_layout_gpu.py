@@ -157,7 +157,7 @@ def test_row_order_is_rank_major_with_prod_reserve(seed):
             assert expect == res.row_offsets[e + 1], f"seed {seed}: expert {e}"
 
 
-# Which wait expires first depends on timing (tests/test_final_layout_sim.py says why).
+# Which wait expires first depends on timing (tests/sim/test_final_layout_sim.py says why).
 @pytest.mark.parametrize("flags,where", [
     ("final_layout", {("ep_dispatch_wait", "aux", "recv_count")}),
     ("prod_reserve", {("ep_dispatch_async", "monitor", "prod_early_count"),

@@ -3,7 +3,7 @@ bit-exact (rows inside an (expert, source) block in any order), on random routin
 edge cases: ``ep_send_join_named``; ``ep_copy_role_split`` on the geometry that enables it;
 ``ep_ord_r`` + ``has_rank_flag`` (alone and with ``ep_send_join_named``), with the state it
 re-arms checked after every call and a 1000-call loop; ``skip_a2a`` with 2-4 independent
-devices. Same patterns as tests/test_dispatch_gpu.py."""
+devices. Same patterns as tests/gpu/test_dispatch_gpu.py."""
 
 from __future__ import annotations
 

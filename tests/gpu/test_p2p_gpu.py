@@ -8,7 +8,7 @@ On one GPU: ``P2PWorld`` with one rank (the ``n_gpus=1`` cases), and several ran
 GPU 0 (``devices=[0, 0, ...]``: the per-GPU programs, pools, pointer tables and error buffers
 without peer access).
 
-Run: ``pytest -m gpu tests/test_p2p_gpu.py`` (docs/multi-gpu.md).
+Run: ``pytest -m gpu tests/gpu/test_p2p_gpu.py`` (docs/multi-gpu.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The quantisers' arithmetic on the GPU itself, so the hardware (not the numpy models of
-tests/ir_numpy.py) settles it:
+tests/support/ir_numpy.py) settles it:
 
 - ``quant_ir.quotient_by_fma(x, 6)`` against the hardware's ``div.rn.f32`` for every f32 of
   NVFP4's clamped scale domain ``[0, 4096]`` (1.17e9 patterns, one launch): the same bits

@@ -9,10 +9,10 @@ Skipped without a GPU (the ``gpu`` marker) or without the NVSHMEM wheel
 of the parametrised tests; ``EPGEN_SHMEM_TIMEOUT`` (default 300) bounds each launch in
 seconds.
 
-    PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_shmem_gpu.py
+    PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_shmem_gpu.py
 
 The combine tests launch this file itself as each PE's program (``python
-tests/test_shmem_gpu.py combine ...``, ``combine_pe``): every PE dispatches and combines its
+tests/gpu/test_shmem_gpu.py combine ...``, ``combine_pe``): every PE dispatches and combines its
 own part with ``ShmemWorld`` and checks it against the numpy reference.
 """
 
@@ -30,7 +30,7 @@ from backends.cuda import nvshmem_host
 
 pytestmark = pytest.mark.gpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
 TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
 FORMATS = ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8")
@@ -136,7 +136,7 @@ def test_1000_calls():
 # ---- combine -------------------------------------------------------------------------------------
 
 def launch_combine(n: int, args: list[str], timeout: float = TIMEOUT):
-    """``epgen launch -n n -- python tests/test_shmem_gpu.py combine ARGS``."""
+    """``epgen launch -n n -- python tests/gpu/test_shmem_gpu.py combine ARGS``."""
     env = {**os.environ, "PYTHONPATH": REPO, "NVSHMEM_REMOTE_TRANSPORT": "none",
            "NVSHMEM_DISABLE_NVLS": "1"}
     mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []

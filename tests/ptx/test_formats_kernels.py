@@ -18,7 +18,7 @@ from epgen.formats import make_format
 FORMATS = ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8")
 QUANT = FORMATS[1:]
 # (R, E, H, K, max_tpr, num_threads, n_sms); the default preset's kernels of every format are
-# goldens (tests/test_golden.py assembles them and runs the PTX checker)
+# goldens (tests/ptx/test_golden.py assembles them and runs the PTX checker)
 SHAPES = [(2, 16, 256, 4, 32, 256, 9), (1, 8, 128, 2, 16, 128, 9)]
 
 

@@ -323,7 +323,7 @@ def test_golden_ir_files_round_trip():
     """Every golden IR file parses back and prints to the same text; the warp send path's
     token-group barriers (``group=true``) are among them."""
     from pathlib import Path
-    files = sorted((Path(__file__).resolve().parents[1] / "golden").rglob("*.ir"))
+    files = sorted((Path(__file__).resolve().parents[2] / "golden").rglob("*.ir"))
     assert files
     texts = {f.name: f.read_text() for f in files}
     for name, text in texts.items():

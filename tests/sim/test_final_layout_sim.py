@@ -4,7 +4,7 @@ the IR simulator (``backends.sim``), against the numpy reference, over back-to-b
 
 The simulator is sequentially consistent: these tests check the protocol's logic (rows,
 offsets, reservations, hand-offs, re-arming, generations, deadlock freedom), not its memory
-ordering (tests/test_final_layout_ptx.py pins the orderings; the GPU tests run it for real).
+ordering (tests/ptx/test_final_layout_ptx.py pins the orderings; the GPU tests run it for real).
 The staged (default) variant runs too, as a check of the simulator itself; the mutation tests
 show that a broken re-arm or a frozen generation fails these tests.
 """

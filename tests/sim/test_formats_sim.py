@@ -9,7 +9,8 @@ each row's scales into the destination's output scales: ``scales_ptrs``) and pro
 
 Shapes: BlockwiseFP8 with H = 384 (3 scale groups: the tile scale copy's padding guard) and
 512 (a whole vector of scales); NVFP4 and MXFP8 with H = 64. The GPU tests
-(tests/test_formats_gpu.py, tests/test_p2p_gpu.py) run the same against real memory ordering.
+(tests/gpu/test_formats_gpu.py, tests/gpu/test_p2p_gpu.py) run the same against real memory
+ordering.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """``P2PWorld`` on the CPU: its pure placement rules (devices, P2P groups, peer pairs, the
 co-residency check, the peer-access error), and the real world on simulated GPUs
-(``backends.sim``, with the placement checks of ``tests/sim_p2p.py``): the generated kernels
+(``backends.sim``, with the placement checks of ``tests/support/sim_p2p.py``): the generated kernels
 run in the IR simulator, every launch checked for placement (its stream and pointer arguments
 on its GPU, every pointer-table entry in memory its GPU may access), against the numpy reference, with every flag variant the
 simulator runs; the ordering between calls (cross-GPU event waits), timeouts reported from
 every GPU's error buffer, and mutations of the placement that these checks must catch.
 
 The simulator is sequentially consistent and does not run the quantising formats' cvt
-instructions: memory ordering and the formats are the GPU tests' (tests/test_p2p_gpu.py).
+instructions: memory ordering and the formats are the GPU tests' (tests/gpu/test_p2p_gpu.py).
 """
 
 from __future__ import annotations
@@ -497,7 +497,7 @@ def test_cli_run_p2p_without_gpus_is_a_clear_error(capsys):
 
 
 def test_gpu_test_configurations_are_valid():
-    """Every configuration tests/test_p2p_gpu.py builds is a valid EPConfig (so a GPU run
+    """Every configuration tests/gpu/test_p2p_gpu.py builds is a valid EPConfig (so a GPU run
     fails only on the GPU's account)."""
     import test_p2p_gpu as G
     n_cfgs = 0

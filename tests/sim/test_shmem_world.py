@@ -3,7 +3,7 @@
 ``nvshmem_ptr`` that maps a buffer to the same buffer of the peer PE's world) and a fake
 bootstrap. Two PEs' worlds live in one process here, so their round trip is driven step by
 step (each enqueues, then the machine runs both); on the GPU each PE is its own process
-(tests/test_shmem_gpu.py). Also the pure rules: rank, world size, GPU, transport."""
+(tests/gpu/test_shmem_gpu.py). Also the pure rules: rank, world size, GPU, transport."""
 
 from __future__ import annotations
 
@@ -361,7 +361,7 @@ def test_cli_run_one_rank_on_the_simulator(monkeypatch, capsys):
      "--drop-rank", "1"],
 ])
 def test_gpu_test_configurations_are_valid(extra):
-    """The configurations tests/test_shmem_gpu.py launches pass the CLI's checks here, so a
+    """The configurations tests/gpu/test_shmem_gpu.py launches pass the CLI's checks here, so a
     failure there is the GPU's, not a typo's."""
     from epgen import cli
 
@@ -573,7 +573,7 @@ def test_combine_takes_this_ranks_own_arrays():
 
 
 def test_gpu_combine_program_checks_on_the_simulator(seed):
-    """The PE program of tests/test_shmem_gpu.py's combine tests (``combine_rounds``) on two
+    """The PE program of tests/gpu/test_shmem_gpu.py's combine tests (``combine_rounds``) on two
     simulated PEs (a smaller grid): it says every call matched; and it can fail (a row of
     every expert output altered: a mismatch reported)."""
     import test_shmem_gpu as gpu

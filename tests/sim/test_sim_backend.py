@@ -22,7 +22,7 @@ from epgen.runtime import backend as backend_mod
 from epgen.runtime import world as world_mod
 from ir import types as T
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- the machine on tiny kernels ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO_ROOT / "golden"
 MANIFEST = GOLDEN_DIR / "MANIFEST"
 DIFF_LINES = 80

@@ -20,7 +20,7 @@ from epgen.formats import make_format
 from epgen.bench import (baseline, common, driver, inputs, memory, options, plan, report, runner,
                          timing, traffic)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECODE = presets.load_preset("decode")
 
 

@@ -14,7 +14,7 @@ import pytest
 from epgen.runtime import bootstrap
 
 PY = sys.executable
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORKER = r"""
 import os, sys, time

@@ -13,7 +13,7 @@ from world_checks import assert_imports_light
 
 from epgen import presets
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_PATH = os.path.join(REPO, "benchmarks", "dispatch_bench.py")
 
 

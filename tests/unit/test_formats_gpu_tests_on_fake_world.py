@@ -1,4 +1,4 @@
-"""Dry run of tests/test_formats_gpu.py on the CPU: every GPU test body runs with the world
+"""Dry run of tests/gpu/test_formats_gpu.py on the CPU: every GPU test body runs with the world
 replaced by ``FakeWorld``, which answers with the reference model the way the kernels write
 (output rows and scales in the device layouts, padding rows untouched, rows shuffled inside
 each (expert, source) block). It checks the GPU tests themselves (their shapes, inputs, edge

@@ -1,7 +1,7 @@
 """Quantising token formats (BlockwiseFP8, NVFP4, MXFP8) on the CPU: message layouts against
 the protocol's formulas, validation, the numpy reference quantisers against hand-computed
 cases, the stated tolerances, and the kernels' IR encoders evaluated in numpy
-(tests/ir_numpy.py) against ml_dtypes, exhaustively over the inputs of interest."""
+(tests/support/ir_numpy.py) against ml_dtypes, exhaustively over the inputs of interest."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 
 import golden_util
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -116,8 +116,8 @@ def test_stale_goldens(golden_dir):
 @pytest.fixture
 def scratch(pytester):
     """A scratch test directory with this suite's conftest.py and golden_util.py."""
-    for name in ("conftest.py", "golden_util.py"):
-        shutil.copy(TESTS / name, pytester.path / name)
+    for path in (TESTS / "conftest.py", TESTS / "support" / "golden_util.py"):
+        shutil.copy(path, pytester.path / path.name)
     return pytester
 
 
@@ -167,7 +167,7 @@ def test_default_run_is_parallel(scratch):
         pytest.skip("a GPU is usable here: the default run stays serial")
     repo = Path(conftest.__file__).resolve().parent.parent
     res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                          "tests/test_imports.py::test_find_cycle_finds_one"],
+                          "tests/unit/test_imports.py::test_find_cycle_finds_one"],
                          cwd=repo, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:]
     assert "workers [1 item]" in res.stdout, res.stdout[-2000:]

@@ -1,7 +1,7 @@
 """``RoundTripGraph``'s host logic without a GPU: the capture's fork and join around the
 world's launches, the ordering of a replay with the rank streams, frozen launch arguments,
 and no re-capture ever (``ep_prod_reserve``'s generation advances on the device). The CUDA calls are fakes that log what they would
-enqueue; tests/test_graph_gpu.py runs the real thing."""
+enqueue; tests/gpu/test_graph_gpu.py runs the real thing."""
 
 from __future__ import annotations
 

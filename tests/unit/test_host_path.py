@@ -22,7 +22,7 @@ from backends.cuda import compat, stream
 from backends.cuda.kernel import KernelHandle, entry_param_count, kernel_param_sizes
 from backends.cuda.module import LoadedModule
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SUCCESS, INVALID_VALUE, INVALID_CONTEXT, ALREADY_ENABLED = 0, 1, 201, 704
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("ir", "backends", "epgen")
 
 # module -> (packages it may import inside functions, why)
@@ -42,7 +42,7 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
                       "host inputs never load the CUDA backend: the driver is asked only "
                       "about device inputs"),
     "epgen.bench.memory": (("backends.cuda",),
-                           "epgen.bench imports with numpy only (tests/test_bench.py::"
+                           "epgen.bench imports with numpy only (tests/unit/test_bench.py::"
                            "test_import_is_light): backends.cuda inside device functions"),
     "epgen.bench.driver": (("backends.cuda",), "as epgen.bench.memory"),
     "epgen.bench.options": (("epgen.bench.plan",),

@@ -140,7 +140,7 @@ def test_launcher_terminated_stops_the_ranks(tmp_path):
     import signal
     import subprocess
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import os, time; open(os.path.join(%r, os.environ['RANK']), 'w')"
             ".write(str(os.getpid())); time.sleep(60)" % str(tmp_path))
     p = subprocess.Popen([PY, "-m", "epgen", "launch", "-n", "2", "--", PY, "-c", code],
