@@ -95,7 +95,7 @@ arm() {    # arm NAME SECONDS BENCH ARGS...: one A/B arm (its choices as --tune)
 }
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    gpu_tests gpu-tests 420 tests/
+    gpu_tests gpu-tests 420 tests/gpu
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     # every variant as stream launches, as a replay of its captured CUDA graph ("graph") and
@@ -122,7 +122,7 @@ fi
 if [ "$what" = formats ]; then
     # the quantising formats alone: their GPU tests, the quantiser's broadcast pattern with
     # 1, 2 and 4 items in flight (no protocol), then their round trips
-    gpu_tests formats-tests 200 tests/test_formats_gpu.py
+    gpu_tests formats-tests 200 tests/gpu/test_formats_gpu.py
     step broadcast-formats 120 python3 benchmarks/experiments/broadcast_bw.py \
         --format NVFP4 --format BlockwiseFP8 --json "$OUT/broadcast-formats.json"
     sed 's/^/    /' "$OUT/broadcast-formats.log"
@@ -171,7 +171,7 @@ if [ "$what" = batch-ab ]; then
     # every rank's grid in one launch (EmulatedWorld(batched=True)) against one launch per
     # rank: its GPU tests, then the same-call A/B at decode (NVFP4, BF16) and prefill (NVFP4,
     # BF16), then the batched NVFP4 decode timeline
-    gpu_tests batch-tests 240 tests/test_rank_batch_gpu.py tests/test_trace_gpu.py
+    gpu_tests batch-tests 240 tests/gpu/test_rank_batch_gpu.py tests/gpu/test_trace_gpu.py
     arms=(--variant default --variant batched=batched --variant graph=graph
           --variant batched_graph=batched,graph --variant fused_graph=fused,graph
           --variant batched_fused_graph=batched,fused,graph)
@@ -184,7 +184,7 @@ fi
 if [ "$what" = trace ]; then
     # where the decode round trip's time goes: the trace rings' GPU tests, then the
     # timeline of NVFP4 (the decode target left) and BF16 at decode, and NVFP4 at 1 token
-    gpu_tests trace-tests 200 tests/test_trace_gpu.py
+    gpu_tests trace-tests 200 tests/gpu/test_trace_gpu.py
     nvfp4=(--preset decode --set format=NVFP4)
     trace_runs nvfp4-fused-graph "${nvfp4[@]}" --fused --graph
     trace_runs nvfp4-graph "${nvfp4[@]}" --graph
@@ -196,7 +196,7 @@ if [ "$what" = graph-ab ]; then
     # the round trip replayed as a captured CUDA graph (RoundTripGraph) against the same
     # variant's stream launches, same call: its GPU tests, then BF16's variants and each
     # quantising format at both shapes
-    gpu_tests graph-tests 200 tests/test_graph_gpu.py
+    gpu_tests graph-tests 200 tests/gpu/test_graph_gpu.py
     bench graph-bf16 200 --tokens 128,4096 --variant default --variant graph=graph \
         --variant fused --variant fused_graph=fused,graph \
         --variant prod=ep_final_layout,ep_prod_reserve,alignment:16 \
@@ -241,7 +241,7 @@ if [ "$what" = split-ab ]; then
     # warps sharing a token at decode, same call: first their GPU tests, then decode with 1
     # and 4 warps per token (tuning.send_warps_per_token_max) in every format, stream,
     # graph, fused and fused graph
-    gpu_tests split-tests 240 tests/test_token_split_gpu.py
+    gpu_tests split-tests 240 tests/gpu/test_token_split_gpu.py
     for fmt in BF16 NVFP4 MXFP8 BlockwiseFP8; do
         for n in 1 4; do
             arm "split-$fmt-$n" 100 bench --tune "send_warps_per_token_max=$n" \
@@ -255,7 +255,7 @@ if [ "$what" = block-ab ]; then
     # and BlockwiseFP8 (send_policy.prefers_block_broadcast, shipped): its GPU tests,
     # then each format's default round trip with it and with the warp path (a threshold no
     # call reaches), same call; then NVFP4's latency sweep
-    gpu_tests block-tests 150 tests/test_token_split_gpu.py -k block_broadcast
+    gpu_tests block-tests 150 tests/gpu/test_token_split_gpu.py -k block_broadcast
     for fmt in BF16 MXFP8 BlockwiseFP8; do
         for arm in block:16 warp:1000000; do
             ab "block-$fmt-${arm%%:*}" bench \
@@ -288,7 +288,7 @@ if [ "$what" = p2p ]; then
     n=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
     head -$((n + 1)) "$OUT/topo.txt" | sed 's/^/    /'
-    LIMIT=120 gpu_tests p2p-tests 300 tests/test_p2p_gpu.py
+    LIMIT=120 gpu_tests p2p-tests 300 tests/gpu/test_p2p_gpu.py
     step p2p-run 60 python3 -m epgen run --world p2p --preset small --calls 3
     p2p=(--world p2p --preset default --set n_ranks="$n" --set p2p_world_size="$n")
     # a plot where matplotlib is installed
@@ -304,9 +304,9 @@ if [ "$what" = p2p ]; then
     grep -E "^(decode|prefill) |peer copy" "$OUT/p2p-formats.log" | sed 's/^/    /'
 fi
 if [ "$what" = combine ]; then
-    LIMIT=200 gpu_tests combine-tests 300 tests/test_combine_gpu.py \
-        tests/test_combine_graph_gpu.py tests/test_combine_stress_gpu.py \
-        tests/test_combine_cli.py tests/test_bench_combine_gpu.py
+    LIMIT=200 gpu_tests combine-tests 300 tests/gpu/test_combine_gpu.py \
+        tests/gpu/test_combine_graph_gpu.py tests/gpu/test_combine_stress_gpu.py \
+        tests/gpu/test_combine_cli_gpu.py tests/gpu/test_bench_combine_gpu.py
     step combine-run 60 python3 -m epgen run --preset small --calls 3 --combine
     step combine-run-graph 60 python3 -m epgen run --preset small --calls 3 --combine --graph
     grep -E "combine:|MISMATCH" "$OUT/combine-run.log" "$OUT/combine-run-graph.log" \

@@ -1,6 +1,6 @@
 """``epgen run --combine`` on the simulator (emulated ranks, with and without ``--graph``; the
 P2P world where it has a combine), its refusals, and ``epgen.combine_run`` (the per-expert
-transform and the end-to-end reference)."""
+transform and the end-to-end reference). On the GPU: tests/gpu/test_combine_cli_gpu.py."""
 
 from __future__ import annotations
 
@@ -12,19 +12,11 @@ from epgen.reference_combine import bf16_to_f32
 from epgen.runtime.p2p_world import P2PWorld
 from epgen.runtime.world import EmulatedWorld
 
+from cli_runs import run_cli
 from test_final_layout_sim import SHAPES, make_cfg
 
 TINY = ["--preset", "small", "--set", "n_experts=4", "--set", "hid_dim=16", "--set", "top_k=2",
         "--set", "max_tokens_per_rank=4", "--set", "num_threads=64", "--set", "n_sms=4"]
-
-
-def run_cli(capsys, *argv):
-    try:
-        status = cli.main(list(argv))
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.mark.parametrize("extra", [[], ["--graph"], ["--tokens", "0"], ["--tokens", "3"]],
@@ -127,15 +119,6 @@ def test_the_reference_does_not_depend_on_the_row_order_within_a_block(seed):
     got[0] = got[0].copy()
     got[0][0, 0] ^= np.uint16(1)
     assert combine_run.differences(got, want)[0].startswith("rank 0 combine: 1 elements")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["--graph"], ["--fused"]], ids=["stream", "graph", "fused"])
-def test_run_combine_on_the_gpu(capsys, extra, seed):
-    status, out, err = run_cli(capsys, "run", "--preset", "small", "--calls", "3",
-                               "--combine", "--seed", str(seed), *extra)
-    assert status == 0, f"seed {seed}: {out}{err}"
-    assert out.count("  combine: matches the reference") == 3, out
 
 
 @pytest.mark.parametrize("world", ["emulated", "p2p"])

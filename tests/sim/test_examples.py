@@ -5,17 +5,13 @@ On the CPU: the simulator mode runs as a subprocess on a tiny shape and passes; 
 wrong expert makes it fail with exit status 1; its pieces (the tolerance check, the rows of
 each expert in a dispatch result, the quantising formats' rows as BF16) are checked against
 ``epgen.reference.dispatch``; usage errors exit 2. With torch installed, the torch experts
-run on the CPU under the simulator. On a GPU (marker ``gpu``): the default one-GPU mode and
-``--world shmem`` under ``epgen launch``.
+run on the CPU under the simulator. On a GPU: tests/gpu/test_examples_gpu.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,8 +20,8 @@ from epgen import reference, routing
 from epgen.presets import config_from_dict, preset_data
 from epgen.reference_combine import source_of_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "examples", "moe_layer.py")
+from example_runs import SCRIPT, assert_passes, run_example
+
 TINY = ["--backend", "sim", "--tokens", "8"]
 """The simulator on the small preset (2 ranks, E=16, H=256, K=4), 8 tokens per rank."""
 
@@ -38,21 +34,6 @@ def _load():
 
 
 moe = _load()
-
-
-def run_example(args, timeout=300, cmd=None, env=None):
-    env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
-    proc = subprocess.run(cmd or [sys.executable, SCRIPT, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc, proc.stdout + proc.stderr
-
-
-def assert_passes(proc, text, n_ranks=2):
-    assert proc.returncode == 0, text[-4000:]
-    for r in range(n_ranks):
-        assert re.search(rf"^(\[rank {r}\] )?rank {r}: max abs error \S+, max rel error \S+ "
-                         rf"PASS$", proc.stdout, re.M), text[-4000:]
-    assert "FAIL" not in proc.stdout, text[-4000:]
 
 
 def test_sim_mode_passes(seed):
@@ -222,39 +203,3 @@ def test_quantised_rows_reach_the_experts_as_the_dense_tokens(fmt, seed):
                 t = res.src_info[row, 0]
                 assert np.array_equal(rows[row], dense_in[src[row]][t]), \
                     f"seed {seed}: {fmt} rank {res.rank} row {row}"
-
-
-# ---- GPU --------------------------------------------------------------------------------------
-def _needs_torch_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-
-
-@pytest.mark.gpu
-def test_one_gpu_torch_mode_passes(seed):
-    """``python examples/moe_layer.py``: EmulatedWorld on one GPU (the decode preset, 8
-    ranks), torch BF16 experts."""
-    _needs_torch_cuda()
-    proc, text = run_example(["--seed", str(seed)], timeout=600)
-    assert_passes(proc, text, n_ranks=8)
-    proc, text = run_example(["--seed", str(seed), "--plant", "wrong-expert"], timeout=600)
-    assert proc.returncode == 1 and "FAIL" in proc.stdout, text[-4000:]
-
-
-@pytest.mark.gpu
-def test_shmem_mode_passes_under_the_launcher(seed):
-    """``epgen launch -n 2 -- python examples/moe_layer.py --world shmem --preset small``."""
-    _needs_torch_cuda()
-    from backends.cuda import nvshmem_host
-    try:
-        nvshmem_host.find_host_library()
-    except nvshmem_host.NvshmemUnavailableError as e:
-        pytest.skip(str(e))
-    env = {k: os.environ.get(k, v) for k, v in
-           (("NVSHMEM_REMOTE_TRANSPORT", "none"), ("NVSHMEM_DISABLE_NVLS", "1"))}
-    cmd = [sys.executable, "-m", "epgen", "launch", "-n", "2", "--timeout", "300", "--",
-           sys.executable, SCRIPT, "--world", "shmem", "--preset", "small", "--seed",
-           str(seed)]
-    proc, text = run_example(None, timeout=400, cmd=cmd, env=env)
-    assert_passes(proc, text, n_ranks=2)
