@@ -10,6 +10,11 @@ fixtures.
 - ``seed``: a fresh random seed per test (``EPGEN_SEED=N`` fixes it); a failing test's report
   shows ``seed: N; rerun with EPGEN_SEED=N``.
 - ``golden``: ``golden.check("demo/copy16", "ptx", text)``; see ``golden_util``.
+- Tiers (docs/testing.md): test modules live in ``tests/unit``, ``tests/ptx``, ``tests/sim``
+  and ``tests/gpu``, the shared helpers in ``tests/support`` (on the path, see pyproject.toml).
+  Collecting this repository's tests fails (a collection error) for every test outside the
+  four folders, every ``gpu`` test outside ``tests/gpu`` and every test in ``tests/gpu``
+  without the marker.
 - Parallel by default: with pytest-xdist installed (the ``test`` extra), a run of this
   repository's tests without ``-n`` runs on ``-n auto`` workers with ``--dist loadfile``:
   every test file runs whole in one worker, so a file's tests, its module fixtures and the
@@ -241,3 +246,54 @@ def ptxas():
         pytest.skip("ptxas not found")
     return exe
 
+
+# ---------------------------------------------------------------------------------------------
+# Tiers
+
+TIERS = ("unit", "ptx", "sim", "gpu")
+"""The folders of tests/ that hold test modules (docs/testing.md, "Tiers")."""
+
+_TIER_ERRORS_SHOWN = 20
+
+
+def tier_errors(items, tests_dir: Path) -> list[str]:
+    """The tier rules that collected ``items`` break, one line per test: a test module outside
+    ``tests_dir/{unit,ptx,sim,gpu}``, a ``gpu`` test outside ``tests_dir/gpu``, a test in
+    ``tests_dir/gpu`` without the ``gpu`` marker. Items outside ``tests_dir`` are left alone."""
+    errors = []
+    for item in items:
+        try:
+            parts = Path(item.path).resolve().relative_to(tests_dir.resolve()).parts
+        except ValueError:
+            continue
+        tier = parts[0] if len(parts) > 1 else None
+        marked = item.get_closest_marker("gpu") is not None
+        if tier not in TIERS:
+            errors.append(f"{item.nodeid}: a test module must live in one of "
+                          + ", ".join(f"tests/{t}/" for t in TIERS))
+        elif marked and tier != "gpu":
+            errors.append(f"{item.nodeid}: marked gpu, so it belongs in tests/gpu/")
+        elif tier == "gpu" and not marked:
+            errors.append(f"{item.nodeid}: in tests/gpu/ without the gpu marker")
+    return errors
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """In a collection of this repository's tests (not a scratch pytester session that copied
+    this file), a module or class with tests in the wrong tier (``tier_errors``) is a
+    collection error naming each of them: the run stops before any test runs."""
+    outcome = yield
+    report = outcome.get_result()
+    tests_dir = Path(__file__).resolve().parent
+    if not report.passed or Path(collector.config.rootpath).resolve() != tests_dir.parent:
+        return
+    errors = tier_errors([x for x in report.result if isinstance(x, pytest.Item)], tests_dir)
+    if errors:
+        shown = errors[:_TIER_ERRORS_SHOWN]
+        if len(errors) > len(shown):
+            shown.append(f"... and {len(errors) - len(shown)} more")
+        report.outcome = "failed"
+        report.longrepr = ("tests outside their tier (docs/testing.md, \"Tiers\"):\n  "
+                           + "\n  ".join(shown))
+        report.result = []
