@@ -153,6 +153,9 @@ def test_bad_arguments_are_named_with_their_rule(kind, seed):
         with pytest.raises(EPInputError, match="input_scale: must be a finite float32 > 0, "
                                                "got 'abc'"):
             world.dispatch(toks, ids, input_scale="abc")
+        with pytest.raises(EPInputError, match="tokens: must be a list of one array per "
+                                               "rank, got NoneType"):
+            world.dispatch(None, ids)
         _assert_combine_matches(world, rng, seed, "after the refusals")
 
 
