@@ -216,6 +216,37 @@ def host_array(obj, name: str) -> np.ndarray:
     return np.ascontiguousarray(info.obj)
 
 
+def host_bf16(obj, name: str) -> np.ndarray:
+    """A host BF16 input as its uint16 bit patterns: uint16 bits, an ``ml_dtypes.bfloat16``
+    array or a torch CPU bfloat16 tensor. Anything else (another dtype, None, a device
+    array) is an ``EPInputError`` naming ``name`` and the rule."""
+    if obj is None:
+        raise EPInputError(f"{name}: missing (None), must be BF16 bits as uint16 (or a "
+                           f"bfloat16 array or tensor)")
+    arr = host_array(obj, name)
+    if arr.dtype == np.uint16:
+        return arr
+    if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:
+        return arr.view(np.uint16)
+    raise EPInputError(f"{name}: dtype {arr.dtype}, must be BF16 bits as uint16 (or a "
+                       f"bfloat16 array or tensor)")
+
+
+def host_float32(obj, name: str) -> np.ndarray:
+    """A host array of real numbers as float32 (integers and other float widths converted,
+    a bfloat16 array or tensor by its values). Strings, booleans, complex or object arrays,
+    None and device arrays are an ``EPInputError`` naming ``name`` and the rule."""
+    if obj is None:
+        raise EPInputError(f"{name}: missing (None), must be a float32 array")
+    if _is_torch(obj) and not obj.is_cuda and obj.is_floating_point():
+        obj = obj.float()       # a BF16 tensor's values, not its bits (host_array's view)
+    arr = host_array(obj, name)
+    if arr.dtype.name == "bfloat16" or arr.dtype.kind in "fiu":
+        return arr.astype(np.float32, copy=False)
+    raise EPInputError(f"{name}: dtype {arr.dtype}, must be float32 (an array of real "
+                       f"numbers)")
+
+
 def device_rows(info: ArrayInfo) -> tuple[int, int, int, int]:
     """``(ptr, pitch, row_bytes, rows)`` of a device input to copy to a contiguous buffer:
     one copy when it is contiguous (``pitch == row_bytes``), one 2-D copy when its rows are
@@ -271,5 +302,5 @@ def read_to_host(info: ArrayInfo, stream) -> np.ndarray:
     return np.ascontiguousarray(np.ndarray(info.shape, dt, buffer=raw, strides=info.strides))
 
 
-__all__ = ["ArrayInfo", "describe", "host_array", "device_rows", "order_after_producer",
-           "read_to_host"]
+__all__ = ["ArrayInfo", "describe", "host_array", "host_bf16", "host_float32", "device_rows",
+           "order_after_producer", "read_to_host"]

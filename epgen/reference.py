@@ -94,7 +94,7 @@ def _as_list(x, name: str) -> list:
         return list(x) if x.ndim == 3 else [x]
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
         return list(x)
-    raise EPInputError(f"{name} must be a list with one array per rank, got {type(x).__name__}")
+    raise EPInputError(f"{name}: must be a list of one array per rank, got {type(x).__name__}")
 
 
 def _devices(cfg, n: int, ranks, allreduce_world_size) -> tuple[list[int], int]:

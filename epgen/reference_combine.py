@@ -37,8 +37,8 @@ import numpy as np
 
 from backends.sim.numerics import fma_f32
 
+from . import interop
 from .errors import EPInputError
-from .formats.bf16_codec import bf16_bits
 
 __all__ = ["combine", "bf16_to_f32", "f32_to_bf16", "source_of_rows"]
 
@@ -80,7 +80,7 @@ def _expert_rows(cfg, dispatch_results, expert_outputs) -> list[np.ndarray]:
     H = cfg.token_fmt.hid_dim
     ys = []
     for d, (res, y) in enumerate(zip(dispatch_results, expert_outputs)):
-        y = bf16_bits(y)
+        y = interop.host_bf16(y, f"expert_outputs[{d}]")
         if y.ndim != 2 or y.shape[1] != H or y.shape[0] < len(res.src_info):
             raise EPInputError(f"expert_outputs[{d}]: must be [rows >= {len(res.src_info)}, "
                                f"{H}] BF16, got shape {y.shape}")
@@ -138,7 +138,7 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
         if s not in wanted:
             out.append(None)
             continue
-        w = np.asarray(topk_weights[s], np.float32)
+        w = interop.host_float32(topk_weights[s], f"topk_weights[{s}]")
         if w.shape != (T, K):
             raise EPInputError(f"topk_weights[{s}]: must be [{T}, {K}] float32, got {w.shape}")
         acc = np.zeros((T, H), np.float32)
@@ -151,7 +151,7 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             t0 = res.se_token_start
             acc[t0:t0 + res.se_tokens] = acc[t0:t0 + res.se_tokens] + se
         if residual is not None:
-            r = bf16_bits(residual[s])
+            r = interop.host_bf16(residual[s], f"residual[{s}]")
             if r.shape != (T, H):
                 raise EPInputError(f"residual[{s}]: must be [{T}, {H}] BF16, got {r.shape}")
             acc = acc + bf16_to_f32(r)

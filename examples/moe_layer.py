@@ -424,7 +424,10 @@ def torch_layer(args, cfg, ep, experts, tokens, input_scale):
             rows = out.tokens
         else:   # no device dequantiser here: the format's rows go through the host
             res = out.to_reference(cfg)
-            rows = experts._to(as_bf16(fmt, res.out_tokens, res.out_scales, input_scale))
+            host = np.zeros((cfg.layout.max_out_rows, fmt.hid_dim), np.uint16)
+            host[:len(res.out_tokens)] = as_bf16(fmt, res.out_tokens, res.out_scales,
+                                                 input_scale)
+            rows = experts._to(host)        # one row per row of out.tokens, as combine takes
         ys.append(experts.grouped_device(
             rows, groups, planted_swap(args.plant, out.rank, groups, cfg.n_experts)))
     combined = ep.combine(ys, outs)

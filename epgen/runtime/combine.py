@@ -12,11 +12,11 @@ from ir import diag
 
 from ..combine_layout import CombineLayout
 from ..errors import EPInputError, EPTimeoutError
-from ..formats.bf16_codec import bf16_bits
 from ..kernels import build_combine_module
 from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
 from ..kernels.combine_fused import KERNEL_NAME as C_FUSED
 from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
+from . import call_args
 from . import trace as runtime_trace
 from .program import Program
 
@@ -198,46 +198,17 @@ class Combiner:
         Sets what the next ``enqueue`` passes (weighted or not, residual or not).
         ``src_info``: test hook, per rank an array replacing that rank's ``src_info`` on the
         device (None entries: unchanged)."""
-        w, cfg = self.world, self.world.cfg
-        K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
-        if residual is not None and topk_weights is None:
-            raise EPInputError("residual: needs topk_weights (the unreduced rows take none)")
-        if residual is not None and len(residual) != len(w.ranks):
-            raise EPInputError(f"residual: one array per rank ({len(w.ranks)}), got "
-                               f"{len(residual)}")
-        n = len(w.ranks)
-        if len(expert_outputs) != n:
-            raise EPInputError(f"expert_outputs: one array per rank ({n}), got "
-                               f"{len(expert_outputs)}")
-        if topk_weights is not None and len(topk_weights) != n:
-            raise EPInputError(f"topk_weights: one array per rank ({n}), got "
-                               f"{len(topk_weights)}")
-        lay = cfg.layout
+        w = self.world
+        expert_outputs, topk_weights, residual = call_args.combine_inputs(
+            w, expert_outputs, topk_weights, residual)
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
-            y = bf16_bits(expert_outputs[i])
-            if y.ndim != 2 or y.shape[1] != H or y.shape[0] > lay.max_out_rows:
-                raise EPInputError(f"expert_outputs[{i}]: must be [rows <= {lay.max_out_rows}, "
-                                   f"{H}] BF16, got shape {y.shape}")
-            if topk_weights is not None:
-                wt = np.asarray(topk_weights[i], np.float32)
-                if wt.shape != (rk.n_tokens, K):
-                    raise EPInputError(f"topk_weights[{i}]: must be [{rk.n_tokens}, {K}] "
-                                       f"float32, got {wt.shape}")
-            if residual is not None:
-                rr = bf16_bits(residual[i])
-                if rr.shape != (rk.n_tokens, H):
-                    raise EPInputError(f"residual[{i}]: must be [{rk.n_tokens}, {H}] BF16, "
-                                       f"got shape {rr.shape}")
-        for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
-            y = bf16_bits(expert_outputs[i])
+            y = expert_outputs[i]
             if y.shape[0]:
                 b.expert_out[:y.shape[0]].copy_from_host(np.ascontiguousarray(y))
             if topk_weights is not None and rk.n_tokens:
-                wt = np.asarray(topk_weights[i], np.float32)
-                b.weights[:rk.n_tokens].copy_from_host(np.ascontiguousarray(wt))
+                b.weights[:rk.n_tokens].copy_from_host(np.ascontiguousarray(topk_weights[i]))
             if residual is not None and rk.n_tokens:
-                b.residual[:rk.n_tokens].copy_from_host(
-                    np.ascontiguousarray(bf16_bits(residual[i])))
+                b.residual[:rk.n_tokens].copy_from_host(np.ascontiguousarray(residual[i]))
             if src_info is not None and src_info[i] is not None:
                 s = np.ascontiguousarray(src_info[i], np.int32)
                 rk.src_info[:len(s)].copy_from_host(s)

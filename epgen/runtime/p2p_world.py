@@ -64,6 +64,7 @@ from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from . import call_args
 from .combine import Combiner
 from .diagnostics import DiagBuffer
 from .program import Program
@@ -254,6 +255,7 @@ class P2PWorld(RankWorld):
         float32 or None, ``residual[s]`` ``[T, H]`` BF16 or None; returns per rank its
         ``[T, H]`` (or unreduced ``[T, K, H]``) BF16 bits. ``_src_info``: test hook
         (``runtime.combine.Combiner.run``)."""
+        call_args.check_combine(self, expert_outputs, topk_weights, residual)
         self.combiner()
         return self._combiner.run(expert_outputs, topk_weights, residual, src_info=_src_info)
 

@@ -68,6 +68,7 @@ from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from . import bootstrap as bootstrap_mod
+from . import call_args
 from . import trace as runtime_trace
 from .combine import Combiner
 from .diagnostics import DiagBuffer
@@ -345,10 +346,11 @@ class ShmemWorld(RankWorld):
         if any(isinstance(a, (list, tuple)) for a in (expert_out, topk_weights, residual)):
             raise TypeError("ShmemWorld: combine takes this rank's own arrays (expert_out, "
                             "topk_weights, residual), not a list per rank")
+        one = lambda a: None if a is None else [a]  # noqa: E731
+        call_args.check_combine(self, [expert_out], one(topk_weights), one(residual))
         if getattr(self, "_combiner", None) is None:
             self.combiner()
             self.bootstrap.barrier(f"w{self.index}-combine-ready")
-        one = lambda a: None if a is None else [a]  # noqa: E731
         return self._after_call(lambda: self._combiner.run(
             [expert_out], one(topk_weights), one(residual), src_info=one(_src_info))[0])
 

@@ -47,6 +47,7 @@ from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from . import backend as backends_of
+from . import call_args
 from . import trace as runtime_trace
 from .combine import Combiner
 from .diagnostics import DiagBuffer
@@ -339,9 +340,7 @@ class RankWorld:
 
     @input_scale.setter
     def input_scale(self, value):
-        fmt = self.cfg.token_fmt
-        check = getattr(fmt, "check_input_scale", None)
-        self._input_scale = float(check(value)) if check else float(value)
+        self._input_scale = call_args.input_scale(value)
 
     def _format_args(self, kernel: str, rk) -> dict:
         """Arguments of the launch parameters a token format declared (quant_ir.kernel_param):
@@ -641,6 +640,7 @@ class EmulatedWorld(RankWorld):
         BF16 over P2P only (``ValueError`` otherwise). An
         out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written for
         it). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
+        call_args.check_combine(self, expert_outputs, topk_weights, residual)
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info)
 
     def combiner(self):

@@ -34,6 +34,7 @@ from ..kernels.check_ids import (blocks_per_rank, build_check_ids_module, id_bou
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
+from ..runtime import call_args
 from ..runtime.combine import C_ASYNC, C_FUSED, C_WAIT
 from ..runtime.program import Program
 from ..runtime.world import region_a_blocks
@@ -359,9 +360,11 @@ class EPBuffer:
         self._results = {}     # (handled rank, shape): the tensor viewing its output buffer
 
     def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None):
-        """Enqueue the combine of the last dispatch: ``expert_out`` ``[rows, hid_dim]`` BF16,
-        the experts' outputs on the grouped rows ``out`` (that dispatch's ``DispatchOutput``)
-        delivered, per handled rank (a list for several). The router weights are
+        """Enqueue the combine of the last dispatch: ``expert_out`` ``[max_out_rows,
+        hid_dim]`` BF16, the experts' outputs on the grouped rows ``out`` (that dispatch's
+        ``DispatchOutput``) delivered, one row per row of ``out.tokens`` (the delivered count
+        stays on the device: ``tensors.expert_rows_input``), per handled rank (a list for
+        several). The router weights are
         ``topk_weights`` or those given to ``dispatch``; with weights the result is each
         source token's ``sum_k w[t, k] * y[t, k]`` (+ ``residual[t]``) ``[T, hid_dim]`` BF16,
         without them the unreduced ``[T, top_k, hid_dim]``: a tensor viewing the rank's
@@ -372,14 +375,14 @@ class EPBuffer:
         outs = self._per_rank(out, "out")
         ws = self._per_rank(topk_weights, "topk_weights", optional=True)
         rs = self._per_rank(residual, "residual", optional=True)
+        call_args.check_dispatch_outputs(outs, self.ranks)
         if self._combine is None:
             self._prepare_combine()
-        rows_max = cfg.layout.max_out_rows
         checked = []
         for rk, y, o, w, res in zip(self.ranks, ys, outs, ws, rs):
             T = o.n_tokens
-            y, yinfo = tensors.rows_input(torch, y, f"expert_out[{rk.rank}]", rows_max, H,
-                                          self.device)
+            y, yinfo = tensors.expert_rows_input(torch, y, f"expert_out[{rk.rank}]", cfg,
+                                                 self.device)
             winfo = None
             if w is None:
                 w = o.topk_weights
@@ -394,7 +397,7 @@ class EPBuffer:
                     raise EPInputError(f"residual[{rk.rank}]: needs router weights (the "
                                        f"unreduced rows take none)")
                 res, rinfo = tensors.rows_input(torch, res, f"residual[{rk.rank}]", T, H,
-                                                self.device, exact=True)
+                                                self.device)
             checked.append((y, w, res, T, (yinfo, winfo, rinfo)))
         s = self._stream(stream)
         for *_, infos in checked:

@@ -113,28 +113,30 @@ def ids_input(torch, ids, name: str, T: int, K: int, device: int):
     return ids, info
 
 
-def rows_input(torch, y, name: str, rows: int, H: int, device: int, exact: bool = False):
-    """``y`` checked as BF16 rows ``[n, H]`` (``n <= rows``, or ``== rows`` with ``exact``)
-    on CUDA device ``device``: returns ``(y, info)``, a torch tensor (made contiguous on the
-    current stream if needed) with ``info`` None, or another library's C-contiguous array
-    (DLPack, ``__cuda_array_interface__``; BF16 or its uint16 bits) and its ``ArrayInfo``."""
-    want = f"[{rows}, {H}]" if exact else f"[rows <= {rows}, {H}]"
+def rows_input(torch, y, name: str, rows: int, H: int, device: int, rows_are: str = "T",
+               why: str = ""):
+    """``y`` checked as BF16 rows ``[rows, H]`` on CUDA device ``device`` (``rows_are``
+    names ``rows`` in the message, ``why`` ends it): returns ``(y, info)``, a torch tensor
+    (made contiguous on the current stream if needed) with ``info`` None, or another
+    library's C-contiguous array (DLPack, ``__cuda_array_interface__``; BF16 or its uint16
+    bits) and its ``ArrayInfo``."""
     if isinstance(y, torch.Tensor):
         if not y.is_cuda:
             raise EPInputError(f"{name}: a CPU tensor; the torch API takes CUDA tensors")
         if y.dtype not in _torch_token_dtypes(torch):
-            raise EPInputError(f"{name}: dtype {y.dtype} must be torch.bfloat16")
+            raise EPInputError(f"{name}: dtype {y.dtype}, must be torch.bfloat16")
         shape, dev = tuple(y.shape), y.device.index
     else:
         info = interop.describe(y, name)
         if not info.on_device:
             raise EPInputError(f"{name}: a host array; the torch API takes device arrays")
         if info.dtype not in ("bfloat16", "uint16"):
-            raise EPInputError(f"{name}: dtype {info.dtype} must be bfloat16 (or its uint16 "
+            raise EPInputError(f"{name}: dtype {info.dtype}, must be bfloat16 (or its uint16 "
                                f"bits)")
         shape, dev = tuple(info.shape), info.device
-    if len(shape) != 2 or shape[1] != H or (shape[0] != rows if exact else shape[0] > rows):
-        raise EPInputError(f"{name}: shape {shape} must be {want}")
+    if len(shape) != 2 or shape[1] != H or shape[0] != rows:
+        raise EPInputError(f"{name}: shape {shape}, must be [{rows_are}={rows}, "
+                           f"hid_dim={H}]{why}")
     if dev != device:
         raise EPInputError(f"{name}: on CUDA device {dev}, the rank's buffers are on device "
                            f"{device}")
@@ -144,6 +146,20 @@ def rows_input(torch, y, name: str, rows: int, H: int, device: int, exact: bool 
         raise EPInputError(f"{name}: must be C-contiguous (byte strides {info.strides}); "
                            f"pass a contiguous copy")
     return y, info
+
+
+def expert_rows_input(torch, y, name: str, cfg, device: int):
+    """``y`` checked as one rank's expert outputs for combine (``rows_input``): exactly
+    ``[max_out_rows, hid_dim]`` BF16, one row per row of the ``DispatchOutput``'s
+    ``tokens``. Exactly: the rows the dispatch delivered (``row_offsets[-1]``) are counted
+    on the device, which the torch API never reads, so only outputs of every row a
+    dispatch can deliver are known to cover them; the rows past the delivered ones are
+    not read."""
+    return rows_input(torch, y, name, cfg.layout.max_out_rows, cfg.token_fmt.hid_dim, device,
+                      rows_are="max_out_rows",
+                      why=" (one row per row of out.tokens: the delivered rows are counted on "
+                          "the device, which the torch API does not read; rows past them "
+                          "are not read)")
 
 
 def weights_input(torch, w, name: str, T: int, K: int, device: int):
@@ -167,4 +183,5 @@ def weights_input(torch, w, name: str, T: int, K: int, device: int):
     return w, info
 
 
-__all__ = ["view", "tokens_input", "ids_input", "rows_input", "weights_input"]
+__all__ = ["view", "tokens_input", "ids_input", "rows_input", "expert_rows_input",
+           "weights_input"]

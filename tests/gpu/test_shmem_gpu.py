@@ -252,7 +252,10 @@ def combine_rounds(world, calls: int, seed: int, say=print, api: str = "numpy") 
             got = world.combine(rows_of(got_d, Y), None if w is None else w[me],
                                 None if res is None else res[me])
         else:
-            y = ep.combine(on_gpu(rows_of(got_d, Y)), out,
+            rows = rows_of(got_d, Y)      # the torch API takes max_out_rows rows
+            full = np.zeros((cfg.layout.max_out_rows, H), np.uint16)
+            full[:len(rows)] = rows
+            y = ep.combine(on_gpu(full), out,
                            residual=None if res is None else on_gpu(res[me]))
             ep.check("combine")
             got = y.view(torch.int16).cpu().numpy().view(np.uint16)

@@ -242,10 +242,10 @@ def test_combine_refuses_a_strided_foreign_array_by_name():
     toks, ids, x, i = _inputs(rng, cfg)
     outs = ep.dispatch(x, i, [torch.ones(len(a), cfg.token_fmt.top_k, device="cuda")
                               for a in ids])
-    H = cfg.token_fmt.hid_dim
-    wide = torch.zeros((8, 2 * H), dtype=torch.bfloat16, device="cuda")
+    H, M = cfg.token_fmt.hid_dim, cfg.layout.max_out_rows
+    wide = torch.zeros((M, 2 * H), dtype=torch.bfloat16, device="cuda")
     strided = _Foreign(wide, "cai")
-    strided.__cuda_array_interface__.update(shape=(8, H), strides=(4 * H, 2))
+    strided.__cuda_array_interface__.update(shape=(M, H), strides=(4 * H, 2))
     with pytest.raises(EPInputError, match=r"expert_out\[1\]: must be C-contiguous"):
         ep.combine([outs[0].tokens, strided] + [o.tokens for o in outs[2:]], outs)
     ep.check()
@@ -328,14 +328,12 @@ def test_host_time_per_call(seed):
 
 
 def _expert_rows(rng, cfg, outs):
-    """Random BF16 expert outputs for every rank's delivered rows (finite values)."""
-    ys = []
-    for o in outs:
-        n = int(o.row_offsets[-1].item())
-        bits = rng.integers(0, 1 << 16, size=(n, cfg.token_fmt.hid_dim), dtype=np.uint16) \
-            & np.uint16(0xBFFF)
-        ys.append(bits)
-    return ys
+    """Random BF16 expert outputs (finite values) for every rank: one per row of its
+    ``out.tokens`` (``max_out_rows``, what the torch combine takes), the delivered rows and
+    those past them."""
+    shape = (cfg.layout.max_out_rows, cfg.token_fmt.hid_dim)
+    return [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) & np.uint16(0xBFFF)
+            for _ in outs]
 
 
 @pytest.mark.parametrize("fused", [False, True])

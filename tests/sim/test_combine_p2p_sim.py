@@ -91,7 +91,7 @@ def test_combine_residency_is_checked_per_gpu(seed, monkeypatch):
     with sim_p2p_world(cfg, seed, n_gpus=1, devices=[0, 0]) as world:
         monkeypatch.setattr(p2p_mod.Program, "blocks_per_sm", lambda self, name, shmem=0: 0)
         with pytest.raises(CapacityError, match="P2PWorld.combine: GPU 0: 2 ranks"):
-            world.combine([], None)
+            world.combiner()
 
 
 def test_a_missing_combine_async_times_out_on_every_gpu_then_recovers(seed, monkeypatch):
