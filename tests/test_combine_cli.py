@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from epgen import cli, combine_run, reference, routing
+from epgen.commands import run_options
 from epgen.reference_combine import bf16_to_f32
 from epgen.runtime.p2p_world import P2PWorld
 from epgen.runtime.world import EmulatedWorld
@@ -70,7 +71,7 @@ def test_run_combine_refuses_what_combine_does_not_take(capsys, monkeypatch):
     def refuse(cfg):
         raise ValueError("world.combine: not supported for this configuration: testing")
     monkeypatch.setattr(combine_mod, "check_supported", refuse)
-    monkeypatch.setattr(cli, "make_world", lambda *a, **k: pytest.fail("built a world"))
+    monkeypatch.setattr(run_options, "make_world", lambda *a, **k: pytest.fail("built a world"))
     status, _, err = run_cli(capsys, "run", "--backend", "sim", *TINY, "--combine")
     assert status == 2 and "argument --combine" in err and "testing" in err
 
