@@ -95,6 +95,19 @@ def test_input_scale_must_be_finite_and_positive(capsys, no_world, fmt, scale):
     assert "argument --input-scale" in err and "Traceback" not in err
 
 
+def test_combine_graph_needs_a_world_that_captures_it(capsys, no_world):
+    """``--combine --graph`` replays one graph of dispatch and combine
+    (``world.capture_moe``): on a world without one it is a usage error naming ``--graph``,
+    before any world is built."""
+    from epgen.runtime.p2p_world import P2PWorld
+
+    if hasattr(P2PWorld, "capture_moe"):
+        pytest.skip("P2PWorld captures dispatch + combine graphs")
+    status, _, err = run_cli(capsys, "run", *SIM_TINY, "--world", "p2p", "--combine",
+                             "--graph")
+    assert status == 2 and "argument --graph" in err and "capture_moe" in err
+
+
 def test_sim_seed_range_is_the_same_in_the_api_and_the_cli(capsys, no_world):
     """A negative simulator seed would repeat the run of its absolute value (Python's
     ``random.Random``): the worlds refuse it as ``epgen run --seed`` does."""

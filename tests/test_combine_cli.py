@@ -10,7 +10,6 @@ import pytest
 from epgen import cli, combine_run, reference, routing
 from epgen.commands import run_options
 from epgen.reference_combine import bf16_to_f32
-from epgen.runtime.p2p_world import P2PWorld
 from epgen.runtime.world import EmulatedWorld
 
 from test_final_layout_sim import SHAPES, make_cfg
@@ -41,11 +40,8 @@ def test_run_combine_on_the_simulator(capsys, extra, seed):
 def test_run_combine_on_the_p2p_world(capsys, seed):
     status, out, err = run_cli(capsys, "run", "--backend", "sim", "--world", "p2p", *TINY,
                                "--calls", "1", "--combine", "--seed", str(seed))
-    if hasattr(P2PWorld, "combine"):
-        assert status == 0, f"seed {seed}: {out}{err}"
-        assert "combine: matches the reference" in out
-    else:
-        assert status == 1 and "P2PWorld has no combine yet" in err
+    assert status == 0, f"seed {seed}: {out}{err}"
+    assert "combine: matches the reference" in out
 
 
 def test_a_wrong_combine_result_fails_the_run(capsys, monkeypatch, seed):

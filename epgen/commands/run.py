@@ -41,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = tuned(args, cfg, trace=True)
     if args.combine:
         run_options.check_combine(args, cfg)
+        if args.graph and not hasattr(run_options.world_class(args.world), "capture_moe"):
+            args.parser.error(f"argument --graph: with --combine, one graph of dispatch and "
+                              f"combine (capture_moe), which --world {args.world} has not")
     world = run_options.make_world(args.world, cfg, arch=args.arch, devices=devices,
                                    input_scale=args.input_scale,
                                    fused=True if args.fused else None, batched=args.batched,
@@ -54,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
           + (", each call a CUDA-graph replay" if args.graph else "")
           + (", dispatch + combine" if args.combine else "")
           + (", simulated on the CPU (backends.sim)" if args.backend == "sim" else ""))
-    if args.combine and args.graph and not hasattr(world, "capture_moe"):
-        raise CommandError(f"--combine --graph: {type(world).__name__} has no capture_moe yet")
     moe = MoeCalls(world, rng, args.graph) if args.combine else None
     calls = round_trips.checked_calls(
         world, round_trips.drawn_inputs(rng, cfg, tokens, args.calls, weights), seed=seed,

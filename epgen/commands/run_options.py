@@ -138,19 +138,28 @@ def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 
     ``backend`` and ``sim_seed`` as the worlds take them (``--backend sim``: the CPU
     simulator; not the SHMEM world, one process per rank on the GPU)."""
     sim = {} if backend == "cuda" else {"backend": backend, "sim_seed": sim_seed}
+    world = world_class(kind)
     if kind == "shmem":
         if batched or backend != "cuda":
             raise CommandError("--world shmem: one process per rank on the GPU (not with "
                                "--batched or --backend sim)")
-        from epgen.runtime.shmem_world import ShmemWorld
-        return ShmemWorld(cfg, arch=arch, input_scale=input_scale, fused=fused)
+        return world(cfg, arch=arch, input_scale=input_scale, fused=fused)
     if kind == "p2p":
         if batched:
             raise CommandError("--batched: one launch for every rank needs the ranks on one "
                                "GPU (--world emulated)")
+        return world(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused,
+                     **sim)
+    return world(cfg, arch=arch, input_scale=input_scale, fused=fused, batched=batched, **sim)
+
+
+def world_class(kind: str) -> type:
+    """The class of the world ``--world`` names (its module imported when asked)."""
+    if kind == "shmem":
+        from epgen.runtime.shmem_world import ShmemWorld
+        return ShmemWorld
+    if kind == "p2p":
         from epgen.runtime.p2p_world import P2PWorld
-        return P2PWorld(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused,
-                        **sim)
+        return P2PWorld
     from epgen.runtime.world import EmulatedWorld
-    return EmulatedWorld(cfg, arch=arch, input_scale=input_scale, fused=fused,
-                         batched=batched, **sim)
+    return EmulatedWorld
