@@ -95,6 +95,11 @@ def test_input_scale_must_be_finite_and_positive(capsys, no_world, fmt, scale):
     assert "argument --input-scale" in err and "Traceback" not in err
 
 
+def test_batched_needs_every_rank_on_one_gpu(capsys, no_world):
+    status, _, err = run_cli(capsys, "run", *SIM_TINY, "--world", "p2p", "--batched")
+    assert status == 2 and "argument --batched" in err and "--world emulated" in err
+
+
 def test_combine_graph_needs_a_world_that_captures_it(capsys, no_world):
     """``--combine --graph`` replays one graph of dispatch and combine
     (``world.capture_moe``): on a world without one it is a usage error naming ``--graph``,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .common import CommandError, add_config, check_output_path
+from .common import add_config, check_output_path
 
 WORLDS = ("emulated", "p2p", "shmem")
 BACKENDS = ("cuda", "sim")
@@ -77,6 +77,9 @@ def checked_run_args(args: argparse.Namespace, cfg) -> int:
         except ValueError as e:
             args.parser.error(f"argument --input-scale: {e}")
     check_output_path(args.parser, "--trace", args.trace or None)
+    if args.batched and args.world == "p2p":
+        args.parser.error("argument --batched: one launch for every rank needs the ranks on "
+                          "one GPU (--world emulated)")
     return tokens
 
 
@@ -133,21 +136,15 @@ def make_world(kind: str, cfg, *, arch=None, devices=None, input_scale: float = 
                fused: bool | None = None, batched: bool = False, backend: str = "cuda",
                sim_seed: int | None = None):
     """The world ``--world`` names: ``EmulatedWorld``, ``P2PWorld`` (``devices``) or this
-    process's rank of a ``ShmemWorld``; ``fused`` as the worlds take it (None: their
-    default); ``batched`` (one launch for every rank) is the emulated world's only;
+    process's rank of a ``ShmemWorld`` (on the GPU); ``fused`` as the worlds take it (None:
+    their default); ``batched`` (one launch for every rank) is the emulated world's only;
     ``backend`` and ``sim_seed`` as the worlds take them (``--backend sim``: the CPU
-    simulator; not the SHMEM world, one process per rank on the GPU)."""
+    simulator). ``checked_run_args`` and ``run_shmem`` have refused the other combinations."""
     sim = {} if backend == "cuda" else {"backend": backend, "sim_seed": sim_seed}
     world = world_class(kind)
     if kind == "shmem":
-        if batched or backend != "cuda":
-            raise CommandError("--world shmem: one process per rank on the GPU (not with "
-                               "--batched or --backend sim)")
         return world(cfg, arch=arch, input_scale=input_scale, fused=fused)
     if kind == "p2p":
-        if batched:
-            raise CommandError("--batched: one launch for every rank needs the ranks on one "
-                               "GPU (--world emulated)")
         return world(cfg, arch=arch, devices=devices, input_scale=input_scale, fused=fused,
                      **sim)
     return world(cfg, arch=arch, input_scale=input_scale, fused=fused, batched=batched, **sim)
