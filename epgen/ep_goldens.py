@@ -160,8 +160,8 @@ def _register_combine_variant(name: str) -> None:
 
     what = "the fused kernel ep_combine" if fused_only else "the combine kernels"
     build.__name__ = f"combine_{name}_module"
-    golden(f"combine/{name}", description=f"preset small + {describe_changes(changes)}: "
-                                          f"{what}")(build)
+    sets = f" + {describe_changes(changes)}" if changes else ""
+    golden(f"combine/{name}", description=f"preset small{sets}: {what}")(build)
 
 
 for _name in COMBINE_VARIANTS:

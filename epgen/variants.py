@@ -142,14 +142,17 @@ def combine_error(cfg) -> str | None:
 
 def variant_config(name: str) -> EPConfig | None:
     """The ``EPConfig`` a registered golden variant is built from (``ep/<preset>``, the
-    format and flag variants, ``ep/fused``, ``ep/fused_se``, ``combine/small``); None for the
-    others (the demos, test kernels)."""
+    format and flag variants, ``ep/fused``, ``ep/fused_se``, ``ep/skip_a2a_global``, every
+    ``combine/`` variant); None for the others (the demos, the id checks, the test kernels
+    ``ep/fused_roles`` and ``ep/sm_remap*``)."""
     from . import ep_goldens as eg
-    from .presets import load_preset
+    from .presets import config_from_dict, load_preset, preset_data
 
     group, _, rest = name.partition("/")
     if group == "combine" and rest in eg.GOLDEN_PRESETS:
         return load_preset(rest)
+    if group == "combine" and rest in eg.COMBINE_VARIANTS:
+        return config_from_dict({**preset_data("small"), **eg.COMBINE_VARIANTS[rest][0]})
     if group != "ep":
         return None
     if rest in eg.GOLDEN_PRESETS:
@@ -166,6 +169,8 @@ def variant_config(name: str) -> EPConfig | None:
         return load_preset("small")
     if rest == "fused_se":
         return load_preset("small").replace(fused_shared_expert=True)
+    if rest == "skip_a2a_global":
+        return load_preset("small").replace(skip_a2a=True)
     return None
 
 

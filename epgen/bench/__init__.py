@@ -32,7 +32,7 @@ Method
   and a PNG plot of bandwidth against tokens per rank.
 
 ``driver.run(plan)`` runs a ``plan.Plan``; ``options`` holds the command-line options both
-front ends share (``epgen bench`` in ``epgen.cli``, ``benchmarks/dispatch_bench.py``).
+front ends share (``epgen bench`` in ``epgen.commands.bench``, ``benchmarks/dispatch_bench.py``).
 Importing any module here needs numpy only: torch, CuPy, matplotlib and ``backends.cuda``
 are imported inside the functions that use the device or draw.
 """

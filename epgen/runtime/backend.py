@@ -58,8 +58,8 @@ def check_sim_size(cfg, world: str, participants: int | None = None,
 def resolve(backend, cfg, world: str, *, participants: int | None = None,
             sim_seed: int | None = None, n_gpus: int = 1):
     """The backend object of a world (module docstring). ``backend``: ``"cuda"``, ``"sim"``
-    or a ``backends.sim.Machine``; ``sim_seed`` (the simulator's interleaving, default 0)
-    only with ``"sim"``; ``n_gpus``: the GPUs of a machine made here."""
+    or a ``backends.sim.Machine``; ``sim_seed`` (the simulator's interleaving, an integer
+    >= 0, default 0) only with ``"sim"``; ``n_gpus``: the GPUs of a machine made here."""
     if isinstance(backend, str):
         if backend not in BACKENDS:
             raise ValueError(f"{world}: backend must be one of {', '.join(map(repr, BACKENDS))}"
@@ -72,6 +72,9 @@ def resolve(backend, cfg, world: str, *, participants: int | None = None,
         if sim_seed is not None and (isinstance(sim_seed, bool)
                                      or not isinstance(sim_seed, int)):
             raise ValueError(f"{world}: sim_seed must be an integer, got {sim_seed!r}")
+        if sim_seed is not None and sim_seed < 0:
+            # random.Random(-s) is random.Random(s): a negative seed would repeat another's run
+            raise ValueError(f"{world}: sim_seed must be >= 0, got {sim_seed}")
         check_sim_size(cfg, world, participants)
         return sim_backend.Machine(seed=0 if sim_seed is None else sim_seed, n_gpus=n_gpus)
     if not getattr(backend, "RUNS_IR", False):

@@ -15,6 +15,8 @@ import epgen
 import golden_util
 import ir
 from epgen import cli, goldens, presets
+from epgen.commands import common
+from epgen.commands import diff as diff_command
 from ir import Scope, Sem
 from ir import types as T
 
@@ -165,8 +167,8 @@ def test_matrix_line_feeds_ptx(capsys):
 
 
 def test_default_preset_exists_and_has_a_golden():
-    assert cli.DEFAULT_PRESET in presets.preset_names()
-    assert f"ep/{cli.DEFAULT_PRESET}" in goldens.names()
+    assert common.DEFAULT_PRESET in presets.preset_names()
+    assert f"ep/{common.DEFAULT_PRESET}" in goldens.names()
 
 
 def test_ptx_prints_an_entry(capsys, tiny_variants):
@@ -178,7 +180,7 @@ def test_ptx_prints_an_entry(capsys, tiny_variants):
     assert "st.release.sys" in out
 
 
-@pytest.mark.parametrize("arch", cli.ARCHS)
+@pytest.mark.parametrize("arch", common.ARCHS)
 def test_ptx_arch(capsys, tiny_variants, arch):
     _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--variant", TINY, "--arch", arch)
@@ -447,8 +449,8 @@ def test_diff_every_pair_of_named_variants(capsys, monkeypatch):
     A`` is empty."""
     import functools
     import itertools
-    monkeypatch.setattr(cli, "_variant_text", functools.lru_cache(maxsize=None)(
-        cli._variant_text))
+    monkeypatch.setattr(diff_command, "variant_text", functools.lru_cache(maxsize=None)(
+        diff_command.variant_text))
     names = goldens.names()
     for a, b in itertools.combinations(names, 2):
         status, out, err = run_cli(capsys, "diff", "--ir", a, b)

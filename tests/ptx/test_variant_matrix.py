@@ -139,10 +139,11 @@ def test_flag_goldens_are_points_of_the_matrix():
 
 
 def test_cli_args_select_the_combination():
-    from epgen.cli import build_parser, _config
+    from epgen.cli import build_parser
+    from epgen.commands.common import config_from_args
     for c in LEGAL:
         args = build_parser().parse_args(["ptx", *c.cli_args()])
-        cfg, _ = _config(args)
+        cfg, _ = config_from_args(args)
         assert cfg == c.config, c.name
 
 

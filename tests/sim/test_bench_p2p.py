@@ -13,6 +13,8 @@ import pytest
 
 from epgen import BF16Format, EPConfig, cli, reference, routing
 from epgen.bench import baseline, common, driver, inputs, memory, options, p2p, runner, timing
+from epgen.commands import bench as bench_command
+from epgen.commands.common import config_from_args
 from epgen.formats import make_format
 from epgen.presets import load_preset
 
@@ -28,8 +30,7 @@ def tiny_cfg(T=8, H=16, K=2, R=2, E=4, sms=None, **flags):
 def bench_plan(*argv):
     parser = cli.build_parser()
     args = parser.parse_args(["bench", *argv])
-    cfg, _ = cli._config(args, default=cli.P2P_BENCH_PRESET if args.world == "p2p"
-                         else cli.BENCH_PRESET)
+    cfg, _ = config_from_args(args, default=bench_command.default_preset(args.world))
     return options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from epgen import cli, combine_run, reference, routing
+from epgen.commands import run_options
 from epgen.reference_combine import bf16_to_f32
-from epgen.runtime.p2p_world import P2PWorld
 from epgen.runtime.world import EmulatedWorld
 
 from cli_runs import run_cli
@@ -32,11 +32,8 @@ def test_run_combine_on_the_simulator(capsys, extra, seed):
 def test_run_combine_on_the_p2p_world(capsys, seed):
     status, out, err = run_cli(capsys, "run", "--backend", "sim", "--world", "p2p", *TINY,
                                "--calls", "1", "--combine", "--seed", str(seed))
-    if hasattr(P2PWorld, "combine"):
-        assert status == 0, f"seed {seed}: {out}{err}"
-        assert "combine: matches the reference" in out
-    else:
-        assert status == 1 and "P2PWorld has no combine yet" in err
+    assert status == 0, f"seed {seed}: {out}{err}"
+    assert "combine: matches the reference" in out
 
 
 def test_a_wrong_combine_result_fails_the_run(capsys, monkeypatch, seed):
@@ -62,7 +59,7 @@ def test_run_combine_refuses_what_combine_does_not_take(capsys, monkeypatch):
     def refuse(cfg):
         raise ValueError("world.combine: not supported for this configuration: testing")
     monkeypatch.setattr(combine_mod, "check_supported", refuse)
-    monkeypatch.setattr(cli, "make_world", lambda *a, **k: pytest.fail("built a world"))
+    monkeypatch.setattr(run_options, "make_world", lambda *a, **k: pytest.fail("built a world"))
     status, _, err = run_cli(capsys, "run", "--backend", "sim", *TINY, "--combine")
     assert status == 2 and "argument --combine" in err and "testing" in err
 

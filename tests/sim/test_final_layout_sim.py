@@ -22,6 +22,7 @@ from epgen.runtime import world as world_mod
 
 from backends.sim import SimHang
 from sim_world import sim_world
+from world_checks import run_checked
 
 # (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
 SHAPES = {"R2-E4": (2, 4, 16, 2, 4, 64, 4), "R4-E8": (4, 8, 16, 2, 3, 64, 6),
@@ -43,16 +44,9 @@ def make_cfg(R, E, H, K, T, threads, sms, **flags):
 
 
 def run_calls(world, cfg, rng, inputs, seed):
-    for call, (toks, ids) in enumerate(inputs):
-        got = world.dispatch(toks, ids)
-        want = reference.dispatch(cfg, toks, ids)
-        try:
-            reference.assert_match(cfg, want, got)
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
-        if cfg.ep_final_layout and cfg.ep_prod_reserve:  # the standard layout exactly
-            for w, g in zip(want, got):
-                assert (g.block_starts == w.block_starts).all(), f"seed {seed}, call {call}"
+    """Each of ``inputs`` one checked call of ``world`` (``world_checks.run_checked``: with
+    ``ep_prod_reserve``, the reference's block starts exactly)."""
+    run_checked(world, inputs, seed)
 
 
 def random_inputs(rng, cfg, n_calls):

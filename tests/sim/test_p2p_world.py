@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen import reference, routing
+from epgen import routing
 from epgen.runtime import p2p_world as p2p_mod
 from epgen.runtime import world as world_mod
 from epgen.runtime.p2p_world import (PeerAccessError, assign_devices, check_peer_access,
@@ -26,7 +26,7 @@ from epgen.runtime.world import CapacityError, p2p_group
 from backends.cuda.errors import CudaUnavailableError
 from backends.sim import SimHang
 from sim_p2p import PlacementError, PlacementMachine, fake_gpus, sim_p2p_world
-from world_checks import run_only
+from world_checks import run_checked, run_only
 
 # (R, E, H, K, max_tpr, num_threads, n_sms): tiny grids (the simulator runs every thread)
 SHAPES = {"R2-E4": (2, 4, 16, 2, 4, 64, 4), "R4-E8": (4, 8, 16, 2, 3, 64, 6)}
@@ -58,17 +58,9 @@ def random_inputs(rng, cfg, n_calls):
 
 
 def run_calls(world, inputs, seed):
-    cfg = world.cfg
-    for call, (toks, ids) in enumerate(inputs):
-        got = world.dispatch(toks, ids)
-        want = reference.dispatch(cfg, toks, ids)
-        try:
-            reference.assert_match(cfg, want, got)
-            if cfg.ep_prod_reserve:                 # the standard layout exactly
-                for w, g in zip(want, got):
-                    assert (g.block_starts == w.block_starts).all()
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
+    """Each of ``inputs`` one checked call of ``world`` (``world_checks.run_checked``: with
+    ``ep_prod_reserve``, the reference's block starts exactly)."""
+    run_checked(world, inputs, seed)
 
 
 # ---- pure rules ----------------------------------------------------------------------------------

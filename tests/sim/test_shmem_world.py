@@ -327,6 +327,7 @@ def test_cli_run_one_rank_on_the_simulator(monkeypatch, capsys):
     """``epgen run --world shmem``'s loop (seed through the bootstrap, this rank's part of
     the reference, the world closed at the end) with the world on the simulator."""
     from epgen import cli
+    from epgen.commands import run_options
 
     log = []
     made = []
@@ -339,7 +340,7 @@ def test_cli_run_one_rank_on_the_simulator(monkeypatch, capsys):
         host.worlds[0] = w
         made.append(w)
         return w
-    monkeypatch.setattr(cli, "make_world", make_world)
+    monkeypatch.setattr(run_options, "make_world", make_world)
     argv = ["run", "--world", "shmem", "--preset", "small", "--set", "n_ranks=1", "--set",
             "p2p_world_size=1", "--set", "n_experts=8", "--tokens", "8", "--calls", "2"]
     assert cli.main(argv) == 0
@@ -364,9 +365,10 @@ def test_gpu_test_configurations_are_valid(extra):
     """The configurations tests/gpu/test_shmem_gpu.py launches pass the CLI's checks here, so a
     failure there is the GPU's, not a typo's."""
     from epgen import cli
+    from epgen.commands.common import config_from_args
 
     args = cli.build_parser().parse_args(SHMEM_RUN[:5] + ["--set", "use_shmem=true"] + extra)
-    cfg, _ = cli._config(args)
+    cfg, _ = config_from_args(args)
     assert cfg.use_shmem and cfg.needs_shmem
 
 
@@ -374,6 +376,7 @@ def test_cli_run_dead_peer_exits_at_once(monkeypatch, capsys):
     """Rank 0 of 2 alone: its waits expire, the close barrier fails, NVSHMEM stays up, so
     ``epgen run`` reports the timeout and leaves with os._exit(1)."""
     from epgen import cli
+    from epgen.commands import run_options, run_shmem
 
     log = []
 
@@ -387,8 +390,8 @@ def test_cli_run_dead_peer_exits_at_once(monkeypatch, capsys):
 
     def exit_now(code):
         raise SystemExit(code)
-    monkeypatch.setattr(cli, "make_world", make_world)
-    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.setattr(run_options, "make_world", make_world)
+    monkeypatch.setattr(run_shmem.os, "_exit", exit_now)
     monkeypatch.delenv("EPGEN_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as e, pytest.warns(RuntimeWarning, match="not freed"):
         # p2p_world_size=2: kernels this branch builds (the SHMEM path comes with the kernels)

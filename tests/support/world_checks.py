@@ -8,6 +8,7 @@ import os
 import pytest
 
 import epgen
+from epgen import round_trips
 
 
 def make_cfg(R, E, H, K, T, threads, sms, fmt: str = "BF16", **flags):
@@ -21,24 +22,29 @@ def make_cfg(R, E, H, K, T, threads, sms, fmt: str = "BF16", **flags):
 
 def checked_calls(world, rng, seed, counts, calls: int, graph: bool):
     """``calls`` round trips of ``world`` with fresh inputs of ``counts`` tokens per rank
-    (a list, or a callable giving one per call), each as a stream call or, with ``graph``,
-    a replay of one captured graph (``dispatch_replayed``), compared with the reference;
-    the failure names the seed and the call. Yields ``call`` after each check."""
-    from epgen import reference, routing
-    replay = None
-    for call in range(calls):
-        toks, ids = routing.routing(rng, world.cfg, counts(call) if callable(counts)
-                                    else counts)
-        if graph:
-            replay, got = world.dispatch_replayed(toks, ids, replay)
-        else:
-            got = world.dispatch(toks, ids)
-        want = reference.dispatch(world.cfg, toks, ids, input_scale=world.input_scale)
-        try:
-            reference.assert_match(world.cfg, want, got)
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, call {call}: {exc}") from None
-        yield call
+    (an int or a list, or a callable giving one per call), each as a stream call or, with
+    ``graph``, a replay of one captured graph (``dispatch_replayed``), checked by
+    ``epgen.round_trips.checked_calls`` (the failure names the seed and the call). Yields
+    ``call`` after each check."""
+    inputs = round_trips.drawn_inputs(rng, world.cfg, counts, calls)
+    for checked in round_trips.checked_calls(world, inputs, seed=seed, replayed=graph):
+        yield checked.index
+
+
+def run_checked(world, inputs, seed) -> None:
+    """Every ``(tokens, topk_ids)`` of ``inputs`` as one checked call of ``world``
+    (``epgen.round_trips.checked_calls``); with ``ep_prod_reserve`` the block starts must
+    also equal the reference's (the standard layout exactly)."""
+    checks = {"block_starts": same_block_starts} if world.cfg.ep_prod_reserve else None
+    for _ in round_trips.checked_calls(world, inputs, seed=seed, checks=checks):
+        pass
+
+
+def same_block_starts(checked) -> list[str]:
+    """The ranks whose ``block_starts`` differ from the reference's."""
+    return [f"rank {want.rank} block_starts differ"
+            for want, got in zip(checked.expected, checked.results)
+            if not (got.block_starts == want.block_starts).all()]
 
 
 _worlds = {}

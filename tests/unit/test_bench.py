@@ -16,6 +16,8 @@ import pytest
 from world_checks import assert_imports_light
 
 from epgen import BF16Format, EPConfig, cli, presets, reference, routing
+from epgen.commands import bench as bench_command
+from epgen.commands.common import config_from_args
 from epgen.formats import make_format
 from epgen.bench import (baseline, common, driver, inputs, memory, options, plan, report, runner,
                          timing, traffic)
@@ -31,10 +33,11 @@ def tiny_cfg(T=8, H=16, K=2, R=2, E=4, **flags):
 
 
 def bench_args(*argv):
-    """``epgen bench *argv`` parsed into a ``Plan`` (as ``cmd_bench`` does, without running)."""
+    """``epgen bench *argv`` parsed into a ``Plan`` (as ``epgen.commands.bench.run`` does,
+    without running)."""
     parser = cli.build_parser()
     args = parser.parse_args(["bench", *argv])
-    cfg, _ = cli._config(args, default=cli.BENCH_PRESET)
+    cfg, _ = config_from_args(args, default=bench_command.BENCH_PRESET)
     return options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
 

@@ -26,9 +26,21 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
     "epgen": (("epgen.kernels", "backends.nvptx", "epgen.runtime"),
               "`import epgen` stays light: build_module, emit_ptx, EmulatedWorld and P2PWorld "
               "load the kernels, llvmlite and cuda.core when first used"),
-    "epgen.cli": (("epgen", "backends", "ir"),
+    "epgen.cli": (("epgen.config", "epgen.goldens", "backends.cuda"),
                   "the CLI's lazy start: `epgen --help` and a usage error import no backend, "
-                  "each command imports what it runs"),
+                  "each command imports what it runs; main() names the errors it reports"),
+    "epgen.commands.common": (("epgen",), "as epgen.cli: the presets, the configuration, "
+                                          "the tuning and the goldens when a command reads them"),
+    "epgen.commands.ptx": (("epgen", "backends.nvptx", "ir"), "as epgen.cli"),
+    "epgen.commands.inspect": (("epgen",), "as epgen.cli"),
+    "epgen.commands.variants": (("epgen",), "as epgen.cli"),
+    "epgen.commands.diff": (("backends.nvptx",), "as epgen.cli"),
+    "epgen.commands.run": (("epgen",), "as epgen.cli"),
+    "epgen.commands.run_options": (("epgen.runtime",), "as epgen.cli"),
+    "epgen.commands.run_shmem": (("epgen",), "as epgen.cli"),
+    "epgen.commands.bench": (("epgen.bench",), "as epgen.cli"),
+    "epgen.commands.check_ordering": (("epgen.ordering",), "as epgen.cli"),
+    "epgen.commands.launch": (("epgen.launch",), "as epgen.cli"),
     "epgen.ep_goldens": (("epgen", "ir"),
                          "each golden builds its module when asked (`epgen variants` lists the "
                          "names without building the kernels)"),

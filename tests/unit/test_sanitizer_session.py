@@ -99,6 +99,7 @@ def test_the_runs_are_valid_command_lines():
     """Each run parses as ``epgen run`` and its configuration builds; every variant of
     ``epgen variants`` on the small preset that one GPU runs is among them."""
     from epgen import cli
+    from epgen.commands.common import config_from_args
     from epgen.ep_goldens import FLAG_VARIANTS
 
     runs = dict(sanitizer_runs.runs())
@@ -108,7 +109,7 @@ def test_the_runs_are_valid_command_lines():
     assert set(sanitizer_runs.SLOW) <= set(runs)
     for name, args in runs.items():
         parsed = cli.build_parser().parse_args(["run", *args])
-        cfg, _ = cli._config(parsed)
+        cfg, _ = config_from_args(parsed)
         assert parsed.calls == 1 and cfg.timeout_ns == 60 * 10**9, name
         assert parsed.combine, f"{name}: the combine kernels build for every variant here"
 
