@@ -92,3 +92,122 @@ def test_a_zero_deadline_is_unbounded_and_a_hang_in_the_simulator():
 def test_without_timeouts_no_deadline_expires():
     with pytest.raises(sim_backend.SimHang, match="timeouts off"):
         _run_wait(1, max_spins=300, timeouts=False)
+
+
+# ---- the deadline every world passes to its kernels -----------------------------------------
+# Each world on a machine that logs the timeout_ns argument of every launch (rank-batched
+# tables unpacked; a graph's launches as captured): by default every kernel must receive the
+# documented 2 s, and an explicit timeout_ns or the configuration's must arrive unchanged.
+
+class _DeadlineLog:
+    """Mixin of a ``backends.sim.Machine``: ``deadlines``, the set of ``timeout_ns`` values
+    each kernel (by name) was launched with."""
+
+    def launched(self, kernel, params, stream, deps):
+        super().launched(kernel, params, stream, deps)
+        rows = (sim_backend.unpack_rank_table(kernel.ir, params["rank_args"])
+                if kernel.ir.rank_batch is not None else [params])
+        log = self.__dict__.setdefault("deadlines", {})
+        for row in rows:
+            if "timeout_ns" in row:
+                log.setdefault(kernel.name, set()).add(int(row["timeout_ns"]))
+
+
+class _LoggedMachine(_DeadlineLog, sim_backend.Machine):
+    pass
+
+
+STAGED = {"ep_dispatch_async", "ep_dispatch_wait", "ep_combine_async", "ep_combine_wait"}
+FUSED = {"ep_dispatch", "ep_combine"}
+
+
+def _cfg(**changes):
+    from world_checks import make_cfg
+    cfg = make_cfg(2, 4, 16, 2, 4, 64, 4)
+    return cfg.replace(**changes) if changes else cfg
+
+
+def _round_trip(world, seed, graph: bool = False):
+    """One dispatch (a captured graph's replay with ``graph``) and one weighted combine."""
+    from combine_checks import expert_outputs, weights
+    from epgen import routing
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, world.cfg, world.cfg.max_tokens_per_rank)
+    results = (world.dispatch_replayed(toks, ids)[1] if graph
+               else world.dispatch(toks, ids))
+    world.combine(expert_outputs(rng, world.cfg, results), weights(rng, world.cfg, ids))
+
+
+def _assert_received(deadlines: dict, kernels: set, want: int) -> None:
+    missing = kernels - set(deadlines)
+    assert not missing, f"kernels never launched with a timeout_ns: {missing}; got {deadlines}"
+    wrong = {k: v for k, v in deadlines.items() if v != {want}}
+    assert not wrong, f"timeout_ns received (want {want} everywhere): {wrong}"
+
+
+EMULATED = {
+    "staged": ({}, {}, STAGED, False),
+    "fused": ({"fused": True}, {}, FUSED, False),
+    "batched": ({"batched": True}, {}, STAGED - {"ep_combine_async", "ep_combine_wait"}, False),
+    "graph": ({}, {}, STAGED - {"ep_combine_async", "ep_combine_wait"}, True),
+    "final_layout": ({}, {"ep_final_layout": True, "ep_prod_reserve": True}, STAGED, False),
+}
+
+
+@pytest.mark.parametrize("case", EMULATED, ids=list(EMULATED))
+def test_emulated_world_kernels_receive_the_default_deadline(case, seed):
+    import epgen
+    world_kw, flags, kernels, graph = EMULATED[case]
+    machine = _LoggedMachine(seed)
+    world = epgen.EmulatedWorld(_cfg(**flags), backend=machine, **world_kw)
+    _round_trip(world, seed, graph)
+    _assert_received(machine.deadlines, kernels, DEFAULT_TIMEOUT_NS)
+
+
+@pytest.mark.parametrize("how", ["world", "config"])
+def test_an_explicit_deadline_reaches_every_kernel_unchanged(how, seed):
+    import epgen
+    timeout = 123_456_789_012
+    machine = _LoggedMachine(seed)
+    if how == "world":
+        world = epgen.EmulatedWorld(_cfg(), backend=machine, timeout_ns=timeout)
+    else:
+        world = epgen.EmulatedWorld(_cfg(timeout_ns=timeout), backend=machine)
+    _round_trip(world, seed)
+    _assert_received(machine.deadlines, STAGED, timeout)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
+def test_p2p_world_kernels_receive_the_default_deadline(fused, seed):
+    import epgen
+    from sim_p2p import PlacementMachine
+
+    class Logged(_DeadlineLog, PlacementMachine):
+        pass
+    cfg = _cfg()
+    machine = Logged(seed, n_gpus=cfg.n_ranks)
+    world = epgen.P2PWorld(cfg, backend=machine, fused=fused)
+    _round_trip(world, seed)
+    _assert_received(machine.deadlines, FUSED if fused else STAGED, DEFAULT_TIMEOUT_NS)
+
+
+def test_shmem_world_kernels_receive_the_default_deadline(seed):
+    """Two PEs' ``ShmemWorld`` in one process (the fakes of tests/test_shmem_world.py)."""
+    from combine_checks import expert_outputs, weights
+    from epgen import routing
+    from test_shmem_world import SymmetricMachine, combine_all, make_worlds, round_trip, small
+
+    class Logged(_DeadlineLog, SymmetricMachine):
+        pass
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4)
+    machine = Logged(seed)
+    worlds = make_worlds(cfg, machine, [])
+    try:
+        rng = np.random.default_rng(seed)
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        results = round_trip(worlds, machine, toks, ids)
+        combine_all(machine, worlds, expert_outputs(rng, cfg, results), weights(rng, cfg, ids))
+    finally:
+        for w in worlds:
+            w.close()
+    _assert_received(machine.deadlines, STAGED, DEFAULT_TIMEOUT_NS)
