@@ -12,7 +12,8 @@ fixtures.
 - ``golden``: ``golden.check("demo/copy16", "ptx", text)``; see ``golden_util``.
 - Per-test time limit: pytest-timeout (the ``test`` extra) with the ``timeout`` of
   pyproject.toml; without it installed the limit's settings are accepted and ignored, the
-  report header says there is no limit, and under CI the run is refused.
+  report header says there is no limit, and under CI the run is refused (as it is without
+  torch, which CI installs for the torch-path tests: the ``test-torch`` extra).
 - Parallel by default: with pytest-xdist installed (the ``test`` extra), a run of this
   repository's tests without ``-n`` runs on ``-n auto`` workers with ``--dist loadfile``:
   every test file runs whole in one worker, so a file's tests, its module fixtures and the
@@ -72,12 +73,24 @@ def pytest_configure(config):
     if config.getoption("update_golden") and golden_util.is_ci():
         raise pytest.UsageError("--update-golden is refused under CI (CI is set): regenerate "
                                 "goldens on a developer machine and commit them")
+    if golden_util.is_ci() and not _is_pytester_session(config):
+        _require_ci_tools(config)
     if not config.pluginmanager.hasplugin("timeout"):
-        if golden_util.is_ci() and not _is_pytester_session(config):
-            raise pytest.UsageError("pytest-timeout is not installed (CI is set): every test "
-                                    "runs under a time limit in CI; pip install '.[test]'")
         config.addinivalue_line("markers", "timeout(seconds): this test's time limit "
                                            "(ignored: pytest-timeout is not installed)")
+
+
+def _require_ci_tools(config) -> None:
+    """Under CI the per-test time limit and the torch-path tests are not optional: refuse
+    a run that would silently go without them."""
+    import importlib.util
+
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is not installed (CI is set): every test "
+                                "runs under a time limit in CI; pip install '.[test]'")
+    if importlib.util.find_spec("torch") is None:
+        raise pytest.UsageError("torch is not installed (CI is set): CI runs the torch-path "
+                                "tests; pip install '.[test,test-torch]'")
 
 
 def _is_pytester_session(config) -> bool:
