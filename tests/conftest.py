@@ -15,6 +15,10 @@ fixtures.
   Collecting this repository's tests fails (a collection error) for every test outside the
   four folders, every ``gpu`` test outside ``tests/gpu`` and every test in ``tests/gpu``
   without the marker.
+- Per-test time limit: pytest-timeout (the ``test`` extra) with the ``timeout`` of
+  pyproject.toml; without it installed the limit's settings are accepted and ignored, the
+  report header says there is no limit, and under CI the run is refused (as it is without
+  torch, which CI installs for the torch-path tests: the ``test-torch`` extra).
 - Parallel by default: with pytest-xdist installed (the ``test`` extra), a run of this
   repository's tests without ``-n`` runs on ``-n auto`` workers with ``--dist loadfile``:
   every test file runs whole in one worker, so a file's tests, its module fixtures and the
@@ -40,11 +44,15 @@ SEED_KEY = pytest.StashKey[int]()
 _gpu_state: dict[str, object] = {}
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser, pluginmanager):
     group = parser.getgroup("epgen")
     group.addoption("--update-golden", action="store_true", default=False,
                     help="rewrite golden/ files (and golden/MANIFEST) from the current code "
                          "instead of comparing; review the diff before committing")
+    if not pluginmanager.hasplugin("timeout"):
+        # pyproject.toml's settings of pytest-timeout, known (and unused) without it
+        parser.addini("timeout", "per-test limit (needs pytest-timeout)")
+        parser.addini("timeout_method", "how a test is stopped (needs pytest-timeout)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -56,7 +64,7 @@ def pytest_cmdline_main(config):
         if config.pluginmanager.hasplugin("xdist"):
             config.option.numprocesses = 0
         return
-    if Path(config.rootpath).resolve() != Path(__file__).resolve().parent.parent:
+    if _is_pytester_session(config):
         return
     if config.option.numprocesses is None and not getattr(config, "workerinput", None):
         if gpu_skip_reason() is None:
@@ -70,6 +78,30 @@ def pytest_configure(config):
     if config.getoption("update_golden") and golden_util.is_ci():
         raise pytest.UsageError("--update-golden is refused under CI (CI is set): regenerate "
                                 "goldens on a developer machine and commit them")
+    if golden_util.is_ci() and not _is_pytester_session(config):
+        _require_ci_tools(config)
+    if not config.pluginmanager.hasplugin("timeout"):
+        config.addinivalue_line("markers", "timeout(seconds): this test's time limit "
+                                           "(ignored: pytest-timeout is not installed)")
+
+
+def _require_ci_tools(config) -> None:
+    """Under CI the per-test time limit and the torch-path tests are not optional: refuse
+    a run that would silently go without them."""
+    import importlib.util
+
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is not installed (CI is set): every test "
+                                "runs under a time limit in CI; pip install '.[test]'")
+    if importlib.util.find_spec("torch") is None:
+        raise pytest.UsageError("torch is not installed (CI is set): CI runs the torch-path "
+                                "tests; pip install '.[test,test-torch]'")
+
+
+def _is_pytester_session(config) -> bool:
+    """Whether this session is a scratch one a test started (pytester), not this
+    repository's."""
+    return Path(config.rootpath).resolve() != Path(__file__).resolve().parent.parent
 
 
 def pytest_report_header(config):
@@ -78,6 +110,9 @@ def pytest_report_header(config):
     lines.append(f"epgen: seed {'EPGEN_SEED=' + seed if seed else 'fresh per test'}; "
                  f"CI={'yes' if golden_util.is_ci() else 'no'}"
                  + ("; --update-golden" if config.getoption("update_golden") else ""))
+    if not config.pluginmanager.hasplugin("timeout"):
+        lines.append("epgen: NO per-test time limit (pytest-timeout is not installed): a hang "
+                     "stalls the run; pip install '.[test]'")
     return lines
 
 

@@ -29,7 +29,7 @@ This package imports only ``ir``, numpy, ml_dtypes and the standard library.
 """
 
 from .graph import GraphExec
-from .interp import SimHang, Sim, unpack_rank_table
+from .interp import SIM_POLL_NS, SimHang, Sim, polls_to_expiry, unpack_rank_table
 from .launch import LoadedKernel, LoadedModule, launch_by_value, pack_arg
 from .machine import Device, Machine, Pool
 from .memory import DeviceArray, Memory, SimError
@@ -37,7 +37,8 @@ from .numerics import fma_f32
 from .shmem import SymmetricHeap
 from .stream import Event, Stream, record_event
 
-__all__ = ["Device", "DeviceArray", "Event", "GraphExec", "LoadedKernel", "LoadedModule",
+__all__ = ["SIM_POLL_NS", "Device", "DeviceArray", "Event", "GraphExec", "LoadedKernel", "LoadedModule",
            "Machine", "Memory", "Pool", "Sim", "SimError", "SimHang", "Stream", "SymmetricHeap",
            "fma_f32",
-           "launch_by_value", "pack_arg", "record_event", "unpack_rank_table"]
+           "launch_by_value", "pack_arg", "polls_to_expiry", "record_event",
+           "unpack_rank_table"]

@@ -12,9 +12,12 @@ run.
 What it does not model by default: the weak memory model (every access is sequentially
 consistent; ``Sim(memory="weak")`` compiles global accesses, fences and spin polls against
 ``weak.WeakMemory`` instead, weak.py), caches and the ``nc`` hint, time (``%globaltimer``
-advances by one per read). A wait that polls more than ``max_spins`` times raises ``SimHang``,
-or with ``timeouts=True`` expires as a bounded wait does on the GPU (a diagnostic record in
-``err_buf``, the abort word raised, the thread exits; every other wait then gives up).
+advances by one per read). A wait that polls more than ``max_spins`` times raises ``SimHang``.
+With ``timeouts=True`` a bounded wait instead expires as it does on the GPU (a diagnostic
+record in ``err_buf``, the abort word raised, the thread exits; every other wait then gives
+up) once its simulated time runs past its ``timeout_ns``: each poll counts ``SIM_POLL_NS`` of
+simulated time (``polls_to_expiry``); a wait that would expire only after more than
+``max_spins`` polls (or never: ``timeout_ns`` 0) is a ``SimHang`` after ``max_spins`` polls.
 Launches may depend on other launches (stream order): a launch's threads start once every
 launch it depends on has finished.
 
@@ -211,6 +214,21 @@ class _Launch:
 MEMORY_MODELS = ("sc", "weak")
 """``Sim(memory=...)``: sequentially consistent (the default), or the weak model of weak.py."""
 
+SIM_POLL_NS = 10_000_000
+"""Simulated time of one poll of a bounded wait (10 ms), in nanoseconds. The simulator has no
+clock; this charge turns a ``timeout_ns`` into a number of polls (``polls_to_expiry``): the
+default 2 s deadline expires on poll 201, affordable to simulate and far past the polls a
+healthy wait of the simulated configurations takes (under 100), and 1000 times that deadline
+(200,001 polls) is far past the default ``max_spins`` (20000): a wrong deadline shows."""
+
+
+def polls_to_expiry(timeout_ns: int, poll_ns: int = SIM_POLL_NS) -> int | None:
+    """The poll on which a bounded wait of ``timeout_ns`` expires in the simulator (with
+    ``timeouts=True``): the first whose simulated elapsed time ``polls * poll_ns`` exceeds
+    ``timeout_ns``, as the GPU's ``%globaltimer - t0 > timeout_ns``, i.e.
+    ``timeout_ns // poll_ns + 1``. None for ``timeout_ns`` 0 (unbounded)."""
+    return None if timeout_ns == 0 else timeout_ns // poll_ns + 1
+
 
 class Sim:
     """The interpreter. ``launch(kernel, grid, params, after=())`` queues a grid; ``run()``
@@ -305,10 +323,11 @@ class Sim:
             return
         if kind == "spin":
             th.spins += 1
-            if th.spins > self.max_spins and not self.timeouts:
-                _, site, idx, seen = req
+            if th.spins > self.max_spins:
+                _, site, idx, seen, expiry = req
                 raise SimHang(f"kernel {th.launch.kernel.name} block {th.block} thread "
-                              f"{th.tid}: waited on {site.buffer}[{idx}], last saw {seen:#x}")
+                              f"{th.tid}: waited on {site.buffer}[{idx}], last saw {seen:#x}, "
+                              f"{self.max_spins} polls" + self._deadline_note(expiry))
             return
         th.spins = 0
         la, blk = th.launch, th.block
@@ -761,6 +780,9 @@ class Sim:
         def spin(th):
             want = _mask(expected(th), bits)
             polls = 0
+            expiry = polls_to_expiry(timeout(th)) if self.timeouts else None
+            # past max_spins the hang detector (_step) ends the wait first
+            expires_on = expiry if expiry is not None and expiry <= self.max_spins else None
             while True:
                 seen = self._load(addr(th), dt) if wm is None else \
                     self._wload(th, addr(th), dt, site=site)
@@ -771,23 +793,33 @@ class Sim:
                     break
                 if self.timeouts:
                     polls += 1
-                    if polls > self.max_spins and timeout(th) != 0:
-                        self._expire(th, s, seen, want, polls)
+                    if polls == expires_on:
+                        self._expire(th, s, seen, want, polls * SIM_POLL_NS)
                         raise _Exit()
                     if (self._load if wm is None else
                             lambda a, t: self._wload(th, a, t))(
                             err_buf(th) + 4 * diag.ABORT_WORD, T.u32):
                         raise _Exit()   # another wait of the launch group gave up
-                yield ("spin", s.site, index(th), seen)
+                yield ("spin", s.site, index(th), seen, expiry)
             if wm is not None and acq:
                 wm.acquire(th, scope, addr(th))
             if slot is not None:
                 th.vars[slot] = seen
         return spin
 
-    def _expire(self, th, s: N.SpinWait, seen: int, want: int, polls: int) -> None:
+    def _deadline_note(self, expiry: int | None) -> str:
+        """Why a wait that polled ``max_spins`` times did not expire (``SimHang``'s message)."""
+        if not self.timeouts:
+            return " (timeouts off: waits never expire)"
+        if expiry is None:
+            return " (timeout_ns 0: an unbounded wait)"
+        return (f" (its timeout_ns expires only on poll {expiry}, at {SIM_POLL_NS} ns a poll: "
+                f"past max_spins)")
+
+    def _expire(self, th, s: N.SpinWait, seen: int, want: int, elapsed_ns: int) -> None:
         """What an expired bounded wait does (backends/nvptx/spin_wait.py): claim a record
-        slot, write the record (``ir.diag`` layout), raise the abort word; the caller exits."""
+        slot, write the record (``ir.diag`` layout; ``elapsed_ns`` the simulated time of its
+        polls), raise the abort word; the caller exits."""
         base = self._fn(s.err_buf)(th)
         word = lambda i: base + 4 * i  # noqa: E731
         slot = self._load(word(diag.COUNT_WORD), T.u32)
@@ -798,7 +830,7 @@ class Sim:
                       "site_id": s.site.site_id, "rank": self._fn(s.rank)(th),
                       "block": th.vblock, "thread": th.tid, "warp": th.tid // 32,
                       "smid": th.block % 132, "index": self._fn(s.site.index)(th),
-                      "expected": want, "last_seen": seen, "elapsed_ns": polls}
+                      "expected": want, "last_seen": seen, "elapsed_ns": elapsed_ns}
             first = diag.HEADER_WORDS + slot * diag.RECORD_WORDS
             for field, offset in diag.FIELDS.items():
                 v = values[field]

@@ -72,8 +72,9 @@ class Device:
 class Machine:
     """``n_gpus`` simulated GPUs on one interpreter (module docstring). ``seed`` fixes the
     interleaving; ``max_spins``, ``timeouts`` and ``preempt`` are the interpreter's (a wait
-    polling more than ``max_spins`` times raises ``SimHang``, or with ``timeouts`` expires as
-    a bounded wait does on the GPU). ``reach(a, b)``: whether GPU a can access GPU b
+    polling more than ``max_spins`` times raises ``SimHang``; with ``timeouts`` a bounded wait
+    expires as on the GPU once its polls, ``SIM_POLL_NS`` of simulated time each, pass its
+    ``timeout_ns``: ``interp.polls_to_expiry``). ``reach(a, b)``: whether GPU a can access GPU b
     (default: every pair). ``memory``: ``"sc"`` (every access sequentially consistent, the
     default) or ``"weak"`` (the PTX memory model's weak behaviours, ``weak.py``)."""
 

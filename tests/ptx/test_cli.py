@@ -46,10 +46,6 @@ def tiny_variants():
         goldens.GOLDENS.pop(name, None)
 
 
-def _needs_backend():
-    golden_util.import_or_skip_unwritten("backends.nvptx")
-
-
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """``epgen *argv`` in this process: (exit status, stdout, stderr)."""
     try:
@@ -157,7 +153,6 @@ def test_variants_matrix(capsys):
 
 def test_matrix_line_feeds_ptx(capsys):
     """The arguments ``variants --matrix`` prints for a combination work with ``epgen ptx``."""
-    _needs_backend()
     _, out, _ = run_cli(capsys, "variants", "--matrix")
     line = next(x for x in out.splitlines()
                 if re.match(r"legal +combine=\w+ +skip_a2a\+has_rank_flag\+ep_ord_r: ", x))
@@ -172,7 +167,6 @@ def test_default_preset_exists_and_has_a_golden():
 
 
 def test_ptx_prints_an_entry(capsys, tiny_variants):
-    _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--variant", TINY)
     assert status == 0, err
     assert ".entry tiny" in out
@@ -182,14 +176,12 @@ def test_ptx_prints_an_entry(capsys, tiny_variants):
 
 @pytest.mark.parametrize("arch", common.ARCHS)
 def test_ptx_arch(capsys, tiny_variants, arch):
-    _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--variant", TINY, "--arch", arch)
     assert status == 0, err
     assert f".target {arch}" in out
 
 
 def test_ptx_without_arguments_is_the_default_preset(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "ptx")
     assert status == 0, err
     assert ".entry ep_dispatch_async(" in out
@@ -199,7 +191,6 @@ def test_ptx_without_arguments_is_the_default_preset(capsys):
 
 
 def test_ptx_no_link_is_the_same_without_nvshmem_calls(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--no-link")
     assert status == 0, err
     assert out == epgen.emit_ptx(presets.load_preset("small"), arch="sm_90")
@@ -207,7 +198,6 @@ def test_ptx_no_link_is_the_same_without_nvshmem_calls(capsys):
 
 
 def test_ptx_preset_set_and_arch(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "n_sms=20",
                                "--arch", "sm_80")
     assert status == 0, err
@@ -218,7 +208,6 @@ def test_ptx_preset_set_and_arch(capsys):
 
 
 def test_ptx_set_flag_and_format(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "ptx", "--preset", "small", "--set", "format=bf16",
                                "--set", "hid_dim=512", "--set", "top_k=2",
                                "--set", "fused_shared_expert=false", "--set", "timeout_ns=0")
@@ -235,7 +224,6 @@ def test_variant_excludes_preset_and_set(capsys, option):
 
 
 def test_ptx_batched_and_traced(capsys):
-    _needs_backend()
     cfg = presets.load_preset("small")
     plain = run_cli(capsys, "ptx", "--preset", "small")[1]
     status, batched, err = run_cli(capsys, "ptx", "--preset", "small", "--batched")
@@ -337,7 +325,6 @@ def test_bad_configuration_is_a_usage_error(capsys, command, argv, names):
 
 
 def test_ptx_to_file(capsys, tiny_variants, tmp_path):
-    _needs_backend()
     path = tmp_path / "tiny.ptx"
     status, out, err = run_cli(capsys, "ptx", "--variant", TINY, "-o", str(path))
     assert status == 0, err
@@ -346,7 +333,6 @@ def test_ptx_to_file(capsys, tiny_variants, tmp_path):
 
 
 def test_ptx_ir_text(capsys, tiny_variants):
-    golden_util.import_or_skip_unwritten("ir.printer")
     status, out, err = run_cli(capsys, "ptx", "--variant", TINY, "--ir")
     assert status == 0, err
     assert "tiny" in out
@@ -374,13 +360,11 @@ def test_unknown_option_is_a_usage_error(capsys):
 
 
 def test_diff_with_itself_is_empty(capsys, tiny_variants):
-    _needs_backend()
     status, out, err = run_cli(capsys, "diff", TINY, TINY)
     assert (status, out) == (0, ""), err
 
 
 def test_diff_of_two_variants(capsys, tiny_variants):
-    _needs_backend()
     status, out, err = run_cli(capsys, "diff", TINY, TINY2)
     assert status == 1, err
     assert out.startswith(f"--- {TINY}.ptx\n+++ {TINY2}.ptx\n")
@@ -399,7 +383,6 @@ def test_diff_send_join_named(capsys):
     for the block-staged broadcast whose joins are ``bar.sync 3, 256``, in ep_dispatch_async
     and in the fused ep_dispatch: per kernel two with the two-buffer pipeline (after the
     first token's staging, then one per token); the warp path's token-group barriers go."""
-    _needs_backend()
     from epgen.kernels import send_policy
     from epgen.presets import load_preset
     status, out, err = run_cli(capsys, "diff", "ep/small", "ep/send_join_named")
@@ -426,7 +409,6 @@ def test_diff_send_join_named(capsys):
 def test_diff_skip_a2a_shows_the_scope_change(capsys):
     """ep/small vs ep/skip_a2a: the sys-scope count-word release and its acquire become gpu
     scope."""
-    _needs_backend()
     status, out, err = run_cli(capsys, "diff", "ep/small", "ep/skip_a2a")
     assert status == 1, err
     for op in ("st.release", "ld.acquire"):
@@ -436,7 +418,6 @@ def test_diff_skip_a2a_shows_the_scope_change(capsys):
 
 
 def test_diff_ir_of_ord_r(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "diff", "--ir", "ep/send_join_named", "ep/ord_r_named")
     assert status == 1, err
     assert out.startswith("--- ep/send_join_named.ir\n+++ ep/ord_r_named.ir\n")
@@ -504,7 +485,6 @@ def test_command_errors_have_no_traceback(capsys, monkeypatch):
 
 
 def test_inspect_default(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "inspect")
     assert status == 0, err
     cfg = presets.load_preset("default")
@@ -543,7 +523,6 @@ def test_inspect_default(capsys):
 
 
 def test_inspect_json(capsys):
-    _needs_backend()
     status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--set", "n_sms=12",
                                "--json")
     assert status == 0, err
@@ -577,7 +556,6 @@ def test_inspect_json(capsys):
 
 
 def test_inspect_ptxas_resources_or_not_found(capsys, monkeypatch):
-    _needs_backend()
     from backends import nvptx
 
     status, out, err = run_cli(capsys, "inspect", "--preset", "small")
@@ -591,7 +569,6 @@ def test_inspect_ptxas_resources_or_not_found(capsys, monkeypatch):
 
 
 def test_inspect_to_file(capsys, tmp_path):
-    _needs_backend()
     path = tmp_path / "report.json"
     status, out, err = run_cli(capsys, "inspect", "--preset", "small", "--json", "-o", str(path))
     assert (status, out) == (0, ""), err

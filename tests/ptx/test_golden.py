@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import golden_util
+from backends import nvptx
 from epgen import goldens
 
 NAMES = goldens.names()
@@ -23,11 +24,6 @@ EXTENSIONS = ("ir", "ptx")
 by_name = pytest.mark.parametrize("name", NAMES, ids=NAMES)
 
 
-def _nvptx():
-    """backends.nvptx, skipping only while it does not exist yet (it is being written)."""
-    return golden_util.import_or_skip_unwritten("backends.nvptx")
-
-
 @functools.lru_cache(maxsize=None)
 def _module(name: str):
     return goldens.build_module(name)
@@ -35,20 +31,15 @@ def _module(name: str):
 
 @functools.lru_cache(maxsize=None)
 def _ir_text(name: str) -> str:
-    try:
-        return goldens.print_ir(_module(name))
-    except goldens.GoldenError:
-        golden_util.import_or_skip_unwritten("ir.printer")
-        raise
+    return goldens.print_ir(_module(name))
 
 
 @functools.lru_cache(maxsize=None)
 def _ptx(name: str) -> str:
-    return _nvptx().emit_ptx(_module(name), arch=ARCH)
+    return nvptx.emit_ptx(_module(name), arch=ARCH)
 
 
 def test_registry_has_the_demos():
-    golden_util.import_or_skip_unwritten("epgen.demos")
     assert {"demo/copy16", "demo/producer_consumer", "demo/handshake"} <= set(NAMES)
 
 
@@ -68,7 +59,6 @@ def test_ptx_golden(name, golden):
 def test_ptx_checker(name):
     """Every ordered IR operation appears in the PTX with its exact qualifiers (check_ptx
     raises PtxCheckError naming what is missing)."""
-    nvptx = _nvptx()
     module, ptx = _module(name), _ptx(name)
     for kernel in module.kernels:
         assert f".entry {kernel.name}(" in ptx, f"{name}: no .entry {kernel.name} in the PTX"
@@ -78,7 +68,6 @@ def test_ptx_checker(name):
 @by_name
 def test_ptxas_assembles(name):
     """The variant's PTX (equal to its golden when test_ptx_golden passes) assembles for sm_90."""
-    nvptx = _nvptx()
     if nvptx.find_ptxas() is None:
         message = ("ptxas not found (PATH, CUDA_HOME or the nvidia-cuda-nvcc wheel of the "
                    "'test' extra)")

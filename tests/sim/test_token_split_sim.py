@@ -1,16 +1,18 @@
 """Warps sharing a token on the warp send path (``tuning.send_warps_per_token_max``,
 ``send_warps_per_token``) end to end on the CPU simulator: part 0 of each group reserves and
-writes the headers, a group barrier hands the addresses to the other parts, every part
-moves its share of the token and counts its share of each copy, and the monitors wait for
-``token_warps`` times their count. Every format, against the numpy reference bit for bit,
-over back-to-back calls, with the flags that keep the warp path (staged, ORD-R,
-``skip_a2a``) and the fused single launch.
+writes the headers, the group's own barrier hands the addresses to the other parts, every
+part moves its share of the token and counts its share of each copy, and the monitors wait
+for ``token_warps`` times their count. Several token groups per block (two, and four), each
+with tokens in a full call, so every group barrier runs; every format, against the numpy
+reference bit for bit, over back-to-back calls, with the flags that keep the warp path
+(staged, ORD-R, ``skip_a2a``) and the fused single launch.
 """
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 import epgen
@@ -19,7 +21,9 @@ from epgen.kernels import dispatch_async, send_policy
 from epgen.presets import load_preset
 from backends import nvptx
 
-from test_formats_sim import FLAGS, make_cfg, run_calls
+from sim_world import sim_world
+from test_formats_sim import FLAGS, make_cfg
+from world_checks import checked_calls
 
 #: (format, H): BF16 with a tail past the parts' even share (H=576); the quantising formats
 #: at sizes where every part gets a chunk (BlockwiseFP8 384: a partial second chunk)
@@ -33,29 +37,64 @@ def tuned(cfg, **changes):
     return cfg.replace(tuning=cfg.tuning.replace(**changes))
 
 
-def split_cfg(fmt, H, token_warps, **flags):
-    """``make_cfg`` with ``token_warps`` warps per block (one group per block) and
-    ``tuning.send_warps_per_token_max`` raised so that ``send_warps_per_token`` picks them."""
-    cfg = tuned(make_cfg(fmt, H, **flags).replace(num_threads=32 * token_warps),
+def split_cfg(fmt, H, token_warps, groups=2, **flags):
+    """``make_cfg`` with ``groups`` token groups of ``token_warps`` warps per block and
+    ``tuning.send_warps_per_token_max`` raised so that ``send_warps_per_token`` picks them;
+    ``max_tokens_per_rank`` is the most the rule allows (a group per token over the grid's
+    blocks: ``n_sms * groups``), so a full call gives every group of a block tokens."""
+    base = make_cfg(fmt, H, **flags)
+    cfg = tuned(base.replace(num_threads=32 * token_warps * groups,
+                             max_tokens_per_rank=base.n_sms * groups),
                 send_warps_per_token_max=token_warps)
     assert send_policy.send_warps_per_token(cfg) == token_warps
     return cfg
+
+
+def run_split_calls(cfg, seed, fused=False):
+    """Two checked calls: every rank's full ``max_tokens_per_rank`` (so every token group of
+    every sending block has tokens), then a random count per rank."""
+    rng = np.random.default_rng(seed)
+    T = cfg.max_tokens_per_rank
+    counts = lambda call: [T] * cfg.n_ranks if call == 0 else \
+        [int(rng.integers(0, T + 1)) for _ in range(cfg.n_ranks)]          # noqa: E731
+    with sim_world(cfg, seed, fused=fused) as world:
+        for _ in checked_calls(world, rng, seed, counts, calls=2, graph=False):
+            pass
 
 
 @pytest.mark.parametrize("token_warps", [2, 4])
 @pytest.mark.parametrize("flags", SPLIT_FLAGS)
 @pytest.mark.parametrize("fmt,H", SPLIT_CASES, ids=[f"{f}-H{h}" for f, h in SPLIT_CASES])
 def test_split_tokens_match_reference(fmt, H, flags, token_warps, seed):
-    cfg = split_cfg(fmt, H, token_warps, **FLAGS[flags])
-    text = ir.print_module(epgen.build_module(cfg))
-    assert "barrier token_group0 id=4 count=%d group=true" % (32 * token_warps) in text
-    run_calls(cfg, seed, n_calls=2)
+    """Two token groups per block, each on its own barrier."""
+    run_split_calls(split_cfg(fmt, H, token_warps, **FLAGS[flags]), seed)
+
+
+@pytest.mark.parametrize("token_warps,groups", [(2, 4), (4, 2)])
+def test_each_token_group_keeps_its_own_barrier(token_warps, groups, seed):
+    """The most groups per block the default tuning allows (4), and the widest groups: a
+    group's parts meet only each other at its barrier (part 0's addresses and counter
+    offsets reach its own group's parts), over several interleavings. Groups sharing one
+    barrier pair warps of different groups, which then count other groups' copies: the
+    monitors never see their counts (a SimHang) or rows go wrong."""
+    cfg = split_cfg("BF16", 512, token_warps, groups)
+    for s in range(3):
+        run_split_calls(cfg, seed + s)
+
+
+@pytest.mark.parametrize("token_warps,groups", [(2, 2), (2, 4), (4, 2)])
+def test_group_barriers_are_declared_per_group(token_warps, groups):
+    """The comm role declares one barrier per token group: ids 4, 5, ..., each of the
+    group's ``32 * token_warps`` threads."""
+    cfg = split_cfg("BF16", 512, token_warps, groups)
+    comm = epgen.build_module(cfg).kernel(dispatch_async.KERNEL_NAME).role("comm")
+    assert [(b.name, b.id, b.count, b.group) for b in comm.barriers if b.group] == \
+        [(f"token_group{i}", 4 + i, 32 * token_warps, True) for i in range(groups)]
 
 
 @pytest.mark.parametrize("fmt,H", [("BF16", 512), ("NVFP4", 1024)], ids=["BF16", "NVFP4"])
 def test_split_tokens_fused_launch(fmt, H, seed):
-    cfg = split_cfg(fmt, H, 2)
-    run_calls(cfg, seed, n_calls=2, fused=True)
+    run_split_calls(split_cfg(fmt, H, 2), seed, fused=True)
 
 
 def test_rule_picks_the_most_warps_that_keep_a_group_per_token():

@@ -193,22 +193,3 @@ def stale_golden_files(registered: set[str], extensions: tuple[str, ...]) -> lis
         if not ok:
             stale.append(p)
     return stale
-
-
-# ---------------------------------------------------------------------------------------------
-# Modules other engineers are still writing
-
-
-def import_or_skip_unwritten(name: str):
-    """Import module ``name``, skipping the test only while it does not exist yet (no file, or
-    a package directory without ``__init__.py``). Once it exists, import errors fail."""
-    import importlib
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(name)
-    except ModuleNotFoundError:
-        spec = None
-    if spec is None or spec.origin is None:
-        pytest.skip(f"{name} does not exist yet")
-    return importlib.import_module(name)

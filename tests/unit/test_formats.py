@@ -1,7 +1,5 @@
 """Token formats: message layout and sizes (the reference's message layout), numpy pack/unpack, validation."""
 
-import os
-
 import attrs
 import ml_dtypes
 import numpy as np
@@ -61,8 +59,7 @@ def test_validation(kwargs, name):
         BF16Format(**kwargs)
 
 
-def test_pack_unpack_round_trip_and_byte_layout():
-    seed = int.from_bytes(os.urandom(4), "little")
+def test_pack_unpack_round_trip_and_byte_layout(seed):
     rng = np.random.default_rng(seed)
     for H, K in [(8, 1), (128, 4), (7168, 8), (64, 9)]:
         f = BF16Format(H, K)
@@ -95,8 +92,7 @@ def test_pack_accepts_ml_dtypes_bfloat16():
         f.pack_message(x.astype(np.float32), 0, [0, 1])
 
 
-def test_batched_pack_unpack():
-    seed = int.from_bytes(os.urandom(4), "little")
+def test_batched_pack_unpack(seed):
     rng = np.random.default_rng(seed)
     f = BF16Format(64, 3)
     T = 17

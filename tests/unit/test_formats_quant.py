@@ -309,6 +309,7 @@ def test_e2m1_encoder_every_exponent_and_specials():
 
 @pytest.mark.skipif(not os.environ.get("EPGEN_EXHAUSTIVE"),
                     reason="all 2^32 float32 patterns take minutes; set EPGEN_EXHAUSTIVE=1")
+@pytest.mark.timeout(3600)
 def test_e2m1_encoder_all_float32():
     step = 1 << 24
     for start in range(0, 1 << 32, step):
@@ -404,6 +405,7 @@ def test_quotient_by_fma_on_the_scale_domain(seed):
 
 @pytest.mark.skipif(not os.environ.get("EPGEN_EXHAUSTIVE"),
                     reason="all 1.17e9 patterns of [0, 4096] take minutes; set EPGEN_EXHAUSTIVE=1")
+@pytest.mark.timeout(3600)
 def test_quotient_by_fma_every_pattern_of_the_scale_domain():
     step = 1 << 24
     for start in range(0, 0x45800001, step):

@@ -1,7 +1,6 @@
 """The numpy reference model of dispatch: properties on random routings, edge cases, the
 shared expert, skip_a2a, padding, canonical comparison and input validation."""
 
-import os
 from collections import Counter
 
 import attrs
@@ -11,10 +10,6 @@ import pytest
 
 from epgen import BF16Format, EPConfig, reference
 from epgen.reference import EPInputError, RankResult, se_slice, validate_inputs
-
-
-def fresh_seed():
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def make_cfg(E=16, R=4, max_tpr=8, H=16, K=3, fmt=None, **flags):
@@ -80,8 +75,7 @@ def check_properties(cfg, tokens, ids, results, seed):
 
 @pytest.mark.parametrize("E,R,K,H", [(16, 4, 3, 16), (8, 1, 2, 8), (64, 8, 8, 64),
                                      (32, 2, 8, 128), (256, 8, 8, 8), (6, 6, 6, 8)])
-def test_random_routings(E, R, K, H):
-    seed = fresh_seed()
+def test_random_routings(E, R, K, H, seed):
     rng = np.random.default_rng(seed)
     max_tpr = 16
     cfg = make_cfg(E=E, R=R, K=K, H=H, max_tpr=max_tpr)
@@ -116,8 +110,7 @@ def test_zero_tokens_everywhere():
     check_properties(cfg, tokens, ids, reference.dispatch(cfg, tokens, ids), 0)
 
 
-def test_one_hot_expert():
-    seed = fresh_seed()
+def test_one_hot_expert(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, max_tpr=8)
     hot = int(rng.integers(0, 16))
@@ -132,8 +125,7 @@ def test_one_hot_expert():
     assert results[d].counts[e].tolist() == n_tokens, f"seed={seed}"
 
 
-def test_all_tokens_to_one_rank():
-    seed = fresh_seed()
+def test_all_tokens_to_one_rank(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, max_tpr=8)
     dst = int(rng.integers(0, 4))
@@ -146,8 +138,7 @@ def test_all_tokens_to_one_rank():
         assert res.row_offsets[-1] == (3 * sum(n_tokens) if d == dst else 0), f"seed={seed}"
 
 
-def test_full_ranks_and_a_rank_with_no_tokens():
-    seed = fresh_seed()
+def test_full_ranks_and_a_rank_with_no_tokens(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=32, R=4, K=8, max_tpr=16)
     tokens, ids = random_inputs(rng, cfg, [16, 0, 16, 16])
@@ -158,8 +149,7 @@ def test_full_ranks_and_a_rank_with_no_tokens():
     assert sum(int(r.row_offsets[-1]) for r in results) == 48 * 8
 
 
-def test_bfloat16_input_gives_the_same_bits():
-    seed = fresh_seed()
+def test_bfloat16_input_gives_the_same_bits(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=8, R=2, K=2, H=16)
     vals = [rng.standard_normal((5, 16)).astype(ml_dtypes.bfloat16) for _ in range(2)]
@@ -172,8 +162,7 @@ def test_bfloat16_input_gives_the_same_bits():
 
 
 # ---- shared expert ------------------------------------------------------------------------
-def test_fused_shared_expert_is_group_zero():
-    seed = fresh_seed()
+def test_fused_shared_expert_is_group_zero(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, fused_shared_expert=True)
     tokens, ids = random_inputs(rng, cfg, [8, 0, 3, 7])
@@ -204,8 +193,7 @@ def skip_cfg(L=4, K=3, **flags):
                     use_shmem=False, **flags)
 
 
-def test_skip_a2a_keeps_only_local_experts():
-    seed = fresh_seed()
+def test_skip_a2a_keeps_only_local_experts(seed):
     rng = np.random.default_rng(seed)
     L, D, E_global = 4, 3, 24      # 3 devices run; the model has 6 devices' worth of experts
     cfg = skip_cfg(L=L, K=5)
@@ -228,8 +216,7 @@ def test_skip_a2a_keeps_only_local_experts():
         [int((ids == 5 * L + e).sum()) for e in range(L)]
 
 
-def test_skip_a2a_with_shared_expert_slices():
-    seed = fresh_seed()
+def test_skip_a2a_with_shared_expert_slices(seed):
     rng = np.random.default_rng(seed)
     cfg = skip_cfg(L=4, K=3, fused_shared_expert=True)
     T, W = 11, 3
@@ -251,8 +238,7 @@ class PaddedBF16(BF16Format):
     expert_m_padding = 4
 
 
-def test_expert_m_padding():
-    seed = fresh_seed()
+def test_expert_m_padding(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, fmt=PaddedBF16(16, 3), fused_shared_expert=True)
     tokens, ids = random_inputs(rng, cfg, [5, 8, 1, 0])
@@ -266,8 +252,7 @@ def test_expert_m_padding():
         assert len(res.out_tokens) <= cfg.layout.max_out_rows
 
 
-def test_capacity_strided_final_layout():
-    seed = fresh_seed()
+def test_capacity_strided_final_layout(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, max_tpr=8, ep_final_layout=True)
     tokens, ids = random_inputs(rng, cfg, [8, 2, 0, 5])
@@ -303,8 +288,7 @@ def shuffled_copy(rng, res, garbage=True):
                       se_token_start=res.se_token_start)
 
 
-def test_compare_ignores_order_within_blocks_and_unwritten_rows():
-    seed = fresh_seed()
+def test_compare_ignores_order_within_blocks_and_unwritten_rows(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, fmt=PaddedBF16(16, 3), fused_shared_expert=True)
     tokens, ids = random_inputs(rng, cfg, [8, 8, 3, 6])
@@ -317,8 +301,7 @@ def test_compare_ignores_order_within_blocks_and_unwritten_rows():
             f"seed={seed}"
 
 
-def test_compare_detects_errors():
-    seed = fresh_seed()
+def test_compare_detects_errors(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3)
     tokens, ids = random_inputs(rng, cfg, [8, 8, 8, 8])
@@ -360,8 +343,7 @@ def test_compare_detects_errors():
             reference.assert_match(cfg, x, broken(f=fn))
 
 
-def test_from_outputs_derives_block_starts():
-    seed = fresh_seed()
+def test_from_outputs_derives_block_starts(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=16, R=4, K=3, fused_shared_expert=True)
     tokens, ids = random_inputs(rng, cfg, [8, 4, 0, 6])
@@ -372,8 +354,7 @@ def test_from_outputs_derives_block_starts():
         assert not reference.compare(cfg, x, a)
 
 
-def test_strided_compare_allows_any_block_order():
-    seed = fresh_seed()
+def test_strided_compare_allows_any_block_order(seed):
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=8, R=2, K=2, max_tpr=8, ep_final_layout=True)
     tokens, ids = random_inputs(rng, cfg, [8, 8])
@@ -391,9 +372,8 @@ def test_strided_compare_allows_any_block_order():
     assert not reference.compare(cfg, x, a), f"seed={seed}"
 
 
-def test_strided_compare_rejects_blocks_that_do_not_tile():
+def test_strided_compare_rejects_blocks_that_do_not_tile(seed):
     """Capacity-strided: blocks may come in any order, but must tile [start, start + total)."""
-    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     cfg = make_cfg(E=8, R=2, K=2, max_tpr=8, ep_final_layout=True)
     for _ in range(100):       # a routing where some expert of rank 0 hears from both sources

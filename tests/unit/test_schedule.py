@@ -1,7 +1,9 @@
 """The SM schedule (``epgen.kernels.schedule``): the numpy model of the table against an
-independent exact-arithmetic model and its stated properties, and a simulation of the copy
-blocks' claim protocol (start on the table's expert, move on to later experts) under random
-interleavings: every tile claimed exactly once, every block finishes."""
+independent exact-arithmetic model and its stated properties; the IR dispatch_wait runs
+(``fill_sm_schedule``, ``first_expert``, ``load_expert_tiles``, ``claim_next_tile``) on the
+CPU simulator under random interleavings: the table it writes is the exact-shares model's,
+and the copy blocks claim every tile (a last partial one included) exactly once and all
+finish."""
 
 from __future__ import annotations
 
@@ -99,52 +101,183 @@ def test_skewed_routing_gets_more_blocks_where_the_tokens_are():
     assert blocks.sum() == 64
 
 
-def simulate_claims(table, tiles, rng):
-    """The copy blocks' protocol (``claim_next_tile``), one atomic step at a time in a random
-    order: a block claims on its current expert (``fetch_add``); past the last tile it probes
-    the later experts' counters and moves to the first one with unclaimed tiles, or stops.
-    Returns how often each (expert, tile) was copied."""
-    L = len(tiles)
-    counter = [0] * L
-    copied = {}
-    state = [int(e) for e in table]                       # current expert per block
-    live = [b for b in range(len(table)) if state[b] < L]
-    while live:
-        b = live[int(rng.integers(len(live)))]
-        e = state[b]
-        claim = counter[e]
-        counter[e] += 1
-        if claim < tiles[e]:
-            copied[(e, claim)] = copied.get((e, claim), 0) + 1
-            continue
-        nxt = next((x for x in range(e + 1, L) if counter[x] < tiles[x]), L)
-        state[b] = nxt
-        if nxt == L:
-            live.remove(b)
-    return copied
+# ---- the schedule's IR (what dispatch_wait runs) on the simulator ---------------------------
+# Two kernels built from the product's functions: ``fill`` (one block) is fill_sm_schedule,
+# ``claim`` is each copy block's warp 0 as dispatch_wait's copy role drives it (first_expert,
+# load_expert_tiles, then claim_next_tile until it answers "no work left"), logging each
+# claimed (expert, tile). The counter words are laid out as dispatch_wait's aux block leaves
+# them (region B prefixes, zeroed tile counters); the expected tiles are counted here.
+
+TILE_TOKENS = 128          # every format's dispatch_wait tile (dispatch_wait_tile_shape)
+FILL_THREADS = 64
 
 
-def test_claim_protocol_covers_every_tile_once(seed):
+def _cfg(L: int, n_sms: int, R: int = 2):
+    """A configuration of ``L`` local experts, ``R`` ranks and an ``n_sms``-entry table (at
+    least ``L + 1`` entries, as EPConfig requires)."""
+    from world_checks import make_cfg
+    cfg = make_cfg(R, L * R, 16, 1, 8, 1024, max(n_sms, L + 1))
+    assert cfg.token_fmt.dispatch_wait_tile_shape == (TILE_TOKENS, 1)
+    return cfg
+
+
+def _tiles_of(count: int) -> int:
+    """Tiles of an expert with ``count`` tokens: a last partial tile counts."""
+    return -(-int(count) // TILE_TOKENS)
+
+
+def _schedule_module(cfg, max_tiles: int, max_steps: int):
+    """The ``fill`` and ``claim`` kernels of ``cfg`` (module comment above)."""
+    from epgen.kernels.schedule import (claim_next_tile, fill_sm_schedule, first_expert,
+                                        load_expert_tiles)
+    from epgen.primitives import word
+    from ir import nodes as N
+    from ir import types as T
+    from ir.builder import KernelBuilder
+    from ir.enums import AtomOp
+
+    L = cfg.layout.n_local_experts
+    kb = KernelBuilder("fill", block_threads=FILL_THREADS)
+    ctr, S, n_copy = kb.param("ctr", T.ptr_global), kb.param("S", T.ptr_global), \
+        kb.param("n_copy", T.u32)
+    warp_totals = kb.shared_buffer("warp_totals", 4 * 32)
+    with kb.role("aux") as r:
+        fill_sm_schedule(r, cfg, ctr, S, warp_totals, n_copy_blocks=n_copy)
+    fill = kb.build()
+
+    kb = KernelBuilder("claim", block_threads=32)
+    ctr, log, unfinished = (kb.param(n, T.ptr_global) for n in ("ctr", "log", "unfinished"))
+    with kb.role("copy") as r:
+        cur_e = r.var("cur_e", T.u32, L)
+        cur_tiles = r.var("cur_tiles", T.u32, 0)
+        claim = r.var("claim", T.u32, 0)
+        r.assign(cur_e, first_expert(r, cfg, ctr).min(L))
+        with r.if_(cur_e < L):
+            r.assign(cur_tiles, load_expert_tiles(r, cfg, ctr, cur_e))
+        steps = r.var("steps", T.u32, 0)
+        with r.while_(steps < max_steps):
+            claim_next_tile(r, cfg, ctr, cur_e, cur_tiles, claim)
+            with r.if_(cur_e >= L):
+                r.break_()
+            with r.if_(r.lane.eq(0)):
+                slot = N.Select(claim < max_tiles, cur_e * max_tiles + claim,
+                                N.Const(L * max_tiles, T.u32))      # the overflow slot
+                r.red(AtomOp.ADD, word(log, slot), 1)
+            r.assign(steps, steps + 1)
+        with r.if_(r.lane.eq(0) & (cur_e < L)):
+            r.store(word(unfinished, r.block), 1)
+    return N.Module("schedule", (fill, kb.build()))
+
+
+def run_schedule_ir(cfg, counts, n_copy: int, seed: int, table=None):
+    """Run the schedule's IR for ``counts`` ``[L, R]`` (tokens of local expert e from rank
+    src) on ``n_copy`` copy blocks: ``table`` (the SM schedule, as ``fill`` writes it, or
+    given: then ``fill`` is not run), ``copied`` ``[L, max_tiles]`` (how often each tile was
+    claimed), ``overflow`` (claims past ``max_tiles``) and the blocks that did not finish."""
+    from backends import sim as sim_backend
+
+    lay = cfg.layout
+    L, R = lay.n_local_experts, cfg.n_ranks
+    counts = np.asarray(counts, dtype=np.int64).reshape(L, R)
+    max_tiles = max(_tiles_of(c) for c in counts.sum(axis=1)) + 2
+    max_steps = int(sum(_tiles_of(c) for c in counts.sum(axis=1))) + L + 2
+    module = _schedule_module(cfg, max_tiles, max_steps)
+    machine = sim_backend.Machine(seed)
+    words = np.zeros(lay.counter_words, np.uint32)
+    words[lay.rank_prefix_offset:lay.rank_prefix_offset + L * R] = \
+        np.cumsum(counts, axis=1).ravel()                       # region B, within expert
+    if table is not None:
+        words[lay.sm_schedule_offset:lay.sm_schedule_offset + len(table)] = table
+    ctr = machine.to_device(words)
+    log = machine.zeros((L * max_tiles + 1,), np.uint32)
+    unfinished = machine.zeros((n_copy,), np.uint32)
+    loaded = machine.load_module(module)
+    if table is None:
+        S = machine.to_device(np.cumsum(counts.ravel()).astype(np.uint32))   # e*R + src
+        loaded.kernel("fill").launch(1, FILL_THREADS, (ctr, S, n_copy))
+    loaded.kernel("claim").launch(n_copy, 32, (ctr, log, unfinished))
+    machine.drain()
+    out = ctr.to_host()
+    copied = log.to_host()
+    return (out[lay.sm_schedule_offset:lay.sm_schedule_offset + cfg.n_sms].astype(np.int32),
+            copied[:-1].reshape(L, max_tiles), int(copied[-1]),
+            np.flatnonzero(unfinished.to_host()).tolist())
+
+
+def _assert_every_tile_once(counts, copied, overflow, unfinished, ctx):
+    assert not unfinished, f"{ctx}: copy blocks {unfinished} never ran out of work"
+    assert overflow == 0, f"{ctx}: {overflow} claims past an expert's tiles"
+    want = np.zeros_like(copied)
+    for e, c in enumerate(np.asarray(counts).reshape(len(copied), -1).sum(axis=1)):
+        want[e, :_tiles_of(c)] = 1
+    bad = np.argwhere(copied != want)
+    assert not bad.size, (f"{ctx}: (expert, tile) claimed a wrong number of times: "
+                          + ", ".join(f"({e}, {t}): {copied[e, t]} (want {want[e, t]})"
+                                      for e, t in bad[:8]))
+
+
+def _ir_cases(rng, n_cases):
+    """(counts [L, R], copy blocks, table entries): token counts with partial last tiles,
+    empty experts, and one expert that holds almost everything."""
+    for _ in range(n_cases):
+        L, R = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        kind = rng.integers(3)
+        if kind == 0:
+            counts = rng.integers(0, 400, (L, R))
+        elif kind == 1:                                        # mostly empty
+            counts = rng.integers(0, 400, (L, R)) * (rng.random((L, R)) < 0.3)
+        else:                                                  # skewed
+            counts = rng.integers(0, 20, (L, R))
+            counts[int(rng.integers(L))] += rng.integers(200, 700, R)
+        n_copy = int(rng.integers(1, 12))
+        yield counts, n_copy, n_copy + int(rng.integers(0, 3))
+
+
+def test_ir_table_matches_the_exact_shares(seed):
+    """fill_sm_schedule's IR writes the table of the independent model."""
     rng = np.random.default_rng(seed)
-    for counts, n_blocks, n_entries in list(_cases(rng, 120)):
-        counts = np.minimum(counts, 3000)
-        tiles = [(int(c) + 127) // 128 for c in counts]
-        table = sm_schedule(counts, n_blocks, n_entries)[:n_blocks]
-        copied = simulate_claims(table, tiles, rng)
-        want = {(e, t) for e, n in enumerate(tiles) for t in range(n)}
-        assert set(copied) == want, f"seed {seed}: tiles missed or invented"
-        assert all(v == 1 for v in copied.values()), f"seed {seed}: a tile copied twice"
+    for counts, n_copy, n_sms in _ir_cases(rng, 12):
+        cfg = _cfg(counts.shape[0], n_sms, counts.shape[1])
+        table, *_ = run_schedule_ir(cfg, counts, n_copy, seed)
+        want = schedule_by_shares(counts.sum(axis=1), n_copy, cfg.n_sms)
+        assert np.array_equal(table, want), \
+            f"seed {seed}: counts {counts.tolist()}, {n_copy} copy blocks: {table} != {want}"
 
 
-def test_claim_protocol_with_any_start_at_or_before_the_first_expert(seed):
+def test_ir_claims_cover_every_tile_once(seed):
+    """The copy blocks, started from fill's table in the simulator's random interleaving,
+    claim every tile of every expert exactly once (a last partial tile included) and all
+    run out of work."""
+    rng = np.random.default_rng(seed)
+    for counts, n_copy, n_sms in _ir_cases(rng, 12):
+        cfg = _cfg(counts.shape[0], n_sms, counts.shape[1])
+        _, copied, overflow, unfinished = run_schedule_ir(cfg, counts, n_copy, seed)
+        _assert_every_tile_once(counts, copied, overflow, unfinished,
+                                f"seed {seed}: counts {counts.tolist()}, {n_copy} blocks")
+
+
+@pytest.mark.parametrize("count", [1, 127, 128, 129, 255, 256, 257, 383])
+def test_ir_claims_the_last_partial_tile(count, seed):
+    """One expert of ``count`` tokens (of two ranks) among empty ones: ceil(count / 128)
+    tiles, the last one partial unless count is a multiple of 128."""
+    counts = np.zeros((3, 2), np.int64)
+    counts[1] = (count // 2, count - count // 2)
+    cfg = _cfg(3, 4)
+    _, copied, overflow, unfinished = run_schedule_ir(cfg, counts, 4, seed)
+    _assert_every_tile_once(counts, copied, overflow, unfinished, f"{count} tokens")
+
+
+def test_ir_claims_with_any_start_at_or_before_the_first_expert(seed):
     """Coverage needs only a non-decreasing table starting at or before the first expert
-    with tokens (e.g. a stale or zero table)."""
-    rng = np.random.default_rng(seed)
+    with tokens (e.g. a stale or zero table): the claim IR run from such tables."""
     tiles = [0, 3, 0, 5, 1]
+    counts = np.array([[0], [300], [0], [600], [1]])          # 3, 5 and 1 tiles (R = 1)
+    assert [_tiles_of(c) for c in counts[:, 0]] == tiles
     for table in ([0] * 6, [1, 1, 3, 4], [0, 4, 4, 4]):
-        copied = simulate_claims(np.array(table), tiles, rng)
-        assert sorted(copied) == [(e, t) for e, n in enumerate(tiles) for t in range(n)]
-        assert set(copied.values()) == {1}
+        cfg = _cfg(5, len(table), R=1)
+        _, copied, overflow, unfinished = run_schedule_ir(cfg, counts, len(table), seed,
+                                                          table=table)
+        _assert_every_tile_once(counts, copied, overflow, unfinished, f"table {table}")
 
 
 @pytest.mark.parametrize("n_blocks", [1, 2, 131])
