@@ -22,7 +22,7 @@ probes 32 experts at once: region B totals and ``ld.relaxed.gpu`` of their tile 
 tile id of an expert is handed out by exactly one ``fetch_add``, so no tile is copied twice; and
 block 0 starts at or before every expert with tokens and walks through all later ones until each
 is exhausted, so every tile is claimed: coverage is exact for any table that is non-decreasing
-from ``table[0] <= `` the first expert with tokens (tests/unit/test_schedule.py simulates it).
+from ``table[0] <= `` the first expert with tokens (tests/sim/test_schedule.py simulates it).
 """
 
 from __future__ import annotations
