@@ -1,5 +1,5 @@
 """``ep_final_layout`` and ``ep_prod_reserve`` (docs/final-layout.md): the final rows, the
-destination strategy of both flags (``destination`` picks it once per build).
+destination strategy of both flags (``destination`` picks it once, from the configuration).
 
 Sources write each routed payload row straight into its final row of the destination's grouped
 output, and the row's header (source token index, source rank, top-k ids) into the
