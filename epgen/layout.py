@@ -555,7 +555,7 @@ class Layout:
         ``[groups, M]``): a sender's K rows' scales land 4 bytes each in ``groups`` places
         ``4 M`` bytes apart, so the senders leave them here and dispatch_wait's header pass
         writes each tile's scales transposed, 32 adjacent rows per warp store
-        (``final_layout.FinalRowsDestination.header_pass``). 0 for other formats."""
+        (``header_pass.copy_headers``). 0 for other formats."""
         fmt = self.cfg.token_fmt
         if not getattr(fmt, "scales_transposed", False):
             return 0

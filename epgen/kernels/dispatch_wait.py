@@ -187,7 +187,7 @@ def copy_received_tokens_to_output(r: ir.RoleBuilder, cfg, p: WaitParams, *,
     """Copy blocks: the destination strategy's copy pass (``p.dest.copy_pass``): the staged
     layout moves every received message into its grouped output row
     (``staged_copy.copy_staged_messages``), the final layout builds ``src_info`` from the
-    header rows (``FinalRowsDestination.header_pass``). The last block to finish lowers the
+    header rows (``header_pass.copy_headers``). The last block to finish lowers the
     ready flag.
 
     The role's context (``kb.role(..., threads=, barrier_id=, smem_base=)``) carries the
