@@ -198,9 +198,6 @@ class EPConfig:
             rule(n_sig < self.n_sms, ("n_sms", "n_experts", "num_threads"),
                  f"n_signal_sms = ceildiv(n_experts, num_threads // 32) = {n_sig} must be < "
                  f"n_sms = {self.n_sms} (dispatch_async needs at least one comm SM)")
-        rule(not (self.skip_a2a and self.use_shmem), ("skip_a2a", "use_shmem"),
-             "skip_a2a and use_shmem are exclusive (skip_a2a sends nothing off the device; "
-             "pass use_shmem=False)")
         if self.p2p_world_size < R and not self.skip_a2a:
             rule(self.use_shmem, ("use_shmem", "p2p_world_size", "n_ranks"),
                  f"use_shmem=False with p2p_world_size={self.p2p_world_size} < n_ranks={R}: "
@@ -273,14 +270,17 @@ class EPConfig:
 
     @property
     def needs_shmem(self) -> bool:
-        """True when some destination is outside this rank's P2P group, so the SHMEM
-        transport is needed: ``p2p_world_size < n_ranks and not skip_a2a``."""
+        """The SHMEM decision, the one predicate the kernels and worlds ask: some destination
+        is outside this rank's P2P group (``p2p_world_size < n_ranks and not skip_a2a``), so
+        it is reached through NVSHMEM. A valid configuration then has ``use_shmem`` (the rules
+        refuse it without); ``use_shmem`` alone decides nothing."""
         return self.p2p_world_size < self.n_ranks and not self.skip_a2a
 
     @property
     def shmem_all_p2p(self) -> bool:
-        """``use_shmem`` is set but every destination is in the P2P group
-        (``p2p_world_size == n_ranks``): the kernels are the P2P ones, no NVSHMEM call."""
+        """A report, not a decision: ``use_shmem`` is set but every destination is in the P2P
+        group (``p2p_world_size == n_ranks``, without ``skip_a2a``, where ``inert_flags``
+        reports it): the kernels are the P2P ones, no NVSHMEM call."""
         return bool(self.use_shmem) and not self.skip_a2a and not self.needs_shmem
 
     def effective_flags(self) -> dict:
@@ -292,7 +292,7 @@ class EPConfig:
         if self.shmem_all_p2p:
             out["use_shmem"] = ("the P2P kernels, no NVSHMEM call (every destination is in "
                                 "the P2P group)")
-        elif self.use_shmem and self.needs_shmem:
+        elif self.needs_shmem:
             out["use_shmem"] = (f"NVSHMEM puts and signals to the destinations outside the "
                                 f"sender's P2P group (p2p_world_size={self.p2p_world_size} "
                                 f"of n_ranks={self.n_ranks}); peer stores inside it")
@@ -301,16 +301,22 @@ class EPConfig:
 
     def inert_flags(self) -> dict:
         """The flags that are set but build nothing different here, each with why (the
-        kernels are the ones without the flag): ``ep_copy_role_split`` on a geometry the
-        reference's split rule rejects (``layout.role_split.enabled`` false)."""
+        kernels are the ones without the flag): ``use_shmem`` with ``skip_a2a`` (nothing
+        leaves the device; the reference declares both with ``use_shmem=True`` by default),
+        and ``ep_copy_role_split`` on a geometry the reference's split rule rejects
+        (``layout.role_split.enabled`` false)."""
+        out = {}
+        if self.use_shmem and self.skip_a2a:
+            out["use_shmem"] = ("no effect (the kernels are those without it): skip_a2a sends "
+                                "nothing off the device")
         split = self.layout.role_split
-        if not self.ep_copy_role_split or split.enabled:
-            return {}
-        return {"ep_copy_role_split": (
-            f"no effect (the kernels are those without it): the copy/publisher split needs "
-            f"hid_dim // 8 == {split.n_trips} * n_copy_threads with n_copy_threads = "
-            f"num_threads - {32 * split.n_publisher_warps} > 0, got hid_dim // 8 = "
-            f"{split.n_items} and n_copy_threads = {split.n_copy_threads}")}
+        if self.ep_copy_role_split and not split.enabled:
+            out["ep_copy_role_split"] = (
+                f"no effect (the kernels are those without it): the copy/publisher split needs "
+                f"hid_dim // 8 == {split.n_trips} * n_copy_threads with n_copy_threads = "
+                f"num_threads - {32 * split.n_publisher_warps} > 0, got hid_dim // 8 = "
+                f"{split.n_items} and n_copy_threads = {split.n_copy_threads}")
+        return out
 
     def replace(self, **changes) -> EPConfig:
         """A copy with ``changes`` applied (validated again)."""

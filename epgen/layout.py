@@ -15,8 +15,11 @@ buffer are UInt64.
 
 ``skip_a2a`` changes no formula: ``n_experts`` and ``n_ranks`` stay global (``L = E // R`` per
 device), and ``recv_buf_layout`` / ``recv_count_layout`` force the rank coordinate to 0.
-What a device actually uses is said by two members of ours, ``n_sources`` (1: itself) and
-``n_monitored_experts`` (its ``L`` experts).
+What a device actually uses is said by members of ours, the one place the kernels read the
+flag's mapping from: ``n_sources`` (1: itself), ``n_monitored_experts`` (its ``L`` experts)
+and ``monitored_expert``, ``rank_coord`` (the rank coordinate written: 0), ``peer_index`` (the
+pointer-table entry: 0, its own) and ``crosses_devices`` (false: no peer memory, ``gpu``
+scope).
 
 ``ep_final_layout`` / ``ep_prod_reserve`` (ours; docs/final-layout.md) add,
 per rank: a header array row-parallel to the grouped output (``hdr_*``, peer-visible), the
@@ -168,6 +171,30 @@ class Layout:
         own ``n_local_experts`` (warp ``e`` owns global expert ``e + L * my_rank``; no token
         leaves the device, so nobody waits for the other experts' counts)."""
         return self._L if self.cfg.skip_a2a else self.cfg.n_experts
+
+    def monitored_expert(self, expert_idx, my_rank):
+        """Ours: the global expert of dispatch_async monitor warp ``expert_idx`` (an int or
+        IR expression): itself; under ``skip_a2a`` ``expert_idx + L * my_rank`` (the device
+        ``my_rank``'s own experts)."""
+        return expert_idx + self._L * my_rank if self.cfg.skip_a2a else expert_idx
+
+    def rank_coord(self, rank):
+        """Ours: the rank coordinate a receive layout (receive buffer, count words, rank
+        flags) uses for source or destination ``rank`` (an int or IR expression): ``rank``;
+        0 under ``skip_a2a``, where the device is its own only source."""
+        return 0 if self.cfg.skip_a2a else rank
+
+    def peer_index(self, rank):
+        """Ours: the entry of a P2P pointer table (one per rank of the sender's P2P group)
+        that reaches ``rank``: ``rank % p2p_world_size``; 0 under ``skip_a2a``, where a
+        device's tables hold only its own buffers."""
+        return 0 if self.cfg.skip_a2a else rank % self.cfg.p2p_world_size
+
+    @property
+    def crosses_devices(self) -> bool:
+        """Ours: whether other devices write this one's receive buffers and count words (peer
+        memory, ``sys``-scope signals): true, false under ``skip_a2a`` (``gpu`` scope)."""
+        return not self.cfg.skip_a2a
 
     @property
     def n_warps(self) -> int:
@@ -337,17 +364,14 @@ class Layout:
         self._check_recv("recv_buf_layout", e, r)
         _check_coord("recv_buf_layout", "slot", slot, self.block_capacity)
         _check_coord("recv_buf_layout", "byte", byte, self.msg_bytes)
-        if self.cfg.skip_a2a:
-            r = 0
+        r = self.rank_coord(r)
         return ((e * self._R + r) * self.block_capacity + slot) * self.msg_bytes + byte
 
     def recv_count_layout(self, e, r):
         """Word offset ``e * n_ranks + r`` in the row-major ``[L, R]`` count grid; ``r`` is
         forced to 0 under ``skip_a2a`` (word ``e * R``)."""
         self._check_recv("recv_count_layout", e, r)
-        if self.cfg.skip_a2a:
-            r = 0
-        return e * self._R + r
+        return e * self._R + self.rank_coord(r)
 
     def send_buf_layout(self, t, byte=0):
         """Byte offset of ``(t, byte)`` in the row-major send buffer
@@ -531,7 +555,7 @@ class Layout:
         ``[groups, M]``): a sender's K rows' scales land 4 bytes each in ``groups`` places
         ``4 M`` bytes apart, so the senders leave them here and dispatch_wait's header pass
         writes each tile's scales transposed, 32 adjacent rows per warp store
-        (``final_layout.copy_received_headers``). 0 for other formats."""
+        (``header_pass.copy_headers``). 0 for other formats."""
         fmt = self.cfg.token_fmt
         if not getattr(fmt, "scales_transposed", False):
             return 0

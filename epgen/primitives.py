@@ -137,19 +137,20 @@ def warp_inclusive_scan(r: ir.RoleBuilder, value, name: str = "scan") -> ir.Var:
     return acc
 
 
-def comm_sync(r: ir.RoleBuilder, comm_barrier_id: int = -1):
-    """The comm thread-class's block barrier (reference ``_comm_barrier``): ``bar.sync 0``
-    over the whole CTA when ``comm_barrier_id`` is negative, else named barrier
-    ``comm_barrier_id`` over the role's threads (``bar.sync id, n_comm_threads``), so a comm
-    role can share its block with other roles (the fused megakernel)."""
-    if comm_barrier_id < 0:
+def comm_sync(r: ir.RoleBuilder):
+    """The role's block barrier (reference ``_comm_barrier``), from its context
+    (``kb.role(..., barrier_id=)``): ``bar.sync 0`` over the whole CTA when the role has no
+    barrier id, else named barrier ``r.barrier_id`` over the role's threads (``bar.sync id,
+    n_comm_threads``), so a comm role can share its block with other roles (the fused
+    megakernel)."""
+    if r.barrier_id is None:
         r.syncthreads()
         return
-    r.bar_sync(r.barrier("comm", comm_barrier_id))
+    r.bar_sync(r.barrier("comm", r.barrier_id))
 
 
 def block_inclusive_scan(r: ir.RoleBuilder, value, warp_totals: ir.Expr, n_warps: int,
-                         name: str = "bscan", comm_barrier_id: int = -1) -> ir.Var:
+                         name: str = "bscan") -> ir.Var:
     """Inclusive prefix sum of a u32 over the role's threads (all ``n_warps`` warps take
     part): scan in each warp, warp totals through shared memory (``warp_totals``: ``n_warps``
     u32), warp 0 scans the totals, each warp adds its predecessors' sum. Three
@@ -157,7 +158,7 @@ def block_inclusive_scan(r: ir.RoleBuilder, value, warp_totals: ir.Expr, n_warps
     acc = warp_inclusive_scan(r, value, name)
     with r.if_(r.lane.eq(31)):
         r.store(warp_totals + r.warp.cast(T.u64) * 4, acc)
-    comm_sync(r, comm_barrier_id)
+    comm_sync(r)
     with r.if_(r.warp.eq(0)):
         tot = r.var(f"{name}_tot", T.u32, 0)
         with r.if_(r.lane < n_warps):
@@ -165,11 +166,11 @@ def block_inclusive_scan(r: ir.RoleBuilder, value, warp_totals: ir.Expr, n_warps
         tscan = warp_inclusive_scan(r, tot, f"{name}_w")
         with r.if_(r.lane < n_warps):
             r.store(warp_totals + r.lane.cast(T.u64) * 4, tscan)
-    comm_sync(r, comm_barrier_id)
+    comm_sync(r)
     with r.if_(r.warp > 0):
         prev = r.load(warp_totals + (r.warp - 1).cast(T.u64) * 4, T.u32, name=f"{name}_prev")
         r.assign(acc, acc + prev)
-    comm_sync(r, comm_barrier_id)
+    comm_sync(r)
     return acc
 
 

@@ -13,6 +13,15 @@
 
 Statement methods append to the innermost open body; ``with r.if_(c):``, ``r.else_()``,
 ``r.for_range(...)`` and ``r.while_(...)`` open nested bodies.
+
+A role is a context: ``kb.role(name, blocks=, threads=, barrier_id=, smem_base=)`` gives its
+``RoleBuilder`` the block range, the thread range (``r.tid``, ``r.warp`` role-local,
+``r.n_threads``, ``r.warp_base``), the id of the role's own block barrier (``r.barrier_id``;
+None: the role spans the block and joins with ``bar.sync 0``) and the byte where its scratch
+starts in dynamic shared memory (``r.smem_base``; None: static ``.shared`` buffers), so a
+builder that shares its block with another role (a fused megakernel) takes them from ``r``
+instead of from its arguments: ``r.scratch(name, nbytes)`` allocates scratch, and the
+kernels' ``comm_sync(r)`` (``epgen.primitives``) joins on ``r.barrier_id``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,10 @@ from .enums import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem, ShflMode, SReg
 from .nodes import as_expr
 
 
+ALIGN = 16          # dynamic shared scratch slices start on 16-byte boundaries
+N_BARRIERS = 16     # hardware named barriers per block: ids 0..15
+
+
 class _Body:
     def __init__(self):
         self.stmts: list = []
@@ -32,17 +45,25 @@ class _Body:
 
 class RoleBuilder:
     """Builds one role's body. ``tid``/``warp``/``lane`` are role-local (``tid.x`` minus the
-    role's thread base); ``block`` is ``ctaid.x``."""
+    role's thread base); ``block`` is ``ctaid.x``. ``barrier_id`` and ``smem_base`` are the
+    role's context (module docstring; ``KernelBuilder.role``)."""
 
     def __init__(self, kb: "KernelBuilder", name: str, blocks: N.BlockRange,
-                 threads: N.ThreadRange | None):
+                 threads: N.ThreadRange | None, barrier_id: int | None = None,
+                 smem_base: int | None = None):
         self.kb = kb
         self.name = name
         self.blocks = blocks
         self.threads = threads
+        #: the role's block barrier: None = ``bar.sync 0`` over the block, else this named
+        #: barrier id over the role's threads
+        self.barrier_id = barrier_id
+        #: where the role's scratch starts in dynamic shared memory (None: static buffers)
+        self.smem_base = smem_base
         self.barriers: list[N.NamedBarrier] = []
         self._stack: list[_Body] = [_Body()]
         self._last_if: tuple | None = None
+        self._scratch_end = smem_base
 
     # -- identity of the running thread --------------------------------------------------------
     @property
@@ -52,6 +73,12 @@ class RoleBuilder:
     @property
     def thread_base(self) -> int:
         return self.threads.base if self.threads else 0
+
+    @property
+    def warp_base(self) -> int:
+        """The block's warp index of the role's first warp (the reference's
+        ``comm_warp_base``): ``thread_base // 32``."""
+        return self.thread_base // 32
 
     def sreg(self, sreg: SReg) -> N.SRegRead:
         return N.SRegRead(sreg)
@@ -83,6 +110,25 @@ class RoleBuilder:
 
     def grid_threads(self, dtype: T.DType = T.u32) -> N.Expr:
         return self.n_blocks.cast(dtype) * self.n_threads
+
+    # -- scratch -------------------------------------------------------------------------------
+    def scratch(self, name: str, nbytes: int) -> N.Expr:
+        """A shared scratch array of the role: a static ``.shared`` buffer ``name`` when the
+        role has no ``smem_base``, else the next 16-byte-aligned slice of the kernel's dynamic
+        shared memory (``dyn_smem``) at or after ``smem_base`` (``scratch_end`` grows)."""
+        if self.smem_base is None:
+            return self.kb.shared_buffer(name, nbytes)
+        dyn = self.kb.dynamic_shared_memory()
+        addr = dyn + self._scratch_end if self._scratch_end else dyn
+        self._scratch_end += -(-nbytes // ALIGN) * ALIGN
+        return addr
+
+    @property
+    def scratch_end(self) -> int:
+        """Bytes of dynamic shared memory the role's scratch needs so far: 0 without
+        ``smem_base``, else ``smem_base`` plus its slices (the launch gives at least the
+        largest over the kernel's roles)."""
+        return 0 if self._scratch_end is None else self._scratch_end
 
     # -- bodies --------------------------------------------------------------------------------
     def _emit(self, stmt):
@@ -338,15 +384,21 @@ class KernelBuilder:
 
     @contextlib.contextmanager
     def role(self, name: str, blocks: tuple | N.BlockRange | None = None,
-             threads: tuple | N.ThreadRange | None = None):
+             threads: tuple | N.ThreadRange | None = None, *, barrier_id: int | None = None,
+             smem_base: int | None = None):
         """``with kb.role("monitor", blocks=(0, n_signal), threads=(0, 1024)) as r:``.
-        ``blocks`` ends may be ints or u32 expressions; ``None`` as the end means the grid's end."""
+        ``blocks`` ends may be ints or u32 expressions; ``None`` as the end means the grid's end.
+        ``threads`` starts on a warp. The role's context (module docstring): ``barrier_id``
+        (None, or a named barrier id in 1..15 over the role's threads) and ``smem_base`` (None,
+        or a byte offset >= 0, a multiple of 16, into dynamic shared memory). A bad one is a
+        ``ValueError`` naming it."""
         if isinstance(blocks, tuple):
             start, stop = blocks
             blocks = N.BlockRange(as_expr(start, T.u32), None if stop is None else as_expr(stop, T.u32))
         if isinstance(threads, tuple):
             threads = N.ThreadRange(*threads)
-        rb = RoleBuilder(self, name, blocks or N.BlockRange(), threads)
+        _check_role_context(name, threads, barrier_id, smem_base)
+        rb = RoleBuilder(self, name, blocks or N.BlockRange(), threads, barrier_id, smem_base)
         for hook in self.role_hooks:
             hook(rb, "begin")
         yield rb
@@ -358,3 +410,22 @@ class KernelBuilder:
         return N.Kernel(self.name, tuple(self.params), self.block_threads, tuple(self.roles),
                         tuple(self.shared), self.dynamic_shared, self.min_blocks_per_sm,
                         tuple(self.sites))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_role_context(name: str, threads, barrier_id, smem_base) -> None:
+    """``ValueError`` naming the argument of ``KernelBuilder.role`` that breaks its rule."""
+    if threads is not None and (not _is_int(threads.base) or threads.base % 32):
+        raise ValueError(f"role {name}: threads must start on a warp (a multiple of 32), got "
+                         f"base {threads.base!r}")
+    if barrier_id is not None and (not _is_int(barrier_id)
+                                   or not 1 <= barrier_id < N_BARRIERS):
+        raise ValueError(f"role {name}: barrier_id must be None (bar.sync 0 over the block) or "
+                         f"a named barrier id in 1..{N_BARRIERS - 1}, got {barrier_id!r}")
+    if smem_base is not None and (not _is_int(smem_base) or smem_base < 0
+                                  or smem_base % ALIGN):
+        raise ValueError(f"role {name}: smem_base must be None (static shared buffers) or a "
+                         f"byte offset >= 0 and a multiple of {ALIGN}, got {smem_base!r}")

@@ -23,10 +23,11 @@ import types
 
 
 class Node:
-    """One recorded launch."""
+    """One recorded launch (``shmem``: its dynamic shared memory bytes per block)."""
 
-    def __init__(self, kernel, grid, params, deps):
+    def __init__(self, kernel, grid, params, deps, shmem: int = 0):
         self.kernel, self.grid, self.params, self.deps = kernel, grid, params, deps
+        self.shmem = shmem
 
 
 class AllOf:
@@ -72,7 +73,7 @@ class GraphExec:
         for node in self.nodes:
             after = [done[id(d)] for d in node.deps] if node.deps else before
             done[id(node)] = machine.sim.launch(node.kernel, node.grid, node.params,
-                                                after=after)
+                                                after=after, shmem=node.shmem)
         stream.last = AllOf(list(done.values()))
         self.replays += 1
 

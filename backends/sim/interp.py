@@ -181,8 +181,9 @@ class _Thread:
 
 
 class _Launch:
-    def __init__(self, sim, kernel: N.Kernel, grid: int, params: dict, deps):
+    def __init__(self, sim, kernel: N.Kernel, grid: int, params: dict, deps, shmem: int = 0):
         self.sim, self.kernel, self.grid, self.params = sim, kernel, grid, params
+        self.shmem = shmem              # dynamic shared memory bytes per block (dyn_smem)
         self.deps = list(deps)
         self.threads: list[_Thread] = []
         self.started = False
@@ -256,8 +257,11 @@ class Sim:
         self.shmem_delay = shmem_delay
 
     # -- launches -------------------------------------------------------------------------
-    def launch(self, kernel: N.Kernel, grid: int, params: dict, after=()) -> _Launch:
-        la = _Launch(self, kernel, grid, dict(params), after)
+    def launch(self, kernel: N.Kernel, grid: int, params: dict, after=(),
+               shmem: int = 0) -> _Launch:
+        """Queue a grid of ``kernel`` after the launches ``after``; each block gets ``shmem``
+        bytes of dynamic shared memory (the kernel's ``dyn_smem``)."""
+        la = _Launch(self, kernel, grid, dict(params), after, shmem)
         self.launches.append(la)
         return la
 
@@ -269,6 +273,8 @@ class Sim:
             shared = {}
             for buf in la.kernel.shared:
                 shared[buf.name] = self.mem.alloc(buf.nbytes, max(buf.align, 16))
+            if la.kernel.dynamic_shared:
+                shared["dyn_smem"] = self.mem.alloc(la.shmem, 16)
             la.shared[b] = shared
             la.block_live[b] = la.kernel.block_threads
             for w in range((la.kernel.block_threads + 31) // 32):

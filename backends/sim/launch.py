@@ -12,7 +12,8 @@ copies by-value parameters.
 
 What it does not model: occupancy (every block of every launch is live at once: the
 simulator interleaves all their threads, so ``max_active_blocks_per_sm`` answers a
-fixed ``Machine.blocks_per_sm``, ``BLOCKS_PER_SM``), dynamic shared memory (``shmem`` must be 0), launch latency,
+fixed ``Machine.blocks_per_sm``, ``BLOCKS_PER_SM``), a dynamic shared memory limit (each
+block of a launch gets its own ``shmem`` bytes, the kernel's ``dyn_smem``), launch latency,
 and programmatic dependent launch beyond its ordering (a launch starts after its
 dependencies have finished, which is what an implicit trigger waits for).
 """
@@ -79,9 +80,9 @@ class LoadedKernel:
         if int(block) != self.ir.block_threads:
             raise ValueError(f"kernel {self.name}: built for {self.ir.block_threads} threads "
                              f"per block, launched with {block}")
-        if shmem:
-            raise ValueError(f"kernel {self.name}: the simulator has no dynamic shared memory "
-                             f"(shmem={shmem})")
+        if isinstance(shmem, bool) or not isinstance(shmem, numbers.Integral) or shmem < 0:
+            raise ValueError(f"kernel {self.name}: shmem must be a byte count >= 0, got "
+                             f"{shmem!r}")
 
     def launch(self, grid, block, args=(), stream=None, shmem: int = 0, *,
                int_scalars: bool = True, programmatic: bool = False) -> None:
@@ -95,7 +96,7 @@ class LoadedKernel:
                   for i, (p, v) in enumerate(zip(params, args))}
         self.module.launched.append((self.name, bool(programmatic)))
         self.module.machine.launch(self, int(grid), values, stream, raw_args=dict(
-            zip((p.name for p in params), args)))
+            zip((p.name for p in params), args)), shmem=int(shmem))
 
 
 def launch_by_value(kernel: LoadedKernel, grid: int, block: int, param: np.ndarray,

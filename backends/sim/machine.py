@@ -222,18 +222,20 @@ class Machine:
         empty for a by-value table): a subclass can refuse one (tests check placement)."""
 
     def launch(self, kernel: _launch.LoadedKernel, grid: int, params: dict, stream=None,
-               raw_args: dict | None = None):
+               raw_args: dict | None = None, shmem: int = 0):
         """Queue ``kernel`` on ``stream`` after the stream's earlier work and the events it
-        waited for (or, while a capture is open, record it); returns the launch (or node)."""
+        waited for (or, while a capture is open, record it), each block with ``shmem`` bytes
+        of dynamic shared memory; returns the launch (or node)."""
         stream = self.default_stream(kernel.device) if stream is None else stream
         if stream.machine is not self:
             raise SimError(f"sim: {kernel.name} launched on a stream of another machine")
         self.check_launch(kernel, raw_args or {}, stream)
         deps = stream.take_dependencies()
         if self.capture is None:
-            stream.last = self.sim.launch(kernel.ir, grid, params, after=deps)
+            stream.last = self.sim.launch(kernel.ir, grid, params, after=deps, shmem=shmem)
         else:
-            node = Node(kernel.ir, grid, params, [d for d in deps if isinstance(d, Node)])
+            node = Node(kernel.ir, grid, params, [d for d in deps if isinstance(d, Node)],
+                        shmem)
             self.capture.nodes.append(node)
             stream.last = node
         self.launched(kernel, params, stream, deps)

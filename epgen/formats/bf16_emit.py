@@ -107,5 +107,5 @@ class BF16Emitter(DeviceEmitter):
         dst = output_tokens + row.cast(T.u64) * f.out_row_bytes
         warp_copy(r, dst, msg, f.payload_vectors, tag="recv")
 
-    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups):
         """``pad_expert_offsets``: BF16 rows are not padded (no code)."""

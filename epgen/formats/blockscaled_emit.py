@@ -478,5 +478,5 @@ class BlockScaledEmitter(DeviceEmitter):
                 v, words = load_item(i, j)
                 store_item(v, j, words)
 
-    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups):
         """``pad_expert_offsets``: no padding (``expert_m_padding == 1``)."""

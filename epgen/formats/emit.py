@@ -103,9 +103,9 @@ class DeviceEmitter:
         this thread takes work items ``first, first + stride, ...``."""
         raise self._missing("emit_copy_tile_scales")
 
-    def emit_pad_expert_offsets(self, r, row_offsets, n_groups, comm_barrier_id=-1):
+    def emit_pad_expert_offsets(self, r, row_offsets, n_groups):
         """IR of ``pad_expert_offsets`` (the whole dispatch_wait aux block, after the prefix
-        sum; ``comm_barrier_id`` as the caller's ``comm_sync``). Default: no padding."""
+        sum; its barriers are the role's, ``comm_sync(r)``). Default: no padding."""
 
     def emit_send(self, *args, **kwargs):
         """Alias of ``emit_copy_token_to_send_buf``."""

@@ -103,7 +103,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     n_vec = row_bytes // 16
     region_a = lay.dispatch_wait_region.offset
     done_base = CombineLayout(cfg).done_counter_offset
-    sender = ir.Const(0, T.u32) if cfg.skip_a2a else p.my_rank
+    sender = ir.as_expr(lay.rank_coord(p.my_rank))     # 0 under skip_a2a
     gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
     nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
     # the warps with gwarp % L == e share pair (e, s): one Region A read per pair and warp

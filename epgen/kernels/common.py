@@ -1,5 +1,6 @@
 """IR building blocks of the EP kernel builders: lowest-set-bit, device pointer tables, the
-abort check, the ready-flag wait and the sentinel of the receive-count words. The generic ones
+abort check, the ready flag's wait and lowering, the signals' scope and the sentinel of the
+receive-count words. The generic ones
 the formats' device emitters use too (vector copies, scans, ``word``) live in
 ``epgen.primitives`` and are imported here, so kernel modules keep importing them from
 ``.common``."""
@@ -7,7 +8,7 @@ the formats' device emitters use too (vector copies, scans, ``word``) live in
 from __future__ import annotations
 
 import ir
-from ir import CacheHint, CmpOp, Scope, Sem, diag
+from ir import AtomOp, CacheHint, CmpOp, Scope, Sem, diag
 from ir import types as T
 
 from ..primitives import (VEC, VEC_BYTES, block_inclusive_scan,  # noqa: F401
@@ -41,17 +42,35 @@ def exit_if_aborted(r: ir.RoleBuilder, err_buf):
         r.return_()
 
 
-def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf, comm_barrier_id: int = -1):
+def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf):
     """A dispatch_wait copy block's start: thread 0 waits (bounded, ``ld.acquire.gpu``, 32 ns
-    back-off) for the aux block's ready flag (Region E of ``ctr``), the comm barrier, then
-    every thread leaves together if a wait has expired (``exit_if_aborted``)."""
+    back-off) for the aux block's ready flag (Region E of ``ctr``), the role's barrier
+    (``comm_sync``), then every thread leaves together if a wait has expired
+    (``exit_if_aborted``)."""
     lay = cfg.layout
     with r.if_(r.tid.eq(0)):
         r.spin_wait(word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
                     buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
                     scope=Scope.GPU, backoff_ns=32)
-    comm_sync(r, comm_barrier_id)
+    comm_sync(r)
     exit_if_aborted(r, err_buf)
+
+
+def lower_ready_flag_if_last(r: ir.RoleBuilder, cfg, ctr):
+    """One reader of the ready flag is done (``atom.relaxed.gpu.add`` of -1 on Region D); the
+    last one lowers the flag (Region E) for the next call."""
+    lay = cfg.layout
+    old = r.atomic(AtomOp.ADD, word(ctr, lay.cleanup_counter_offset), 0xFFFFFFFF,
+                   Sem.RELAXED, Scope.GPU, name="cleanup_old")
+    with r.if_(old.eq(1)):
+        r.store(word(ctr, lay.ready_flag_offset), 0)
+
+
+def signal_scope(cfg) -> Scope:
+    """Scope of the count-word and rank-flag signals and their waits: ``sys``; ``gpu`` where
+    no other device writes this one's receive-count words (``layout.crosses_devices`` false:
+    ``skip_a2a``)."""
+    return Scope.SYS if cfg.layout.crosses_devices else Scope.GPU
 
 
 def send_sm(r: ir.RoleBuilder, first_block: int, sm_id=None, n_active_send_sms=None):

@@ -12,7 +12,8 @@ blocks copy each token to its destinations (reference page: ``monitor_and_signal
   staged variants' prefill path and ``ep_send_join_named``) and the send-buffer staging with
   a warp per destination (``ep_copy_role_split``, the shared expert, the final layout of
   formats with ragged scale rows);
-- ``destination``: where the rows go, chosen once per build: the staged receive buffer or
+- ``destination``: where the rows go, chosen once from the configuration when the
+  parameters are declared (``AsyncParams.dest``): the staged receive buffer (``staged``) or
   the final layout's rows (``final_layout``).
 """
 
@@ -23,13 +24,14 @@ import attrs
 import ir
 from ir import types as T
 
-from . import final_layout, trace
+from . import destination, trace
 from .monitor import count_and_reserve, monitor_and_signal_completion, signal_after_sends
 from .send_policy import (send_warps_per_token, sends_from_every_block, uses_block_broadcast,
                           uses_warp_send)
 from .send_staged import broadcast_tokens, send_buffer_tokens
 from .send_warp import warp_broadcast_tokens
 from .sm_map import DEFAULT_SMS
+from .staged import StagedDestination
 
 KERNEL_NAME = "ep_dispatch_async"
 
@@ -47,12 +49,14 @@ class AsyncParams:
     counters: ir.Param
     my_rank: ir.Param
     err_buf: ir.Param
-    final: final_layout.FinalAsyncParams | None = None
+    #: the destination strategy (``destination.declare_send``), with its own parameters
+    dest: StagedDestination | None = None
 
 
-def declare_params(kb: ir.KernelBuilder, cfg=None) -> AsyncParams:
-    """dispatch_async's parameters on ``kb`` (the final layout's too when ``cfg`` has
-    ``ep_final_layout``), and its diagnostics (``err_buf``, ``my_rank``)."""
+def declare_params(kb: ir.KernelBuilder, cfg) -> AsyncParams:
+    """dispatch_async's parameters on ``kb``, then its destination strategy's
+    (``destination.declare_send``: the final layout's with ``ep_final_layout``), and its
+    diagnostics (``err_buf``, ``my_rank``)."""
     p = AsyncParams(
         input_tokens=kb.param("input_tokens", T.ptr_global),
         topk_ids=kb.param("topk_ids", T.ptr_global),
@@ -63,20 +67,20 @@ def declare_params(kb: ir.KernelBuilder, cfg=None) -> AsyncParams:
         counters=kb.param("counters", T.ptr_global),
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
-        final=final_layout.declare_async_params(kb, cfg) if cfg is not None else None,
     )
+    p = attrs.evolve(p, dest=destination.declare_send(kb, cfg, p))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
 
 
 def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: int,
-                         comm_barrier_id: int = -1, token_warps: int = 1, sm_id=None,
-                         n_active_send_sms=None):
+                         token_warps: int = 1, sm_id=None, n_active_send_sms=None):
     """Comm blocks: every token to its ``K`` destinations, by the send path the policy picks
     (``send_policy``): the warp path (``send_warp.warp_broadcast_tokens``, ``token_warps``
     warps per token), the block-staged broadcast (``send_staged.broadcast_tokens``) or the
     send-buffer staging with a warp per destination (``send_staged.send_buffer_tokens``).
-    ``n_signal_sms``: the first sending block; ``comm_barrier_id`` as in ``comm_sync``.
+    ``n_signal_sms``: the first sending block; the role's context (``kb.role``) gives its
+    threads and barrier (``comm_sync``).
     Under ``skip_a2a`` destinations other than ``my_rank`` are skipped. ``sm_id`` and
     ``n_active_send_sms`` (u32 IR values): this block's index among the sending blocks and
     their count, default ``block - n_signal_sms`` and ``grid - n_signal_sms``
@@ -85,8 +89,8 @@ def copy_and_send_tokens(r: ir.RoleBuilder, cfg, p: AsyncParams, n_signal_sms: i
     if uses_warp_send(cfg):
         return warp_broadcast_tokens(r, cfg, p, n_signal_sms, token_warps, **sms)
     if uses_block_broadcast(cfg):
-        return broadcast_tokens(r, cfg, p, n_signal_sms, comm_barrier_id, **sms)
-    return send_buffer_tokens(r, cfg, p, n_signal_sms, comm_barrier_id, **sms)
+        return broadcast_tokens(r, cfg, p, n_signal_sms, **sms)
+    return send_buffer_tokens(r, cfg, p, n_signal_sms, **sms)
 
 
 def add_send_phase(kb: ir.KernelBuilder, cfg, p: AsyncParams, comm_tail=None,

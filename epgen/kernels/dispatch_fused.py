@@ -62,11 +62,15 @@ def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Ke
     """The fused entry point ``ep_dispatch`` (module docstring). ``sms``
     (``sm_map.SMMap``): each role's blocks and the SM arguments of its builder, default the
     ones above; ``name``: the kernel's name (a remapped test kernel's own)."""
+    if cfg.ep_final_layout:
+        raise ValueError("ep_final_layout: the fused single-launch kernel does not take the "
+                         "final layout yet; build the standalone kernels "
+                         "(build_dispatch_async, build_dispatch_wait)")
     lay = cfg.layout
     se = bool(cfg.fused_shared_expert)
     kb = ir.KernelBuilder(name, cfg.num_threads)
     view = _SharedParams(kb)
-    pa = dispatch_async.declare_params(view)
+    pa = dispatch_async.declare_params(view, cfg)
     pw = dispatch_wait.declare_params(view, cfg)
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None
     trace.instrument(kb, cfg, pa.my_rank)
@@ -84,7 +88,7 @@ def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Ke
             r, cfg, pw.atomic_counter, se_slice(r)[1])) if se else None, sms=sms)
     with role("aux", last, None) as r:
         dispatch_wait.wait_for_arrivals_and_compute_offsets(
-            r, kb, cfg, pw, reserved_shared_expert_tokens=se_slice(r)[1] if se else None,
+            r, cfg, pw, reserved_shared_expert_tokens=se_slice(r)[1] if se else None,
             **sms.args(cfg, "aux", r))
     if se:
         with role("pack", 0, last) as r:
@@ -102,8 +106,8 @@ def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Ke
                 fused_se_counter=send_buf_ready_ptr(cfg, pw.atomic_counter),
                 shared_expert_token_count=t_se, err_buf=pw.err_buf, **pack_args)
     with role("copy", 0, last) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, pw, **sms.args(cfg, "copy", r),
-                                                      **trace.copy_args(kb))
+        dispatch_wait.copy_received_tokens_to_output(r, cfg, pw, **sms.args(cfg, "copy", r),
+                                                      copy_trace=trace.copy_trace(kb))
     return kb.build()
 
 

@@ -4,16 +4,17 @@ It is dispatch_wait with a second role sharing the copy blocks, the way a fused 
 would place its FFN next to the dispatch's comm role:
 
     blocks [0, grid-1), threads [0, X)          ffn   consumes the L1 arrival counters
-    blocks [0, grid-1), threads [X, block)      copy  copy_received_tokens_to_output with
-                                                      comm_thread_base = X, n_comm_threads =
-                                                      block - X, comm_barrier_id = 1,
-                                                      comm_smem_base = FFN_SMEM_BYTES,
-                                                      emit_l1_release
+    blocks [0, grid-1), threads [X, block)      copy  copy_received_tokens_to_output in a
+                                                      role with threads (X, block - X),
+                                                      barrier_id 1, smem_base FFN_SMEM_BYTES
+                                                      (the reference's comm_thread_base,
+                                                      n_comm_threads, comm_barrier_id,
+                                                      comm_smem_base), with an L1Release
     block grid-1, all threads                   aux   wait_for_arrivals_and_compute_offsets
 
 The comm role comes after the ffn role in kernel order and shares no thread, barrier id or
 shared byte with it: the ffn owns named barrier 2 and dynamic shared memory ``[0,
-FFN_SMEM_BYTES)``, the comm role barrier 1 and the bytes from ``comm_smem_base``.
+FFN_SMEM_BYTES)``, the comm role barrier 1 and the bytes from its ``smem_base``.
 
 The ffn role of block ``b`` consumes local experts ``b, b + grid - 1, ...``: thread 0 waits
 (bounded, ``ld.acquire.gpu``) for the ready flag (then counts itself done with it, so the flag
@@ -35,10 +36,11 @@ from ir import CmpOp, ReduxOp, Scope, Sem
 from ir import types as T
 
 from . import trace
-from .common import DATA_READY_FLAG, VEC, VEC_BYTES, exit_if_aborted
+from .common import DATA_READY_FLAG, VEC, VEC_BYTES, exit_if_aborted, lower_ready_flag_if_last
 from .common import word as _word
 from .dispatch_wait import (copy_received_tokens_to_output, copy_scratch_bytes, declare_params,
-                            lower_ready_flag_if_last, wait_for_arrivals_and_compute_offsets)
+                            wait_for_arrivals_and_compute_offsets)
+from .staged_copy import L1Release
 
 KERNEL_NAME = "ep_fused_roles"
 FFN_SMEM_BYTES = 64
@@ -69,6 +71,11 @@ class FusedRolesSpec:
                              f"ids (the roles run at once in one block), got "
                              f"{self.comm_barrier_id} and {self.ffn_barrier_id}")
 
+    def l1_release(self, arrival_ptr) -> L1Release:
+        """The comm role's ``L1Release`` on the counters at ``arrival_ptr``."""
+        return L1Release(arrival_ptr, self.l1_release_token_block, self.l1_release_atomic_pad,
+                         self.l1_release_delta)
+
     def expected_counters(self, cfg, expert_counts) -> np.ndarray:
         """Final L1 arrival counter words (u32 [L * atomic_pad]) for per-expert counts."""
         c = np.asarray(expert_counts, dtype=np.int64)
@@ -79,9 +86,10 @@ class FusedRolesSpec:
         return words
 
 
-def dynamic_smem_bytes(cfg) -> int:
-    """Dynamic shared memory the test kernel is launched with."""
-    return FFN_SMEM_BYTES + copy_scratch_bytes(cfg)
+def dynamic_smem_bytes(cfg, spec: FusedRolesSpec = FusedRolesSpec()) -> int:
+    """Dynamic shared memory the test kernel is launched with: the ffn role's bytes, then the
+    comm role's scratch."""
+    return FFN_SMEM_BYTES + copy_scratch_bytes(cfg, cfg.num_threads - spec.ffn_threads)
 
 
 def row_checksums(rows) -> np.ndarray:
@@ -162,15 +170,12 @@ def build_fused_roles(cfg, spec: FusedRolesSpec = FusedRolesSpec()) -> ir.Kernel
     smem = kb.dynamic_shared_memory()
     with kb.role("ffn", blocks=(0, last), threads=(0, X)) as r:
         ffn_consume_l1_arrivals(r, cfg, p, spec, smem, l1_arrival, ffn_out)
-    with kb.role("copy", blocks=(0, last), threads=(X, cfg.num_threads - X)) as r:
-        copy_received_tokens_to_output(
-            r, kb, cfg, p, spec.comm_barrier_id, comm_smem_base=FFN_SMEM_BYTES,
-            emit_l1_release=True, l1_release_token_block=spec.l1_release_token_block,
-            l1_release_atomic_pad=spec.l1_release_atomic_pad,
-            l1_release_delta=spec.l1_release_delta, l1_arrival_ptr=l1_arrival,
-            **trace.copy_args(kb))
+    with kb.role("copy", blocks=(0, last), threads=(X, cfg.num_threads - X),
+                 barrier_id=spec.comm_barrier_id, smem_base=FFN_SMEM_BYTES) as r:
+        copy_received_tokens_to_output(r, cfg, p, l1_release=spec.l1_release(l1_arrival),
+                                       copy_trace=trace.copy_trace(kb))
     with kb.role("aux", blocks=(last, None)) as r:
-        wait_for_arrivals_and_compute_offsets(r, kb, cfg, p, flag_readers_per_block=2)
+        wait_for_arrivals_and_compute_offsets(r, cfg, p, flag_readers_per_block=2)
     return kb.build()
 
 

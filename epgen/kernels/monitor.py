@@ -1,5 +1,5 @@
 """dispatch_async's monitor role: the monitor (aux) blocks count tokens per expert, reserve
-through the destination strategy, wait for their comm warps' copies and publish each
+through the destination strategy (``p.dest``), wait for their comm warps' copies and publish each
 expert's receive count (reference page: ``monitor_and_signal_completion``). On the send
 paths where the monitor blocks send too, the work is split around the sends:
 ``count_and_reserve`` (role ``monitor``) and ``signal_after_sends`` (role ``signal``).
@@ -11,50 +11,43 @@ import ir
 from ir import AtomOp, CacheHint, CmpOp, ReduxOp, Scope, Sem
 from ir import types as T
 
-from .common import load_pointer
+from .common import load_pointer, signal_scope
 from .common import word as _word
-from .destination import destination
 from .ord_r import signal_rank_completion
-from .send_policy import sends_through_shmem
 from .shmem_send import in_group, is_remote, signal_remote_count
 
 
-def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int = 0,
-                                  sm_id=None):
+def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, sm_id=None):
     """Aux blocks: warp ``w`` of block ``b`` owns global expert ``b*n_warps + w``. The warp
     counts that expert's ``(token, k)`` pairs (``count_routed``: ``redux.sync.add``); lane 0
     waits (bounded, ``ld.acquire.gpu``) until the comm warps have finished that many copies,
     publishes the count into the destination's receive-count word with ``st.release.sys``
     (per-expert completion), and re-arms its two counters (``signal_completion``). With
     ``ep_final_layout`` the warp first reserves its block of the destination's output
-    (``destination``: ``final_layout.reserve_rows``, the cursor's
-    ``atom.relaxed.sys.global.add.u64`` and the ``st.release.gpu`` base hand-off, or with
-    ``ep_prod_reserve`` the
+    (``p.dest.reserve``: the cursor's ``atom.relaxed.sys.global.add.u64`` and the
+    ``st.release.gpu`` base hand-off, or with ``ep_prod_reserve`` the
     ``st.release.sys.global.b64`` early count and the reserver), and the count word carries
     the block's offset when the layout is capacity-strided. With ``ep_ord_r`` the count word
     is a plain store and completion is published per destination rank
     (``ord_r.signal_rank_completion``: ``atom.acq_rel.gpu`` election, one ``st.release.sys``
     rank flag). Under ``skip_a2a`` the warps ``expert_idx < L`` (``n_monitored_experts``) own
-    global experts ``expert_idx + L * my_rank``, the others idle, the rank coordinates are 0
-    and the release is ``st.release.gpu``.
+    global experts ``expert_idx + L * my_rank`` (``layout.monitored_expert``), the others
+    idle, the rank coordinates are 0 (``layout.rank_coord``) and the release is
+    ``st.release.gpu`` (``signal_scope``).
 
     This is the staged send paths' monitor. On the warp send path the standard kernels split
     it around the sends (``add_send_phase``): ``count_and_reserve`` before, in role
     ``monitor``, and ``signal_after_sends`` after, in role ``signal``, so the monitor blocks
     send too.
 
-    ``comm_warp_base`` (reference: the absolute warp id of the comm class's first warp) must
-    be the role's first warp (``ThreadRange.base // 32``): ``r.warp`` is already comm-local,
-    and a block's monitor warps are the role's warps, so block ``b`` owns experts
-    ``b * role_warps + w``. ``sm_id`` (a u32 IR value, default the block index) is that
-    ``b``: a fused kernel that runs the role on remapped blocks passes each block's index
-    among the monitor blocks (``monitor_expert``)."""
-    if r.thread_base % 32 or comm_warp_base != r.thread_base // 32:
-        raise ValueError(f"comm_warp_base={comm_warp_base} must be the monitor role's first "
-                         f"warp (its thread range starts at thread {r.thread_base}, warp-"
-                         f"aligned)")
+    The reference's ``comm_warp_base`` (the absolute warp id of the comm class's first warp)
+    is the role's ``r.warp_base``: ``r.warp`` is already role-local, and a block's monitor
+    warps are the role's warps, so block ``b`` owns experts ``b * role_warps + w``. ``sm_id``
+    (a u32 IR value, default the block index) is that ``b``: a fused kernel that runs the
+    role on remapped blocks passes each block's index among the monitor blocks
+    (``monitor_expert``)."""
     E, K = cfg.layout.n_monitored_experts, cfg.layout.top_k
-    dest = destination(cfg, p)
+    dest = p.dest
     expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count = r.var("count", T.u32, 0)
     fl_off = dest.offset_var(r)
@@ -67,11 +60,10 @@ def monitor_and_signal_completion(r: ir.RoleBuilder, cfg, p, comm_warp_base: int
 def monitor_expert(r: ir.RoleBuilder, cfg, p, sm_id=None):
     """``(expert_idx, g)`` of this monitor warp: ``sm_id * role_warps + warp`` (``sm_id``: the
     block's index among the monitor blocks, default the block index), and the global expert
-    it owns (``+ L * my_rank`` under ``skip_a2a``)."""
+    it owns (``layout.monitored_expert``: ``+ L * my_rank`` under ``skip_a2a``)."""
     sm = r.block if sm_id is None else ir.as_expr(sm_id)
     expert_idx = r.let("expert_idx", sm * (r.n_threads // 32) + r.warp)
-    g = r.let("g", expert_idx + cfg.layout.n_local_experts * p.my_rank if cfg.skip_a2a
-              else expert_idx)
+    g = r.let("g", cfg.layout.monitored_expert(expert_idx, p.my_rank))
     return expert_idx, g
 
 
@@ -93,12 +85,12 @@ def monitor_state(r: ir.RoleBuilder, field: int | None = None):
 def count_and_reserve(r: ir.RoleBuilder, cfg, p, sm_id=None):
     """Role ``monitor`` of the warp send path (whole monitor blocks, before the sends): the
     counts from one shared histogram per block (``count_block_experts``) into the monitor
-    state, then the destination's reservation (``destination``: with ``ep_final_layout``
-    ``final_layout.reserve_rows``) and, capacity-strided, the block offset into the monitor
-    state. Counting and reserving come before every send: the final layout's sends wait for
+    state, then the destination's reservation (``p.dest.reserve_counted``: with
+    ``ep_final_layout`` the final rows' reservation) and, capacity-strided, the block offset
+    into the monitor state. Counting and reserving come before every send: the final layout's sends wait for
     the block bases published here. ``sm_id`` as in ``monitor_expert``."""
     E, K = cfg.layout.n_monitored_experts, cfg.layout.top_k
-    dest = destination(cfg, p)
+    dest = p.dest
     expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count_block_experts(r, p.topk_ids, p.n_tokens * K, g - r.warp, monitor_state(r))
 
@@ -116,7 +108,7 @@ def signal_after_sends(r: ir.RoleBuilder, cfg, p, token_warps: int = 1, sm_id=No
     monitor state; ``token_warps`` as the sends'; ``sm_id`` as ``count_and_reserve``'s."""
     expert_idx, g = monitor_expert(r, cfg, p, sm_id)
     count = r.let("count", r.load(monitor_state(r, 0), T.u32, name="count_ld"))
-    fl_off = destination(cfg, p).carried_offset(
+    fl_off = p.dest.carried_offset(
         r, lambda: r.load(monitor_state(r, 1), T.u32, name="fl_off_ld"))
     signal_completion(r, cfg, p, expert_idx, g, count, fl_off, token_warps)
 
@@ -126,12 +118,12 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
     """The monitor warp's lane 0, for its expert (``expert_idx < n_monitored_experts``: ``E``,
     ``L`` under ``skip_a2a``): bounded wait until the finished counter reaches ``count``
     (``ld.acquire.gpu``; ``token_warps * count`` when that many warps share each token and each
-    counts its share of a copy), publish the count word (``destination``'s ``count_word``; or
-    the ORD-R rank completion), re-arm the counters (and the destination's words: the final
-    layout's hand-off). A destination outside the P2P group (``sends_through_shmem``) gets the
-    count word through ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead,
-    with or without ORD-R."""
-    dest = destination(cfg, p)
+    counts its share of a copy), publish the count word (``p.dest.count_word``; or the ORD-R
+    rank completion), re-arm the counters (and the destination's words: ``p.dest.rearm``). A
+    destination outside the P2P group (``cfg.needs_shmem``) gets the count word through
+    ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead, with or without
+    ORD-R."""
+    dest = p.dest
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
     reserved, finished = p.counters, _word(p.counters, E)
@@ -139,27 +131,24 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
         with r.if_(r.lane.eq(0)):
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
-            signal_offset = r.let("signal_offset", e * R + (0 if cfg.skip_a2a else p.my_rank))
-            counter_offset = r.let("counter_offset", e * R + (0 if cfg.skip_a2a else dst_rank))
+            signal_offset = r.let("signal_offset", e * R + lay.rank_coord(p.my_rank))
+            counter_offset = r.let("counter_offset", e * R + lay.rank_coord(dst_rank))
             r.spin_wait(_word(finished, counter_offset), T.u32, CmpOp.EQ,
                         count * token_warps if token_warps > 1 else count,
                         buffer="expert_finished_counter", index=counter_offset,
                         sem=Sem.ACQUIRE, scope=Scope.GPU)
-            dst_p2p = dst_rank % cfg.p2p_world_size
-            scope = Scope.GPU if cfg.skip_a2a else Scope.SYS
-            counts = load_pointer(r, p.recv_count_ptrs, 0 if cfg.skip_a2a else dst_p2p,
-                                  "recv_count_dst", peer=not cfg.skip_a2a)
+            counts = load_pointer(r, p.recv_count_ptrs, lay.peer_index(dst_rank),
+                                  "recv_count_dst", peer=lay.crosses_devices)
             published = dest.count_word(count, fl_off)
 
             def signal_in_group():
                 if cfg.ep_ord_r:
                     signal_rank_completion(r, cfg, counts, signal_offset, published,
-                                           0 if cfg.skip_a2a else dst_p2p, p.counters,
-                                           p.my_rank)
+                                           lay.peer_index(dst_rank), p.counters, p.my_rank)
                 else:
                     r.store(_word(counts, signal_offset, 8), published.cast(T.u64),
-                            Sem.RELEASE, scope)
-            if sends_through_shmem(cfg):    # remote: the count word through NVSHMEM
+                            Sem.RELEASE, signal_scope(cfg))
+            if cfg.needs_shmem:    # remote: the count word through NVSHMEM
                 with r.if_(in_group(cfg, dst_rank, p.my_rank)):
                     signal_in_group()
                 with r.if_(is_remote(cfg, dst_rank, p.my_rank)):

@@ -22,19 +22,16 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
-from .common import SENTINEL, comm_sync, exit_if_aborted, published_count_word
+from .common import SENTINEL, comm_sync, exit_if_aborted, published_count_word, signal_scope
 from .common import word as _word
-
-
-def signal_scope(cfg) -> Scope:
-    """Scope of the count-word and rank-flag signals: ``sys``, ``gpu`` under ``skip_a2a``."""
-    return Scope.GPU if cfg.skip_a2a else Scope.SYS
+from .shmem_send import in_group, is_remote
 
 
 def rank_flag_word(cfg, src_rank):
     """Word of source ``src_rank``'s rank flag in a destination's receive-count buffer:
-    ``rank_flag_offset(src_rank)``, rank coordinate 0 under ``skip_a2a``."""
-    return cfg.layout.rank_flag_offset(0 if cfg.skip_a2a else src_rank)
+    ``rank_flag_offset(src_rank)`` of its rank coordinate (``layout.rank_coord``: 0 under
+    ``skip_a2a``)."""
+    return cfg.layout.rank_flag_offset(cfg.layout.rank_coord(src_rank))
 
 
 def rank_completion_counter(cfg, counters):
@@ -62,49 +59,47 @@ def signal_rank_completion(r: ir.RoleBuilder, cfg, counts, signal_offset, value,
         r.store(election, 0)
 
 
-def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf,
-                       comm_barrier_id: int = -1, my_rank=None) -> ir.Var:
+def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf, my_rank=None) -> ir.Var:
     """dispatch_wait aux block, ORD-R arrivals: thread ``s < n_sources`` (``R``; 1 under
     ``skip_a2a``) waits (bounded, ``ld.acquire.sys``; ``gpu`` under ``skip_a2a``) until source
-    ``s``'s rank flag holds ``L``; after the comm barrier, thread ``w < E`` of a published word
+    ``s``'s rank flag holds ``L``; after the role's barrier, thread ``w < E`` of a published word
     (``common.published_count_word``; the others count 0) reads count word ``w`` with
     a plain ``ld.global.b64`` (published by the flag). Returns the u32 count of this thread.
 
-    With a source outside this rank's P2P group (``use_shmem``, ``p2p_world_size < n_ranks``;
-    ``my_rank`` is then this rank) that source raises no rank flag: its count words arrive
+    With a source outside this rank's P2P group (``cfg.needs_shmem``; ``my_rank`` is then
+    this rank) that source raises no rank flag: its count words arrive
     one by one through ``nvshmemx_signal_op``, so thread ``w`` whose source ``w % R`` is remote
     waits for its count word itself (bounded, ``ld.acquire.sys``, until it is not the
     sentinel), before the barrier, and the flag waits cover the in-group sources only."""
     lay = cfg.layout
     R, E, L = cfg.n_ranks, cfg.n_experts, lay.n_local_experts
     tid = r.tid
-    shmem = bool(cfg.use_shmem) and cfg.needs_shmem
+    shmem = cfg.needs_shmem
     if shmem and my_rank is None:
         raise ValueError("acquire_rank_flags: with sources outside the P2P group it needs "
                          "my_rank (which sources raise a rank flag)")
-    P = cfg.p2p_world_size
     flag_cond = tid < lay.n_sources
     if shmem:
-        flag_cond = flag_cond & (tid // P).eq(ir.as_expr(my_rank) // P)
+        flag_cond = flag_cond & in_group(cfg, tid, my_rank)
     with r.if_(flag_cond):
         flag = rank_flag_word(cfg, tid)
         r.spin_wait(_word(recv_count_p, flag, 8), T.u64, CmpOp.EQ, L, buffer="rank_flag",
                     index=flag, sem=Sem.ACQUIRE, scope=signal_scope(cfg))
     c = r.var("c", T.u32, 0) if shmem else None
     if shmem:
-        remote = ((tid % R) // P).ne(ir.as_expr(my_rank) // P)
+        remote = is_remote(cfg, tid % R, my_rank)
         with r.if_((tid < E) & remote):
             seen = r.spin_wait(_word(recv_count_p, tid, 8), T.u64, CmpOp.NE, SENTINEL,
                                buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
                                scope=Scope.SYS)
             r.assign(c, seen.cast(T.u32))
-    comm_sync(r, comm_barrier_id)
+    comm_sync(r)
     exit_if_aborted(r, err_buf)
     if c is None:
         c = r.var("c", T.u32, 0)
     plain = published_count_word(cfg, tid)
     if shmem:
-        plain = plain & ((tid % R) // P).eq(ir.as_expr(my_rank) // P)
+        plain = plain & in_group(cfg, tid % R, my_rank)
     with r.if_(plain):
         r.assign(c, r.load(_word(recv_count_p, tid, 8), T.u64, name="count_word").cast(T.u32))
     return c
@@ -119,4 +114,4 @@ def rearm_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p):
 
 
 __all__ = ["signal_rank_completion", "acquire_rank_flags", "rearm_rank_flags",
-           "rank_flag_word", "rank_completion_counter", "signal_scope"]
+           "rank_flag_word", "rank_completion_counter"]

@@ -61,8 +61,7 @@ def sm_schedule(expert_counts, n_blocks: int, n_entries: int | None = None) -> n
     return table
 
 
-def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, comm_barrier_id: int = -1,
-                     n_copy_blocks=None):
+def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, n_copy_blocks=None):
     """Aux block: write the ``n_sms``-entry table at ``ctr + sm_schedule_offset`` words from
     the inclusive prefix ``S`` (shared, one u32 per count word ``e*R + src``). Every thread of
     the role takes part: a zero fill of the table, a block scan of "expert has tokens" (three
@@ -84,7 +83,7 @@ def fill_sm_schedule(r: ir.RoleBuilder, cfg, ctr, S, warp_totals, comm_barrier_i
         r.assign(c_e, r.load(_word(S, tid * R + (R - 1)), T.u32, name="s_incl") - c_before)
     has = r.let("has_tokens", ir.Cast(T.u32, c_e > 0))
     n_warps = r.n_threads // 32
-    nz_incl = block_inclusive_scan(r, has, warp_totals, n_warps, "nz", comm_barrier_id)
+    nz_incl = block_inclusive_scan(r, has, warp_totals, n_warps, "nz")
     with r.if_(has.ne(0)):
         z = r.load(_word(warp_totals, n_warps - 1), T.u32, name="n_nonzero")
         total = r.load(_word(S, E - 1), T.u32, name="c_total").cast(T.u64)

@@ -3,18 +3,14 @@
 (``sends_from_every_block``) and how many warps share a token (``send_warps_per_token``).
 Pure functions of the configuration (its format's properties, flags, geometry and
 ``cfg.tuning``); they emit nothing.
+
+A destination outside the sender's P2P group (``cfg.needs_shmem``, the one SHMEM decision)
+is reached by an NVSHMEM put whose source is the message in the send buffer, so such a build
+takes the send-buffer path (``send_buffer_tokens``) with its cross-group fan-out, never the
+warp path or the block-staged broadcast (whose messages live in registers or shared memory).
 """
 
 from __future__ import annotations
-
-
-def sends_through_shmem(cfg) -> bool:
-    """Whether some destination is outside the sender's P2P group and reached through
-    NVSHMEM (``use_shmem`` and ``needs_shmem``): the put's source is the message in the send
-    buffer, so the build takes the send-buffer path (``send_buffer_tokens``) with its
-    cross-group fan-out, never the warp path or the block-staged broadcast (whose messages
-    live in registers or shared memory)."""
-    return bool(cfg.use_shmem) and cfg.needs_shmem
 
 
 def prefers_block_broadcast(cfg) -> bool:
@@ -26,7 +22,7 @@ def prefers_block_broadcast(cfg) -> bool:
     block at least that many tokens), not the final layout (the block-staged broadcast
     writes receive buffers only)."""
     return (cfg.token_fmt.prefers_block_staged_broadcast and not cfg.ep_final_layout
-            and not sends_through_shmem(cfg) and cfg.max_tokens_per_rank
+            and not cfg.needs_shmem and cfg.max_tokens_per_rank
             >= cfg.tuning.block_broadcast_min_tokens_per_block * cfg.n_sms)
 
 
@@ -34,11 +30,11 @@ def uses_warp_send(cfg) -> bool:
     """Whether ``copy_and_send_tokens`` takes the warp send path (``warp_broadcast_tokens``):
     no role split, no shared expert (both read the staged send buffer), no
     ``ep_send_join_named`` (it names the staged paths' block-wide join), no NVSHMEM
-    destination (``sends_through_shmem``: the put reads the send buffer), under
+    destination (``cfg.needs_shmem``: the put reads the send buffer), under
     ``ep_final_layout`` only formats whose payload is the output row, and not where the
     block-staged broadcast is faster (``prefers_block_broadcast``)."""
     return (not cfg.layout.role_split.enabled and not cfg.fused_shared_expert
-            and not cfg.ep_send_join_named and not sends_through_shmem(cfg)
+            and not cfg.ep_send_join_named and not cfg.needs_shmem
             and (not cfg.ep_final_layout or writes_final_rows_by_warp(cfg.token_fmt))
             and not prefers_block_broadcast(cfg))
 
@@ -62,7 +58,7 @@ def uses_block_broadcast(cfg) -> bool:
     buffer."""
     return (not uses_warp_send(cfg) and not cfg.layout.role_split.enabled
             and not cfg.ep_final_layout and not cfg.fused_shared_expert
-            and not sends_through_shmem(cfg))
+            and not cfg.needs_shmem)
 
 
 def sends_from_every_block(cfg) -> bool:
@@ -103,6 +99,6 @@ def send_warps_per_token(cfg) -> int:
     return max(fits, default=1)
 
 
-__all__ = ["TOKEN_GROUP_BARRIER_BASE", "sends_through_shmem", "prefers_block_broadcast",
+__all__ = ["TOKEN_GROUP_BARRIER_BASE", "prefers_block_broadcast",
            "uses_warp_send", "writes_final_rows_by_warp", "uses_block_broadcast",
            "sends_from_every_block", "send_warps_per_token"]

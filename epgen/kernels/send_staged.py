@@ -13,39 +13,37 @@ from ir import types as T
 
 from .common import VEC, comm_sync, send_sm
 from .common import word as _word
-from .destination import NO_SLOT, destination
-from .send_policy import sends_through_shmem
-from .shmem_send import cross_group_fan_out, in_group
+from .shmem_send import cross_group_fan_out
+from .staged import NO_SLOT
 
 
-def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
-                       comm_barrier_id: int = -1, sm_id=None, n_active_send_sms=None):
+def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
+                       n_active_send_sms=None):
     """The send-buffer path of ``copy_and_send_tokens`` (the role split, the shared expert,
     the final layout of formats the warp path cannot write). Comm blocks: block-strided
     over tokens. All threads stage token ``t`` (payload by the
     format, then the header: source index and top-k ids) in send-buffer row ``t``, join
     (``send_join``), then warp ``k`` (strided) reserves a slot on destination expert
-    ``topk_ids[t, k]`` (``atom.relaxed.gpu.add``), copies the message to the destination's
-    receive buffer with 16-byte stores, and counts the copy finished with
-    ``red.release.gpu.add``. Where the copy goes is the destination strategy's
-    (``destination``: ``stage_source``, ``copy_message``): with ``ep_final_layout`` the
-    header also carries the source rank and the copy goes straight to the destination's
-    output row and header row (``final_layout.copy_to_final_row``). With
+    ``topk_ids[t, k]`` (lane 0's ``p.dest.take_slot``: ``atom.relaxed.gpu.add``), copies the
+    message to the destination's receive buffer with 16-byte stores, and counts the copy
+    finished with ``red.release.gpu.add``. Which slots it takes and where the copy goes is
+    the destination strategy's (``p.dest``: ``slot_counter``, ``stage_source``,
+    ``copy_message``): with ``ep_final_layout`` the header also carries the source rank and
+    the copy goes straight to the destination's output row and header row. With
     ``ep_copy_role_split`` (when its geometry qualifies) the format's copy runs on the
     copy-role threads only and just the publisher warps fan out (``fan_out_slots``);
     ``ep_send_join_named`` moves the join to ``bar.sync 3, <threads>``.
     Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
     own receive buffer (pointer-table entry 0) is written. With an NVSHMEM destination
-    (``sends_through_shmem``) the warps fan out to the in-group destinations only, and the
+    (``cfg.needs_shmem``) the warps fan out to the in-group destinations only, and the
     remote ones get the cross-group fan-out (``shmem_send.cross_group_fan_out``: a put of
     the staged message, its quiet, then the finished count)."""
     lay, fmt = cfg.layout, cfg.token_fmt
-    E, L, R, K = cfg.n_experts, lay.n_local_experts, cfg.n_ranks, lay.top_k
+    E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
     msg_bytes = lay.msg_bytes
-    dest = destination(cfg, p)
-    reserved, finished = p.counters, _word(p.counters, E)
+    dest = p.dest
+    finished = _word(p.counters, E)
     split = active_role_split(r, cfg)
-    shmem = sends_through_shmem(cfg)
     sm, n_active = send_sm(r, n_signal_sms, sm_id, n_active_send_sms)
     n_comm = r.let("n_comm", n_active)
     with r.for_range("t", sm, p.n_tokens, n_comm) as t:
@@ -61,37 +59,29 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
             dest.stage_source(r, msg)
-        send_join(r, cfg, comm_barrier_id)
+        send_join(r, cfg)
         k_first, k_step = fan_out_slots(r, cfg, split)
         with r.for_range("k", k_first, K, k_step) as k:
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
-            if cfg.skip_a2a:
-                takes = dst_rank.eq(p.my_rank)
-            elif shmem:     # the remote slots are the cross-group fan-out's
-                takes = in_group(cfg, dst_rank, p.my_rank) & (g < E)
-            else:           # an id past the experts (dropped by the id check): no slot
-                takes = g < E
-            with r.if_(takes):
-                co = r.let("co", e * R + (0 if cfg.skip_a2a else dst_rank))
+            with dest.slot_counter(r, g, dst_rank, e) as co:
                 slot = r.var("slot", T.u32, 0)
                 with r.if_(r.lane.eq(0)):
-                    r.assign(slot, r.atomic(AtomOp.ADD, _word(reserved, co), 1, Sem.RELAXED,
-                                            Scope.GPU, name="slot0"))
+                    r.assign(slot, dest.take_slot(r, co))
                 slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_b")
                 dest.copy_message(r, msg, dst_rank, e, co, slot_b)
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
-        if shmem:
+        if cfg.needs_shmem:
             cross_group_fan_out(r, cfg, p, t, msg)
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p, t, msg, dsts, cos):
     """The whole block stages token ``t`` in the shared message ``msg`` (the format's payload,
     then its header: threads ``k < K`` write top-k id ``k``, reserve slot ``k``'s row
-    (``destination.reserve_slot``) and leave its address in ``dsts[k]`` and its counter in
+    (``p.dest.reserve_slot``) and leave its address in ``dsts[k]`` and its counter in
     ``cos[k]``,
     thread 0 the source index)."""
     fmt, K, L = cfg.token_fmt, cfg.layout.top_k, cfg.layout.n_local_experts
@@ -103,8 +93,7 @@ def stage_token(r: ir.RoleBuilder, cfg, p, t, msg, dsts, cos):
         dst_rank = r.let("dst_rank", g // L)
         addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
         co_word = r.var("co_word", T.u32, NO_SLOT)
-        destination(cfg, p).reserve_slot(r, g, dst_rank, co_word, r.var("slot", T.u32, 0),
-                                         addr)
+        p.dest.reserve_slot(r, g, dst_rank, co_word, r.var("slot", T.u32, 0), addr)
         r.store(_word(dsts, r.tid, 8), addr)
         r.store(_word(cos, r.tid), co_word)
     with r.if_(r.tid.eq(0)):
@@ -130,7 +119,7 @@ def begin_staging(r: ir.RoleBuilder, cfg, p, t, n_comm, g_ahead):
     H200 at prefill, ``ep_send_join_named`` BF16 round trip 0.802 -> 0.822 of copy;
     docs/PERF.md's tuning table). Now: the block's loads of ``t``'s input row (row ``min(t,
     n_tokens - 1)``: always a valid address), and threads ``k < K`` reserve slot ``k``
-    (``destination.reserve_slot``) with the top-k id ``g_ahead`` holds, then load the id of
+    (``p.dest.reserve_slot``) with the top-k id ``g_ahead`` holds, then load the id of
     token ``t + n_comm`` into it. Returns ``finish(msg, dsts, cos)``: when ``t < n_tokens``, the payload
     stores, the header's top-k ids and source index, the destinations and counters, as
     ``stage_token`` leaves them."""
@@ -143,8 +132,8 @@ def begin_staging(r: ir.RoleBuilder, cfg, p, t, n_comm, g_ahead):
     addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
     co_word = r.var("co_word", T.u32, NO_SLOT)
     with r.if_(live & (r.tid < K)):
-        destination(cfg, p).reserve_slot(r, g, r.let("dst_rank", g // L), co_word,
-                                         r.var("slot", T.u32, 0), addr)
+        p.dest.reserve_slot(r, g, r.let("dst_rank", g // L), co_word,
+                            r.var("slot", T.u32, 0), addr)
         after = r.let("t_after", t + n_comm)
         with r.if_(after < p.n_tokens):
             r.assign(g_ahead, r.load(_word(p.topk_ids, after * K + r.tid), T.u32,
@@ -184,8 +173,8 @@ def count_staged_copies(r: ir.RoleBuilder, cfg, p, cos):
             r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
 
-def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
-                               comm_barrier_id: int = -1, sm_id=None, n_active_send_sms=None):
+def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
+                               n_active_send_sms=None):
     """``broadcast_tokens`` as a two-stage pipeline on two shared buffers, one send join per
     token (measured on the H200 at prefill against three joins per token, one buffer:
     ``ep_send_join_named`` round trip BF16 0.764 -> 0.799 of copy, NVFP4 0.475 -> 0.533,
@@ -198,9 +187,9 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
     bytes and completion as ``broadcast_tokens``."""
     lay, K = cfg.layout, cfg.layout.top_k
     msg_stride = -(-lay.msg_bytes // 16) * 16
-    msgs = r.kb.shared_buffer("send_msg", 2 * msg_stride)
-    dsts = r.kb.shared_buffer("send_dst", 2 * 8 * K)
-    cos = r.kb.shared_buffer("send_co", 2 * 4 * K)
+    msgs = r.scratch("send_msg", 2 * msg_stride)
+    dsts = r.scratch("send_dst", 2 * 8 * K)
+    cos = r.scratch("send_co", 2 * 4 * K)
 
     def buffers(b):
         return (msgs + (b * msg_stride).cast(T.u64), dsts + (b * 8 * K).cast(T.u64),
@@ -213,7 +202,7 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
         stage_token(r, cfg, p, first, *buffers(ir.Const(0, T.u32)))
     prefetch = cfg.token_fmt.splits_staging
     g_ahead = prefetch_topk_id(r, cfg, p, first + n_comm) if prefetch else None
-    send_join(r, cfg, comm_barrier_id)
+    send_join(r, cfg)
     b = r.var("send_buf", T.u32, 0)
     with r.for_range("t", first, p.n_tokens, n_comm) as t:
         nxt = r.let("t_next", t + n_comm)
@@ -226,13 +215,13 @@ def broadcast_tokens_pipelined(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
         broadcast_staged_token(r, cfg, msg, dst)
         if prefetch:
             finish(*buffers(1 - b))
-        send_join(r, cfg, comm_barrier_id)
+        send_join(r, cfg)
         count_staged_copies(r, cfg, p, co)
         r.assign(b, 1 - b)
 
 
-def broadcast_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
-                     comm_barrier_id: int = -1, sm_id=None, n_active_send_sms=None):
+def broadcast_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
+                     n_active_send_sms=None):
     """``copy_and_send_tokens``' P2P path when the send buffer is not needed afterwards (no
     role split, no final layout, no shared expert): the block stages token ``t`` once, in
     shared memory, and every thread then stores its 16-byte vectors of the message to all
@@ -244,8 +233,7 @@ def broadcast_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int,
     (``red.release.gpu.add``: the barrier orders every thread's stores before it). Same
     slots, counters and completion as the stock path. The joins are the send join, so
     ``ep_send_join_named`` moves each to ``bar.sync 3, <threads>``."""
-    return broadcast_tokens_pipelined(r, cfg, p, n_signal_sms, comm_barrier_id, sm_id,
-                                      n_active_send_sms)
+    return broadcast_tokens_pipelined(r, cfg, p, n_signal_sms, sm_id, n_active_send_sms)
 
 
 def active_role_split(r: ir.RoleBuilder, cfg):
@@ -274,15 +262,15 @@ def fan_out_slots(r: ir.RoleBuilder, cfg, split):
     return first, split.n_publisher_warps
 
 
-def send_join(r: ir.RoleBuilder, cfg, comm_barrier_id: int = -1):
-    """The join between staging a token and fanning it out: the comm barrier
-    (``bar.sync 0`` in the standalone kernel), or with ``ep_send_join_named`` the comm role's
+def send_join(r: ir.RoleBuilder, cfg):
+    """The join between staging a token and fanning it out: the role's barrier
+    (``comm_sync``: ``bar.sync 0`` in the standalone kernel), or with ``ep_send_join_named`` the comm role's
     own named barrier ``NB_SEND`` (``bar.sync 3, <num_threads>``; reference
     ``named_barrier[num_threads](NB_SEND)``)."""
     if cfg.ep_send_join_named:
         r.bar_sync(r.barrier("send_join", cfg.layout.NB_SEND))
         return
-    comm_sync(r, comm_barrier_id)
+    comm_sync(r)
 
 
 __all__ = ["send_buffer_tokens", "broadcast_tokens", "broadcast_tokens_pipelined",

@@ -13,8 +13,8 @@ from ir import types as T
 
 from .common import send_sm
 from .common import word as _word
-from .destination import NO_SLOT, destination
 from .send_policy import TOKEN_GROUP_BARRIER_BASE
+from .staged import NO_SLOT
 
 
 def token_group_sync(r: ir.RoleBuilder, group, token_warps: int):
@@ -40,7 +40,7 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
 
     - lane ``l < rounds * K`` holds slot ``l % K`` of the round's token ``l // K``: it loads
       ``topk_ids[t, k]``, reserves the slot's row on its destination
-      (``destination.reserve_slot``: ``atom.relaxed.gpu.add`` on the reserved counter) and
+      (``p.dest.reserve_slot``: ``atom.relaxed.gpu.add`` on the reserved counter) and
       computes its address (0 when
       nothing is sent: ``skip_a2a`` on another device, or a slot past the block capacity);
       the round's atomics are in flight together;
@@ -53,7 +53,7 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
     - ``bar.warp.sync``, then each lane counts its copy finished (``red.release.gpu.add``,
       as the stock fan-out does after its warp copy): one release per round, not per token.
 
-    Where the rows go is the build's destination strategy (``destination``): the staged
+    Where the rows go is the build's destination strategy (``p.dest``): the staged
     receive buffer's messages, or with ``ep_final_layout`` the final output rows
     (``FinalRowsDestination.warp_rows`` waits for each slot's block base), each lane then
     writing its header row, source rank included, into the destination's header array.
@@ -71,7 +71,7 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
     Same slots, counters and completion as ``copy_and_send_tokens``."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
-    dest = destination(cfg, p)
+    dest = p.dest
     finished = _word(p.counters, E)
     warps = r.n_threads // 32
     split = token_warps > 1
@@ -114,8 +114,8 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
         n_in_round = r.let("n_in_round", ((p.n_tokens - t0 - 1) // n_send_warps + 1)
                            .min(per_round))
         if split:      # part 0's addresses and counter offsets, to the group's other warps
-            table = r.kb.shared_buffer("send_dsts", 8 * r.n_threads)
-            cos = r.kb.shared_buffer("send_cos", 4 * r.n_threads)
+            table = r.scratch("send_dsts", 8 * r.n_threads)
+            cos = r.scratch("send_cos", 4 * r.n_threads)
             with r.if_(part.eq(0)):
                 r.store(table + (r.tid * 8).cast(T.u64), addr)
                 r.store(_word(cos, r.tid), co_word)
@@ -124,10 +124,10 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
             r.assign(co_word, r.load(_word(cos, lead), T.u32, name="co_lead"))
             warp_dsts = r.let("warp_dsts", table + ((r.warp - part) * 256).cast(T.u64))
         else:
-            table = r.kb.shared_buffer("send_dsts", 8 * r.n_threads)
+            table = r.scratch("send_dsts", 8 * r.n_threads)
             r.store(table + (r.tid * 8).cast(T.u64), addr)
             if scale_addr is not None:
-                scale_table = r.kb.shared_buffer("send_scale_dsts", 8 * r.n_threads)
+                scale_table = r.scratch("send_scale_dsts", 8 * r.n_threads)
                 r.store(scale_table + (r.tid * 8).cast(T.u64), scale_addr)
                 warp_scale_dsts = r.let("warp_scale_dsts",
                                         scale_table + (r.warp * 256).cast(T.u64))

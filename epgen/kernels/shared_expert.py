@@ -49,14 +49,13 @@ def send_buf_ready_ptr(cfg, wait_counters):
     return _word(wait_counters, cfg.layout.send_buf_ready_offset)
 
 
-def publish_send_buf_ready(r: ir.RoleBuilder, cfg, wait_counters, t_se,
-                           comm_barrier_id: int = -1):
+def publish_send_buf_ready(r: ir.RoleBuilder, cfg, wait_counters, t_se):
     """Comm (send) block, after ``copy_and_send_tokens`` staged all its tokens: when
     ``T_se > 0``, the role's barrier, then thread 0 bumps ``send_buf_ready`` with
     ``red.release.gpu.global.add.u32`` (the barrier orders every thread's send-buffer stores
     before it)."""
     with r.if_(ir.as_expr(t_se) > 0):
-        comm_sync(r, comm_barrier_id)
+        comm_sync(r)
         with r.if_(r.tid.eq(0)):
             r.red(AtomOp.ADD, send_buf_ready_ptr(cfg, wait_counters), 1, Sem.RELEASE,
                   Scope.GPU)
@@ -64,7 +63,7 @@ def publish_send_buf_ready(r: ir.RoleBuilder, cfg, wait_counters, t_se,
 
 def pack_shared_expert_inputs(r: ir.RoleBuilder, cfg, *, send_rows, output_tokens,
                               fused_se_counter, shared_expert_token_count, pack_sm_id,
-                              n_active_comm_sms, n_send_sms, err_buf, comm_barrier_id: int = -1):
+                              n_active_comm_sms, n_send_sms, err_buf):
     """Copy the shared expert's ``T_se`` tokens (``shared_expert_token_count``), already in
     wire format in the send buffer from ``send_rows`` (row ``row0``), to output rows
     ``[0, T_se)`` (group 0). ``n_pack = min(n_tiles, n_active_comm_sms)`` blocks take part
@@ -90,7 +89,7 @@ def pack_shared_expert_inputs(r: ir.RoleBuilder, cfg, *, send_rows, output_token
             with r.if_(old.eq(n_pack - 1)):
                 r.store(ready, 0)
                 r.store(started, 0)
-        comm_sync(r, comm_barrier_id)
+        comm_sync(r)
         exit_if_aborted(r, err_buf)
         with r.for_range("se_tile", pack_sm_id, n_tiles, n_pack) as tile:
             ts = r.let("se_ts", tile * TT)

@@ -1,5 +1,5 @@
 """Destinations outside the sender's P2P group, through NVSHMEM (``use_shmem`` with
-``p2p_world_size < n_ranks``; ``send_policy.sends_through_shmem`` is the rule).
+``p2p_world_size < n_ranks``; ``cfg.needs_shmem`` is the rule).
 
 Destination ``d`` is in rank ``m``'s P2P group when ``d // P == m // P`` (``P =
 p2p_world_size``): those get the peer stores as before. Every other destination (a *remote*

@@ -27,7 +27,7 @@ share a ring (the claim is atomic); more rings per block only spread the claims.
 the tuning: ``trace_rings_per_cta``, ``trace_ring_capacity``), stamps every role's
 ``<role>.begin`` / ``<role>.end`` (``KernelBuilder.role_hooks``), and ``stamp`` records the
 hand-offs the builders mark. ``copy_received_tokens_to_output`` takes its sink and ring
-geometry as arguments (``copy_args`` passes the kernel's). ``epgen.runtime.trace`` arms and
+geometry as one argument, a ``CopyTrace`` (``copy_trace`` gives the kernel's). ``epgen.runtime.trace`` arms and
 decodes the rings; ``%globaltimer`` is one clock for the whole GPU (ns), so emulated ranks
 compare directly.
 """
@@ -168,6 +168,39 @@ class Ring:
 
 
 @attrs.frozen
+class CopyTrace:
+    """The trace arguments of ``copy_received_tokens_to_output``: the sink ``buf``
+    (``NullTrace``, the default, compiles every stamp out) and the ring the role writes, ring
+    ``comm_ring_id`` of the ``rings_per_cta`` rings of ``ring_capacity`` events each block
+    owns from ring ``ring_base`` on; ``scatter_release`` stamps ``copy.l1_release`` before
+    each L1 release. Checked at construction (``ValueError`` naming the reference's
+    ``trace_*`` argument)."""
+
+    buf: object = NullTrace()
+    rings_per_cta: int = 1
+    ring_capacity: int = 1
+    comm_ring_id: int = 0
+    ring_base: object = 0
+    scatter_release: bool = False
+
+    def __attrs_post_init__(self):
+        if not isinstance(self.buf, (TraceBuf, NullTrace)):
+            raise ValueError(f"trace_buf must be a trace.TraceBuf or trace.NullTrace, got "
+                             f"{self.buf!r}")
+        if not isinstance(self.scatter_release, bool):
+            raise ValueError(f"trace_scatter_release must be a bool, got "
+                             f"{self.scatter_release!r}")
+        check_geometry(self.rings_per_cta, self.ring_capacity, self.comm_ring_id,
+                       self.ring_base)
+
+    def ring(self):
+        """The role's ring (a ``Ring``), or the ``NullTrace`` itself."""
+        return self.buf.ring(rings_per_cta=self.rings_per_cta,
+                             ring_capacity=self.ring_capacity, ring_id=self.comm_ring_id,
+                             ring_base=self.ring_base)
+
+
+@attrs.frozen
 class _KernelTrace:
     sink: TraceBuf | NullTrace
     rings_per_cta: int
@@ -208,19 +241,17 @@ def stamp(r: ir.RoleBuilder, event: str, payload=0, *, leader: bool = True) -> N
     state.ring(r.name).stamp(r, event, payload, leader=leader)
 
 
-def copy_args(kb: ir.KernelBuilder, role: str = "copy") -> dict:
-    """The trace arguments of ``copy_received_tokens_to_output`` in kernel ``kb``: its sink
-    and geometry (``instrument``) for role ``role``; none (its defaults: ``NullTrace``) when
-    the kernel is not instrumented."""
+def copy_trace(kb: ir.KernelBuilder, role: str = "copy") -> CopyTrace:
+    """The ``CopyTrace`` of role ``role`` in kernel ``kb``: its sink and geometry
+    (``instrument``); the default (``NullTrace``) when the kernel is not instrumented."""
     state = _state.get(kb)
     if state is None:
-        return {}
-    return {"trace_buf": state.sink, "trace_scatter_release": state.scatter_release,
-            "trace_rings_per_cta": state.rings_per_cta,
-            "trace_ring_capacity": state.capacity,
-            "trace_comm_ring_id": state.role_rings.get(role, 0) % state.rings_per_cta}
+        return CopyTrace()
+    return CopyTrace(state.sink, state.rings_per_cta, state.capacity,
+                     state.role_rings.get(role, 0) % state.rings_per_cta,
+                     scatter_release=state.scatter_release)
 
 
 __all__ = ["EVENTS", "ROLES", "PARAM", "EVENT_BYTES", "HEADER_BYTES", "ring_bytes",
-           "NullTrace", "TraceBuf", "Ring", "check_geometry", "instrument", "stamp",
-           "copy_args"]
+           "NullTrace", "TraceBuf", "Ring", "CopyTrace", "check_geometry", "instrument", "stamp",
+           "copy_trace"]

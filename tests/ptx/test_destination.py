@@ -1,58 +1,59 @@
-"""The send path's destination strategy (``epgen.kernels.destination``): chosen once per build
-from the declared parameters, and what each strategy leaves out of the IR."""
+"""The destination strategy (``epgen.kernels.destination``): chosen once from the
+configuration when the parameters are declared, the same class on the send and the wait side,
+and what each strategy leaves out of the IR."""
 
 from __future__ import annotations
 
 import pytest
 
 import ir
-from epgen.kernels import dispatch_async
-from epgen.kernels.destination import FinalRowsDestination, StagedDestination, destination
+from epgen.kernels import dispatch_async, dispatch_wait
+from epgen.kernels.destination import strategy_class
+from epgen.kernels.final_layout import CapacityStridedRows, ProdReservedRows
+from epgen.kernels.staged import StagedDestination
 from epgen.presets import load_preset
 
+KINDS = [({}, StagedDestination), ({"ep_final_layout": True}, CapacityStridedRows),
+         ({"ep_final_layout": True, "ep_prod_reserve": True}, ProdReservedRows)]
 
-def _declared(cfg):
+
+def _declared(cfg, side=dispatch_async):
     kb = ir.KernelBuilder("k", cfg.num_threads)
-    return dispatch_async.declare_params(kb, cfg)
+    return side.declare_params(kb, cfg)
 
 
-@pytest.mark.parametrize("flags,kind,prod", [
-    ({}, StagedDestination, None),
-    ({"ep_final_layout": True}, FinalRowsDestination, False),
-    ({"ep_final_layout": True, "ep_prod_reserve": True}, FinalRowsDestination, True),
-])
-def test_the_build_picks_one_strategy(flags, kind, prod):
+@pytest.mark.parametrize("flags,kind", KINDS)
+def test_both_sides_declare_one_strategy_from_the_config(flags, kind):
     cfg = load_preset("small").replace(**flags)
-    dest = destination(cfg, _declared(cfg))
-    assert type(dest) is kind
-    assert dest.final is (kind is FinalRowsDestination)
-    assert dest.shares_tokens is not dest.final     # the final rows keep a warp per token
-    if prod is not None:
-        assert dest.prod_reserve is prod
+    send, wait = _declared(cfg), _declared(cfg, dispatch_wait)
+    assert strategy_class(cfg) is kind
+    assert type(send.dest) is kind and type(wait.dest) is kind
+    # the strategy reads the kernel's own parameters
+    assert send.dest.p.my_rank is send.my_rank and wait.dest.p.my_rank is wait.my_rank
+    assert send.dest.shares_tokens is (kind is StagedDestination)
 
 
-def test_params_without_a_config_are_staged():
-    """``declare_params(kb)`` (the fused kernel's phase 1, unit tests) declares no final-layout
-    parameter: the staged receive buffer."""
-    cfg = load_preset("small").replace(ep_final_layout=True)
-    kb = ir.KernelBuilder("k", cfg.num_threads)
-    assert type(destination(cfg, dispatch_async.declare_params(kb))) is StagedDestination
+def test_fused_kernel_refuses_the_final_layout():
+    from epgen.kernels import build_dispatch_fused
+    with pytest.raises(ValueError, match="ep_final_layout: the fused single-launch kernel"):
+        build_dispatch_fused(load_preset("small").replace(ep_final_layout=True))
 
 
 def test_staged_count_word_is_clamped_to_the_block_capacity():
     cfg = load_preset("small")
     small = cfg.replace(recv_block_capacity=cfg.max_tokens_per_rank // 2)
     count = ir.Var("count", ir.types.u32)
-    assert destination(cfg, _declared(cfg)).count_word(count, None) is count
-    assert destination(small, _declared(small)).count_word(count, None) is not count
+    assert _declared(cfg).dest.count_word(count, None) is count
+    assert _declared(small).dest.count_word(count, None) is not count
 
 
 def test_offsets_only_in_the_capacity_strided_layout():
-    """The monitor keeps a block offset (``fl_off``) only where the count word carries one."""
-    for flags, carries in [({}, False), ({"ep_final_layout": True}, True),
-                           ({"ep_final_layout": True, "ep_prod_reserve": True}, False)]:
+    """The monitor keeps a block offset (``fl_off``), and the aux block reads one back
+    (``block_off``), only where the count word carries one."""
+    for flags, kind in KINDS:
         cfg = load_preset("small").replace(**flags)
-        kb = ir.KernelBuilder("k", cfg.num_threads)
-        p = dispatch_async.declare_params(kb, cfg)
-        with kb.role("monitor") as r:
-            assert (destination(cfg, p).offset_var(r) is not None) is carries, flags
+        carries = kind is CapacityStridedRows
+        p, w = _declared(cfg), _declared(cfg, dispatch_wait)
+        with ir.KernelBuilder("k", cfg.num_threads).role("monitor") as r:
+            assert (p.dest.offset_var(r) is not None) is carries, flags
+            assert (w.dest.count_offset_var(r) is not None) is carries, flags

@@ -76,12 +76,12 @@ def test_send_join_named_barrier_is_declared_by_the_comm_role():
 
 
 def test_send_join_named_reuses_a_comm_barrier_with_the_same_id():
-    """A comm role whose comm_barrier_id is NB_SEND declares barrier 3 once."""
+    """A comm role whose barrier id is NB_SEND declares barrier 3 once."""
     cfg = _cfg("send_join_named")
     kb = ir.KernelBuilder("k", cfg.num_threads)
-    p = declare_params(kb)
-    with kb.role("comm", blocks=(cfg.layout.n_signal_sms, None)) as r:
-        copy_and_send_tokens(r, cfg, p, cfg.layout.n_signal_sms, comm_barrier_id=3)
+    p = declare_params(kb, cfg)
+    with kb.role("comm", blocks=(cfg.layout.n_signal_sms, None), barrier_id=3) as r:
+        copy_and_send_tokens(r, cfg, p, cfg.layout.n_signal_sms)
     assert [b.id for b in kb.build().role("comm").barriers] == [3]
 
 
@@ -157,7 +157,7 @@ def test_role_split_flag_without_geometry_is_stock():
 def test_role_split_needs_the_whole_block_as_comm_role():
     cfg = _cfg("role_split")
     kb = ir.KernelBuilder("k", cfg.num_threads)
-    p = declare_params(kb)
+    p = declare_params(kb, cfg)
     with pytest.raises(ValueError, match="ep_copy_role_split.*n_comm_threads"):
         with kb.role("comm", blocks=(2, None), threads=(0, 256)) as r:
             copy_and_send_tokens(r, cfg, p, 2)

@@ -11,7 +11,6 @@ import ir
 from epgen import reference, routing
 from epgen.kernels import build_dispatch_fused, build_dispatch_wait, build_module
 from epgen.kernels import dispatch_async, dispatch_wait
-from epgen.kernels.scratch import Scratch
 from epgen.presets import load_preset
 from ir import nodes as N
 
@@ -130,12 +129,15 @@ def test_split_world_refuses_the_shared_expert():
 
 
 # ---- role parameters -------------------------------------------------------------------------
-def test_monitor_comm_warp_base_is_the_roles_first_warp():
+def test_monitor_warps_are_the_roles_own():
+    """The reference's ``comm_warp_base`` is the role's first warp (``r.warp_base``): block
+    ``b`` monitors experts ``b * role_warps + w`` with ``w`` the role-local warp."""
     cfg = small()
     kb = ir.KernelBuilder("m", cfg.num_threads)
-    p = dispatch_async.declare_params(kb)
+    p = dispatch_async.declare_params(kb, cfg)
     with kb.role("monitor", blocks=(0, 4), threads=(64, 192)) as r:
-        dispatch_async.monitor_and_signal_completion(r, cfg, p, comm_warp_base=2)
+        assert r.warp_base == 2
+        dispatch_async.monitor_and_signal_completion(r, cfg, p)
     k = kb.build()
     ir.verify(k)
     idx = _ops(k, "monitor", N.Assign)[0]
@@ -143,18 +145,17 @@ def test_monitor_comm_warp_base_is_the_roles_first_warp():
     # role-local warp (tid - 64) / 32, six warps per block
     assert idx.value == ir.SRegRead(ir.SReg.CTAID_X) * 6 + (ir.SRegRead(ir.SReg.TID_X) - 64) // 32
     kb = ir.KernelBuilder("m", cfg.num_threads)
-    p = dispatch_async.declare_params(kb)
-    with pytest.raises(ValueError, match="comm_warp_base=0 must be the monitor role's first"):
-        with kb.role("monitor", threads=(64, 192)) as r:
-            dispatch_async.monitor_and_signal_completion(r, cfg, p)
+    with pytest.raises(ValueError, match="role monitor: threads must start on a warp"):
+        with kb.role("monitor", threads=(48, 192)):
+            pass
 
 
 def test_comm_roles_stride_by_their_own_warps():
     cfg = small()
     kb = ir.KernelBuilder("m", cfg.num_threads)
-    p = dispatch_async.declare_params(kb)
-    with kb.role("comm", blocks=(2, None), threads=(96, 160)) as r:
-        dispatch_async.copy_and_send_tokens(r, cfg, p, 2, comm_barrier_id=4)
+    p = dispatch_async.declare_params(kb, cfg)
+    with kb.role("comm", blocks=(2, None), threads=(96, 160), barrier_id=4) as r:
+        dispatch_async.copy_and_send_tokens(r, cfg, p, 2)
     k = kb.build()
     ir.verify(k)
     text = ir.print_kernel(k)
@@ -170,9 +171,10 @@ def test_comm_roles_stride_by_their_own_warps():
     assert k.role("comm").barriers == ()
     # with ep_send_join_named the block-staged broadcast keeps its join: the role's threads
     kb = ir.KernelBuilder("m", cfg.num_threads)
-    p = dispatch_async.declare_params(kb)
+    named = cfg.replace(ep_send_join_named=True)
+    p = dispatch_async.declare_params(kb, named)
     with kb.role("comm", blocks=(2, None), threads=(96, 160)) as r:
-        dispatch_async.copy_and_send_tokens(r, cfg.replace(ep_send_join_named=True), p, 2)
+        dispatch_async.copy_and_send_tokens(r, named, p, 2)
     k = kb.build()
     fan = [s for s in N.walk(k.role("comm").body) if isinstance(s, N.For) and s.var.name == "v"]
     assert fan[0].step == ir.Const(160, ir.types.u32)        # the role's 160 threads broadcast
@@ -183,16 +185,18 @@ def test_comm_smem_base_puts_the_copy_scratch_in_dynamic_shared_memory():
     cfg = small()
     kb = ir.KernelBuilder("w", cfg.num_threads)
     p = dispatch_wait.declare_params(kb, cfg)
-    with kb.role("copy", blocks=(0, 8), threads=(32, 224)) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p, 3, comm_smem_base=256)
+    with kb.role("copy", blocks=(0, 8), threads=(32, 224), barrier_id=3, smem_base=256) as r:
+        dispatch_wait.copy_received_tokens_to_output(r, cfg, p)
+        assert r.scratch_end == 256 + dispatch_wait.copy_scratch_bytes(cfg, 192)
     k = kb.build()
     ir.verify(k)
     assert k.dynamic_shared and not k.shared
     text = ir.print_kernel(k)
     assert "ptradd(&dyn_smem, 256:u64)" in text and "ptradd(&dyn_smem, 272:u64)" in text
     for bad in (8, -16, True, "0"):
-        with pytest.raises(ValueError, match="comm_smem_base must be"):
-            Scratch(ir.KernelBuilder("x", 64), bad)
+        with pytest.raises(ValueError, match="smem_base must be"):
+            with ir.KernelBuilder("x", 64).role("copy", smem_base=bad):
+                pass
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -203,11 +207,14 @@ def test_comm_smem_base_puts_the_copy_scratch_in_dynamic_shared_memory():
     (dict(l1_arrival_ptr=None), "needs l1_arrival_ptr"),
 ])
 def test_l1_release_parameters_are_checked(kw, match):
+    from epgen.kernels.staged_copy import L1Release
     cfg = small()
     kb = ir.KernelBuilder("w", cfg.num_threads)
     p = dispatch_wait.declare_params(kb, cfg)
-    args = dict(emit_l1_release=True, l1_arrival_ptr=kb.param("l1", ir.types.ptr_global))
+    args = dict(l1_arrival_ptr=kb.param("l1", ir.types.ptr_global))
     args.update(kw)
+    release = L1Release(args.pop("l1_arrival_ptr"),
+                        **{k.removeprefix("l1_release_"): v for k, v in args.items()})
     with pytest.raises(ValueError, match=match):
         with kb.role("copy") as r:
-            dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p, **args)
+            dispatch_wait.copy_received_tokens_to_output(r, cfg, p, l1_release=release)

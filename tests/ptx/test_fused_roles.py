@@ -57,9 +57,9 @@ def test_verifier_rejects_one_barrier_id_for_both_roles():
     spec = FusedRolesSpec()
     with kb.role("ffn", blocks=(0, 8), threads=(0, 64)) as r:
         ffn_consume_l1_arrivals(r, cfg, p, spec, smem, l1, out)
-    with kb.role("copy", blocks=(0, 8), threads=(64, 192)) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p, spec.ffn_barrier_id,
-                                                     comm_smem_base=FFN_SMEM_BYTES)
+    with kb.role("copy", blocks=(0, 8), threads=(64, 192), barrier_id=spec.ffn_barrier_id,
+                 smem_base=FFN_SMEM_BYTES) as r:
+        dispatch_wait.copy_received_tokens_to_output(r, cfg, p)
     with pytest.raises(ir.VerifyError, match=f"barrier id {spec.ffn_barrier_id} is also used"):
         ir.verify(kb.build())
 
@@ -122,5 +122,4 @@ def test_final_layout_refuses_a_scatter_sm_id():
     p = dispatch_wait.declare_params(kb, cfg)
     with kb.role("copy", blocks=(0, 8)) as r:
         with pytest.raises(ValueError, match="scatter_sm_id is not taken with ep_final_layout"):
-            dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p,
-                                                         scatter_sm_id=r.block)
+            dispatch_wait.copy_received_tokens_to_output(r, cfg, p, scatter_sm_id=r.block)

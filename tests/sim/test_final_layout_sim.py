@@ -125,11 +125,11 @@ MUTATIONS = {
     # the destination forgets to re-arm its reservation cursors: the next call's blocks start
     # past the rows of the last one
     "cursor_not_rearmed": ("final_layout", lambda mp: mp.setattr(
-        final_layout, "rearm_cursors", lambda *a, **k: None)),
+        final_layout.CapacityStridedRows, "rearm_arrivals", lambda *a, **k: None)),
     # the monitor leaves its hand-off word valid: the next call's comm warps may read the
     # last call's base
     "handoff_not_rearmed": ("final_layout", lambda mp: mp.setattr(
-        final_layout, "rearm_handoff", lambda *a, **k: None)),
+        final_layout.CapacityStridedRows, "rearm", lambda *a, **k: None)),
     # the generation never advances: last call's early counts and mailboxes satisfy this
     # call's waits
     "generation_frozen": ("prod_reserve", lambda mp: mp.setattr(

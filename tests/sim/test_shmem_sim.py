@@ -166,11 +166,11 @@ def test_send_policy_takes_the_send_buffer_path(fmt, H):
     # a prefill-sized call, where the formats that prefer it take the block-staged broadcast
     big = dict(max_tokens_per_rank=16 * 6)
     cfg = make_cfg(fmt, H, R=4, P=2).replace(**big)
-    assert send_policy.sends_through_shmem(cfg)
+    assert cfg.needs_shmem
     assert not send_policy.uses_warp_send(cfg) and not send_policy.uses_block_broadcast(cfg)
     assert not send_policy.sends_from_every_block(cfg)
     p2p = make_cfg(fmt, H, R=4, P=4).replace(**big)
-    assert not send_policy.sends_through_shmem(p2p)
+    assert not p2p.needs_shmem
     assert send_policy.uses_warp_send(p2p) or send_policy.uses_block_broadcast(p2p)
 
 

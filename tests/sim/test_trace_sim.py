@@ -16,6 +16,7 @@ import ir
 from epgen import cli, presets, reference, routing
 from epgen.kernels import build_combine_module, build_module, trace
 from epgen.kernels import dispatch_wait
+from epgen.kernels.staged_copy import L1Release
 from epgen.runtime import trace as runtime_trace
 from epgen.runtime import trace_export
 from epgen.runtime.world import EmulatedWorld
@@ -49,16 +50,23 @@ def test_on_declares_the_buffer_on_every_kernel():
         assert all(trace.PARAM in names for names in params(module).values())
 
 
-def _copy_kernel(cfg, **copy_args):
-    """dispatch_wait as ``build_dispatch_wait`` makes it, with ``copy_args`` given to the
-    copy role."""
+def _copy_trace(**args):
+    """A ``trace.CopyTrace`` of the reference's ``trace_*`` arguments."""
+    return trace.CopyTrace(**{"buf" if k == "trace_buf" else k.removeprefix("trace_"): v
+                              for k, v in args.items()})
+
+
+def _copy_kernel(cfg, **trace_args):
+    """dispatch_wait as ``build_dispatch_wait`` makes it, with the ``CopyTrace`` of
+    ``trace_args`` given to the copy role."""
     kb = ir.KernelBuilder(dispatch_wait.KERNEL_NAME, cfg.num_threads)
     p = dispatch_wait.declare_params(kb, cfg)
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     with kb.role("copy", blocks=(0, last)) as r:
-        dispatch_wait.copy_received_tokens_to_output(r, kb, cfg, p, **copy_args)
+        dispatch_wait.copy_received_tokens_to_output(r, cfg, p,
+                                                     copy_trace=_copy_trace(**trace_args))
     with kb.role("aux", blocks=(last, None)) as r:
-        dispatch_wait.wait_for_arrivals_and_compute_offsets(r, kb, cfg, p)
+        dispatch_wait.wait_for_arrivals_and_compute_offsets(r, cfg, p)
     return kb.build()
 
 
@@ -104,8 +112,8 @@ def test_trace_buf_argument_stamps_the_copy_role():
     sink = trace.TraceBuf(kb.param(trace.PARAM, ir.types.ptr_global), p.my_rank)
     with kb.role("copy") as r:
         dispatch_wait.copy_received_tokens_to_output(
-            r, kb, cfg, p, trace_buf=sink, trace_ring_capacity=8, trace_rings_per_cta=3,
-            trace_comm_ring_id=2, trace_ring_base=p.my_rank * 27)
+            r, cfg, p, copy_trace=trace.CopyTrace(sink, ring_capacity=8, rings_per_cta=3,
+                                                  comm_ring_id=2, ring_base=p.my_rank * 27))
     text = ir.print_kernel(kb.build())
     # ring my_rank * 27 + ctaid * 3 + 2 of 32 + 8 * 32 bytes
     assert "add(mul($my_rank, 27:u32), add(mul(@ctaid.x, 3:u32), 2:u32))" in text, text
@@ -286,7 +294,7 @@ def test_combine_phases_are_stamped(seed):
 
 
 def _l1_release_kernel(cfg, token_block: int):
-    """dispatch_wait with L1 releases (``emit_l1_release``, one u32 counter per expert) and
+    """dispatch_wait with L1 releases (``L1Release``, one u32 counter per expert) and
     the kernel's trace arguments: the copy role of a fused consumer, without the consumer,
     on ring 1 of each block (the aux role on ring 0)."""
     kb = ir.KernelBuilder(dispatch_wait.KERNEL_NAME, cfg.num_threads)
@@ -296,10 +304,10 @@ def _l1_release_kernel(cfg, token_block: int):
     last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
     with kb.role("copy", blocks=(0, last)) as r:
         dispatch_wait.copy_received_tokens_to_output(
-            r, kb, cfg, p, emit_l1_release=True, l1_release_token_block=token_block,
-            l1_arrival_ptr=l1, **trace.copy_args(kb))
+            r, cfg, p, l1_release=L1Release(l1, token_block=token_block),
+            copy_trace=trace.copy_trace(kb))
     with kb.role("aux", blocks=(last, None)) as r:
-        dispatch_wait.wait_for_arrivals_and_compute_offsets(r, kb, cfg, p)
+        dispatch_wait.wait_for_arrivals_and_compute_offsets(r, cfg, p)
     return kb.build()
 
 

@@ -121,8 +121,6 @@ VIOLATIONS = [
      "n_sms - 1"),
     (dict(num_threads=32, n_experts=32, n_ranks=1, p2p_world_size=1, n_sms=32),
      ["n_sms", "n_signal_sms"], "at least one comm SM"),
-    (dict(skip_a2a=True, use_shmem=True, n_ranks=1, n_experts=32, p2p_world_size=1),
-     ["skip_a2a", "use_shmem"], "exclusive"),
     (dict(ep_prod_reserve=True), ["ep_prod_reserve", "ep_final_layout"], "requires"),
     (dict(ep_final_layout=True, skip_a2a=True, n_ranks=1, n_experts=32, p2p_world_size=1),
      ["ep_final_layout", "skip_a2a"], "exclusive"),
