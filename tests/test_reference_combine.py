@@ -121,16 +121,21 @@ def test_skip_a2a_slots_that_stay_elsewhere_add_nothing(seed):
         np.testing.assert_array_equal(bf16_to_f32(out[d])[:, 0], local.astype(np.float32))
 
 
-def test_out_of_range_src_info_is_refused(seed):
+@pytest.mark.parametrize("edge", ["t=-1", "t=T", "k=-1", "k=K"])
+def test_out_of_range_src_info_is_refused(edge, seed):
+    """A ``src_info`` row just outside ``[0, T) x [0, K)`` on each of its four edges is
+    refused by name (numpy would wrap ``-1`` silently into another slot)."""
     cfg = cfg_of()
     rng = np.random.default_rng(seed)
     toks, ids, res = dispatched(cfg, rng, [16, 16])
     bad = res[1].src_info.copy()
-    row = int(np.nonzero(source_of_rows(res[1]) == 0)[0][0])
-    bad[row] = (16, 0)                                   # source 0 has tokens 0..15
+    row = int(rng.choice(np.nonzero(source_of_rows(res[1]) == 0)[0]))
+    t, k = (int(v) for v in bad[row])
+    t, k = {"t=-1": (-1, k), "t=T": (16, k), "k=-1": (t, -1), "k=K": (t, 4)}[edge]
+    bad[row] = (t, k)                                    # source 0 has tokens 0..15, K = 4
     res[1] = attrs.evolve(res[1], src_info=bad)
     with pytest.raises(EPInputError, match=rf"dispatch_results\[1\]\.src_info\[{row}\] = "
-                                           rf"\(16, 0\) is out of range for source 0"):
+                                           rf"\({t}, {k}\) is out of range for source 0"):
         reference.combine(cfg, res, [r.out_tokens for r in res],
                           [np.ones((16, 4), np.float32)] * 2)
 
