@@ -13,8 +13,9 @@ Each mutant is a small realistic bug in product code: one TOML file with
 
 The runner copies the working tree (tracked and untracked files git does not ignore) into a
 temporary directory once, then for each mutant applies it to the copy, runs ``python -m
-pytest -n 0 -x -q -p no:cacheprovider <tests>`` there under a timeout, and restores the
-file; the working tree itself is never written. A mutant is **killed** when its tests fail,
+pytest -n 0 -x -q -p no:cacheprovider -k "not _ptx and not golden" <tests>`` there under a
+timeout (the ``-k`` keeps golden and PTX-text comparisons from counting as a kill), and
+restores the file; the working tree itself is never written. A mutant is **killed** when its tests fail,
 **survived** when they pass, **stale** when its ``find`` text no longer occurs exactly once,
 **timeout** when its tests outrun the limit, **error** when they could not run (a missing test
 file, a collection error, no test collected). Every status but killed is a failure: the exit
@@ -52,7 +53,10 @@ MUTANT_DIR = Path("tests") / "mutants"
 KEYS = {"name": str, "file": str, "find": str, "replace": str, "tests": list, "why": str}
 OPTIONAL = {"timeout": int}
 DEFAULT_TIMEOUT = 900
-PYTEST_ARGS = ["-n", "0", "-x", "-q", "-p", "no:cacheprovider", "-rfE"]
+#: golden comparisons never count as a kill: the tests of a ``*_ptx.py`` file or named
+#: ``*_ptx*`` (PTX text and structure) and anything named ``golden`` are deselected
+PYTEST_ARGS = ["-n", "0", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
+               "-k", "not _ptx and not golden"]
 
 
 class MutantError(ValueError):
@@ -171,7 +175,7 @@ def copy_tree(root: Path, dest: Path) -> None:
 
 def _killer(output: str) -> str:
     """The first failing or erroring test named in pytest's short summary."""
-    hit = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    hit = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.MULTILINE)
     return hit.group(1) if hit else "(a failure pytest did not name)"
 
 
