@@ -15,11 +15,11 @@ The runner copies the working tree (tracked and untracked files git does not ign
 temporary directory once, then for each mutant applies it to the copy, runs ``python -m
 pytest -n 0 -x -q -p no:cacheprovider -k "not _ptx and not golden" <tests>`` there under a
 timeout (the ``-k`` keeps golden and PTX-text comparisons from counting as a kill), and
-restores the file; the working tree itself is never written. A mutant is **killed** when its tests fail,
-**survived** when they pass, **stale** when its ``find`` text no longer occurs exactly once,
-**timeout** when its tests outrun the limit, **error** when they could not run (a missing test
-file, a collection error, no test collected). Every status but killed is a failure: the exit
-status is 0 only when every mutant run was killed.
+restores the file; the working tree itself is never written. A mutant is **killed** when
+its tests fail, **survived** when they pass, **stale** when its ``find`` text no longer
+occurs exactly once, **timeout** when its tests outrun the limit, **error** when they could
+not run (a missing test file, a collection error, no test collected). Every status but
+killed is a failure: the exit status is 0 only when every mutant run was killed.
 
     python tools/run_mutants.py                 # every mutant
     python tools/run_mutants.py --only NAME     # one (repeatable)

@@ -40,9 +40,9 @@ def add_f32(a, b) -> np.ndarray:
 
 def fma_f32(a, b, c) -> np.ndarray:
     """``fma.rn.f32``: ``RN32(a * b + c)`` with one rounding, a NaN canonical. ``a * b`` is
-    exact in f64 (24 + 24 bits); ``s = RN64(p + c)`` may not be, and rounding ``s`` to f32 is wrong only where ``s``
-    lands exactly on an f32 midpoint that the exact sum does not: the TwoSum error ``err``
-    says which side of it the exact sum lies."""
+    exact in f64 (24 + 24 bits); ``s = RN64(p + c)`` may not be, and rounding ``s`` to f32
+    is wrong only where ``s`` lands exactly on an f32 midpoint that the exact sum does not:
+    the TwoSum error ``err`` says which side of it the exact sum lies."""
     with np.errstate(invalid="ignore", over="ignore"):      # infinities, NaN: IEEE results
         p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
         c = np.asarray(c, np.float32).astype(np.float64)
