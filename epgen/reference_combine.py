@@ -25,8 +25,10 @@ element: ``acc = 0``; for ``k = 0 .. K-1`` in order, over the slots that receive
 ``acc = fma(w[t, k], y[t, k], acc)`` (``fma.rn.f32``, one rounding); then, with
 ``fused_shared_expert``, ``acc = acc + s[t]`` for the tokens of this rank's shared-expert slice
 (``s``: the shared expert's output rows, group 0 of the source's own result); then, with a
-``residual`` ``[T, H]`` (BF16), ``acc = acc + r[t]``; the result rounds to BF16 to nearest
-even (a NaN stays a quiet NaN). BF16 inputs widen to float32 exactly.
+``residual`` ``[T, H]`` (BF16), ``acc = acc + r[t]`` (``add.rn.f32``); the result rounds to
+BF16 to nearest even. BF16 inputs widen to float32 exactly. Infinities and NaN follow IEEE
+754, and every NaN that the f32 arithmetic returns is the GPU's canonical NaN ``0x7fffffff``
+(single precision keeps no payload or sign), so a NaN result is always BF16 ``0x7fff``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from backends.sim.numerics import fma_f32
+from backends.sim.numerics import add_f32, fma_f32
 
 from . import interop
 from .errors import EPInputError
@@ -149,11 +151,11 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             res = dispatch_results[s]
             se = bf16_to_f32(ys[s][:res.se_tokens])
             t0 = res.se_token_start
-            acc[t0:t0 + res.se_tokens] = acc[t0:t0 + res.se_tokens] + se
+            acc[t0:t0 + res.se_tokens] = add_f32(acc[t0:t0 + res.se_tokens], se)
         if residual is not None:
             r = interop.host_bf16(residual[s], f"residual[{s}]")
             if r.shape != (T, H):
                 raise EPInputError(f"residual[{s}]: must be [{T}, {H}] BF16, got {r.shape}")
-            acc = acc + bf16_to_f32(r)
+            acc = add_f32(acc, bf16_to_f32(r))
         out.append(f32_to_bf16(acc))
     return out

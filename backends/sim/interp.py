@@ -43,7 +43,7 @@ from ir.enums import (AtomOp, BinOpKind, CacheHint, CmpOp, ReduxOp, ShflMode, Sp
 from ir.types import PtrType, VecType
 
 from .memory import Memory, SimError
-from .numerics import e4m3_code, e4m3_value, fma
+from .numerics import canonical_f32, e4m3_code, e4m3_value, fma
 from .weak import WeakMemory, is_acquire, is_release, level as release_level
 
 MASK64 = (1 << 64) - 1
@@ -91,12 +91,22 @@ def _round_float(v, dtype: T.DType) -> float:
     f64 as is)."""
     import numpy as np
     v = float(v)
-    return float(np.float32(v)) if dtype.bits == 32 else v
+    if dtype.bits != 32:
+        return v
+    with np.errstate(over="ignore"):          # beyond the f32 range: infinity, as .rn does
+        return float(np.float32(v))
 
 
 def _float_binop(op, a: float, b: float, dtype: T.DType) -> float:
     """PTX float arithmetic: ``add/sub/mul/div.rn`` (computed in double, then rounded once:
-    exact for these four in f32), ``min/max`` returning the non-NaN operand."""
+    exact for these four in f32), ``min/max`` returning the non-NaN operand; an f32 NaN
+    result is the canonical NaN (``numerics.canonical_f32``)."""
+    r = _float_binop_value(op, a, b, dtype)
+    return canonical_f32(r) if dtype.bits == 32 else r
+
+
+def _float_binop_value(op, a: float, b: float, dtype: T.DType) -> float:
+    """``_float_binop`` before the f32 NaN canonicalisation."""
     if op is BinOpKind.MIN or op is BinOpKind.MAX:
         if math.isnan(a):
             return b

@@ -1,7 +1,8 @@
 """The arithmetic of ``backends.sim`` that Python floats do not give directly: ``fma.rn``
-rounded once, and the e4m3 conversions (``cvt.rn.satfinite.e4m3x2.f32``,
-``cvt.rn.f16x2.e4m3x2``), modelled with numpy and ml_dtypes. ``fma_f32`` works elementwise on
-numpy arrays too (the format tests evaluate quantiser IR with it)."""
+rounded once, the canonical NaN of f32 arithmetic, and the e4m3 conversions
+(``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.f16x2.e4m3x2``), modelled with numpy and
+ml_dtypes. ``fma_f32`` and ``add_f32`` work elementwise on numpy arrays too (the format tests
+evaluate quantiser IR with them; ``epgen.reference.combine`` sums with them)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,49 @@ import numpy as np
 from ir import types as T
 
 
+#: The one NaN that f32 arithmetic (``add``/``sub``/``mul``/``div``/``fma``) returns on the GPU:
+#: single precision keeps no NaN payload and no sign, whatever NaN or invalid operation made it.
+CANONICAL_NAN_F32 = 0x7FFFFFFF
+_CANONICAL_NAN = np.array(CANONICAL_NAN_F32, np.uint32).view(np.float32)
+
+
+def canonical_nan_f32(x) -> np.ndarray:
+    """``x`` (float32, elementwise) with every NaN replaced by the canonical NaN
+    (``CANONICAL_NAN_F32``), as an f32 arithmetic result on the GPU."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.isnan(x), _CANONICAL_NAN, x)
+
+
+def canonical_f32(v: float) -> float:
+    """One f32 arithmetic result held as a Python float: the canonical NaN if it is a NaN
+    (its double form, which ``struct`` stores as ``0x7fffffff``), else ``v``."""
+    return float(_CANONICAL_NAN) if v != v else v
+
+
+def add_f32(a, b) -> np.ndarray:
+    """``add.rn.f32`` (elementwise): the float32 sum, a NaN canonical."""
+    with np.errstate(invalid="ignore", over="ignore"):      # inf - inf, overflow: IEEE
+        return canonical_nan_f32(np.asarray(a, np.float32) + np.asarray(b, np.float32))
+
+
 def fma_f32(a, b, c) -> np.ndarray:
-    """``fma.rn.f32``: ``RN32(a * b + c)`` with one rounding. ``a * b`` is exact in f64 (24 + 24
-    bits); ``s = RN64(p + c)`` may not be, and rounding ``s`` to f32 is wrong only where ``s``
-    lands exactly on an f32 midpoint that the exact sum does not: the TwoSum error ``err``
-    says which side of it the exact sum lies."""
-    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
-    c = np.asarray(c, np.float32).astype(np.float64)
-    s = p + c
-    t = s - p
-    err = (p - (s - t)) + (c - t)
-    r = s.astype(np.float32)
-    down = np.nextafter(r, np.float32(-np.inf))
-    up = np.nextafter(r, np.float32(np.inf))
-    rd = r.astype(np.float64)
-    at_upper_mid = (s == (rd + up.astype(np.float64)) / 2) & (err > 0)
-    at_lower_mid = (s == (rd + down.astype(np.float64)) / 2) & (err < 0)
-    return np.where(at_upper_mid, up, np.where(at_lower_mid, down, r)).astype(np.float32)
+    """``fma.rn.f32``: ``RN32(a * b + c)`` with one rounding, a NaN canonical. ``a * b`` is
+    exact in f64 (24 + 24 bits); ``s = RN64(p + c)`` may not be, and rounding ``s`` to f32
+    is wrong only where ``s`` lands exactly on an f32 midpoint that the exact sum does not:
+    the TwoSum error ``err`` says which side of it the exact sum lies."""
+    with np.errstate(invalid="ignore", over="ignore"):      # infinities, NaN: IEEE results
+        p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
+        c = np.asarray(c, np.float32).astype(np.float64)
+        s = p + c
+        t = s - p
+        err = (p - (s - t)) + (c - t)
+        r = s.astype(np.float32)
+        down = np.nextafter(r, np.float32(-np.inf))
+        up = np.nextafter(r, np.float32(np.inf))
+        rd = r.astype(np.float64)
+        at_upper_mid = (s == (rd + up.astype(np.float64)) / 2) & (err > 0)
+        at_lower_mid = (s == (rd + down.astype(np.float64)) / 2) & (err < 0)
+    return canonical_nan_f32(np.where(at_upper_mid, up, np.where(at_lower_mid, down, r)))
 
 
 def fma(a: float, b: float, c: float, dtype: T.DType) -> float:

@@ -29,29 +29,42 @@ def weights(rng, cfg, ids):
             for i in ids]
 
 
-def corrupted_row_check(world, rng, d: int = 1):
-    """Corrupt one row of destination ``d``'s ``src_info`` (token = max_tokens_per_rank)
-    between dispatch and combine: the error names it, no other slot and no guard byte of any
-    rank's combine receive buffer (pre-filled with 0xA5) is written, every valid row lands,
-    and the next call is exact."""
+def bounds_edges(cfg, t: int, k: int) -> list[tuple[int, int]]:
+    """The four out-of-range values of a row's ``(t, k)`` around its real ``(t, k)``:
+    ``t = -1``, ``t = max_tokens_per_rank``, ``k = -1``, ``k = top_k``."""
+    return [(-1, k), (cfg.max_tokens_per_rank, k), (t, -1), (t, cfg.token_fmt.top_k)]
+
+
+def corrupted_row_check(world, rng, d: int = 1, edges: bool = False):
+    """Corrupt rows of destination ``d``'s ``src_info`` between dispatch and combine: one
+    row's token set to ``max_tokens_per_rank``, or with ``edges`` four rows, each with one
+    of ``bounds_edges`` (``t = -1``, ``t = max_tokens_per_rank``, ``k = -1``, ``k = K``).
+    The error names every one of them (each was recorded), no other slot and no guard byte
+    of any rank's combine receive buffer (pre-filled with 0xA5) is written, every valid row
+    lands, and the next call is exact."""
     cfg = world.cfg
     toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
     results = world.dispatch(toks, ids)
     ys = expert_outputs(rng, cfg, results)
     world.combine(ys, None)              # builds the buffers
     res = results[d]
-    row = int(rng.integers(0, len(res.src_info)))
+    n_bad = 4 if edges else 1
+    sent = np.nonzero(source_of_rows(res) >= 0)[0]       # rows combine_async reads
+    rows = [int(r) for r in rng.choice(sent, size=n_bad, replace=False)]
     bad = res.src_info.copy()
-    bad[row] = (cfg.max_tokens_per_rank, 0)
-    src = source_of_rows(res)[row]
+    for i, row in enumerate(rows):
+        t, k = (int(v) for v in res.src_info[row])
+        bad[row] = bounds_edges(cfg, t, k)[i] if edges else (cfg.max_tokens_per_rank, 0)
     comb = world._combiner
     pattern = np.full(comb.bufs[0].recv_bytes + combine_mod.GUARD_BYTES, 0xA5, np.uint8)
     for b in comb.bufs:
         b.recv.copy_from_host(pattern)
-    with pytest.raises(EPInputError, match=rf"rank {d} src_info\[{row}\] = "
-                                           rf"\({cfg.max_tokens_per_rank}, 0\)"):
+    with pytest.raises(EPInputError) as refused:
         world.combine(ys, None,
                       _src_info=[bad if q == d else None for q in range(len(results))])
+    for row in rows:
+        named = f"rank {d} src_info[{row}] = ({bad[row][0]}, {bad[row][1]})"
+        assert named in str(refused.value), f"not reported: {named}: {refused.value}"
     K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
     for s, b in enumerate(comb.bufs):
         mem = b.recv.to_host()
@@ -62,16 +75,13 @@ def corrupted_row_check(world, rng, d: int = 1):
         for dd, (rr, y) in enumerate(zip(results, ys)):
             srcs = source_of_rows(rr)
             for i in range(len(rr.src_info)):
-                if srcs[i] == s and not (dd == d and i == row):
+                if srcs[i] == s and not (dd == d and i in rows):
                     t, k = rr.src_info[i]
                     written[t, k] = True
                     expect[t, k] = y[i]
         assert np.array_equal(slots[written], expect[written]), f"rank {s}: rows wrong"
         assert np.all(slots[~written].view(np.uint8) == 0xA5), \
             f"rank {s}: a slot no valid row targets was written"
-        if s == src:
-            t, k = res.src_info[row]
-            assert not written[t, k]
     # the world is usable again: the next call is exact
     toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
     results = world.dispatch(toks, ids)

@@ -1,6 +1,12 @@
 """``epgen.reference.combine``: every dispatched row back to its (source, token, slot), the
 weighted top-k sum in its stated order, the unreduced form, the shared expert, the residual,
-the BF16 rounding, and the refusal of an out-of-range ``src_info`` row."""
+the BF16 rounding, and the refusal of an out-of-range ``src_info`` row.
+
+The arithmetic is checked against an independent model (``combine_arith_model``: exact
+rational arithmetic rounded by hand at the stated steps) on crafted tokens where the
+summation order, fma against multiply-then-add, the single rounding of the fma, the final
+rounding and the NaN handling each change the result (every run, whatever the seed), and on
+random inputs mixing NaN, infinities, signed zeros and subnormals."""
 
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ from epgen import reference, routing
 from epgen.errors import EPInputError
 from epgen.formats import make_format
 from epgen.reference_combine import bf16_to_f32, f32_to_bf16, source_of_rows
+
+import combine_arith_model as model
+from combine_special_checks import special_bf16, special_weights
 
 
 def cfg_of(R=2, E=8, H=64, K=4, T=16, **flags):
@@ -64,22 +73,6 @@ def test_weighted_sum_with_exact_values(seed):
                                       err_msg=f"seed {seed}, source {s}")
 
 
-def test_summation_order_is_k_ascending_with_fma():
-    """y = (2^24, 1, -2^24, 0) with unit weights: k ascending gives 0 (2^24 + 1 rounds to
-    2^24); any other grouping of the last two first gives 1."""
-    cfg = cfg_of(R=1, E=4, K=4, T=1)
-    topk = [np.array([[0, 1, 2, 3]], np.int32)]
-    toks = [np.zeros((1, 64), np.uint16)]
-    res = reference.dispatch(cfg, toks, topk)
-    vals = {0: 2.0 ** 24, 1: 1.0, 2: -2.0 ** 24, 3: 0.0}
-    y = np.zeros((len(res[0].src_info), 64), np.float32)
-    for row, (t, k) in enumerate(res[0].src_info):
-        if t >= 0:
-            y[row] = vals[int(k)]
-    out = reference.combine(cfg, res, [f32_to_bf16(y)], [np.ones((1, 4), np.float32)])
-    assert (bf16_to_f32(out[0]) == 0).all()
-
-
 def test_residual_and_shared_expert(seed):
     cfg = cfg_of(fused_shared_expert=True)
     rng = np.random.default_rng(seed)
@@ -128,16 +121,21 @@ def test_skip_a2a_slots_that_stay_elsewhere_add_nothing(seed):
         np.testing.assert_array_equal(bf16_to_f32(out[d])[:, 0], local.astype(np.float32))
 
 
-def test_out_of_range_src_info_is_refused(seed):
+@pytest.mark.parametrize("edge", ["t=-1", "t=T", "k=-1", "k=K"])
+def test_out_of_range_src_info_is_refused(edge, seed):
+    """A ``src_info`` row just outside ``[0, T) x [0, K)`` on each of its four edges is
+    refused by name (numpy would wrap ``-1`` silently into another slot)."""
     cfg = cfg_of()
     rng = np.random.default_rng(seed)
     toks, ids, res = dispatched(cfg, rng, [16, 16])
     bad = res[1].src_info.copy()
-    row = int(np.nonzero(source_of_rows(res[1]) == 0)[0][0])
-    bad[row] = (16, 0)                                   # source 0 has tokens 0..15
+    row = int(rng.choice(np.nonzero(source_of_rows(res[1]) == 0)[0]))
+    t, k = (int(v) for v in bad[row])
+    t, k = {"t=-1": (-1, k), "t=T": (16, k), "k=-1": (t, -1), "k=K": (t, 4)}[edge]
+    bad[row] = (t, k)                                    # source 0 has tokens 0..15, K = 4
     res[1] = attrs.evolve(res[1], src_info=bad)
     with pytest.raises(EPInputError, match=rf"dispatch_results\[1\]\.src_info\[{row}\] = "
-                                           rf"\(16, 0\) is out of range for source 0"):
+                                           rf"\({t}, {k}\) is out of range for source 0"):
         reference.combine(cfg, res, [r.out_tokens for r in res],
                           [np.ones((16, 4), np.float32)] * 2)
 
@@ -171,3 +169,85 @@ def test_sources_computes_only_those(seed):
     full = reference.combine(cfg, res, ys, w)
     part = reference.combine(cfg, res, ys, w, sources=[1])
     assert part[0] is None and np.array_equal(part[1], full[1]), f"seed {seed}"
+
+
+# ---- the arithmetic against the independent model -------------------------------------------
+def test_the_model_rounds_as_numpy_and_ml_dtypes_do(seed):
+    """The model's hand rounding agrees with the float64 -> float32 cast (nearest even,
+    subnormals, overflow) and with ml_dtypes' float32 -> bfloat16 on random values."""
+    import ml_dtypes
+    from fractions import Fraction
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(2000) * 2.0 ** rng.integers(-160, 140, 2000)
+    with np.errstate(over="ignore"):
+        want32 = x.astype(np.float32)
+    for v, w in zip(x, want32):
+        assert model.round_binary(Fraction(float(v)), 24) == float(w), (v, w)
+    f = want32[np.isfinite(want32)]
+    want16 = f.astype(ml_dtypes.bfloat16).view(np.uint16)
+    for v, w in zip(f, want16):
+        assert model.bf16_bits_of(float(v)) == int(w), (v, hex(int(w)))
+
+
+def test_each_crafted_case_tells_its_variants_from_the_model():
+    """Every crafted token gives the model's stated result, each variant (one step done
+    wrong) differs on exactly the cases that name it, and every variant is told by a case."""
+    told = set()
+    for case in model.CASES:
+        assert model.combine_one(case.w, case.y, case.r) == case.want, case.name
+        differs = {n for n, v in model.VARIANTS.items() if v(case.w, case.y, case.r) != case.want}
+        assert differs == set(case.tells), (case.name, differs)
+        told |= differs
+    assert told == set(model.VARIANTS)
+
+
+def _one_rank(T: int, H: int = 64):
+    """One rank, experts 0..3 for every token (every slot receives a row), and its dispatch."""
+    cfg = cfg_of(R=1, E=4, H=H, K=model.K, T=T)
+    topk = [np.tile(np.arange(model.K, dtype=np.int32), (T, 1))]
+    res = reference.dispatch(cfg, [np.zeros((T, H), np.uint16)], topk)
+    return cfg, res
+
+
+def _rows_of(res, slots):
+    """The expert outputs of a destination whose slot ``(t, k)`` row is ``slots[t, k]``."""
+    y = np.zeros((len(res.src_info), slots.shape[-1]), np.uint16)
+    for row, (t, k) in enumerate(res.src_info):
+        if t >= 0:
+            y[row] = slots[t, k]
+    return y
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+def test_crafted_cases_match_the_model(with_residual):
+    """The crafted tokens (summation order, fma, its single rounding, ties, overflow, NaN,
+    infinities, signed zeros, subnormals), one token each: the reference equals the model."""
+    cases = model.CASES
+    cfg, res = _one_rank(len(cases))
+    slots = np.array([[[c.y[k]] * 64 for k in range(model.K)] for c in cases], np.uint16)
+    w = np.array([c.w for c in cases], np.float32)
+    r = np.array([[c.r] * 64 for c in cases], np.uint16) if with_residual else None
+    out = reference.combine(cfg, res, [_rows_of(res[0], slots)], [w],
+                            residual=None if r is None else [r])[0]
+    for t, c in enumerate(cases):
+        want = model.combine_one(c.w, c.y, c.r if with_residual else model.RESIDUAL_NONE)
+        assert np.all(out[t] == want), \
+            f"{c.name}: {sorted({hex(int(v)) for v in out[t]})}, the model {want:#06x}"
+
+
+def test_random_special_values_match_the_model(seed):
+    """Random weights, rows and residuals with NaN, +-inf, +-0, subnormals and huge values
+    (a quarter of them) among ordinary ones: every element equals the model."""
+    rng = np.random.default_rng(seed)
+    T, H = 16, 64
+    cfg, res = _one_rank(T, H)
+    slots = special_bf16(rng, (T, model.K, H))
+    w = special_weights(rng, (T, model.K))
+    r = special_bf16(rng, (T, H))
+    out = reference.combine(cfg, res, [_rows_of(res[0], slots)], [w], residual=[r])[0]
+    for t in range(T):
+        for h in range(H):
+            want = model.combine_one(tuple(float(v) for v in w[t]), tuple(slots[t, :, h]),
+                                     int(r[t, h]))
+            assert out[t, h] == want, (f"seed {seed} token {t} element {h}: "
+                                       f"{int(out[t, h]):#06x}, the model {want:#06x}")
