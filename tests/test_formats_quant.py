@@ -15,8 +15,7 @@ import ir_numpy
 from epgen import BF16Format, BlockwiseFP8Format, MXFP8Format, NVFP4Format, reference
 from epgen.formats import BlockScaledFormat, format_class, format_names, make_format
 from epgen.formats import quant_ir as Q
-from epgen.formats.mxfp8 import e8m0_ceil_codes
-from epgen.formats.nvfp4 import e2m1_codes
+from epgen.formats.quant_host import e2m1_codes, e8m0_ceil_codes
 from ir import types as T
 
 E4M3, E2M1, E8M0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu
