@@ -22,6 +22,7 @@ from epgen.presets import config_from_dict, load_preset, preset_data
 from epgen.runtime import combine as combine_mod
 from epgen.runtime.world import EmulatedWorld
 
+import format_cases
 from combine_checks import (check_round_trips, corrupted_row_check, expert_outputs,
                             round_trip_inputs, weights)
 
@@ -117,7 +118,7 @@ def _tiny(fmt="BF16", H=64, R=2, K=2, **flags):
                           token_fmt=make_format(fmt, H, K), **flags)
 
 
-FORMATS = [("BlockwiseFP8", 128), ("NVFP4", 64), ("MXFP8", 64)]
+FORMATS = [(f, format_cases.smallest_hid_dim(f)) for f in format_cases.QUANT]
 
 
 @pytest.mark.parametrize("fmt,H", FORMATS, ids=[f for f, _ in FORMATS])

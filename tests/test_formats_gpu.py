@@ -1,4 +1,5 @@
-"""The quantising token formats (BlockwiseFP8, NVFP4, MXFP8) through EmulatedWorld against the
+"""The quantising token formats (every registered one: tests/format_cases.py) through
+EmulatedWorld against the
 numpy reference: bit-exact on the quantized bytes, the scales, row_offsets (padded for FP8) and
 src_info, on random routings, the routing edge cases, value edge cases (zeros, one large value,
 negatives, values at the clamp, ties, bf16 extremes, NaN/inf), NVFP4 input scales and
@@ -17,10 +18,10 @@ import pytest
 import epgen
 from epgen import reference, routing
 from epgen.formats import make_format
+from format_cases import QUANT as FORMATS
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = ("BlockwiseFP8", "NVFP4", "MXFP8")
 FLAG_SETS = [{}, dict(skip_a2a=True), dict(ep_ord_r=True, has_rank_flag=True),
              dict(fused_shared_expert=True)]
 

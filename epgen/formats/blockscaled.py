@@ -97,20 +97,20 @@ class BlockScaledFormat(TokenFormat):
                 f"payload)")
 
     # ---- message layout ---------------------------------------------------------------------
-    @property
-    def vector_elems(self) -> int:
+    @class_property
+    def vector_elems(cls) -> int:
         """Payload elements in one 16-byte vector."""
-        return VECTOR_BYTES * 8 // self.element_bits
+        return VECTOR_BYTES * 8 // cls.element_bits
 
-    @property
-    def item_out_bytes(self) -> int:
+    @class_property
+    def item_out_bytes(cls) -> int:
         """Payload bytes of one 8-element input item (8 for 8-bit elements, 4 for 4-bit)."""
-        return ITEM_ELEMS * self.element_bits // 8
+        return ITEM_ELEMS * cls.element_bits // 8
 
-    @property
-    def hid_dim_multiple(self) -> int:
+    @class_property
+    def hid_dim_multiple(cls) -> int:
         """``hid_dim`` must be a multiple of this: of ``group_size`` and of ``vector_elems``."""
-        return int(np.lcm(self.group_size, self.vector_elems))
+        return int(np.lcm(cls.group_size, cls.vector_elems))
 
     @property
     def n_scale_groups(self) -> int:
