@@ -19,11 +19,12 @@ QUANT = tuple(name for name, cls in FORMATS.items() if issubclass(cls, BlockScal
 PLAIN = tuple(name for name in ALL if name not in QUANT)
 
 #: ``name -> (element bits, group size, scale bytes)`` as each format's specification states
-#: them (the reference's format table)
+#: them (the reference's format table; OCP MX v1.0 for MXFP4)
 SPEC = {
     "BlockwiseFP8": (8, 128, 4),
     "NVFP4": (4, 16, 1),
     "MXFP8": (8, 32, 1),
+    "MXFP4": (4, 32, 1),
 }
 
 #: hid_dims of the simulator tests where a format's own layout asks for more than the

@@ -17,6 +17,7 @@ from .blockscaled import BlockScaledFormat
 from .codec import HostCodec
 from .emit import DeviceEmitter
 from .fp8 import BlockwiseFP8Format
+from .mxfp4 import MXFP4Format
 from .mxfp8 import MXFP8Format
 from .nvfp4 import NVFP4Format
 from .registry import FORMATS, format_class, format_names, make_format, register_format
