@@ -9,7 +9,7 @@ without an entry fails there, by name.
 
 from __future__ import annotations
 
-from epgen.formats import FORMATS, BlockScaledFormat  # noqa: F401 (FORMATS: for the tests)
+from epgen.formats import FORMATS, BlockScaledFormat
 
 #: every registered format, by name (registration order)
 ALL = tuple(FORMATS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -634,3 +635,14 @@ def test_reference_dispatch_nvfp4_input_scale(seed):
     assert any(reference.compare(cfg, x, y) for x, y in zip(a, b))
     with pytest.raises(ValueError, match="input_scale"):
         reference.dispatch(cfg, toks, ids, input_scale=-1.0)
+
+
+def test_a_block_scaled_format_must_declare_its_parts():
+    @attrs.frozen
+    class Undeclared(BlockScaledFormat):
+        name = "Undeclared"
+        group_size = 32
+
+    with pytest.raises(TypeError, match="Undeclared: a block-scaled format declares its "
+                                        "element"):
+        Undeclared(64, 2)

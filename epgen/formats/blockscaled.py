@@ -18,6 +18,7 @@ from .base import VECTOR_BYTES, TokenFormat, align_up, class_property, forward
 from .blockscaled_codec import BlockScaledCodec
 from .blockscaled_emit import BlockScaledEmitter
 from .elements import ITEM_ELEMS
+from .scaling import ElementEncoding, ScaleRule
 
 
 @attrs.frozen
@@ -88,6 +89,13 @@ class BlockScaledFormat(TokenFormat):
     emitter_class = BlockScaledEmitter
 
     def __attrs_post_init__(self):
+        cls = type(self)
+        if not isinstance(cls.element, ElementEncoding) or \
+                not isinstance(cls.scale_rule, ScaleRule) or cls.group_size <= 0:
+            raise TypeError(f"{cls.__name__}: a block-scaled format declares its element "
+                            f"(scaling.E4M3, ...), scale_rule (scaling.E8M0_OCP, ...) and a "
+                            f"positive group_size; got {cls.element!r}, {cls.scale_rule!r}, "
+                            f"{cls.group_size!r}")
         need = self.hid_dim_multiple
         if self.hid_dim % need:
             raise ValueError(
