@@ -98,6 +98,21 @@ def test_registry_by_name():
     assert format_class("BF16") is BF16Format
 
 
+def test_a_registered_class_name_ends_in_format(monkeypatch):
+    """``epgen.<Class>`` exports every registered format by its class name, so the name says
+    what it is."""
+    from epgen.formats import registry
+    monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))
+
+    @attrs.frozen
+    class MXFP4Variant(BlockScaledFormat):
+        name = "MXFP4V"
+
+    with pytest.raises(ValueError, match="MXFP4Variant: .* must end in 'Format'"):
+        registry.register_format(MXFP4Variant)
+    assert "MXFP4V" not in registry.FORMATS
+
+
 def test_members():
     f = BlockwiseFP8Format(7168, 8)
     assert (f.group_size, f.expert_m_padding, f.scales_transposed) == (128, 4, True)

@@ -17,13 +17,13 @@ def register_format(cls: type) -> type:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name or name == "abstract":
         raise ValueError(f"{cls.__name__}: a registered token format needs a 'name'")
-    if not cls.__name__.endswith("Format"):
-        raise ValueError(f"{cls.__name__}: a registered token format's class name must end "
-                         f"in 'Format' (epgen exports it under that name)")
     old = FORMATS.get(name)
     if old is not None and old.__qualname__ != cls.__qualname__:
         raise ValueError(f"token format {name!r} is registered twice: by {old.__qualname__} "
                          f"and by {cls.__qualname__}")
+    if not cls.__name__.endswith("Format"):
+        raise ValueError(f"{cls.__name__}: a registered token format's class name must end "
+                         f"in 'Format' (epgen exports it under that name)")
     FORMATS[name] = cls
     return cls
 
