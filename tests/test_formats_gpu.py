@@ -141,7 +141,8 @@ def test_back_to_back_200_calls(fmt, seed):
 # ---- values ----------------------------------------------------------------------------------
 def special_tokens(rng, T, H, nonfinite=False) -> np.ndarray:
     """``[T, H]`` bf16 bits: random rows at magnitudes 2^-30 .. 2^30, and rows of zeros, one
-    large value per group, negatives, the clamp value, e2m1/e4m3 ties, bf16 extremes."""
+    large value per group, negatives, the clamp value, e2m1/e4m3 ties, bf16 extremes, maxima
+    at a power of two and saturating under the OCP rule."""
     x = rng.standard_normal((T, H)).astype(np.float32)
     x *= np.float32(2.0) ** rng.integers(-30, 31, size=(T, 1)).astype(np.float32)
     specials = [
@@ -153,6 +154,8 @@ def special_tokens(rng, T, H, nonfinite=False) -> np.ndarray:
         np.resize([448.0, 1.0625, 1.1875, 2.0 ** -9, 2.0 ** -10, 432.0], H),   # e4m3 ties
         np.full(H, 2.0 ** -133), np.full(H, 3.3895314e38),      # smallest / largest bf16
         np.resize([3.3895314e38, -2.0 ** -133, 1e-30, -7.0], H),
+        np.resize([4.0, -2.0, 1.0, 3.0, 0.5, -4.0, 2.0 ** -20], H),   # amax a power of two
+        np.resize([7.5, -7.0, 6.5, 1.0, -0.0], H),              # MXFP4: x / 2^X in (6, 8)
     ]
     if nonfinite:
         specials += [np.resize([np.nan, 1.0, -2.0, 0.5], H), np.resize([np.inf, -1.0, 3.0], H),
