@@ -3,7 +3,9 @@
 
 Importing the package costs nothing: every name below is loaded on first use (PEP 562).
 ``EPConfig``, the formats and ``reference`` need numpy, attrs and ml_dtypes; ``emit_ptx``
-loads llvmlite; ``EmulatedWorld``, ``P2PWorld`` and ``ShmemWorld`` load cuda.core.
+loads llvmlite; ``EmulatedWorld``, ``P2PWorld`` and ``ShmemWorld`` load cuda.core. Every
+registered token format class is exported under its class name (``epgen.BF16Format``,
+``epgen.MXFP4Format``, ...: ``epgen.formats.FORMATS``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,6 @@ _LAZY = {
     "EPConfig": ("epgen.config", "EPConfig"),
     "EPConfigError": ("epgen.config", "EPConfigError"),
     "EPTimeoutError": ("epgen.errors", "EPTimeoutError"),
-    "BF16Format": ("epgen.formats", "BF16Format"),
-    "BlockwiseFP8Format": ("epgen.formats", "BlockwiseFP8Format"),
-    "MXFP8Format": ("epgen.formats", "MXFP8Format"),
-    "NVFP4Format": ("epgen.formats", "NVFP4Format"),
     "TokenFormat": ("epgen.formats", "TokenFormat"),
     "Layout": ("epgen.layout", "Layout"),
     "Tuning": ("epgen.tuning", "Tuning"),
@@ -47,6 +45,17 @@ def emit_ptx(cfg, arch: str = "sm_90", link: bool = True) -> str:
     return emit_linked_ptx(module, arch=arch) if link else _emit(module, arch=arch)
 
 
+def _format_classes() -> dict[str, type]:
+    """The registered token format classes by class name (each ends in ``Format``)."""
+    from .formats import FORMATS
+    return {cls.__name__: cls for cls in FORMATS.values()}
+
+
+_STATIC_ALL = ["EPConfig", "EPConfigError", "EPTimeoutError", "TokenFormat", "Layout", "Tuning",
+               "TuningError", "reference", "build_module", "emit_ptx", "EmulatedWorld",
+               "P2PWorld", "ShmemWorld"]
+
+
 def __getattr__(name):
     if name in _LAZY:
         module, attr = _LAZY[name]
@@ -55,13 +64,13 @@ def __getattr__(name):
             value = getattr(value, attr)
         globals()[name] = value
         return value
+    if name == "__all__":       # computed, as it names the registered formats
+        return _STATIC_ALL + sorted(_format_classes())
+    if name.endswith("Format") and name in _format_classes():
+        globals()[name] = _format_classes()[name]
+        return globals()[name]
     raise AttributeError(f"module 'epgen' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
-
-
-__all__ = ["EPConfig", "EPConfigError", "EPTimeoutError", "BF16Format", "BlockwiseFP8Format",
-           "NVFP4Format", "MXFP8Format", "TokenFormat", "Layout", "Tuning", "TuningError", "reference", "build_module",
-           "emit_ptx", "EmulatedWorld", "P2PWorld", "ShmemWorld"]
+    return sorted(set(globals()) | set(_LAZY) | set(_format_classes()))

@@ -1,10 +1,12 @@
 """Golden variants of the EP dispatch kernels: ``ep/<preset>`` is the module of both entry
 points (``ep_dispatch_async``, ``ep_dispatch_wait``) of that preset, pinned in
-``golden/ep/<preset>.{ir,ptx}``; ``ep/<preset>_<fmt>`` is the same preset with another token
-format (``ep/default_fp8``: BlockwiseFP8, ``ep/default_nvfp4``, ``ep/default_mxfp8``).
-``FLAG_VARIANTS`` are the flag variants: ``ep/<name>`` is a preset with some parameters
-changed (``docs/flags.md`` says what each flag changes in the PTX); ``SHMEM_VARIANTS`` the
-same for ``use_shmem`` with destinations outside the P2P group.
+``golden/ep/<preset>.{ir,ptx}``; ``ep/default_<suffix>`` is the default preset with another
+token format, one per registered format (``GOLDEN_FORMATS``, from the registry:
+``ep/default_fp8`` is BlockwiseFP8, ``ep/default_nvfp4`` NVFP4, ...; the suffix is the format's
+``golden_suffix``). ``FLAG_VARIANTS`` are the flag variants: ``ep/<name>`` is a preset with
+some parameters changed (``docs/flags.md`` says what each flag changes in the PTX);
+``SHMEM_VARIANTS`` the same for ``use_shmem`` with destinations outside the P2P group
+(``ep/shmem_p2p1_<suffix>``: the same for every registered format).
 ``epgen ptx`` with no arguments prints ``ep/default``'s PTX.
 
 Each variant is registered with a one-line description of what it sets (preset, then the
@@ -14,12 +16,21 @@ parameters the way ``epgen --set`` reads them.
 
 from __future__ import annotations
 
+from .formats import FORMATS, format_class
 from .goldens import golden
+from .presets import preset_data
+
+
+def formats_besides(preset: str) -> list[tuple[str, str]]:
+    """``(golden suffix, format name)`` of every registered format but ``preset``'s own."""
+    own = format_class(preset_data(preset)["format"])
+    return [(cls.golden_suffix, cls.name) for cls in FORMATS.values() if cls is not own]
+
 
 GOLDEN_PRESETS = ("default", "small")
-#: ``(preset, variant suffix, format name)`` of the golden format variants
-GOLDEN_FORMATS = (("default", "fp8", "BlockwiseFP8"), ("default", "nvfp4", "NVFP4"),
-                  ("default", "mxfp8", "MXFP8"))
+#: ``(preset, variant suffix, format name)`` of the golden format variants: the default
+#: preset with every other registered format
+GOLDEN_FORMATS = tuple(("default", suffix, name) for suffix, name in formats_besides("default"))
 
 #: ``name -> (preset, parameter changes)`` of the flag variants ``ep/<name>``.
 FLAG_VARIANTS = {
@@ -51,9 +62,8 @@ _MIXED = {"use_shmem": True, "n_ranks": 4, "p2p_world_size": 2}
 #: (``epgen.variants`` keeps ``use_shmem`` false).
 SHMEM_VARIANTS = {
     "shmem_p2p1": ("small", dict(_SHMEM)),
-    "shmem_p2p1_fp8": ("small", {**_SHMEM, "format": "BlockwiseFP8"}),
-    "shmem_p2p1_nvfp4": ("small", {**_SHMEM, "format": "NVFP4"}),
-    "shmem_p2p1_mxfp8": ("small", {**_SHMEM, "format": "MXFP8"}),
+    **{f"shmem_p2p1_{suffix}": ("small", {**_SHMEM, "format": name})
+       for suffix, name in formats_besides("small")},
     "shmem_mixed": ("small", dict(_MIXED)),
     "shmem_mixed_ord_r": ("small", {**_MIXED, "ep_ord_r": True, "has_rank_flag": True}),
 }
@@ -68,7 +78,6 @@ def describe_changes(changes: dict) -> str:
 
 
 def _preset_description(preset: str) -> str:
-    from .presets import preset_data
     about = preset_data(preset).get("description")
     return f"preset {preset}" + (f" ({about})" if about else "")
 
@@ -76,7 +85,7 @@ def _preset_description(preset: str) -> str:
 def flag_variant_config(name: str):
     """The ``EPConfig`` of flag variant ``name`` (a key of ``FLAG_VARIANTS`` or
     ``SHMEM_VARIANTS``)."""
-    from .presets import config_from_dict, preset_data, with_overrides
+    from .presets import config_from_dict, with_overrides
     preset, changes = {**FLAG_VARIANTS, **SHMEM_VARIANTS}[name]
     table = with_overrides(preset_data(preset), changes)
     table.pop("description", None)
@@ -152,7 +161,7 @@ def _register_combine_variant(name: str) -> None:
         import ir
 
         from .kernels import build_combine_fused, build_combine_module
-        from .presets import config_from_dict, preset_data
+        from .presets import config_from_dict
         cfg = config_from_dict({**preset_data("small"), **changes})
         if fused_only:
             return ir.Module("ep_combine", (build_combine_fused(cfg),))

@@ -1,12 +1,13 @@
 """Token formats: how one token is serialized for dispatch, and the registry of formats by
-name (``format = "BF16"`` in presets and ``epgen --set``): ``BF16``, ``BlockwiseFP8``,
-``NVFP4``, ``MXFP8`` (docs/formats.md).
+name (``format = "BF16"`` in presets and ``epgen --set``; ``format_names()`` lists them,
+docs/formats.md describes them).
 
-Each format is three modules: ``<name>.py`` the format class (message layout, output
-description, configuration rules, send-policy properties), ``<name>_codec.py`` its host codec
-(numpy; ``ml_dtypes`` only on first use) and ``<name>_emit.py`` its device emitter (IR). The
-quantising formats share ``blockscaled*.py``, ``elements.py`` (fixed numeric facts) and
-``quant_ir.py`` (the element encoders' IR).
+``BF16`` is a format class with its host codec (``bf16_codec.py``: numpy; ``ml_dtypes`` only
+on first use) and device emitter (``bf16_emit.py``: IR). A quantising format is a declaration
+(``BlockScaledFormat``: element encoding, scale rule, group size; ``scaling.py``) from which
+the shared codec and emitter (``blockscaled*.py``) derive; their numpy steps are in
+``quant_host.py``, their IR twins in ``quant_ir.py``, fixed numeric facts in ``elements.py``.
+A format's module registers it; importing it here is what adds a format.
 """
 
 from .base import VECTOR_BYTES, TokenFormat, align_up
@@ -16,11 +17,11 @@ from .blockscaled import BlockScaledFormat
 from .codec import HostCodec
 from .emit import DeviceEmitter
 from .fp8 import BlockwiseFP8Format
+from .mxfp4 import MXFP4Format
 from .mxfp8 import MXFP8Format
 from .nvfp4 import NVFP4Format
 from .registry import FORMATS, format_class, format_names, make_format, register_format
 
-__all__ = ["TokenFormat", "BF16Format", "BlockScaledFormat", "BlockwiseFP8Format",
-           "NVFP4Format", "MXFP8Format", "HostCodec", "DeviceEmitter", "align_up", "bf16_bits",
-           "VECTOR_BYTES", "FORMATS", "format_class", "format_names", "make_format",
-           "register_format"]
+__all__ = ["TokenFormat", "BlockScaledFormat", "HostCodec", "DeviceEmitter", "align_up",
+           "bf16_bits", "VECTOR_BYTES", "FORMATS", "format_class", "format_names",
+           "make_format", "register_format"] + [cls.__name__ for cls in FORMATS.values()]

@@ -51,6 +51,20 @@ def forward(part: str, name: str):
                     doc=f"``self.{part}.{name}``")
 
 
+class class_property:
+    """A read-only attribute computed from the class (``fn(cls)``), alike on the class and on
+    its instances: what a format derives from its declaration (``BlockScaledFormat``'s
+    ``uses_input_scale`` from its scale rule). A subclass may set the name to a plain value
+    instead."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, inst, owner):
+        return self.fn(owner)
+
+
 def _positive_int(name):
     def check(inst, attribute, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -98,6 +112,18 @@ class TokenFormat:
     host_dtype = np.uint8
     #: Element dtype names accepted for input tokens (numpy/ml_dtypes/torch spellings).
     accepted_input_dtypes = ()
+
+    @class_property
+    def golden_suffix(cls) -> str:
+        """Suffix of the format's golden variants (``ep/default_<suffix>``,
+        ``ep/shmem_p2p1_<suffix>``; ``epgen.ep_goldens``): the lower-case name."""
+        return cls.name.lower()
+
+    #: Substrings the PTX of the send kernel (``ep_dispatch_async``) must contain, and must
+    #: not contain, with this format: the instructions its bit-exactness relies on
+    #: (tests/ptx/test_formats_kernels.py checks them).
+    ptx_must_contain = ()
+    ptx_must_not_contain = ()
 
     # ---- parts --------------------------------------------------------------------------
     #: ``HostCodec`` subclass of the format (numpy encode/decode)

@@ -30,6 +30,8 @@ class BF16Format(TokenFormat):
     payload_is_output_row = True
     #: the block-staged broadcast wins at prefill (``TokenFormat``'s measurement)
     prefers_block_staged_broadcast = True
+    #: the send copies the tokens: no conversion, no arithmetic
+    ptx_must_not_contain = ("e4m3", "div.rn.f32")
     codec_class = BF16Codec
     emitter_class = BF16Emitter
 

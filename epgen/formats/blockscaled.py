@@ -1,10 +1,12 @@
-"""``BlockScaledFormat``: what the quantising formats (``BlockwiseFP8``, ``NVFP4``, ``MXFP8``)
-share on the format: the message layout (the quantized payload, then one scale per group of
+"""``BlockScaledFormat``: a quantising format as a declaration: its element encoding
+(``scaling.E4M3``, ``scaling.E2M1``), its scale rule (``scaling.FP32_PER_GROUP``,
+``E8M0_CEIL``, ``E8M0_OCP``, ``E4M3_GLOBAL``) and its group size. Everything else derives
+from those: the message layout (the quantized payload, then one scale per group of
 ``group_size`` elements at ``scales_offset``, each field aligned), the output description
 (uint8 payload rows, ``out_row_shape = (payload_bytes,)``; the output scales row-major
-``[M, groups]`` or transposed ``[groups, M]``) and the ``hid_dim`` rule. Host codec:
-``blockscaled_codec.BlockScaledCodec``; device emitter: ``blockscaled_emit.BlockScaledEmitter``
-(each format's own codec and emitter add its arithmetic).
+``[M, groups]`` or transposed ``[groups, M]``), the ``hid_dim`` rule, the host codec
+(``blockscaled_codec.BlockScaledCodec``) and the device emitter
+(``blockscaled_emit.BlockScaledEmitter``), both built from the two declarations.
 """
 
 from __future__ import annotations
@@ -12,30 +14,71 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from .base import VECTOR_BYTES, TokenFormat, align_up, forward
+from .base import VECTOR_BYTES, TokenFormat, align_up, class_property, forward
 from .blockscaled_codec import BlockScaledCodec
-from .blockscaled_emit import STATIC_SMEM_LIMIT, BlockScaledEmitter  # noqa: F401
+from .blockscaled_emit import BlockScaledEmitter
 from .elements import ITEM_ELEMS
+from .scaling import ElementEncoding, ScaleRule
 
 
 @attrs.frozen
 class BlockScaledFormat(TokenFormat):
-    """Base of the quantising formats; subclasses set the class attributes below and their
-    codec (``quantize``, ``dequantize_groups``: numpy) and emitter (``emit_item_quant``: IR)
-    classes."""
+    """Base of the quantising formats; a subclass declares ``name``, ``element``,
+    ``scale_rule``, ``group_size`` and ``ir_prefix`` (and, where they differ from the
+    defaults, the output scales' layout, the send-policy property and the emitter class)."""
 
+    #: ``scaling.ElementEncoding`` of the payload elements
+    element = None
+    #: ``scaling.ScaleRule`` of the group scales
+    scale_rule = None
     #: elements sharing one scale
     group_size = 0
-    #: bits of one quantized element (8: one byte each; 4: two per byte, low nibble first)
-    element_bits = 8
-    #: bytes of one scale in the message
-    scale_bytes = 1
-    #: numpy dtype of the scales on the host (float32, or uint8 bit patterns)
-    scales_host_dtype = np.uint8
     #: True: the output scales are ``[n_scale_groups, M]`` (transposed), else ``[M, groups]``
     scales_transposed = False
-    #: True: the send step reads the global input scale (``input_scale`` launch argument)
-    uses_input_scale = False
+    #: prefix of the IR names of the format's quantiser (``<prefix>_scale``, ``<prefix>_q0``)
+    ir_prefix = ""
+
+    @class_property
+    def ir_words(cls) -> str:
+        """IR name of the quantiser's payload words: ``<ir_prefix>_<element.words_stem>``."""
+        return f"{cls.ir_prefix}_{cls.element.words_stem}"
+
+    @class_property
+    def element_bits(cls) -> int:
+        """Bits of one quantized element (8: one byte each; 4: two per byte, low nibble
+        first)."""
+        return cls.element.bits
+
+    @class_property
+    def scale_bytes(cls) -> int:
+        """Bytes of one scale in the message."""
+        return cls.scale_rule.scale_bytes
+
+    @class_property
+    def scales_host_dtype(cls):
+        """numpy dtype of the scales on the host (float32, or uint8 bit patterns)."""
+        return cls.scale_rule.host_dtype
+
+    @class_property
+    def scales_dtype_name(cls) -> str:
+        """The output scales' element type, in words (``describe()``)."""
+        return cls.scale_rule.dtype_name
+
+    @class_property
+    def uses_input_scale(cls) -> bool:
+        """True: the send step reads the global input scale (``input_scale`` launch
+        argument)."""
+        return cls.scale_rule.uses_input_scale
+
+    @class_property
+    def ptx_must_contain(cls) -> tuple[str, ...]:
+        """The element encoding's and the scale rule's instructions."""
+        return cls.element.ptx_must_contain + cls.scale_rule.ptx_must_contain
+
+    @class_property
+    def ptx_must_not_contain(cls) -> tuple[str, ...]:
+        """What the element encoding and the scale rule exclude."""
+        return cls.element.ptx_must_not_contain + cls.scale_rule.ptx_must_not_contain
 
     input_dtype = "bf16"
     input_elem_bytes = 2
@@ -46,6 +89,13 @@ class BlockScaledFormat(TokenFormat):
     emitter_class = BlockScaledEmitter
 
     def __attrs_post_init__(self):
+        cls = type(self)
+        if not isinstance(cls.element, ElementEncoding) or \
+                not isinstance(cls.scale_rule, ScaleRule) or cls.group_size <= 0:
+            raise TypeError(f"{cls.__name__}: a block-scaled format declares its element "
+                            f"(scaling.E4M3, ...), scale_rule (scaling.E8M0_OCP, ...) and a "
+                            f"positive group_size; got {cls.element!r}, {cls.scale_rule!r}, "
+                            f"{cls.group_size!r}")
         need = self.hid_dim_multiple
         if self.hid_dim % need:
             raise ValueError(
@@ -55,20 +105,20 @@ class BlockScaledFormat(TokenFormat):
                 f"payload)")
 
     # ---- message layout ---------------------------------------------------------------------
-    @property
-    def vector_elems(self) -> int:
+    @class_property
+    def vector_elems(cls) -> int:
         """Payload elements in one 16-byte vector."""
-        return VECTOR_BYTES * 8 // self.element_bits
+        return VECTOR_BYTES * 8 // cls.element_bits
 
-    @property
-    def item_out_bytes(self) -> int:
+    @class_property
+    def item_out_bytes(cls) -> int:
         """Payload bytes of one 8-element input item (8 for 8-bit elements, 4 for 4-bit)."""
-        return ITEM_ELEMS * self.element_bits // 8
+        return ITEM_ELEMS * cls.element_bits // 8
 
-    @property
-    def hid_dim_multiple(self) -> int:
+    @class_property
+    def hid_dim_multiple(cls) -> int:
         """``hid_dim`` must be a multiple of this: of ``group_size`` and of ``vector_elems``."""
-        return int(np.lcm(self.group_size, self.vector_elems))
+        return int(np.lcm(cls.group_size, cls.vector_elems))
 
     @property
     def n_scale_groups(self) -> int:
@@ -131,8 +181,6 @@ class BlockScaledFormat(TokenFormat):
         return {"dtype": self.scales_dtype_name, "shape": shape,
                 "layout": "transposed" if self.scales_transposed else "row-major",
                 "group_size": self.group_size}
-
-    scales_dtype_name = "u8"
 
     def describe(self) -> dict:
         d = super().describe()

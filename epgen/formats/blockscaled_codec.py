@@ -1,6 +1,7 @@
-"""``BlockScaledCodec``: the host side of the quantising formats (``BlockwiseFP8``, ``NVFP4``,
-``MXFP8``): the inputs are bfloat16 (uint16 bits), ``quantize`` does exactly what the kernel
-does (each format's codec defines it), ``encode_payload``/``decode_payload`` place the payload
+"""``BlockScaledCodec``: the host side of the quantising formats (``BlockScaledFormat``): the
+inputs are bfloat16 (uint16 bits), ``quantize`` does exactly what the kernel does (the
+format's scale rule, then its element encoding: their numpy steps, ``scaling``),
+``encode_payload``/``decode_payload`` place the payload
 and the scales as the message does, ``dequantize`` and ``error_bound`` give the values back
 and the stated tolerance. ``decode_payload`` returns the scales one row per token
 (``[n, n_scale_groups]``), whatever the device layout of the output scales
@@ -15,8 +16,7 @@ from .codec import HostCodec, ml_dtypes
 
 
 class BlockScaledCodec(HostCodec):
-    """Numpy side of a ``BlockScaledFormat``; subclasses define ``quantize``,
-    ``element_values``, ``dequantize_groups`` and ``error_bound``."""
+    """Numpy side of a ``BlockScaledFormat``, from its ``element`` and ``scale_rule``."""
 
     def scale_groups(self, x):
         """``x`` as float32 scale groups ``[T, n_scale_groups, group_size]`` and each group's
@@ -69,14 +69,29 @@ class BlockScaledCodec(HostCodec):
                              f"{input_scale!r}")
         return s
 
+    def _rule_input_scale(self, input_scale):
+        """``input_scale`` checked, as float32, for a scale rule that uses one; else None
+        (the argument is then ignored)."""
+        return self.check_input_scale(input_scale) if self.fmt.uses_input_scale else None
+
     def quantize(self, x: np.ndarray, input_scale=1.0) -> tuple[np.ndarray, np.ndarray]:
         """float32 ``[T, H]`` -> (payload uint8 ``[T, payload_bytes]``, per-row scales
-        ``[T, n_scale_groups]`` of ``scales_host_dtype``), exactly as the kernel does."""
-        raise NotImplementedError
+        ``[T, n_scale_groups]`` of ``scales_host_dtype``), exactly as the kernel does: the
+        scale rule's scales and scaled elements, then the element encoding's bytes."""
+        f = self.fmt
+        groups, amax = self.scale_groups(x)
+        scales, values, live = f.scale_rule.host_scale(groups, amax, f.element,
+                                                       self._rule_input_scale(input_scale))
+        return f.element.host_payload(values, live), scales
+
+    def decoded_scales(self, scales: np.ndarray, input_scale=1.0) -> np.ndarray:
+        """float64 value of one element unit of each stored scale (``[n, groups]``)."""
+        g = self._rule_input_scale(input_scale)
+        return self.fmt.scale_rule.host_decode(scales, None if g is None else float(g))
 
     def dequantize_groups(self, q: np.ndarray, scales: np.ndarray, input_scale) -> np.ndarray:
         """float64 ``[n, groups, group_size]`` values of payload rows ``q`` with ``scales``."""
-        raise NotImplementedError
+        return q * self.decoded_scales(scales, input_scale)[..., None]
 
     def encode_payload(self, tokens, input_scale=1.0) -> np.ndarray:
         f = self.fmt
@@ -109,9 +124,14 @@ class BlockScaledCodec(HostCodec):
 
     def element_values(self, rows: np.ndarray) -> np.ndarray:
         """float64 ``[n, H]`` values of the payload codes (before scaling)."""
-        raise NotImplementedError
+        return self.fmt.element.host_values(rows)
 
     def error_bound(self, x: np.ndarray, input_scale=1.0) -> np.ndarray:
         """The stated tolerance, per element, of ``|dequantize(quantize(x)) - x|`` for the
-        float32 tokens ``x`` [T, H] (docs/formats.md)."""
-        raise NotImplementedError
+        float32 tokens ``x`` [T, H] (docs/formats.md): the element encoding's bound with each
+        group's decoded scale."""
+        f = self.fmt
+        x = np.asarray(x, dtype=np.float32).reshape(-1, f.hid_dim)
+        _, scales = self.quantize(x, input_scale)
+        step = np.repeat(self.decoded_scales(scales, input_scale), f.group_size, axis=1)
+        return f.element.error_bound(np.abs(x.astype(np.float64)), step)

@@ -1,6 +1,6 @@
-"""``BlockScaledEmitter``: the device steps the quantising formats (``BlockwiseFP8``,
-``NVFP4``, ``MXFP8``) share; each format's emitter adds ``emit_item_quant``, the arithmetic of
-one 8-element item.
+"""``BlockScaledEmitter``: the device steps of the quantising formats (``BlockScaledFormat``);
+``emit_item_quant``, the arithmetic of one 8-element item, is the format's scale rule and then
+its element encoding (their IR steps, ``scaling``).
 
 Send, per thread and 16-byte input item (8 bf16, one ``ld.global.nc.L2::256B.v4.b32``):
 convert to f32, take the item's ``|x|`` maximum, combine it over the ``group_size // 8``
@@ -35,13 +35,19 @@ STATIC_SMEM_LIMIT = 48 * 1024
 
 
 class BlockScaledEmitter(DeviceEmitter):
-    """Device steps of a ``BlockScaledFormat``; subclasses define ``emit_item_quant``."""
+    """Device steps of a ``BlockScaledFormat``."""
 
     def emit_item_quant(self, r: ir.RoleBuilder, xs, amax) -> tuple[list, object]:
         """IR for one 8-element item: ``xs`` the 8 f32 values, ``amax`` the group's ``|x|``
         maximum. Returns (payload u32 words, little-endian: 2 for 8-bit elements, 1 for
-        4-bit; the group scale as stored: an f32 or a u32 holding a byte)."""
-        raise NotImplementedError
+        4-bit; the group scale as stored: an f32 or a u32 holding a byte): the scale rule's
+        ``emit_scale``, then the element encoding's ``emit_words`` of the scaled elements
+        (their instructions: ``quant_ir``'s ``*_group_scale`` and ``*_words``)."""
+        f = self.fmt
+        scale, scaled, live = f.scale_rule.emit_scale(r, amax, f.element, f.ir_prefix)
+        words = f.element.emit_words(r, [scaled(x) for x in xs], live, f.ir_prefix,
+                                     f.ir_words)
+        return words, scale
 
     #: the pipelined block-staged send issues the next token's input loads before the current
     #: token's broadcast and quantises them into the shared message after it

@@ -12,20 +12,19 @@ the f32 scales (``scales_offset = fp8_quant_size``), then the header. Output: e4
 ``[M, H]`` and the scales **transposed**, ``output_scales[g, row]`` of a float32
 ``[H/128, output_scales_rows]`` tensor. ``row_offsets`` are padded per expert to
 ``expert_m_padding = 16 // sizeof(f32) = 4`` rows (``pad_expert_offsets``, in the
-dispatch_wait aux block); padding rows are never written. Host codec:
-``fp8_codec.BlockwiseFP8Codec``; device emitter: ``fp8_emit.BlockwiseFP8Emitter``.
+dispatch_wait aux block); padding rows are never written. Declared as element ``E4M3``,
+scale rule ``FP32_PER_GROUP``, groups of 128 (``scaling``); device emitter
+``fp8_emit.BlockwiseFP8Emitter`` (the padding).
 """
 
 from __future__ import annotations
 
 import attrs
-import numpy as np
 
 from .blockscaled import BlockScaledFormat
-from .elements import FP8_MAX, MIN_AMAX  # noqa: F401
-from .fp8_codec import BlockwiseFP8Codec
 from .fp8_emit import BlockwiseFP8Emitter
 from .registry import register_format
+from .scaling import E4M3, FP32_PER_GROUP
 
 
 @register_format
@@ -34,17 +33,18 @@ class BlockwiseFP8Format(BlockScaledFormat):
     """``BlockwiseFP8Format(hid_dim, top_k, alignment=16)``; ``hid_dim % 128 == 0``."""
 
     name = "BlockwiseFP8"
+    element = E4M3
+    scale_rule = FP32_PER_GROUP
     group_size = 128
-    element_bits = 8
-    scale_bytes = 4
-    scales_host_dtype = np.float32
-    scales_dtype_name = "f32"
     scales_transposed = True
+    ir_prefix = "fp8"
+    #: the payload words' IR name (the IR goldens pin it)
+    ir_words = "fp8"
+    golden_suffix = "fp8"
     #: ``16 // sizeof(scales_dtype)``: rows per expert are rounded up to this
     expert_m_padding = 16 // 4
     #: the block-staged broadcast wins at prefill (``TokenFormat``'s measurement)
     prefers_block_staged_broadcast = True
-    codec_class = BlockwiseFP8Codec
     emitter_class = BlockwiseFP8Emitter
 
     @property

@@ -1,6 +1,6 @@
-"""``BlockwiseFP8Emitter``: BlockwiseFP8's item arithmetic (``div.rn.f32`` scale and
-quotients, clamp, ``cvt.rn.satfinite.e4m3x2.f32``) and its ``pad_expert_offsets`` (rows per
-expert rounded up to ``expert_m_padding``, by a block-wide scan)."""
+"""``BlockwiseFP8Emitter``: BlockwiseFP8's ``pad_expert_offsets`` (rows per expert rounded up
+to ``expert_m_padding``, by a block-wide scan); its item arithmetic is its declaration's
+(``BlockScaledEmitter.emit_item_quant``)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ from ir import types as T
 
 from ..primitives import block_inclusive_scan, word
 from .blockscaled_emit import BlockScaledEmitter
-from .elements import FP8_MAX, MIN_AMAX
-from .quant_ir import clamp, e4m3_pairs, f32
 
 
 class BlockwiseFP8Emitter(BlockScaledEmitter):
     """Device steps of ``BlockwiseFP8Format``."""
-
-    def emit_item_quant(self, r, xs, amax):
-        """``max.f32``, ``div.rn.f32`` (scale), then per element ``div.rn.f32``, the
-        ``max.f32``/``min.f32`` clamp and one ``cvt.rn.satfinite.e4m3x2.f32`` per pair."""
-        scale = r.let("fp8_scale", amax.max(f32(MIN_AMAX)) / f32(FP8_MAX))
-        qs = [r.let(f"fp8_q{i}", clamp(x / scale, FP8_MAX)) for i, x in enumerate(xs)]
-        return e4m3_pairs(r, qs), scale
 
     def emit_pad_expert_offsets(self, r, row_offsets, n_groups):
         """``pad_expert_offsets``, by the whole aux block after the prefix sum: thread ``j <

@@ -18,21 +18,17 @@ The quotient by 6 is ``div.rn.f32``'s, computed by a multiply and two ``fma.rn.f
 ``[scales_offset, +align_up(H/16, A))`` the e4m3 scale bytes, then the header. Output: packed
 rows ``[M, H/2]`` and the plain row-major scales ``[M, H/16]`` (uint8 e4m3 bits). The
 reference's 5-D tcgen05/TMA scale layout and ``output_scales_offset`` are not implemented; no
-``row_offsets`` padding. Host codec: ``nvfp4_codec.NVFP4Codec``; device emitter:
-``nvfp4_emit.NVFP4Emitter``.
+``row_offsets`` padding. Declared as element ``E2M1``, scale rule ``E4M3_GLOBAL``, groups of
+16 (``scaling``).
 """
 
 from __future__ import annotations
 
 import attrs
-import numpy as np
 
-from .base import forward
 from .blockscaled import BlockScaledFormat
-from .elements import FP4_MAX  # noqa: F401
-from .nvfp4_codec import NVFP4Codec, e2m1_codes  # noqa: F401
-from .nvfp4_emit import SCALE_INPUT_CLAMP, NVFP4Emitter  # noqa: F401
 from .registry import register_format
+from .scaling import E2M1, E4M3_GLOBAL
 
 
 @register_format
@@ -42,16 +38,9 @@ class NVFP4Format(BlockScaledFormat):
     16-byte vectors of 32 packed elements)."""
 
     name = "NVFP4"
+    element = E2M1
+    scale_rule = E4M3_GLOBAL
     group_size = 16
-    element_bits = 4
-    scale_bytes = 1
-    scales_host_dtype = np.uint8
-    scales_dtype_name = "e4m3 (u8 bits)"
-    scales_transposed = False
-    uses_input_scale = True
+    ir_prefix = "nv"
     #: the warp send path wins at prefill (``TokenFormat``'s measurement)
     prefers_block_staged_broadcast = False
-    codec_class = NVFP4Codec
-    emitter_class = NVFP4Emitter
-
-    group_scales = forward("codec", "group_scales")

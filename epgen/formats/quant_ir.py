@@ -13,7 +13,14 @@ contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
   conversion; ``cvt...e2m1x2.f32`` is sm_100a+);
 - e8m0 (rounded up) and e4m3/e8m0 -> f32: integer ``shr``/``and``/``shl``/``selp``, ``mov.b32``;
   e4m3 -> f32 also as ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (``e4m3_to_f32_by_cvt``);
-- a quotient by a constant as ``mul.rn.f32`` and two ``fma.rn.f32`` (``quotient_by_fma``).
+- a quotient by a constant as ``mul.rn.f32`` and two ``fma.rn.f32`` (``quotient_by_fma``);
+- e8m0 by the OCP shared-exponent rule (``e8m0_floor``) and its power-of-two multiplier:
+  integer ``shr``/``max``/``sub``/``shl``/``selp``.
+
+The group scales (``fp32_group_scale``, ``e8m0_ceil_group_scale``, ``e8m0_floor_group_scale``,
+``e4m3_global_group_scale``) and the element words (``e4m3_words``, ``e2m1_words``) compose
+those; each has its numpy twin of the same name in ``quant_host``, and
+``epgen.formats.scaling`` pairs the twins into the declarations a format is made of.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import ir
 from ir import ShflMode, UnOpKind
 from ir import types as T
 
-from .elements import E8M0_NAN
+from .elements import E8M0_BIAS, E8M0_NAN, FP8_MAX, SCALE_INPUT_CLAMP
 
 F32 = T.f32
 
@@ -199,3 +206,82 @@ def e8m0_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
     ``2^-127``; 0xFF gives +inf, not NaN)."""
     code = ir.as_expr(code)
     return r.let(name, ir.Bitcast(F32, ir.Select(code.eq(0), u32(0x400000), code << 23)))
+
+
+def e8m0_floor(r: ir.RoleBuilder, amax, emax: int, name: str) -> ir.Var:
+    """The OCP MX shared exponent of an f32 ``amax >= 0`` as an e8m0 code (u32):
+    ``floor(log2(amax)) - emax + 127``, which for a normal ``amax`` is its biased exponent
+    field less ``emax``; clamped below at code 0 (``2^-127``: also ``amax == 0`` and subnormal
+    maxima, whose exponent field is 0); ``+inf`` gives 0xFF, e8m0's NaN."""
+    e = r.let(f"{name}_e", ir.Bitcast(T.u32, amax) >> 23)
+    return r.let(name, ir.Select(e.eq(0xFF), u32(E8M0_NAN), e.max(emax) - emax))
+
+
+# ---- group scales --------------------------------------------------------------------------
+def fp32_group_scale(r: ir.RoleBuilder, amax, bound: float, min_amax: float,
+                     prefix: str) -> ir.Var:
+    """The f32 scale ``max(amax, min_amax) / bound`` (``max.f32``, ``div.rn.f32``), named
+    ``<prefix>_scale``; the elements are divided by it."""
+    return r.let(f"{prefix}_scale", amax.max(f32(min_amax)) / f32(bound))
+
+
+def e8m0_ceil_group_scale(r: ir.RoleBuilder, amax, bound: float, prefix: str):
+    """(e8m0 code of ``amax / bound`` rounded up, the multiplier ``0 if amax == 0 else 1 /
+    scale``, the group's liveness ``code != 0xFF``): ``div.rn.f32``, ``e8m0_ceil``,
+    ``e8m0_to_f32``, ``div.rn.f32``. Named ``<prefix>_scale``, ``_s``, ``_mult``, ``_live``."""
+    code = e8m0_ceil(r, amax / f32(bound), f"{prefix}_scale")
+    s = e8m0_to_f32(r, code, f"{prefix}_s")
+    mult = r.let(f"{prefix}_mult", ir.Select(amax.eq(f32(0)), f32(0), f32(1.0) / s))
+    return code, mult, r.let(f"{prefix}_live", code.ne(E8M0_NAN))
+
+
+def e8m0_floor_group_scale(r: ir.RoleBuilder, amax, emax: int, prefix: str):
+    """(the OCP e8m0 code ``floor(log2(amax)) - emax + 127`` (``e8m0_floor``), the exact
+    multiplier ``2^(127 - code)`` built from its bits, the group's liveness ``code != 0xFF``):
+    integer operations only, no division. A dead group's (code 0xFF) multiplier is
+    meaningless; its elements are masked by the liveness. Named ``<prefix>_scale``,
+    ``_mult``, ``_live``."""
+    code = e8m0_floor(r, amax, emax, f"{prefix}_scale")
+    mult = r.let(f"{prefix}_mult", ir.Bitcast(F32, (u32(2 * E8M0_BIAS) - code) << 23))
+    return code, mult, r.let(f"{prefix}_live", code.ne(E8M0_NAN))
+
+
+def e4m3_global_group_scale(r: ir.RoleBuilder, amax, bound: float, prefix: str):
+    """(e4m3 code of ``(g * amax) / bound`` with ``g`` the kernel parameter ``input_scale``,
+    the multiplier ``0 if amax == 0 else g / float(scale)``): ``mul.rn.f32``, ``min.f32``
+    (``SCALE_INPUT_CLAMP``), the quotient by ``fma`` (``quotient_by_fma``),
+    ``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.f16x2.e4m3x2`` and ``cvt.f32.f16`` (its value),
+    ``div.rn.f32``. The quotient by ``fma`` and the ``cvt`` decode give the same scale bytes
+    and multipliers as a ``div.rn.f32`` and the integer decode (``e4m3_to_f32``) for every
+    input (tests/unit/test_formats_quant.py), with one ``div.rn.f32`` fewer per 8-element item.
+    Named ``<prefix>_gamax``, ``_sf``, ``_scale``, ``_sdec``, ``_mult``."""
+    g = kernel_param(r, "input_scale", T.f32)
+    scaled = r.let(f"{prefix}_gamax", (g * amax).min(f32(SCALE_INPUT_CLAMP)))
+    code = e4m3_byte(r, quotient_by_fma(r, scaled, bound, f"{prefix}_sf"), f"{prefix}_scale")
+    sdec = e4m3_to_f32_by_cvt(r, code, f"{prefix}_sdec")
+    return code, r.let(f"{prefix}_mult", ir.Select(amax.eq(f32(0)), f32(0), g / sdec))
+
+
+# ---- element words -------------------------------------------------------------------------
+def e4m3_words(r: ir.RoleBuilder, vs, live, prefix: str, words: str) -> list[ir.Var]:
+    """The e4m3 bytes of the scaled f32 elements ``vs`` packed in u32 words (``e4m3_pairs``,
+    named ``words``): each element clamped to +-448 first (``max.f32``/``min.f32``: a NaN
+    becomes -448), and 0 where the group is not ``live`` (a ``selp``; None: always live).
+    The elements are named ``<prefix>_q<i>``."""
+    qs = []
+    for i, v in enumerate(vs):
+        q = clamp(v, FP8_MAX)
+        qs.append(r.let(f"{prefix}_q{i}", q if live is None else ir.Select(live, q, f32(0))))
+    return e4m3_pairs(r, qs, words)
+
+
+def e2m1_words(r: ir.RoleBuilder, vs, live, prefix: str, words: str) -> list[ir.Var]:
+    """The e2m1 codes of the scaled f32 elements ``vs`` (``e2m1_nibble``, named
+    ``<prefix>_e<i>``; +0 where the group is not ``live``, None: always live), eight to a u32
+    word (element ``i`` in bits ``4i..4i+3``) named ``words``."""
+    word = None
+    for i, v in enumerate(vs):
+        nib = e2m1_nibble(r, v if live is None else ir.Select(live, v, f32(0)), f"{prefix}_e{i}")
+        part = nib << (4 * i) if i else nib
+        word = part if word is None else word | part
+    return [r.let(words, word)]

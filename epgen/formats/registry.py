@@ -1,8 +1,9 @@
 """Token formats by name (``"BF16"``), so presets and the CLI can say ``format = "BF16"``.
 
-A format class registers itself with ``@register_format``, under its ``name`` attribute; later
-formats (``BlockwiseFP8``, ``NVFP4``) do the same in their own module, imported by
-``epgen.formats``.
+A format class registers itself with ``@register_format``, under its ``name`` attribute, in its
+own module, which ``epgen.formats`` imports. Everything that lists formats reads this registry:
+the top-level exports (``epgen.<Class>Format``), the golden variants (``epgen.ep_goldens``)
+and the tests' format cases (tests/support/format_cases.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def register_format(cls: type) -> type:
     if old is not None and old.__qualname__ != cls.__qualname__:
         raise ValueError(f"token format {name!r} is registered twice: by {old.__qualname__} "
                          f"and by {cls.__qualname__}")
+    if not cls.__name__.endswith("Format"):
+        raise ValueError(f"{cls.__name__}: a registered token format's class name must end "
+                         f"in 'Format' (epgen exports it under that name)")
     FORMATS[name] = cls
     return cls
 

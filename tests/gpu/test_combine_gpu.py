@@ -16,6 +16,7 @@ from epgen import routing
 
 from combine_checks import (check_round_trips, combine_matches, corrupted_row_check,
                             round_trip_inputs)
+from format_cases import FORMATS, QUANT
 from world_checks import make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -66,9 +67,8 @@ def test_a_corrupted_src_info_row_is_reported(name, seed):
 
 # name -> (make_cfg arguments, flags, world keyword arguments, skip_a2a devices)
 VARIANTS = {
-    "fp8": ((8, 64, 2048, 4, 32, 256, 9, "BlockwiseFP8"), {}, {}, None),
-    "nvfp4": ((8, 64, 2048, 4, 32, 256, 9, "NVFP4"), {}, {}, None),
-    "mxfp8": ((8, 64, 2048, 4, 32, 256, 9, "MXFP8"), {}, {}, None),
+    **{FORMATS[name].golden_suffix: ((8, 64, 2048, 4, 32, 256, 9, name), {}, {}, None)
+       for name in QUANT},     # every quantising format: "fp8" (BlockwiseFP8), "nvfp4", ...
     "final_layout": ((8, 64, 256, 4, 32, 256, 9), {"ep_final_layout": True}, {}, None),
     "prod_reserve": ((8, 64, 256, 4, 32, 256, 9),
                      {"ep_final_layout": True, "ep_prod_reserve": True}, {}, None),

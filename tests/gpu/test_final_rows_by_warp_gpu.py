@@ -1,6 +1,6 @@
-"""The final rows by warp on the GPU: NVFP4's, MXFP8's and BlockwiseFP8's (transposed
-scales) ``ep_final_layout`` rows and output scales written by the warp send path, against
-the reference, with and without ``ep_prod_reserve``, on streams and as graph replays."""
+"""The final rows by warp on the GPU: every quantising format's ``ep_final_layout`` rows and
+output scales (BlockwiseFP8's transposed) written by the warp send path, against the
+reference, with and without ``ep_prod_reserve``, on streams and as graph replays."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 import epgen
 from epgen.kernels import send_policy
+from format_cases import QUANT
 from world_checks import checked_calls, make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +19,7 @@ SHAPE = (4, 32, 2048, 4, 32, 256, 9)     # (R, E, H, K, max_tpr, num_threads, n_
 
 @pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
 @pytest.mark.parametrize("prod", [False, True], ids=["final", "final_prod"])
-@pytest.mark.parametrize("fmt", ["NVFP4", "MXFP8", "BlockwiseFP8"])
+@pytest.mark.parametrize("fmt", QUANT)
 def test_final_rows_by_warp(fmt, prod, graph, seed):
     R, E, H, K, T, threads, sms = SHAPE
     cfg = make_cfg(*SHAPE, fmt=fmt, ep_final_layout=True, ep_prod_reserve=prod)

@@ -1,4 +1,5 @@
-"""The quantising token formats (BlockwiseFP8, NVFP4, MXFP8) through EmulatedWorld against the
+"""The quantising token formats (every registered one: tests/support/format_cases.py) through
+EmulatedWorld against the
 numpy reference: bit-exact on the quantized bytes, the scales, row_offsets (padded for FP8) and
 src_info, on random routings, the routing edge cases, value edge cases (zeros, one large value,
 negatives, values at the clamp, ties, bf16 extremes, NaN/inf), NVFP4 input scales and
@@ -17,10 +18,10 @@ import pytest
 import epgen
 from epgen import reference, routing
 from epgen.formats import make_format
+from format_cases import QUANT as FORMATS
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = ("BlockwiseFP8", "NVFP4", "MXFP8")
 FLAG_SETS = [{}, dict(skip_a2a=True), dict(ep_ord_r=True, has_rank_flag=True),
              dict(fused_shared_expert=True)]
 
@@ -140,7 +141,8 @@ def test_back_to_back_200_calls(fmt, seed):
 # ---- values ----------------------------------------------------------------------------------
 def special_tokens(rng, T, H, nonfinite=False) -> np.ndarray:
     """``[T, H]`` bf16 bits: random rows at magnitudes 2^-30 .. 2^30, and rows of zeros, one
-    large value per group, negatives, the clamp value, e2m1/e4m3 ties, bf16 extremes."""
+    large value per group, negatives, the clamp value, e2m1/e4m3 ties, bf16 extremes, maxima
+    at a power of two and saturating under the OCP rule."""
     x = rng.standard_normal((T, H)).astype(np.float32)
     x *= np.float32(2.0) ** rng.integers(-30, 31, size=(T, 1)).astype(np.float32)
     specials = [
@@ -152,6 +154,8 @@ def special_tokens(rng, T, H, nonfinite=False) -> np.ndarray:
         np.resize([448.0, 1.0625, 1.1875, 2.0 ** -9, 2.0 ** -10, 432.0], H),   # e4m3 ties
         np.full(H, 2.0 ** -133), np.full(H, 3.3895314e38),      # smallest / largest bf16
         np.resize([3.3895314e38, -2.0 ** -133, 1e-30, -7.0], H),
+        np.resize([4.0, -2.0, 1.0, 3.0, 0.5, -4.0, 2.0 ** -20], H),   # amax a power of two
+        np.resize([7.5, -7.0, 6.5, 1.0, -0.0], H),              # MXFP4: x / 2^X in (6, 8)
     ]
     if nonfinite:
         specials += [np.resize([np.nan, 1.0, -2.0, 0.5], H), np.resize([np.inf, -1.0, 3.0], H),

@@ -20,6 +20,7 @@ import epgen
 from epgen import reference, routing
 from epgen.formats import make_format
 from epgen.runtime.p2p_world import PeerAccessError
+import format_cases
 from world_checks import run_only
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +49,8 @@ FLAGS = {
     "prod_reserve": {"ep_final_layout": True, "ep_prod_reserve": True},
     "recv_block_capacity": {"recv_block_capacity": 48},
 }
-FORMATS = ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8")
+#: every registered format (tests/sim/test_p2p_world.py checks each one's configurations)
+FORMATS = format_cases.ALL
 WORLD_KWARGS = ("fused",)
 
 
@@ -135,13 +137,13 @@ def test_skewed_routing_8_gpus_or_fewer(seed):
 
 
 # ---- formats ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", FORMATS[1:])
+@pytest.mark.parametrize("fmt", format_cases.QUANT)
 @by_gpus()
 def test_formats_random_routing(n, fmt, seed):
     cfg = make_cfg(n, fmt=fmt)
     world = world_for(cfg)
     rng = np.random.default_rng(seed)
-    scales = (1.0, 0.37) if fmt == "NVFP4" else (1.0,)
+    scales = (1.0, 0.37) if cfg.token_fmt.uses_input_scale else (1.0,)
     for input_scale in scales:
         for call in range(2):
             toks, ids = routing.routing(rng, cfg, random_counts(rng, cfg))
@@ -149,7 +151,7 @@ def test_formats_random_routing(n, fmt, seed):
 
 
 @pytest.mark.parametrize("flags", [f for f in FLAGS if f != "staged"])
-@pytest.mark.parametrize("fmt", FORMATS[1:])
+@pytest.mark.parametrize("fmt", format_cases.QUANT)
 @by_gpus((1, 2, 8))
 def test_formats_with_flags(n, fmt, flags, seed):
     """Each quantising format with each other variant (their EmulatedWorld counterparts are

@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+import format_cases
 from backends.cuda import nvshmem_host
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
 TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
-FORMATS = ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8")
+FORMATS = format_cases.ALL
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -24,11 +24,15 @@ from epgen.formats import make_format
 from epgen.kernels import send_policy
 from epgen.presets import load_preset
 
+import format_cases
 from test_formats_gpu import MANY, SMALL, WIDE, make_cfg
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = ("BF16", "NVFP4", "MXFP8", "BlockwiseFP8")
+FORMATS = format_cases.ALL
+#: the formats whose default send path at prefill is the block-staged broadcast
+BLOCK_BROADCAST_FORMATS = [f for f in FORMATS
+                           if format_cases.FORMATS[f].prefers_block_staged_broadcast]
 
 
 def decode_cfg(fmt):
@@ -118,7 +122,7 @@ BLOCK_SHAPE = (4, 32, 2048, 8, 256, 256, 9)
 @pytest.mark.parametrize("launch", ["stream", "fused", "graph"])
 @pytest.mark.parametrize("flags", [{}, dict(ep_ord_r=True, has_rank_flag=True),
                                    dict(skip_a2a=True)], ids=["plain", "ord_r", "skip_a2a"])
-@pytest.mark.parametrize("fmt", ["BF16", "MXFP8", "BlockwiseFP8"])
+@pytest.mark.parametrize("fmt", BLOCK_BROADCAST_FORMATS)
 def test_block_broadcast_as_the_default_path(fmt, flags, launch, seed):
     cfg = shape_cfg(BLOCK_SHAPE, fmt, **flags)
     assert send_policy.prefers_block_broadcast(cfg)

@@ -1,6 +1,7 @@
-"""The dispatch kernels with the quantising formats on the CPU: they build, verify, pass the PTX
-checker and assemble (ptxas, sm_90); their launch parameters; the PTX instructions the
-formats' bit-exactness relies on; and the CLI selecting a format by name."""
+"""The dispatch kernels with every registered format on the CPU (tests/support/format_cases.py): they
+build, verify, pass the PTX checker and assemble (ptxas, sm_90); their launch parameters; the
+PTX instructions each format declares its bit-exactness relies on (``ptx_must_contain``,
+``ptx_must_not_contain``); and the CLI selecting a format by name."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import ir
 from backends.nvptx import assemble, check_ptx, emit_ptx
 from epgen import cli
 from epgen.formats import make_format
-
-FORMATS = ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8")
-QUANT = FORMATS[1:]
+from epgen.formats.scaling import E2M1
+from format_cases import ALL as FORMATS, QUANT
 # (R, E, H, K, max_tpr, num_threads, n_sms); the default preset's kernels of every format are
 # goldens (tests/ptx/test_golden.py assembles them and runs the PTX checker)
 SHAPES = [(2, 16, 256, 4, 32, 256, 9), (1, 8, 128, 2, 16, 128, 9)]
@@ -75,33 +75,44 @@ def test_format_launch_parameters(shape):
     assert extra["NVFP4"] == {A: {"input_scale"}, W: {"output_scales"},
                               F: {"input_scale", "output_scales"}}
     assert extra["MXFP8"] == {A: set(), W: {"output_scales"}, F: {"output_scales"}}
+    for fmt in QUANT:      # every quantising format: what its declaration implies
+        f = make_format(fmt, shape[2], shape[3])
+        send = {"input_scale"} if f.uses_input_scale else set()
+        wait = {"output_scales"} | ({"output_scales_rows"} if f.scales_transposed else set())
+        assert extra[fmt] == {A: send, W: wait, F: send | wait}, fmt
     m = epgen.build_module(make_cfg(shape, "NVFP4"))
     assert m.kernel(A).param("input_scale").dtype == ir.types.f32
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_send_ptx_has_what_the_format_declares(fmt):
+    """Each format's declared instructions (its element encoding's and scale rule's, for a
+    quantising format) are in the send kernel's PTX, and the ones it excludes are not."""
+    f = make_cfg(SHAPES[0], fmt).token_fmt
+    send = entry(module_and_ptx(SHAPES[0], fmt)[1], "ep_dispatch_async")
+    assert f.ptx_must_contain or f.ptx_must_not_contain, f"{fmt} declares no PTX"
+    for text in f.ptx_must_contain:
+        assert text in send, f"{fmt}: {text!r} is not in ep_dispatch_async"
+    for text in f.ptx_must_not_contain:
+        assert text not in send, f"{fmt}: {text!r} is in ep_dispatch_async"
+
+
 @pytest.mark.parametrize("fmt", QUANT)
 def test_send_ptx_is_exact_arithmetic(fmt):
-    """What bit-exactness with the reference relies on: IEEE division and multiplication
-    (``div.rn.f32``, ``mul.rn.f32``), no fused multiply-add and no approximate division, the
-    hardware e4m3 conversion, the butterfly group maximum, and the non-coherent input load."""
+    """What bit-exactness with the reference relies on besides the declared instructions
+    (``test_send_ptx_has_what_the_format_declares``): no approximate division or reciprocal,
+    the butterfly group maximum, and the non-coherent input load."""
     cfg = make_cfg(SHAPES[0], fmt)
     send = entry(module_and_ptx(SHAPES[0], fmt)[1], "ep_dispatch_async")
-    assert re.search(r"\tdiv\.rn\.f32 \t", send)
     assert not re.search(r"\t(fma|mad)\.\w*f32|div\.(approx|full)\.f32|rcp\.approx", send)
-    assert "cvt.rn.satfinite.e4m3x2.f32 " in send
     assert "ld.global.nc.L2::256B.v4.b32 " in send
     lanes = cfg.token_fmt.group_size // 8
     bfly = re.findall(r"shfl\.sync\.bfly\.b32 \t%r\d+, %r\d+, (\d+), 31, -1;", send)
     assert sorted({int(d) for d in bfly}) == [d for d in (1, 2, 4, 8) if d < lanes]
-    if fmt == "NVFP4":   # e2m1: saturate at 6, one rounding add.rn.f32 per element
+    if cfg.token_fmt.element is E2M1:   # saturate at 6, one rounding add.rn.f32 per element
         assert len(re.findall(r"\tmin\.f32 \t%r\d+, %r\d+, 0f40C00000;", send)) == 8
         assert len(re.findall(r"\tadd\.rn\.f32 \t", send)) == 8
         assert not re.search(r"\tsetp\.g[te]\.f32 \t", send)   # no threshold count
-
-
-def test_bf16_send_has_no_quantization():
-    send = entry(module_and_ptx(SHAPES[0], "BF16")[1], "ep_dispatch_async")
-    assert "e4m3" not in send and "div.rn.f32" not in send
 
 
 def test_fp8_wait_pads_and_transposes():
@@ -131,7 +142,8 @@ def test_fp8_wait_pads_and_transposes():
 def test_cli_ptx_selects_the_format_by_name(fmt, capsys):
     assert cli.main(["ptx", "--preset", "small", "--set", f"format={fmt.lower()}"]) == 0
     out = capsys.readouterr().out
-    assert ".entry ep_dispatch_async(" in out and "cvt.rn.satfinite.e4m3x2.f32" in out
+    assert ".entry ep_dispatch_async(" in out
+    assert all(text in out for text in make_format(fmt, 256, 4).ptx_must_contain)
 
 
 def test_cli_run_rejects_a_bad_input_scale(capsys):
@@ -173,8 +185,11 @@ def test_tile_scale_scratch_is_counted_for_the_fused_kernel():
     from epgen.kernels.dispatch_wait import copy_scratch_bytes
     base = copy_scratch_bytes(make_cfg(SHAPES[0], "BF16"))
     for fmt in QUANT:
-        want = base + (8 * 128 if fmt == "BlockwiseFP8" else 0)   # one address per tile row
-        assert copy_scratch_bytes(make_cfg(SHAPES[0], fmt)) == want, fmt
+        cfg = make_cfg(SHAPES[0], fmt)
+        per_tile = cfg.token_fmt.copies_scales_per_tile
+        want = base + (8 * 128 if per_tile else 0)   # one address per tile row
+        assert copy_scratch_bytes(cfg) == want, fmt
+    assert make_cfg(SHAPES[0], "BlockwiseFP8").token_fmt.copies_scales_per_tile
 
 
 @pytest.mark.parametrize("share,want", [(28, 7), (14, 7), (7, 7), (16, 8), (1, 1), (11, 1)])

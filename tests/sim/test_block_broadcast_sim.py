@@ -13,14 +13,18 @@ from epgen.formats import make_format
 from epgen.kernels import dispatch_async, send_policy
 from epgen.presets import load_preset
 
+from format_cases import ALL, FORMATS, case_ids
 from test_formats_sim import FLAGS, make_cfg, run_calls
 
-CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384), ("MXFP8", 512)]
+#: the formats that prefer the block-staged broadcast (``prefers_block_staged_broadcast``) at
+#: H=512 (BlockwiseFP8 at 384: a ragged vector of scales), and BF16 with a ragged staging trip
+CASES = [(f, 384 if f == "BlockwiseFP8" else 512) for f in ALL
+         if FORMATS[f].prefers_block_staged_broadcast] + [("BF16", 576)]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a"])
-@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+@pytest.mark.parametrize("fmt,H", CASES, ids=case_ids(CASES))
 def test_block_broadcast_matches_reference(fmt, H, flags, fused, seed):
     # up to 16 tokens per rank over 5 blocks: each block alternates its two buffers; the
     # simulator's calls are small, so every call counts as prefill-sized (threshold 1)
@@ -45,8 +49,8 @@ def test_rule():
     def with_fmt(cfg, name):
         return cfg.replace(token_fmt=make_format(name, 7168, 8))
 
-    for name, want in [("BF16", True), ("MXFP8", True), ("BlockwiseFP8", True),
-                       ("NVFP4", False)]:
+    for name in ALL:
+        want = FORMATS[name].prefers_block_staged_broadcast
         assert send_policy.prefers_block_broadcast(with_fmt(prefill, name)) is want, name
         assert not send_policy.prefers_block_broadcast(with_fmt(decode, name)), name
     assert not send_policy.prefers_block_broadcast(prefill.replace(ep_final_layout=True))

@@ -22,6 +22,7 @@ from epgen.presets import config_from_dict, load_preset, preset_data
 from epgen.runtime import combine as combine_mod
 from epgen.runtime.world import EmulatedWorld
 
+import format_cases
 from combine_checks import (check_round_trips, corrupted_row_check, expert_outputs,
                             round_trip_inputs, weights)
 
@@ -117,7 +118,7 @@ def _tiny(fmt="BF16", H=64, R=2, K=2, **flags):
                           token_fmt=make_format(fmt, H, K), **flags)
 
 
-FORMATS = [("BlockwiseFP8", 128), ("NVFP4", 64), ("MXFP8", 64)]
+FORMATS = [(f, format_cases.smallest_hid_dim(f)) for f in format_cases.QUANT]
 
 
 @pytest.mark.parametrize("fmt,H", FORMATS, ids=[f for f, _ in FORMATS])
@@ -142,11 +143,13 @@ def test_final_layout(flags, seed):
     check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 3), "final layout")
 
 
-def test_final_layout_nvfp4(seed):
+@pytest.mark.parametrize("fmt,H", FORMATS, ids=[f for f, _ in FORMATS])
+def test_final_layout_quantised(fmt, H, seed):
+    """Every quantising format's dispatch in the final layout (prod reserve), combined."""
     rng = np.random.default_rng(seed)
-    cfg = _tiny("NVFP4", 64, ep_final_layout=True, ep_prod_reserve=True)
+    cfg = _tiny(fmt, H, ep_final_layout=True, ep_prod_reserve=True)
     world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "final+prod NVFP4")
+    check_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), f"final+prod {fmt}")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])

@@ -20,6 +20,7 @@ from epgen import reference, routing
 from epgen.presets import config_from_dict, preset_data
 from epgen.reference_combine import source_of_rows
 
+import format_cases
 from example_runs import SCRIPT, assert_passes, run_example
 
 TINY = ["--backend", "sim", "--tokens", "8"]
@@ -186,7 +187,7 @@ def test_expert_groups_are_the_rows_routed_to_each_expert(fmt, seed):
     assert seen == sum(int(a.size) for a in ids), f"seed {seed}: every routed row once"
 
 
-@pytest.mark.parametrize("fmt", ["BlockwiseFP8", "MXFP8", "NVFP4"])
+@pytest.mark.parametrize("fmt", format_cases.QUANT)
 def test_quantised_rows_reach_the_experts_as_the_dense_tokens(fmt, seed):
     """A quantising format's dispatched rows, dequantised to BF16, equal the dense MoE's
     input for their source token (the same round trip through the format)."""

@@ -13,12 +13,21 @@ import ir
 from epgen.formats import make_format
 from epgen.kernels import build_module, send_policy
 
+import format_cases
+from format_cases import FORMATS, QUANT, case_ids
 from test_formats_sim import FLAGS, make_cfg, run_calls, tuned
 
-#: ``broadcasts_final_rows``: row-major scales whose rows are whole 16-byte vectors, and
-#: BlockwiseFP8's transposed scales (through the header rows)
-CASES = [("NVFP4", 256), ("NVFP4", 512), ("MXFP8", 512), ("BlockwiseFP8", 384),
-         ("BlockwiseFP8", 512)]
+ROW_MAJOR = [f for f in QUANT if not FORMATS[f].scales_transposed]
+#: ``broadcasts_final_rows``: row-major scales whose rows are whole 16-byte vectors (every
+#: such format at the smallest such H; NVFP4 also with two scale vectors, H=512), and the
+#: transposed scales (BlockwiseFP8's, through the header rows) at the simulator's sizes
+CASES = [(f, format_cases.scales_whole_vectors_hid_dim(f)) for f in ROW_MAJOR] \
+    + [("NVFP4", 512)] \
+    + [(f, h) for f, h in format_cases.sim_cases(every_shape=True) if f not in ROW_MAJOR]
+#: row-major scales whose rows are not whole vectors (NVFP4 and MXFP8 at H=64: 4- and
+#: 2-byte rows)
+RAGGED = [(f, h) for f, h in format_cases.sim_cases() if f in ROW_MAJOR
+          and (h // FORMATS[f].group_size * FORMATS[f].scale_bytes) % 16]
 FINAL = ["final_layout", "prod_reserve"]
 
 
@@ -28,7 +37,7 @@ def shared_names(cfg):
 
 
 @pytest.mark.parametrize("flags", FINAL)
-@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+@pytest.mark.parametrize("fmt,H", CASES, ids=case_ids(CASES))
 def test_final_rows_by_warp_match_the_reference(fmt, H, flags, seed):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     assert send_policy.uses_warp_send(cfg)
@@ -37,10 +46,9 @@ def test_final_rows_by_warp_match_the_reference(fmt, H, flags, seed):
 
 
 @pytest.mark.parametrize("stage_bytes", [None, 0], ids=["staged", "unstaged"])
-@pytest.mark.parametrize("fmt,H", [("NVFP4", 512), ("MXFP8", 512), ("BlockwiseFP8", 512)],
-                         ids=["NVFP4-H512", "MXFP8-H512", "BlockwiseFP8-H512"])
-def test_final_rows_by_warp_every_store_path(fmt, H, stage_bytes, seed):
-    cfg = make_cfg(fmt, H, **FLAGS["prod_reserve"])
+@pytest.mark.parametrize("fmt", QUANT)
+def test_final_rows_by_warp_every_store_path(fmt, stage_bytes, seed):
+    cfg = make_cfg(fmt, 512, **FLAGS["prod_reserve"])
     if stage_bytes is not None:
         cfg = tuned(cfg, quant_stage_bytes=stage_bytes)
     assert "send_scale_dsts" in shared_names(cfg)
@@ -48,20 +56,16 @@ def test_final_rows_by_warp_every_store_path(fmt, H, stage_bytes, seed):
 
 
 @pytest.mark.parametrize("flags", FINAL)
-@pytest.mark.parametrize("fmt,H", CASES + [("NVFP4", 64), ("MXFP8", 64)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("fmt,H", CASES + RAGGED, ids=case_ids(CASES + RAGGED))
 def test_which_configurations_take_the_path(fmt, H, flags):
     cfg = make_cfg(fmt, H, **FLAGS[flags])
     can = cfg.token_fmt.broadcasts_final_rows
-    assert can == ((fmt, H) in CASES)        # NVFP4 H=64 and MXFP8 H=64: 4- and 2-byte rows
+    assert can == ((fmt, H) in CASES)
     assert send_policy.uses_warp_send(cfg) == can
 
 
-RAGGED = [("NVFP4", 64), ("MXFP8", 64)]
-
-
 @pytest.mark.parametrize("flags", FINAL)
-@pytest.mark.parametrize("fmt,H", RAGGED, ids=[f"{f}-H{h}" for f, h in RAGGED])
+@pytest.mark.parametrize("fmt,H", RAGGED, ids=case_ids(RAGGED))
 def test_ragged_scale_rows_keep_the_staged_kernels(fmt, H, flags, seed):
     """Formats whose scale rows are not whole 16-byte vectors take the staged path (one
     token per block, a warp per slot copying the message), which matches the reference."""

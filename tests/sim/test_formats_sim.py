@@ -1,4 +1,4 @@
-"""The quantising formats (BlockwiseFP8, NVFP4, MXFP8) end to end on the CPU: the real
+"""The quantising formats (every registered one) end to end on the CPU: the real
 ``EmulatedWorld`` runs the generated kernels in the IR simulator (``backends.sim``, whose
 float arithmetic rounds as the hardware's ``.rn`` instructions and whose ``cvt.rn.satfinite
 .e4m3x2`` matches the PTX), against the numpy reference, bit for bit (payload, scales,
@@ -7,10 +7,9 @@ staged, ORD-R, ``skip_a2a`` (one device), the fused kernel (with the shared expe
 layout (the sender writes
 each row's scales into the destination's output scales: ``scales_ptrs``) and prod reserve.
 
-Shapes: BlockwiseFP8 with H = 384 (3 scale groups: the tile scale copy's padding guard) and
-512 (a whole vector of scales); NVFP4 and MXFP8 with H = 64. The GPU tests
-(tests/gpu/test_formats_gpu.py, tests/gpu/test_p2p_gpu.py) run the same against real memory
-ordering.
+Shapes (tests/support/format_cases.py): BlockwiseFP8 with H = 384 (3 scale groups: the tile scale
+copy's padding guard) and 512 (a whole vector of scales); the others with H = 64. The GPU tests
+(tests/gpu/test_formats_gpu.py, tests/gpu/test_p2p_gpu.py) run the same against real memory ordering.
 """
 
 from __future__ import annotations
@@ -23,9 +22,16 @@ import ir
 from epgen import round_trips
 from epgen.formats import make_format
 
+import format_cases
+from format_cases import case_ids
 from sim_world import sim_world
 
-CASES = [("BlockwiseFP8", 384), ("BlockwiseFP8", 512), ("NVFP4", 64), ("MXFP8", 64)]
+CASES = format_cases.sim_cases(every_shape=True)
+#: every format, BF16 too
+WARP_CASES = [(f, 512) for f in format_cases.PLAIN] + CASES
+#: the formats that take a global input scale (NVFP4)
+INPUT_SCALED = [(f, h) for f, h in format_cases.sim_cases()
+                if format_cases.FORMATS[f].uses_input_scale]
 FLAGS = {
     "staged": {},
     "ord_r": {"ep_ord_r": True, "has_rank_flag": True},
@@ -65,18 +71,18 @@ def run_calls(cfg, seed, n_calls=3, input_scale=1.0, **world_kwargs):
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=list(FLAGS))
-@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+@pytest.mark.parametrize("fmt,H", CASES, ids=case_ids(CASES))
 def test_formats_match_reference(fmt, H, flags, seed):
     run_calls(make_cfg(fmt, H, **FLAGS[flags]), seed)
 
 
 @pytest.mark.parametrize("input_scale", [0.25, 3.0])
-def test_nvfp4_input_scale(input_scale, seed):
-    run_calls(make_cfg("NVFP4", 64), seed, n_calls=2, input_scale=input_scale)
+@pytest.mark.parametrize("fmt,H", INPUT_SCALED, ids=case_ids(INPUT_SCALED))
+def test_input_scale(fmt, H, input_scale, seed):
+    run_calls(make_cfg(fmt, H), seed, n_calls=2, input_scale=input_scale)
 
 
-@pytest.mark.parametrize("fmt,H", [("BF16", 512)] + CASES,
-                         ids=[f"{f}-H{h}" for f, h in [("BF16", 512)] + CASES])
+@pytest.mark.parametrize("fmt,H", WARP_CASES, ids=case_ids(WARP_CASES))
 @pytest.mark.parametrize("flags", ["staged", "ord_r", "skip_a2a", "prod_reserve"])
 def test_send_destinations_in_shared_memory(fmt, H, flags, seed):
     """The warp send path: each lane leaves its destination in shared memory and every store
@@ -147,7 +153,7 @@ def test_staging_chunk_rules():
         fmt.stage_chunk_bytes(100, 16, 0)
 
 
-@pytest.mark.parametrize("fmt,H", CASES, ids=[f"{f}-H{h}" for f, h in CASES])
+@pytest.mark.parametrize("fmt,H", CASES, ids=case_ids(CASES))
 @pytest.mark.parametrize("items", [1, 2])
 @pytest.mark.parametrize("token_warps", [1, 2])
 def test_unstaged_send_path(fmt, H, items, token_warps, seed):
@@ -185,7 +191,7 @@ def test_scales_staged_with_the_payload(fmt, H, stage, flags, seed):
 NAMED_CASES = [("BF16", 512), ("BF16", 576)] + CASES   # BF16 576: a ragged staging trip
 
 
-@pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=[f"{f}-H{h}" for f, h in NAMED_CASES])
+@pytest.mark.parametrize("fmt,H", NAMED_CASES, ids=case_ids(NAMED_CASES))
 @pytest.mark.parametrize("flags", [{}, {"ep_ord_r": True, "has_rank_flag": True}],
                          ids=["send_join_named", "send_join_named+ord_r"])
 def test_send_join_named_pipeline(fmt, H, flags, seed):
@@ -208,13 +214,14 @@ def test_send_join_named_pipeline(fmt, H, flags, seed):
 
 
 #: shapes whose row-major scales are whole 16-byte vectors, so dispatch_wait copies them in
-#: the payload's trip: NVFP4 H=256 (8 payload vectors and 1
-#: scale vector, the scale in the payload's 32-lane slot: the ``selp`` path), MXFP8 H=512
-#: (32 payload vectors, then a ragged slot of 1)
-SEGMENT_CASES = [("NVFP4", 256), ("MXFP8", 512)]
+#: the payload's trip, every format with row-major scales at the smallest such H: NVFP4
+#: H=256 (8 payload vectors and 1 scale vector, the scale in the payload's 32-lane slot: the
+#: ``selp`` path), MXFP8 H=512 (32 payload vectors, then a ragged slot of 1)
+SEGMENT_CASES = [(f, format_cases.scales_whole_vectors_hid_dim(f)) for f in format_cases.QUANT
+                 if not format_cases.FORMATS[f].scales_transposed]
 
 
-@pytest.mark.parametrize("fmt,H", SEGMENT_CASES, ids=[f"{f}-H{h}" for f, h in SEGMENT_CASES])
+@pytest.mark.parametrize("fmt,H", SEGMENT_CASES, ids=case_ids(SEGMENT_CASES))
 @pytest.mark.parametrize("flags", FLAGS, ids=list(FLAGS))
 def test_scales_copied_with_the_payload(fmt, H, flags, seed):
     """Row-major scales of whole vectors ride in the payload's loads (``warp_copy_segments``);

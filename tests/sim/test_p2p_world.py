@@ -25,6 +25,7 @@ from epgen.runtime.world import CapacityError, p2p_group
 
 from backends.cuda.errors import CudaUnavailableError
 from backends.sim import SimHang
+import format_cases
 from sim_p2p import PlacementError, PlacementMachine, fake_gpus, sim_p2p_world
 from world_checks import run_checked, run_only
 
@@ -210,18 +211,18 @@ def test_round_trips_match_reference(shape, flags, seed):
         assert launched == {(r, r) for r in range(cfg.n_ranks)}   # rank r ran on GPU r
 
 
-FORMAT_CASES = [(f, fl) for f in ("BlockwiseFP8", "NVFP4", "MXFP8")
+FORMAT_CASES = [(f, h, fl) for f, h in format_cases.sim_cases()
                 for fl in ("staged", "final_layout", "prod_reserve")]
 
 
-@pytest.mark.parametrize("fmt,flags", FORMAT_CASES, ids=[f"{f}-{fl}" for f, fl in FORMAT_CASES])
-def test_formats_with_flags(fmt, flags, seed):
+@pytest.mark.parametrize("fmt,H,flags", FORMAT_CASES,
+                         ids=[f"{f}-{fl}" for f, _h, fl in FORMAT_CASES])
+def test_formats_with_flags(fmt, H, flags, seed):
     """The quantising formats on fake GPUs: with the final layout the sender writes each
     row's scales into the destination GPU's output scales (through ``scales_ptrs``, every
     pointer on its owner's GPU); the combination failed on two H200s before that table
     existed (docs/gpu-results.md)."""
     from epgen.formats import make_format
-    H = 384 if fmt == "BlockwiseFP8" else 64
     cfg = make_cfg(*SHAPES["R2-E4"], **FLAGS[flags]).replace(token_fmt=make_format(fmt, H, 2))
     rng = np.random.default_rng(seed)
     with sim_p2p_world(cfg, seed) as world:
@@ -501,7 +502,7 @@ def test_gpu_test_configurations_are_valid():
                     assert cfg.n_ranks == cfg.p2p_world_size == n
                     assert not cfg.needs_shmem
                     n_cfgs += 1
-    assert n_cfgs == 4 * 2 * 4 * len(G.FLAGS)
+    assert n_cfgs == 4 * 2 * len(G.FORMATS) * len(G.FLAGS)
 
 
 def test_multigpu_marker_skips_with_the_gpu_count(monkeypatch):

@@ -24,10 +24,11 @@ from epgen import reference, routing
 from epgen.formats import make_format
 from epgen.kernels import send_policy
 
+import format_cases
 from sim_world import sim_world
 from world_checks import checked_calls
 
-FORMATS = [("BF16", 256), ("BlockwiseFP8", 384), ("NVFP4", 64), ("MXFP8", 64)]
+FORMATS = [(f, 256) for f in format_cases.PLAIN] + format_cases.sim_cases()
 #: (n_ranks, p2p_world_size): every peer remote, and mixed
 GROUPS = {"p2p1": (2, 1), "mixed": (4, 2)}
 ORD_R = {"ep_ord_r": True, "has_rank_flag": True}
@@ -82,7 +83,7 @@ def test_round_trips_match_reference(fmt, H, group, seed):
     run_calls(make_cfg(fmt, H, R, P), seed)
 
 
-@pytest.mark.parametrize("fmt,H", [FORMATS[0], FORMATS[2]], ids=["BF16", "NVFP4"])
+@pytest.mark.parametrize("fmt,H", [("BF16", 256), ("NVFP4", 64)], ids=["BF16", "NVFP4"])
 def test_ord_r_mixed_matches_reference(fmt, H, seed):
     run_calls(make_cfg(fmt, H, 4, 2, **ORD_R), seed)
 

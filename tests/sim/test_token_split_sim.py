@@ -24,11 +24,13 @@ from backends import nvptx
 from sim_world import sim_world
 from test_formats_sim import FLAGS, make_cfg
 from world_checks import checked_calls
+from format_cases import FORMATS, QUANT
 
-#: (format, H): BF16 with a tail past the parts' even share (H=576); the quantising formats
-#: at sizes where every part gets a chunk (BlockwiseFP8 384: a partial second chunk)
-SPLIT_CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384), ("BlockwiseFP8", 512),
-               ("NVFP4", 1024), ("MXFP8", 512)]
+#: (format, H): BF16 with a tail past the parts' even share (H=576); every quantising format
+#: with a 512-byte payload, where every part gets a chunk (and BlockwiseFP8 384: a partial
+#: second chunk)
+SPLIT_CASES = [("BF16", 512), ("BF16", 576), ("BlockwiseFP8", 384)] \
+    + [(f, 512 * 8 // FORMATS[f].element_bits) for f in QUANT]
 SPLIT_FLAGS = ["staged", "ord_r", "skip_a2a"]
 
 

@@ -149,8 +149,8 @@ def test_block_staged_broadcast_preference():
 
 def test_codec_and_emitter_parts():
     """A format composes its host codec and device emitter; the parts read its layout."""
-    from epgen.formats import DeviceEmitter, HostCodec, make_format
-    for name in ("BF16", "BlockwiseFP8", "NVFP4", "MXFP8"):
+    from epgen.formats import DeviceEmitter, HostCodec, format_names, make_format
+    for name in format_names():
         f = make_format(name, 512, 4)
         assert isinstance(f.codec, HostCodec) and f.codec.fmt is f
         assert isinstance(f.emitter, DeviceEmitter) and f.emitter.fmt is f

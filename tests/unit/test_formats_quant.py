@@ -1,26 +1,27 @@
-"""Quantising token formats (BlockwiseFP8, NVFP4, MXFP8) on the CPU: message layouts against
-the protocol's formulas, validation, the numpy reference quantisers against hand-computed
-cases, the stated tolerances, and the kernels' IR encoders evaluated in numpy
+"""Quantising token formats (every registered one: tests/support/format_cases.py) on the CPU: message
+layouts against the protocol's formulas, validation, the numpy reference quantisers against
+hand-computed cases, the stated tolerances, and the kernels' IR encoders evaluated in numpy
 (tests/support/ir_numpy.py) against ml_dtypes, exhaustively over the inputs of interest."""
 
 from __future__ import annotations
 
 import os
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
 
+import format_cases
 import ir_numpy
 from epgen import BF16Format, BlockwiseFP8Format, MXFP8Format, NVFP4Format, reference
 from epgen.formats import BlockScaledFormat, format_class, format_names, make_format
 from epgen.formats import quant_ir as Q
-from epgen.formats.mxfp8 import e8m0_ceil_codes
-from epgen.formats.nvfp4 import e2m1_codes
+from epgen.formats.quant_host import e2m1_codes, e8m0_ceil_codes
 from ir import types as T
 
 E4M3, E2M1, E8M0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu
-QUANT = [BlockwiseFP8Format, NVFP4Format, MXFP8Format]
+QUANT = [format_class(name) for name in format_cases.QUANT]
 by_fmt = pytest.mark.parametrize("cls", QUANT, ids=lambda c: c.name)
 
 
@@ -41,18 +42,35 @@ def f32_bits(values) -> np.ndarray:
 
 
 # ---- message layout (the reference's) ----------------------------------------------------
+def spec(name):
+    """``(element bits, group size, scale bytes)`` of format ``name`` as its specification
+    states them (``format_cases.SPEC``); a format without an entry fails here, by name."""
+    if name not in format_cases.SPEC:
+        pytest.fail(f"{name}: no entry in tests/support/format_cases.py SPEC (its element bits, group "
+                    f"size and scale bytes, as its specification states them)")
+    return format_cases.SPEC[name]
+
+
 def expected_layout(name, H, K, A):
     """The protocol's formulas, written out: (quant_size, scales_offset, scales_size,
-    token_size, msg_size)."""
-    if name == "BlockwiseFP8":      # fp8_quant_size = align_up(H, A); f32 scales per 128
-        quant, scales = align_up(H * 1, A), align_up((H // 128) * 4, A)
-    elif name == "NVFP4":           # quant_size = align_up(H / 2, A); e4m3 scales per 16
-        quant, scales = align_up(H // 2, A), align_up((H // 16) * 1, A)
-    else:                           # MXFP8: align_up(H, A); e8m0 scales per 32
-        quant, scales = align_up(H * 1, A), align_up((H // 32) * 1, A)
+    token_size, msg_size). quant_size = align_up(H * bits / 8, A) (BlockwiseFP8's
+    fp8_quant_size), scales_size = align_up((H / group) * scale bytes, A)."""
+    bits, group, scale_bytes = spec(name)
+    quant, scales = align_up(H * bits // 8, A), align_up((H // group) * scale_bytes, A)
     token = quant + scales
     msg = token + align_up(4, A) + align_up(2 * K, A)
     return quant, quant, scales, token, msg
+
+
+@by_fmt
+def test_declaration_matches_the_specification(cls):
+    """The declared element bits, group size and scale bytes are the specification's."""
+    assert (cls.element_bits, cls.group_size, cls.scale_bytes) == spec(cls.name)
+
+
+def test_an_unknown_format_fails_the_layout_check():
+    with pytest.raises(pytest.fail.Exception, match="NOPE: no entry"):
+        expected_layout("NOPE", 256, 2, 16)
 
 
 @by_fmt
@@ -78,6 +96,21 @@ def test_registry_by_name():
     assert format_class("blockwisefp8") is BlockwiseFP8Format
     assert format_class("nvfp4") is NVFP4Format and format_class("MXFP8") is MXFP8Format
     assert format_class("BF16") is BF16Format
+
+
+def test_a_registered_class_name_ends_in_format(monkeypatch):
+    """``epgen.<Class>`` exports every registered format by its class name, so the name says
+    what it is."""
+    from epgen.formats import registry
+    monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))
+
+    @attrs.frozen
+    class MXFP4Variant(BlockScaledFormat):
+        name = "MXFP4V"
+
+    with pytest.raises(ValueError, match="MXFP4Variant: .* must end in 'Format'"):
+        registry.register_format(MXFP4Variant)
+    assert "MXFP4V" not in registry.FORMATS
 
 
 def test_members():
@@ -619,3 +652,14 @@ def test_reference_dispatch_nvfp4_input_scale(seed):
     assert any(reference.compare(cfg, x, y) for x, y in zip(a, b))
     with pytest.raises(ValueError, match="input_scale"):
         reference.dispatch(cfg, toks, ids, input_scale=-1.0)
+
+
+def test_a_block_scaled_format_must_declare_its_parts():
+    @attrs.frozen
+    class Undeclared(BlockScaledFormat):
+        name = "Undeclared"
+        group_size = 32
+
+    with pytest.raises(TypeError, match="Undeclared: a block-scaled format declares its "
+                                        "element"):
+        Undeclared(64, 2)

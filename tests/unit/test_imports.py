@@ -23,9 +23,10 @@ PACKAGES = ("ir", "backends", "epgen")
 
 # module -> (packages it may import inside functions, why)
 LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
-    "epgen": (("epgen.kernels", "backends.nvptx", "epgen.runtime"),
+    "epgen": (("epgen.kernels", "backends.nvptx", "epgen.runtime", "epgen.formats"),
               "`import epgen` stays light: build_module, emit_ptx, EmulatedWorld and P2PWorld "
-              "load the kernels, llvmlite and cuda.core when first used"),
+              "load the kernels, llvmlite and cuda.core when first used, the format classes "
+              "(read from the registry) when first named"),
     "epgen.cli": (("epgen.config", "epgen.goldens", "backends.cuda"),
                   "the CLI's lazy start: `epgen --help` and a usage error import no backend, "
                   "each command imports what it runs; main() names the errors it reports"),
