@@ -89,7 +89,9 @@ def _host_ids(x, where: str) -> np.ndarray:
     return interop.host_array(x, where)
 
 
-def _as_list(x, name: str) -> list:
+def per_rank_list(x, name: str) -> list:
+    """``x`` as a list with one entry per rank: a sequence as it is, a 3-D array as its
+    slices, a 2-D array as one entry; anything else is an ``EPInputError`` naming ``name``."""
     if isinstance(x, np.ndarray):
         return list(x) if x.ndim == 3 else [x]
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
@@ -134,8 +136,8 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
     """
     fmt = cfg.token_fmt
     H, K = fmt.hid_dim, fmt.top_k
-    toks = _as_list(tokens, "tokens")
-    ids = _as_list(topk_ids, "topk_ids")
+    toks = per_rank_list(tokens, "tokens")
+    ids = per_rank_list(topk_ids, "topk_ids")
     if len(toks) != len(ids):
         raise EPInputError(f"tokens has {len(toks)} entries but topk_ids has {len(ids)}")
     _devices(cfg, len(toks), ranks, allreduce_world_size)
@@ -343,8 +345,8 @@ def dispatch(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=None,
     validate_inputs(cfg, tokens, topk_ids, ranks=ranks, allreduce_world_size=allreduce_world_size)
     fmt, lay = cfg.token_fmt, cfg.layout
     enc = {"input_scale": input_scale} if getattr(fmt, "uses_input_scale", False) else {}
-    toks = _as_list(tokens, "tokens")
-    ids = [np.asarray(i).astype(np.int64) for i in _as_list(topk_ids, "topk_ids")]
+    toks = per_rank_list(tokens, "tokens")
+    ids = [np.asarray(i).astype(np.int64) for i in per_rank_list(topk_ids, "topk_ids")]
     devices, world = _devices(cfg, len(toks), ranks, allreduce_world_size)
     L, R, se = lay.n_local_experts, cfg.n_ranks, int(bool(cfg.fused_shared_expert))
 

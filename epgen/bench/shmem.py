@@ -53,7 +53,7 @@ def run(args, cfg, tokens: list[int], out=None) -> list[str]:
             if not args.no_post_check:
                 diffs = reference.compare(big, reference.dispatch(big, toks, ids)[r], got)
                 if diffs:       # the others cannot go on without this rank: stop here
-                    world._failed = True
+                    world.mark_failed()
                     failures.append(f"rank {r}, {T} tokens: results differ from the "
                                     f"reference: {diffs[0]}")
                     break

@@ -23,7 +23,7 @@ import ir
 from ir import types as T
 
 from . import combine_async, combine_wait, trace
-from .dispatch_fused import _SharedParams
+from .dispatch_fused import SharedParams
 from .shared_expert import se_token_slice
 
 KERNEL_NAME = "ep_combine"
@@ -33,7 +33,7 @@ def build_combine_fused(cfg) -> ir.Kernel:
     """The fused entry point ``ep_combine`` (module docstring)."""
     combine_wait.check_hid_dim(cfg)
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
-    view = _SharedParams(kb)
+    view = SharedParams(kb)
     pa = combine_async.declare_params(view)
     pw = combine_wait.declare_params(view)
     se = bool(cfg.fused_shared_expert)

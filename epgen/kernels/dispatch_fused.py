@@ -32,7 +32,7 @@ from .sm_map import DEFAULT_SMS
 KERNEL_NAME = "ep_dispatch"
 
 
-class _SharedParams:
+class SharedParams:
     """A view of a ``KernelBuilder`` whose ``param`` returns the parameter already declared
     under that name (same type and peer flag), so both halves' ``declare_params`` can run on
     one kernel and share ``my_rank``, ``err_buf`` and ``timeout_ns``."""
@@ -69,7 +69,7 @@ def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Ke
     lay = cfg.layout
     se = bool(cfg.fused_shared_expert)
     kb = ir.KernelBuilder(name, cfg.num_threads)
-    view = _SharedParams(kb)
+    view = SharedParams(kb)
     pa = dispatch_async.declare_params(view, cfg)
     pw = dispatch_wait.declare_params(view, cfg)
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None

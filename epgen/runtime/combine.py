@@ -11,14 +11,14 @@ import numpy as np
 from ir import diag
 
 from ..combine_layout import CombineLayout
-from ..errors import EPInputError, EPTimeoutError
+from ..errors import EPInputError
 from ..kernels import build_combine_module
 from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
 from ..kernels.combine_fused import KERNEL_NAME as C_FUSED
 from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from . import call_args
 from . import trace as runtime_trace
-from .program import Program
+from .placement import p2p_group
 
 #: bytes after each rank's combine receive buffer that no kernel may write (the tests check
 #: them: a bounds check that let a row through would land there or in another slot)
@@ -69,121 +69,65 @@ def combine_sizes(cfg) -> dict:
 
 
 class Combiner:
-    """The combine side of a world: built on first use (``world.combine``); ``co_resident``:
-    the world's rule for grids that must all be resident (``world.co_resident``). ``fused``
-    follows the world's dispatch (``world.fused``): the fused ``ep_combine`` when dispatch
-    runs the fused ``ep_dispatch`` (always with ``fused_shared_expert``), else the split
-    kernels.
+    """The combine side of a world (``world.combiner()``, built on first use), placed through
+    the world's placement interface alone (``rank_world.RankWorld``): the combine module,
+    made co-resident like the dispatch kernels (``world.co_resident``), is loaded on the
+    world's GPUs (``world.load``; ``programs``, ``program`` the first GPU's), its grids
+    checked (``world.check_resident``), each rank's buffers allocated where the world says
+    (``world.memory_of``) and its tables built by ``world.pointer_table``. ``fused`` follows
+    the world's dispatch (``world.fused``): the fused ``ep_combine`` when dispatch runs the
+    fused ``ep_dispatch`` (always with ``fused_shared_expert``), else the split kernels.
 
-    The placement hooks (``_load``, ``_memory``, ``_peer_address``, ``_program_of``) are
-    those of one process that holds every rank (``EmulatedWorld``); ``P2PWorld`` and
-    ``ShmemWorld`` override them. Entry ``q`` of rank ``r``'s tables (``recv_ptrs``,
-    ``arrival_ptrs``: one entry per source) is ``q``'s buffer as ``r`` reaches it when ``q`` is
-    in ``r``'s P2P group, and ``r``'s own buffer otherwise: the symmetric address the kernel's
-    NVSHMEM calls name (``kernels.combine_shmem``). Under ``skip_a2a`` each device is its own
-    world: its tables hold its own buffers alone."""
+    Entry ``q`` of rank ``r``'s tables (``recv_ptrs``, ``arrival_ptrs``: one entry per
+    source) is ``q``'s buffer as ``r`` reaches it when ``q`` is in ``r``'s P2P group, and
+    ``r``'s own buffer otherwise: the symmetric address the kernel's NVSHMEM calls name
+    (``kernels.combine_shmem``). Under ``skip_a2a`` each device is its own world: its tables
+    hold its own buffers alone (``table_ranks``)."""
 
-    def __init__(self, world, co_resident):
+    def __init__(self, world):
         cfg = world.cfg
         check_supported(cfg)
         self.world = world
         self.fused = bool(world.fused)
-        module = co_resident(build_combine_module(cfg), len(world.rank_ids) * cfg.n_sms,
-                             world.cuda.sm_count(world.device))
-        self._load(module)
-        runtime_trace.allocate(world, module)     # kernels built with trace rings only
-        if self.fused:
-            self._check_capacity()
-        self.bufs = [CombineBuffers(world.cuda, cfg, rk, **self._memory(rk))
+        self.programs = world.load(world.co_resident(build_combine_module(cfg)))
+        self.program = self.programs.first
+        world.check_resident(self.programs, self.kernels(), f"{world.world_name}.combine")
+        runtime_trace.allocate(world, self.program.module)   # kernels built with trace rings only
+        self.bufs = [CombineBuffers(world.cuda, cfg, rk, **world.memory_of(rk.device))
                      for rk in world.ranks]
         world.synchronize()
-        self._register_symmetric()
+        for name in ("recv", "arrival"):
+            world.register_symmetric(f"combine_{name}", [getattr(b, name) for b in self.bufs])
         self.build_tables()
         self.weighted = self.has_residual = False    # set by ``load``
 
-    def _check_capacity(self):
-        """``ValueError`` when the GPU cannot hold every rank's ``ep_combine`` grid at once
-        (its reduce waits for the other grids' sends)."""
-        w, cfg = self.world, self.world.cfg
-        per_sm = self.program.blocks_per_sm(C_FUSED)
-        sms = w.cuda.sm_count(w.device)
-        need = len(w.rank_ids) * cfg.n_sms
-        if need > per_sm * sms:
-            raise ValueError(
-                f"world.combine: {len(w.rank_ids)} ranks x n_sms={cfg.n_sms} blocks of "
-                f"{C_FUSED} need {need} co-resident blocks, but this GPU holds "
-                f"{per_sm * sms} ({per_sm} per SM x {sms} SMs at "
-                f"num_threads={cfg.num_threads}); lower n_sms or num_threads")
+    def kernels(self) -> tuple[str, ...]:
+        """The combine kernels one call launches: ``ep_combine``, or ``ep_combine_async``
+        and ``ep_combine_wait``."""
+        return (C_FUSED,) if self.fused else (C_ASYNC, C_WAIT)
 
-    # -- placement hooks ---------------------------------------------------------------------
-    def _load(self, module):
-        """Load ``module`` (``self.program``; one GPU)."""
-        w = self.world
-        self.program = Program(module, arch=w.program.arch, device=w.device, backend=w.cuda)
-
-    def _program_of(self, rk):
-        """The ``Program`` that launches rank ``rk``'s combine kernels."""
-        return self.program
-
-    def _memory(self, rk) -> dict:
-        """``CombineBuffers``' memory resources for rank ``rk`` (default memory)."""
-        return {}
-
-    def _peer_address(self, i: int, q: int, attr: str) -> int:
-        """The address of rank ``q``'s buffer ``attr`` as ``ranks[i]`` reaches it (one
-        address space: the buffer's own)."""
-        return getattr(self.bufs[self.world.rank_ids.index(q)], attr).ptr
+    def program_of(self, rk):
+        """The ``Program`` that launches rank ``rk``'s combine kernels (its GPU's)."""
+        return self.programs.of(rk)
 
     # -- tables ------------------------------------------------------------------------------
+    def table_ranks(self, rk) -> list[int]:
+        """Whose buffer each entry of rank ``rk``'s tables addresses (class docstring): per
+        source ``q``, ``q`` inside ``rk``'s P2P group and ``rk.rank`` outside it; under
+        ``skip_a2a`` the one entry ``rk.rank``."""
+        if self.world.cfg.skip_a2a:
+            return [rk.rank]
+        group = p2p_group(self.world.cfg, rk.rank)
+        return [q if q in group else rk.rank for q in range(self.world.cfg.n_ranks)]
+
     def build_tables(self):
         """Every rank's ``recv_ptrs`` and ``arrival_ptrs`` (class docstring)."""
-        n = len(self.world.ranks)
-        self.recv_ptrs = [self._table(i, "recv") for i in range(n)]
-        self.arrival_ptrs = [self._table(i, "arrival") for i in range(n)]
-
-    def _table(self, i: int, attr: str):
-        w, cfg = self.world, self.world.cfg
-        r, P = w.ranks[i].rank, cfg.p2p_world_size
-        own = getattr(self.bufs[i], attr).ptr
-        if cfg.skip_a2a:
-            return w.cuda.to_device(np.array([own], np.uint64), device=w.ranks[i].device)
-        ptrs = [self._peer_address(i, q, attr) if not cfg.needs_shmem or q // P == r // P
-                else own for q in range(cfg.n_ranks)]
-        return w.cuda.to_device(np.array(ptrs, np.uint64), device=w.ranks[i].device)
-
-    def _register_symmetric(self):
-        """On the simulator, under the SHMEM transport: every rank's receive buffer and
-        arrival words with the machine's symmetric heap (``backends.sim.shmem``), so a put or
-        signal to this rank's own address lands at the same offset of the target PE's."""
         w = self.world
-        if not w.cfg.needs_shmem or not getattr(w.cuda, "RUNS_IR", False):
-            return
-        heap = w.cuda.symmetric_heap()
-        for rk, b in zip(w.ranks, self.bufs):
-            for name in ("recv", "arrival"):
-                buf = getattr(b, name)
-                heap.register(rk.rank, f"combine_{name}", buf.ptr, buf.nbytes)
-
-    # -- errors ------------------------------------------------------------------------------
-    def _errs(self) -> list:
-        """The world's error buffers (one per GPU of ``P2PWorld``), each once."""
-        out = {}
-        for rk in self.world.ranks:
-            err = self.world._err_of(rk)
-            out.setdefault(id(err), err)
-        return list(out.values())
-
-    def _raise_timeouts(self):
-        """After the synchronise: one ``EPTimeoutError`` with every error buffer's records
-        if any wait expired (each used buffer re-armed)."""
-        records, expired = [], False
-        for err in self._errs():
-            got = err.take(self.program.module.kernels)
-            if got is not None:
-                expired = True
-                records += got
-        if expired:
-            raise EPTimeoutError(records, "combine")
+        self.recv_ptrs, self.arrival_ptrs = [], []
+        for i, rk in enumerate(w.ranks):
+            whose = self.table_ranks(rk)
+            self.recv_ptrs.append(w.pointer_table(i, whose, [b.recv for b in self.bufs]))
+            self.arrival_ptrs.append(w.pointer_table(i, whose, [b.arrival for b in self.bufs]))
 
     def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
         """One combine of the world's last dispatch (module docstring of ``world.combine``):
@@ -226,52 +170,52 @@ class Combiner:
             for i, rk in enumerate(w.ranks):
                 for ev in done:
                     rk.stream.wait(ev)
-                self._program_of(rk).launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
+                self.program_of(rk).launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
                 rk.wait_done = w.cuda.record_event(rk.stream)
             return
         events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in done:
                 rk.stream.wait(ev)
-            self._program_of(rk).launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
+            self.program_of(rk).launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             for ev in events:
                 rk.stream.wait(ev)
-            self._program_of(rk).launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
+            self.program_of(rk).launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 
     def async_args(self, i: int) -> dict:
         """``ep_combine_async``'s launch arguments for rank index ``i``."""
         w = self.world
         rk, b = w.ranks[i], self.bufs[i]
-        return {**w._trace_args(C_ASYNC, rk), "expert_out": b.expert_out,
+        return {**w.trace_args(C_ASYNC, rk), "expert_out": b.expert_out,
                 "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
-                "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns}
+                "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
 
     def wait_args(self, i: int) -> dict:
         """``ep_combine_wait``'s launch arguments for rank index ``i`` (the last ``load``'s
         weighted / residual choice)."""
         w = self.world
         rk, b = w.ranks[i], self.bufs[i]
-        return {**w._trace_args(C_WAIT, rk), "combine_buf": b.recv, "arrival": b.arrival,
+        return {**w.trace_args(C_WAIT, rk), "combine_buf": b.recv, "arrival": b.arrival,
                 "topk_ids": rk.topk_ids,
                 "weights": b.weights, "weighted": int(self.weighted),
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
-                "my_rank": rk.rank, "err_buf": w._err_of(rk).ptr, "timeout_ns": w.timeout_ns}
+                "my_rank": rk.rank, "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
 
     def fused_args(self, i: int) -> dict:
         """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
         ``skip_a2a`` with the shared expert the devices' count (``allreduce_world_size``, as
         for ``ep_dispatch``)."""
         args = {**self.async_args(i), **self.wait_args(i),
-                **self.world._trace_args(C_FUSED, self.world.ranks[i])}
+                **self.world.trace_args(C_FUSED, self.world.ranks[i])}
         names = {p.name for p in self.program.module.kernel(C_FUSED).params}
         if "allreduce_world_size" in names:
-            args["allreduce_world_size"] = len(self.world.rank_ids)
+            args["allreduce_world_size"] = self.world.allreduce_world_size
         return args
 
     def finish(self):
@@ -283,7 +227,7 @@ class Combiner:
         w.synchronize()
         self._raise_bounds()
         try:
-            self._raise_timeouts()
+            w.raise_timeouts(self.program.module.kernels, "combine")
         except Exception:
             self._rearm()
             w.reset()
@@ -301,7 +245,7 @@ class Combiner:
         """``EPInputError`` naming every row combine_async refused (bounds records of every
         error buffer)."""
         recs = []
-        for err in self._errs():
+        for err in self.world.error_buffers():
             got = diag.decode_bounds(err.array.to_host())
             if got:
                 recs += got

@@ -13,8 +13,6 @@ import ir
 from ..kernels.fused_roles import (KERNEL_NAME, FusedRolesSpec, build_fused_roles,
                                    dynamic_smem_bytes)
 from . import trace as runtime_trace
-from .program import Program
-from .world import CapacityError
 
 POISON = 0xA5
 
@@ -39,15 +37,9 @@ class FusedRolesRunner:
         cfg = world.cfg
         self.world, self.spec, self.cfg = world, spec, cfg
         self.smem = dynamic_smem_bytes(cfg)
-        self.program = Program(ir.Module(KERNEL_NAME, (build_fused_roles(cfg, spec),)),
-                               arch=world.program.arch, device=world.device,
-                               backend=world.cuda)
-        runtime_trace.allocate(world, self.program.module)   # built with trace rings only
-        per_sm = self.program.blocks_per_sm(KERNEL_NAME, self.smem)
-        sms = world.cuda.sm_count(world.device)
-        if cfg.n_ranks * cfg.n_sms > per_sm * sms:
-            raise CapacityError(f"{KERNEL_NAME}: {cfg.n_ranks} ranks x n_sms={cfg.n_sms} blocks "
-                                f"do not fit ({per_sm} per SM x {sms} SMs)")
+        self.programs = world.load(ir.Module(KERNEL_NAME, (build_fused_roles(cfg, spec),)))
+        runtime_trace.allocate(world, self.programs.module)   # built with trace rings only
+        world.check_resident(self.programs, (KERNEL_NAME,), KERNEL_NAME, self.smem)
         cuda, L, lay = world.cuda, cfg.layout.n_local_experts, cfg.layout
         self.l1 = [cuda.zeros(L * spec.l1_release_atomic_pad, np.uint32, device=world.device,
                               stream=rk.stream) for rk in world.ranks]
@@ -62,13 +54,13 @@ class FusedRolesRunner:
             l1.zero(stream=rk.stream)
             ffn.fill_bytes(POISON, stream=rk.stream)
             rk.out_tokens.fill_bytes(POISON, stream=rk.stream)
-            self.program.launch(KERNEL_NAME, self.cfg.n_sms, {
+            self.programs.of(rk).launch(KERNEL_NAME, self.cfg.n_sms, {
                 "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
-                "err_buf": w.err.ptr, "timeout_ns": w.timeout_ns, "l1_arrival_ptr": l1,
-                "ffn_out": ffn, **w._trace_args(KERNEL_NAME, rk)}, rk.stream, shmem=self.smem)
+                "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns, "l1_arrival_ptr": l1,
+                "ffn_out": ffn, **w.trace_args(KERNEL_NAME, rk)}, rk.stream, shmem=self.smem)
             rk.wait_done = rk.stream.record()
         self.check()
         return FusedRolesResult(w.results(), [a.to_host() for a in self.l1],
@@ -78,7 +70,7 @@ class FusedRolesRunner:
     def check(self):
         """Synchronise; raise ``EPTimeoutError`` (records named by either program's kernels)
         if a wait expired, after re-arming the world."""
-        self.world.check_with(self.program, KERNEL_NAME)
+        self.world.check_with(self.programs, KERNEL_NAME)
 
 
 __all__ = ["FusedRolesRunner", "FusedRolesResult", "POISON"]

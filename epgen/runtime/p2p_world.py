@@ -3,7 +3,7 @@ peers' buffers directly through CUDA peer access (NVLink, or a PCIe peer path).
 
 Everything the worlds share (buffers per rank, pointer tables per P2P group, the launches of
 a round trip, the ordering between calls, re-arming, results) is ``RankWorld``
-(``world.py``); this module adds the placement:
+(``rank_world.py``); this module gives its placement interface:
 
 - **Devices** (``assign_devices``): rank ``r`` runs on GPU ``r`` by default (the world
   refuses, naming the count, when there are fewer GPUs than ranks); ``devices=[...]`` places
@@ -20,17 +20,19 @@ a round trip, the ordering between calls, re-arming, results) is ``RankWorld``
   stream-ordered pool allocations are not covered by ``cuCtxEnablePeerAccess``). Everything
   else (inputs, send buffer, counters, the rest of the outputs, pointer tables) is local.
 - **Kernels**: the IR module is built and lowered once (per architecture) and loaded as one
-  ``Program`` per GPU; each rank launches through its GPU's program on its own stream, created
-  on its GPU.
+  ``Program`` per GPU (``RankWorld.load``: ``placement.RankPrograms``); each rank launches
+  through its GPU's program on its own stream, created on its GPU.
 - **Ordering between calls**: as in ``EmulatedWorld``: a rank's ``dispatch_async`` (or fused
   launch) of call N+1 waits on the events recorded after every rank's ``dispatch_wait`` of
   call N. Here those are cross-device waits (``cuStreamWaitEvent`` accepts an event of another
   GPU's context), so no host synchronisation is needed between calls.
-- **Co-residency** (``residency_problems``): each rank's grid only waits on its peers' grids,
+- **Co-residency** (``gpu_shares``; the rule is ``placement.residency_problems``): each
+  rank's grid only waits on its peers' grids,
   which run on other GPUs, so nothing needs to be co-resident across GPUs; but every block of
   each rank's grid must be resident on its own GPU at once (the roles wait on each other),
   so the world checks, per GPU and kernel, ``ranks on it x n_sms <= blocks per SM x SMs`` from
-  the driver's occupancy answer, and refuses with the numbers otherwise.
+  the driver's occupancy answer, and refuses with the numbers otherwise; the kernels ask ptxas
+  for that many resident blocks per SM where ranks share a GPU (``placement.co_resident``).
 - **Timeouts and the abort word**: one ``DiagBuffer`` per GPU; every kernel reports into its
   own GPU's buffer (``err_buf``). An expired wait raises the abort word of that buffer only,
   so the other waits *on that GPU* give up at once, as in ``EmulatedWorld``. Ranks on other
@@ -46,7 +48,8 @@ a round trip, the ordering between calls, re-arming, results) is ``RankWorld``
   atomic between GPUs.
 - **Inputs**: host arrays are copied to each rank's GPU; a device array given for rank ``r``
   must live on rank ``r``'s GPU (checked before anything is copied).
-- **Combine** (``combine``, docs/combine.md): the combine kernels are loaded once per GPU as
+- **Combine** (``combine``, docs/combine.md; ``runtime.combine.Combiner`` through the same
+  placement interface): the combine kernels are loaded once per GPU as
   the dispatch kernels are; each rank's combine receive buffer and arrival words come from
   its GPU's peer-accessible pool (its P2P peers write them), the rest is local; every rank's
   tables hold its P2P peers' buffers (and, for a source outside the group on the simulator's
@@ -57,23 +60,10 @@ from __future__ import annotations
 
 from backends.cuda.errors import CudaUnavailableError
 
-from ..errors import EPTimeoutError
 from ..kernels import build_module
-from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
-from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
-from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
-from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
-from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
-from . import call_args
-from .combine import Combiner
-from .diagnostics import DiagBuffer
-from .program import Program
-from .world import CapacityError, RankWorld, _Rank, co_resident, p2p_group
+from .placement import GpuShare, PeerAccessError, p2p_group, ranks_in_words
+from .rank_world import RankWorld
 from .world_args import check_world_args, device_ordinal
-
-
-class PeerAccessError(RuntimeError):
-    """Two GPUs whose ranks share a P2P group cannot access each other's memory."""
 
 
 def check_devices(n_ranks: int, devices) -> tuple[int, ...] | None:
@@ -167,28 +157,13 @@ def check_peer_access(cfg, devices, can_access_peer) -> None:
         "GPUs that reach each other (devices=[...]) or use EmulatedWorld on one GPU")
 
 
-def residency_problems(cfg, devices, kernels, blocks_per_sm, sm_count) -> list[str]:
-    """Why the ranks' grids cannot all be resident on their GPUs: for every GPU and kernel,
-    ``ranks on it x n_sms`` blocks must fit ``blocks_per_sm(kernel, gpu) x sm_count(gpu)``.
-    One message per violation (empty: everything fits)."""
+def gpu_shares(devices) -> list[GpuShare]:
+    """The co-residency of ``devices`` (the GPU of each rank): one ``GpuShare`` per GPU, in
+    the order of the ranks' first use of it, with the ranks it runs."""
     out = []
-    for d in sorted(set(devices)):
-        on = [r for r in range(cfg.n_ranks) if devices[r] == d]
-        sms = sm_count(d)
-        for name in kernels:
-            per_sm = blocks_per_sm(name, d)
-            capacity = per_sm * sms
-            need = len(on) * cfg.n_sms
-            if need <= capacity:
-                continue
-            who = (f"rank {on[0]}" if len(on) == 1
-                   else f"{len(on)} ranks ({', '.join(map(str, on))})")
-            fix = f"lower n_sms to at most {capacity // len(on)} or num_threads"
-            if len(on) > 1:
-                fix += ", or put fewer ranks on it"
-            out.append(f"GPU {d}: {who} x n_sms={cfg.n_sms} blocks of {name} need {need} "
-                       f"co-resident blocks, but the GPU holds {capacity} ({per_sm} per SM x "
-                       f"{sms} SMs at num_threads={cfg.num_threads}); {fix}")
+    for d in dict.fromkeys(devices):
+        on = [r for r, x in enumerate(devices) if x == d]
+        out.append(GpuShare(d, len(on), ranks_in_words(on), "put fewer ranks on it"))
     return out
 
 
@@ -219,75 +194,22 @@ class P2PWorld(RankWorld):
         check_peer_access(cfg, self.devices, cuda.can_access_peer)
         for a, b in peer_pairs(cfg, self.devices):
             cuda.enable_peer_access(a, b)
-        module = build_module(cfg)
-        self.programs, by_arch = {}, {}
-        for d in self.device_ids:                  # lowered once per architecture
-            a = arch or cuda.arch(d)
-            first = by_arch.get(a)
-            self.programs[d] = Program(module, arch=a, device=d,
-                                       ptx=first.ptx if first is not None else None,
-                                       backend=cuda)
-            by_arch.setdefault(a, self.programs[d])
-        self.program = self.programs[self.devices[0]]
-        self.device = self.program.device
-        self._check_capacity()
+        self.rank_ids = list(range(cfg.n_ranks))
+        self._load_dispatch(self.co_resident(build_module(cfg)), arch)
         peers = peers_of(cfg, self.devices)
         self.pools = {d: cuda.peer_memory_resource(d, peers[d]) for d in self.device_ids}
-        self.rank_ids = list(range(cfg.n_ranks))
-        self.ranks = [_Rank(cuda, cfg, r, d, memory_resource=self.pools[d])
-                      for r, d in enumerate(self.devices)]
-        self.errs = {d: DiagBuffer(d, cuda=cuda) for d in self.device_ids}
-        self._build_pointer_tables()
-        self.synchronize()
-        for d in self.device_ids:        # the tables' and error buffers' default-stream copies
-            cuda.get_device(d).sync()
+        self._allocate(self.devices)
 
-    # -- combine -----------------------------------------------------------------------------
-    def combiner(self):
-        """The world's combine side (``P2PCombiner``), built on first use."""
-        if getattr(self, "_combiner", None) is None:
-            self._combiner = P2PCombiner(self)
-        return self._combiner
+    # -- placement -----------------------------------------------------------------------------
+    def gpu_shares(self) -> list[GpuShare]:
+        """Every GPU of ``devices`` with the ranks placed on it (``gpu_shares``)."""
+        return gpu_shares(self.devices)
 
-    def combine(self, expert_outputs, topk_weights=None, residual=None, *, _src_info=None):
-        """Combine the last ``dispatch``, as ``EmulatedWorld.combine`` (docs/combine.md):
-        per rank ``expert_outputs[d]`` ``[rows, H]`` BF16, ``topk_weights[s]`` ``[T, K]``
-        float32 or None, ``residual[s]`` ``[T, H]`` BF16 or None; returns per rank its
-        ``[T, H]`` (or unreduced ``[T, K, H]``) BF16 bits. ``_src_info``: test hook
-        (``runtime.combine.Combiner.run``)."""
-        call_args.check_combine(self, expert_outputs, topk_weights, residual)
-        self.combiner()
-        return self._combiner.run(expert_outputs, topk_weights, residual, src_info=_src_info)
+    def memory_of(self, device) -> dict:
+        """The buffers peers write come from ``device``'s peer-accessible pool."""
+        return {"peer_memory": self.pools[device]}
 
-    # -- RankWorld hooks -----------------------------------------------------------------------
-    def _program_of(self, rk):
-        return self.programs[rk.device]
-
-    def _err_of(self, rk):
-        return self.errs[rk.device]
-
-    def _raise_timeouts(self, context: str):
-        """Read every GPU's error buffer (re-arming the used ones); one ``EPTimeoutError``
-        with all their records if any wait expired anywhere."""
-        kernels = self.program.module.kernels
-        records, expired = [], False
-        for d in self.device_ids:
-            got = self.errs[d].take(kernels)
-            if got is not None:
-                expired = True
-                records += got
-        if expired:
-            raise EPTimeoutError(records, context)
-
-    # -- checks ---------------------------------------------------------------------------------
-    def _check_capacity(self):
-        kernels = (FUSED,) if self.fused else (ASYNC, WAIT)
-        problems = residency_problems(
-            self.cfg, self.devices, kernels,
-            lambda name, d: self.programs[d].blocks_per_sm(name), self.cuda.sm_count)
-        if problems:
-            raise CapacityError("P2PWorld: " + "; ".join(problems))
-
+    # -- inputs ------------------------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """As ``RankWorld.load_inputs``, after checking that every device array given for a
         rank lives on that rank's GPU (nothing is copied otherwise)."""
@@ -299,38 +221,3 @@ class P2PWorld(RankWorld):
                                      f"rank {r} runs on GPU {self.devices[r]}: pass each "
                                      f"rank's tokens on its own GPU (or as a host array)")
         super().load_inputs(tokens, topk_ids)
-
-
-class P2PCombiner(Combiner):
-    """The combine of a ``P2PWorld``: one ``Program`` per GPU (lowered once per
-    architecture), the peer-written buffers in each GPU's peer-accessible pool, the residency
-    of every GPU's combine grids checked (``CapacityError``)."""
-
-    def __init__(self, world: P2PWorld):
-        cfg = world.cfg
-        share = max(world.devices.count(d) for d in world.device_ids)
-        super().__init__(world, lambda module, _blocks, sms: co_resident(
-            module, share * cfg.n_sms, sms))
-
-    def _load(self, module):
-        w = self.world
-        self.programs, by_arch = {}, {}
-        for d in w.device_ids:
-            a = w.programs[d].arch
-            first = by_arch.get(a)
-            self.programs[d] = Program(module, arch=a, device=d,
-                                       ptx=first.ptx if first is not None else None,
-                                       backend=w.cuda)
-            by_arch.setdefault(a, self.programs[d])
-        self.program = self.programs[w.devices[0]]
-        problems = residency_problems(
-            w.cfg, w.devices, (C_ASYNC, C_WAIT),
-            lambda name, d: self.programs[d].blocks_per_sm(name), w.cuda.sm_count)
-        if problems:
-            raise CapacityError("P2PWorld.combine: " + "; ".join(problems))
-
-    def _program_of(self, rk):
-        return self.programs[rk.device]
-
-    def _memory(self, rk) -> dict:
-        return {"peer_memory": self.world.pools[rk.device]}

@@ -8,7 +8,8 @@ kernels' SHMEM path (puts into the symmetric receive buffer, a signal on the sym
 word), which needs ``use_shmem=True``.
 
 Everything per rank (buffers, launches, the ordering of one rank's calls, the timeout check,
-re-arming, results) is ``RankWorld`` (``world.py``) with one rank; this module adds:
+re-arming, results) is ``RankWorld`` (``rank_world.py``) with one rank; this module gives
+its placement interface:
 
 - **Rank and GPU**: ``rank`` (default ``RANK``) of ``WORLD_SIZE == cfg.n_ranks``; the GPU
   ``LOCAL_RANK % device_count`` (or ``device``). Several PEs may share a GPU (one GPU runs the
@@ -62,19 +63,10 @@ from backends.cuda.nvshmem_host import NvshmemHost
 from .. import reference
 from ..errors import EPInputError, EPTimeoutError
 from ..kernels import build_module
-from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
-from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
-from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
-from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
-from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from . import bootstrap as bootstrap_mod
 from . import call_args
-from . import trace as runtime_trace
-from .combine import Combiner
-from .diagnostics import DiagBuffer
-from .p2p_world import PeerAccessError
-from .program import Program
-from .world import CapacityError, RankWorld, _Rank, co_resident, p2p_group
+from .placement import GpuShare, PeerAccessError
+from .rank_world import RankWorld
 from .world_args import check_world_args, device_ordinal
 
 #: set before NVSHMEM initialises, where the environment does not say otherwise
@@ -215,77 +207,48 @@ class ShmemWorld(RankWorld):
             raise
 
     def _setup(self, cfg, arch):
-        cuda = self.cuda
-        self.program = Program(build_module(cfg), arch=arch, device=self.device_id,
-                               backend=cuda)
-        self.device = self.program.device
-        if uses_nvshmem(self.program.ptx):
-            self.host.cumodule_init(self.program.loaded.cumodule())
-        self._check_capacity()
-        self.pool = self.host.symmetric_resource()
         self.rank_ids = [self.rank]
-        self.ranks = [_Rank(cuda, cfg, self.rank, self.device, memory_resource=self.pool,
-                            send_memory_resource=self.pool)]
-        self.err = DiagBuffer(self.device, cuda=cuda)
-        self._build_pointer_tables()
-        self.synchronize()
-        self.device.sync()            # the tables' and error buffer's default-stream copies
+        self._load_dispatch(self.co_resident(build_module(cfg)), arch)
+        self.pool = self.host.symmetric_resource()
+        self._allocate([self.device])
+        #: the error buffer of this PE's GPU
+        self.err = self.errs[self.device_id]
 
     # -- placement ------------------------------------------------------------------------------
-    def _check_capacity(self):
-        """Every block of this rank's grid (and of the other PEs on this GPU) resident at
-        once."""
-        sms = self.cuda.sm_count(self.device)
-        for name in ((FUSED,) if self.fused else (ASYNC, WAIT)):
-            per_sm = self.program.blocks_per_sm(name)
-            capacity, need = per_sm * sms, self.sharers * self.cfg.n_sms
-            if need > capacity:
-                raise CapacityError(
-                    f"ShmemWorld: {self.sharers} PE(s) on GPU {self.device_id} x n_sms="
-                    f"{self.cfg.n_sms} blocks of {name} need {need} co-resident blocks, but "
-                    f"the GPU holds {capacity} ({per_sm} per SM x {sms} SMs at num_threads="
-                    f"{self.cfg.num_threads}); lower n_sms to at most "
-                    f"{capacity // self.sharers} or num_threads")
+    def gpu_shares(self) -> list[GpuShare]:
+        """This PE's GPU, running the grids of ``sharers`` PEs (this one and the other
+        processes of this node on the same GPU)."""
+        who = "this PE" if self.sharers == 1 else f"{self.sharers} PEs"
+        return [GpuShare(self.device_id, self.sharers, who, "run fewer PEs on it")]
 
-    def _pointer_table(self, r: int, attr: str):
-        """The address of buffer ``attr`` on every PE of this rank's P2P group, as this
-        process reaches it (``nvshmem_ptr``; its own: the local address)."""
-        buf = getattr(self.ranks[0], attr)
-        ptrs, unreachable = [], []
-        for q in p2p_group(self.cfg, r):
-            p = buf.ptr if q == r else self.host.ptr(buf.ptr, q)
-            if not p:
-                unreachable.append(q)
-            ptrs.append(p)
+    def memory_of(self, device) -> dict:
+        """Every buffer a peer writes or a put reads comes from the symmetric heap."""
+        return {"peer_memory": self.pool, "send_memory": self.pool}
+
+    def load(self, module, arch_of=None):
+        """As ``RankWorld.load``; a module that links NVSHMEM's device library gets
+        ``nvshmemx_cumodule_init`` before its first launch."""
+        programs = super().load(module, arch_of)
+        for program in programs.values():
+            if uses_nvshmem(program.ptx):
+                self.host.cumodule_init(program.loaded.cumodule())
+        return programs
+
+    def pointer_table(self, i: int, peers, buffers):
+        """The address of this PE's buffer (``buffers[0]``) on every PE of ``peers``, as this
+        process reaches it (``nvshmem_ptr``; its own: the local address). A NULL address is a
+        ``PeerAccessError`` naming every unreachable PE."""
+        own = buffers[0].ptr
+        ptrs = [own if q == self.rank else self.host.ptr(own, q) for q in peers]
+        unreachable = [q for q, p in zip(peers, ptrs) if not p]
         if unreachable:
             raise PeerAccessError(
-                f"ShmemWorld: rank {r} cannot load and store the memory of PE(s) "
+                f"ShmemWorld: rank {self.rank} cannot load and store the memory of PE(s) "
                 f"{', '.join(map(str, unreachable))} of its P2P group (nvshmem_ptr is NULL): "
                 f"a P2P group (p2p_world_size={self.cfg.p2p_world_size}) needs peer access "
                 f"between its GPUs; lower p2p_world_size (use_shmem=True reaches the others "
                 f"by SHMEM puts) or place the group on GPUs with an NVLink/PCIe peer path")
         return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.device)
-
-    def _peer_ptr(self, ptr: int, q: int) -> int:
-        """``nvshmem_ptr`` of this PE's symmetric address ``ptr`` on PE ``q`` of its P2P
-        group (its own: ``ptr``); NULL is a ``PeerAccessError``."""
-        p = ptr if q == self.rank else self.host.ptr(ptr, q)
-        if not p:
-            raise PeerAccessError(
-                f"ShmemWorld: rank {self.rank} cannot load and store the memory of PE {q} "
-                f"of its P2P group (nvshmem_ptr is NULL): a P2P group (p2p_world_size="
-                f"{self.cfg.p2p_world_size}) needs peer access between its GPUs; lower "
-                f"p2p_world_size (use_shmem=True reaches the others by SHMEM puts) or place "
-                f"the group on GPUs with an NVLink/PCIe peer path")
-        return p
-
-    def _build_pointer_tables(self):
-        r = self.rank
-        self.recv_buf_ptrs = {r: self._pointer_table(r, "recv_buf")}
-        self.recv_count_ptrs = {r: self._pointer_table(r, "recv_count")}
-        self.final_ptrs = {r: self._final_layout_tables(r)}
-        self._register_symmetric()
-        runtime_trace.allocate(self)
 
     # -- the per-rank API --------------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
@@ -305,15 +268,28 @@ class ShmemWorld(RankWorld):
         if self._closed:
             raise RuntimeError("ShmemWorld: the world is closed")
 
-    def _after_call(self, run):
+    def _after_call(self, run, meet_on=()):
+        """``run()``, then the host barrier that ends a call of every PE. An expired wait
+        skips the barrier (the others fail on their own deadlines) and marks the world
+        failed; an exception of ``meet_on`` (raised once the kernels have finished
+        everywhere) still meets the others at the barrier, then propagates."""
         self._require_open()
         try:
             out = run()
         except EPTimeoutError:
             self._failed = True
             raise
-        self.bootstrap.barrier(f"w{self.index}-call")
+        except meet_on:
+            self.barrier("call")
+            raise
+        self.barrier("call")
         return out
+
+    def mark_failed(self) -> None:
+        """Record that this PE's call failed although no wait expired here (a check of its
+        results did): ``close`` then waits for the others at its barrier only as long as
+        their bounded waits take to fail too."""
+        self._failed = True
 
     def dispatch(self, tokens, topk_ids, input_scale: float | None = None):
         """One round trip of every PE (each calls it with its own inputs): this rank's
@@ -329,30 +305,30 @@ class ShmemWorld(RankWorld):
             return g, res[0]
         return self._after_call(run)
 
-    def combiner(self):
-        """The world's combine side (``ShmemCombiner``), built on first use."""
-        if getattr(self, "_combiner", None) is None:
-            self._combiner = ShmemCombiner(self)
-        return self._combiner
-
     def combine(self, expert_out, topk_weights=None, residual=None, *, _src_info=None):
         """Combine this PE's part of the last ``dispatch`` (every PE calls it; docs/combine.md):
         ``expert_out`` ``[rows, H]`` BF16, one row per row of this rank's grouped output;
         ``topk_weights`` ``[T, K]`` float32 or None; ``residual`` ``[T, H]`` BF16 or None.
         Returns this rank's ``[T, H]`` BF16 bits (None weights: the unreduced ``[T, K, H]``),
-        as ``reference.combine(cfg, ...)[rank]``, after a host barrier of every PE.
-        ``_src_info``: test hook, this rank's replacement ``src_info``."""
+        as ``reference.combine(cfg, ...)[rank]``, after a host barrier of every PE (also
+        when a row was refused: ``EPInputError`` after it). ``_src_info``: test hook, this
+        rank's replacement ``src_info``."""
         self._require_open()
         if any(isinstance(a, (list, tuple)) for a in (expert_out, topk_weights, residual)):
             raise TypeError("ShmemWorld: combine takes this rank's own arrays (expert_out, "
                             "topk_weights, residual), not a list per rank")
         one = lambda a: None if a is None else [a]  # noqa: E731
         call_args.check_combine(self, [expert_out], one(topk_weights), one(residual))
-        if getattr(self, "_combiner", None) is None:
+        if self._combiner is None:
             self.combiner()
-            self.bootstrap.barrier(f"w{self.index}-combine-ready")
-        return self._after_call(lambda: self._combiner.run(
-            [expert_out], one(topk_weights), one(residual), src_info=one(_src_info))[0])
+            self.barrier("combine-ready")
+        comb = self._combiner
+        comb.load([expert_out], one(topk_weights), one(residual), src_info=one(_src_info))
+
+        def run():
+            comb.enqueue()
+            return comb.finish()[0]
+        return self._after_call(run, meet_on=(EPInputError,))
 
     def barrier(self, name: str = "user") -> None:
         """A host barrier of every PE (the bootstrap's)."""
@@ -412,45 +388,3 @@ class ShmemWorld(RankWorld):
             warnings.warn("ShmemWorld was not closed: its symmetric buffers are freed only "
                           "by close() (use 'with ShmemWorld(cfg) as world:')",
                           ResourceWarning, stacklevel=1)
-
-
-class ShmemCombiner(Combiner):
-    """The combine of a ``ShmemWorld`` (its one rank): the module loaded (and, when it links
-    NVSHMEM, ``nvshmemx_cumodule_init``), its grids checked for residency with the other PEs
-    of this GPU, the peer-written buffers and the expert outputs in the symmetric heap, the
-    P2P group's entries through ``nvshmem_ptr``."""
-
-    def __init__(self, world: ShmemWorld):
-        super().__init__(world, lambda module, _blocks, sms: co_resident(
-            module, world.sharers * world.cfg.n_sms, sms))
-
-    def _load(self, module):
-        w = self.world
-        super()._load(module)
-        if uses_nvshmem(self.program.ptx):
-            w.host.cumodule_init(self.program.loaded.cumodule())
-        sms = w.cuda.sm_count(w.device)
-        for name in (C_ASYNC, C_WAIT):
-            capacity = self.program.blocks_per_sm(name) * sms
-            need = w.sharers * w.cfg.n_sms
-            if need > capacity:
-                raise CapacityError(
-                    f"ShmemWorld.combine: {w.sharers} PE(s) on GPU {w.device_id} x n_sms="
-                    f"{w.cfg.n_sms} blocks of {name} need {need} co-resident blocks, but the "
-                    f"GPU holds {capacity}; lower n_sms to at most {capacity // w.sharers} "
-                    f"or num_threads")
-
-    def _memory(self, rk) -> dict:
-        return {"peer_memory": self.world.pool, "send_memory": self.world.pool}
-
-    def _peer_address(self, i: int, q: int, attr: str) -> int:
-        return self.world._peer_ptr(getattr(self.bufs[i], attr).ptr, q)
-
-    def _raise_bounds(self):
-        """As ``Combiner._raise_bounds``; a refused row still ends the call at the host
-        barrier of every PE (the kernels have finished everywhere), then raises."""
-        try:
-            super()._raise_bounds()
-        except EPInputError:
-            self.world.barrier("call")
-            raise

@@ -9,8 +9,6 @@ from __future__ import annotations
 import ir
 
 from ..kernels.sm_remap import KERNEL_NAME, build_dispatch_sm_remap
-from .program import Program
-from .world import CapacityError
 
 
 class SMRemapRunner:
@@ -23,22 +21,17 @@ class SMRemapRunner:
                              "world built with fused=True")
         cfg = world.cfg
         self.world, self.cfg = world, cfg
-        self.program = Program(ir.Module(KERNEL_NAME, (build_dispatch_sm_remap(cfg, sms),)),
-                               arch=world.program.arch, device=world.device,
-                               backend=world.cuda)
-        per_sm = self.program.blocks_per_sm(KERNEL_NAME)
-        sms = world.cuda.sm_count(world.device)
-        if len(world.ranks) * cfg.n_sms > per_sm * sms:
-            raise CapacityError(f"{KERNEL_NAME}: {len(world.ranks)} ranks x n_sms={cfg.n_sms} "
-                                f"blocks do not fit ({per_sm} per SM x {sms} SMs)")
+        self.programs = world.load(ir.Module(KERNEL_NAME, (build_dispatch_sm_remap(cfg, sms),)))
+        self.program = self.programs.first
+        world.check_resident(self.programs, (KERNEL_NAME,), KERNEL_NAME)
 
     def dispatch(self, tokens, topk_ids) -> list:
         """One call: returns a ``reference.RankResult`` per rank."""
         w = self.world
         w.load_inputs(tokens, topk_ids)
-        w._after_previous_call()
+        w.after_previous_call()
         for rk, args in zip(w.ranks, w.fused_rows()):
-            self.program.launch(KERNEL_NAME, self.cfg.n_sms, args, rk.stream)
+            self.programs.of(rk).launch(KERNEL_NAME, self.cfg.n_sms, args, rk.stream)
             rk.wait_done = rk.stream.record()
         self.check()
         return w.results()
@@ -46,7 +39,7 @@ class SMRemapRunner:
     def check(self):
         """Synchronise; raise ``EPTimeoutError`` (records named by either program's kernels)
         if a wait expired, after re-arming the world."""
-        self.world.check_with(self.program, KERNEL_NAME)
+        self.world.check_with(self.programs, KERNEL_NAME)
 
 
 __all__ = ["SMRemapRunner"]

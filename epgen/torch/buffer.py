@@ -22,11 +22,13 @@ waits, refused rows) surface at ``check()``, which synchronises.
 
 from __future__ import annotations
 
+import weakref
+
 import attrs
 
 from ir import diag
 
-from .. import interop, reference
+from .. import interop
 from ..errors import EPInputError
 from ..kernels.check_ids import KERNEL_NAME as CHECK
 from ..kernels.check_ids import (blocks_per_rank, build_check_ids_module, id_bound,
@@ -36,8 +38,7 @@ from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
 from ..kernels.dispatch_wait import KERNEL_NAME as WAIT
 from ..runtime import call_args
 from ..runtime.combine import C_ASYNC, C_FUSED, C_WAIT
-from ..runtime.program import Program
-from ..runtime.world import region_a_blocks
+from ..runtime.results import rank_result
 from . import streams, tensors
 
 
@@ -58,7 +59,9 @@ class DispatchOutput:
     ``expert_ids`` int32 ``[G]``, ``src_info`` int32 ``[max_out_rows, 2]`` (source token,
     top-k slot), ``counts`` int32 ``[L, R]`` (tokens from source ``r`` to local expert
     ``e``; a strided view of the counter words). ``rank``; ``n_tokens`` this rank's token
-    count; ``topk_ids`` and ``topk_weights`` the inputs combine needs."""
+    count; ``topk_ids`` and ``topk_weights`` the inputs combine needs;
+    ``allreduce_world_size`` the world's (``RankWorld.allreduce_world_size``: how the shared
+    expert's tokens are split under ``skip_a2a``)."""
 
     rank: int
     tokens: object
@@ -73,6 +76,7 @@ class DispatchOutput:
     #: dispatch_wait's Region A words ``[2 * L * R]`` (``[2w] = 1024 + end row``, ``[2w + 1]
     #: = count``, ``w = e * R + s``), of which ``counts`` is a view
     region_a: object = None
+    allreduce_world_size: int | None = None
 
     def to_reference(self, cfg):
         """This output as the host ``reference.RankResult`` (synchronises: for tests and
@@ -80,22 +84,15 @@ class DispatchOutput:
         ``reference.assert_match``."""
         torch = _torch()
         row_offsets = self.row_offsets.cpu().numpy().view("uint32")
-        n = int(row_offsets[-1])
-        L, R = cfg.layout.n_local_experts, cfg.n_ranks
-        counts, starts = region_a_blocks(self.region_a.cpu().numpy(), L, R)
-        toks = self.tokens[:n]
+        toks = self.tokens[:int(row_offsets[-1])]        # only the rows written travel
         host_tokens = (toks.view(torch.int16).cpu().numpy().view("uint16")
                        if toks.dtype == torch.bfloat16 else toks.cpu().numpy())
-        scales = None if self.scales is None else cfg.token_fmt.scales_from_device(
-            self.scales.cpu().numpy(), n)
-        se_start = se_tokens = 0
-        if cfg.fused_shared_expert:
-            se_start, se_tokens = reference.se_slice(self.n_tokens, self.rank, None)
-        return reference.RankResult.from_outputs(
-            cfg, self.rank, host_tokens, row_offsets, self.expert_ids.cpu().numpy(),
-            self.src_info[:n].cpu().numpy(), counts, se_tokens=se_tokens,
-            se_token_start=se_start, out_scales=scales,
-            block_starts=starts if cfg.ep_final_layout else None)
+        return rank_result(
+            cfg, self.rank, n_tokens=self.n_tokens, out_tokens=host_tokens,
+            row_offsets=row_offsets, expert_ids=self.expert_ids.cpu().numpy(),
+            src_info=self.src_info.cpu().numpy(), region_a=self.region_a.cpu().numpy(),
+            out_scales=None if self.scales is None else self.scales.cpu().numpy(),
+            allreduce_world_size=self.allreduce_world_size)
 
     def clone(self) -> DispatchOutput:
         """A copy whose tensors outlive the next call (``Tensor.clone`` on the current
@@ -106,10 +103,12 @@ class DispatchOutput:
         return DispatchOutput(self.rank, c(self.tokens), c(self.scales), c(self.row_offsets),
                               c(self.expert_ids), c(self.src_info),
                               region.view(L, R, 2)[..., 1], self.n_tokens, c(self.topk_ids),
-                              c(self.topk_weights), region)
+                              c(self.topk_weights), region, self.allreduce_world_size)
 
 
-def _outputs_of(torch, cfg, rk) -> DispatchOutput:
+def _outputs_of(torch, world, rk) -> DispatchOutput:
+    """Rank ``rk``'s outputs of ``world`` as tensors viewing its buffers."""
+    cfg = world.cfg
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R = lay.n_local_experts, cfg.n_ranks
     tok_dtype = "bfloat16" if fmt.name == "BF16" else None
@@ -121,7 +120,7 @@ def _outputs_of(torch, cfg, rk) -> DispatchOutput:
         row_offsets=tensors.view(torch, rk.row_offsets, dtype="uint32"),
         expert_ids=tensors.view(torch, rk.expert_ids),
         src_info=tensors.view(torch, rk.src_info), counts=region_a.view(L, R, 2)[..., 1],
-        region_a=region_a)
+        region_a=region_a, allreduce_world_size=world.allreduce_world_size)
 
 
 def _address(value, info) -> int:
@@ -157,14 +156,17 @@ class _HotParams:
                 last[name] = v
 
 
-def _check_program(world, device, n_ranks: int = 1):
-    """``ep_check_ids`` (its ``n_ranks`` form) loaded on ``device``, once per world (every
-    handle shares it)."""
-    cache = world.__dict__.setdefault("_check_ids_programs", {})
-    key = (device.device_id, n_ranks)
-    if key not in cache:
-        cache[key] = Program(build_check_ids_module(world.cfg, n_ranks), device=device)
-    return cache[key]
+#: world -> {n_ranks: the id check's ``RankPrograms``}, shared by every handle of a world
+_CHECK_PROGRAMS = weakref.WeakKeyDictionary()
+
+
+def _check_programs(world, n_ranks: int = 1):
+    """``ep_check_ids`` (its ``n_ranks`` form) loaded on the world's GPUs (``world.load``),
+    once per world (every handle shares it)."""
+    cache = _CHECK_PROGRAMS.setdefault(world, {})
+    if n_ranks not in cache:
+        cache[n_ranks] = world.load(build_check_ids_module(world.cfg, n_ranks))
+    return cache[n_ranks]
 
 
 class EPBuffer:
@@ -198,7 +200,7 @@ class EPBuffer:
         # rank after another on one stream
         self.on_caller_stream = len(self.ranks) == 1
         self.device = self.ranks[0].stream.device.device_id
-        self.outputs = [_outputs_of(torch, self.cfg, rk) for rk in self.ranks]
+        self.outputs = [_outputs_of(torch, world, rk) for rk in self.ranks]
         self.lanes = None if self.on_caller_stream else streams.Lanes(
             [rk.stream for rk in self.ranks])
         self._keep = ()            # this call's converted inputs, alive until the next call
@@ -219,21 +221,21 @@ class EPBuffer:
         ``ep_dispatch``."""
         w, n = self.world, self.cfg.n_sms
         steps, self._check_all, check_renames = [], None, []
-        errs = {id(w._err_of(rk)) for rk in self.ranks}
+        errs = {id(w.err_of(rk)) for rk in self.ranks}
         if not self.on_caller_stream and self.lanes.one_device and len(errs) == 1:
             self._check_all, check_renames = self._prepare_check_all()
         else:
             steps.append((CHECK, self._prepare_checks()))
         if self.fused:
             rows = w.fused_rows()
-            steps.append((FUSED, [w._program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
+            steps.append((FUSED, [w.program_of(w.ranks[i]).prepare(FUSED, n, rows[i])
                                   for i in self.index]))
         else:
             a, b = w.async_rows(), w.wait_rows()
-            steps.append((ASYNC, [w._program_of(w.ranks[i]).prepare(ASYNC, n, a[i])
+            steps.append((ASYNC, [w.program_of(w.ranks[i]).prepare(ASYNC, n, a[i])
                                   for i in self.index]))
-            steps.append((WAIT, [w._program_of(w.ranks[i]).prepare(WAIT, n, b[i],
-                                                                   programmatic=True)
+            steps.append((WAIT, [w.program_of(w.ranks[i]).prepare(WAIT, n, b[i],
+                                                                  programmatic=True)
                                  for i in self.index]))
         self._dispatch = steps
         hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens")
@@ -252,9 +254,9 @@ class EPBuffer:
     def _prepare_checks(self) -> list:
         """One ``ep_check_ids`` launch per handled rank (the ids into the rank's id buffer)."""
         w = self.world
-        return [_check_program(w, rk.stream.device).prepare(
+        return [_check_programs(w).of(rk).prepare(
                     CHECK, blocks_per_rank(self.cfg),
-                    {**self._check_args(rk), "err_buf": w._err_of(rk).ptr,
+                    {**self._check_args(rk), "err_buf": w.err_of(rk).ptr,
                      "timeout_ns": w.timeout_ns})
                 for rk in self.ranks]
 
@@ -266,8 +268,8 @@ class EPBuffer:
                 for name, v in self._check_args(rk).items()}
         renames = [{v: param_name(v, j, k) for v in ("ids_in", "ids_wide", "n_tokens")}
                    for j in range(k)]
-        args.update(err_buf=w._err_of(self.ranks[0]).ptr, timeout_ns=w.timeout_ns)
-        prog = _check_program(w, self.ranks[0].stream.device, k)
+        args.update(err_buf=w.err_of(self.ranks[0]).ptr, timeout_ns=w.timeout_ns)
+        prog = _check_programs(w, k).of(self.ranks[0])
         return prog.prepare(kernel_name(k), k * blocks_per_rank(self.cfg), args), renames
 
     def _enqueue(self, steps, stream_handle: int, first=None):
@@ -344,7 +346,7 @@ class EPBuffer:
         rank's combine launches, prepared."""
         c = self.world.combiner()
         n, steps = self.cfg.n_sms, []
-        prog = lambda i: c._program_of(self.world.ranks[i])  # noqa: E731
+        prog = lambda i: c.program_of(self.world.ranks[i])  # noqa: E731
         if c.fused:
             steps.append((C_FUSED, [prog(i).prepare(C_FUSED, n, c.fused_args(i))
                                     for i in self.index]))
@@ -455,7 +457,7 @@ class EPBuffer:
         each such slot was dropped), expired waits (``EPTimeoutError``)."""
         self.torch.cuda.current_stream(self.device).synchronize()
         self.world.synchronize()
-        errs = {id(b): b for b in (self.world._err_of(rk) for rk in self.ranks)}.values()
+        errs = {id(b): b for b in (self.world.err_of(rk) for rk in self.ranks)}.values()
         bad = [rec for b in errs for rec in diag.decode_ids(b.array.to_host())]
         if bad:
             for b in errs:

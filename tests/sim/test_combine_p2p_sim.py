@@ -13,8 +13,9 @@ import pytest
 
 from epgen import reference, routing
 from epgen.presets import config_from_dict, preset_data
-from epgen.runtime import p2p_world as p2p_mod
-from epgen.runtime.world import CapacityError
+from epgen.runtime import combine as combine_mod
+from epgen.runtime.placement import CapacityError
+from epgen.runtime.program import Program
 
 from combine_checks import corrupted_row_check, expert_outputs, weights
 from sim_p2p import PlacementError, sim_p2p_world
@@ -76,7 +77,9 @@ def test_a_corrupted_src_info_row_is_reported_and_writes_nothing(seed):
 def test_receive_buffers_outside_the_pools_are_a_placement_error(seed, monkeypatch):
     """The check can fail: combine buffers in default memory are not reachable by the peer
     GPU, and the first launch is refused naming the table."""
-    monkeypatch.setattr(p2p_mod.P2PCombiner, "_memory", lambda self, rk: {})
+    real = combine_mod.CombineBuffers.__init__
+    monkeypatch.setattr(combine_mod.CombineBuffers, "__init__",     # default memory only
+                        lambda self, cuda, cfg, rk, **memory: real(self, cuda, cfg, rk))
     cfg = _cfg(2)
     rng = np.random.default_rng(seed)
     with sim_p2p_world(cfg, seed) as world:
@@ -89,7 +92,7 @@ def test_receive_buffers_outside_the_pools_are_a_placement_error(seed, monkeypat
 def test_combine_residency_is_checked_per_gpu(seed, monkeypatch):
     cfg = _cfg(2)
     with sim_p2p_world(cfg, seed, n_gpus=1, devices=[0, 0]) as world:
-        monkeypatch.setattr(p2p_mod.Program, "blocks_per_sm", lambda self, name, shmem=0: 0)
+        monkeypatch.setattr(Program, "blocks_per_sm", lambda self, name, shmem=0: 0)
         with pytest.raises(CapacityError, match="P2PWorld.combine: GPU 0: 2 ranks"):
             world.combiner()
 
@@ -107,7 +110,7 @@ def test_a_missing_combine_async_times_out_on_every_gpu_then_recovers(seed, monk
         _round_trips(world, rng, seed, calls=1)             # builds the combiner
         toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
         results = world.dispatch(toks, ids)
-        real = p2p_mod.P2PCombiner._program_of
+        real = combine_mod.Combiner.program_of
 
         class Skip:
             def __init__(self, program, rank):
@@ -116,7 +119,7 @@ def test_a_missing_combine_async_times_out_on_every_gpu_then_recovers(seed, monk
             def launch(self, name, *a, **kw):
                 if not (name == C_ASYNC and self.rank == 1):
                     self.program.launch(name, *a, **kw)
-        monkeypatch.setattr(p2p_mod.P2PCombiner, "_program_of",
+        monkeypatch.setattr(combine_mod.Combiner, "program_of",
                             lambda self, rk: Skip(real(self, rk), rk.rank))
         with pytest.raises(EPTimeoutError) as err:
             world.combine(expert_outputs(rng, cfg, results), None)
@@ -125,5 +128,5 @@ def test_a_missing_combine_async_times_out_on_every_gpu_then_recovers(seed, monk
         assert {r.kernel for r in recs} == {"ep_combine_wait"}, recs
         for d in world.device_ids:
             assert not world.errs[d].array.to_host().any(), f"GPU {d} buffer re-armed"
-        monkeypatch.setattr(p2p_mod.P2PCombiner, "_program_of", real)
+        monkeypatch.setattr(combine_mod.Combiner, "program_of", real)
         _round_trips(world, rng, seed, calls=1)

@@ -18,7 +18,7 @@ import epgen
 from epgen import reference, routing
 from epgen.kernels import final_layout
 from epgen.tuning import Tuning
-from epgen.runtime import world as world_mod
+from epgen.runtime.results import region_a_blocks
 
 from backends.sim import SimHang
 from sim_world import sim_world
@@ -116,7 +116,7 @@ def test_region_a_blocks():
     L, R = 2, 2
     # pair (e, src): [2w] = 1024 + end, [2w+1] = count
     region_a = np.array([1024 + 5, 2, 1024 + 3, 3, 1024 + 8, 0, 1024 + 12, 4], np.int32)
-    counts, starts = world_mod.region_a_blocks(region_a, L, R)
+    counts, starts = region_a_blocks(region_a, L, R)
     assert counts.tolist() == [[2, 3], [0, 4]]
     assert starts.tolist() == [[3, 0], [8, 8]]
 

@@ -18,10 +18,10 @@ import pytest
 import epgen
 from epgen import routing
 from epgen.runtime import p2p_world as p2p_mod
-from epgen.runtime import world as world_mod
 from epgen.runtime.p2p_world import (PeerAccessError, assign_devices, check_peer_access,
-                                     peer_pairs, peers_of, residency_problems)
-from epgen.runtime.world import CapacityError, p2p_group
+                                     gpu_shares, peer_pairs, peers_of)
+from epgen.runtime.placement import CapacityError, p2p_group, residency_problems
+from epgen.runtime.rank_world import RankBuffers, RankWorld
 
 from backends.cuda.errors import CudaUnavailableError
 from backends.sim import SimHang
@@ -136,7 +136,7 @@ def test_residency_problems():
     sms = {0: 6, 1: 5}.__getitem__
     # three ranks on GPU 0 (18 blocks > 6 x 1 and > 6 x 2), one on GPU 1: 6 blocks of "a"
     # do not fit 5 SMs x 1, 6 of "w" fit 5 x 2
-    problems = residency_problems(cfg, (0, 0, 0, 1), ("a", "w"), bps, sms)
+    problems = residency_problems(cfg, gpu_shares((0, 0, 0, 1)), ("a", "w"), bps, sms)
     assert len(problems) == 3, problems
     assert problems[0].startswith("GPU 0: 3 ranks (0, 1, 2) x n_sms=6 blocks of a need 18 "
                                   "co-resident blocks, but the GPU holds 6 (1 per SM x 6 SMs")
@@ -145,7 +145,8 @@ def test_residency_problems():
     assert problems[2].startswith("GPU 1: rank 3 x n_sms=6 blocks of a need 6 co-resident "
                                   "blocks, but the GPU holds 5")
     assert "put fewer ranks" not in problems[2]
-    assert residency_problems(cfg, (0, 1, 2, 3), ("w",), lambda n, d: 2, lambda d: 3) == []
+    assert residency_problems(cfg, gpu_shares((0, 1, 2, 3)), ("w",), lambda n, d: 2,
+                              lambda d: 3) == []
 
 
 def test_peer_access_refused_before_any_gpu_work(monkeypatch):
@@ -192,8 +193,8 @@ def test_fused_rules_are_the_emulated_worlds():
 def test_lazy_export():
     assert epgen.P2PWorld is p2p_mod.P2PWorld
     assert "P2PWorld" in epgen.__all__
-    assert issubclass(epgen.P2PWorld, world_mod.RankWorld)
-    assert issubclass(epgen.EmulatedWorld, world_mod.RankWorld)
+    assert issubclass(epgen.P2PWorld, RankWorld)
+    assert issubclass(epgen.EmulatedWorld, RankWorld)
 
 
 # ---- the world on fake GPUs ------------------------------------------------------------------
@@ -393,18 +394,18 @@ def test_missing_peer_without_deadline_hangs_in_the_simulator(seed):
 
 # ---- what the placement checks catch -------------------------------------------------------------
 def _no_pools(mp):
-    real = world_mod._Rank.__init__
+    real = RankBuffers.__init__
 
-    def init(self, cuda, cfg, rank, device, memory_resource=None):
+    def init(self, cuda, cfg, rank, device, peer_memory=None):
         real(self, cuda, cfg, rank, device)                      # default allocations
-    mp.setattr(world_mod._Rank, "__init__", init)
+    mp.setattr(RankBuffers, "__init__", init)
 
 
 def _tables_on_gpu0(mp):
-    def table(self, r, attr):
-        ptrs = [getattr(self.ranks[q], attr).ptr for q in p2p_group(self.cfg, r)]
+    def table(self, i, peers, buffers):
+        ptrs = [buffers[self.rank_ids.index(q)].ptr for q in peers]
         return self.cuda.to_device(np.array(ptrs, np.uint64), device=0)
-    mp.setattr(world_mod.RankWorld, "_pointer_table", table)
+    mp.setattr(RankWorld, "pointer_table", table)
 
 
 MUTATIONS = {
@@ -413,14 +414,14 @@ MUTATIONS = {
     # every table on GPU 0: the other ranks' kernels would read another GPU's memory
     "tables_on_gpu0": (_tables_on_gpu0, "argument recv_buf_ptrs is in the memory of GPU 0"),
     # one error buffer for all: GPU 0's, written by every GPU
-    "shared_err_buf": (lambda mp: mp.setattr(p2p_mod.P2PWorld, "_err_of",
+    "shared_err_buf": (lambda mp: mp.setattr(p2p_mod.P2PWorld, "err_of",
                                              lambda self, rk: self.errs[0]),
                        "argument err_buf is in the memory of GPU 0"),
     # peer access never enabled
     "no_enable": (lambda mp: mp.setattr(PlacementMachine, "enable_peer_access",
                                         lambda self, a, b: False), "cannot access"),
     # every rank launched through GPU 0's program
-    "one_program": (lambda mp: mp.setattr(p2p_mod.P2PWorld, "_program_of",
+    "one_program": (lambda mp: mp.setattr(p2p_mod.P2PWorld, "program_of",
                                           lambda self, rk: self.programs[0]),
                     "launched on a stream of GPU 1"),
 }

@@ -122,7 +122,7 @@ def make_worlds(cfg, machine, log, null_peers=(), **kw):
         host.worlds[r] = w
         worlds.append(w)
     for w in worlds:           # tables again, now that every PE's buffers exist
-        w._build_pointer_tables()
+        w.build_pointer_tables()
     return worlds
 
 
@@ -385,7 +385,7 @@ def test_cli_run_dead_peer_exits_at_once(monkeypatch, capsys):
         w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 2, log, fail={"close"}),
                           host=host.view(0), backend=sim_backend.Machine(0, timeouts=True))
         host.worlds[0] = w
-        w._build_pointer_tables()
+        w.build_pointer_tables()
         return w
 
     def exit_now(code):

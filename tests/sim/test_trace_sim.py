@@ -334,7 +334,7 @@ def test_every_l1_release_is_an_event(release, seed):
         for rk in world.ranks:
             counters.append(world.cuda.zeros(L, np.uint32, device=world.device,
                                              stream=rk.stream))
-            prog.launch(kernel.name, cfg.n_sms, {**world._wait_args(rk),
+            prog.launch(kernel.name, cfg.n_sms, {**world.wait_args(rk),
                                                  "l1_arrival_ptr": counters[-1]}, rk.stream)
             rk.wait_done = rk.stream.record()
         world.synchronize()
