@@ -16,7 +16,7 @@ def granule(nbytes: int) -> int:
 
 
 def world_memory(cfg) -> dict:
-    """Device bytes an ``EmulatedWorld`` of ``cfg`` allocates (``epgen/runtime/world.py``'s
+    """Device bytes an ``EmulatedWorld`` of ``cfg`` allocates (``epgen/runtime/rank_world.py``'s
     per-rank buffers, from ``cfg.layout``), each allocation rounded up to 2 MiB."""
     lay, fmt = cfg.layout, cfg.token_fmt
     T, K, H = cfg.max_tokens_per_rank, fmt.top_k, fmt.hid_dim

@@ -61,7 +61,7 @@ from __future__ import annotations
 from backends.cuda.errors import CudaUnavailableError
 
 from ..kernels import build_module
-from .placement import GpuShare, PeerAccessError, p2p_group, ranks_in_words
+from .placement import GpuShare, PeerAccessError, ordinal, p2p_group, ranks_in_words
 from .rank_world import RankWorld
 from .world_args import check_world_args, device_ordinal
 
@@ -207,7 +207,7 @@ class P2PWorld(RankWorld):
 
     def memory_of(self, device) -> dict:
         """The buffers peers write come from ``device``'s peer-accessible pool."""
-        return {"peer_memory": self.pools[device]}
+        return {"peer_memory": self.pools[ordinal(device)]}
 
     # -- inputs ------------------------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):

@@ -47,6 +47,8 @@ within noise, a graph replay unchanged.
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from .. import interop, reference
@@ -63,6 +65,7 @@ from .diagnostics import DiagBuffer
 from .graph import RoundTripGraph
 from .placement import (CapacityError, RankPrograms, co_resident, ordinal, p2p_group,
                         residency_problems)
+from .rank_buffers import RankBuffers
 from .results import rank_result
 
 
@@ -82,54 +85,7 @@ def resolve_fused(cfg, fused: bool | None, world: str) -> bool:
     return bool(fused)
 
 
-class RankBuffers:
-    """The device buffers and stream of one rank (``rank``, its ``my_rank``) on ``device``.
-    The buffers other ranks write (receive buffers and count words; with ep_final_layout the
-    grouped output and its scales, the header array and the prod buffer) come from
-    ``peer_memory`` when one is given (a pool the peers' GPUs can access, ``P2PWorld``; the
-    symmetric heap, ``ShmemWorld``), the send buffer (read by SHMEM puts) from
-    ``send_memory``; None: the device's default memory (``RankWorld.memory_of``).
-
-    Besides the buffers: ``n_tokens`` (this call's token count), ``wait_done`` (the event
-    after the rank's last launch of a call: the next call waits for every rank's) and
-    ``trace_bufs`` (kernel name -> trace buffer, for kernels built with trace points)."""
-
-    def __init__(self, cuda, cfg, rank, device, peer_memory=None, send_memory=None):
-        lay, fmt = cfg.layout, cfg.token_fmt
-        H, K, T = fmt.hid_dim, fmt.top_k, cfg.max_tokens_per_rank
-        self.rank = rank
-        self.device = device
-        self.stream = cuda.create_stream(device)
-
-        def z(shape, dt, memory=None):
-            kw = {} if memory is None else {"memory_resource": memory}
-            return cuda.zeros(shape, dt, device=device, stream=self.stream, **kw)
-        peer = {} if peer_memory is None else {"memory_resource": peer_memory}
-        self.tokens = z((T, H), np.uint16)
-        self.topk_ids = z((T, K), np.int32)
-        self.send_buf = z(lay.send_buf_bytes, np.uint8, send_memory)
-        self.recv_buf = z(lay.recv_buf_bytes, np.uint8, peer_memory)
-        self.recv_count = cuda.to_device(lay.recv_count_initial(), device=device,
-                                         stream=self.stream, **peer)
-        self.counters = z(lay.counter_words, np.int32)
-        self.out_tokens = z((lay.max_out_rows, *fmt.out_row_shape), fmt.host_dtype, peer_memory)
-        self.out_scales = (z(fmt.out_scales_shape(lay.max_out_rows), fmt.scales_host_dtype,
-                             peer_memory) if fmt.out_scales is not None else None)
-        self.row_offsets = z(lay.n_groups + 1, np.uint32)
-        self.expert_ids = z(lay.n_groups, np.int32)
-        self.src_info = z((lay.max_out_rows, 2), np.int32)
-        self.hdr_buf = z(lay.hdr_buf_bytes, np.uint8, peer_memory)       # ep_final_layout
-        self.prod_buf = z(lay.prod_buf_words, np.uint64, peer_memory)    # ep_prod_reserve
-        self.n_tokens = 0
-        self.wait_done = None
-        self.trace_bufs = {}
-
-    def counter_ptr(self, region) -> int:
-        """The address of counter ``region`` (a ``layout`` region) in this rank's counters."""
-        return self.counters.ptr + 4 * region.offset
-
-
-class RankWorld:
+class RankWorld(abc.ABC):
     """What every world shares and the placement interface it provides (module docstring).
 
     Attributes: ``cfg``, ``cuda`` (the backend: ``backends.cuda`` or a
@@ -193,10 +149,10 @@ class RankWorld:
             self.cuda.get_device(d).sync()
 
     # -- placement: where --------------------------------------------------------------------------
+    @abc.abstractmethod
     def gpu_shares(self) -> list:
         """One ``placement.GpuShare`` per GPU of the world: how many ranks' grids it runs at
-        once (every world says)."""
-        raise NotImplementedError
+        once (every world says; the first GPU is the first rank's)."""
 
     def memory_of(self, device) -> dict:
         """Where the buffers of a rank on ``device`` come from: ``peer_memory`` (those peers
@@ -548,9 +504,9 @@ class RankWorld:
         self.check_with(None, context)
 
     def check_with(self, program, context: str):
-        """``check`` after launches of another ``program`` (a test kernel's, or None) on this
-        world's buffers and error buffers: its records are named by either program's
-        kernels."""
+        """``check`` after launches of another ``program`` (a test kernel's ``Program`` or
+        ``RankPrograms``, or None) on this world's buffers and error buffers: its records
+        are named by either program's kernels."""
         self.synchronize()
         kernels = tuple(self.program.module.kernels)
         if program is not None:
@@ -627,4 +583,4 @@ class RankWorld:
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info)
 
 
-__all__ = ["RankWorld", "RankBuffers", "resolve_fused"]
+__all__ = ["RankWorld", "resolve_fused"]

@@ -270,9 +270,9 @@ def test_skip_a2a_pointer_tables_are_local(seed):
     cfg, devices = make_skip_cfg(*SKIP_SHAPES[0])
     world = world_for(cfg, devices)
     assert [rk.rank for rk in world.ranks] == list(range(devices))
-    for rk, bufs, counts in zip(world.ranks, world.recv_buf_ptrs, world.recv_count_ptrs):
-        assert bufs.to_host().tolist() == [rk.recv_buf.ptr]
-        assert counts.to_host().tolist() == [rk.recv_count.ptr]
+    for rk in world.ranks:
+        assert world.recv_buf_ptrs[rk.rank].to_host().tolist() == [rk.recv_buf.ptr]
+        assert world.recv_count_ptrs[rk.rank].to_host().tolist() == [rk.recv_count.ptr]
     rng = np.random.default_rng(seed)
     L, T = cfg.layout.n_local_experts, cfg.max_tokens_per_rank
     toks = [routing.random_tokens(rng, T, cfg.token_fmt.hid_dim) for _ in range(devices)]

@@ -21,7 +21,8 @@ from epgen.runtime import p2p_world as p2p_mod
 from epgen.runtime.p2p_world import (PeerAccessError, assign_devices, check_peer_access,
                                      gpu_shares, peer_pairs, peers_of)
 from epgen.runtime.placement import CapacityError, p2p_group, residency_problems
-from epgen.runtime.rank_world import RankBuffers, RankWorld
+from epgen.runtime.rank_buffers import RankBuffers
+from epgen.runtime.rank_world import RankWorld
 
 from backends.cuda.errors import CudaUnavailableError
 from backends.sim import SimHang

@@ -1,0 +1,57 @@
+"""``RankBuffers``: the device buffers and the stream of one rank of a world (layout members
+in ``epgen/layout.py``; where the peer-written ones come from is the world's
+``RankWorld.memory_of``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RankBuffers:
+    """The device buffers and stream of one rank (``rank``, its ``my_rank``) on ``device``.
+    The buffers other ranks write (receive buffers and count words; with ep_final_layout the
+    grouped output and its scales, the header array and the prod buffer) come from
+    ``peer_memory`` when one is given (a pool the peers' GPUs can access, ``P2PWorld``; the
+    symmetric heap, ``ShmemWorld``), the send buffer (read by SHMEM puts) from
+    ``send_memory``; None: the device's default memory (``RankWorld.memory_of``).
+
+    Besides the buffers: ``n_tokens`` (this call's token count), ``wait_done`` (the event
+    after the rank's last launch of a call: the next call waits for every rank's) and
+    ``trace_bufs`` (kernel name -> trace buffer, for kernels built with trace points)."""
+
+    def __init__(self, cuda, cfg, rank, device, peer_memory=None, send_memory=None):
+        lay, fmt = cfg.layout, cfg.token_fmt
+        H, K, T = fmt.hid_dim, fmt.top_k, cfg.max_tokens_per_rank
+        self.rank = rank
+        self.device = device
+        self.stream = cuda.create_stream(device)
+
+        def z(shape, dt, memory=None):
+            kw = {} if memory is None else {"memory_resource": memory}
+            return cuda.zeros(shape, dt, device=device, stream=self.stream, **kw)
+        peer = {} if peer_memory is None else {"memory_resource": peer_memory}
+        self.tokens = z((T, H), np.uint16)
+        self.topk_ids = z((T, K), np.int32)
+        self.send_buf = z(lay.send_buf_bytes, np.uint8, send_memory)
+        self.recv_buf = z(lay.recv_buf_bytes, np.uint8, peer_memory)
+        self.recv_count = cuda.to_device(lay.recv_count_initial(), device=device,
+                                         stream=self.stream, **peer)
+        self.counters = z(lay.counter_words, np.int32)
+        self.out_tokens = z((lay.max_out_rows, *fmt.out_row_shape), fmt.host_dtype, peer_memory)
+        self.out_scales = (z(fmt.out_scales_shape(lay.max_out_rows), fmt.scales_host_dtype,
+                             peer_memory) if fmt.out_scales is not None else None)
+        self.row_offsets = z(lay.n_groups + 1, np.uint32)
+        self.expert_ids = z(lay.n_groups, np.int32)
+        self.src_info = z((lay.max_out_rows, 2), np.int32)
+        self.hdr_buf = z(lay.hdr_buf_bytes, np.uint8, peer_memory)       # ep_final_layout
+        self.prod_buf = z(lay.prod_buf_words, np.uint64, peer_memory)    # ep_prod_reserve
+        self.n_tokens = 0
+        self.wait_done = None
+        self.trace_bufs = {}
+
+    def counter_ptr(self, region) -> int:
+        """The address of counter ``region`` (a ``layout`` region) in this rank's counters."""
+        return self.counters.ptr + 4 * region.offset
+
+
+__all__ = ["RankBuffers"]
