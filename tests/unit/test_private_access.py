@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: private members of other projects that epgen uses on purpose: the expression (matched as
 #: the whole access or its dotted tail, so ``self.torch.cuda._sleep`` is ``torch.cuda._sleep``)
