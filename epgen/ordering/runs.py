@@ -1,7 +1,7 @@
 """Runs of the protocol under the simulator's weak-memory mode (``backends.sim.weak``),
 each compared with ``epgen.reference``.
 
-``CHECKED`` names the variants the checker knows: each is a golden variant (its kernels are
+``checked()`` names the variants the checker knows: each is a golden variant (its kernels are
 the ones mutated) with the world that runs it (standalone or fused kernels, dispatch alone
 or dispatch then combine) and a small configuration (``SMALL``: fewer threads, blocks,
 experts and tokens than the variant's preset, so one run takes a second or two); ``--preset``

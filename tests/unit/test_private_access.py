@@ -1,5 +1,5 @@
 """No module under ``epgen/`` touches another module's private (``_name``) members: read from
-the source with ``ast``, as ``tests/test_imports.py`` reads the import graph.
+the source with ``ast``, as ``tests/unit/test_imports.py`` reads the import graph.
 
 What counts as touching: an attribute ``X._name`` where ``X`` is not ``self``, ``cls`` or
 ``super()`` (a module's private function, another object's private attribute: even an object
