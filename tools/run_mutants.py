@@ -18,8 +18,9 @@ timeout (the ``-k`` keeps golden and PTX-text comparisons from counting as a kil
 restores the file; the working tree itself is never written. A mutant is **killed** when
 its tests fail, **survived** when they pass, **stale** when its ``find`` text no longer
 occurs exactly once, **timeout** when its tests outrun the limit, **error** when they could
-not run (a missing test file, a collection error, no test collected). Every status but
-killed is a failure: the exit status is 0 only when every mutant run was killed.
+not run (a test file or test function it names is missing, a collection error, no test
+collected). Every status but killed is a failure: the exit status is 0 only when every
+mutant run was killed.
 
     python tools/run_mutants.py                 # every mutant
     python tools/run_mutants.py --only NAME     # one (repeatable)
@@ -27,12 +28,14 @@ killed is a failure: the exit status is 0 only when every mutant run was killed.
     python tools/run_mutants.py --markdown      # the table as Markdown (docs/testing.md)
 
 It is slow (each mutant runs its tests); CI runs only tests/unit/test_mutants.py, which checks
-that every mutant file is well formed and its ``find`` text still occurs exactly once.
+that every mutant file is well formed, its ``find`` text still occurs exactly once and
+every test it names exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -146,9 +149,37 @@ def find_count(root: Path, m: Mutant) -> int:
     return path.read_text().count(m.find) if path.is_file() else -1
 
 
+def _defines(path: Path, names: list[str]) -> bool:
+    """Whether the Python file ``path`` defines the test ``names`` (``["test_f"]``, or
+    ``["TestClass", "test_m"]``): each a function or class at the top level of the file or
+    of the class before it (``ast``; nothing is imported)."""
+    try:
+        scope = ast.parse(path.read_text()).body
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    for name in names:
+        found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                    ast.ClassDef)) and n.name == name]
+        if not found:
+            return False
+        scope = getattr(found[0], "body", [])
+    return True
+
+
+def node_exists(root: Path, test: str) -> bool:
+    """Whether a pytest node id or path of a mutant's ``tests`` names something under
+    ``root``: the file or directory, and for ``path::name[::name]`` ids the function (or
+    class and method) in that file; a parametrisation ``[...]`` is not checked."""
+    path, *names = test.split("::")
+    if not (root / path).exists():
+        return False
+    names = [re.sub(r"\[.*\]$", "", n) for n in names]
+    return not names or ((root / path).is_file() and _defines(root / path, names))
+
+
 def missing_tests(root: Path, m: Mutant) -> list[str]:
-    """The tests of ``m`` whose file or directory is not under ``root``."""
-    return [t for t in m.tests if not (root / t.split("::", 1)[0]).exists()]
+    """The tests of ``m`` that name nothing under ``root`` (``node_exists``)."""
+    return [t for t in m.tests if not node_exists(root, t)]
 
 
 def tree_files(root: Path) -> list[Path]:
@@ -187,7 +218,7 @@ def run_one(copy: Path, m: Mutant, timeout: int) -> Outcome:
         return Outcome(m, "stale", where, 0.0)
     missing = missing_tests(copy, m)
     if missing:
-        return Outcome(m, "error", f"no such test file: {', '.join(missing)}", 0.0)
+        return Outcome(m, "error", f"no such test: {', '.join(missing)}", 0.0)
     path = copy / m.file
     original = path.read_text()
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}

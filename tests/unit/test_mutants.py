@@ -1,7 +1,9 @@
 """The mutation list (tests/mutants/*.toml, run by tools/run_mutants.py, docs/testing.md
 "Mutation list") cannot rot silently: every mutant file is well formed, names no golden
-comparison as its killer, and its ``find`` text still occurs exactly once in its file. The
-runner itself is checked on a scratch tree: a killed, a surviving and a stale mutant."""
+comparison as its killer, its ``find`` text still occurs exactly once in its file, and every
+test it names still exists (the file, and the function of a ``::name`` id), so a moved or
+renamed test cannot leave a mutant unguarded. The runner itself is checked on a scratch tree:
+a killed, a surviving and a stale mutant, and a test id that names nothing."""
 
 from __future__ import annotations
 
@@ -36,6 +38,27 @@ def test_find_text_occurs_exactly_once(mutant):
     n = run_mutants.find_count(ROOT, mutant)
     assert n == 1, (f"{mutant.source.name}: 'find' occurs {n} times in {mutant.file} "
                     f"(-1: no such file); re-anchor it on the code it means to change")
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_every_named_test_exists(mutant):
+    missing = run_mutants.missing_tests(ROOT, mutant)
+    assert not missing, (f"{mutant.source.name}: no such test: {missing}; point 'tests' at "
+                         f"the semantic tests that kill it now")
+
+
+def test_test_ids_are_checked_down_to_the_function(tmp_path):
+    _write(tmp_path / "tests" / "unit" / "test_a.py",
+           "import pytest\n\n\n@pytest.mark.parametrize('x', [1])\ndef test_f(x):\n"
+           "    pass\n\n\nclass TestC:\n    def test_m(self):\n        pass\n")
+    exists = lambda t: run_mutants.node_exists(tmp_path, t)     # noqa: E731
+    assert exists("tests/unit/test_a.py") and exists("tests/unit")
+    assert exists("tests/unit/test_a.py::test_f") and exists("tests/unit/test_a.py::test_f[1]")
+    assert exists("tests/unit/test_a.py::TestC::test_m")
+    assert not exists("tests/unit/test_b.py") and not exists("tests/unit/test_a.py::test_g")
+    assert not exists("tests/unit/test_a.py::test_m")          # a method is not top level
+    assert not exists("tests/unit/test_a.py::TestC::test_f")
+    assert not exists("tests/unit::test_f")                    # a directory has no functions
 
 
 @pytest.mark.parametrize("test,golden", [("tests/ptx/test_golden.py::test_x", True),
@@ -80,10 +103,13 @@ def test_the_runner_tells_killed_survived_and_stale(tmp_path, capsys):
     _mutant(tmp_path, "killed", "a + b", "a - b")
     _mutant(tmp_path, "survived", "def add(a, b):", "def add(b, a):")
     _mutant(tmp_path, "stale", "a * b", "a + b")
+    _mutant(tmp_path, "moved", "a + b", "a - b", tests=["tests/test_mod.py::test_sum"])
     rc = run_mutants.main(["--root", str(tmp_path)])
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:-1]}
-    assert rows == {"killed": "killed", "stale": "stale", "survived": "survived"}, out
+    assert rows == {"killed": "killed", "moved": "error", "stale": "stale",
+                    "survived": "survived"}, out
+    assert "no such test: tests/test_mod.py::test_sum" in out
     assert "tests/test_mod.py::test_add" in out and rc == 1
     # the tree itself is never written
     assert (tmp_path / "pkg" / "mod.py").read_text() == "def add(a, b):\n    return a + b\n"
