@@ -35,6 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
 TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
 FORMATS = format_cases.ALL
+#: the PE program (this file run as a script) imports the support modules by their bare names
+PE_PYTHONPATH = os.pathsep.join([REPO, os.path.join(REPO, "tests", "support")])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -138,7 +140,7 @@ def test_1000_calls():
 
 def launch_combine(n: int, args: list[str], timeout: float = TIMEOUT):
     """``epgen launch -n n -- python tests/gpu/test_shmem_gpu.py combine ARGS``."""
-    env = {**os.environ, "PYTHONPATH": REPO, "NVSHMEM_REMOTE_TRANSPORT": "none",
+    env = {**os.environ, "PYTHONPATH": PE_PYTHONPATH, "NVSHMEM_REMOTE_TRANSPORT": "none",
            "NVSHMEM_DISABLE_NVLS": "1"}
     mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
     cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(timeout),
