@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from epgen import cli, goldens, variants
+from cli_runs import run_cli
+
+from epgen import goldens, variants
 from epgen.commands import run_options
 
 SIM_TINY = ["--backend", "sim", "--preset", "small", "--set", "n_experts=4", "--set",
             "hid_dim=16", "--set", "top_k=2", "--set", "max_tokens_per_rank=4", "--set",
             "num_threads=64", "--set", "n_sms=4"]
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    """``epgen *argv`` in this process: (exit status, stdout, stderr)."""
-    try:
-        status = cli.main(list(argv))
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.fixture

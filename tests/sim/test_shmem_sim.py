@@ -25,6 +25,7 @@ from epgen.formats import make_format
 from epgen.kernels import send_policy
 
 import format_cases
+from cli_runs import run_cli
 from sim_world import sim_world
 from world_checks import checked_calls
 
@@ -201,16 +202,6 @@ def test_symmetric_heap_translation():
 
 
 # ---- the command line ----------------------------------------------------------------------
-
-def run_cli(capsys, *argv):
-    from epgen import cli
-    try:
-        status = cli.main(list(argv))
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 SHMEM_RUNS = {
     "p2p1-BF16": ["--set", "p2p_world_size=1", "--calls", "2"],
