@@ -426,7 +426,7 @@ INVALID = [
     ("ids rows", mutate("ids", 0, lambda x: x[:2]), r"\[3, 3\]"),
     ("float ids", mutate("ids", 0, lambda x: x.astype(np.float64)), "integer"),
     ("id too large", mutate("ids", 3, lambda x: np.where(x == x[1, 1], 16, x)), r"\[0, 16\)"),
-    ("negative id", mutate("ids", 0, lambda x: np.where(x == x[0, 0], -1, x)), "-1"),
+    ("negative id", mutate("ids", 0, lambda x: np.where(x == x[0, 0], -2, x)), "-2"),
     ("duplicate", mutate("ids", 2, lambda x: np.concatenate([x[:, :1], x[:, :1], x[:, 2:]], 1)),
      "more than once"),
     ("too many tokens", lambda t, i: ([np.zeros((9, 16), np.uint16)] + t[1:],
