@@ -47,8 +47,8 @@ from . import interop
 from .errors import EPInputError
 from .reference_combine import combine
 
-__all__ = ["EPInputError", "MASKED", "RankResult", "dispatch", "combine", "validate_inputs", "compare",
-           "assert_match", "se_slice"]
+__all__ = ["EPInputError", "MASKED", "RankResult", "dispatch", "combine", "validate_inputs",
+           "compare", "assert_match", "se_slice"]
 
 UINT16_IDS = 1 << 16
 #: a top-k id that selects no expert (a masked slot: nothing sent, weight ignored)

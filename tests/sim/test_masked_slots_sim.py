@@ -1,8 +1,10 @@
 """Masked top-k slots (an id of ``-1``: the slot selects no expert) through the kernels on the
-CPU simulator, every send path, layout and transport: dispatch equals ``reference.dispatch``
-(nothing sent, no row reserved, counts and ``row_offsets`` without the masked slots), and
-combine equals ``reference.combine`` bit for bit with NaN weights in every masked slot (the
-slot is skipped, never multiplied), weighted with and without a residual and unreduced.
+CPU simulator, every send path (warp, block-staged broadcast with and without the named
+join, split tokens, the send buffer), layout, format, the fused kernels and transport:
+dispatch equals ``reference.dispatch`` (nothing sent, no row reserved, counts and
+``row_offsets`` without the masked slots), and combine equals ``reference.combine`` bit
+for bit with NaN weights in every masked slot (the slot is skipped, never multiplied),
+weighted with and without a residual and unreduced.
 Each call has masked slots at random positions and a token whose slots are all ``-1``; the
 second call also a rank whose every slot is ``-1``. ``ep_check_ids`` passes ``-1`` through
 unreported."""
@@ -118,6 +120,19 @@ def test_masked_slots_quantising_formats(fmt, H, flags, seed):
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed) as world:
         check_masked_round_trips(world, rng, seed, masked_inputs(rng, cfg), f"{fmt} {flags}")
+
+
+@pytest.mark.parametrize("fmt,H", [("BF16", 512), ("MXFP8", 512)])
+@pytest.mark.parametrize("flags", ["staged", "ord_r"])
+def test_masked_slots_block_broadcast(fmt, H, flags, seed):
+    """The block-staged broadcast (prefill: every call counts as prefill-sized here)."""
+    R, E, _, K, _, threads, sms = SMALL
+    cfg = make_cfg(R, E, H, K, 8, threads, sms, fmt=fmt, **FLAGS[flags])
+    cfg = cfg.replace(tuning=cfg.tuning.replace(block_broadcast_min_tokens_per_block=1))
+    assert send_policy.uses_block_broadcast(cfg)
+    rng = np.random.default_rng(seed)
+    with sim_world(cfg, seed) as world:
+        check_masked_round_trips(world, rng, seed, masked_inputs(rng, cfg), f"block {fmt}")
 
 
 @pytest.mark.parametrize("token_warps", [2])
