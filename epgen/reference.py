@@ -50,7 +50,9 @@ from .reference_combine import combine
 __all__ = ["EPInputError", "MASKED", "RankResult", "dispatch", "combine", "validate_inputs",
            "compare", "assert_match", "se_slice"]
 
-UINT16_IDS = 1 << 16
+#: under skip_a2a (global ids) the first invalid id: ids travel as uint16 in message headers,
+#: where 0xffff is a masked slot's id (and the device check's sentinel for a bad one)
+SKIP_A2A_ID_BOUND = (1 << 16) - 1
 #: a top-k id that selects no expert (a masked slot: nothing sent, weight ignored)
 MASKED = -1
 
@@ -136,8 +138,8 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
     Checks: one input per rank (per device under ``skip_a2a``), ``tokens[r]`` of shape
     ``[T_r, hid_dim]`` and a dtype the format accepts, ``topk_ids[r]`` of shape
     ``[T_r, top_k]`` and an integer dtype (exactly int32 with ``strict_dtypes``),
-    ``T_r <= max_tokens_per_rank``, every id in ``[0, n_experts)`` (``[0, 65536)`` under
-    ``skip_a2a``, where ids are global) or ``-1`` (``MASKED``: the slot selects no expert),
+    ``T_r <= max_tokens_per_rank``, every id in ``[0, n_experts)`` (``[0, 65535)`` under
+    ``skip_a2a``, where ids are global: ``0xffff`` is a masked slot's id on the wire) or ``-1`` (``MASKED``: the slot selects no expert),
     and the experts of a token unique (``-1`` may repeat). Token values are never
     read, so device arrays are fine for ``tokens``; ``topk_ids`` must be readable on the host.
     Raises ``EPInputError`` (a ``ValueError``) naming the rank and the rule.
@@ -149,7 +151,7 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
     if len(toks) != len(ids):
         raise EPInputError(f"tokens has {len(toks)} entries but topk_ids has {len(ids)}")
     _devices(cfg, len(toks), ranks, allreduce_world_size)
-    id_bound = UINT16_IDS if cfg.skip_a2a else cfg.n_experts
+    id_bound = SKIP_A2A_ID_BOUND if cfg.skip_a2a else cfg.n_experts
     counts = []
     for r, (x, i) in enumerate(zip(toks, ids)):
         shape, dtype = _shape_dtype(x)

@@ -461,8 +461,11 @@ def test_skip_a2a_input_rules():
     tok = random_tokens(rng, 4, 16)
     ids = random_ids(rng, 4, 1000, 3)          # global ids may exceed n_experts
     validate_inputs(cfg, [tok, tok], [ids, ids])
-    with pytest.raises(EPInputError, match="65536"):
+    with pytest.raises(EPInputError, match=r"\[0, 65535\)"):
         validate_inputs(cfg, [tok], [ids + 65536])
+    # 65535 is 0xffff on the wire, a masked slot's id there: refused, as the device check does
+    with pytest.raises(EPInputError, match=r"= 65535 is not an expert id in \[0, 65535\)"):
+        validate_inputs(cfg, [tok], [np.where(ids == ids[0, 0], 65535, ids)])
     with pytest.raises(EPInputError, match="distinct"):
         validate_inputs(cfg, [tok, tok], [ids, ids], ranks=[1, 1])
     with pytest.raises(EPInputError, match="ranks has 1"):
