@@ -29,13 +29,14 @@ from ir import diag
 from ir import types as T
 
 from ..primitives import report_record, word
-from ..reference import MASKED
 
 KERNEL_NAME = "ep_check_ids"
 #: threads per block
 BLOCK_THREADS = 128
 #: ids are stored as u16 in message headers; under skip_a2a the largest is the sentinel
 SKIP_A2A_BOUND = (1 << 16) - 1
+#: a masked slot's id (``epgen.reference.MASKED``): valid, copied unchanged
+MASKED = -1
 
 
 def id_bound(cfg) -> int:

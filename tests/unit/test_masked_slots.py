@@ -78,6 +78,12 @@ def test_hand_worked_combine(flags):
     assert not rows[0][1].any() and not rows[0][0, 1].any() and not rows[1][1, 1].any()
 
 
+def test_the_device_check_and_the_reference_agree_on_the_masked_id():
+    from epgen.kernels import check_ids
+    assert check_ids.MASKED == reference.MASKED == -1
+    assert check_ids.SKIP_A2A_BOUND == reference.SKIP_A2A_ID_BOUND
+
+
 def test_masked_ids_accepted_and_other_negatives_refused():
     cfg = cfg_of()
     toks = tokens_of(cfg, IDS)
