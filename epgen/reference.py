@@ -27,6 +27,11 @@ of them at source coordinate 0 (``counts[:, 0]``; the other columns are 0). With
 of the (replicated) tokens, ``allreduce_world_size`` ``W`` ways (default: the number of
 devices).
 
+Masked slots: a top-k id of ``-1`` (``MASKED``) selects no expert (a padding token, a
+pruned expert). Nothing is sent for it, no row is reserved, ``counts`` and ``row_offsets``
+do not include it, and combine skips it (``reference_combine``). A token whose ids are all
+``-1`` is dispatched nowhere.
+
 Rows that the kernels never write hold, in a reference result: padding rows zero tokens and
 ``src_info = (-1, -1)``; shared-expert rows ``src_info = (-1, -1)``.
 """
@@ -42,10 +47,14 @@ from . import interop
 from .errors import EPInputError
 from .reference_combine import combine
 
-__all__ = ["EPInputError", "RankResult", "dispatch", "combine", "validate_inputs", "compare",
-           "assert_match", "se_slice"]
+__all__ = ["EPInputError", "MASKED", "RankResult", "dispatch", "combine", "validate_inputs",
+           "compare", "assert_match", "se_slice"]
 
-UINT16_IDS = 1 << 16
+#: under skip_a2a (global ids) the first invalid id: ids travel as uint16 in message headers,
+#: where 0xffff is a masked slot's id (and the device check's sentinel for a bad one)
+SKIP_A2A_ID_BOUND = (1 << 16) - 1
+#: a top-k id that selects no expert (a masked slot: nothing sent, weight ignored)
+MASKED = -1
 
 
 # ---- input validation ----------------------------------------------------------------------
@@ -129,8 +138,9 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
     Checks: one input per rank (per device under ``skip_a2a``), ``tokens[r]`` of shape
     ``[T_r, hid_dim]`` and a dtype the format accepts, ``topk_ids[r]`` of shape
     ``[T_r, top_k]`` and an integer dtype (exactly int32 with ``strict_dtypes``),
-    ``T_r <= max_tokens_per_rank``, every id in ``[0, n_experts)`` (``[0, 65536)`` under
-    ``skip_a2a``, where ids are global) and unique within its token. Token values are never
+    ``T_r <= max_tokens_per_rank``, every id in ``[0, n_experts)`` (``[0, 65535)`` under
+    ``skip_a2a``, where ids are global: ``0xffff`` is a masked slot's id on the wire) or ``-1`` (``MASKED``: the slot selects no expert),
+    and the experts of a token unique (``-1`` may repeat). Token values are never
     read, so device arrays are fine for ``tokens``; ``topk_ids`` must be readable on the host.
     Raises ``EPInputError`` (a ``ValueError``) naming the rank and the rule.
     """
@@ -141,7 +151,7 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
     if len(toks) != len(ids):
         raise EPInputError(f"tokens has {len(toks)} entries but topk_ids has {len(ids)}")
     _devices(cfg, len(toks), ranks, allreduce_world_size)
-    id_bound = UINT16_IDS if cfg.skip_a2a else cfg.n_experts
+    id_bound = SKIP_A2A_ID_BOUND if cfg.skip_a2a else cfg.n_experts
     counts = []
     for r, (x, i) in enumerate(zip(toks, ids)):
         shape, dtype = _shape_dtype(x)
@@ -165,20 +175,21 @@ def validate_inputs(cfg, tokens, topk_ids, *, ranks=None, allreduce_world_size=N
             raise EPInputError(f"topk_ids[{r}]: dtype {a.dtype} must be an integer type "
                                f"(int32)")
         if a.size:
-            bad = np.argwhere((a < 0) | (a >= id_bound))
+            a = a.astype(np.int64)
+            bad = np.argwhere(((a < 0) & (a != MASKED)) | (a >= id_bound))
             if bad.size:
                 t, k = bad[0]
                 raise EPInputError(f"topk_ids[{r}][{t}, {k}] = {a[t, k]} is not an expert id in "
-                                   f"[0, {id_bound})")
+                                   f"[0, {id_bound}) nor -1 (a masked slot)")
             s = np.sort(a, axis=1)
-            dup = np.argwhere(s[:, 1:] == s[:, :-1])
+            dup = np.argwhere((s[:, 1:] == s[:, :-1]) & (s[:, 1:] != MASKED))
             if dup.size:
                 t, k = dup[0]
                 raise EPInputError(f"topk_ids[{r}][{t}] lists expert {s[t, k]} more than once "
-                                   f"(top-k ids must be unique per token)")
+                                   f"(top-k ids must be unique per token; only -1 may repeat)")
             cap = cfg.layout.block_capacity
             if cap < cfg.max_tokens_per_rank:
-                per_expert = np.bincount(a.ravel(), minlength=id_bound)
+                per_expert = np.bincount(a[a != MASKED], minlength=id_bound)
                 over = np.flatnonzero(per_expert > cap)
                 if over.size:
                     g = int(over[0])

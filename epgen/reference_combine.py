@@ -8,8 +8,10 @@ rank's expert outputs, one BF16 row (uint16 bit patterns) per row of its grouped
 per source rank, the router weights ``[T, K]`` (float32). It returns per source rank:
 
 - with weights, ``out[t] = sum_k w[t, k] * y[t, k]`` over the top-k slots that received a row
-  (a slot that dispatch sent nowhere, as ``skip_a2a``'s non-local experts, adds nothing),
-  as BF16 bits ``[T, H]``;
+  (a slot that dispatch sent nowhere, as ``skip_a2a``'s non-local experts or a masked slot
+  whose id is ``-1``, adds nothing: its weight is never read, so even a NaN there has no
+  effect), as BF16 bits ``[T, H]``; a token whose slots are all masked combines to zero
+  (plus its shared-expert row and residual);
 - ``topk_weights=None``: the unreduced rows ``[T, K, H]`` (BF16 bits; slots that received no
   row are zero).
 

@@ -1,5 +1,6 @@
 """Routing and token generators for tests and benchmarks: random top-k routings (ids unique
-per token), skewed (Zipf-like) routings and the edge cases the GPU tests run (``EDGE_CASES``)."""
+per token), skewed (Zipf-like) routings, masked routings (top-k ids of ``-1``: slots that
+select no expert) and the edge cases the sim and GPU tests run (``EDGE_CASES``)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,30 @@ def routing(rng, cfg, tokens_per_rank, weights=None):
     return toks, ids
 
 
+def mask_slots(rng: np.random.Generator, ids: np.ndarray, fraction: float) -> np.ndarray:
+    """A copy of ``[T, K]`` ids with each slot masked (set to ``-1``) with probability
+    ``fraction``, at random positions."""
+    out = np.array(ids, dtype=np.int32, copy=True)
+    out[rng.random(out.shape) < fraction] = -1
+    return out
+
+
+def masked_routing(rng, cfg, tokens_per_rank, fraction: float = 0.3):
+    """``routing`` with masked slots: a ``fraction`` of the slots at random positions set to
+    ``-1``, and on every rank with tokens one random token whose slots are all ``-1``."""
+    toks, ids = routing(rng, cfg, tokens_per_rank)
+    ids = [mask_slots(rng, a, fraction) for a in ids]
+    for a in ids:
+        if a.shape[0]:
+            a[int(rng.integers(a.shape[0]))] = -1
+    return toks, ids
+
+
 def edge_case(rng, cfg, name: str):
     """The edge cases every kernel is tested on (zero tokens, one hot expert, all tokens to one
-    rank, ``T = max_tokens_per_rank``, a rank with no tokens; plus a random baseline), by name."""
+    rank, ``T = max_tokens_per_rank``, a rank with no tokens; masked slots at random positions
+    with a token of all ``-1``, a rank whose every slot is ``-1``; plus a random baseline), by
+    name."""
     E, K, R = cfg.n_experts, cfg.token_fmt.top_k, cfg.n_ranks
     L, Tmax = E // R, cfg.max_tokens_per_rank
     if name == "zero_tokens":
@@ -55,8 +77,13 @@ def edge_case(rng, cfg, name: str):
         counts = [int(rng.integers(1, Tmax + 1)) for _ in range(R)]
         counts[int(rng.integers(R))] = 0
         return routing(rng, cfg, counts)
+    if name == "masked_slots":                          # random -1 slots, a token all -1
+        return masked_routing(rng, cfg, Tmax)
     toks, ids = routing(rng, cfg, Tmax)
-    if name == "one_hot_expert":                        # every token picks expert `hot`
+    if name == "masked_rank":                           # one rank sends nothing at all
+        ids = [mask_slots(rng, a, 0.3) for a in ids]
+        ids[int(rng.integers(R))][:] = -1
+    elif name == "one_hot_expert":                      # every token picks expert `hot`
         hot = int(rng.integers(E))
         for a in ids:
             has = (a == hot).any(axis=1)
@@ -72,4 +99,4 @@ def edge_case(rng, cfg, name: str):
 
 
 EDGE_CASES = ("random", "zero_tokens", "full", "rank_without_tokens", "one_hot_expert",
-              "all_to_one_rank")
+              "all_to_one_rank", "masked_slots", "masked_rank")

@@ -4,12 +4,15 @@ never reach the host (``epgen.torch``); it runs before ``dispatch_async`` on the
 Thread ``t`` of the grid (grid-strided over tokens) loads the token's ``K`` ids (``s32``, or
 ``s64`` when ``ids_wide``: what ``torch.topk`` gives) and writes them as ``s32`` to
 ``ids_out`` (the rank's own id buffer, which dispatch reads). An id is *valid* when it is
-in ``[0, bound)`` (``bound = n_experts``; under ``skip_a2a``, where ids are global, 65535)
-and differs from the token's earlier ids. An invalid id is written as ``bound`` (which the
-dispatch kernels never count and never send: each reservation requires ``g < n_experts``)
-and reported as an input record (``ir.diag.IDS_MAGIC``: token, slot, id) that the host
+``-1`` (a masked slot: it selects no expert, and may repeat) or when it is in ``[0, bound)``
+(``bound = n_experts``; under ``skip_a2a``, where ids are global, 65535) and differs from
+the token's earlier ids. A valid id is written unchanged. An invalid id is written as
+``bound`` and reported as an input record (``ir.diag.IDS_MAGIC``: token, slot, id) that the host
 raises as ``EPInputError`` at the next check. So a bad id drops that one slot of its token
-and nothing is written out of bounds.
+and nothing is written out of bounds. The dispatch kernels never count and never send
+``-1`` nor ``bound`` (each reservation requires ``g < n_experts`` with ``g`` read as u32;
+under ``skip_a2a`` a destination equal to this device, which ``-1 // L`` never is), and
+combine skips both.
 
 ``build_check_ids(cfg, n_ranks)`` with ``n_ranks > 1`` builds ``ep_check_ids_ranks{n}``: the
 same check of ``n`` ranks of one GPU in one launch (what a torch-API handle of several ranks
@@ -32,6 +35,8 @@ KERNEL_NAME = "ep_check_ids"
 BLOCK_THREADS = 128
 #: ids are stored as u16 in message headers; under skip_a2a the largest is the sentinel
 SKIP_A2A_BOUND = (1 << 16) - 1
+#: a masked slot's id (``epgen.reference.MASKED``): valid, copied unchanged
+MASKED = -1
 
 
 def id_bound(cfg) -> int:
@@ -95,7 +100,7 @@ def build_check_ids(cfg, n_ranks: int = 1) -> ir.Kernel:
                 ok = (v >= ir.Const(0, T.s64)) & (v < ir.Const(bound, T.s64))
                 for j, prev in enumerate(seen):
                     ok = ok & v.ne(prev)
-                ok = r.let(f"ok{k}", ok)
+                ok = r.let(f"ok{k}", ok | v.eq(ir.Const(MASKED, T.s64)))
                 r.store(word(ids_out, i), ir.Select(ok, v.cast(T.s32), ir.Const(bound, T.s32)))
                 with r.if_(~ok):
                     report_record(r, err_buf, my_rank, KERNEL_NAME, diag.IDS_MAGIC, t, k,

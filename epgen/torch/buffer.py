@@ -468,7 +468,8 @@ class EPBuffer:
                                for r in bad[:10])
             more = f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""
             raise EPInputError(f"topk_ids: {len(bad)} bad expert id(s), each slot dropped "
-                               f"(ids must be in [0, {bound}) and unique within a token): "
+                               f"(ids must be in [0, {bound}) and unique within a token, or "
+                               f"-1 for a masked slot): "
                                f"{listed}{more}")
         self.world.check(context)
 

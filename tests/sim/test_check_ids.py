@@ -1,7 +1,7 @@
 """``ep_check_ids`` (``epgen.kernels.check_ids``) on the CPU simulator: valid ids pass through
-unchanged (int32 and int64 inputs); each kind of bad id (negative, past the experts, a huge
-int64, repeated within its token) becomes the sentinel and is reported as an input record
-naming its token, slot and id; and a dispatch that reads the checked ids drops exactly the
+unchanged (int32 and int64 inputs); each kind of bad id (negative other than -1, past the
+experts, a huge int64, repeated within its token) becomes the sentinel and is reported as an
+input record naming its token, slot and id; and a dispatch that reads the checked ids drops exactly the
 bad slots: every other row arrives, nothing is written past the receive blocks, no wait
 expires."""
 
@@ -38,7 +38,7 @@ def _plant(rng, cfg, ids):
     bad = ids.astype(np.int64)
     T, K = bad.shape
     places = rng.choice(T * K, size=4, replace=False)
-    kinds = [-1, E, 1 << 40, None]          # None: repeat another slot of the token
+    kinds = [-2, E, 1 << 40, None]          # None: repeat another slot of the token
     planted = {}
     for p, v in zip(places, kinds):
         t, k = divmod(int(p), K)

@@ -25,8 +25,12 @@ def expert_outputs(rng, cfg, results):
 
 
 def weights(rng, cfg, ids):
-    return [rng.standard_normal((len(i), cfg.token_fmt.top_k)).astype(np.float32)
-            for i in ids]
+    """Per source, random router weights ``[T, K]``, NaN in every masked slot (id ``-1``):
+    combine must skip such a slot, not multiply it by zero."""
+    ws = [rng.standard_normal((len(i), cfg.token_fmt.top_k)).astype(np.float32) for i in ids]
+    for w, i in zip(ws, ids):
+        w[np.asarray(i) == -1] = np.nan
+    return ws
 
 
 def bounds_edges(cfg, t: int, k: int) -> list[tuple[int, int]]:
@@ -137,7 +141,7 @@ def check_round_trips(world, rng, seed, inputs, what: str = ""):
 def round_trip_inputs(rng, cfg, n_calls, devices=None):
     """``n_calls`` dispatch inputs, token counts random in ``[0, max_tokens_per_rank]`` but the
     first call full; under ``skip_a2a``, one per device with global ids over every device's
-    experts."""
+    experts. Every odd call has masked slots (id ``-1``) at random positions."""
     n = cfg.n_ranks if devices is None else devices
     E = cfg.n_experts if devices is None else cfg.layout.n_local_experts * devices
     out = []
@@ -146,5 +150,7 @@ def round_trip_inputs(rng, cfg, n_calls, devices=None):
                   int(rng.integers(0, cfg.max_tokens_per_rank + 1)) for _ in range(n)]
         toks = [routing.random_tokens(rng, c, cfg.token_fmt.hid_dim) for c in counts]
         ids = [routing.random_topk(rng, c, E, cfg.token_fmt.top_k) for c in counts]
+        if call % 2:
+            ids = [routing.mask_slots(rng, a, 0.25) for a in ids]
         out.append((toks, ids))
     return out

@@ -426,7 +426,7 @@ INVALID = [
     ("ids rows", mutate("ids", 0, lambda x: x[:2]), r"\[3, 3\]"),
     ("float ids", mutate("ids", 0, lambda x: x.astype(np.float64)), "integer"),
     ("id too large", mutate("ids", 3, lambda x: np.where(x == x[1, 1], 16, x)), r"\[0, 16\)"),
-    ("negative id", mutate("ids", 0, lambda x: np.where(x == x[0, 0], -1, x)), "-1"),
+    ("negative id", mutate("ids", 0, lambda x: np.where(x == x[0, 0], -2, x)), "-2"),
     ("duplicate", mutate("ids", 2, lambda x: np.concatenate([x[:, :1], x[:, :1], x[:, 2:]], 1)),
      "more than once"),
     ("too many tokens", lambda t, i: ([np.zeros((9, 16), np.uint16)] + t[1:],
@@ -461,8 +461,11 @@ def test_skip_a2a_input_rules():
     tok = random_tokens(rng, 4, 16)
     ids = random_ids(rng, 4, 1000, 3)          # global ids may exceed n_experts
     validate_inputs(cfg, [tok, tok], [ids, ids])
-    with pytest.raises(EPInputError, match="65536"):
+    with pytest.raises(EPInputError, match=r"\[0, 65535\)"):
         validate_inputs(cfg, [tok], [ids + 65536])
+    # 65535 is 0xffff on the wire, a masked slot's id there: refused, as the device check does
+    with pytest.raises(EPInputError, match=r"= 65535 is not an expert id in \[0, 65535\)"):
+        validate_inputs(cfg, [tok], [np.where(ids == ids[0, 0], 65535, ids)])
     with pytest.raises(EPInputError, match="distinct"):
         validate_inputs(cfg, [tok, tok], [ids, ids], ranks=[1, 1])
     with pytest.raises(EPInputError, match="ranks has 1"):
