@@ -14,6 +14,7 @@ import pytest
 import epgen
 from epgen import reference, routing
 
+from test_torch_api_gpu import bf16_tensor, check_combine_on_device
 from world_checks import make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -24,11 +25,6 @@ ept = pytest.importorskip("epgen.torch")
 
 # R, E, H, K, T, threads, sms
 SHAPES = {"split": (4, 16, 256, 4, 32, 256, 6), "fused": (2, 8, 256, 4, 32, 256, 6)}
-
-
-def _tensor(bits):
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
-        torch.bfloat16).cuda()
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -46,7 +42,7 @@ def test_masked_slots_through_the_torch_api(name, seed):
         for a, b in zip(w, ids):
             a[b == -1] = np.nan
         w = None if call == 2 else w                    # call 2: the unreduced rows
-        outs = ep.dispatch([_tensor(t) for t in toks],
+        outs = ep.dispatch([bf16_tensor(t) for t in toks],
                            [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids],
                            None if w is None else [torch.from_numpy(a).cuda() for a in w])
         ep.check()
@@ -59,12 +55,5 @@ def test_masked_slots_through_the_torch_api(name, seed):
               & np.uint16(0xBFFF) for _ in outs]
         res = [rng.integers(0, 1 << 16, size=(len(a), H), dtype=np.uint16)
                & np.uint16(0xBFFF) for a in ids] if call == 1 else None
-        got = ep.combine([_tensor(y) for y in ys], outs,
-                         residual=None if res is None else [_tensor(r) for r in res])
-        ep.check("combine")
-        host = [g.view(torch.int16).cpu().numpy().view(np.uint16) for g in got]
-        want = reference.combine(cfg, results, ys, w, residual=res,
-                                 n_tokens=[len(a) for a in ids])
-        for r, (g, e) in enumerate(zip(host, want)):
-            assert g.shape == e.shape and np.array_equal(g, e), \
-                f"seed {seed} {name} call {call} rank {r}: {np.count_nonzero(g != e)} differ"
+        check_combine_on_device(ep, cfg, outs, results, ys, w, res, ids,
+                                f"seed {seed} {name} call {call}")

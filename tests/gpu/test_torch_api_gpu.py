@@ -39,14 +39,28 @@ def _world(name="small", **kw):
     return _worlds[key]
 
 
-def _tensor(bits):
+def bf16_tensor(bits):
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
         torch.bfloat16).cuda()
 
 
+def check_combine_on_device(ep, cfg, outs, results, ys, w, res, ids, label: str):
+    """``ep.combine`` of the expert rows ``ys`` (BF16 bits) and the residual ``res`` (or
+    None) after the dispatch ``outs`` equals ``reference.combine`` of the dispatch's
+    ``results`` bit for bit on every rank; a mismatch names ``label``, the rank and the count."""
+    got = ep.combine([bf16_tensor(y) for y in ys], outs,
+                     residual=None if res is None else [bf16_tensor(r) for r in res])
+    ep.check("combine")
+    host = [g.view(torch.int16).cpu().numpy().view(np.uint16) for g in got]
+    want = reference.combine(cfg, results, ys, w, residual=res, n_tokens=[len(a) for a in ids])
+    for r, (g, e) in enumerate(zip(host, want)):
+        assert g.shape == e.shape and np.array_equal(g, e), \
+            f"{label} rank {r}: {np.count_nonzero(g != e)} elements differ"
+
+
 def _inputs(rng, cfg, n_tok=None):
     toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank if n_tok is None else n_tok)
-    return toks, ids, [_tensor(t) for t in toks], \
+    return toks, ids, [bf16_tensor(t) for t in toks], \
         [torch.from_numpy(i.astype(np.int64)).cuda() for i in ids]
 
 
@@ -224,7 +238,7 @@ def test_other_libraries_inputs_after_their_producer(kind, seed):
     with torch.cuda.stream(producer):
         torch.cuda._sleep(100_000_000)
         for b, y in zip(by, ys):
-            b.copy_(_tensor(y))
+            b.copy_(bf16_tensor(y))
     if kind == "dlpack":
         torch.cuda.current_stream().wait_stream(producer)
     got = ep.combine(wrap(by), outs)
@@ -350,15 +364,8 @@ def test_dispatch_then_combine_on_device(fused, seed):
         ys = _expert_rows(rng, cfg, outs)
         res = [rng.integers(0, 1 << 16, size=(len(a), cfg.token_fmt.hid_dim), dtype=np.uint16)
                & np.uint16(0xBFFF) for a in ids] if call == 1 else None
-        got = ep.combine([_tensor(y) for y in ys], outs,
-                         residual=None if res is None else [_tensor(r) for r in res])
-        ep.check("combine")
-        host = [g.view(torch.int16).cpu().numpy().view(np.uint16) for g in got]
-        want = reference.combine(cfg, results, ys, w, residual=res,
-                                 n_tokens=[len(a) for a in ids])
-        for r, (g, e) in enumerate(zip(host, want)):
-            assert g.shape == e.shape and np.array_equal(g, e), \
-                f"seed {seed} call {call} rank {r}: {np.count_nonzero(g != e)} elements differ"
+        check_combine_on_device(ep, cfg, outs, results, ys, w, res, ids,
+                                f"seed {seed} call {call}")
 
 
 def test_p2p_world_rank_on_its_gpu(seed):
@@ -374,7 +381,7 @@ def test_p2p_world_rank_on_its_gpu(seed):
     _assert(cfg, [out], toks, ids, seed, "P2PWorld")
     results = [out.to_reference(cfg)]
     ys = _expert_rows(rng, cfg, [out])
-    y = ep.combine(_tensor(ys[0]), out)
+    y = ep.combine(bf16_tensor(ys[0]), out)
     ep.check("combine")
     want = reference.combine(cfg, results, ys, w, n_tokens=[len(ids[0])])[0]
     assert np.array_equal(y.view(torch.int16).cpu().numpy().view(np.uint16), want), \
