@@ -211,6 +211,8 @@ class EPBuffer:
         # kernels would wait for it): (kernel name, [prepared launch per handled rank])
         self._prepare_dispatch()
         self._combine = None       # prepared on the first combine (builds the combine side)
+        self._pending_receive = None          # dispatch_wait steps of a split dispatch
+        self._pending_combine = None          # combine_wait steps of a split combine
 
     # -- launches ---------------------------------------------------------------------------
     def _prepare_dispatch(self):
@@ -297,12 +299,23 @@ class EPBuffer:
         return int(stream.cuda_stream) if hasattr(stream, "cuda_stream") else int(stream)
 
     # -- dispatch ---------------------------------------------------------------------------
-    def dispatch(self, x, topk_ids, topk_weights=None, *, stream=None):
+    def dispatch(self, x, topk_ids, topk_weights=None, *, stream=None, receive=True):
         """Enqueue one dispatch: ``x`` ``[T, hid_dim]`` BF16 tokens and ``topk_ids``
         ``[T, top_k]`` (int32, or a torch integer tensor) of each handled rank (a tensor for
         a one-rank handle, else a list in rank order); ``topk_weights`` ``[T, top_k]``
         (kept for ``combine``). Returns the ``DispatchOutput`` (a list for several ranks).
-        Checks only what the host knows; the ids are not read here."""
+        Checks only what the host knows; the ids are not read here.
+
+        ``receive=False`` enqueues only the sending half (the id check and
+        ``dispatch_async``): the outputs are filled once ``receive()`` has enqueued
+        ``dispatch_wait`` and it has run (a world of the staged kernels; the fused kernel
+        cannot be split)."""
+        if not receive and self.fused:
+            raise ValueError("dispatch(receive=False): the world runs the fused single-launch "
+                             "kernel, which cannot be split; make it with fused=False")
+        if self._pending_receive is not None:
+            raise RuntimeError("dispatch: the previous dispatch was sent with receive=False "
+                               "and not received: call receive() first")
         torch, cfg = self.torch, self.cfg
         xs, ids, ws = self._per_rank(x, "x"), self._per_rank(topk_ids, "topk_ids"), \
             self._per_rank(topk_weights, "topk_weights", optional=True)
@@ -337,8 +350,22 @@ class EPBuffer:
             out.n_tokens, out.topk_ids, out.topk_weights = T, it, wt
             outs.append(out)
         self._keep = checked
-        self._enqueue(self._dispatch, s, self._check_all)
+        if receive:
+            self._enqueue(self._dispatch, s, self._check_all)
+        else:
+            self._enqueue(self._dispatch[:-1], s, self._check_all)
+            self._pending_receive = self._dispatch[-1:]
         return outs[0] if len(outs) == 1 and not isinstance(x, (list, tuple)) else outs
+
+    def receive(self, *, stream=None) -> None:
+        """Enqueue the receiving half (``dispatch_wait``) of the last dispatch, which was
+        sent with ``receive=False``; it may run on another stream than the send (default
+        the current one), which then orders itself after the send's stream by the
+        caller's means (as the same stream does)."""
+        if self._pending_receive is None:
+            raise RuntimeError("receive: no dispatch sent with receive=False is waiting")
+        steps, self._pending_receive = self._pending_receive, None
+        self._enqueue(steps, self._stream(stream))
 
     # -- combine ----------------------------------------------------------------------------
     def _prepare_combine(self):
@@ -356,12 +383,14 @@ class EPBuffer:
             steps.append((C_WAIT, [prog(i).prepare(C_WAIT, n, c.wait_args(i))
                                    for i in self.index]))
         self._combiner, self._combine = c, steps
-        hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens")
+        hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens",
+               "out")
         self._combine_hot = [_HotParams([(ls[j], {}) for _, ls in steps], hot)
                              for j in range(len(self.ranks))]
         self._results = {}     # (handled rank, shape): the tensor viewing its output buffer
 
-    def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None):
+    def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None,
+                into=None, receive=True):
         """Enqueue the combine of the last dispatch: ``expert_out`` ``[max_out_rows,
         hid_dim]`` BF16, the experts' outputs on the grouped rows ``out`` (that dispatch's
         ``DispatchOutput``) delivered, one row per row of ``out.tokens`` (the delivered count
@@ -370,13 +399,26 @@ class EPBuffer:
         ``topk_weights`` or those given to ``dispatch``; with weights the result is each
         source token's ``sum_k w[t, k] * y[t, k]`` (+ ``residual[t]``) ``[T, hid_dim]`` BF16,
         without them the unreduced ``[T, top_k, hid_dim]``: a tensor viewing the rank's
-        output buffer, valid until the next combine."""
+        output buffer, valid until the next combine.
+
+        ``into`` (with weights): a contiguous ``[T, hid_dim]`` BF16 CUDA tensor per handled
+        rank that the kernel writes the result into instead (no copy), returned as the
+        result. ``receive=False`` enqueues only ``ep_combine_async`` (the rows are sent);
+        ``combine_receive()`` enqueues ``ep_combine_wait``, after which the result is
+        filled (the staged kernels only)."""
         torch, cfg = self.torch, self.cfg
+        if not receive and self.fused:
+            raise ValueError("combine(receive=False): the world runs the fused single-launch "
+                             "kernel, which cannot be split; make it with fused=False")
+        if self._pending_combine is not None:
+            raise RuntimeError("combine: the previous combine was sent with receive=False "
+                               "and not received: call combine_receive() first")
         H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
         ys = self._per_rank(expert_out, "expert_out")
         outs = self._per_rank(out, "out")
         ws = self._per_rank(topk_weights, "topk_weights", optional=True)
         rs = self._per_rank(residual, "residual", optional=True)
+        intos = self._per_rank(into, "into", optional=True)
         call_args.check_dispatch_outputs(outs, self.ranks)
         if self._combine is None:
             self._prepare_combine()
@@ -400,6 +442,12 @@ class EPBuffer:
                                        f"unreduced rows take none)")
                 res, rinfo = tensors.rows_input(torch, res, f"residual[{rk.rank}]", T, H,
                                                 self.device)
+            if intos[len(checked)] is not None:
+                if w is None:
+                    raise EPInputError(f"into[{rk.rank}]: needs router weights (the "
+                                       f"unreduced rows go to the buffer's own output)")
+                tensors.output_rows(torch, intos[len(checked)], f"into[{rk.rank}]", T, H,
+                                    self.device)
             checked.append((y, w, res, T, (yinfo, winfo, rinfo)))
         s = self._stream(stream)
         for *_, infos in checked:
@@ -413,18 +461,31 @@ class EPBuffer:
                       "weighted": int(w is not None),
                       "residual": _address(res, infos[2]) if res is not None
                       else b.residual.ptr,
-                      "has_residual": int(res is not None), "n_tokens": T}
+                      "has_residual": int(res is not None), "n_tokens": T,
+                      "out": b.out.ptr if intos[j] is None else intos[j].data_ptr()}
             self._combine_hot[j].write(values)
             shape = (T, H) if w is not None else (T, K, H)
-            view = self._results.get((j, shape))
+            view = intos[j] if intos[j] is not None else self._results.get((j, shape))
             if view is None:
                 view = self._results[j, shape] = tensors.view(torch, b.out, dtype="bfloat16",
                                                               shape=shape)
             results.append(view)
-        self._keep_combine = checked
-        self._enqueue(self._combine, s)
+        self._keep_combine = (checked, intos)
+        if receive:
+            self._enqueue(self._combine, s)
+        else:
+            self._enqueue(self._combine[:-1], s)
+            self._pending_combine = self._combine[-1:]
         return results[0] if len(results) == 1 and not isinstance(out, (list, tuple)) \
             else results
+
+    def combine_receive(self, *, stream=None) -> None:
+        """Enqueue the receiving half (``ep_combine_wait``) of the last combine, which was
+        sent with ``receive=False`` (as ``receive`` for dispatch)."""
+        if self._pending_combine is None:
+            raise RuntimeError("combine_receive: no combine sent with receive=False is waiting")
+        steps, self._pending_combine = self._pending_combine, None
+        self._enqueue(steps, self._stream(stream))
 
     def _token_pointer(self, rk, info, T: int, stream_handle: int) -> int:
         """The address the send kernel reads the tokens from: the input itself when

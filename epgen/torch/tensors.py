@@ -162,6 +162,23 @@ def expert_rows_input(torch, y, name: str, cfg, device: int):
                           "are not read)")
 
 
+def output_rows(torch, out, name: str, T: int, H: int, device: int) -> None:
+    """``out`` checked as a tensor the kernel may write a result into: a contiguous
+    ``[T, H]`` BF16 torch CUDA tensor on ``device`` (nothing is converted: a converted copy
+    would not be the caller's tensor)."""
+    if not isinstance(out, torch.Tensor) or not out.is_cuda:
+        raise EPInputError(f"{name}: must be a torch CUDA tensor")
+    if out.dtype is not torch.bfloat16:
+        raise EPInputError(f"{name}: dtype {out.dtype}, must be torch.bfloat16")
+    if tuple(out.shape) != (T, H):
+        raise EPInputError(f"{name}: shape {tuple(out.shape)}, must be [T={T}, hid_dim={H}]")
+    if not out.is_contiguous():
+        raise EPInputError(f"{name}: must be contiguous (the kernel writes it row by row)")
+    if out.device.index != device:
+        raise EPInputError(f"{name}: on CUDA device {out.device.index}, the rank's buffers "
+                           f"are on device {device}")
+
+
 def weights_input(torch, w, name: str, T: int, K: int, device: int):
     """``w`` checked as one rank's router weights ``[T, top_k]`` float32 on ``device``
     (a torch tensor of another float dtype is converted there). Returns ``(w, info)``."""
@@ -184,4 +201,4 @@ def weights_input(torch, w, name: str, T: int, K: int, device: int):
 
 
 __all__ = ["view", "tokens_input", "ids_input", "rows_input", "expert_rows_input",
-           "weights_input"]
+           "output_rows", "weights_input"]

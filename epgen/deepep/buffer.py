@@ -1,0 +1,418 @@
+"""``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels
+(docs/deepep.md).
+
+One ``Buffer`` is one rank's, as in DeepEP: built from a ``torch.distributed`` process group
+(one process per GPU, ``ShmemWorld``: NVSHMEM, direct stores inside the P2P group and puts
+outside it) or from a rank of an ``EmulatedGroup`` (every rank in this process, on one GPU
+or on the CPU simulator). Each call's shape (``shapes.LowLatencyShape``) has its own pair of
+epgen worlds, made on first use: the two result slots. Dispatches alternate between the
+slots; a combine runs on its dispatch's slot.
+
+The rules epgen states where DeepEP's differ (each enforced with an error naming the
+argument):
+
+- A dispatch's results (``recv_x``, ``recv_count``, the handle) are valid until its combine
+  (read them before it, in stream order) or, for a dispatch that is never combined, until
+  this rank's next dispatch. At most two results are outstanding: combining a handle whose
+  slot a later dispatch reused raises, and so does combining one dispatch twice (epgen's
+  protocol orders a combine after a dispatch, not after another combine).
+- A combine's result (its own tensor, unless ``out`` is given) is valid until the next
+  combine of the same slot.
+- ``return_recv_hook``: the call enqueues the sending kernel; ``hook()`` enqueues the
+  receiving one. A slot's next call waits for its hook: calling it is required.
+- ``async_finish``: the kernels run on the caller's current stream (DeepEP uses its own
+  communication stream); the event marks their end, for other streams.
+- Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
+  (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
+  and the mask calls, the normal (high-throughput) mode, ``comm`` (an MPI communicator).
+- ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
+  ``allow_nvlink_for_low_latency_mode`` and ``allow_mnnvl`` are accepted and not used:
+  epgen sizes its own buffers per shape (``get_low_latency_rdma_size_hint`` says how much),
+  and ``ignored_arguments`` lists them.
+"""
+
+from __future__ import annotations
+
+from ..errors import EPInputError
+from . import events, shapes, views
+from .config import Config
+from .emulated import EmulatedRank
+from .handle import LowLatencyHandle
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:     # pragma: no cover - depends on the machine
+        raise ImportError("epgen.deepep needs PyTorch (pip install torch)") from exc
+    return torch
+
+
+class _EmulatedSource:
+    """Where an ``EmulatedGroup`` rank's ports come from."""
+
+    def __init__(self, member: EmulatedRank):
+        self.group, self.rank, self.size = member.group, member.rank(), member.size()
+        self.on_cuda = not member.group.sim
+
+    def port(self, torch, shape, slot: int):
+        return self.group.port(torch, shape, slot, self.rank)
+
+    def close(self) -> None:
+        """The group owns the worlds."""
+
+
+class _Outstanding:
+    """One result slot's state: ``generation`` (dispatches so far), the port and shape of
+    its last dispatch, whether that dispatch awaits its hook (``receiving``) or was
+    combined, and the receive-side work the hook finishes (``after_receive``)."""
+
+    def __init__(self):
+        self.generation = 0
+        self.port = self.shape = None
+        self.receiving = False
+        self.combined = False
+        self.combine_receiving = False
+        self.after_receive = None
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` (low-latency mode) for one rank (module docstring). DeepEP's
+    arguments first; epgen's own, keyword-only: ``n_sms`` and ``num_threads`` (the kernels'
+    grid; default from the GPU), ``timeout_ns`` (the kernels' bounded waits)."""
+
+    #: DeepEP's SM count of its normal-mode kernels (kept for ``set_num_sms``)
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 n_sms: int | None = None, num_threads: int | None = None,
+                 timeout_ns: int | None = None):
+        self.torch = _torch()
+        if comm is not None:
+            raise EPInputError("comm: an MPI communicator is not supported; pass a "
+                               "torch.distributed process group")
+        if enable_shrink:
+            raise EPInputError("enable_shrink: rank masks (shrink mode) are not available "
+                               "yet; build the buffer without it")
+        if isinstance(group, EmulatedRank):
+            self._source = _EmulatedSource(group)
+        elif group is None:
+            raise EPInputError("group: required (a torch.distributed process group, or a "
+                               "rank of an epgen.deepep.EmulatedGroup)")
+        else:
+            from .shmem_source import ShmemSource
+            self._source = ShmemSource(group, n_sms=n_sms, num_threads=num_threads,
+                                       timeout_ns=timeout_ns)
+        self.group = group
+        self.rank, self.group_size = self._source.rank, self._source.size
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = False
+        #: DeepEP arguments this buffer accepted and does not use (module docstring)
+        self.ignored_arguments = {
+            "num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
+            "num_qps_per_rank": num_qps_per_rank,
+            "allow_nvlink_for_low_latency_mode": allow_nvlink_for_low_latency_mode,
+            "allow_mnnvl": allow_mnnvl}
+        self.on_cuda = self._source.on_cuda
+        self._slots = [_Outstanding(), _Outstanding()]
+        self._next_slot = 0
+        self._ports = set()
+        self._destroyed = False
+
+    # -- DeepEP's static helpers ---------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """epgen generates its kernels for the GPU it runs on (sm_90 and later)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's normal-mode SM count (even); the low-latency kernels take ``n_sms``."""
+        if new_num_sms % 2:
+            raise EPInputError(f"new_num_sms: {new_num_sms} must be even")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> events.EventOverlap:
+        """An event recorded now on the current CUDA stream."""
+        torch = _torch()
+        return events.record(torch, torch.cuda.is_available())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of peer-visible memory epgen allocates per rank for one BF16 shape, both
+        result slots (``shapes.peer_bytes``): what a DeepEP caller sizes
+        ``num_rdma_bytes`` with (epgen allocates it itself)."""
+        shape = shapes.LowLatencyShape(num_ranks, num_experts,
+                                       num_max_dispatch_tokens_per_rank, hidden, 1, "BF16")
+        return 2 * shapes.peer_bytes(shape)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A normal-mode ``Config`` (its size hints are 0: ``config``)."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A normal-mode ``Config`` (its size hints are 0: ``config``)."""
+        return Config(Buffer.num_sms)
+
+    def get_comm_stream(self):
+        """epgen has no communication stream of its own: the current stream."""
+        return self.torch.cuda.current_stream()
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise NotImplementedError("get_local_buffer_tensor: epgen's buffers are per shape "
+                                  "and slot; there is no single raw buffer")
+
+    # -- the checks every call shares ----------------------------------------------------------
+    def _require_ll(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"{what}: the buffer was destroyed")
+        if not self.low_latency_mode:
+            raise EPInputError(f"{what}: needs low_latency_mode=True (the normal mode is not "
+                               f"available yet)")
+
+    def _finish_pending(self, slot: _Outstanding, what: str) -> None:
+        if slot.receiving:
+            raise RuntimeError(f"{what}: the previous call on this result slot returned a "
+                               f"receive hook that was not called; call it first")
+        if slot.combine_receiving:
+            raise RuntimeError(f"{what}: the previous combine on this result slot returned a "
+                               f"receive hook that was not called; call it first")
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send ``x`` ``[T, hidden]`` BF16 to the experts ``topk_idx`` ``[T, top_k]`` names
+        (``-1``: no expert) and receive this rank's experts' tokens. Returns ``(recv_x,
+        recv_count, handle, event, hook)`` as DeepEP does (``views``): ``recv_x`` ``[L,
+        R * T_max, hidden]`` BF16, or with ``use_fp8`` the pair (``float8_e4m3fn``, scales
+        ``[L, R*T_max, hidden/128]`` float32, or with ``use_ue8m0`` packed int32 ``[..,
+        hidden/512]``; column-major last two dimensions); ``recv_count`` ``[L]`` int32;
+        ``handle`` (``LowLatencyHandle``); ``event`` (``EventOverlap``, with
+        ``async_finish``); ``hook`` (with ``return_recv_hook``, else None). Only the first
+        ``recv_count[e]`` rows of expert ``e`` are valid."""
+        torch = self.torch
+        self._require_ll("low_latency_dispatch")
+        shape = shapes.dispatch_shape(
+            torch, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            n_ranks=self.group_size, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0, on_cuda=self.on_cuda)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise EPInputError("dispatch_wait_recv_cost_stats: epgen does not measure "
+                               "per-source wait cost (its trace rings record the waits: "
+                               "docs/trace.md); pass None")
+        L = shape.n_local_experts
+        if cumulative_local_expert_recv_stats is not None:
+            shapes.check_tensor(torch, cumulative_local_expert_recv_stats,
+                                "cumulative_local_expert_recv_stats", dtypes=(torch.int32,),
+                                shape=(L,), on_cuda=self.on_cuda, device=x.device)
+        index = self._next_slot
+        slot = self._slots[index]
+        self._finish_pending(slot, "low_latency_dispatch")
+        port = self._source.port(torch, shape, index)
+        self._ports.add(port)
+        port.dispatch(x, topk_idx, receive=not return_recv_hook)
+        self._next_slot ^= 1
+        slot.generation += 1
+        slot.port, slot.shape, slot.combined = port, shape, False
+        raw = port.raw
+        count = views.recv_count(raw, shape)
+        packed = None
+        if use_fp8 and use_ue8m0:
+            x_view, _ = views.recv_x(torch, raw, shape, use_ue8m0=False)
+            packed = _ue8m0_holder(torch, port, shape)
+            recv_x = (x_view, packed.transpose(1, 2))
+        else:
+            recv_x = views.recv_x(torch, raw, shape, use_ue8m0=False)
+
+        def after_receive():
+            if packed is not None:
+                packed.copy_(views.ue8m0_scales(torch, raw.scales, L, shape.rows_per_expert)
+                             .transpose(1, 2))
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count)
+        handle = LowLatencyHandle(views.src_info(raw, shape),
+                                  lambda: views.layout_range(torch, raw, shape), shape,
+                                  owner=self, slot=index, generation=slot.generation)
+        hook = None
+        if return_recv_hook:
+            slot.receiving, slot.after_receive = True, after_receive
+
+            def hook():
+                if not slot.receiving or slot.generation != handle.generation:
+                    raise RuntimeError("hook: this dispatch was already received")
+                slot.receiving = False
+                port.receive()
+                after_receive()
+        else:
+            after_receive()
+        event = events.record(torch, self.on_cuda, (x, topk_idx)) if async_finish \
+            else events.EventOverlap()
+        return recv_x, count, handle, event, hook
+
+    # -- combine -------------------------------------------------------------------------------
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out=None,
+                            combine_wait_recv_cost_stats=None):
+        """Send the experts' outputs ``x`` ``[L, R * T_max, hidden]`` BF16 (the dispatch's
+        layout; with ``zero_copy`` the tensor ``get_next_low_latency_combine_buffer``
+        gave, filled) back to their source tokens and reduce them there with
+        ``topk_weights`` ``[T, top_k]`` float32 (a ``-1`` slot weighs nothing). Returns
+        ``(combined_x [T, hidden] BF16, event, hook)``; with ``out`` the result is written
+        into it."""
+        torch = self.torch
+        self._require_ll("low_latency_combine")
+        if use_logfmt:
+            raise EPInputError("use_logfmt: the LogFMT compressed combine is not available; "
+                               "pass use_logfmt=False")
+        if combine_wait_recv_cost_stats is not None:
+            raise EPInputError("combine_wait_recv_cost_stats: epgen does not measure "
+                               "per-source wait cost (its trace rings record the waits: "
+                               "docs/trace.md); pass None")
+        slot = self._check_handle(handle)
+        shape, port = slot.shape, slot.port
+        L, RT, H, K = shape.n_local_experts, shape.rows_per_expert, shape.hidden, shape.top_k
+        shapes.check_tensor(torch, x, "x", dtypes=(torch.bfloat16,), shape=(L, RT, H),
+                            on_cuda=self.on_cuda)
+        T = port.n_tokens
+        shapes.check_tensor(torch, topk_idx, "topk_idx", dtypes=(torch.int64, torch.int32),
+                            shape=(T, K), on_cuda=self.on_cuda, device=x.device,
+                            contiguous=False)
+        shapes.check_tensor(torch, topk_weights, "topk_weights", dtypes=(torch.float32,),
+                            shape=(T, K), on_cuda=self.on_cuda, device=x.device,
+                            contiguous=False)
+        if out is not None:
+            shapes.check_tensor(torch, out, "out", dtypes=(torch.bfloat16,), shape=(T, H),
+                                on_cuda=self.on_cuda, device=x.device)
+        rows = port.combine_input() if zero_copy else x.view(L * RT, H)
+        result = port.combine(rows, topk_weights.contiguous(), out,
+                              receive=not return_recv_hook)
+        slot.combined = True
+        hook = None
+        if return_recv_hook:
+            slot.combine_receiving = True
+
+            def hook():
+                if not slot.combine_receiving:
+                    raise RuntimeError("hook: this combine was already received")
+                slot.combine_receiving = False
+                port.combine_receive()
+        event = events.record(torch, self.on_cuda, (x, topk_idx, topk_weights)) \
+            if async_finish else events.EventOverlap()
+        return result, event, hook
+
+    def _check_handle(self, handle) -> _Outstanding:
+        """The result slot of ``handle``, after checking that it is this buffer's, of the
+        slot's last dispatch, received and not yet combined."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise EPInputError(f"handle: must be the handle low_latency_dispatch returned, "
+                               f"got {type(handle).__name__}")
+        if handle.owner is not self:
+            raise EPInputError("handle: from another buffer")
+        slot = self._slots[handle.slot]
+        if slot.generation != handle.generation:
+            raise EPInputError("handle: its result slot was reused by a later dispatch (at "
+                               "most two dispatch results are outstanding: combine each "
+                               "before the second dispatch after it)")
+        if slot.receiving:
+            raise EPInputError("handle: its dispatch was sent with return_recv_hook and the "
+                               "hook was not called; call it first")
+        if slot.combined:
+            raise EPInputError("handle: already combined (epgen combines each dispatch once; "
+                               "dispatch again to combine again)")
+        self._finish_pending_combine(slot)
+        return slot
+
+    @staticmethod
+    def _finish_pending_combine(slot: _Outstanding) -> None:
+        if slot.combine_receiving:
+            raise RuntimeError("low_latency_combine: the previous combine on this result "
+                               "slot returned a receive hook that was not called")
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The ``[L, R * T_max, hidden]`` BF16 tensor the next ``zero_copy`` combine of
+        ``handle`` reads: fill it with the experts' outputs instead of passing them."""
+        slot = self._check_handle(handle)
+        s = slot.shape
+        return slot.port.combine_input().view(s.n_local_experts, s.rows_per_expert, s.hidden)
+
+    # -- upkeep --------------------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: epgen's kernels re-arm every word they use at the end of each
+        call, and a failed call's ``check()`` re-arms its world. The arguments are checked."""
+        self._require_ll("clean_low_latency_buffer")
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                        ("hidden", hidden), ("num_experts", num_experts)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EPInputError(f"{name}: must be a positive int, got {v!r}")
+
+    def check(self) -> None:
+        """epgen's own: synchronise and raise what the kernels of this rank recorded (bad
+        top-k ids, naming rank, token and slot; expired waits)."""
+        for port in list(self._ports):
+            port.check()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        raise NotImplementedError("low_latency_update_mask_buffer: rank masks (shrink mode) "
+                                  "are not available yet")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        raise NotImplementedError("low_latency_query_mask_buffer: rank masks (shrink mode) "
+                                  "are not available yet")
+
+    def low_latency_clean_mask_buffer(self):
+        raise NotImplementedError("low_latency_clean_mask_buffer: rank masks (shrink mode) "
+                                  "are not available yet")
+
+    def get_dispatch_layout(self, *args, **kwargs):
+        raise NotImplementedError("get_dispatch_layout: DeepEP's normal mode is not "
+                                  "available yet; use the low-latency calls")
+
+    def dispatch(self, *args, **kwargs):
+        raise NotImplementedError("dispatch: DeepEP's normal mode is not available yet; use "
+                                  "low_latency_dispatch")
+
+    def combine(self, *args, **kwargs):
+        raise NotImplementedError("combine: DeepEP's normal mode is not available yet; use "
+                                  "low_latency_combine")
+
+    def destroy(self) -> None:
+        """Release the buffer's worlds (``explicitly_destroy=True`` required, as in DeepEP);
+        idempotent."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy: the buffer was built without explicitly_destroy=True")
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._ports.clear()
+        self._source.close()
+
+
+_UE8M0 = "ue8m0_packed"
+
+
+def _ue8m0_holder(torch, port, shape):
+    """The ``[L, P, R*T_max]`` int32 tensor that receives ``port``'s packed UE8M0 scales
+    (one per port, made on first use)."""
+    held = port.extras
+    if _UE8M0 not in held:
+        L, RT, G = shape.n_local_experts, shape.rows_per_expert, shape.hidden // shapes.FP8_GROUP
+        held[_UE8M0] = torch.zeros((L, G // shapes.UE8M0_PACK, RT), dtype=torch.int32,
+                                   device=port.raw.tokens.device)
+    return held[_UE8M0]
+
+
+__all__ = ["Buffer"]

@@ -1,0 +1,149 @@
+"""``EmulatedGroup``: every rank of a DeepEP-style group in this process, on one GPU or on
+the CPU simulator, for tests and single-GPU development.
+
+``group.rank(r)`` stands where DeepEP takes a ``torch.distributed`` process group (it has
+``rank()`` and ``size()``), so ``Buffer(group.rank(r), ...)`` builds rank ``r``'s buffer as
+each process of a real group would. The worlds are shared: the first rank that calls with a
+new shape makes the world of that shape (an ``EmulatedWorld`` of every rank, two of them:
+one per result slot), and every rank's buffer gets its rank's port of it.
+
+``group.run(fn)`` calls ``fn(rank)`` on one thread per rank and returns the results in rank
+order (re-raising the first error, named by rank): what one process per rank would do.
+On the simulator this is how calls must be made (a rank's call waits for the others); on a
+GPU each thread also sets its own CUDA stream (``group.stream(r)``), so the ranks' kernels
+run at once, as their receive kernels need.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .ports import DevicePort, Rendezvous, SimPort, run_sim_step
+
+#: a simulator rank waits at most this long for the other ranks' calls (seconds)
+SIM_RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+class EmulatedRank:
+    """Rank ``r`` of an ``EmulatedGroup``: ``rank()``, ``size()`` as a process group has
+    them, and ``group``."""
+
+    def __init__(self, group: EmulatedGroup, r: int):
+        self.group, self.r = group, r
+
+    def rank(self) -> int:
+        return self.r
+
+    def size(self) -> int:
+        return self.group.n_ranks
+
+
+class EmulatedGroup:
+    """``n_ranks`` ranks in this process (module docstring). ``backend``: ``"cuda"`` (one
+    GPU, ``device``) or ``"sim"`` (the CPU simulator; ``sim_seed`` fixes its interleaving).
+    ``n_sms`` and ``num_threads``: the kernels' grid per rank (default: the GPU's SMs
+    shared by the ranks, 512 threads; on the simulator 4 blocks of 64);
+    ``timeout_ns``: the kernels' bounded waits."""
+
+    def __init__(self, n_ranks: int, *, backend: str = "cuda", device: int = 0,
+                 n_sms: int | None = None, num_threads: int | None = None,
+                 timeout_ns: int | None = None, sim_seed: int = 0,
+                 rendezvous_timeout_s: float = SIM_RENDEZVOUS_TIMEOUT_S):
+        if backend not in ("cuda", "sim"):
+            raise ValueError(f"backend: {backend!r} must be 'cuda' or 'sim'")
+        if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+            raise ValueError(f"n_ranks: must be a positive int, got {n_ranks!r}")
+        self.n_ranks, self.backend, self.device = n_ranks, backend, device
+        self.sim = backend == "sim"
+        self.n_sms, self.num_threads, self.timeout_ns = n_sms, num_threads, timeout_ns
+        self.sim_seed, self.rendezvous_timeout_s = sim_seed, rendezvous_timeout_s
+        self._lock = threading.Lock()
+        self._worlds = {}             # (shape, slot) -> [port per rank]
+        self._streams = None
+
+    def rank(self, r: int) -> EmulatedRank:
+        if not 0 <= r < self.n_ranks:
+            raise ValueError(f"rank {r}: the group has ranks 0..{self.n_ranks - 1}")
+        return EmulatedRank(self, r)
+
+    def grid(self) -> tuple[int, int]:
+        """``(n_sms, num_threads)`` of every rank's kernels (class docstring)."""
+        if self.sim:
+            return self.n_sms or 4, self.num_threads or 64
+        if self.n_sms is not None:
+            return self.n_sms, self.num_threads or 512
+        from backends.cuda import sm_count
+        sms = sm_count(self.device)
+        return max(1, sms // self.n_ranks), self.num_threads or 512
+
+    def port(self, torch, shape, slot: int, r: int):
+        """Rank ``r``'s port of the world of ``shape`` for result slot ``slot``, making the
+        world on first use."""
+        key = (shape, slot)
+        with self._lock:
+            ports = self._worlds.get(key)
+            if ports is None:
+                ports = self._worlds[key] = self._make(torch, shape)
+        return ports[r]
+
+    def _make(self, torch, shape) -> list:
+        from ..runtime.world import EmulatedWorld
+        n_sms, threads = self.grid()
+        cfg = shape.config(n_sms=n_sms, num_threads=threads, p2p_world_size=self.n_ranks,
+                           use_shmem=False)
+        if self.sim:
+            from backends import sim as sim_backend
+            world = EmulatedWorld(cfg, backend=sim_backend.Machine(self.sim_seed),
+                                  timeout_ns=self.timeout_ns, fused=False)
+            ports = []
+            rv = Rendezvous(self.n_ranks, lambda op, p: run_sim_step(world, ports, op, p),
+                            self.rendezvous_timeout_s)
+            ports.extend(SimPort(torch, world, r, rv) for r in range(self.n_ranks))
+            return ports
+        world = EmulatedWorld(cfg, device=self.device, timeout_ns=self.timeout_ns, fused=False)
+        return [DevicePort(torch, world, r) for r in range(self.n_ranks)]
+
+    def stream(self, torch, r: int):
+        """Rank ``r``'s CUDA stream (``run`` makes it current on the rank's thread)."""
+        if self._streams is None:
+            self._streams = [torch.cuda.Stream(device=self.device) for _ in range(self.n_ranks)]
+        return self._streams[r]
+
+    def run(self, fn, timeout_s: float | None = None) -> list:
+        """``fn(rank)`` on one thread per rank (on a GPU with the rank's stream current);
+        returns the results in rank order, or raises the first rank's error (its message
+        noted with the rank). ``timeout_s`` bounds the whole run (default: the rendezvous
+        timeout)."""
+        results, errors = [None] * self.n_ranks, [None] * self.n_ranks
+        torch = None if self.sim else __import__("torch")
+
+        def body(r):
+            try:
+                if torch is None:
+                    results[r] = fn(r)
+                else:
+                    with torch.cuda.stream(self.stream(torch, r)):
+                        results[r] = fn(r)
+            except BaseException as e:
+                errors[r] = e
+        if torch is not None:
+            for r in range(self.n_ranks):
+                self.stream(torch, r)
+        threads = [threading.Thread(target=body, args=(r,), name=f"ep-rank-{r}", daemon=True)
+                   for r in range(self.n_ranks)]
+        for t in threads:
+            t.start()
+        limit = self.rendezvous_timeout_s if timeout_s is None else timeout_s
+        for r, t in enumerate(threads):
+            t.join(limit)
+            if t.is_alive():
+                raise TimeoutError(f"EmulatedGroup.run: rank {r} still running after "
+                                   f"{limit:g} s")
+        for r, e in enumerate(errors):
+            if e is not None:
+                e.add_note(f"(raised on rank {r} of the EmulatedGroup)")
+                raise e
+        return results
+
+
+__all__ = ["EmulatedGroup", "EmulatedRank"]
