@@ -42,7 +42,8 @@ class EmulatedGroup:
     """``n_ranks`` ranks in this process (module docstring). ``backend``: ``"cuda"`` (one
     GPU, ``device``) or ``"sim"`` (the CPU simulator; ``sim_seed`` fixes its interleaving).
     ``n_sms`` and ``num_threads``: the kernels' grid per rank (default: the GPU's SMs
-    shared by the ranks, 512 threads; on the simulator 4 blocks of 64);
+    shared by the ranks, two blocks per SM, of at least 512 threads; on the simulator the
+    fewest blocks of 64 threads the shape allows: ``LowLatencyShape.grid``);
     ``timeout_ns``: the kernels' bounded waits."""
 
     def __init__(self, n_ranks: int, *, backend: str = "cuda", device: int = 0,
@@ -66,15 +67,20 @@ class EmulatedGroup:
             raise ValueError(f"rank {r}: the group has ranks 0..{self.n_ranks - 1}")
         return EmulatedRank(self, r)
 
-    def grid(self) -> tuple[int, int]:
-        """``(n_sms, num_threads)`` of every rank's kernels (class docstring)."""
+    def shapes_in_use(self) -> list:
+        """The ``(LowLatencyShape, slot)`` of every world made so far."""
+        with self._lock:
+            return list(self._worlds)
+
+    def grid(self, shape) -> tuple[int | None, int | None]:
+        """``(n_sms, num_threads)`` asked of every rank's kernels for ``shape`` (class
+        docstring; None: the least the shape needs, ``LowLatencyShape.grid``)."""
         if self.sim:
-            return self.n_sms or 4, self.num_threads or 64
+            return self.n_sms, self.num_threads or max(64, -(-shape.num_experts // 32) * 32)
         if self.n_sms is not None:
-            return self.n_sms, self.num_threads or 512
+            return self.n_sms, self.num_threads
         from backends.cuda import sm_count
-        sms = sm_count(self.device)
-        return max(1, sms // self.n_ranks), self.num_threads or 512
+        return max(1, 2 * sm_count(self.device) // self.n_ranks), self.num_threads
 
     def port(self, torch, shape, slot: int, r: int):
         """Rank ``r``'s port of the world of ``shape`` for result slot ``slot``, making the
@@ -88,7 +94,7 @@ class EmulatedGroup:
 
     def _make(self, torch, shape) -> list:
         from ..runtime.world import EmulatedWorld
-        n_sms, threads = self.grid()
+        n_sms, threads = self.grid(shape)
         cfg = shape.config(n_sms=n_sms, num_threads=threads, p2p_world_size=self.n_ranks,
                            use_shmem=False)
         if self.sim:

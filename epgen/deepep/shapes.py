@@ -58,9 +58,21 @@ class LowLatencyShape:
         """``R * T_max``: the rows of one local expert in the receive layout."""
         return self.n_ranks * self.max_tokens
 
-    def config(self, *, n_sms: int, num_threads: int, p2p_world_size: int,
-               use_shmem: bool) -> EPConfig:
-        """The ``EPConfig`` of this shape (capacity-strided final layout)."""
+    def grid(self, n_sms: int | None = None, num_threads: int | None = None) -> tuple[int, int]:
+        """``(n_sms, num_threads)`` for this shape's kernels: ``num_threads`` default at
+        least 512 and at least ``num_experts`` (dispatch_wait's aux block polls a count word
+        per thread); ``n_sms`` at least what the kernels need (a dispatch_wait comm block
+        per local expert plus one, and more blocks than dispatch_async's signal blocks,
+        ``num_experts / (num_threads / 32)``), raised to ``n_sms`` when given."""
+        threads = num_threads or max(512, -(-self.num_experts // 32) * 32)
+        need = max(self.n_local_experts + 1, -(-self.num_experts // (threads // 32)) + 1, 2)
+        return max(need, n_sms or 0), threads
+
+    def config(self, *, n_sms: int | None = None, num_threads: int | None = None,
+               p2p_world_size: int, use_shmem: bool) -> EPConfig:
+        """The ``EPConfig`` of this shape (capacity-strided final layout) with the grid
+        ``grid(n_sms, num_threads)``."""
+        n_sms, num_threads = self.grid(n_sms, num_threads)
         return EPConfig(num_threads=num_threads, n_sms=n_sms, n_experts=self.num_experts,
                         n_ranks=self.n_ranks, max_tokens_per_rank=self.max_tokens,
                         p2p_world_size=p2p_world_size, use_shmem=use_shmem,
@@ -74,8 +86,7 @@ def peer_bytes(shape: LowLatencyShape) -> int:
     combine's receive buffer and arrival words (``epgen.layout``, ``CombineLayout``)."""
     from ..bench.traffic import out_row_bytes
     from ..combine_layout import CombineLayout
-    cfg = shape.config(n_sms=1, num_threads=64, p2p_world_size=shape.n_ranks,
-                       use_shmem=False)
+    cfg = shape.config(p2p_world_size=shape.n_ranks, use_shmem=False)
     lay, clay = cfg.layout, CombineLayout(cfg)
     return (lay.max_out_rows * out_row_bytes(cfg.token_fmt) + lay.hdr_buf_bytes + lay.recv_count_bytes + clay.recv_bytes
             + clay.arrival_words * clay.arrival_word_bytes)

@@ -1,0 +1,156 @@
+"""``epgen.deepep``'s host side: every argument DeepEP's API would reject (and every one
+epgen cannot serve yet) is refused with an ``EPInputError`` naming it before any world is
+made or anything enqueued; DeepEP's static helpers, ``Config``, the handle's tuple behaviour
+and the module alias engines import."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import epgen.deepep as deep_ep  # noqa: E402
+from epgen.deepep.handle import LowLatencyHandle  # noqa: E402
+from epgen.deepep.shapes import LowLatencyShape  # noqa: E402
+from epgen.errors import EPInputError  # noqa: E402
+
+R, E, T, H, K = 2, 4, 4, 256, 2
+
+
+@pytest.fixture
+def group():
+    return deep_ep.EmulatedGroup(R, backend="sim")
+
+
+@pytest.fixture
+def buf(group):
+    return deep_ep.Buffer(group.rank(0), low_latency_mode=True)
+
+
+def inputs(T=T, H=H, K=K, dtype=torch.bfloat16, ids_dtype=torch.int64):
+    x = torch.zeros((T, H), dtype=dtype)
+    idx = torch.arange(T * K, dtype=torch.int64).view(T, K) % E
+    return x, idx.to(ids_dtype)
+
+
+def refused(buf, group, match, *args, **kwargs):
+    with pytest.raises(EPInputError, match=match):
+        buf.low_latency_dispatch(*args, **kwargs)
+    assert group.shapes_in_use() == [], "a refused call made a world"
+
+
+def test_dispatch_arguments_deepep_rejects_are_refused_by_name_before_a_world_is_made(buf,
+                                                                                      group):
+    x, idx = inputs()
+    refused(buf, group, r"^x: dtype torch.float32", *inputs(dtype=torch.float32), T, E)
+    refused(buf, group, r"^x: 3 dimensions", x.view(2, 2, H), idx, T, E)
+    refused(buf, group, r"^x: must be contiguous", torch.zeros((H, T), dtype=torch.bfloat16).t(),
+            idx, T, E)
+    refused(buf, group, r"^topk_idx: dtype torch.float32", x, idx.float(), T, E)
+    refused(buf, group, r"^topk_idx: 3 rows", x, idx[:3], T, E)
+    refused(buf, group, r"^x: 4 tokens, more than num_max_dispatch_tokens_per_rank \(3\)",
+            x, idx, 3, E)
+    refused(buf, group, r"^num_max_dispatch_tokens_per_rank: must be an int", x, idx, 4.0, E)
+    refused(buf, group, r"^num_experts: 5 must be a positive multiple", x, idx, T, 5)
+    refused(buf, group, r"^use_ue8m0: UE8M0 scales need round_scale", x, idx, T, E,
+            use_fp8=True, use_ue8m0=True)
+    refused(buf, group, r"^x: hidden 136 must be a multiple of 128 with use_fp8",
+            *inputs(H=136), T, E, use_fp8=True)
+    refused(buf, group, r"^x: hidden 256 must be a multiple of 512 with use_fp8 and use_ue8m0",
+            x, idx, T, E, use_fp8=True, round_scale=True, use_ue8m0=True)
+    refused(buf, group, r"^x: hidden 12 must be a multiple of 8", *inputs(H=12), T, E,
+            use_fp8=False)
+    refused(buf, group, r"^topk_idx: top-k 5 must be <= num_experts", *inputs(K=5), T, E)
+    refused(buf, group, r"^cumulative_local_expert_recv_stats: dtype torch.int64", x, idx, T, E,
+            cumulative_local_expert_recv_stats=torch.zeros(2, dtype=torch.int64))
+    refused(buf, group, r"^cumulative_local_expert_recv_stats: shape \(3,\)", x, idx, T, E,
+            cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))
+    refused(buf, group, r"^dispatch_wait_recv_cost_stats: epgen does not measure", x, idx, T, E,
+            dispatch_wait_recv_cost_stats=torch.zeros((R, R), dtype=torch.int64))
+
+
+def test_construction_refuses_what_it_cannot_serve(group):
+    with pytest.raises(EPInputError, match=r"^comm: an MPI communicator"):
+        deep_ep.Buffer(None, comm=object())
+    with pytest.raises(EPInputError, match=r"^enable_shrink: rank masks"):
+        deep_ep.Buffer(group.rank(0), low_latency_mode=True, enable_shrink=True)
+    with pytest.raises(EPInputError, match=r"^group: required"):
+        deep_ep.Buffer(None)
+    normal = deep_ep.Buffer(group.rank(0))
+    with pytest.raises(EPInputError, match=r"needs low_latency_mode=True"):
+        normal.low_latency_dispatch(*inputs(), T, E)
+    for call in (normal.get_dispatch_layout, normal.dispatch, normal.combine):
+        with pytest.raises(NotImplementedError, match="normal mode"):
+            call()
+
+
+def test_combine_refuses_logfmt_wait_statistics_and_foreign_handles(buf, group):
+    x = torch.zeros((2, R * T, H), dtype=torch.bfloat16)
+    _, idx = inputs()
+    w = torch.ones((T, K))
+    with pytest.raises(EPInputError, match=r"^use_logfmt"):
+        buf.low_latency_combine(x, idx, w, None, use_logfmt=True)
+    with pytest.raises(EPInputError, match=r"^combine_wait_recv_cost_stats"):
+        buf.low_latency_combine(x, idx, w, None, combine_wait_recv_cost_stats=torch.zeros(R))
+    with pytest.raises(EPInputError, match=r"^handle: must be the handle low_latency_dispatch "
+                                           r"returned, got tuple"):
+        buf.low_latency_combine(x, idx, w, (None, None, T, H, E))
+    assert group.shapes_in_use() == []
+
+
+def test_deepeps_static_helpers(group):
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    assert hint == deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank=128, hidden=7168, num_ranks=8, num_experts=256)
+    # at least the two slots' BF16 output rows (32 experts x 1024 rows x 7168 x 2 bytes)
+    assert hint >= 2 * 32 * 8 * 128 * 7168 * 2
+    assert deep_ep.Buffer.get_low_latency_rdma_size_hint(256, 7168, 8, 256) > hint
+    cfg = deep_ep.Buffer.get_dispatch_config(8)
+    assert isinstance(cfg, deep_ep.Config)
+    assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8) == 0
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert deep_ep.Config(24, 6, 256, 6, 128).num_sms == 24
+    with pytest.raises(EPInputError, match="must be even"):
+        deep_ep.Buffer.set_num_sms(21)
+    b = deep_ep.Buffer(group.rank(1), 2 << 30, hint, low_latency_mode=True,
+                       num_qps_per_rank=E // R, allow_mnnvl=True)
+    assert (b.rank, b.group_size, b.low_latency_mode, b.num_rdma_bytes) == (1, R, True, hint)
+    assert b.ignored_arguments["num_nvl_bytes"] == 2 << 30
+    assert weakref.ref(b)() is b           # engines cache buffers in a WeakValueDictionary
+    with pytest.raises(RuntimeError, match="explicitly_destroy"):
+        b.destroy()
+    d = deep_ep.Buffer(group.rank(0), low_latency_mode=True, explicitly_destroy=True)
+    d.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        d.low_latency_dispatch(*inputs(), T, E)
+    assert deep_ep.topk_idx_t is torch.int64
+
+
+def test_the_handle_unpacks_and_indexes_as_deepeps_tuple_and_computes_layout_range_once():
+    calls = []
+    shape = LowLatencyShape(R, E, T, H, K, "BF16")
+    h = LowLatencyHandle("src", lambda: calls.append(1) or "range", shape, owner=None, slot=1,
+                         generation=3)
+    assert len(h) == 5 and calls == []
+    src, lr, t_max, hidden, experts = h
+    assert (src, lr, t_max, hidden, experts) == ("src", "range", T, H, E)
+    assert h[1] == h[-4] == h.layout_range == "range" and calls == [1]
+    assert h[0] == "src" and h[2:] == (T, H, E)
+
+
+def test_install_as_deep_ep_makes_the_engines_import_find_this_module(monkeypatch):
+    monkeypatch.delitem(sys.modules, "deep_ep_test_alias", raising=False)
+    deep_ep.install_as_deep_ep("deep_ep_test_alias")
+    try:
+        import deep_ep_test_alias
+        assert deep_ep_test_alias.Buffer is deep_ep.Buffer
+        assert importlib.util.find_spec("deep_ep_test_alias") is not None
+        monkeypatch.setitem(sys.modules, "deep_ep_other", sys)
+        with pytest.raises(RuntimeError, match="already imported"):
+            deep_ep.install_as_deep_ep("deep_ep_other")
+    finally:
+        sys.modules.pop("deep_ep_test_alias", None)
