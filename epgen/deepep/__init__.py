@@ -18,6 +18,7 @@ from .buffer import Buffer
 from .config import Config
 from .emulated import EmulatedGroup, EmulatedRank
 from .events import EventOverlap
+from .ports import PeerFailedError
 
 #: the dtype of DeepEP's top-k indices
 topk_idx_t = _torch.int64
@@ -36,5 +37,5 @@ def install_as_deep_ep(name: str = "deep_ep") -> None:
     _sys.modules[name] = me
 
 
-__all__ = ["Buffer", "Config", "EmulatedGroup", "EmulatedRank", "EventOverlap", "topk_idx_t",
-           "install_as_deep_ep"]
+__all__ = ["Buffer", "Config", "EmulatedGroup", "EmulatedRank", "EventOverlap",
+           "PeerFailedError", "topk_idx_t", "install_as_deep_ep"]

@@ -11,17 +11,18 @@ one per result slot), and every rank's buffer gets its rank's port of it.
 order (re-raising the first error, named by rank): what one process per rank would do.
 On the simulator this is how calls must be made (a rank's call waits for the others); on a
 GPU each thread also sets its own CUDA stream (``group.stream(r)``), so the ranks' kernels
-run at once, as their receive kernels need.
+run at once, as their receive kernels need. A rank whose ``fn`` raises ends the others'
+simulator waits (``PeerFailedError`` naming it) and the group: its later calls are refused.
 """
 
 from __future__ import annotations
 
 import threading
 
-from .ports import DevicePort, Rendezvous, SimPort, run_sim_step
+from .ports import DevicePort, PeerFailedError, Rendezvous, SimPort, run_sim_step
 
 #: a simulator rank waits at most this long for the other ranks' calls (seconds)
-SIM_RENDEZVOUS_TIMEOUT_S = 600.0
+SIM_RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 class EmulatedRank:
@@ -60,6 +61,7 @@ class EmulatedGroup:
         self.sim_seed, self.rendezvous_timeout_s = sim_seed, rendezvous_timeout_s
         self._lock = threading.Lock()
         self._worlds = {}             # (shape, slot) -> [port per rank]
+        self._failed = None           # (rank, error) of the first rank that failed in run()
         self._streams = None
 
     def rank(self, r: int) -> EmulatedRank:
@@ -87,6 +89,10 @@ class EmulatedGroup:
         world on first use."""
         key = (shape, slot)
         with self._lock:
+            if self._failed is not None:
+                failed, why = self._failed
+                raise PeerFailedError(f"rank {r}: rank {failed} of the group failed "
+                                      f"({type(why).__name__}: {why})")
             ports = self._worlds.get(key)
             if ports is None:
                 ports = self._worlds[key] = self._make(torch, shape)
@@ -108,6 +114,16 @@ class EmulatedGroup:
             return ports
         world = EmulatedWorld(cfg, device=self.device, timeout_ns=self.timeout_ns, fused=False)
         return [DevicePort(torch, world, r) for r in range(self.n_ranks)]
+
+    def abort(self, r: int, error: BaseException) -> None:
+        """Rank ``r`` failed: the other ranks' simulator waits end with an error naming it
+        instead of waiting for its calls."""
+        with self._lock:
+            if self._failed is None:
+                self._failed = (r, error)
+            ports = [p for ps in self._worlds.values() for p in ps]
+        for rv in {id(p.rv): p.rv for p in ports if hasattr(p, "rv")}.values():
+            rv.abort(r, error)
 
     def stream(self, torch, r: int):
         """Rank ``r``'s CUDA stream (``run`` makes it current on the rank's thread)."""
@@ -132,6 +148,7 @@ class EmulatedGroup:
                         results[r] = fn(r)
             except BaseException as e:
                 errors[r] = e
+                self.abort(r, e)
         if torch is not None:
             for r in range(self.n_ranks):
                 self.stream(torch, r)
@@ -145,9 +162,12 @@ class EmulatedGroup:
             if t.is_alive():
                 raise TimeoutError(f"EmulatedGroup.run: rank {r} still running after "
                                    f"{limit:g} s")
+        for r, e in enumerate(errors):      # the first failure, not the others' reports of it
+            if e is not None and not isinstance(e, PeerFailedError):
+                e.add_note(f"(raised on rank {r} of the EmulatedGroup)")
+                raise e
         for r, e in enumerate(errors):
             if e is not None:
-                e.add_note(f"(raised on rank {r} of the EmulatedGroup)")
                 raise e
         return results
 

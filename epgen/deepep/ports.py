@@ -78,6 +78,10 @@ class DevicePort:
         self.ep.check()
 
 
+class PeerFailedError(RuntimeError):
+    """A simulator rank's call cannot complete: another rank failed (``Rendezvous.abort``)."""
+
+
 class Rendezvous:
     """The meeting point of an emulated world's ranks on the simulator: the ``n``-th call of
     every rank is one step of the world, run by whichever rank arrives last
@@ -91,6 +95,15 @@ class Rendezvous:
         self.next_step = [0] * n_ranks
         self.arrived: dict[int, dict] = {}
         self.done: dict[int, BaseException | None] = {}
+        self.failed: tuple[int, BaseException] | None = None
+
+    def abort(self, rank: int, error: BaseException) -> None:
+        """Rank ``rank`` failed outside the world (it will make no more calls): every wait
+        ends with an error naming it."""
+        with self.cv:
+            if self.failed is None:
+                self.failed = (rank, error)
+            self.cv.notify_all()
 
     def arrive(self, rank: int, op: str, payload) -> int:
         """Hand in rank ``rank``'s call ``op``; returns its step number."""
@@ -122,13 +135,18 @@ class Rendezvous:
     def wait(self, rank: int, step: int, what: str) -> None:
         """Wait until step ``step`` has run; raise its error."""
         with self.cv:
-            if not self.cv.wait_for(lambda: step in self.done, self.timeout_s):
+            if not self.cv.wait_for(lambda: step in self.done or self.failed is not None,
+                                    self.timeout_s):
                 missing = [r for r in range(self.n) if self.next_step[r] <= step]
                 raise BootstrapTimeoutError(
                     f"rank {rank}: {what} (step {step}) waited {self.timeout_s:g} s for "
                     f"rank(s) {missing}, which never made their call (each rank's calls "
                     f"must come from its own thread: EmulatedGroup.run)",
                     f"{what} step {step}", missing)
+            if step not in self.done:
+                failed, why = self.failed
+                raise PeerFailedError(f"rank {rank}: {what} (step {step}) cannot complete: rank "
+                                   f"{failed} failed ({type(why).__name__}: {why})")
             error = self.done[step]
         if error is not None:
             raise error
@@ -236,4 +254,4 @@ def run_sim_step(world, ports, op: str, payloads) -> None:
                   np.asarray(out).view(np.int16).reshape(result.shape))
 
 
-__all__ = ["DevicePort", "SimPort", "Rendezvous", "run_sim_step"]
+__all__ = ["DevicePort", "SimPort", "Rendezvous", "PeerFailedError", "run_sim_step"]

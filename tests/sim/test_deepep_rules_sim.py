@@ -96,3 +96,20 @@ def test_bad_expert_ids_are_refused_naming_rank_token_and_slot(seed):
                 dispatch(buf, x, ids)
         checked_round(buf, rank, inputs)
     group.run(body)
+
+
+def test_a_rank_that_fails_ends_the_others_waits_with_its_error(seed):
+    inputs = rank_inputs(torch, CASE, seed)
+    group = deep_ep.EmulatedGroup(CASE.n_ranks, backend="sim")
+
+    def body(rank):
+        buf = deep_ep.Buffer(group.rank(rank), low_latency_mode=True)
+        if rank == 1:
+            raise ValueError("rank 1 stops before its dispatch")
+        x, idx, _ = inputs[rank]
+        dispatch(buf, x, idx)
+    with pytest.raises(ValueError, match="rank 1 stops"):
+        group.run(body)
+    with pytest.raises(deep_ep.PeerFailedError, match="rank 1 of the group failed"):
+        group.run(lambda rank: dispatch(deep_ep.Buffer(group.rank(rank), low_latency_mode=True),
+                                        *inputs[rank][:2]))

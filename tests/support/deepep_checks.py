@@ -139,6 +139,9 @@ def check_combine(torch, rank: int, x, idx, w, combined, *, use_fp8: bool,
                   round_scale: bool) -> None:
     """No NaN; ``calc_diff`` against ``x * sum of unmasked weights`` (module docstring)."""
     got = combined.cpu()
+    assert tuple(got.shape) == tuple(x.shape), f"rank {rank}: combined shape {got.shape}"
+    if got.numel() == 0:
+        return
     assert not bool(torch.isnan(got.float()).any()), f"rank {rank}: NaN in the combine"
     want = x.float() * w.masked_fill(idx == -1, 0).sum(dim=1).view(-1, 1)
     diff = calc_diff(torch, want, got.float())
