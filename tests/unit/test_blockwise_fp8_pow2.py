@@ -231,6 +231,20 @@ def test_finite_scales_are_normal_powers_of_two(seed):
     assert ((q[above_floor] >= 224) & (q[above_floor] <= 448)).all()
 
 
+def test_no_element_saturates_on_a_whole_binade():
+    """docs/formats.md's claims about the rule, on every float32 ``amax`` of one binade (the
+    rule is the same in every binade of the normal range): the largest element ``amax *
+    2^-e`` lies in ``(224, 448]``, so it never saturates, and a division ``amax / 448``
+    would pick the same ``e`` as the multiply by ``RN(1/448)``."""
+    amax = (np.arange(2 ** 23, dtype=np.uint32) | np.uint32(0x43800000)).view(np.float32)
+    mant, ex = np.frexp((amax * np.float32(INV_448)).astype(np.float64))
+    e = np.where(mant == 0.5, ex - 1, ex)
+    top = amax.astype(np.float64) * np.ldexp(1.0, -e)
+    assert top.max() == 448.0 and top.min() > 224.0
+    mant, ex = np.frexp((amax / np.float32(448)).astype(np.float64))
+    assert (np.where(mant == 0.5, ex - 1, ex) == e).all()
+
+
 def test_nonfinite_policy():
     """A NaN element: ignored by amax, encoded as -448 (0xfe). An infinite element: the group
     is dead, scale +inf and zero payload bytes; it dequantises to NaN."""
