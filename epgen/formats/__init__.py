@@ -17,6 +17,7 @@ from .blockscaled import BlockScaledFormat
 from .codec import HostCodec
 from .emit import DeviceEmitter
 from .fp8 import BlockwiseFP8Format
+from .fp8_pow2 import BlockwiseFP8Pow2Format
 from .mxfp4 import MXFP4Format
 from .mxfp8 import MXFP8Format
 from .nvfp4 import NVFP4Format

@@ -1,6 +1,6 @@
 """``BlockScaledFormat``: a quantising format as a declaration: its element encoding
 (``scaling.E4M3``, ``scaling.E2M1``), its scale rule (``scaling.FP32_PER_GROUP``,
-``E8M0_CEIL``, ``E8M0_OCP``, ``E4M3_GLOBAL``) and its group size. Everything else derives
+``FP32_POW2_PER_GROUP``, ``E8M0_CEIL``, ``E8M0_OCP``, ``E4M3_GLOBAL``) and its group size. Everything else derives
 from those: the message layout (the quantized payload, then one scale per group of
 ``group_size`` elements at ``scales_offset``, each field aligned), the output description
 (uint8 payload rows, ``out_row_shape = (payload_bytes,)``; the output scales row-major

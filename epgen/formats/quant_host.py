@@ -11,6 +11,8 @@ step                          host (this module)                    device (``qu
 e4m3 elements                 ``e4m3_codes``                        ``e4m3_words``
 e2m1 elements                 ``e2m1_codes``, ``pack_nibbles``      ``e2m1_words``
 f32 group scale               ``fp32_group_scale``                  ``fp32_group_scale``
+power of two at or above      ``pow2_ceil_exponents``               ``pow2_ceil_exponent``
+f32 power-of-two group scale  ``fp32_pow2_group_scale``             ``fp32_pow2_group_scale``
 e8m0 scale, rounded up        ``e8m0_ceil_group_scale``             ``e8m0_ceil_group_scale``
 e8m0 scale, OCP rule          ``e8m0_floor_group_scale``            ``e8m0_floor_group_scale``
 e4m3 scale, global scale      ``e4m3_global_group_scale``           ``e4m3_global_group_scale``
@@ -101,6 +103,14 @@ def e8m0_floor_codes(amax: np.ndarray, emax: int) -> np.ndarray:
     return np.where(np.isinf(a), E8M0_NAN, codes).astype(np.uint8)
 
 
+def pow2_ceil_exponents(v: np.ndarray) -> np.ndarray:
+    """The biased exponents (uint32) of the smallest powers of two ``>= v`` for normal float32
+    ``v > 0`` (and +inf, which gives 255): the exponent field plus one where the mantissa is
+    not zero (DeepEP's ``fast_log2_ceil`` plus 127). Not for zero, subnormals or NaN."""
+    bits = np.asarray(v, dtype=np.float32).view(np.uint32)
+    return (bits >> np.uint32(23)) + ((bits & np.uint32(0x7FFFFF)) != 0).astype(np.uint32)
+
+
 def e8m0_values(codes: np.ndarray) -> np.ndarray:
     """float32 values ``2^(code - 127)`` of e8m0 codes (NaN for 0xFF)."""
     return np.asarray(codes, np.uint8).view(ml_dtypes().float8_e8m0fnu).astype(np.float32)
@@ -110,6 +120,22 @@ def e8m0_values(codes: np.ndarray) -> np.ndarray:
 def fp32_group_scale(amax: np.ndarray, bound: float, min_amax: float) -> np.ndarray:
     """float32 scales ``max(amax, min_amax) / bound``; the elements are divided by them."""
     return np.fmax(amax, np.float32(min_amax)) / np.float32(bound)
+
+
+def fp32_pow2_group_scale(amax: np.ndarray, bound: float,
+                          min_amax: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(float32 scales ``2^e``, float32 multipliers ``2^-e`` (exact; 0 where not live), the
+    groups' liveness) with ``e = ceil(log2(max(amax, min_amax) * RN(1 / bound)))``: one
+    float32 multiply by the rounded inverse, then ``pow2_ceil_exponents`` of the product, the
+    scale's biased exponent ``e + 127`` (its bits are that ``<< 23``). An infinite ``amax``
+    gives 255: scale +inf, not live."""
+    v = np.fmax(amax, np.float32(min_amax)) * (np.float32(1) / np.float32(bound))
+    biased = pow2_ceil_exponents(v)
+    live = biased != E8M0_NAN
+    scale = (biased << np.uint32(23)).view(np.float32)
+    exponent = E8M0_BIAS - biased.astype(np.int64)
+    mult = np.where(live, np.ldexp(1.0, exponent), 0.0).astype(np.float32)
+    return scale, mult, live
 
 
 def e8m0_ceil_group_scale(amax: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:

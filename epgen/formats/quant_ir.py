@@ -15,11 +15,13 @@ contains on numpy arrays and compare it with ``ml_dtypes``. PTX they produce:
   e4m3 -> f32 also as ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (``e4m3_to_f32_by_cvt``);
 - a quotient by a constant as ``mul.rn.f32`` and two ``fma.rn.f32`` (``quotient_by_fma``);
 - e8m0 by the OCP shared-exponent rule (``e8m0_floor``) and its power-of-two multiplier:
-  integer ``shr``/``max``/``sub``/``shl``/``selp``.
+  integer ``shr``/``max``/``sub``/``shl``/``selp``;
+- the power of two at or above a normal f32 (``pow2_ceil_exponent``, DeepEP's
+  ``fast_log2_ceil``): integer ``shr``/``and``/``selp``/``add``.
 
-The group scales (``fp32_group_scale``, ``e8m0_ceil_group_scale``, ``e8m0_floor_group_scale``,
-``e4m3_global_group_scale``) and the element words (``e4m3_words``, ``e2m1_words``) compose
-those; each has its numpy twin of the same name in ``quant_host``, and
+The group scales (``fp32_group_scale``, ``fp32_pow2_group_scale``, ``e8m0_ceil_group_scale``,
+``e8m0_floor_group_scale``, ``e4m3_global_group_scale``) and the element words (``e4m3_words``,
+``e2m1_words``) compose those; each has its numpy twin of the same name in ``quant_host``, and
 ``epgen.formats.scaling`` pairs the twins into the declarations a format is made of.
 """
 
@@ -201,6 +203,17 @@ def e8m0_ceil(r: ir.RoleBuilder, v, name: str) -> ir.Var:
     return r.let(name, ir.Select(e.eq(0), sub, normal))
 
 
+def pow2_ceil_exponent(r: ir.RoleBuilder, v, name: str) -> ir.Var:
+    """The biased exponent (u32) of the smallest power of two ``>= v`` for a normal f32
+    ``v > 0`` (or +inf, which gives 255): the exponent field plus one where the mantissa is
+    not zero, DeepEP's ``fast_log2_ceil`` plus 127 (``shr``, ``and``, ``setp``/``selp``,
+    ``add``). Unlike ``e8m0_ceil`` it has no subnormal or overflow case: its callers' ``v``
+    has neither."""
+    bits = r.let(f"{name}_bits", ir.Bitcast(T.u32, v))
+    mantissa = (bits & 0x7FFFFF).ne(0).cast(T.u32)
+    return r.let(name, (bits >> 23) + mantissa)
+
+
 def e8m0_to_f32(r: ir.RoleBuilder, code, name: str) -> ir.Var:
     """The value ``2^(code - 127)`` of an e8m0 code as f32 (code 0 is the f32 subnormal
     ``2^-127``; 0xFF gives +inf, not NaN)."""
@@ -223,6 +236,23 @@ def fp32_group_scale(r: ir.RoleBuilder, amax, bound: float, min_amax: float,
     """The f32 scale ``max(amax, min_amax) / bound`` (``max.f32``, ``div.rn.f32``), named
     ``<prefix>_scale``; the elements are divided by it."""
     return r.let(f"{prefix}_scale", amax.max(f32(min_amax)) / f32(bound))
+
+
+def fp32_pow2_group_scale(r: ir.RoleBuilder, amax, bound: float, min_amax: float,
+                          prefix: str):
+    """(the f32 scale ``2^e``, the exact multiplier ``2^-e``, the group's liveness ``e + 127
+    != 255``) with ``e = ceil(log2(max(amax, min_amax) * RN(1 / bound)))``: ``max.f32``,
+    ``mul.rn.f32`` by the rounded inverse (no division), ``pow2_ceil_exponent`` of the
+    product, and both powers of two built from their exponent fields. The product is a normal
+    f32 for every finite ``amax`` (``min_amax / bound`` and up), or +inf: an infinite
+    ``amax`` gives the scale +inf (``255 << 23``) and a dead group, whose multiplier is
+    meaningless (its elements are masked by the liveness). Named ``<prefix>_v``, ``_exp``,
+    ``_scale``, ``_mult``, ``_live``."""
+    v = r.let(f"{prefix}_v", amax.max(f32(min_amax)) * f32(np.float32(1) / np.float32(bound)))
+    biased = pow2_ceil_exponent(r, v, f"{prefix}_exp")
+    scale = r.let(f"{prefix}_scale", ir.Bitcast(F32, biased << 23))
+    mult = r.let(f"{prefix}_mult", ir.Bitcast(F32, (u32(2 * E8M0_BIAS) - biased) << 23))
+    return scale, mult, r.let(f"{prefix}_live", biased.ne(E8M0_NAN))
 
 
 def e8m0_ceil_group_scale(r: ir.RoleBuilder, amax, bound: float, prefix: str):

@@ -1,5 +1,6 @@
 """What a block-scaled format is made of: an element encoding (``E4M3``, ``E2M1``) and a scale
-rule (``FP32_PER_GROUP``, ``E8M0_CEIL``, ``E8M0_OCP``, ``E4M3_GLOBAL``), with its group size
+rule (``FP32_PER_GROUP``, ``FP32_POW2_PER_GROUP``, ``E8M0_CEIL``, ``E8M0_OCP``,
+``E4M3_GLOBAL``), with its group size
 (``blockscaled.BlockScaledFormat``).
 
 Each declaration pairs a numpy step (``quant_host``) with the device step that computes the
@@ -178,6 +179,44 @@ class Fp32PerGroup(ScaleRule):
         return scale, lambda x: x / scale, None
 
 
+class Fp32Pow2PerGroup(ScaleRule):
+    """A float32 power-of-two scale per group, DeepEP's ``calculate_fp8_scales`` with
+    ``round_scale=True``::
+
+        v     = max(amax, 1e-4) * RN(1 / max)        (mul.rn.f32 by 0f3B124925 for e4m3)
+        e     = ceil(log2(v))                         (exponent field - 127, +1 if mantissa != 0)
+        scale = 2^e                                   (stored; dequantised x ~= q * scale)
+        mult  = 2^-e                                  (exact; elements multiplied by it)
+
+    ``v`` is a normal float32 for every finite ``amax`` (``1e-4 / 448`` to ``bf16 max /
+    448``), so both powers of two are normal and the scale is never zero. No division: the
+    rule's PTX has the multiply by the rounded inverse and no ``div.rn.f32``. An infinite
+    ``amax`` gives ``e = 128``: the scale +inf (``0x7F800000``, DeepEP's ``scale_inv`` bits
+    too) and a dead group (zero payload bytes, as MXFP8's code 0xFF). The scale's exponent
+    byte (``bits >> 23``) is the e8m0 code of the same scale."""
+
+    name = "FP32 power of two per group"
+    scale_bytes = 4
+    host_dtype = np.float32
+    dtype_name = "f32"
+    #: the multiply by RN(1/448) (e4m3's maximum: DeepEP's ``kFinfoAmaxInvE4M3``), no division
+    ptx_must_contain = ("mul.rn.f32", "0f3B124925")
+    ptx_must_not_contain = ("div.rn.f32",)
+
+    def host_scale(self, groups, amax, element, g):
+        scale, mult, live = H.fp32_pow2_group_scale(amax, element.max, MIN_AMAX)
+        with np.errstate(invalid="ignore", over="ignore"):
+            values = groups * mult[..., None]
+        return scale, values, live
+
+    def host_decode(self, scales, g):
+        return scales.astype(np.float64)
+
+    def emit_scale(self, r, amax, element, prefix):
+        scale, mult, live = Q.fp32_pow2_group_scale(r, amax, element.max, MIN_AMAX, prefix)
+        return scale, lambda x: x * mult, live
+
+
 class E8M0Scale(ScaleRule):
     """A power-of-two scale per group, stored as an e8m0 byte; elements multiplied by its
     exact inverse. A group with an infinite maximum gets code 0xFF (e8m0's NaN) and zero
@@ -261,6 +300,7 @@ class E4M3Global(ScaleRule):
 E4M3 = E4M3Encoding()
 E2M1 = E2M1Encoding()
 FP32_PER_GROUP = Fp32PerGroup()
+FP32_POW2_PER_GROUP = Fp32Pow2PerGroup()
 E8M0_CEIL = E8M0Ceil()
 E8M0_OCP = E8M0Ocp()
 E4M3_GLOBAL = E4M3Global()

@@ -25,6 +25,7 @@ SPEC = {
     "NVFP4": (4, 16, 1),
     "MXFP8": (8, 32, 1),
     "MXFP4": (4, 32, 1),
+    "BlockwiseFP8Pow2": (8, 128, 4),
 }
 
 #: hid_dims of the simulator tests where a format's own layout asks for more than the
