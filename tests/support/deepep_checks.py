@@ -42,7 +42,9 @@ def cast_back(torch, x_fp8, scales):
     """``[n, H]`` e4m3 rows and their per-128 scales ``[n, H/128]`` float32 (or packed
     UE8M0 ``[n, H/512]`` int32) as BF16."""
     n, H = x_fp8.shape
-    s = scales.contiguous()
+    # a fresh row-major copy: with one pack per row ([n, 1]) ``contiguous()`` keeps the
+    # column-major stride, which ``view(uint8)`` refuses
+    s = torch.empty(scales.shape, dtype=scales.dtype).copy_(scales)
     if s.dtype == torch.int32:
         exps = s.view(torch.uint8).to(torch.int32)
         s = (exps << 23).view(torch.float32)
