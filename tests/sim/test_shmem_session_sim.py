@@ -204,3 +204,46 @@ def test_a_world_without_session_makes_and_finalises_its_own():
     assert heap.log[0] == ("barrier", 0, f"w{w.index}-close")
     assert [e[0] for e in heap.log] == ["barrier"] + ["free"] * n + ["finalize"]
     assert s.closed and s.worlds == ()
+
+
+def test_gpu_session_program_on_the_simulator(seed):
+    """The flow of tests/gpu/test_shmem_session_gpu.py's PE program on two simulated PEs: a
+    BF16 and a BlockwiseFP8 world on each PE's session, dispatch + combine rounds
+    (``test_shmem_gpu.combine_rounds``) interleaved between them, every call matching; the
+    combine buffers, allocated on each world's first combine, come from that world's own pool
+    on the one heap of its PE. The GPU test's configurations are valid."""
+    import test_shmem_gpu as gpu
+    import test_shmem_session_gpu as gpu_session
+    from test_shmem_world import collectively
+
+    for n, p2p in [(2, 1), (4, 2), (8, 2)]:
+        for fmt in gpu_session.FORMATS:
+            cfg = gpu_session.session_config(fmt, n, p2p)
+            assert cfg.use_shmem and cfg.needs_shmem and cfg.token_fmt.name == fmt
+    machine = HeapMachine(seed)
+    heap = SharedHeap()
+    ss = sessions(machine, heap)
+    worlds = {fmt: worlds_on(small(fmt), ss) for fmt in gpu_session.FORMATS}
+    before = {fmt: len(ws[0].pool.allocs) for fmt, ws in worlds.items()}
+    said = []
+    for call in range(2):
+        for fmt, ws in worlds.items():
+            ok, errors = collectively(machine, ws, [
+                (lambda w=w: gpu.combine_rounds(w, 1, seed * 1000 + call, said.append))
+                for w in ws])
+            assert errors == [None, None] and ok == [True, True], (fmt, errors, said)
+    assert len(said) == 2 * 2 * 2
+    for fmt, ws in worlds.items():
+        for w in ws:
+            b = w._combiner.bufs[0]
+            mine = [a.ptr for a in w.pool.allocs[before[fmt]:]]
+            assert b.recv.ptr in mine and b.arrival.ptr in mine, fmt
+    # one heap per PE holding every world's allocations, made in the same order on both PEs
+    # (BF16's dispatch buffers, FP8's, then each one's combine buffers at its first combine)
+    for pe in range(2):
+        pools = [a.ptr for ws in worlds.values() for a in ws[pe].pool.allocs]
+        assert sorted(a.ptr for a in heap.heaps[pe]) == sorted(pools)
+    assert [a.nbytes for a in heap.heaps[0]] == [a.nbytes for a in heap.heaps[1]]
+    for s in ss:
+        s.close()
+    assert heap.count("finalize") == 2 and all(heap.heaps[pe] == [] for pe in range(2))
