@@ -247,3 +247,9 @@ def test_gpu_session_program_on_the_simulator(seed):
     for s in ss:
         s.close()
     assert heap.count("finalize") == 2 and all(heap.heaps[pe] == [] for pe in range(2))
+
+
+def test_exported_lazily():
+    import epgen
+
+    assert epgen.ShmemSession is ShmemSession and "ShmemSession" in epgen.__all__
