@@ -20,8 +20,9 @@ its placement interface:
   ``session=`` the world makes a private session and finalises it at ``close``.
 - **Bootstrap** (``bootstrap.py``): rank 0 takes an NVSHMEM unique id, the launcher's files
   (or ``torch.distributed`` under torchrun, or a given process group) carry it to the others,
-  every PE initialises with it (``nvshmemx_hostlib_init_attr``). NVSHMEM's own host collectives are never used (they
-  abort without full multi-process-per-GPU support); host barriers go through the bootstrap.
+  every PE initialises with it (``nvshmemx_hostlib_init_attr``). NVSHMEM's own host
+  collectives are never used (they abort without full multi-process-per-GPU support); host
+  barriers go through the bootstrap.
   Before init, ``NVSHMEM_DISABLE_NVLS=1`` is set when absent (on one node set
   ``NVSHMEM_REMOTE_TRANSPORT=none`` too: no NIC transport is needed).
 - **Symmetric memory**: every buffer a peer writes or a put reads (send buffer, receive
@@ -71,7 +72,8 @@ from . import bootstrap as bootstrap_mod
 from . import call_args
 from .placement import GpuShare, PeerAccessError
 from .rank_world import RankWorld
-from .shmem_session import (  # noqa: F401 (NVSHMEM_ENV_DEFAULTS, set_env_defaults: public here too)
+# NVSHMEM_ENV_DEFAULTS and set_env_defaults stay importable from here too
+from .shmem_session import (  # noqa: F401
     NVSHMEM_ENV_DEFAULTS, ShmemSession, default_barrier_timeout, local_sharers, resolve_device,
     set_env_defaults)
 from .world_args import check_world_args

@@ -54,6 +54,9 @@ def test_one_init_and_one_finalize():
     # rank 1 takes no id; the broadcast is named after the session
     assert heap.log == [("broadcast", 1, "nvshmem-mine"), ("init", 1, 1, 2)]
     assert not s.closed and not s.finalized and s.worlds == ()
+    s.barrier("step")
+    assert heap.log[-1] == ("barrier", 1, "mine-step")
+    del heap.log[-1]
     with s:
         pass
     assert heap.log[2:] == [("barrier", 1, "mine-close"), ("finalize", 1)]

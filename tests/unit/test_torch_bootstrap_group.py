@@ -24,9 +24,10 @@ PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: argv: global rank, world size, port, a scratch directory, the mode. Every process joins
-#: the default gloo group and makes the sub-group of global ranks 1 and 2. "ok": the members
-#: broadcast and meet at barriers, then the group's rank 0 (global 1) waits at a barrier its
-#: peer never joins. "root-missing": global 2 waits at a barrier global 1 never joins. The
+#: the default gloo group and makes the sub-group of global ranks 1 and 2. "ok": all three
+#: broadcast and meet at a bounded barrier over the default group; then the members broadcast
+#: and meet at barriers of the sub-group, and the group's rank 0 (global 1) waits at a
+#: barrier its peer never joins. "root-missing": global 2 waits at a barrier global 1 never joins. The
 #: processes leave together (a file each writes when done) so that nobody's exit closes a
 #: connection another one is still timing.
 WORKER = r"""
@@ -62,6 +63,11 @@ def timed_barrier(b, name):
               flush=True)
 
 
+if mode == "ok":                             # the default group: every process
+    whole = bootstrap.TorchBootstrap(rank, n, timeout_s=10)
+    got = whole.broadcast_bytes(b"all" if rank == 0 else None)
+    whole.barrier("everyone", timeout_s=10)
+    print(f"default group: {got.decode()}", flush=True)
 if rank == 0:
     try:
         bootstrap.from_group(sub)
@@ -132,6 +138,7 @@ def test_sub_group_broadcast_barriers_and_a_missing_member(tmp_path):
     t0 = time.monotonic()
     out0, out1, out2 = run_group(tmp_path, "ok")
     assert "refused: " in out0 and "not a member of the group" in out0
+    assert all("default group: all" in o for o in (out0, out1, out2))
     # the group's ranks, and its rank 0 is global rank 1
     assert "group rank 0 of 2, src 1, kind torch" in out1
     assert "group rank 1 of 2, src 1, kind torch" in out2
