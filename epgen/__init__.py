@@ -25,6 +25,7 @@ _LAZY = {
     "EmulatedWorld": ("epgen.runtime.world", "EmulatedWorld"),
     "P2PWorld": ("epgen.runtime.p2p_world", "P2PWorld"),
     "ShmemWorld": ("epgen.runtime.shmem_world", "ShmemWorld"),
+    "ShmemSession": ("epgen.runtime.shmem_session", "ShmemSession"),
 }
 
 
@@ -53,7 +54,7 @@ def _format_classes() -> dict[str, type]:
 
 _STATIC_ALL = ["EPConfig", "EPConfigError", "EPTimeoutError", "TokenFormat", "Layout", "Tuning",
                "TuningError", "reference", "build_module", "emit_ptx", "EmulatedWorld",
-               "P2PWorld", "ShmemWorld"]
+               "P2PWorld", "ShmemWorld", "ShmemSession"]
 
 
 def __getattr__(name):

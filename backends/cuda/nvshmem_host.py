@@ -145,10 +145,17 @@ _SIGNATURES = {
 }
 
 
+#: the host libraries (resolved paths) an ``NvshmemHost`` of this process has initialised and
+#: not finalised: NVSHMEM initialises once per process
+_LIVE_LIBRARIES: set[Path] = set()
+
+
 class NvshmemHost:
     """The host library loaded (``path`` default: ``find_host_library()``), every function of
     ``_SIGNATURES`` looked up (a missing symbol is an ``NvshmemUnavailableError`` naming it).
-    Loading needs no GPU; ``init_uid`` and everything after it do."""
+    Loading needs no GPU; ``init_uid`` and everything after it do. One ``NvshmemHost`` of a
+    process at a time may be initialised (``init_uid`` refuses a second until the first is
+    finalised): share it."""
 
     def __init__(self, path=None):
         self.path = Path(path) if path is not None else find_host_library()
@@ -191,6 +198,11 @@ class NvshmemHost:
         PE count."""
         if len(uid) != UNIQUEID_BYTES:
             raise ValueError(f"an NVSHMEM unique id is {UNIQUEID_BYTES} bytes, got {len(uid)}")
+        if self.path.resolve() in _LIVE_LIBRARIES:
+            raise NvshmemError("nvshmemx_hostlib_init_attr", None,
+                               f"NVSHMEM ({self.path}) is already initialised in this process "
+                               f"by another NvshmemHost: it initialises once per process; "
+                               f"share that initialisation, or finalise it first")
         self._uid = ctypes.create_string_buffer(bytes(uid), UNIQUEID_BYTES)
         raw = init_attr_bytes(rank, nranks, ctypes.addressof(self._uid), self.version(), device)
         attr = (ctypes.c_char * INIT_ATTR_BYTES).from_buffer(raw)
@@ -199,6 +211,7 @@ class NvshmemHost:
         self._check("nvshmemx_hostlib_init_attr",
                     self.lib.nvshmemx_hostlib_init_attr(INIT_WITH_UNIQUEID, attr))
         self.initialized = True
+        _LIVE_LIBRARIES.add(self.path.resolve())
         me, n = self.my_pe(), self.n_pes()
         if (me, n) != (rank, nranks):
             raise NvshmemError("nvshmemx_hostlib_init_attr", None,
@@ -210,6 +223,7 @@ class NvshmemHost:
         nothing when not initialised."""
         if self.initialized:
             self.initialized = False
+            _LIVE_LIBRARIES.discard(self.path.resolve())
             self.lib.nvshmemx_hostlib_finalize()
 
     def my_pe(self) -> int:

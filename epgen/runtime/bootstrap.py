@@ -12,8 +12,12 @@ Two ways, picked from the environment (``from_env``):
   missing).
 - **Under torchrun** (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set, no ``EPGEN_LAUNCH_DIR``):
   ``torch.distributed`` (initialised here with the gloo backend if it is not yet):
-  ``broadcast_object_list`` from rank 0 for the id, ``barrier`` for barriers. torch is
-  imported only on this path.
+  ``broadcast_object_list`` from rank 0 for the id, point-to-point messages to and from rank
+  0 for bounded barriers (``TorchBootstrap``). torch is imported only on this path.
+
+``from_group(group)`` is the third way, never picked from the environment: a
+``TorchBootstrap`` over a given ``torch.distributed`` process group (a sub-group too), whose
+rank and size are the group's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 
 LAUNCH_DIR_ENV = "EPGEN_LAUNCH_DIR"
 DEFAULT_TIMEOUT_S = 120.0
+#: the point-to-point tag of ``TorchBootstrap``'s bounded barriers
+BARRIER_TAG = 0x45504742
 
 
 class BootstrapTimeoutError(TimeoutError):
@@ -134,40 +140,127 @@ class FileBootstrap:
 
 
 class TorchBootstrap:
-    """The exchange through ``torch.distributed`` (initialised here with gloo from the
-    torchrun environment when it is not yet)."""
+    """The exchange through ``torch.distributed``: over ``group`` (a ``ProcessGroup`` this
+    process is a member of, e.g. a sub-group; ``rank`` and ``world_size`` are then the
+    group's), or over the default group (initialised here with gloo from the torchrun
+    environment when it is not yet).
+
+    ``broadcast_bytes`` broadcasts from the group's rank 0 (``dist.get_global_rank(group,
+    0)``). ``barrier(name, timeout_s)`` with a ``timeout_s`` on a gloo group is bounded on
+    every rank: each rank sends a token to the group's rank 0, which waits (``irecv`` with
+    ``Work.wait(timeout)``) for all of them and then sends each a release, awaited the same
+    way; ``BootstrapTimeoutError`` after ``timeout_s`` (rank 0 names the ranks that never
+    arrived; the others only know rank 0 did not release them). ``monitored_barrier`` is not
+    used: its non-zero ranks wait with the group's timeout, not the one given. Without a
+    ``timeout_s``, or on a group of another backend (NCCL, ...), it is a plain
+    ``dist.barrier``, bounded only by the group's own timeout (how that expiry surfaces is
+    the backend's: NCCL's watchdog may abort the process). After a barrier timed out the
+    bootstrap is not used again for barriers (the peer is taken as gone). The barrier names
+    play no part: every rank calls the same barriers in the same order."""
 
     kind = "torch"
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, rank: int | None = None, world_size: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, group=None):
         import datetime
 
         import torch.distributed as dist
 
-        self.dist = dist
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-            raise ValueError(f"torch.distributed has rank {dist.get_rank()} of "
-                             f"{dist.get_world_size()}, asked for {rank} of {world_size}")
+        self.dist, self.group = dist, group
+        if group is None:
+            if rank is None or world_size is None:
+                raise ValueError("TorchBootstrap: rank and world_size are needed without "
+                                 "group= (the default group's, or to initialise it)")
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+            have = (dist.get_rank(), dist.get_world_size())
+            where = "torch.distributed"
+        else:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("TorchBootstrap: group= needs an initialised "
+                                 "torch.distributed (init_process_group first)")
+            have = (dist.get_rank(group), dist.get_world_size(group))
+            if have[0] < 0:
+                raise ValueError(f"TorchBootstrap: group=: this process (global rank "
+                                 f"{dist.get_rank()}) is not a member of the group")
+            where = "group="
+        rank = have[0] if rank is None else rank
+        world_size = have[1] if world_size is None else world_size
+        if have != (rank, world_size):
+            raise ValueError(f"{where} has rank {have[0]} of {have[1]}, asked for {rank} of "
+                             f"{world_size}")
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.src = 0 if group is None else dist.get_global_rank(group, 0)
+        self.bounded = str(dist.get_backend(group)) == "gloo"
 
     def broadcast_bytes(self, data: bytes | None, name: str = "nvshmem") -> bytes:
+        """Rank 0's ``data`` (of the group) on every rank."""
+        if self.rank == 0 and data is None:
+            raise ValueError("rank 0 must give the bytes to broadcast")
         box = [bytes(data) if self.rank == 0 else None]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=self.src, group=self.group)
         return box[0]
 
     def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
-        if timeout_s is None:
-            self.dist.barrier()
+        """Every rank of the group arrived. ``timeout_s`` bounds the wait on a gloo group
+        (class docstring); None: a plain ``dist.barrier``, bounded by the group's timeout."""
+        if timeout_s is None or not self.bounded:
+            self.dist.barrier(group=self.group)
             return
         import datetime
+
+        import torch
+
+        dist, group, n = self.dist, self.group, self.world_size
+        deadline = time.monotonic() + timeout_s
+
+        def left():
+            return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+        def peer(r):
+            return r if group is None else dist.get_global_rank(group, r)
+
+        def token():
+            return torch.zeros(1, dtype=torch.uint8)
+        if self.rank == 0:
+            arrivals = {r: dist.irecv(token(), src=peer(r), group=group, tag=BARRIER_TAG)
+                        for r in range(1, n)}
+            missing = []
+            for r, work in arrivals.items():
+                try:
+                    work.wait(timeout=left())
+                except RuntimeError:       # timed out, or the peer's connection closed
+                    missing.append(r)
+            if missing:
+                raise BootstrapTimeoutError(
+                    f"rank 0: host barrier {name!r} timed out after {timeout_s:g} s; rank(s) "
+                    f"{', '.join(map(str, missing))} of {n} never arrived (exited or hung?)",
+                    f"barrier {name!r}", missing)
+            releases = [dist.isend(token(), dst=peer(r), group=group, tag=BARRIER_TAG)
+                        for r in range(1, n)]
+            for work in releases:
+                work.wait(timeout=left())
+            return
         try:
-            self.dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:          # gloo names the ranks that did not arrive
-            raise BootstrapTimeoutError(f"rank {self.rank}: host barrier {name!r}: {e}",
-                                        f"barrier {name!r}") from e
+            dist.isend(token(), dst=peer(0), group=group, tag=BARRIER_TAG).wait(timeout=left())
+            dist.irecv(token(), src=peer(0), group=group, tag=BARRIER_TAG).wait(timeout=left())
+        except RuntimeError as e:          # timed out, or rank 0's connection closed
+            raise BootstrapTimeoutError(
+                f"rank {self.rank}: host barrier {name!r} timed out after {timeout_s:g} s: "
+                f"rank 0 of the group did not release it (rank 0 or another rank never "
+                f"arrived: exited or hung?): {e}", f"barrier {name!r}") from e
+
+
+def from_group(group, timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchBootstrap:
+    """The bootstrap of this process's rank of ``group`` (a ``torch.distributed``
+    ``ProcessGroup``, e.g. the one handed to a buffer): exchange and barriers over that group
+    only, rank and world size the group's; barriers bounded by ``timeout_s`` on a gloo group
+    (``TorchBootstrap``)."""
+    if group is None:
+        raise ValueError("from_group: group is None: pass a torch.distributed ProcessGroup "
+                         "(dist.group.WORLD for the default group)")
+    return TorchBootstrap(timeout_s=timeout_s, group=group)
 
 
 def torchrun_env() -> bool:

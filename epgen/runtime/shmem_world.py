@@ -14,10 +14,15 @@ its placement interface:
 - **Rank and GPU**: ``rank`` (default ``RANK``) of ``WORLD_SIZE == cfg.n_ranks``; the GPU
   ``LOCAL_RANK % device_count`` (or ``device``). Several PEs may share a GPU (one GPU runs the
   whole group, best under MPS).
+- **Session** (``shmem_session.py``): NVSHMEM initialises once per process. A
+  ``ShmemSession`` is that initialisation; ``ShmemWorld(cfg, session=s)`` runs on it, and
+  several worlds may share one (each with its own kernels and symmetric allocations). Without
+  ``session=`` the world makes a private session and finalises it at ``close``.
 - **Bootstrap** (``bootstrap.py``): rank 0 takes an NVSHMEM unique id, the launcher's files
-  (or ``torch.distributed`` under torchrun) carry it to the others, every PE initialises with
-  it (``nvshmemx_hostlib_init_attr``). NVSHMEM's own host collectives are never used (they
-  abort without full multi-process-per-GPU support); host barriers go through the bootstrap.
+  (or ``torch.distributed`` under torchrun, or a given process group) carry it to the others,
+  every PE initialises with it (``nvshmemx_hostlib_init_attr``). NVSHMEM's own host
+  collectives are never used (they abort without full multi-process-per-GPU support); host
+  barriers go through the bootstrap.
   Before init, ``NVSHMEM_DISABLE_NVLS=1`` is set when absent (on one node set
   ``NVSHMEM_REMOTE_TRANSPORT=none`` too: no NIC transport is needed).
 - **Symmetric memory**: every buffer a peer writes or a put reads (send buffer, receive
@@ -42,11 +47,12 @@ its placement interface:
   ``dispatch`` raises ``EPTimeoutError`` (as in the other worlds) and the world can still be
   closed; a barrier that a peer never reaches raises ``BootstrapTimeoutError`` naming it.
 - **Close**: ``close()`` (or leaving ``with ShmemWorld(cfg) as world:``) synchronises, meets
-  the others at a barrier, frees the symmetric buffers collectively and finalises NVSHMEM;
-  idempotent. When the barrier fails (a peer is gone), the collective free and finalize are
-  skipped (they would wait for the dead peer) and the error is raised unless another one is
-  already propagating. A world dropped without ``close`` warns (``ResourceWarning``) and
-  frees nothing.
+  the others at a barrier, frees the world's symmetric buffers collectively and, with a
+  private session, finalises NVSHMEM (a shared session's ``close`` does); idempotent. When
+  the barrier fails (a peer is gone), the collective free and finalize are skipped (they
+  would wait for the dead peer), the session is marked lost (its other worlds then close
+  without collectives) and the error is raised unless another one is already propagating.
+  A world dropped without ``close`` warns (``ResourceWarning``) and frees nothing.
 """
 
 from __future__ import annotations
@@ -57,8 +63,7 @@ import warnings
 
 import numpy as np
 
-from backends.cuda.errors import CudaUnavailableError
-from backends.cuda.nvshmem_host import NvshmemHost
+from backends import cuda as cuda_backend
 
 from .. import reference
 from ..errors import EPInputError, EPTimeoutError
@@ -67,10 +72,11 @@ from . import bootstrap as bootstrap_mod
 from . import call_args
 from .placement import GpuShare, PeerAccessError
 from .rank_world import RankWorld
-from .world_args import check_world_args, device_ordinal
-
-#: set before NVSHMEM initialises, where the environment does not say otherwise
-NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
+# NVSHMEM_ENV_DEFAULTS and set_env_defaults stay importable from here too
+from .shmem_session import (  # noqa: F401
+    NVSHMEM_ENV_DEFAULTS, ShmemSession, default_barrier_timeout, local_sharers, resolve_device,
+    set_env_defaults)
+from .world_args import check_world_args
 
 _WORLD_INDEX = itertools.count()      # worlds of this process: names of their bootstrap files
 
@@ -99,28 +105,6 @@ def resolve_rank(cfg, rank: int | None, world_size: int | None = None) -> int:
     return int(rank)
 
 
-def resolve_device(device: int | None, n_devices: int, local_rank: int) -> int:
-    """The GPU of this PE: ``device``, else ``local_rank % n_devices``. ``device`` is
-    checked first (``ValueError``), then the machine (``CudaUnavailableError`` without a
-    GPU)."""
-    if device is not None:
-        device = device_ordinal("ShmemWorld", "device", device)
-    if n_devices < 1:
-        raise CudaUnavailableError("ShmemWorld: no usable CUDA GPU here "
-                                   "(backends.cuda.device_count() is 0)")
-    if device is None:
-        return local_rank % n_devices
-    if device >= n_devices:
-        raise ValueError(f"ShmemWorld: device {device} is not a GPU of this machine "
-                         f"(ordinals 0..{n_devices - 1})")
-    return device
-
-
-def local_sharers(device: int, n_devices: int, local_world_size: int) -> int:
-    """How many PEs of this node run on GPU ``device`` (``LOCAL_RANK % n_devices``)."""
-    return max(1, sum(1 for k in range(local_world_size) if k % n_devices == device))
-
-
 def check_transport(cfg) -> None:
     """What the world refuses: ``skip_a2a`` (nothing leaves the device: ``EmulatedWorld``),
     and destinations outside a P2P group without ``use_shmem``."""
@@ -131,17 +115,6 @@ def check_transport(cfg) -> None:
         raise ValueError(f"ShmemWorld: p2p_world_size={cfg.p2p_world_size} < n_ranks="
                          f"{cfg.n_ranks} reaches ranks outside the P2P group through the "
                          f"SHMEM transport: set use_shmem=True")
-
-
-def set_env_defaults(env=None) -> dict:
-    """``NVSHMEM_ENV_DEFAULTS`` into ``env`` (default ``os.environ``) where absent; returns
-    what was set."""
-    env = os.environ if env is None else env
-    out = {}
-    for k, v in NVSHMEM_ENV_DEFAULTS.items():
-        if k not in env:
-            env[k] = out[k] = v
-    return out
 
 
 def uses_nvshmem(ptx: str | None) -> bool:
@@ -156,48 +129,66 @@ class ShmemWorld(RankWorld):
     ``reference.dispatch(cfg, all_tokens, all_ids)[rank]``). ``fused``, ``timeout_ns`` and
     ``input_scale`` as in the other worlds.
 
-    ``bootstrap`` (default ``bootstrap.from_env``) and ``host`` (default
-    ``backends.cuda.nvshmem_host.NvshmemHost()``) may be given; ``barrier_timeout_s`` bounds
-    every host barrier (default: ``EPGEN_BARRIER_TIMEOUT_S`` or 120 s).
+    ``session`` (a ``ShmemSession``): the NVSHMEM initialisation to run on, shared with other
+    worlds; the world takes its rank, GPU, backend, bootstrap and host (``rank``, ``device``
+    and ``backend`` may repeat the session's, ``bootstrap`` and ``host`` may not be given;
+    ``cfg.n_ranks`` must be its PE count). Without it the world makes a private session of
+    ``bootstrap`` (default ``bootstrap.from_env``), ``host`` (default
+    ``backends.cuda.nvshmem_host.NvshmemHost()``), ``device`` and ``backend`` (default
+    ``"cuda"``). ``barrier_timeout_s`` bounds the close barrier (default: the session's,
+    else ``EPGEN_BARRIER_TIMEOUT_S`` or 120 s).
 
-    Attributes: ``rank``, ``device`` (its GPU), ``program``, ``err``, ``host``, ``bootstrap``,
-    ``pool`` (the symmetric allocations), ``ranks`` (this rank's buffers, one entry)."""
+    Attributes: ``rank``, ``device`` (its GPU), ``program``, ``err``, ``session``,
+    ``owns_session``, ``host``, ``bootstrap``, ``pool`` (the symmetric allocations),
+    ``ranks`` (this rank's buffers, one entry)."""
 
     def __init__(self, cfg, rank: int | None = None, *, device: int | None = None,
                  arch: str | None = None, timeout_ns: int | None = None,
                  fused: bool | None = None, input_scale: float = 1.0, bootstrap=None,
-                 host=None, barrier_timeout_s: float | None = None, backend="cuda"):
+                 host=None, barrier_timeout_s: float | None = None, backend=None,
+                 session: ShmemSession | None = None):
         self._closed = True                  # nothing to release until NVSHMEM is up
         check_world_args("ShmemWorld", timeout_ns=timeout_ns, device=device)
-        self.rank = resolve_rank(cfg, rank, getattr(bootstrap, "world_size", None))
+        if session is not None:
+            if not isinstance(session, ShmemSession):
+                raise ValueError(f"ShmemWorld: session= must be a ShmemSession, got "
+                                 f"{type(session).__name__}")
+            session.check_world(cfg, rank=rank, device=device, bootstrap=bootstrap,
+                                host=host, backend=backend)
+            self.rank = session.rank
+        else:
+            self.rank = resolve_rank(cfg, rank, getattr(bootstrap, "world_size", None))
         check_transport(cfg)
+        if backend is None:
+            backend = "cuda" if session is None else session.backend
         self._init_common(cfg, fused, "ShmemWorld", timeout_ns, input_scale, backend,
                           participants=1, shmem_ok=True)
-        cuda = self.cuda
         if barrier_timeout_s is None:
-            barrier_timeout_s = float(os.environ.get("EPGEN_BARRIER_TIMEOUT_S") or
-                                      bootstrap_mod.DEFAULT_TIMEOUT_S)
+            barrier_timeout_s = (session.barrier_timeout_s if session is not None
+                                 else default_barrier_timeout())
         self.barrier_timeout_s = barrier_timeout_s
-        n_dev = cuda.device_count()
-        self.device_id = resolve_device(device, n_dev, bootstrap_mod.local_rank())
-        self.sharers = local_sharers(self.device_id, n_dev, int(
-            os.environ.get("LOCAL_WORLD_SIZE") or 1)) if device is None else 1
+        if session is None:
+            n_dev = self.cuda.device_count()
+            self.device_id = resolve_device(device, n_dev, bootstrap_mod.local_rank())
+            self.sharers = local_sharers(self.device_id, n_dev, int(
+                os.environ.get("LOCAL_WORLD_SIZE") or 1)) if device is None else 1
+        else:
+            self.device_id, self.sharers = session.device_id, session.sharers
         self.index = next(_WORLD_INDEX)
-        self.bootstrap = bootstrap if bootstrap is not None else bootstrap_mod.from_env(
-            self.rank, cfg.n_ranks, barrier_timeout_s)
-        self.host = NvshmemHost() if host is None else host
-        set_env_defaults()
-        dev = cuda.get_device(self.device_id)
-        if hasattr(dev, "set_current"):       # NVSHMEM binds the context current at init
-            dev.set_current()
-        uid = self.host.get_uniqueid() if self.rank == 0 else None
-        uid = self.bootstrap.broadcast_bytes(uid, f"nvshmem-{self.index}")
-        # cuda_device_id stays NVSHMEM's "unset" (-1, as its default initializer has it):
-        # NVSHMEM takes the context made current above
-        self.host.init_uid(uid, self.rank, cfg.n_ranks)
+        #: whether the world made its session (and finalises it at close)
+        self.owns_session = session is None
+        if session is None:
+            session = ShmemSession(
+                self.rank, cfg.n_ranks, device=self.device_id, bootstrap=bootstrap,
+                host=host, barrier_timeout_s=barrier_timeout_s,
+                backend="cuda" if self.cuda is cuda_backend else self.cuda,
+                name=f"w{self.index}")
+        self.session = session
+        self.bootstrap, self.host = session.bootstrap, session.host
         self._closed = False
         self._failed = False
         self.ranks = []
+        session.register(self)
         try:
             self._setup(cfg, arch)
             self.bootstrap.barrier(f"w{self.index}-ready")
@@ -336,18 +327,31 @@ class ShmemWorld(RankWorld):
 
     # -- close ------------------------------------------------------------------------------------
     def close(self, _raise: bool = True) -> None:
-        """Synchronise, meet every PE at a barrier, free the symmetric buffers (collectively,
-        in order) and finalise NVSHMEM. Idempotent. If a peer never reaches the barrier, the
-        collective steps are skipped (they would wait for it) and ``BootstrapTimeoutError``
-        is raised (unless ``_raise`` is False, e.g. while another error propagates)."""
+        """Synchronise, meet every PE at a barrier, free the world's symmetric buffers
+        (collectively, in order) and, when the world made its own session, finalise
+        NVSHMEM (a shared session stays up: ``ShmemSession.close`` finalises it).
+        Idempotent. If a peer never reaches the barrier, the collective steps are skipped
+        (they would wait for it), the session is marked lost and ``BootstrapTimeoutError``
+        is raised (unless ``_raise`` is False, e.g. while another error propagates). On a
+        session already lost the barrier and the free are skipped, with a warning."""
         if self._closed:
             return
         self._closed = True
+        session = self.session
         error = None
         try:
             self.synchronize()
         except Exception as e:        # a faulted context: still try to leave in step
             error = e
+        left_up = " and NVSHMEM not finalised" if self.owns_session else ""
+        if session.lost:              # a peer is gone: nothing collective can finish
+            self.ranks = []
+            session.release(self)
+            warnings.warn(f"ShmemWorld.close: a peer of the session was lost earlier; "
+                          f"symmetric buffers not freed{left_up}", RuntimeWarning, stacklevel=2)
+            if error is not None and _raise:
+                raise error
+            return
         timeout = self.barrier_timeout_s
         if self._failed:              # the others are failing too: each within ~2 deadlines
             timeout = min(timeout, max(5.0, 3 * self.timeout_ns / 1e9))
@@ -355,16 +359,20 @@ class ShmemWorld(RankWorld):
             self._barrier_bounded(f"w{self.index}-close", timeout)
         except bootstrap_mod.BootstrapTimeoutError as e:
             self.ranks = []
+            session.mark_lost()
+            session.release(self)
             if _raise:
                 raise
-            warnings.warn(f"ShmemWorld.close: {e}; symmetric buffers not freed and NVSHMEM "
-                          f"not finalised", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"ShmemWorld.close: {e}; symmetric buffers not freed{left_up}",
+                          RuntimeWarning, stacklevel=2)
             return
         self.ranks = []
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.free_all()
-        self.host.finalize()
+        session.release(self)
+        if self.owns_session:
+            session.close(barrier=False)   # the barrier above was the last collective wait
         if error is not None and _raise:
             raise error
 
