@@ -25,10 +25,11 @@ argument):
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
   and the mask calls, the normal (high-throughput) mode, ``comm`` (an MPI communicator).
-- ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
-  ``allow_nvlink_for_low_latency_mode`` and ``allow_mnnvl`` are accepted and not used:
-  epgen sizes its own buffers per shape (``get_low_latency_rdma_size_hint`` says how much),
-  and ``ignored_arguments`` lists them.
+- ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
+  accepted and not used: epgen sizes its own buffers per shape
+  (``get_low_latency_rdma_size_hint`` says how much), and ``ignored_arguments`` lists them.
+  ``allow_nvlink_for_low_latency_mode=False`` sends to every peer by NVSHMEM puts
+  (``shmem_source``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class _Outstanding:
 class Buffer:
     """DeepEP's ``Buffer`` (low-latency mode) for one rank (module docstring). DeepEP's
     arguments first; epgen's own, keyword-only: ``n_sms`` and ``num_threads`` (the kernels'
-    grid; default from the GPU), ``timeout_ns`` (the kernels' bounded waits)."""
+    grid; default from the GPU), ``timeout_ns`` (the kernels' bounded waits),
+    ``p2p_world_size`` (a process group's ranks that store into each other directly;
+    ``shmem_source``)."""
 
     #: DeepEP's SM count of its normal-mode kernels (kept for ``set_num_sms``)
     num_sms: int = 20
@@ -89,7 +92,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  n_sms: int | None = None, num_threads: int | None = None,
-                 timeout_ns: int | None = None):
+                 timeout_ns: int | None = None, p2p_world_size: int | None = None):
         self.torch = _torch()
         if comm is not None:
             raise EPInputError("comm: an MPI communicator is not supported; pass a "
@@ -105,7 +108,9 @@ class Buffer:
         else:
             from .shmem_source import ShmemSource
             self._source = ShmemSource(group, n_sms=n_sms, num_threads=num_threads,
-                                       timeout_ns=timeout_ns)
+                                       timeout_ns=timeout_ns,
+                                       allow_nvlink=allow_nvlink_for_low_latency_mode,
+                                       p2p_world_size=p2p_world_size)
         self.group = group
         self.rank, self.group_size = self._source.rank, self._source.size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -115,9 +120,7 @@ class Buffer:
         #: DeepEP arguments this buffer accepted and does not use (module docstring)
         self.ignored_arguments = {
             "num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
-            "num_qps_per_rank": num_qps_per_rank,
-            "allow_nvlink_for_low_latency_mode": allow_nvlink_for_low_latency_mode,
-            "allow_mnnvl": allow_mnnvl}
+            "num_qps_per_rank": num_qps_per_rank, "allow_mnnvl": allow_mnnvl}
         self.on_cuda = self._source.on_cuda
         self._slots = [_Outstanding(), _Outstanding()]
         self._next_slot = 0

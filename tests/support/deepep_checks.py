@@ -29,6 +29,11 @@ import attrs
 import numpy as np
 
 RANK_OFFSET = 128
+#: the format variants DeepEP offers: name -> (use_fp8, round_scale, use_ue8m0)
+VARIANTS = {"bf16": (False, False, False), "fp8": (True, False, False),
+            "fp8_round_scale": (True, True, False), "fp8_ue8m0": (True, True, True)}
+#: (return_recv_hook, zero_copy, dispatches before the combine)
+ROUNDS = ((False, False, 1), (True, True, 2))
 #: DeepEP's combine thresholds
 BF16_DIFF, FP8_DIFF = 1e-5, 9e-4
 
@@ -44,7 +49,7 @@ def cast_back(torch, x_fp8, scales):
     n, H = x_fp8.shape
     # a fresh row-major copy: with one pack per row ([n, 1]) ``contiguous()`` keeps the
     # column-major stride, which ``view(uint8)`` refuses
-    s = torch.empty(scales.shape, dtype=scales.dtype).copy_(scales)
+    s = torch.empty(scales.shape, dtype=scales.dtype, device=scales.device).copy_(scales)
     if s.dtype == torch.int32:
         exps = s.view(torch.uint8).to(torch.int32)
         s = (exps << 23).view(torch.float32)
@@ -133,7 +138,7 @@ def gemm_input(torch, recv_x, use_fp8: bool, hidden: int):
         return recv_x.clone()
     x8, scales = recv_x
     L, RT, H = x8.shape
-    s = scales.contiguous()
+    s = torch.empty(scales.shape, dtype=scales.dtype, device=scales.device).copy_(scales)
     return cast_back(torch, x8.reshape(L * RT, H), s.reshape(L * RT, -1)).view(L, RT, H)
 
 
@@ -150,3 +155,37 @@ def check_combine(torch, rank: int, x, idx, w, combined, *, use_fp8: bool,
     if not round_scale:
         bound = FP8_DIFF if use_fp8 else BF16_DIFF
         assert diff < bound, f"rank {rank}: calc_diff {diff:.3g} >= {bound}"
+
+
+def rank_rounds(torch, buf, rank: int, case: LLCase, inputs, variant: str, rounds=ROUNDS,
+                device=None) -> None:
+    """Rank ``rank``'s ``rounds`` on ``buf`` (``inputs``: every rank's, on the CPU; moved to
+    ``device`` for the calls): dispatch(es) with the statistics, the hook or
+    ``async_finish``, then a combine into ``out`` (zero-copy when the round says), each
+    result checked (module docstring)."""
+    use_fp8, round_scale, use_ue8m0 = VARIANTS[variant]
+    all_idx = [i for _, i, _ in inputs]
+    T, H, E, L = case.tokens, case.hidden, case.num_experts, case.num_experts // case.n_ranks
+    x, idx, w = (t.to(device) if device is not None else t for t in inputs[rank])
+    for hook, zero_copy, dispatches in rounds:
+        for _ in range(dispatches):
+            stats = torch.zeros(L, dtype=torch.int32, device=device)
+            recv_x, count, handle, event, recv_hook = buf.low_latency_dispatch(
+                x, idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+                round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=not hook,
+                return_recv_hook=hook)
+            assert (recv_hook is not None) == hook
+            recv_hook() if hook else event.current_stream_wait()
+        check_dispatch(torch, case, rank, all_idx, recv_x, count, handle, stats,
+                       use_fp8=use_fp8, round_scale=round_scale)
+        y = gemm_input(torch, recv_x, use_fp8, H)
+        if zero_copy:
+            buf.get_next_low_latency_combine_buffer(handle)[:, :, :] = y
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=device)
+        combined, event, recv_hook = buf.low_latency_combine(
+            y, idx, w, handle, zero_copy=zero_copy, async_finish=not hook,
+            return_recv_hook=hook, out=out)
+        recv_hook() if hook else event.current_stream_wait()
+        assert combined is out
+        check_combine(torch, rank, inputs[rank][0], inputs[rank][1], inputs[rank][2],
+                      combined, use_fp8=use_fp8, round_scale=round_scale)

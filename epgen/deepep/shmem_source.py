@@ -1,0 +1,78 @@
+"""Where a process-group ``Buffer``'s ports come from: one ``ShmemWorld`` per (shape,
+result slot) of this process's rank, all on one ``ShmemSession`` (one NVSHMEM
+initialisation, bootstrapped through the group: ``bootstrap.from_group``).
+
+- **The group** is used for the rank, the size, the NVSHMEM unique-id exchange and the host
+  barriers of world creation and close; any backend works (gloo, NCCL). Several ranks on
+  one GPU cannot share an NCCL group: give them a gloo one.
+- **The GPU** is the current CUDA device when the buffer is made (engines set it first).
+- **Transport**: ranks of one P2P group (``p2p_world_size`` consecutive ranks, default
+  ``LOCAL_WORLD_SIZE`` when it divides the group size, else the whole group) store directly
+  into each other's buffers (``nvshmem_ptr``); the others get NVSHMEM puts. DeepEP's
+  ``allow_nvlink_for_low_latency_mode=False`` (every peer over RDMA) is
+  ``p2p_world_size=1``.
+- **Worlds** are made on the first call of each shape, collectively (every rank calls with
+  the same shapes in the same order, as DeepEP requires); ``close`` closes them and the
+  session.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import EPInputError
+from .ports import DevicePort
+
+
+def default_p2p_world_size(size: int) -> int:
+    """``LOCAL_WORLD_SIZE`` when set and a divisor of ``size``, else ``size``."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    return local if local and size % local == 0 else size
+
+
+class ShmemSource:
+    """This process's rank of ``group`` (module docstring)."""
+
+    on_cuda = True
+
+    def __init__(self, group, *, n_sms: int | None, num_threads: int | None,
+                 timeout_ns: int | None, allow_nvlink: bool = True,
+                 p2p_world_size: int | None = None, barrier_timeout_s: float | None = None):
+        import torch
+
+        from ..runtime import bootstrap
+        from ..runtime.shmem_session import ShmemSession, default_barrier_timeout
+        self.rank, self.size = group.rank(), group.size()
+        if p2p_world_size is None:
+            p2p_world_size = default_p2p_world_size(self.size) if allow_nvlink else 1
+        if p2p_world_size < 1 or self.size % p2p_world_size:
+            raise EPInputError(f"p2p_world_size: {p2p_world_size} must divide the group size "
+                               f"({self.size})")
+        self.p2p_world_size = p2p_world_size
+        self.n_sms, self.num_threads, self.timeout_ns = n_sms, num_threads, timeout_ns
+        timeout = barrier_timeout_s or default_barrier_timeout()
+        self.session = ShmemSession(bootstrap=bootstrap.from_group(group, timeout_s=timeout),
+                                    device=torch.cuda.current_device(),
+                                    barrier_timeout_s=timeout)
+        self.ports = {}
+
+    def port(self, torch, shape, slot: int) -> DevicePort:
+        key = (shape, slot)
+        port = self.ports.get(key)
+        if port is None:
+            from ..runtime.shmem_world import ShmemWorld
+            P = self.p2p_world_size
+            cfg = shape.config(n_sms=self.n_sms, num_threads=self.num_threads,
+                               p2p_world_size=P, use_shmem=P < self.size)
+            world = ShmemWorld(cfg, rank=self.rank, session=self.session,
+                               timeout_ns=self.timeout_ns, fused=False)
+            port = self.ports[key] = DevicePort(torch, world, self.rank)
+        return port
+
+    def close(self) -> None:
+        """Close every world, then the session (collective; idempotent)."""
+        self.ports.clear()
+        self.session.close()
+
+
+__all__ = ["ShmemSource", "default_p2p_world_size"]

@@ -1,0 +1,179 @@
+"""``epgen.deepep.Buffer`` on the H200 with DeepEP's test properties (``deepep_checks``):
+
+- every rank in one process (``EmulatedGroup``, one thread and one stream per rank), every
+  format variant, at DeepEP's decode shape scaled to one GPU;
+- the engines' call sequences (``engine_calls``): vLLM (also two overlapped micro-batches,
+  hooks on other threads), SGLang (an idle rank), TensorRT-LLM; and vLLM's step captured in
+  a CUDA graph and replayed with new inputs;
+- one process per rank under ``epgen launch`` (MPS when ``CUDA_MPS_PIPE_DIRECTORY`` is set),
+  the buffer built from a gloo process group over NVSHMEM, inside one P2P group and with
+  every peer by puts: this file is each PE's program (``python tests/gpu/test_deepep_gpu.py
+  pe ...``).
+
+    PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_deepep_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import epgen.deepep as deep_ep  # noqa: E402
+
+import engine_calls as ec  # noqa: E402
+from deepep_checks import (VARIANTS, LLCase, check_combine, check_dispatch,  # noqa: E402
+                           gemm_input, rank_inputs, rank_rounds)
+
+#: 4 ranks on one GPU: DeepEP's decode shape with a quarter of the ranks and experts
+CASE = LLCase(n_ranks=4, num_experts=64, tokens=128, hidden=7168, top_k=8, masked=10)
+DEV = "cuda"
+
+
+def emulated(n_ranks=CASE.n_ranks):
+    return deep_ep.EmulatedGroup(n_ranks, backend="cuda", timeout_ns=2_000_000_000)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_emulated_low_latency_rounds(variant, seed):
+    group = emulated()
+    inputs = rank_inputs(torch, CASE, seed)
+    group.run(lambda rank: rank_rounds(
+        torch, deep_ep.Buffer(group.rank(rank), low_latency_mode=True), rank, CASE, inputs,
+        variant, rounds=((False, False, 1), (True, True, 2), (True, False, 1)), device=DEV))
+
+
+def test_emulated_vllm_two_microbatches_and_sglang_and_trtllm(seed):
+    group = emulated()
+    first, second = rank_inputs(torch, CASE, seed), rank_inputs(torch, CASE, seed + 1)
+    T, H, E = CASE.tokens, CASE.hidden, CASE.num_experts
+    ids = [i for _, i, _ in first]
+
+    def body(rank):
+        dev = [tuple(t.to(DEV) for t in b[rank]) for b in (first, second)]
+        buf = ec.vllm_buffer(deep_ep, group.rank(rank), T, H, CASE.n_ranks, E)
+        done = ec.vllm_two_microbatches(torch, buf, dev, T, E, lambda r: r.clone(),
+                                        stream=torch.cuda.current_stream())
+        for inputs, ((_, _, _), out) in zip((first, second), done):
+            x, i, w = inputs[rank]
+            check_combine(torch, rank, x, i, w, out, use_fp8=False, round_scale=False)
+        x, i, w = dev[0]
+        recv, masked_m, _, handle, i64 = ec.sglang_dispatch(torch, buf, x, i.to(torch.int32),
+                                                            T, E, True)
+        check_dispatch(torch, CASE, rank, ids, recv, masked_m, handle, None, use_fp8=True,
+                       round_scale=False)
+        combined = ec.sglang_combine(buf, gemm_input(torch, recv, True, H), i64, w, handle)
+        check_combine(torch, rank, *first[rank], combined, use_fp8=True, round_scale=False)
+        recv_x, count, handle, combined = ec.trtllm_round(buf, x, i.to(torch.int32), w, T, E,
+                                                          lambda r: r.clone())
+        check_dispatch(torch, CASE, rank, ids, recv_x, count, handle, None, use_fp8=False,
+                       round_scale=False)
+        check_combine(torch, rank, *first[rank], combined, use_fp8=False, round_scale=False)
+    group.run(body)
+
+
+def test_emulated_vllm_step_in_a_cuda_graph(seed):
+    """Warm up both result slots, capture one prepare + finalize (hooks included) per rank,
+    replay it with three new inputs copied into the captured tensors."""
+    group = emulated()
+    rounds = [rank_inputs(torch, CASE, seed + k) for k in range(3)]
+    T, H, E = CASE.tokens, CASE.hidden, CASE.num_experts
+
+    def body(rank):
+        buf = ec.vllm_buffer(deep_ep, group.rank(rank), T, H, CASE.n_ranks, E)
+        x, i, w = (t.to(DEV) for t in rounds[0][rank])
+        stream = torch.cuda.current_stream()
+
+        def step():
+            hook, (expert_x, _, handle) = ec.vllm_prepare(buf, x, i, T, E, False, False)
+            hook()
+            c_hook, out = ec.vllm_finalize(torch, buf, expert_x.clone(), w, i, handle)
+            c_hook()
+            return out
+        step()
+        step()                          # both slots' worlds made before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            out = step()
+        step()                          # the slot after the captured one, warmed again
+        for inputs in rounds:
+            nx, ni, nw = inputs[rank]
+            x.copy_(nx)
+            i.copy_(ni)
+            w.copy_(nw)
+            graph.replay()
+            check_combine(torch, rank, nx, ni, nw, out, use_fp8=False, round_scale=False)
+    group.run(body)
+
+
+# -- one process per rank -------------------------------------------------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
+TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
+PE_CASE = {2: LLCase(2, 8, 64, 2048, 4, masked=6), 4: LLCase(4, 16, 64, 2048, 4, masked=6),
+           8: LLCase(8, 16, 32, 2048, 4, masked=6)}
+
+
+@pytest.fixture(scope="module")
+def _nvshmem_wheel():
+    from backends.cuda import nvshmem_host
+    try:
+        nvshmem_host.find_host_library()
+    except nvshmem_host.NvshmemUnavailableError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("p2p", ["all_p2p", "all_puts"])
+@pytest.mark.parametrize("n", PES)
+def test_process_group_buffer_one_process_per_rank(n, p2p, seed, _nvshmem_wheel):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests",
+                                                                           "support")]),
+           "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}
+    mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
+    cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(TIMEOUT),
+           "--grace", "10", *mps, "--", sys.executable, os.path.abspath(__file__), "pe",
+           str(seed), p2p]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT + 60)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    for r in range(n):
+        assert re.search(rf"^\[rank {r}\] rank {r}: every DeepEP round passed$", proc.stdout,
+                         re.M), text[-6000:]
+
+
+def pe_main(seed: int, p2p: str) -> int:
+    """One rank's program: a gloo group from the launcher's directory, a ``Buffer`` over it
+    (NVSHMEM), every variant's rounds, then ``destroy``."""
+    import torch.distributed as dist
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)
+    store = os.path.join(os.environ["EPGEN_LAUNCH_DIR"], "deepep-gloo-store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
+    case = PE_CASE[n]
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.tokens, case.hidden, n,
+                                                         case.num_experts)
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True,
+                         num_qps_per_rank=case.num_experts // n, explicitly_destroy=True,
+                         allow_nvlink_for_low_latency_mode=p2p == "all_p2p",
+                         n_sms=8, num_threads=512, timeout_ns=5_000_000_000)
+    inputs = rank_inputs(torch, case, seed)
+    for variant in VARIANTS:
+        rank_rounds(torch, buf, rank, case, inputs, variant, device=DEV)
+    buf.destroy()
+    print(f"rank {rank}: every DeepEP round passed", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["pe"]:
+        sys.exit("usage: test_deepep_gpu.py pe SEED all_p2p|all_puts")
+    sys.exit(pe_main(int(sys.argv[2]), sys.argv[3]))
