@@ -125,11 +125,14 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                         "vs the dispatch baseline then the combine's); combine and moe: "
                         "BF16 over P2P on the emulated world, transform-free (each received "
                         "row goes back as it came)")
-    p.add_argument("--api", choices=("numpy", "torch"), default="numpy",
+    p.add_argument("--api", choices=("numpy", "torch", "deepep"), default="numpy",
                    help="torch: after the figures above, the cost of the device-side API "
                         "(epgen.torch.EPBuffer) in the same run: host time per dispatch and "
                         "combine call per rank, and the dispatch + combine round trip on the "
-                        "stream against its CUDA-graph replay (emulated world; needs torch)")
+                        "stream against its CUDA-graph replay (emulated world; needs torch). "
+                        "deepep: the DeepEP-compatible API (epgen.deepep.Buffer, BF16 and "
+                        "FP8) against EPBuffer on the same kernels in the same run: host time "
+                        "per call and the round trip on the device")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw a PNG: round-trip GB/s against tokens per rank for each variant "

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.parser, "--json", args.json)
     check_output_path(args.parser, "--plot", args.plot)
     cfg, _ = config_from_args(args, default=default_preset(args.world))
+    if args.api in ("torch", "deepep") and args.world != "emulated":
+        args.parser.error(f"argument --api {args.api}: only with --world emulated")
     if args.world == "shmem" and args.op != "dispatch":
         args.parser.error(f"argument --op {args.op}: only with --world emulated (the combine "
                           f"of the other worlds is not benchmarked yet)")
@@ -68,31 +70,31 @@ def run(args: argparse.Namespace) -> int:
         if failures:
             raise CommandError("bench: " + "; ".join(failures))
         return 0
-    if args.api == "torch" and args.world != "emulated":
-        args.parser.error("argument --api torch: only with --world emulated")
     plan = options.plan_from_args(args.parser, args, cfg, [cfg.max_tokens_per_rank],
                                   arch=args.arch)
     results = driver.execute(plan, json_path=args.json, plot_path=args.plot)
     failures = list(results["failures"])
-    if args.api == "torch":
-        failures += _torch_api(args, plan)
+    if args.api in ("torch", "deepep"):
+        failures += _api_costs(args, plan)
     if failures:
         raise CommandError("bench: " + "; ".join(failures))
     return 0
 
 
-def _torch_api(args: argparse.Namespace, plan) -> list[str]:
+def _api_costs(args: argparse.Namespace, plan) -> list[str]:
     """``--api torch``: the cost of ``epgen.torch.EPBuffer`` in the same run, added to the
-    JSON report under ``torch_api``; returns the failures."""
+    JSON report under ``torch_api``; ``--api deepep``: ``epgen.deepep.Buffer`` against
+    ``EPBuffer``, under ``deepep_api``. Returns the failures."""
     import json
 
-    from epgen.bench import torch_api
+    from epgen.bench import deepep_api, torch_api
 
-    records, failures = torch_api.run(args, plan)
+    module = torch_api if args.api == "torch" else deepep_api
+    records, failures = module.run(args, plan)
     if args.json:
         with open(args.json) as f:
             data = json.load(f)
-        data["torch_api"] = records
+        data[f"{args.api}_api"] = records
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
     return failures

@@ -316,15 +316,19 @@ class Buffer:
             if async_finish else events.EventOverlap()
         return result, event, hook
 
-    def _check_handle(self, handle) -> _Outstanding:
-        """The result slot of ``handle``, after checking that it is this buffer's, of the
-        slot's last dispatch, received and not yet combined."""
+    def _check_handle_owner(self, handle) -> int:
+        """``handle``'s result slot index, after checking that it is this buffer's."""
         if not isinstance(handle, LowLatencyHandle):
             raise EPInputError(f"handle: must be the handle low_latency_dispatch returned, "
                                f"got {type(handle).__name__}")
         if handle.owner is not self:
             raise EPInputError("handle: from another buffer")
-        slot = self._slots[handle.slot]
+        return handle.slot
+
+    def _check_handle(self, handle) -> _Outstanding:
+        """The result slot of ``handle``, after checking that it is this buffer's, of the
+        slot's last dispatch, received and not yet combined."""
+        slot = self._slots[self._check_handle_owner(handle)]
         if slot.generation != handle.generation:
             raise EPInputError("handle: its result slot was reused by a later dispatch (at "
                                "most two dispatch results are outstanding: combine each "
@@ -350,6 +354,15 @@ class Buffer:
         slot = self._check_handle(handle)
         s = slot.shape
         return slot.port.combine_input().view(s.n_local_experts, s.rows_per_expert, s.hidden)
+
+    def epbuffer_of(self, handle):
+        """epgen's own ``epgen.torch.EPBuffer`` of the world that served ``handle`` (a CUDA
+        buffer): the same kernels and buffers, for comparisons (``epgen bench --api
+        deepep``). Calling it changes that world's outputs under this buffer's results."""
+        slot = self._slots[self._check_handle_owner(handle)]
+        if not self.on_cuda:
+            raise RuntimeError("epbuffer_of: the simulator's worlds have no EPBuffer")
+        return slot.port.ep
 
     # -- upkeep --------------------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,

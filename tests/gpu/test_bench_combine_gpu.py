@@ -54,3 +54,21 @@ def test_bench_api_torch_reports_host_time_and_graph_ratio(tmp_path, capsys):
         assert r["stream_over_graph"] == pytest.approx(
             r["round_trip_us_stream"] / r["round_trip_us_graph"])
     assert "staged kernels" in out and "fused kernels" in out
+
+
+def test_bench_api_deepep_reports_both_apis_on_the_same_kernels(tmp_path, capsys):
+    pytest.importorskip("torch")
+    js = tmp_path / "deepep.json"
+    status = cli.main(["bench", *QUICK, "--api", "deepep", "--json", str(js)])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    recs = json.loads(js.read_text())["deepep_api"]
+    assert [(r["tokens_per_rank"], r["format"]) for r in recs] == [(32, "BF16"), (32, "FP8")]
+    for r in recs:
+        for key in ("host_us_dispatch_deepep", "host_us_dispatch_epgen",
+                    "host_us_combine_deepep", "host_us_combine_epgen"):
+            assert 0 < r[key] < 1000, (key, r)
+        assert r["round_trip_us_deepep"] > 0 and r["round_trip_us_epgen"] > 0
+        assert r["device_ratio"] == pytest.approx(r["round_trip_us_deepep"]
+                                                  / r["round_trip_us_epgen"])
+    assert "deepep api, 32 tokens/rank" in out

@@ -659,3 +659,5 @@ def test_bench_api_torch_only_on_the_emulated_world(capsys):
     another world it is a usage error naming the option."""
     status, _, err = run_cli(capsys, "bench", "--api", "torch", "--world", "p2p")
     assert status == 2 and "--api torch" in err
+    status, _, err = run_cli(capsys, "bench", "--api", "deepep", "--world", "shmem")
+    assert status == 2 and "--api deepep: only with --world emulated" in err

@@ -1,0 +1,188 @@
+"""``epgen bench --api deepep``: the cost of the DeepEP-compatible API (``epgen.deepep``)
+against epgen's own ``EPBuffer`` on the same kernels, in the same run.
+
+Per shape (tokens per rank, which is also ``num_max_dispatch_tokens_per_rank``) and token
+format (BF16, and FP8 as DeepEP's ``use_fp8``), every rank of an ``EmulatedGroup`` on one
+GPU, each rank called from the main thread on its own stream (as one process per rank
+would, without the threads' noise):
+
+- **host time** per rank of one ``low_latency_dispatch`` (hook received) and one
+  ``low_latency_combine`` (into ``out``), against one ``EPBuffer.dispatch`` and one
+  ``EPBuffer.combine`` of the same world (the port the DeepEP buffer uses: same kernels,
+  same buffers): ``time.perf_counter`` around each call, median over the iterations;
+- **device time** of a dispatch + combine round trip of every rank: a start event on the
+  current stream that every rank stream waits for, an end event after every rank's
+  combine, median; both APIs timed this way.
+
+The compat layer's goal: no device time added (its outputs are views) and at most 3 us of
+host time per call. The first call of each shape is checked with DeepEP's properties
+(recv counts against the routing, each row's source, combine's ``calc_diff``) unless
+``--no-post-check``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from . import inputs
+from .combine import weights as combine_weights
+
+#: the formats timed: name -> DeepEP's use_fp8
+FORMATS = (("BF16", False), ("FP8", True))
+#: DeepEP's combine threshold for BF16 (its test's)
+BF16_DIFF = 1e-5
+
+
+def run(args, plan, out=None) -> tuple[list[dict], list[str]]:
+    """One record per shape of ``plan`` and format (module docstring); (records, failures)."""
+    out = sys.stdout if out is None else out
+    records, failures = [], []
+    for T in plan.tokens:
+        for name, use_fp8 in FORMATS:
+            rec = _time_shape(args, plan, T, name, use_fp8, failures, out)
+            if rec is not None:
+                records.append(rec)
+    return records, failures
+
+
+def _calc_diff(torch, x, y) -> float:
+    x, y = x.double() + 1, y.double() + 1
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, out):
+    import torch
+
+    import epgen.deepep as deep_ep
+    iters = args.iters or 50
+    cfg = plan.config(T)
+    R, E = cfg.n_ranks, cfg.n_experts
+    H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+    toks, ids = inputs.make_input_sets(cfg, T, 1, plan.routing, plan.zipf_s, plan.seed)[0]
+    x = [torch.from_numpy(np.ascontiguousarray(t).view(np.int16)).view(torch.bfloat16).cuda()
+         for t in toks]
+    i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
+    w = [torch.from_numpy(a).cuda() for a in combine_weights(cfg, T, plan.seed)]
+    group = deep_ep.EmulatedGroup(R, n_sms=cfg.n_sms, num_threads=cfg.num_threads)
+    bufs = [deep_ep.Buffer(group.rank(r), low_latency_mode=True) for r in range(R)]
+    streams = [group.stream(torch, r) for r in range(R)]
+    outs = [torch.empty((T, H), dtype=torch.bfloat16, device="cuda") for _ in range(R)]
+    main = torch.cuda.current_stream()
+
+    L = cfg.layout.n_local_experts
+    # the experts' stand-in outputs: any BF16 rows in the dispatch layout time the same
+    ys = [torch.zeros((L, R * T, H), dtype=torch.bfloat16, device="cuda") for _ in range(R)]
+
+    def deepep_round(host_d=None, host_c=None, received_rows=False):
+        got = []
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                t0 = time.perf_counter()
+                recv_x, count, handle, _, hook = bufs[r].low_latency_dispatch(
+                    x[r], i[r], T, E, use_fp8=use_fp8, return_recv_hook=True)
+                hook()
+                if host_d is not None:
+                    host_d.append(time.perf_counter() - t0)
+                got.append((recv_x, count, handle))
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                recv_x, _, handle = got[r]
+                y = recv_x if received_rows and not use_fp8 else ys[r]
+                t0 = time.perf_counter()
+                bufs[r].low_latency_combine(y, i[r], w[r], handle, out=outs[r])
+                if host_c is not None:
+                    host_c.append(time.perf_counter() - t0)
+        return got
+
+    deepep_round()                           # makes both result slots' worlds
+    got = deepep_round(received_rows=True)
+    eps = [bufs[r].epbuffer_of(got[r][2]) for r in range(R)]
+    if not args.no_post_check:
+        bad = _check(torch, cfg, x, ids, w, got, outs, use_fp8, bufs, streams)
+        if bad:
+            failures.append(f"deepep api, {T} tokens, {name}: {bad}")
+            return None
+
+    def epgen_round(host_d=None, host_c=None):
+        disp = []
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                t0 = time.perf_counter()
+                disp.append(eps[r].dispatch(x[r], i[r]))
+                if host_d is not None:
+                    host_d.append(time.perf_counter() - t0)
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                t0 = time.perf_counter()
+                eps[r].combine(ys[r].view(L * R * T, H), disp[r], w[r], into=outs[r])
+                if host_c is not None:
+                    host_c.append(time.perf_counter() - t0)
+
+    def timed(round_fn):
+        host_d, host_c, dev = [], [], []
+        for it in range(iters + 5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record(main)
+            for s in streams:
+                s.wait_event(start)
+            hd, hc = ([], []) if it >= 5 else (None, None)
+            round_fn(hd, hc)
+            for s in streams:
+                main.wait_stream(s)
+            end.record(main)
+            torch.cuda.synchronize()
+            if it >= 5:
+                host_d += hd
+                host_c += hc
+                dev.append(start.elapsed_time(end) * 1e3)
+        us = lambda v: statistics.median(v) * 1e6  # noqa: E731
+        return us(host_d), us(host_c), statistics.median(dev)
+    d_host, c_host, d_dev = timed(deepep_round)
+    e_host, ec_host, e_dev = timed(epgen_round)
+    for b in bufs:
+        b.check()
+    rec = {"tokens_per_rank": T, "format": name, "ranks": R,
+           "host_us_dispatch_deepep": d_host, "host_us_dispatch_epgen": e_host,
+           "host_us_combine_deepep": c_host, "host_us_combine_epgen": ec_host,
+           "round_trip_us_deepep": d_dev, "round_trip_us_epgen": e_dev}
+    rec["host_us_added_dispatch"] = d_host - e_host
+    rec["host_us_added_combine"] = c_host - ec_host
+    rec["device_ratio"] = d_dev / e_dev
+    print(f"deepep api, {T} tokens/rank x {R} ranks, {name}: host "
+          f"{d_host:.1f} / {e_host:.1f} us per dispatch (deepep / EPBuffer), "
+          f"{c_host:.1f} / {ec_host:.1f} us per combine; round trip {d_dev:.1f} / "
+          f"{e_dev:.1f} us (x{rec['device_ratio']:.3f})", file=out)
+    return rec
+
+
+def _check(torch, cfg, x, ids, w, got, outs, use_fp8: bool, bufs, streams):
+    """DeepEP's properties of the last round (the receive counts against the routing; with
+    BF16, whose received rows went back as the experts' outputs, combine's ``calc_diff``
+    against ``x * sum of unmasked weights``); the first failure or None."""
+    torch.cuda.synchronize()
+    for b in bufs:
+        b.check()
+    R, L = cfg.n_ranks, cfg.layout.n_local_experts
+    for r in range(R):
+        counts = got[r][1].cpu()
+        for e in range(L):
+            want = sum(int((a == r * L + e).sum()) for a in ids)
+            if int(counts[e]) != want:
+                return f"rank {r} expert {r * L + e}: recv_count {int(counts[e])}, routed {want}"
+    for r in range(R):
+        idx = torch.from_numpy(ids[r].astype(np.int64))
+        want = x[r].float().cpu() * w[r].cpu().masked_fill(idx == -1, 0).sum(1, keepdim=True)
+        if use_fp8:
+            continue
+        diff = _calc_diff(torch, want, outs[r].float().cpu())
+        if not use_fp8 and diff >= BF16_DIFF:
+            return f"rank {r}: combine calc_diff {diff:.3g}"
+    return None
+
+
+__all__ = ["run"]
