@@ -28,7 +28,7 @@ from .. import reference
 from ..runtime.combine import check_supported
 from .memory import trim_memory_pool
 from .runner import StagedInputs, emulated_world
-from .timing import fork_join, sample, summarize
+from .timing import fork_join, from_idle, sample, summarize
 
 PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}
 """The result key of the figure each ``--op`` is compared by (speed-up, plot)."""
@@ -82,11 +82,18 @@ def _check(cfg, got, results, w, what: str, fixed=None) -> None:
 def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, device=None,
                   arch=None, post_check: bool = True, progress, fused: bool | None = None,
                   graph: bool = False, batched: bool = False, world_factory=None,
-                  timer=fork_join) -> dict:
+                  host_sync: bool = False, timer=fork_join) -> dict:
     """Build the world (``world_factory()``, default an ``EmulatedWorld``), check dispatch +
     combine on set 0, time ``op`` (module docstring; ``timer``: the fork/join timing,
     ``timing.fork_join``), check the last call. Raises when a check fails; ``ValueError``
-    for a configuration combine does not take."""
+    for a configuration combine does not take.
+
+    ``host_sync`` (with ``gate`` None): every sample starts after the host waited for every
+    rank stream and the timing stream, as ``runner.measure_world(host_sync=True)`` times the
+    dispatch (the P2P benchmark): ``combine``'s untimed dispatch is enqueued after that
+    wait, as ``dispatch_wait``'s untimed dispatch_async is there."""
+    if host_sync and gate is not None:
+        raise ValueError("measure_world: host_sync times host enqueue; it takes no gate")
     check_supported(cfg)
     key = PRIMARY[op]
     res = {}
@@ -139,6 +146,8 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
             return ms, over
 
         once = combine_once if op == "combine" else graph_once if graph else moe_once
+        if host_sync:
+            once = from_idle(once, (*streams, ts))
         progress(f"  epgen: timing {key} ({warmup} warm-up + {iters} iterations)")
         res[key] = summarize(sample(once, iters, warmup, gate))
         world.check(f"benchmark {key}")

@@ -84,9 +84,10 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                    help="input sets rotated through the iterations (default 3)")
     p.add_argument("--iters", type=positive, default=None, metavar="N",
                    help="timed iterations per figure (default: 100 at <= 512 tokens per rank, "
-                        "else 20)")
+                        "else 20; --world shmem: 50)")
     p.add_argument("--warmup", type=int, default=None, metavar="N",
-                   help="untimed iterations first (default: 10 at <= 512 tokens, else 3)")
+                   help="untimed iterations first (default: 10 at <= 512 tokens, else 3; "
+                        "--world shmem: 5)")
     p.add_argument("--block-capacity", type=_arg_type(_capacity, "capacity"), default="fit",
                    metavar="fit|full|N",
                    help="recv_block_capacity: 'fit' (default: the inputs' largest (expert, "
@@ -109,22 +110,37 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                         "always; there the gate is the peer copies' only)")
     p.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--no-post-check", action="store_true",
-                   help="skip the check of each world's output after the timing")
+                   help="skip the check of each world's output after the timing (--world "
+                        "shmem: every check, before the timing too)")
     p.add_argument("--world", choices=WORLDS, default="emulated",
                    help="emulated (default): every rank on one GPU, against a device copy and "
                         "the PyTorch baseline; p2p: one GPU per rank (P2PWorld), against the "
                         "peer-copy (NVLink) bandwidth and torch.distributed NCCL all-to-all "
-                        "plus a permute (needs >= 2 GPUs; default preset 'default')")
+                        "plus a permute (needs >= 2 GPUs; default preset 'default'); shmem: "
+                        "one process per PE under 'epgen launch -n N' (ShmemWorld), each PE "
+                        "timing its own rank on its stream (--iters default 50, --warmup 5), "
+                        "rank 0 adding the slowest PE per call; no baseline, no gate")
     p.add_argument("--devices", metavar="LIST",
                    help="with --world p2p: the GPU of each rank, comma-separated (default: "
                         "rank r on GPU r)")
     p.add_argument("--op", choices=OPS, default="dispatch",
                    help="what to time: dispatch (the round trip, the default), combine (the "
-                        "combine alone, each sample after an untimed dispatch; vs a torch "
-                        "index_copy + weighted sum) or moe (dispatch + combine back to back; "
-                        "vs the dispatch baseline then the combine's); combine and moe: "
-                        "BF16 over P2P on the emulated world, transform-free (each received "
-                        "row goes back as it came)")
+                        "combine alone, each sample after an untimed dispatch; on the "
+                        "emulated world vs a torch index_copy + weighted sum) or moe "
+                        "(dispatch + combine back to back; emulated: vs the dispatch "
+                        "baseline then the combine's); every world, timed as its dispatch "
+                        "is; transform-free (each received row goes back as it came; the "
+                        "quantising formats send fixed BF16 rows); --world p2p has no NCCL "
+                        "baseline for combine and moe")
+    p.add_argument("--compare-p2p", type=_arg_type("parse_p2p_sizes", "p2p_world_size list"),
+                   metavar="P,Q[,...]",
+                   help="with --world shmem: time every p2p_world_size of the list in the "
+                        "same run, one world after the other on one NVSHMEM session, and "
+                        "report each one's median against the largest's as 'x of direct "
+                        "stores' (its median / this one's: 1.0 is as fast); e.g. 1,4 on 4 "
+                        "PEs: every peer by SHMEM puts against every peer by nvshmem_ptr "
+                        "stores. Replaces --set p2p_world_size; below n_ranks needs --set "
+                        "use_shmem=true")
     p.add_argument("--api", choices=("numpy", "torch", "deepep"), default="numpy",
                    help="torch: after the figures above, the cost of the device-side API "
                         "(epgen.torch.EPBuffer) in the same run: host time per dispatch and "
@@ -197,12 +213,20 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
     world = getattr(args, "world", "emulated")
     devices = parse_devices(parser, getattr(args, "devices", None), world, base.n_ranks)
     op = getattr(args, "op", "dispatch")
-    if op != "dispatch" and world != "emulated":
-        parser.error(f"argument --op {op}: only with --world emulated (the combine of the "
-                     f"other worlds is not benchmarked yet)")
-    if op == "combine" and any(dict(v.overrides).get("graph") for v in args.variant or ()):
+    if world == "shmem":
+        parser.error("argument --world shmem: one process per PE: run 'epgen launch -n N -- "
+                     "epgen bench --world shmem ...' (shmem_plan_from_args)")
+    if getattr(args, "compare_p2p", None):
+        parser.error("argument --compare-p2p: only with --world shmem (a P2P or emulated "
+                     "world reaches every rank by direct stores)")
+    graph = any(dict(v.overrides).get("graph") for v in args.variant or ())
+    if op == "combine" and graph:
         parser.error("argument --variant: graph times a whole replay: with --op moe or "
                      "dispatch, not --op combine")
+    if op == "moe" and graph and world != "emulated":
+        parser.error(f"argument --variant: graph with --op moe replays a captured dispatch + "
+                     f"combine (EmulatedWorld.capture_moe): --world emulated only, not "
+                     f"{world}")
     kw = {"variants": tuple(args.variant)} if args.variant else {}
     kw.update(world=world, devices=devices, op=op)
     from .plan import Plan
@@ -228,4 +252,59 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
                     plan.check_op(T, v)
                 except ValueError as exc:
                     parser.error(f"argument --op {op}: variant {v.label}: {exc}")
+    return plan
+
+
+SHMEM_REFUSED = (
+    ("--variant", "variant", "the SHMEM benchmark times the configuration as given (--set)"),
+    ("--routing", "routing", "the SHMEM benchmark routes uniformly"),
+    ("--sets", "input_sets", "the SHMEM benchmark loads one input set per shape"),
+    ("--block-capacity", "block_capacity",
+     "ShmemWorld sizes its receive blocks at full capacity"),
+    ("--devices", "devices", "each PE takes its GPU from LOCAL_RANK"),
+    ("--device", "device", "each PE takes its GPU from LOCAL_RANK"),
+    ("--check-rank", "check_rank", "each PE checks its own rank"),
+    ("--plot", "plot", "the SHMEM benchmark draws no plot"),
+    ("--copy-mib", "copy_mib", "the SHMEM benchmark measures no device copy"),
+    ("--copy-iters", "copy_iters", "the SHMEM benchmark measures no device copy"),
+    ("--mem-fraction", "mem_fraction", "the SHMEM benchmark skips no phase for memory"),
+)
+"""Options ``--world shmem`` refuses when given (option, ``dest``, why): it would ignore
+them."""
+
+
+def shmem_plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, base,
+                         arch: str | None = None):
+    """The ``plan.ShmemPlan`` of parsed ``args`` (``--world shmem``) on ``base``;
+    ``parser.error`` (exit 2, naming the option and the rule) for an option the SHMEM
+    benchmark would ignore (``SHMEM_REFUSED``) and for any configuration that cannot run:
+    every ``--compare-p2p`` size and shape is built and checked here, before NVSHMEM
+    starts."""
+    from ..runtime.shmem_world import check_transport
+    from .plan import ShmemPlan
+
+    for option, dest, why in SHMEM_REFUSED:
+        if getattr(args, dest, None) != parser.get_default(dest):
+            parser.error(f"argument {option}: not with --world shmem ({why})")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("argument --warmup: must be >= 0")
+    _check_output(parser, "--json", args.json)
+    if args.tokens:
+        tokens = [t for group in args.tokens for t in group]
+    else:
+        tokens = args.sweep_tokens or [base.max_tokens_per_rank]
+    kw = {k: v for k, v in (("iters", args.iters), ("warmup", args.warmup)) if v is not None}
+    plan = ShmemPlan(base=base, tokens=tuple(dict.fromkeys(tokens)), op=args.op,
+                     p2p_sizes=args.compare_p2p, seed=args.seed,
+                     check=not args.no_post_check, arch=arch, **kw)
+    option = "--compare-p2p" if args.compare_p2p else "--set"
+    for p in plan.sizes:
+        try:
+            cfg = plan.config(p)
+            check_transport(cfg)
+            if plan.op != "dispatch":
+                from ..runtime.combine import check_supported
+                check_supported(cfg)
+        except ValueError as exc:
+            parser.error(f"argument {option}: p2p_world_size={p}: {exc}")
     return plan

@@ -61,16 +61,23 @@ import numpy as np
 
 from .. import presets, reference
 from ..formats import BF16Format
-from . import common, inputs, memory, report, runner
+from ..inspection import combine_buffers
+from . import combine, common, inputs, memory, report, runner
 from .baseline import compare_grouping
 from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
 from .timing import Gate, fork_join, sample, summarize
-from .traffic import out_row_bytes, round_trip_bytes
+from .traffic import combine_bytes, op_bytes, out_row_bytes, round_trip_bytes
 
 NCCL_NAME = "torch NCCL all_to_all+permute"
 MIN_GPUS = 2
+OP_LABELS = {"dispatch": "round trip", "combine": "combine", "moe": "dispatch + combine"}
+"""What each ``--op`` times, as the progress lines, the report and the plot name it."""
+PLOT_TITLES = {"dispatch": "dispatch round trip", "combine": "combine",
+               "moe": "dispatch + combine"}
+NO_COMBINE_BASELINE = ("no NCCL baseline for --op combine|moe: the NCCL job times the "
+                       "dispatch only")
 
 
 # ---- pure: bytes, rates, the NCCL job's numpy twin --------------------------------------------
@@ -80,6 +87,12 @@ def link_row_bytes(cfg) -> int:
     if cfg.ep_final_layout:
         return out_row_bytes(cfg.token_fmt) + cfg.layout.hdr_bytes
     return cfg.token_fmt.msg_size()
+
+
+def combine_row_bytes(cfg) -> int:
+    """Bytes the combine sends back to another GPU per routed (token, k): its BF16 expert
+    output row (whatever the dispatch format)."""
+    return cfg.token_fmt.hid_dim * 2
 
 
 def pair_counts(cfg, topk_ids) -> np.ndarray:
@@ -93,24 +106,35 @@ def pair_counts(cfg, topk_ids) -> np.ndarray:
     return out
 
 
-def link_bytes(cfg, topk_ids) -> dict:
-    """Bytes crossing the GPU links in one round trip of ``topk_ids`` (one ``[T, K]`` array
-    per rank): ``sent[r]`` (rank r to other ranks), ``received[r]``, ``local`` (to itself,
-    no link), ``busiest`` (the largest sent or received count of one GPU)."""
+def link_bytes(cfg, topk_ids, op: str = "dispatch") -> dict:
+    """Bytes crossing the GPU links in one ``op`` of ``topk_ids`` (one ``[T, K]`` array per
+    rank): ``sent[r]`` (rank r to other ranks), ``received[r]``, ``local`` (to itself, no
+    link), ``busiest`` (the largest sent or received count of one GPU). ``dispatch``: the
+    round trip's messages (``link_row_bytes`` each); ``combine``: each of those pairs' BF16
+    row back from its destination to its source (``combine_row_bytes``); ``moe``: both."""
     m = pair_counts(cfg, topk_ids)
-    row = link_row_bytes(cfg)
     own = np.diag(m)
-    sent = (m.sum(axis=1) - own) * row
-    received = (m.sum(axis=0) - own) * row
-    return {"row_bytes": row, "sent": sent.tolist(), "received": received.tolist(),
-            "local": (own * row).tolist(), "total_remote": int(sent.sum()),
+    out_pairs, in_pairs = m.sum(axis=1) - own, m.sum(axis=0) - own
+    row, crow = link_row_bytes(cfg), combine_row_bytes(cfg)
+    sent, received, local = (np.zeros(len(own), np.int64) for _ in range(3))
+    if op in ("dispatch", "moe"):
+        sent, received, local = sent + out_pairs * row, received + in_pairs * row, \
+            local + own * row
+    if op in ("combine", "moe"):
+        sent, received, local = sent + in_pairs * crow, received + out_pairs * crow, \
+            local + own * crow
+    if op not in ("dispatch", "combine", "moe"):
+        raise ValueError(f"link_bytes: op must be dispatch, combine or moe, got {op!r}")
+    return {"row_bytes": row, "combine_row_bytes": crow, "sent": sent.tolist(),
+            "received": received.tolist(), "local": local.tolist(),
+            "total_remote": int(sent.sum()),
             "busiest": int(max(sent.max(initial=0), received.max(initial=0)))}
 
 
-def sets_link_bytes(cfg, sets) -> dict:
+def sets_link_bytes(cfg, sets, op: str = "dispatch") -> dict:
     """``link_bytes`` averaged over the input sets (the timing rotates them): ``busiest`` and
     ``mean_sent`` (a GPU's mean sent bytes), plus each set's."""
-    per = [link_bytes(cfg, ids) for _toks, ids in sets]
+    per = [link_bytes(cfg, ids, op) for _toks, ids in sets]
     return {"row_bytes": per[0]["row_bytes"],
             "busiest": float(np.mean([p["busiest"] for p in per])),
             "mean_sent": float(np.mean([np.mean(p["sent"]) for p in per])),
@@ -387,14 +411,23 @@ def skip_reason(plan: Plan, n_gpus: int) -> str | None:
     return None
 
 
+def rank_memory(plan: Plan, cfg, T: int) -> int:
+    """Device bytes one rank of a ``P2PWorld`` of ``cfg`` needs on its GPU: its buffers
+    (``memory.world_memory``), its staged input sets and, for ``--op combine|moe``, its
+    combine buffers (``inspection.combine_buffers``)."""
+    need = memory.world_memory(cfg)["per_rank_total"] + \
+        memory.staged_inputs_memory(cfg, T, plan.sets) // max(cfg.n_ranks, 1)
+    if plan.op != "dispatch":
+        need += combine_buffers(cfg)["bytes_per_rank"]["combine_total"]
+    return need
+
+
 def gpu_memory_shortfalls(plan: Plan, cfg, T: int, devices) -> dict:
     """Per GPU of ``devices`` (the GPU of each rank), the bytes a ``P2PWorld`` of ``cfg``
-    with its staged input sets needs there (each rank's buffers, ``memory.world_memory``,
-    times the ranks the GPU holds) when that is more than ``plan.mem_fraction`` of the
-    GPU's free memory: ``{gpu: (need, free)}``, empty when everything fits."""
-    wm = memory.world_memory(cfg)
-    per_rank = wm["per_rank_total"] + \
-        memory.staged_inputs_memory(cfg, T, plan.sets) // max(cfg.n_ranks, 1)
+    with its staged input sets needs there (``rank_memory`` times the ranks the GPU holds)
+    when that is more than ``plan.mem_fraction`` of the GPU's free memory:
+    ``{gpu: (need, free)}``, empty when everything fits."""
+    per_rank = rank_memory(plan, cfg, T)
     out = {}
     for gpu in sorted(set(devices)):
         need = per_rank * list(devices).count(gpu)
@@ -405,17 +438,22 @@ def gpu_memory_shortfalls(plan: Plan, cfg, T: int, devices) -> dict:
 
 
 def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, devices,
-                  link_gbps, progress) -> dict:
+                  link_gbps, progress, w=None) -> dict:
     """Build, check and time one variant's ``P2PWorld`` on ``sets``, as the NCCL baseline
-    is timed: from an idle device, host enqueue included, no gate (module docstring)."""
+    is timed: from an idle device, host enqueue included, no gate (module docstring).
+    ``plan.op`` combine or moe: ``combine.measure_world`` with the router weights ``w``,
+    timed the same way."""
     from ..runtime.p2p_world import P2PWorld
     cfg = plan.config(T, variant, cap)
-    nbytes = sets_link_bytes(cfg, sets)
-    wm = memory.world_memory(cfg)
+    nbytes = sets_link_bytes(cfg, sets, plan.op)
+    key = combine.PRIMARY[plan.op]
+    rt = round_trip_bytes(cfg, T)
     out = {"label": variant.label, "spec": variant.spec, "config": cfg.describe(),
-           "bytes": round_trip_bytes(cfg, T), "link_bytes": {
+           "bytes": rt if plan.op == "dispatch" else {
+               **rt, "combine": combine_bytes(cfg, T), "total": op_bytes(cfg, T, plan.op)},
+           "link_bytes": {
                k: v for k, v in nbytes.items() if k != "per_set"},
-           "memory": {"per_gpu": wm["per_rank_total"]}}
+           "memory": {"per_gpu": rank_memory(plan, cfg, T)}}
     if cap < need:
         out["skipped"] = (f"--block-capacity {cap} is smaller than the largest (expert, "
                           f"source) block of the routings ({need})")
@@ -434,22 +472,29 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, device
                        "(EmulatedWorld); a P2P world launches on each rank's GPU"
         progress(f"  epgen {variant.label} FAILED: {out['error']}")
         return out
+    def world():
+        return P2PWorld(cfg, arch=plan.arch, devices=devices, fused=opts.get("fused"))
     try:
-        r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), None,
-                                 arch=plan.arch, post_check=plan.post_check, progress=progress,
-                                 graph=opts.get("graph", False), host_sync=True,
-                                 world_factory=lambda: P2PWorld(cfg, arch=plan.arch,
-                                                                devices=devices,
-                                                                fused=opts.get("fused")))
+        if plan.op == "dispatch":
+            r = runner.measure_world(cfg, sets, plan.iters_for(T), plan.warmup_for(T), None,
+                                     arch=plan.arch, post_check=plan.post_check,
+                                     progress=progress, graph=opts.get("graph", False),
+                                     host_sync=True, world_factory=world)
+        else:
+            r = combine.measure_world(cfg, sets, w, plan.iters_for(T), plan.warmup_for(T),
+                                      None, op=plan.op, arch=plan.arch,
+                                      post_check=plan.post_check, progress=progress,
+                                      graph=opts.get("graph", False), host_sync=True,
+                                      world_factory=world)
     except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
         out["error"] = f"{type(exc).__name__}: {exc}"
         progress(f"  epgen {variant.label} FAILED: {out['error']}")
         return out
-    r["round_trip"].update(gpu_rates(nbytes, r["round_trip"]["median_ms"], link_gbps))
+    r[key].update(gpu_rates(nbytes, r[key]["median_ms"], link_gbps))
     out.update(r)
-    m = r["round_trip"]
+    m = r[key]
     frac = m.get("fraction_of_link")
-    progress(f"  epgen {variant.label}: check {r['check']}, round trip "
+    progress(f"  epgen {variant.label}: check {r['check']}, {OP_LABELS[plan.op]} "
              f"{1e3 * m['median_ms']:.1f} us, busiest GPU {m['busiest_gpu_gbps']:.1f} GB/s"
              + (f" ({frac:.3f} of the peer copy)" if frac is not None else ""))
     return out
@@ -465,7 +510,10 @@ def run_shape(plan: Plan, T: int, devices, torch, link_gbps, progress) -> dict:
     need, cap = inputs.block_capacity(plan.block_capacity, sets, plan.base.n_experts, T)
     out["largest_block"], out["recv_block_capacity"] = need, cap
     b = {"name": NCCL_NAME}
-    if not plan.baseline:
+    w = combine.weights(plan.config(T), T, plan.seed) if plan.op != "dispatch" else None
+    if plan.op != "dispatch":
+        b["skipped"] = NO_COMBINE_BASELINE
+    elif not plan.baseline:
         b["skipped"] = "--no-baseline"
     elif torch is None:
         b["skipped"] = "torch with CUDA is not available"
@@ -483,7 +531,7 @@ def run_shape(plan: Plan, T: int, devices, torch, link_gbps, progress) -> dict:
     out["variants"] = []
     for v in plan.variants:
         progress.step(f"T={T}: epgen {v.label} on GPUs {','.join(map(str, devices))}")
-        r = variant_phase(plan, T, v, sets, need, cap, devices, link_gbps, progress)
+        r = variant_phase(plan, T, v, sets, need, cap, devices, link_gbps, progress, w)
         if "round_trip" in r and "round_trip" in b:
             r["speedup_vs_baseline"] = b["round_trip"]["median_ms"] / r["round_trip"]["median_ms"]
         out["variants"].append(r)
@@ -516,14 +564,18 @@ def run(plan: Plan, progress: Progress) -> dict:
     devices = p2p_devices(plan)
     n_gpus = cuda.device_count()
     results = {
-        "world": "p2p",
+        "world": "p2p", "op": plan.op,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit, "git_dirty": dirty, "command": sys.argv,
         "gpus": n_gpus, "devices": list(devices), "plan": plan.describe(),
         "method": {"timing": TIMING, "gate": "peer copies only" if plan.gate else "none",
                    "inputs": f"{plan.sets} staged sets rotated",
                    "link_bytes": "remote (token, k) messages (staged) or output+header rows "
-                                 "(final layout) of the busiest GPU; GB = 1e9 B",
+                                 "(final layout) of the busiest GPU"
+                                 + ("" if plan.op == "dispatch" else
+                                    "; combine: each remote (token, k) BF16 row back to its "
+                                    "source" + (", after the dispatch's" if plan.op == "moe"
+                                                else "")) + "; GB = 1e9 B",
                    "link_reference": "cuMemcpyAsync peer copies, every GPU to the next at "
                                      "once (ring), bytes sent per GPU / time",
                    "baseline": NCCL_NAME + ": one process per rank, the slowest rank per "
@@ -567,17 +619,25 @@ def run(plan: Plan, progress: Progress) -> dict:
 
 
 # ---- report ---------------------------------------------------------------------------------------
+def _op(results) -> str:
+    return results.get("op", "dispatch")
+
+
 def table_rows(results) -> list[dict]:
+    """One row per variant of every shape (its ``--op`` figure), then NCCL's."""
     rows = []
+    key = combine.PRIMARY[_op(results)]
+    what = "" if _op(results) == "dispatch" else f" {OP_LABELS[_op(results)]}"
     for s in results.get("shapes", []):
         common = {"shape": s["shape"], "T": s["tokens_per_rank"]}
         for v in s["variants"]:
-            m = v.get("round_trip")
+            m = v.get(key)
             if m is None:
-                rows.append({**common, "variant": f"epgen {v['label']}",
+                rows.append({**common, "variant": f"epgen {v['label']}{what}",
                              "note": v.get("skipped") or v.get("error")})
                 continue
-            rows.append({**common, "variant": f"epgen {v['label']}", "us": 1e3 * m["median_ms"],
+            rows.append({**common, "variant": f"epgen {v['label']}{what}",
+                         "us": 1e3 * m["median_ms"],
                          "gbps": m.get("busiest_gpu_gbps"), "frac": m.get("fraction_of_link"),
                          "speedup": v.get("speedup_vs_baseline")})
         b = s["baseline"]
@@ -618,7 +678,8 @@ def print_report(results, file=None) -> None:
     print("epgen and NCCL timed alike: from an idle device, host enqueue included, no gate",
           file=file)
     report.print_shapes(results, file, "nccl", lambda v: f"busiest GPU "
-                        f"{v['link_bytes']['busiest'] / 1e6:.3f} MB over the links per round trip")
+                        f"{v['link_bytes']['busiest'] / 1e6:.3f} MB over the links per "
+                        f"{OP_LABELS[_op(results)]}")
     print(file=file)
     print(format_table(table_rows(results)), file=file)
 
@@ -628,8 +689,9 @@ def plot_series(results) -> dict[str, list[tuple[int, float]]]:
     variant (``epgen <label>``), then NCCL's (by the staged BF16 job's bytes); shapes
     without a number left out."""
     series: dict[str, list[tuple[int, float]]] = {}
+    key = combine.PRIMARY[_op(results)]
     for s in results["shapes"]:
-        for label, m in ([(f"epgen {v['label']}", v.get("round_trip", {}))
+        for label, m in ([(f"epgen {v['label']}", v.get(key, {}))
                           for v in s["variants"]]
                          + [(NCCL_NAME, s["baseline"].get("round_trip", {}))]):
             pts = series.setdefault(label, [])
@@ -647,7 +709,8 @@ def plot(results, path: str) -> None:
     report.draw_results_plot(results, plot_series(results), path, dashed=NCCL_NAME,
                              line=(link, f"peer copy ({link:.0f} GB/s/GPU)") if link else None,
                              ylabel="GB/s per GPU over the links (busiest GPU)",
-                             heading=f"dispatch round trip on {len(results['devices'])} GPUs: "
+                             heading=f"{PLOT_TITLES[_op(results)]} on "
+                                     f"{len(results['devices'])} GPUs: "
                                      f"E={b['n_experts']}, H={fmt['hid_dim']}, K={fmt['top_k']}, "
                                      f"{fmt['name']}")
 

@@ -104,6 +104,19 @@ def parse_sweep(text: str) -> list[int]:
     return out
 
 
+def parse_p2p_sizes(text: str) -> tuple[int, ...]:
+    """``"1,4"`` -> ``(1, 4)``: at least two distinct positive ``p2p_world_size`` values,
+    sorted (``ValueError`` otherwise); the largest is the one the others are compared with."""
+    try:
+        sizes = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"expected p2p_world_size values like 1,4, got {text!r}") from None
+    if len(sizes) < 2 or len(set(sizes)) != len(sizes) or min(sizes) <= 0:
+        raise ValueError(f"expected at least two distinct positive p2p_world_size values "
+                         f"(e.g. 1,4), got {text!r}")
+    return tuple(sorted(sizes))
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A named set of parameter overrides applied to the base configuration."""
@@ -230,4 +243,51 @@ class Plan:
         out["tokens"] = list(self.tokens)
         out["variants"] = [v.describe() for v in self.variants]
         out["devices"] = list(self.devices) if self.devices is not None else None
+        return out
+
+
+SHMEM_ITERS, SHMEM_WARMUP = 50, 5
+"""The SHMEM benchmark's default timed and untimed calls per figure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmemPlan:
+    """One ``epgen bench --world shmem`` run (``epgen.bench.shmem``), the same on every PE:
+    ``op`` (``choices.OPS``) at every shape of ``tokens`` (tokens per rank) on one world
+    per ``p2p_world_size`` of ``p2p_sizes`` (None: the base configuration's alone), each
+    figure the median of ``iters`` calls after ``warmup``; ``check``: each world's first
+    call of each shape against the reference (and the combine's last timed call)."""
+
+    base: EPConfig
+    tokens: tuple[int, ...]
+    op: str = "dispatch"
+    p2p_sizes: tuple[int, ...] | None = None
+    iters: int = SHMEM_ITERS
+    warmup: int = SHMEM_WARMUP
+    seed: int = 0
+    check: bool = True
+    arch: str | None = None
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The ``p2p_world_size`` of each world, in the order they run."""
+        return self.p2p_sizes or (self.base.p2p_world_size,)
+
+    @property
+    def reference_size(self) -> int:
+        """The ``p2p_world_size`` the others are compared with: the largest."""
+        return max(self.sizes)
+
+    def config(self, p2p_world_size: int) -> EPConfig:
+        """The world of ``p2p_world_size``: sized for the largest shape (one world serves
+        every shape: NVSHMEM initialises once per process)."""
+        return self.base.replace(p2p_world_size=p2p_world_size, max_tokens_per_rank=max(
+            [*self.tokens, self.base.max_tokens_per_rank]))
+
+    def describe(self) -> dict:
+        """Plain data (for the JSON)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["base"] = self.base.describe()
+        out["tokens"] = list(self.tokens)
+        out["p2p_sizes"] = list(self.sizes)
         return out

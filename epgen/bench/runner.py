@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import reference
 from .memory import trim_memory_pool
-from .timing import fork_join, sample, summarize, timed_torch
+from .timing import fork_join, from_idle, sample, summarize, timed_torch
 
 
 class StagedInputs:
@@ -131,12 +131,8 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
             g.lead_world(ts)
             return ms, over
 
-        def from_idle(once):
-            def run(i):
-                for s in (*streams, ts):
-                    s.sync()
-                return once(i)
-            return run if host_sync else once
+        def idle(once):
+            return from_idle(once, (*streams, ts)) if host_sync else once
 
         phases = (("round_trip", graph_once),) if graph else \
             (("round_trip", round_once),) if world.fused else (
@@ -144,7 +140,7 @@ def measure_world(cfg, sets, iters: int, warmup: int, gate, *, device=None, arch
             ("round_trip", round_once))
         for name, once in phases:
             progress(f"  epgen: timing {name} ({warmup} warm-up + {iters} iterations)")
-            res[name] = summarize(sample(from_idle(once), iters, warmup, gate))
+            res[name] = summarize(sample(idle(once), iters, warmup, gate))
             world.check(f"benchmark {name}")
         if post_check:
             last = staged.current

@@ -1,17 +1,59 @@
-"""``epgen bench --world shmem``: each process of ``epgen launch`` (or torchrun) times its
-own rank's round trip on a ``ShmemWorld``.
+"""``epgen bench --world shmem``: each process of ``epgen launch`` (or torchrun) is one PE and
+times its own rank of a ``ShmemWorld``; rank 0 combines every PE's timings.
 
-Every rank draws the same inputs (``--seed``), checks its first call against its part of
-``epgen.reference.dispatch`` (unless ``--no-post-check``), then times ``--iters`` round trips
-after ``--warmup``: device time from an event before its dispatch_async to one after its
-dispatch_wait, on its own stream; between calls the host barrier that the world needs
-(outside the timed span). It prints one line per shape: its rank, the median and minimum
-round trip, and the bytes it sent per second (its messages to other ranks, payload and
-metadata as the layout sizes them). No NCCL baseline and no gate here.
+Method
+------
+* **Worlds.** One NVSHMEM session per process (``ShmemSession``). One world per
+  ``p2p_world_size`` of the plan (``--compare-p2p P,Q``: every one of the list, one after the
+  other on the same session, each closed before the next is built; else the configuration's
+  alone), sized for the largest shape, so every shape runs on it.
+* **Inputs.** Per shape every PE draws every rank's tokens and top-k ids from ``--seed``
+  (uniform routing) and loads its own; with ``--op combine|moe`` also every rank's router
+  weights (``combine.weights``).
+* **Checks** (unless ``--no-post-check``). The first call of each shape goes through the
+  world's API: ``dispatch`` against this rank's part of ``reference.dispatch`` and, for
+  combine and moe, ``combine`` of expert rows that name their slot (the row of slot
+  ``(t, k)`` of source ``s`` is source ``s``'s token ``t`` rotated by ``k`` elements, built
+  from each row's ``src_info``, so rows in any order within a block are right) against
+  ``reference.combine`` for this source. Every PE hears every PE's verdict (a gather), so
+  all stop together when one failed. After the timing: the last call's dispatch and, BF16,
+  its combine (transform-free rows) again.
+* **Timing** (as the dispatch of this world was always timed): per call, this PE loads its
+  inputs, records an event on its stream, enqueues the timed work, records an event, waits
+  for its stream (``world.check``: the timeout records), then meets the others at the host
+  barrier that the world needs between calls (outside the timed span). ``dispatch``: the
+  round trip (dispatch_async + dispatch_wait); ``combine``: the combine alone, the call's
+  round trip enqueued before the first event (untimed: the event follows it on the stream);
+  ``moe``: the round trip and the combine. The combine is transform-free as on the other
+  worlds: the PE's expert-output buffer is pointed at its grouped dispatch output, so each
+  received row goes back as it came and nothing is copied between calls (a quantising
+  format's rows are not BF16: there the check's rows stay in the buffer and go back each
+  call, the same bytes). ``--warmup`` untimed calls (default 5), then the median of
+  ``--iters`` (default 50). No gate: the events are on the PE's own stream, recorded behind
+  its previous work, so host enqueue time shows only where the stream ran dry.
+* **Combining the PEs** (rank 0, after a gather of every PE's times): per shape and world,
+  each PE's median, and the median over calls of the slowest PE's time of each call (the
+  calls line up: every PE passes the same barrier between them), which is the figure the
+  table and the comparison use. GB/s per PE: the bytes a PE sends to other PEs (dispatch:
+  one message per token and distinct destination rank; combine: one BF16 row per remote
+  (token, k)), the mean over PEs, over that median.
+* **Comparison** (``--compare-p2p``): per shape, each world's figure against the largest
+  ``p2p_world_size``'s, as "x of direct stores" = its median / this one's (1.0: as fast;
+  0.2: five times slower), for the slowest PE and for each PE alone.
+
+Output: each PE prints its own line per shape and world (``rank R: ...``, prefixed by the
+launcher); rank 0 then prints the combined table and the comparison, and writes ``--json``.
+The pure parts (bytes, expert rows, the combination, the comparison, the report) are tested
+on the CPU (tests/unit/test_bench_shmem.py), the measurement on simulated PEs
+(tests/sim/test_bench_shmem_sim.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
+import os
 import statistics
 import sys
 
@@ -20,9 +62,23 @@ import numpy as np
 from backends import cuda
 
 from .. import reference, routing
+from ..reference_combine import source_of_rows
+from ..runtime.shmem_session import ShmemSession
 from ..runtime.shmem_world import ShmemWorld
+from . import combine as bench_combine
+from .p2p import slowest_rank_times
+from .plan import shape_name
+from .report import Progress, git_commit, write_json
+from .timing import summarize
+
+OP_LABELS = {"dispatch": "round trip", "combine": "combine", "moe": "dispatch + combine"}
+"""What each ``--op`` times, as the lines name it."""
+TIMING = ("per PE on its own stream: an event before and after the timed launches, the "
+          "stream then waited for and a host barrier of every PE between calls (untimed); "
+          "no gate; the slowest PE per call, median over calls")
 
 
+# ---- pure: bytes, expert rows ---------------------------------------------------------------------
 def sent_bytes(cfg, topk_ids, rank: int) -> int:
     """Bytes rank ``rank`` sends to other ranks: one message per (token, distinct
     destination rank other than its own)."""
@@ -35,42 +91,320 @@ def sent_bytes(cfg, topk_ids, rank: int) -> int:
     return n * cfg.layout.msg_bytes
 
 
-def run(args, cfg, tokens: list[int], out=None) -> list[str]:
-    """Time every shape in ``tokens`` (tokens per rank); the failures (empty: all fine)."""
+def combine_sent_bytes(cfg, all_topk_ids, rank: int) -> int:
+    """Bytes rank ``rank`` sends back to other ranks in the combine: one BF16 row of
+    ``hid_dim`` per (token, k) of another source routed to one of its experts."""
+    L = cfg.layout.n_local_experts
+    n = sum(int(np.count_nonzero(np.asarray(ids) // L == rank))
+            for s, ids in enumerate(all_topk_ids) if s != rank)
+    return n * cfg.token_fmt.hid_dim * 2
+
+
+def op_sent_bytes(cfg, all_topk_ids, rank: int, op: str) -> int:
+    """Bytes rank ``rank`` sends to other ranks in one ``op``: the dispatch's
+    (``sent_bytes``), the combine's (``combine_sent_bytes``), or both (``moe``)."""
+    n = 0
+    if op in ("dispatch", "moe"):
+        n += sent_bytes(cfg, all_topk_ids[rank], rank)
+    if op in ("combine", "moe"):
+        n += combine_sent_bytes(cfg, all_topk_ids, rank)
+    return n
+
+
+def expert_rows(result, tokens, only_source: int | None = None) -> np.ndarray:
+    """A destination's expert outputs for ``result`` (its ``reference.RankResult``): the row
+    of slot ``(t, k)`` of source ``s`` is ``tokens[s][t]`` rotated by ``k`` elements (BF16
+    bits), so it names its slot whatever the order of the rows; rows of no source (padding,
+    shared-expert rows) and, with ``only_source``, rows of the other sources are zero."""
+    src = source_of_rows(result)
+    H = np.asarray(tokens[0]).shape[1]
+    out = np.zeros((len(src), H), np.uint16)
+    info = np.asarray(result.src_info)
+    for s in np.unique(src[src >= 0]) if only_source is None else [only_source]:
+        rows = np.flatnonzero(src == s)
+        x = np.asarray(tokens[s])
+        for k in np.unique(info[rows, 1]):
+            mine = rows[info[rows, 1] == k]
+            out[mine] = np.roll(x[info[mine, 0]], int(k), axis=1)
+    return out
+
+
+# ---- one PE's measurement -------------------------------------------------------------------------
+def _combine_problems(got, want, what: str) -> list[str]:
+    if got.shape != want.shape:
+        return [f"{what}: combine shape {got.shape}, expected {want.shape}"]
+    bad = int(np.count_nonzero(got != want))
+    return [f"{what}: combine differs from the reference in {bad} elements"] if bad else []
+
+
+def _time_calls(world, comb, op: str, x, ids, iters: int, warmup: int) -> list[float]:
+    """The timed calls of this PE (module docstring, "Timing"): ``iters`` times in ms."""
+    rk = world.ranks[0]
+    checked = None if comb is None else comb.program
+    times = []
+    for i in range(warmup + iters):
+        world.load_inputs(x, ids)
+        if op == "combine":
+            world.enqueue_round_trip()            # untimed: the start event follows it
+        start = cuda.record(rk.stream)
+        if op != "combine":
+            world.enqueue_round_trip()
+        if comb is not None:
+            comb.enqueue()
+        end = cuda.record(rk.stream)
+        world.check_with(checked, f"benchmark {op}")
+        world.barrier("bench")
+        if i >= warmup:
+            times.append(cuda.elapsed_ms(start, end))
+    return times
+
+
+def measure_shape(world, plan, T: int, tokens, topk_ids, weights, *,
+                  exchange=lambda verdict: [verdict]) -> dict:
+    """This PE's figure of ``plan.op`` at ``T`` tokens per rank on ``world`` (module
+    docstring): ``tokens``, ``topk_ids`` (and for combine and moe ``weights``) of every
+    rank. ``exchange(problems)`` returns every PE's list of check problems (a gather; the
+    default: this PE's alone). Returns ``{"rank", "sent_bytes", "check", "post_check",
+    "times_ms"}``; without ``times_ms`` when a PE's check failed (every PE stops then)."""
+    cfg, me, op = world.cfg, world.rank, plan.op
+    ref = reference.dispatch(cfg, tokens, topk_ids) if plan.check else None
+    out = {"rank": me, "sent_bytes": op_sent_bytes(cfg, topk_ids, me, op)}
+    got = world.dispatch(tokens[me], topk_ids[me])
+    problems = [] if ref is None else reference.compare(cfg, ref[me], got)[:3]
+    comb = None
+    if op != "dispatch":
+        y = world.combine(expert_rows(got, tokens), weights[me])
+        comb = world.combiner()
+        if ref is not None and not problems:
+            want = reference.combine(cfg, ref, [expert_rows(r, tokens, me) for r in ref],
+                                     weights, sources=[me])[me]
+            problems += _combine_problems(y, want, f"rank {me}")
+    everyone = exchange(problems)
+    failed = [f"rank {r}: {'; '.join(p)}" for r, p in enumerate(everyone) if p]
+    if failed:
+        out["check"] = "FAILED: " + " | ".join(failed)
+        return out
+    out["check"] = "ok" if ref is not None else "skipped"
+    fixed = cfg.token_fmt.name != "BF16"
+    saved = None
+    if comb is not None and not fixed:
+        saved = comb.bufs[0].expert_out
+        comb.bufs[0].expert_out = world.ranks[0].out_tokens      # transform-free
+    try:
+        out["times_ms"] = _time_calls(world, comb, op, tokens[me], topk_ids[me], plan.iters,
+                                      plan.warmup)
+        if ref is not None:
+            late = reference.compare(cfg, ref[me], world.results()[0])[:3]
+            if comb is not None and not fixed:
+                want = reference.combine(cfg, ref, [r.out_tokens for r in ref], weights,
+                                         sources=[me])[me]
+                late += _combine_problems(comb.finish()[0], want, "last call")
+            out["post_check"] = "FAILED: " + "; ".join(late) if late else (
+                "ok" if comb is None or not fixed else
+                "dispatch ok; combine not checked (fixed rows of a quantising format)")
+    finally:
+        if saved is not None:
+            comb.bufs[0].expert_out = saved
+    return out
+
+
+# ---- combining the PEs ----------------------------------------------------------------------------
+def path_name(p2p_world_size: int, n_ranks: int) -> str:
+    """How a world of ``p2p_world_size`` reaches the other PEs."""
+    if p2p_world_size >= n_ranks:
+        return "direct stores"
+    if p2p_world_size == 1:
+        return "SHMEM puts"
+    return f"stores in groups of {p2p_world_size}, puts between"
+
+
+def combine_pes(per_pe: list[dict], p2p_world_size: int, n_ranks: int, T: int) -> dict:
+    """One shape and world from every PE's ``measure_shape`` (rank order): each PE's median,
+    the slowest PE per call (``summary``), the checks."""
+    entry = {"p2p_world_size": p2p_world_size, "path": path_name(p2p_world_size, n_ranks),
+             "tokens_per_rank": T, "shape": shape_name(T),
+             "per_pe": [{k: v for k, v in r.items() if k != "times_ms"} for r in per_pe]}
+    failed = [r["check"] for r in per_pe if r["check"].startswith("FAILED")] + \
+        [f"rank {r['rank']} after timing: {r['post_check']}" for r in per_pe
+         if r.get("post_check", "").startswith("FAILED")]
+    if failed:
+        entry["error"] = failed[0]
+    if all("times_ms" in r for r in per_pe):
+        for pe, r in zip(entry["per_pe"], per_pe):
+            pe.update(summarize(r["times_ms"]))
+        entry["summary"] = summarize(slowest_rank_times([r["times_ms"] for r in per_pe]))
+        ms = entry["summary"]["median_ms"]
+        entry["gbps_per_pe"] = statistics.fmean(r["sent_bytes"] for r in per_pe) / ms / 1e6 \
+            if ms else None
+    return entry
+
+
+def comparisons(runs: list[dict], reference_size: int) -> list[dict]:
+    """Per shape, each world's figure against the ``reference_size`` world's (module
+    docstring, "Comparison"): ``of_reference`` = reference median / its median, for the
+    slowest PE and per PE (``per_pe_of_reference``)."""
+    out = []
+    for T in dict.fromkeys(r["tokens_per_rank"] for r in runs):
+        same = [r for r in runs if r["tokens_per_rank"] == T and "summary" in r]
+        ref = next((r for r in same if r["p2p_world_size"] == reference_size), None)
+        if ref is None:
+            continue
+        for r in same:
+            if r is ref:
+                continue
+            med, rmed = r["summary"]["median_ms"], ref["summary"]["median_ms"]
+            out.append({"tokens_per_rank": T, "shape": shape_name(T),
+                        "p2p_world_size": r["p2p_world_size"], "path": r["path"],
+                        "reference_p2p_world_size": reference_size,
+                        "reference_path": ref["path"],
+                        "median_us": 1e3 * med, "reference_median_us": 1e3 * rmed,
+                        "of_reference": rmed / med,
+                        "per_pe_of_reference": [b["median_ms"] / a["median_ms"] for a, b in
+                                                zip(r["per_pe"], ref["per_pe"])]})
+    return out
+
+
+# ---- report ---------------------------------------------------------------------------------------
+def rank_line(entry: dict, rank: int, op: str, n_ranks: int) -> str:
+    """This PE's line of one shape and world (the line ``epgen bench --world shmem`` has
+    always printed per rank, for each op)."""
+    pe = entry["per_pe"][rank]
+    head = (f"rank {rank}: {entry['tokens_per_rank']} tokens/rank, {n_ranks} PEs "
+            f"(p2p_world_size={entry['p2p_world_size']})")
+    if "median_ms" not in pe:
+        return f"{head}: {pe['check']}"
+    gbs = pe["sent_bytes"] / (pe["median_ms"] * 1e-3) / 1e9
+    return (f"{head}: {OP_LABELS[op]} median {pe['median_ms'] * 1e3:.1f} us, min "
+            f"{pe['min_ms'] * 1e3:.1f} us over {pe['n']} calls, {gbs:.2f} GB/s sent")
+
+
+def of_label(reference_size: int, n_ranks: int) -> str:
+    """How the comparison names the world it compares with."""
+    if reference_size >= n_ranks:
+        return "of direct stores"
+    return f"of p2p_world_size={reference_size}"
+
+
+def format_table(results: dict) -> str:
+    """Rank 0's table: per shape and world, the slowest PE's median, the range of the PEs'
+    medians, GB/s sent per PE and, with a comparison, the fraction of the reference."""
+    n, ref = results["n_pes"], results["plan"]["reference_size"]
+    compare = len(results["plan"]["p2p_sizes"]) > 1
+    ratios = {(c["tokens_per_rank"], c["p2p_world_size"]): c["of_reference"]
+              for c in results["comparisons"]}
+    head = (f"{'shape':<8} {'T':>5} {'p2p':>4} {'path':<28} {'median us':>10} "
+            f"{'PE medians us':>17} {'GB/s/PE':>8}")
+    if compare:
+        head += f"  x {of_label(ref, n)}"
+    lines = [head]
+    for r in results["runs"]:
+        cells = f"{r['shape']:<8} {r['tokens_per_rank']:>5} {r['p2p_world_size']:>4} " \
+                f"{r['path']:<28}"
+        if "summary" not in r:
+            lines.append(f"{cells} {'-':>10}  ({r.get('error', 'not timed')})")
+            continue
+        meds = [pe["median_ms"] * 1e3 for pe in r["per_pe"]]
+        cells += (f" {r['summary']['median_ms'] * 1e3:>10.1f} "
+                  f"{f'{min(meds):.1f}-{max(meds):.1f}':>17} "
+                  f"{r['gbps_per_pe'] or 0:>8.2f}")
+        if compare:
+            x = 1.0 if r["p2p_world_size"] == ref else \
+                ratios.get((r["tokens_per_rank"], r["p2p_world_size"]))
+            cells += f"  {'-' if x is None else f'{x:.3f}x'}"
+        lines.append(cells)
+    return "\n".join(lines)
+
+
+def comparison_lines(results: dict) -> list[str]:
+    """One sentence per comparison: both medians and the ratio."""
+    n, op = results["n_pes"], results["op"]
+    out = []
+    for c in results["comparisons"]:
+        per_pe = ", ".join(f"{x:.2f}" for x in c["per_pe_of_reference"])
+        out.append(f"T={c['tokens_per_rank']} {OP_LABELS[op]}: p2p_world_size="
+                   f"{c['p2p_world_size']} ({c['path']}) {c['median_us']:.1f} us against "
+                   f"p2p_world_size={c['reference_p2p_world_size']} "
+                   f"({c['reference_path']}) {c['reference_median_us']:.1f} us: "
+                   f"{c['of_reference']:.2f}x {of_label(c['reference_p2p_world_size'], n)} "
+                   f"(per PE {per_pe})")
+    return out
+
+
+def print_report(results: dict, file=None) -> None:
+    """Rank 0's report: the header, the table, the comparisons, the failures."""
+    file = file or sys.stdout
+    dirty = "+dirty" if results.get("git_dirty") else ""
+    mps = results.get("mps_thread_percentage")
+    print(f"epgen bench --world shmem --op {results['op']}  {results['date']}  commit "
+          f"{results['git_commit']}{dirty}  {results['n_pes']} PEs, {results['device']}"
+          + (f", MPS {mps}% per PE" if mps else ""), file=file)
+    print(f"timed {TIMING}; {results['plan']['iters']} calls after "
+          f"{results['plan']['warmup']}", file=file)
+    print(format_table(results), file=file)
+    for line in comparison_lines(results):
+        print(line, file=file)
+    for f in results["failures"]:
+        print(f"FAILED: {f}", file=file)
+
+
+# ---- the run --------------------------------------------------------------------------------------
+def _gather(session):
+    """``exchange`` over the session's bootstrap: every PE's JSON-able value, rank order."""
+    def exchange(value):
+        data = session.bootstrap.all_gather_bytes(json.dumps(value).encode(), "bench")
+        return [json.loads(b) for b in data]
+    return exchange
+
+
+def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
+    """Time ``plan`` (a ``plan.ShmemPlan``) on this PE (module docstring); every PE gets
+    the combined results, rank 0 prints them and writes ``json_path``. ``session``: the
+    NVSHMEM session to run on (default: a new one, closed at the end). Returns the results
+    (``failures``: empty when every check passed)."""
     out = sys.stdout if out is None else out
-    iters = args.iters or 50
-    warmup = 5 if args.warmup is None else args.warmup
-    failures = []
-    # one world for every shape: NVSHMEM is initialised once per process
-    big = cfg.replace(max_tokens_per_rank=max([*tokens, cfg.max_tokens_per_rank]))
-    with ShmemWorld(big) as world:
-        r = world.rank
-        rk = world.ranks[0]
-        for T in tokens:
-            rng = np.random.default_rng(args.seed)
-            toks, ids = routing.routing(rng, big, T)
-            got = world.dispatch(toks[r], ids[r])
-            if not args.no_post_check:
-                diffs = reference.compare(big, reference.dispatch(big, toks, ids)[r], got)
-                if diffs:       # the others cannot go on without this rank: stop here
-                    world.mark_failed()
-                    failures.append(f"rank {r}, {T} tokens: results differ from the "
-                                    f"reference: {diffs[0]}")
-                    break
-            times = []
-            for i in range(warmup + iters):
-                world.load_inputs(toks[r], ids[r])
-                start = cuda.record(rk.stream)
-                world.enqueue_round_trip()
-                end = cuda.record(rk.stream)
-                world.check()
-                world.barrier("bench")
-                if i >= warmup:
-                    times.append(cuda.elapsed_ms(start, end))
-            med = statistics.median(times)
-            gbs = sent_bytes(big, ids[r], r) / (med * 1e-3) / 1e9
-            print(f"rank {r}: {T} tokens/rank, {big.n_ranks} PEs (p2p_world_size="
-                  f"{big.p2p_world_size}): round trip median {med * 1e3:.1f} us, min "
-                  f"{min(times) * 1e3:.1f} us over {iters} calls, {gbs:.2f} GB/s sent",
-                  file=out, flush=True)
-    return failures
+    commit, dirty = git_commit()
+    results = {"world": "shmem", "op": plan.op, "n_pes": plan.base.n_ranks,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                   timespec="seconds"),
+               "git_commit": commit, "git_dirty": dirty, "command": sys.argv,
+               "mps_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+               "plan": {**plan.describe(), "reference_size": plan.reference_size},
+               "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
+                          "sent_bytes": "dispatch: a message per (token, distinct remote "
+                                        "rank); combine: a BF16 row per remote (token, k)"},
+               "runs": [], "failures": []}
+    with contextlib.ExitStack() as stack:
+        if session is None:
+            session = stack.enter_context(ShmemSession(n_ranks=plan.base.n_ranks))
+        me = session.rank
+        progress = Progress(total=len(plan.sizes) * len(plan.tokens))
+        step = progress.step if me == 0 else (lambda msg: None)
+        exchange = _gather(session)
+        for p in plan.sizes:
+            cfg = plan.config(p)
+            with ShmemWorld(cfg, session=session, arch=plan.arch) as world:
+                results["device"] = getattr(world.device, "name", "unknown")
+                for T in plan.tokens:
+                    step(f"p2p_world_size={p}, T={T}: {OP_LABELS[plan.op]}")
+                    rng = np.random.default_rng(plan.seed)
+                    toks, ids = routing.routing(rng, cfg, T)
+                    w = bench_combine.weights(cfg, T, plan.seed) if plan.op != "dispatch" \
+                        else None
+                    mine = measure_shape(world, plan, T, toks, ids, w, exchange=exchange)
+                    entry = combine_pes(exchange(mine), p, cfg.n_ranks, T)
+                    results["runs"].append(entry)
+                    print(rank_line(entry, me, plan.op, cfg.n_ranks), file=out, flush=True)
+                    if "error" in entry:
+                        results["failures"].append(f"p2p_world_size={p}, T={T}: "
+                                                   f"{entry['error']}")
+                    if "summary" not in entry:
+                        break
+            if results["failures"]:
+                break
+    results["comparisons"] = comparisons(results["runs"], plan.reference_size)
+    if me == 0:
+        if json_path:
+            write_json(results, json_path)
+            progress(f"wrote {json_path}")
+        print_report(results, file=out)
+    return results

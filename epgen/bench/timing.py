@@ -130,6 +130,17 @@ def event_done(event) -> bool:
     return int(compat.driver().cuEventQuery(event.handle)[0]) == 0
 
 
+def from_idle(once, streams):
+    """``once(i)`` after the host has waited for every stream of ``streams`` (the rank
+    streams and the timing stream): each sample then starts from an idle device and includes
+    the host's enqueue time (the P2P benchmark's epgen samples, timed as its NCCL job)."""
+    def run(i):
+        for s in streams:
+            s.sync()
+        return once(i)
+    return run
+
+
 def fork_join(timing_stream, streams, gate, body) -> tuple[float, bool]:
     """(ms, overran) of ``body()``, which enqueues work on the cuda.core ``streams``, timed on
     ``timing_stream`` (module docstring)."""

@@ -10,7 +10,9 @@ from .common import PROG, CommandError, add_config, check_output_path, config_fr
 
 HELP = ("on a GPU: time the dispatch round trip (dispatch_async, dispatch_wait), the combine "
         "(--op combine) or both (--op moe) of one or more variants on an EmulatedWorld "
-        "against a device-to-device copy and the PyTorch baseline; table, JSON, PNG plot")
+        "against a device-to-device copy and the PyTorch baseline; on one GPU per rank "
+        "(--world p2p) or one process per PE (--world shmem, under epgen launch); table, "
+        "JSON, PNG plot")
 
 BENCH_PRESET = "decode"
 """The preset ``epgen bench`` uses without ``--preset``: 8 emulated ranks that fit one H200
@@ -40,6 +42,13 @@ examples (on a GPU):
   {PROG} bench --op combine --tokens 128,4096      the combine alone, vs torch
   {PROG} bench --op moe --variant default --variant g=graph
                                                  dispatch + combine, streams and a graph
+  {PROG} bench --world p2p --op moe --tokens 128,4096
+                                                 dispatch + combine on one GPU per rank
+  {PROG} launch -n 4 --mps-share -- {PROG} bench --world shmem --op moe \\
+      --preset decode --set n_ranks=4 --set n_experts=28 --set n_sms=8 \\
+      --set use_shmem=true --tokens 128 --compare-p2p 1,4
+                                                 4 PEs on one GPU: every peer by SHMEM
+                                                 puts against every peer by direct stores
 
 Progress goes to stderr, the report and table to stdout. Exit status 1 when there is no
 GPU, a phase fails or a check fails; 2 for a bad option (before any GPU work)."""
@@ -58,15 +67,11 @@ def run(args: argparse.Namespace) -> int:
     cfg, _ = config_from_args(args, default=default_preset(args.world))
     if args.api in ("torch", "deepep") and args.world != "emulated":
         args.parser.error(f"argument --api {args.api}: only with --world emulated")
-    if args.world == "shmem" and args.op != "dispatch":
-        args.parser.error(f"argument --op {args.op}: only with --world emulated (the combine "
-                          f"of the other worlds is not benchmarked yet)")
     if args.world == "shmem":
+        plan = options.shmem_plan_from_args(args.parser, args, cfg, arch=args.arch)
         from epgen.bench import shmem
 
-        tokens = ([t for group in args.tokens for t in group] if args.tokens
-                  else args.sweep_tokens or [cfg.max_tokens_per_rank])
-        failures = shmem.run(args, cfg, list(dict.fromkeys(tokens)))
+        failures = shmem.run(plan, json_path=args.json)["failures"]
         if failures:
             raise CommandError("bench: " + "; ".join(failures))
         return 0

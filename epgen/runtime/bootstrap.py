@@ -7,13 +7,16 @@ Two ways, picked from the environment (``from_env``):
 - **Under ``epgen launch``** (``EPGEN_LAUNCH_DIR`` set): files in that directory. Rank 0
   writes the unique id to ``uid-<name>`` atomically (a temporary file, then ``os.replace``);
   the others wait for it. A barrier ``name`` of generation ``g`` is rank ``k`` creating
-  ``barrier-<name>-<g>-<k>`` and waiting until all ``N`` exist. Every wait is bounded and
+  ``barrier-<name>-<g>-<k>`` and waiting until all ``N`` exist; a gather
+  (``all_gather_bytes``, e.g. the SHMEM benchmark's per-PE timings) is rank ``k`` writing
+  ``gather-<name>-<g>-<k>`` atomically and reading all ``N``. Every wait is bounded and
   fails with ``BootstrapTimeoutError`` naming what it waited for (the file, the ranks
   missing).
 - **Under torchrun** (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set, no ``EPGEN_LAUNCH_DIR``):
   ``torch.distributed`` (initialised here with the gloo backend if it is not yet):
   ``broadcast_object_list`` from rank 0 for the id, point-to-point messages to and from rank
-  0 for bounded barriers (``TorchBootstrap``). torch is imported only on this path.
+  0 for bounded barriers, ``all_gather_object`` for gathers (``TorchBootstrap``). torch is
+  imported only on this path.
 
 ``from_group(group)`` is the third way, never picked from the environment: a
 ``TorchBootstrap`` over a given ``torch.distributed`` process group (a sub-group too), whose
@@ -138,6 +141,30 @@ class FileBootstrap:
             f"{self.world_size} never arrived (exited or hung?)",
             f"barrier {name!r} generation {gen}", missing()))
 
+    def all_gather_bytes(self, data: bytes, name: str = "gather",
+                         timeout_s: float | None = None) -> list[bytes]:
+        """Every rank's ``data``, in rank order, on every rank: rank ``k`` writes
+        ``gather-<name>-<gen>-<k>`` atomically and reads the others' once all exist (the
+        generation counts this process's gathers of that name, as for barriers); bounded by
+        ``timeout_s`` (default: the bootstrap's), ``BootstrapTimeoutError`` naming the
+        ranks missing."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        key = f"gather-{name}"
+        gen = self._generations.get(key, 0)
+        self._generations[key] = gen + 1
+        paths = [self.dir / f"gather-{name}-{gen}-{k}" for k in range(self.world_size)]
+        self._write_atomic(paths[self.rank], bytes(data))
+
+        def missing():
+            return [k for k, path in enumerate(paths) if not path.exists()]
+
+        _poll(lambda: not missing(), timeout_s, lambda: (
+            f"rank {self.rank}: gather {name!r} (generation {gen}) timed out after "
+            f"{timeout_s:g} s; rank(s) {', '.join(map(str, missing()))} of "
+            f"{self.world_size} never sent theirs (exited or hung?)",
+            f"gather {name!r} generation {gen}", missing()))
+        return [path.read_bytes() for path in paths]
+
 
 class TorchBootstrap:
     """The exchange through ``torch.distributed``: over ``group`` (a ``ProcessGroup`` this
@@ -201,6 +228,15 @@ class TorchBootstrap:
         box = [bytes(data) if self.rank == 0 else None]
         self.dist.broadcast_object_list(box, src=self.src, group=self.group)
         return box[0]
+
+    def all_gather_bytes(self, data: bytes, name: str = "gather",
+                         timeout_s: float | None = None) -> list[bytes]:
+        """Every rank's ``data`` (of the group), in rank order, on every rank
+        (``all_gather_object``: bounded by the group's own timeout, not ``timeout_s``; the
+        names play no part, as for barriers)."""
+        out = [None] * self.world_size
+        self.dist.all_gather_object(out, bytes(data), group=self.group)
+        return [bytes(x) for x in out]
 
     def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
         """Every rank of the group arrived. ``timeout_s`` bounds the wait on a gloo group
@@ -308,6 +344,10 @@ class SoloBootstrap:
 
     def broadcast_bytes(self, data, name: str = "nvshmem") -> bytes:
         return bytes(data)
+
+    def all_gather_bytes(self, data, name: str = "gather",
+                         timeout_s: float | None = None) -> list[bytes]:
+        return [bytes(data)]
 
     def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
         pass

@@ -199,8 +199,8 @@ def test_dispatch_stays_the_default(fake_gpu):  # noqa: F811
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--op", "combine", "--world", "p2p"], "argument --op combine: only with --world emulated"),
-    (["--op", "moe", "--world", "shmem"], "argument --op moe: only with --world emulated"),
+    (["--op", "moe", "--world", "p2p", "--variant", "g=graph"],
+     "graph with --op moe .*EmulatedWorld.capture_moe.*not p2p"),
     (["--op", "combine", "--variant", "g=graph"], "graph times a whole replay"),
     (["--op", "bogus"], "invalid choice"),
 ])

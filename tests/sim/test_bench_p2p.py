@@ -473,7 +473,7 @@ def test_p2p_variant_that_does_not_fit_a_gpu_is_skipped(fake_gpus, monkeypatch, 
 
 def test_gpu_memory_shortfalls_counts_the_ranks_a_gpu_holds(monkeypatch):
     cfg = p2p.bf16_config(load_preset("small"))
-    plan = types.SimpleNamespace(sets=3, mem_fraction=0.9)
+    plan = types.SimpleNamespace(sets=3, mem_fraction=0.9, op="dispatch")
     per_rank = memory.world_memory(cfg)["per_rank_total"] + \
         memory.staged_inputs_memory(cfg, 16, 3) // cfg.n_ranks
     monkeypatch.setattr(memory, "mem_info", lambda device: (int(1.5 * per_rank / 0.9), 0))
