@@ -402,41 +402,6 @@ def test_cli_run_dead_peer_exits_at_once(monkeypatch, capsys):
     assert "finalize" not in str(log)
 
 
-def test_bench_run_on_one_simulated_rank(monkeypatch):
-    """``epgen bench --world shmem``'s loop: one world for every shape, the first call
-    checked, the timed calls each followed by the barrier."""
-    import io
-    import types
-
-    from epgen.bench import shmem as bench_shmem
-
-    log = []
-    made = []
-
-    def world_of(cfg):
-        host = FakeHost(log)
-        w = sw.ShmemWorld(cfg, 0, bootstrap=FakeBootstrap(0, 1, log), host=host.view(0),
-                          backend=sim_backend.Machine(0))
-        host.worlds[0] = w
-        made.append(w)
-        return w
-    clock = iter(range(1000))
-    fake_cuda = types.SimpleNamespace(record=lambda stream: next(clock),
-                                      elapsed_ms=lambda a, b: 0.01 * (b - a))
-    monkeypatch.setattr(bench_shmem, "ShmemWorld", world_of)
-    monkeypatch.setattr(bench_shmem, "cuda", fake_cuda)
-    cfg = small(n_ranks=1, p2p_world_size=1, n_experts=8, max_tokens_per_rank=8)
-    args = types.SimpleNamespace(iters=3, warmup=1, seed=0, no_post_check=False)
-    out = io.StringIO()
-    assert bench_shmem.run(args, cfg, [4, 16], out=out) == []
-    assert len(made) == 1 and made[0].cfg.max_tokens_per_rank == 16
-    lines = out.getvalue().splitlines()
-    assert len(lines) == 2 and "4 tokens/rank" in lines[0] and "16 tokens/rank" in lines[1]
-    assert "median 10.0 us" in lines[0]
-    assert sum(1 for e in log if e == ("barrier", 0, "bench")) == 2 * 4
-    assert made[0]._closed
-
-
 # ---- combine ------------------------------------------------------------------------------------
 
 class SymmetricMachine(sim_backend.Machine):
