@@ -300,11 +300,8 @@ def shmem_plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     option = "--compare-p2p" if args.compare_p2p else "--set"
     for p in plan.sizes:
         try:
-            cfg = plan.config(p)
-            check_transport(cfg)
-            if plan.op != "dispatch":
-                from ..runtime.combine import check_supported
-                check_supported(cfg)
+            check_transport(plan.config(p))
+            plan.check_op(p)
         except ValueError as exc:
             parser.error(f"argument {option}: p2p_world_size={p}: {exc}")
     return plan

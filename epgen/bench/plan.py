@@ -284,6 +284,12 @@ class ShmemPlan:
         return self.base.replace(p2p_world_size=p2p_world_size, max_tokens_per_rank=max(
             [*self.tokens, self.base.max_tokens_per_rank]))
 
+    def check_op(self, p2p_world_size: int) -> None:
+        """``ValueError`` when ``op`` is a combine one and the combine kernels do not take
+        the world of ``p2p_world_size`` (``runtime.combine.check_supported``)."""
+        if self.op != "dispatch":
+            check_supported(self.config(p2p_world_size))
+
     def describe(self) -> dict:
         """Plain data (for the JSON)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -100,11 +100,9 @@ def test_shmem_bad_values_are_usage_errors(argv, match, capsys):
 
 
 def test_shmem_combine_refuses_what_combine_does_not_take(monkeypatch, capsys):
-    from epgen.runtime import combine
-
     def refuse(cfg):
         raise ValueError("world.combine: not supported for this configuration: testing")
-    monkeypatch.setattr(combine, "check_supported", refuse)
+    monkeypatch.setattr(plan, "check_supported", refuse)
     err = usage_error(capsys, SMALL_SHMEM + ["--op", "combine", "--compare-p2p", "1,2"])
     assert "argument --compare-p2p: p2p_world_size=1: world.combine: not supported" in err
     shmem_plan(*SMALL_SHMEM, "--compare-p2p", "1,2")                # dispatch: accepted
@@ -340,3 +338,17 @@ def test_run_stops_every_world_at_a_failed_check(monkeypatch):
     assert opened == [1] and len(res["runs"]) == 1
     assert res["failures"] == ["p2p_world_size=1, T=16: FAILED: rank 1: differs"]
     assert "FAILED: p2p_world_size=1, T=16" in out.getvalue()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "moe"])
+def test_gpu_test_arguments_are_valid(n, op):
+    """The arguments tests/gpu/test_bench_worlds_gpu.py launches parse into the plans they
+    mean, so a failure there is the GPU's, not a typo's."""
+    import test_bench_worlds_gpu as gpu
+
+    p = shmem_plan(*gpu.shmem_bench_args(n, op, f"1,{n}"))
+    assert (p.op, p.sizes, p.tokens, p.iters, p.warmup) == (op, (1, n), (32,), 5, 2)
+    assert p.base.n_ranks == n and p.base.use_shmem
+    one = shmem_plan(*gpu.shmem_bench_args(n, op, None))
+    assert one.sizes == (1,) and one.config(1).needs_shmem

@@ -58,9 +58,10 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
                            "epgen.bench imports with numpy only (tests/unit/test_bench.py::"
                            "test_import_is_light): backends.cuda inside device functions"),
     "epgen.bench.driver": (("backends.cuda",), "as epgen.bench.memory"),
-    "epgen.bench.options": (("epgen.bench.plan",),
+    "epgen.bench.options": (("epgen.bench.plan", "epgen.runtime.shmem_world"),
                             "`epgen --help` builds these options without plan's imports (the "
-                            "configuration, the formats, ml_dtypes)"),
+                            "configuration, the formats, ml_dtypes), and without the SHMEM "
+                            "world's (backends.cuda) unless --world shmem is parsed"),
     "epgen.bench.p2p": (("backends.cuda", "epgen.runtime.p2p_world"), "as epgen.bench.memory"),
     "epgen.bench.runner": (("backends.cuda", "epgen.runtime.world"), "as epgen.bench.memory"),
     "epgen.bench.timing": (("backends.cuda",), "as epgen.bench.memory"),
