@@ -31,8 +31,21 @@ Method
   copy, speed-up over the baseline), JSON with every number, the device, date and commit,
   and a PNG plot of bandwidth against tokens per rank.
 
+Other worlds and ops
+--------------------
+* ``--op combine|moe`` (``combine``): the combine alone (after an untimed dispatch) or
+  dispatch + combine, transform-free, on every world, each timed as its dispatch is.
+* ``--world p2p`` (``p2p``): one GPU per rank, against the peer copy and NCCL; every sample
+  from an idle device, host enqueue included (as NCCL must be timed). No NCCL baseline for
+  combine and moe.
+* ``--world shmem`` (``shmem``): one process per PE under ``epgen launch``; each PE times its
+  own rank on its stream, rank 0 combines the PEs (the slowest PE per call);
+  ``--compare-p2p P,Q`` times several ``p2p_world_size`` in one run and reports each against
+  the largest ("x of direct stores").
+
 ``driver.run(plan)`` runs a ``plan.Plan``; ``options`` holds the command-line options both
-front ends share (``epgen bench`` in ``epgen.commands.bench``, ``benchmarks/dispatch_bench.py``).
+front ends share (``epgen bench`` in ``epgen.commands.bench``, ``benchmarks/dispatch_bench.py``)
+and builds the SHMEM world's ``plan.ShmemPlan``.
 Importing any module here needs numpy only: torch, CuPy, matplotlib and ``backends.cuda``
 are imported inside the functions that use the device or draw.
 """

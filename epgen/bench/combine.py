@@ -1,7 +1,9 @@
-"""The combine figures of ``epgen bench --op combine|moe`` on an ``EmulatedWorld``, measured
-like the dispatch round trip (``runner``): staged input sets rotated through the iterations,
-device events around a fork/join over the rank streams behind the gate, the median of
-``iters`` samples after ``warmup``.
+"""The combine figures of ``epgen bench --op combine|moe`` on an ``EmulatedWorld`` or (the P2P
+benchmark, ``world_factory``) a ``P2PWorld``, measured like the dispatch round trip of that
+world (``runner``): staged input sets rotated through the iterations, device events around a
+fork/join over the rank streams behind the gate (or, ``host_sync``, from an idle device with
+host enqueue included, as the P2P dispatch), the median of ``iters`` samples after
+``warmup``. (The SHMEM world's combine is timed per PE by ``epgen.bench.shmem``.)
 
 Transform-free: each rank's expert-output buffer is pointed at its own grouped dispatch output
 (``Combiner.bufs[i].expert_out = rank.out_tokens``), so every received row goes back as it

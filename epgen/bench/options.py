@@ -255,6 +255,15 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
     return plan
 
 
+def apply_compare_p2p(args: argparse.Namespace) -> None:
+    """With ``--world shmem --compare-p2p P,Q``: the configuration is built at the largest
+    ``p2p_world_size`` of the list (appended to ``--set``), so a preset's own value need not
+    suit the PE count; each world then takes its own (``ShmemPlan.config``). Call before
+    ``config_from_args``."""
+    if getattr(args, "world", None) == "shmem" and getattr(args, "compare_p2p", None):
+        args.sets = [*args.sets, f"p2p_world_size={max(args.compare_p2p)}"]
+
+
 SHMEM_REFUSED = (
     ("--variant", "variant", "the SHMEM benchmark times the configuration as given (--set)"),
     ("--routing", "routing", "the SHMEM benchmark routes uniformly"),

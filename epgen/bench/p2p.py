@@ -1,6 +1,9 @@
 """The P2P benchmark (``epgen bench --world p2p``, docs/multi-gpu.md): epgen's dispatch round trip
 on a ``P2PWorld`` (one GPU per rank), against the NVLink bandwidth and against
 ``torch.distributed`` NCCL all-to-all plus a permute of the same job, all in one run.
+``--op combine|moe``: the combine alone or dispatch + combine (``epgen.bench.combine``),
+timed the same way and against the same NVLink bandwidth by the bytes they move over the
+links (``link_bytes``); no NCCL baseline for them.
 
 Method
 ------
@@ -25,9 +28,10 @@ Method
 * **Bytes per GPU** (``link_bytes``): what crosses the links: each (token, k) message whose
   destination is another rank, ``msg_size()`` bytes (staged layout) or an output row plus its
   header (``ep_final_layout``), counted per source (sent) and per destination (received);
-  the busiest GPU's larger count over the inputs sets bounds the time. GB/s per GPU = those
-  bytes / round-trip time (1 GB = 1e9 B); fraction = that / the ring's bandwidth per GPU.
-  The goal: >= 0.8 at prefill.
+  the busiest GPU's larger count over the inputs sets bounds the time; the combine sends each
+  remote (token, k)'s BF16 row back (``combine_row_bytes``, the other way), moe both. GB/s
+  per GPU = those bytes / the op's time (1 GB = 1e9 B); fraction = that / the ring's
+  bandwidth per GPU. The goal: >= 0.8 at prefill.
 * **NCCL baseline** (``nccl_dispatch``; ``nccl_phase``): one spawned process per rank
   (``multiprocessing``, spawn: CUDA cannot be forked), one NCCL process group (``torch.distributed``, file
   store), each rank on its GPU with the same input sets (written by this process, read by
@@ -660,7 +664,8 @@ def format_table(rows) -> str:
 
 def print_report(results, file=None) -> None:
     file = file or sys.stdout
-    head = (f"epgen bench --world p2p  {results['date']}  commit {results['git_commit']}"
+    op = "" if _op(results) == "dispatch" else f" --op {_op(results)}"
+    head = (f"epgen bench --world p2p{op}  {results['date']}  commit {results['git_commit']}"
             f"{'+dirty' if results.get('git_dirty') else ''}  GPUs "
             f"{','.join(map(str, results['devices']))} of {results['gpus']}")
     if "device" in results:

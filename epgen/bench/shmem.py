@@ -65,7 +65,9 @@ from .. import reference, routing
 from ..reference_combine import source_of_rows
 from ..runtime.shmem_session import ShmemSession
 from ..runtime.shmem_world import ShmemWorld
+from ..inspection import combine_buffers
 from . import combine as bench_combine
+from . import memory
 from .p2p import slowest_rank_times
 from .plan import shape_name
 from .report import Progress, git_commit, write_json
@@ -108,6 +110,22 @@ def op_sent_bytes(cfg, all_topk_ids, rank: int, op: str) -> int:
         n += sent_bytes(cfg, all_topk_ids[rank], rank)
     if op in ("combine", "moe"):
         n += combine_sent_bytes(cfg, all_topk_ids, rank)
+    return n
+
+
+def symmetric_bytes(cfg, op: str) -> int:
+    """Bytes of NVSHMEM's symmetric heap one PE's world of ``cfg`` allocates (docs/shmem.md):
+    the buffers peers write or puts read (``memory.world_memory``'s send and receive buffers,
+    counts, grouped output, header and prod buffers) and, for combine and moe, the combine's
+    receive buffer (with its guard), arrival words and expert outputs. The heap
+    (``NVSHMEM_SYMMETRIC_SIZE``) must hold it; NVSHMEM's own allocations come on top."""
+    per_rank = memory.world_memory(cfg)["per_rank"]
+    n = sum(per_rank[k] for k in ("send_buf", "recv_buf", "recv_count", "out_tokens",
+                                  "hdr_buf", "prod_buf"))
+    if op != "dispatch":
+        b = combine_buffers(cfg)["bytes_per_rank"]
+        n += b["combine_recv_buf"] + b["combine_recv_guard"] + 2 * b["combine_arrival"] + \
+            b["combine_expert_out"]
     return n
 
 
@@ -369,6 +387,9 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                "git_commit": commit, "git_dirty": dirty, "command": sys.argv,
                "mps_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
                "plan": {**plan.describe(), "reference_size": plan.reference_size},
+               "symmetric_bytes_per_pe": max(symmetric_bytes(plan.config(p), plan.op)
+                                             for p in plan.sizes),
+               "nvshmem_symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"),
                "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
                           "sent_bytes": "dispatch: a message per (token, distinct remote "
                                         "rank); combine: a BF16 row per remote (token, k)"},
@@ -377,9 +398,13 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
         if session is None:
             session = stack.enter_context(ShmemSession(n_ranks=plan.base.n_ranks))
         me = session.rank
-        progress = Progress(total=len(plan.sizes) * len(plan.tokens))
+        progress = Progress(total=1 + len(plan.sizes) * len(plan.tokens))
         step = progress.step if me == 0 else (lambda msg: None)
         exchange = _gather(session)
+        step(f"{plan.base.n_ranks} PEs; each world needs "
+             f"{results['symmetric_bytes_per_pe'] / 2**30:.2f} GiB of symmetric heap per PE "
+             f"(NVSHMEM_SYMMETRIC_SIZE="
+             f"{results['nvshmem_symmetric_size'] or 'unset: NVSHMEM default 1 GiB'})")
         for p in plan.sizes:
             cfg = plan.config(p)
             with ShmemWorld(cfg, session=session, arch=plan.arch) as world:

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.parser, "--json", args.json)
     check_output_path(args.parser, "--plot", args.plot)
+    options.apply_compare_p2p(args)
     cfg, _ = config_from_args(args, default=default_preset(args.world))
     if args.api in ("torch", "deepep") and args.world != "emulated":
         args.parser.error(f"argument --api {args.api}: only with --world emulated")

@@ -32,6 +32,7 @@ def shmem_plan(*argv):
     ``epgen.commands.bench.run`` does before NVSHMEM starts."""
     parser = cli.build_parser()
     args = parser.parse_args(["bench", *argv])
+    options.apply_compare_p2p(args)
     cfg, _ = config_from_args(args, default=bench_command.default_preset(args.world))
     return options.shmem_plan_from_args(args.parser, args, cfg, arch=args.arch)
 
@@ -86,7 +87,7 @@ def test_shmem_refuses_what_it_would_ignore(option, extra, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--compare-p2p", "1,4"], r"argument --compare-p2p: p2p_world_size=4: .*n_ranks"),
+    (["--compare-p2p", "1,4"], r"--set p2p_world_size=4: invalid EPConfig.*must divide"),
     (["--compare-p2p", "1,2", "--set", "use_shmem=false"],
      r"argument --compare-p2p: p2p_world_size=1: .*use_shmem=True"),
     (["--set", "p2p_world_size=1", "--set", "use_shmem=false"],     # the configuration's
@@ -128,6 +129,32 @@ def test_p2p_takes_combine_and_moe(op):
     p = bench_args("--world", "p2p", "--preset", "small", "--op", op, "--tokens", "16",
                    "--variant", "default", "--variant", "fused")
     assert (p.world, p.op) == ("p2p", op)
+
+
+def test_compare_p2p_builds_the_configuration_at_its_largest_size():
+    """A preset whose own p2p_world_size does not divide the PE count runs with
+    --compare-p2p alone (the decode preset's 8 on 4 PEs)."""
+    p = shmem_plan("--world", "shmem", "--preset", "decode", "--set", "n_ranks=4", "--set",
+                   "n_experts=28", "--set", "n_sms=8", "--set", "use_shmem=true", "--tokens",
+                   "128", "--compare-p2p", "1,4")
+    assert (p.sizes, p.base.p2p_world_size, p.base.n_ranks) == ((1, 4), 4, 4)
+    assert p.config(1).needs_shmem and not p.config(4).needs_shmem
+
+
+def test_symmetric_bytes_by_the_layouts():
+    from epgen.combine_layout import CombineLayout
+    from epgen.runtime.combine import GUARD_BYTES
+
+    cfg = tiny_cfg(T=8, H=16, K=2, R=2, E=4).replace(use_shmem=True, p2p_world_size=1)
+    lay, H = cfg.layout, 16
+    dispatch = lay.send_buf_bytes + lay.recv_buf_bytes + lay.recv_count_bytes + \
+        lay.max_out_rows * H * 2 + lay.hdr_buf_bytes + lay.prod_buf_bytes
+    assert shmem.symmetric_bytes(cfg, "dispatch") == dispatch
+    clay = CombineLayout(cfg)
+    assert clay.arrival_word_bytes == 8                     # u64 under the SHMEM transport
+    assert shmem.symmetric_bytes(cfg, "moe") == shmem.symmetric_bytes(cfg, "combine") == \
+        dispatch + clay.recv_bytes + GUARD_BYTES + 8 * clay.arrival_words + \
+        lay.max_out_rows * H * 2
 
 
 # ---- bytes and rows ----------------------------------------------------------------------------
