@@ -56,9 +56,9 @@ def shared_exchange(worlds):
     return [of(r) for r in range(len(worlds))]
 
 
-def two_pes(p2p: int, seed: int):
+def two_pes(p2p: int, seed: int, **changes):
     cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=8, use_shmem=True,
-                p2p_world_size=p2p)
+                p2p_world_size=p2p, **changes)
     machine = SymmetricMachine(seed)
     return cfg, machine, make_worlds(cfg, machine, [])
 
@@ -95,6 +95,42 @@ def test_measure_shape_on_two_simulated_pes(op, p2p, seed, fake_events):
             # the world's own expert-output buffer is back
             assert comb.bufs[0].expert_out is not wd.ranks[0].out_tokens
         wd.close()
+
+
+def measure_two(cfg, machine, worlds, op, seed):
+    T = cfg.max_tokens_per_rank
+    plan = ShmemPlan(base=cfg, tokens=(T,), op=op, iters=2, warmup=0, seed=seed)
+    toks, ids = routing.routing(np.random.default_rng(seed), cfg, T)
+    w = bench_combine.weights(cfg, T, seed)
+    exchange = shared_exchange(worlds)
+    got, errors = collectively(machine, worlds, [
+        (lambda r=r: bench_shmem.measure_shape(worlds[r], plan, T, toks, ids, w,
+                                               exchange=exchange[r])) for r in range(2)])
+    assert errors == [None, None], errors
+    for wd in worlds:
+        wd.close()
+    return got
+
+
+@pytest.mark.parametrize("fmt", ["NVFP4", "BlockwiseFP8"])
+def test_a_quantising_format_sends_fixed_rows(fmt, seed, fake_events):
+    """Its rows are not BF16: the check's rows (naming their slots) pass the check before the
+    timing and go back each timed call; the combine is not checked after it."""
+    from epgen.formats import make_format
+
+    cfg, machine, worlds = two_pes(1, seed, token_fmt=make_format(fmt, 128, 2))
+    for res in measure_two(cfg, machine, worlds, "moe", seed):
+        assert res["check"] == "ok" and len(res["times_ms"]) == 2, (seed, res)
+        assert res["post_check"] == ("dispatch ok; combine not checked (fixed rows of a "
+                                     "quantising format)"), res
+
+
+def test_no_second_reference_combine_at_large_shapes(seed, fake_events, monkeypatch):
+    monkeypatch.setattr(bench_combine, "PREFILL_CHECK_TOKENS", 4)
+    cfg, machine, worlds = two_pes(1, seed)
+    for res in measure_two(cfg, machine, worlds, "combine", seed):
+        assert res["check"] == "ok", res
+        assert res["post_check"].startswith("dispatch ok; combine not checked (above 4 tokens")
 
 
 def test_a_failed_check_stops_every_pe_before_the_timing(seed, fake_events):
