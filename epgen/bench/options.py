@@ -256,12 +256,13 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
 
 
 def apply_compare_p2p(args: argparse.Namespace) -> None:
-    """With ``--world shmem --compare-p2p P,Q``: the configuration is built at the largest
+    """With ``--world shmem --compare-p2p P,Q``: the configuration is built at the smallest
     ``p2p_world_size`` of the list (appended to ``--set``), so a preset's own value need not
-    suit the PE count; each world then takes its own (``ShmemPlan.config``). Call before
-    ``config_from_args``."""
+    suit the PE count and the configuration is the one that reaches peers by SHMEM; each
+    world then takes its own size (``ShmemPlan.config``, each checked by
+    ``shmem_plan_from_args``). Call before ``config_from_args``."""
     if getattr(args, "world", None) == "shmem" and getattr(args, "compare_p2p", None):
-        args.sets = [*args.sets, f"p2p_world_size={max(args.compare_p2p)}"]
+        args.sets = [*args.sets, f"p2p_world_size={min(args.compare_p2p)}"]
 
 
 SHMEM_REFUSED = (

@@ -87,9 +87,11 @@ def test_shmem_refuses_what_it_would_ignore(option, extra, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--compare-p2p", "1,4"], r"--set p2p_world_size=4: invalid EPConfig.*must divide"),
+    (["--compare-p2p", "1,4"], r"argument --compare-p2p: p2p_world_size=4: .*must divide"),
+    # the configuration is built at the smallest size (appended to --set), then each world
+    (["--compare-p2p", "3,4"], r"--set p2p_world_size=3: invalid EPConfig.*must divide"),
     (["--compare-p2p", "1,2", "--set", "use_shmem=false"],
-     r"argument --compare-p2p: p2p_world_size=1: .*use_shmem=True"),
+     r"--set p2p_world_size=1: .*p2p_world_size=1 < n_ranks=2: .*set use_shmem=True"),
     (["--set", "p2p_world_size=1", "--set", "use_shmem=false"],     # the configuration's
      r"p2p_world_size=1 < n_ranks=2: .*set use_shmem=True"),
     (["--set", "p2p_world_size=1", "--warmup", "-1"], "argument --warmup: must be >= 0"),
@@ -131,14 +133,16 @@ def test_p2p_takes_combine_and_moe(op):
     assert (p.world, p.op) == ("p2p", op)
 
 
-def test_compare_p2p_builds_the_configuration_at_its_largest_size():
+def test_compare_p2p_builds_the_configuration_at_its_smallest_size(capsys):
     """A preset whose own p2p_world_size does not divide the PE count runs with
-    --compare-p2p alone (the decode preset's 8 on 4 PEs)."""
+    --compare-p2p alone (the decode preset's 8 on 4 PEs); no note that the configuration
+    makes no NVSHMEM call (its smallest size does)."""
     p = shmem_plan("--world", "shmem", "--preset", "decode", "--set", "n_ranks=4", "--set",
                    "n_experts=28", "--set", "n_sms=8", "--set", "use_shmem=true", "--tokens",
                    "128", "--compare-p2p", "1,4")
-    assert (p.sizes, p.base.p2p_world_size, p.base.n_ranks) == ((1, 4), 4, 4)
+    assert (p.sizes, p.base.p2p_world_size, p.base.n_ranks) == ((1, 4), 1, 4)
     assert p.config(1).needs_shmem and not p.config(4).needs_shmem
+    assert "no NVSHMEM call" not in capsys.readouterr().err
 
 
 def test_symmetric_bytes_by_the_layouts():
@@ -379,3 +383,34 @@ def test_gpu_test_arguments_are_valid(n, op):
     assert p.base.n_ranks == n and p.base.use_shmem
     one = shmem_plan(*gpu.shmem_bench_args(n, op, None))
     assert one.sizes == (1,) and one.config(1).needs_shmem
+
+
+def test_the_benchmark_script_launches_valid_runs(tmp_path):
+    """benchmarks/shmem_bench.sh with a recording stand-in for python: one launch per PE
+    count, shape and op, each a bench command that parses into the plan it means."""
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path), "PES": "2 4",
+           "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "shmem_bench.sh")],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2 * 2 * 3
+    seen = set()
+    for call in calls:
+        launch, bench = call.split(" -- ", 1)
+        n = int(launch.split()[launch.split().index("-n") + 1])
+        argv = bench.split()
+        assert argv[:3] == [str(fake), "-m", "epgen"] and argv[3] == "bench"
+        p = shmem_plan(*argv[4:])
+        assert (p.base.n_ranks, p.sizes, p.base.layout.n_local_experts) == (n, (1, n), 7)
+        assert p.check == (p.tokens == (128,)) and p.iters == 50
+        seen.add((n, p.tokens, p.op))
+    assert seen == {(n, t, op) for n in (2, 4) for t in ((128,), (4096,))
+                    for op in ("dispatch", "combine", "moe")}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The SHMEM put path against the direct-store path on one GPU machine (docs/PERF.md, "SHMEM
+# puts against direct stores"): MPS on (when nvidia-cuda-mps-control exists and we are root),
+# then for every PE count, shape and op one launch of
+#
+#   epgen launch -n N --mps-share -- epgen bench --world shmem --op OP --compare-p2p 1,N ...
+#
+# (every peer by NVSHMEM puts against every peer by nvshmem_ptr stores, in one run), each
+# under a timeout; MPS off. Logs and rank 0's JSON in $OUT (shmem-<shape>-<N>pe-<op>.json).
+#
+#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/shmem_bench.sh [decode|prefill|all]
+#
+# (default all). PES (default "2 4"), OPS (default "dispatch combine moe") and ITERS
+# (default 50) narrow or change a call. The shapes: the decode preset's H=7168, K=8, BF16 with
+# 7 local experts per PE (n_experts = 7 N) on 8 blocks of 512 threads per PE, at 128 tokens
+# per rank (decode) and 4096 (prefill; its symmetric heap need, up to 5.1 GiB per PE at 4 PEs,
+# is why NVSHMEM_SYMMETRIC_SIZE is 8 GiB here; its runs skip the checks, --no-post-check, as
+# the reference combine of a prefill shape takes tens of seconds per PE: CHECK_PREFILL=1 keeps
+# them). Each launch runs under its own bound (120 s at decode, 240 s at prefill); not yet run
+# on a GPU, so how many launches fit one call is not known: split by mode, PES or OPS.
+set -u
+cd "$(dirname "$0")/.."
+MODE=${1:-all}
+case "$MODE" in decode|prefill|all) ;; *) echo "usage: $0 [decode|prefill|all]" >&2; exit 2;; esac
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+LOG="$OUT/shmem_bench.log"
+PY=${PYTHON:-python3}
+export PYTHONPATH=.
+export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NVLS=1
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8589934592}
+PES=${PES:-"2 4"}
+OPS=${OPS:-"dispatch combine moe"}
+ITERS=${ITERS:-50}
+echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $MODE; logs in $OUT" | tee "$LOG"
+nvidia-smi -L 2>&1 | tee -a "$LOG"
+
+MPS=0
+if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if timeout 30 nvidia-cuda-mps-control -d; then MPS=1; echo "MPS started" | tee -a "$LOG"; fi
+else
+    echo "MPS not started (no nvidia-cuda-mps-control or not root): PEs time-slice the GPU" | tee -a "$LOG"
+fi
+stop_mps() {
+    if [ "$MPS" = 1 ]; then
+        echo quit | timeout 30 nvidia-cuda-mps-control && echo "MPS stopped" | tee -a "$LOG"
+        MPS=0
+    fi
+}
+trap stop_mps EXIT
+
+status=0
+shapes=$([ "$MODE" = all ] && echo "decode prefill" || echo "$MODE")
+for shape in $shapes; do
+    if [ "$shape" = decode ]; then tokens=128; check=(); limit=120
+    else tokens=4096; limit=240
+        if [ "${CHECK_PREFILL:-0}" = 1 ]; then check=(); else check=(--no-post-check); fi
+    fi
+    for n in $PES; do
+        for op in $OPS; do
+            name="shmem-$shape-${n}pe-$op"
+            echo "== $name ==" | tee -a "$LOG"
+            timeout $((limit + 30)) "$PY" -m epgen launch -n "$n" --timeout "$limit" \
+                $( [ "$MPS" = 1 ] && echo --mps-share ) -- \
+                "$PY" -m epgen bench --world shmem --op "$op" --preset decode \
+                --set n_ranks="$n" --set n_experts=$((7 * n)) --set n_sms=8 \
+                --set use_shmem=true --tokens "$tokens" --compare-p2p "1,$n" \
+                --iters "$ITERS" ${check[@]+"${check[@]}"} --json "$OUT/$name.json" \
+                > "$OUT/$name.log" 2>&1
+            rc=$?
+            grep -E '^\[rank 0\] (shape|T=|decode|prefill|FAILED)' "$OUT/$name.log" | tee -a "$LOG"
+            if [ "$rc" != 0 ]; then
+                status=1
+                echo "$name: exit $rc" | tee -a "$LOG"
+                tail -20 "$OUT/$name.log" | tee -a "$LOG"
+            fi
+        done
+    done
+done
+stop_mps
+echo "status $status" | tee -a "$LOG"
+exit $status
