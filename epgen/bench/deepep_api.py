@@ -22,6 +22,7 @@ host time per call. The first call of each shape is checked with DeepEP's proper
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -30,6 +31,7 @@ import numpy as np
 
 from . import inputs
 from .combine import weights as combine_weights
+from .memory import fmt_gb, mem_info, world_memory
 
 #: the formats timed: name -> DeepEP's use_fp8
 FORMATS = (("BF16", False), ("FP8", True))
@@ -67,6 +69,13 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
          for t in toks]
     i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
     w = [torch.from_numpy(a).cuda() for a in combine_weights(cfg, T, plan.seed)]
+    need = _bytes_needed(cfg, T)
+    free, _total = mem_info(0)
+    if need > 0.9 * free:
+        print(f"deepep api, {T} tokens/rank, {name}: skipped (its two worlds need "
+              f"{fmt_gb(need)}, {fmt_gb(free)} free: DeepEP's layout reserves "
+              f"R * T rows per local expert)", file=out)
+        return None
     group = deep_ep.EmulatedGroup(R, n_sms=cfg.n_sms, num_threads=cfg.num_threads)
     bufs = [deep_ep.Buffer(group.rank(r), low_latency_mode=True) for r in range(R)]
     streams = [group.stream(torch, r) for r in range(R)]
@@ -146,6 +155,9 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
     e_host, ec_host, e_dev = timed(epgen_round)
     for b in bufs:
         b.check()
+    del bufs, group, eps, got
+    gc.collect()
+    torch.cuda.empty_cache()
     rec = {"tokens_per_rank": T, "format": name, "ranks": R,
            "host_us_dispatch_deepep": d_host, "host_us_dispatch_epgen": e_host,
            "host_us_combine_deepep": c_host, "host_us_combine_epgen": ec_host,
@@ -158,6 +170,17 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
           f"{c_host:.1f} / {ec_host:.1f} us per combine; round trip {d_dev:.1f} / "
           f"{e_dev:.1f} us (x{rec['device_ratio']:.3f})", file=out)
     return rec
+
+
+def _bytes_needed(cfg, T: int) -> int:
+    """Device bytes of the two worlds (result slots) of this shape: ``world_memory`` of its
+    capacity-strided configuration, twice."""
+    from ..deepep.shapes import LowLatencyShape
+    shape = LowLatencyShape(cfg.n_ranks, cfg.n_experts, T, cfg.token_fmt.hid_dim,
+                            cfg.token_fmt.top_k, "BF16")
+    return 2 * world_memory(shape.config(n_sms=cfg.n_sms, num_threads=cfg.num_threads,
+                                         p2p_world_size=cfg.n_ranks,
+                                         use_shmem=False))["total"]
 
 
 def _check(torch, cfg, x, ids, w, got, outs, use_fp8: bool, bufs, streams):
