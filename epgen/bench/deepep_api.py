@@ -175,7 +175,7 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
 def _bytes_needed(cfg, T: int) -> int:
     """Device bytes of the two worlds (result slots) of this shape: ``world_memory`` of its
     capacity-strided configuration, twice."""
-    from ..deepep.shapes import LowLatencyShape
+    from ..deepep.shapes import LowLatencyShape   # epgen.deepep needs torch
     shape = LowLatencyShape(cfg.n_ranks, cfg.n_experts, T, cfg.token_fmt.hid_dim,
                             cfg.token_fmt.top_k, "BF16")
     return 2 * world_memory(shape.config(n_sms=cfg.n_sms, num_threads=cfg.num_threads,

@@ -39,6 +39,7 @@ from . import events, shapes, views
 from .config import Config
 from .emulated import EmulatedRank
 from .handle import LowLatencyHandle
+from .shmem_source import ShmemSource
 
 
 def _torch():
@@ -106,7 +107,6 @@ class Buffer:
             raise EPInputError("group: required (a torch.distributed process group, or a "
                                "rank of an epgen.deepep.EmulatedGroup)")
         else:
-            from .shmem_source import ShmemSource
             self._source = ShmemSource(group, n_sms=n_sms, num_threads=num_threads,
                                        timeout_ns=timeout_ns,
                                        allow_nvlink=allow_nvlink_for_low_latency_mode,
