@@ -61,9 +61,10 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
 
     import epgen.deepep as deep_ep
     iters = args.iters or 50
+    gc.collect()                    # the previous shape's worlds (tens of GB at prefill)
+    torch.cuda.empty_cache()
     cfg = plan.config(T)
-    R, E = cfg.n_ranks, cfg.n_experts
-    H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+    R, E, H = cfg.n_ranks, cfg.n_experts, cfg.token_fmt.hid_dim
     toks, ids = inputs.make_input_sets(cfg, T, 1, plan.routing, plan.zipf_s, plan.seed)[0]
     x = [torch.from_numpy(np.ascontiguousarray(t).view(np.int16)).view(torch.bfloat16).cuda()
          for t in toks]
@@ -155,9 +156,6 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
     e_host, ec_host, e_dev = timed(epgen_round)
     for b in bufs:
         b.check()
-    del bufs, group, eps, got
-    gc.collect()
-    torch.cuda.empty_cache()
     rec = {"tokens_per_rank": T, "format": name, "ranks": R,
            "host_us_dispatch_deepep": d_host, "host_us_dispatch_epgen": e_host,
            "host_us_combine_deepep": c_host, "host_us_combine_epgen": ec_host,
