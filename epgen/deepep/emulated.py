@@ -145,6 +145,9 @@ class EmulatedGroup:
                 if torch is None:
                     results[r] = fn(r)
                 else:
+                    # the device's primary context current on this thread too (the kernels
+                    # are launched through the driver API)
+                    torch.cuda.set_device(self.device)
                     with torch.cuda.stream(self.stream(torch, r)):
                         results[r] = fn(r)
             except BaseException as e:
