@@ -332,3 +332,14 @@ def pytest_make_collect_report(collector):
         report.longrepr = ("tests outside their tier (docs/testing.md, \"Tiers\"):\n  "
                            + "\n  ".join(shown))
         report.result = []
+
+
+@pytest.fixture(scope="session")
+def nvshmem_wheel():
+    """Skips the test, with the reason, when NVSHMEM's host library (the
+    ``nvidia-nvshmem-cu13`` wheel) cannot be found."""
+    from backends.cuda import nvshmem_host
+    try:
+        nvshmem_host.find_host_library()
+    except nvshmem_host.NvshmemUnavailableError as e:
+        pytest.skip(str(e))

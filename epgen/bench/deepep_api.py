@@ -22,6 +22,7 @@ host time per call. The first call of each shape is checked with DeepEP's proper
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -30,6 +31,7 @@ import numpy as np
 
 from . import inputs
 from .combine import weights as combine_weights
+from .memory import fmt_gb, mem_info, world_memory
 
 #: the formats timed: name -> DeepEP's use_fp8
 FORMATS = (("BF16", False), ("FP8", True))
@@ -59,14 +61,22 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
 
     import epgen.deepep as deep_ep
     iters = args.iters or 50
+    gc.collect()                    # the previous shape's worlds (tens of GB at prefill)
+    torch.cuda.empty_cache()
     cfg = plan.config(T)
-    R, E = cfg.n_ranks, cfg.n_experts
-    H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+    R, E, H = cfg.n_ranks, cfg.n_experts, cfg.token_fmt.hid_dim
     toks, ids = inputs.make_input_sets(cfg, T, 1, plan.routing, plan.zipf_s, plan.seed)[0]
     x = [torch.from_numpy(np.ascontiguousarray(t).view(np.int16)).view(torch.bfloat16).cuda()
          for t in toks]
     i = [torch.from_numpy(a.astype(np.int64)).cuda() for a in ids]
     w = [torch.from_numpy(a).cuda() for a in combine_weights(cfg, T, plan.seed)]
+    need = _bytes_needed(cfg, T)
+    free, _total = mem_info(0)
+    if need > 0.9 * free:
+        print(f"deepep api, {T} tokens/rank, {name}: skipped (its two worlds need "
+              f"{fmt_gb(need)}, {fmt_gb(free)} free: DeepEP's layout reserves "
+              f"R * T rows per local expert)", file=out)
+        return None
     group = deep_ep.EmulatedGroup(R, n_sms=cfg.n_sms, num_threads=cfg.num_threads)
     bufs = [deep_ep.Buffer(group.rank(r), low_latency_mode=True) for r in range(R)]
     streams = [group.stream(torch, r) for r in range(R)]
@@ -158,6 +168,17 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
           f"{c_host:.1f} / {ec_host:.1f} us per combine; round trip {d_dev:.1f} / "
           f"{e_dev:.1f} us (x{rec['device_ratio']:.3f})", file=out)
     return rec
+
+
+def _bytes_needed(cfg, T: int) -> int:
+    """Device bytes of the two worlds (result slots) of this shape: ``world_memory`` of its
+    capacity-strided configuration, twice."""
+    from ..deepep.shapes import LowLatencyShape   # epgen.deepep needs torch
+    shape = LowLatencyShape(cfg.n_ranks, cfg.n_experts, T, cfg.token_fmt.hid_dim,
+                            cfg.token_fmt.top_k, "BF16")
+    return 2 * world_memory(shape.config(n_sms=cfg.n_sms, num_threads=cfg.num_threads,
+                                         p2p_world_size=cfg.n_ranks,
+                                         use_shmem=False))["total"]
 
 
 def _check(torch, cfg, x, ids, w, got, outs, use_fp8: bool, bufs, streams):

@@ -39,6 +39,7 @@ from . import events, shapes, views
 from .config import Config
 from .emulated import EmulatedRank
 from .handle import LowLatencyHandle
+from .shmem_source import ShmemSource
 
 
 def _torch():
@@ -65,8 +66,8 @@ class _EmulatedSource:
 
 class _Outstanding:
     """One result slot's state: ``generation`` (dispatches so far), the port and shape of
-    its last dispatch, whether that dispatch awaits its hook (``receiving``) or was
-    combined, and the receive-side work the hook finishes (``after_receive``)."""
+    its last dispatch, whether that dispatch awaits its hook (``receiving``), was combined,
+    or its combine awaits its hook (``combine_receiving``)."""
 
     def __init__(self):
         self.generation = 0
@@ -74,7 +75,6 @@ class _Outstanding:
         self.receiving = False
         self.combined = False
         self.combine_receiving = False
-        self.after_receive = None
 
 
 class Buffer:
@@ -106,7 +106,6 @@ class Buffer:
             raise EPInputError("group: required (a torch.distributed process group, or a "
                                "rank of an epgen.deepep.EmulatedGroup)")
         else:
-            from .shmem_source import ShmemSource
             self._source = ShmemSource(group, n_sms=n_sms, num_threads=num_threads,
                                        timeout_ns=timeout_ns,
                                        allow_nvlink=allow_nvlink_for_low_latency_mode,
@@ -248,18 +247,17 @@ class Buffer:
         handle = LowLatencyHandle(views.src_info(raw, shape),
                                   lambda: views.layout_range(torch, raw, shape), shape,
                                   owner=self, slot=index, generation=slot.generation)
-        hook = None
+        def receive_hook():
+            if not slot.receiving or slot.generation != handle.generation:
+                raise RuntimeError("hook: this dispatch was already received")
+            slot.receiving = False
+            port.receive()
+            after_receive()
         if return_recv_hook:
-            slot.receiving, slot.after_receive = True, after_receive
-
-            def hook():
-                if not slot.receiving or slot.generation != handle.generation:
-                    raise RuntimeError("hook: this dispatch was already received")
-                slot.receiving = False
-                port.receive()
-                after_receive()
+            slot.receiving = True
         else:
             after_receive()
+        hook = receive_hook if return_recv_hook else None
         event = events.record(torch, self.on_cuda, (x, topk_idx)) if async_finish \
             else events.EventOverlap()
         return recv_x, count, handle, event, hook
@@ -303,15 +301,14 @@ class Buffer:
         result = port.combine(rows, topk_weights.contiguous(), out,
                               receive=not return_recv_hook)
         slot.combined = True
-        hook = None
-        if return_recv_hook:
-            slot.combine_receiving = True
 
-            def hook():
-                if not slot.combine_receiving:
-                    raise RuntimeError("hook: this combine was already received")
-                slot.combine_receiving = False
-                port.combine_receive()
+        def receive_hook():
+            if not slot.combine_receiving:
+                raise RuntimeError("hook: this combine was already received")
+            slot.combine_receiving = False
+            port.combine_receive()
+        slot.combine_receiving = return_recv_hook
+        hook = receive_hook if return_recv_hook else None
         event = events.record(torch, self.on_cuda, (x, topk_idx, topk_weights)) \
             if async_finish else events.EventOverlap()
         return result, event, hook

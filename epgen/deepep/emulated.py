@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import threading
 
+from backends import sim as sim_backend
+
+from ..runtime.world import EmulatedWorld
 from .ports import DevicePort, PeerFailedError, Rendezvous, SimPort, run_sim_step
 
 #: a simulator rank waits at most this long for the other ranks' calls (seconds)
@@ -99,12 +102,10 @@ class EmulatedGroup:
         return ports[r]
 
     def _make(self, torch, shape) -> list:
-        from ..runtime.world import EmulatedWorld
         n_sms, threads = self.grid(shape)
         cfg = shape.config(n_sms=n_sms, num_threads=threads, p2p_world_size=self.n_ranks,
                            use_shmem=False)
         if self.sim:
-            from backends import sim as sim_backend
             world = EmulatedWorld(cfg, backend=sim_backend.Machine(self.sim_seed),
                                   timeout_ns=self.timeout_ns, fused=False)
             ports = []
@@ -144,6 +145,9 @@ class EmulatedGroup:
                 if torch is None:
                     results[r] = fn(r)
                 else:
+                    # the device's primary context current on this thread too (the kernels
+                    # are launched through the driver API)
+                    torch.cuda.set_device(self.device)
                     with torch.cuda.stream(self.stream(torch, r)):
                         results[r] = fn(r)
             except BaseException as e:

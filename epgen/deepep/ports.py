@@ -20,6 +20,7 @@ import numpy as np
 
 from ..runtime.bootstrap import BootstrapTimeoutError
 from ..torch import tensors
+from ..torch.buffer import EPBuffer
 from .views import RawOutputs
 
 
@@ -29,7 +30,6 @@ class DevicePort:
     on_cuda = True
 
     def __init__(self, torch, world, rank: int):
-        from ..torch.buffer import EPBuffer
         self.torch, self.world, self.rank = torch, world, rank
         self.ep = EPBuffer(world, rank=rank)
         cfg, rk = world.cfg, self.ep.ranks[0]

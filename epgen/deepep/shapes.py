@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import attrs
 
+from ..bench.traffic import out_row_bytes
+from ..combine_layout import CombineLayout
 from ..config import EPConfig
 from ..errors import EPInputError
 from ..formats import make_format
@@ -84,8 +86,6 @@ def peer_bytes(shape: LowLatencyShape) -> int:
     """Bytes of one world of ``shape`` that peers write (one result slot, per rank): the
     grouped output and its scales, the header array, the receive-count words, and the
     combine's receive buffer and arrival words (``epgen.layout``, ``CombineLayout``)."""
-    from ..bench.traffic import out_row_bytes
-    from ..combine_layout import CombineLayout
     cfg = shape.config(p2p_world_size=shape.n_ranks, use_shmem=False)
     lay, clay = cfg.layout, CombineLayout(cfg)
     return (lay.max_out_rows * out_row_bytes(cfg.token_fmt) + lay.hdr_buf_bytes + lay.recv_count_bytes + clay.recv_bytes

@@ -21,6 +21,9 @@ from __future__ import annotations
 import os
 
 from ..errors import EPInputError
+from ..runtime import bootstrap
+from ..runtime.shmem_session import ShmemSession, default_barrier_timeout
+from ..runtime.shmem_world import ShmemWorld
 from .ports import DevicePort
 
 
@@ -40,8 +43,6 @@ class ShmemSource:
                  p2p_world_size: int | None = None, barrier_timeout_s: float | None = None):
         import torch
 
-        from ..runtime import bootstrap
-        from ..runtime.shmem_session import ShmemSession, default_barrier_timeout
         self.rank, self.size = group.rank(), group.size()
         if p2p_world_size is None:
             p2p_world_size = default_p2p_world_size(self.size) if allow_nvlink else 1
@@ -60,7 +61,6 @@ class ShmemSource:
         key = (shape, slot)
         port = self.ports.get(key)
         if port is None:
-            from ..runtime.shmem_world import ShmemWorld
             P = self.p2p_world_size
             cfg = shape.config(n_sms=self.n_sms, num_threads=self.num_threads,
                                p2p_world_size=P, use_shmem=P < self.size)

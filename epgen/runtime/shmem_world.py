@@ -381,8 +381,8 @@ class ShmemWorld(RankWorld):
 
     @property
     def finalized(self) -> bool:
-        """Whether NVSHMEM was shut down (False after a close that had to skip it)."""
-        return not getattr(self.host, "initialized", False)
+        """Whether NVSHMEM was shut down (its session's ``finalized``)."""
+        return self.session.finalized
 
     def __enter__(self):
         return self

@@ -6,7 +6,8 @@ the comparison; and ``--world p2p --op combine|moe`` on two GPUs (skipped with f
 checks, the rates over the links, no NCCL baseline.
 
 ``EPGEN_SHMEM_PES`` (default ``2,4``) lists the PE counts, ``EPGEN_SHMEM_TIMEOUT`` (default
-300) bounds each launch in seconds, as for tests/gpu/test_shmem_gpu.py.
+300) bounds each launch in seconds, as for tests/gpu/test_shmem_gpu.py; the SHMEM tests skip
+without the NVSHMEM wheel (``nvshmem_wheel``, tests/conftest.py).
 
     PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_bench_worlds_gpu.py
 """
@@ -20,8 +21,6 @@ import subprocess
 import sys
 
 import pytest
-
-from backends.cuda import nvshmem_host
 
 pytestmark = pytest.mark.gpu
 
@@ -53,14 +52,6 @@ def launch_bench(n: int, args: list[str], timeout: float = TIMEOUT):
            "--grace", "10", *mps, "--", sys.executable, "-m", "epgen", "bench", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout + 60)
-
-
-@pytest.fixture(scope="module")
-def nvshmem_wheel():
-    try:
-        nvshmem_host.find_host_library()
-    except nvshmem_host.NvshmemUnavailableError as e:
-        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("op", ["dispatch", "combine", "moe"])

@@ -121,18 +121,9 @@ PE_CASE = {2: LLCase(2, 8, 64, 2048, 4, masked=6), 4: LLCase(4, 16, 64, 2048, 4,
            8: LLCase(8, 16, 32, 2048, 4, masked=6)}
 
 
-@pytest.fixture(scope="module")
-def _nvshmem_wheel():
-    from backends.cuda import nvshmem_host
-    try:
-        nvshmem_host.find_host_library()
-    except nvshmem_host.NvshmemUnavailableError as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("p2p", ["all_p2p", "all_puts"])
 @pytest.mark.parametrize("n", PES)
-def test_process_group_buffer_one_process_per_rank(n, p2p, seed, _nvshmem_wheel):
+def test_process_group_buffer_one_process_per_rank(n, p2p, seed, nvshmem_wheel):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests",
                                                                            "support")]),
            "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -27,7 +27,6 @@ import time
 import pytest
 
 import format_cases
-from backends.cuda import nvshmem_host
 
 pytestmark = pytest.mark.gpu
 
@@ -40,11 +39,8 @@ PE_PYTHONPATH = os.pathsep.join([REPO, os.path.join(REPO, "tests", "support")])
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _nvshmem_wheel():
-    try:
-        nvshmem_host.find_host_library()
-    except nvshmem_host.NvshmemUnavailableError as e:
-        pytest.skip(str(e))
+def _nvshmem_wheel(nvshmem_wheel):
+    """Every test here needs the NVSHMEM wheel (``nvshmem_wheel``, tests/conftest.py)."""
 
 
 def launch(n: int, run_args: list[str], timeout: float = TIMEOUT, mps_share: bool = False):

@@ -24,7 +24,6 @@ import sys
 import pytest
 
 import test_shmem_gpu as shmem_gpu
-from backends.cuda import nvshmem_host
 
 pytestmark = pytest.mark.gpu
 
@@ -33,11 +32,8 @@ FORMATS = ("BF16", "BlockwiseFP8")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _nvshmem_wheel():
-    try:
-        nvshmem_host.find_host_library()
-    except nvshmem_host.NvshmemUnavailableError as e:
-        pytest.skip(str(e))
+def _nvshmem_wheel(nvshmem_wheel):
+    """Every test here needs the NVSHMEM wheel (``nvshmem_wheel``, tests/conftest.py)."""
 
 
 def launch_session(n: int, args: list[str], timeout: float = shmem_gpu.TIMEOUT):

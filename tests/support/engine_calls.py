@@ -68,6 +68,7 @@ def vllm_two_microbatches(torch, buf, batches, T_max, E, experts, stream=None):
                 if stream is None:
                     fn()
                 else:
+                    torch.cuda.set_device(stream.device)
                     with torch.cuda.stream(stream):
                         fn()
             except BaseException as e:

@@ -58,6 +58,11 @@ LOCAL_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
                            "epgen.bench imports with numpy only (tests/unit/test_bench.py::"
                            "test_import_is_light): backends.cuda inside device functions"),
     "epgen.bench.driver": (("backends.cuda",), "as epgen.bench.memory"),
+    "epgen.bench.deepep_api": (("epgen.deepep",),
+                               "epgen.deepep imports torch, which `epgen bench` needs only "
+                               "with --api deepep"),
+    "epgen.deepep.emulated": (("backends.cuda",), "the GPU's SM count only when a CUDA "
+                                                  "group sizes its grid"),
     "epgen.bench.options": (("epgen.bench.plan", "epgen.runtime.shmem_world"),
                             "`epgen --help` builds these options without plan's imports (the "
                             "configuration, the formats, ml_dtypes), and without the SHMEM "
