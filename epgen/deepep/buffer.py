@@ -28,8 +28,8 @@ argument):
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
   (``get_low_latency_rdma_size_hint`` says how much), and ``ignored_arguments`` lists them.
-  ``allow_nvlink_for_low_latency_mode=False`` sends to every peer by NVSHMEM puts
-  (``shmem_source``).
+  ``allow_nvlink_for_low_latency_mode=False`` (every peer by NVSHMEM puts) is refused for
+  now: the put path does not take the final layout yet (``shmem_source``).
 """
 
 from __future__ import annotations

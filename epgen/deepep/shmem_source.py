@@ -6,11 +6,13 @@ initialisation, bootstrapped through the group: ``bootstrap.from_group``).
   barriers of world creation and close; any backend works (gloo, NCCL). Several ranks on
   one GPU cannot share an NCCL group: give them a gloo one.
 - **The GPU** is the current CUDA device when the buffer is made (engines set it first).
-- **Transport**: ranks of one P2P group (``p2p_world_size`` consecutive ranks, default
+- **Transport**: the ranks of one P2P group (``p2p_world_size`` consecutive ranks, default
   ``LOCAL_WORLD_SIZE`` when it divides the group size, else the whole group) store directly
-  into each other's buffers (``nvshmem_ptr``); the others get NVSHMEM puts. DeepEP's
-  ``allow_nvlink_for_low_latency_mode=False`` (every peer over RDMA) is
-  ``p2p_world_size=1``.
+  into each other's buffers (``nvshmem_ptr``); the others would get NVSHMEM puts. DeepEP's
+  receive layout is epgen's final layout, which the put path does not take yet
+  (``config.SHMEM_EXCLUSIVE``), so for now the whole group must be one P2P group (one
+  node, or ranks sharing GPUs): a smaller ``p2p_world_size``, or DeepEP's
+  ``allow_nvlink_for_low_latency_mode=False`` (every peer by puts), is refused by name.
 - **Worlds** are made on the first call of each shape, collectively (every rank calls with
   the same shapes in the same order, as DeepEP requires); ``close`` closes them and the
   session.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+from ..config import SHMEM_EXCLUSIVE
 from ..errors import EPInputError
 from ..runtime import bootstrap
 from ..runtime.shmem_session import ShmemSession, default_barrier_timeout
@@ -49,6 +52,13 @@ class ShmemSource:
         if p2p_world_size < 1 or self.size % p2p_world_size:
             raise EPInputError(f"p2p_world_size: {p2p_world_size} must divide the group size "
                                f"({self.size})")
+        if p2p_world_size < self.size:
+            why = ("allow_nvlink_for_low_latency_mode=False" if not allow_nvlink
+                   else f"p2p_world_size={p2p_world_size}")
+            raise EPInputError(
+                f"{why}: every rank of the group must be in one P2P group ({self.size} ranks): "
+                f"DeepEP's receive layout is epgen's final layout, which the NVSHMEM put path "
+                f"does not take yet ({SHMEM_EXCLUSIVE['ep_final_layout']})")
         self.p2p_world_size = p2p_world_size
         self.n_sms, self.num_threads, self.timeout_ns = n_sms, num_threads, timeout_ns
         timeout = barrier_timeout_s or default_barrier_timeout()

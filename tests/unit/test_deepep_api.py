@@ -154,3 +154,27 @@ def test_install_as_deep_ep_makes_the_engines_import_find_this_module(monkeypatc
             deep_ep.install_as_deep_ep("deep_ep_other")
     finally:
         sys.modules.pop("deep_ep_test_alias", None)
+
+
+class FakeProcessGroup:
+    """What a buffer reads of a process group before it bootstraps: ``rank()``, ``size()``."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_a_process_group_with_peers_outside_the_p2p_group_is_refused_until_puts_take_the_layout():
+    with pytest.raises(EPInputError, match=r"^allow_nvlink_for_low_latency_mode=False: every "
+                                           r"rank of the group must be in one P2P group"):
+        deep_ep.Buffer(FakeProcessGroup(0, 2), low_latency_mode=True,
+                       allow_nvlink_for_low_latency_mode=False)
+    with pytest.raises(EPInputError, match=r"^p2p_world_size=2: every rank"):
+        deep_ep.Buffer(FakeProcessGroup(1, 4), low_latency_mode=True, p2p_world_size=2)
+    with pytest.raises(EPInputError, match=r"^p2p_world_size: 3 must divide the group size"):
+        deep_ep.Buffer(FakeProcessGroup(1, 4), low_latency_mode=True, p2p_world_size=3)
