@@ -841,6 +841,8 @@ class Sim:
             (th.block, th.tid // 32))) if sc is not None]
         while any(sc.pending for sc in scopes):
             yield ("yield",)
+        for sc in scopes:
+            sc.unquieted = 0
         if self.weak is not None:
             self.weak.completed(th, [sc.agent for sc in scopes if sc.agent is not None])
 

@@ -37,9 +37,9 @@ NVSHMEM defines (docs/shmem.md, "What NVSHMEM promises"), no more:
   one thread completes the operations of the threads synchronised with it).
 - **Exit.** NVSHMEM ties completion to ``nvshmem_quiet`` (and to barriers, which quiet)
   and promises nothing at a kernel's end (on InfiniBand a posted request may wait for a
-  later doorbell), so a thread that exits with a transfer of its scope not landed, or the
-  last lane of a warp that exits with its warp's, is a ``SimError`` (an operation nobody
-  completed).
+  later doorbell), so a thread that exits with an operation of its scope issued after its
+  last quiet, or the last lane of a warp that exits with such an operation of its warp's,
+  is a ``SimError`` (an operation nobody completed), whether or not it happened to land.
 
 Under the weak-memory mode (``weak.py``) each scope lands its transfers as an agent of its
 own (``WeakMemory.agent``): a put's bytes land in memory stamped by the agent, a signal is
@@ -130,12 +130,14 @@ class Transfer:
 
 class Scope:
     """The operations one thread, or one warp's collective calls, issued: ``pending`` (issue
-    order, not landed), ``floor`` (per PE, the operations an earlier fence of this thread
-    ordered before the ones issued after it), ``agent`` (weak mode: who lands them)."""
+    order, not landed), ``unquieted`` (issued since the last quiet that covered this scope),
+    ``floor`` (per PE, the operations an earlier fence of this thread ordered before the
+    ones issued after it), ``agent`` (weak mode: who lands them)."""
 
     def __init__(self, name: str):
         self.name = name
         self.pending: list[Transfer] = []
+        self.unquieted = 0
         self.floor: dict = {}
         self.agent = None
 
@@ -169,6 +171,7 @@ class Transfers:
         if not scope.pending:
             self.scopes.append(scope)
         scope.pending.append(t)
+        scope.unquieted += 1
         return t
 
     @staticmethod
@@ -199,11 +202,11 @@ class Transfers:
 
 
 def check_completed(scope: Scope | None, who: str) -> None:
-    """``SimError`` when ``scope`` (``who`` exits) still has transfers not landed."""
-    if scope is not None and scope.pending:
-        kinds = sorted({t.kind for t in scope.pending})
-        raise SimError(f"{who} exits with {len(scope.pending)} NVSHMEM transfer(s) "
-                       f"({', '.join(kinds)}) never completed (no nvshmem_quiet after them)")
+    """``SimError`` when ``scope`` (``who`` exits) issued operations after its last quiet."""
+    if scope is not None and scope.unquieted:
+        raise SimError(f"{who} exits with {scope.unquieted} NVSHMEM operation(s) never "
+                       f"completed (no nvshmem_quiet after them; {len(scope.pending)} not "
+                       f"landed yet)")
 
 
 def signal_result(old: int, value: int, op: int) -> int:
