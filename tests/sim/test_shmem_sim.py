@@ -277,13 +277,10 @@ def test_unordered_signal_is_caught(monkeypatch):
     where a rank's copy runs while its peers still send (standalone, a rank's dispatch_wait
     starts after its own sends are quieted, which narrows the window)."""
     def split(module):
-        found = []
-        for k in module.kernels:
-            for oid, s in mutations.ordered_ops(k):
-                if oid.endswith("nvshmemx_putmem_signal_nbi_warp"):
-                    found.append(oid)
+        found = [oid for k in module.kernels for oid, _ in mutations.ordered_ops(k)
+                 if oid.endswith("nvshmemx_putmem_signal_nbi_warp")]
         assert found
-        for oid in found:
+        for oid in reversed(found):     # the last first: the others' indices stay
             module = mutations.mutate(module, oid, "unordered")
         return module
     assert failing_seeds(make_cfg(R=4, P=1), monkeypatch, split, fused=True) >= 2
