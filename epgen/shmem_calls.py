@@ -14,8 +14,9 @@ per rank, for a call of ``max_tokens_per_rank`` tokens routed uniformly:
 - a site outside every loop runs once per thread (or warp) that issues it per call: a
   signal, and a quiet whose block's previous NVSHMEM call is a signal (the monitor's),
   once per (expert, remote destination), ``E * (R - P) / R`` per call; any other quiet once
-  per sending warp, ``(n_sms - n_signal_sms) * num_threads / 32`` per call at most (every
-  comm warp that issued a put).
+  per sending warp per call: at most ``min(n_sms - n_signal_sms, tokens) * min(num_threads
+  / 32, K)`` (the comm blocks that get a token, and in each the warps that take top-k slots:
+  warp ``w`` takes slots ``w, w + warps, ...``).
 
 Per-call numbers are divided by the call's tokens (``max_tokens_per_rank`` unless given). The result is a count of what the code
 can issue, not a measurement: masked slots, routings that favour some ranks and warps that
@@ -155,7 +156,7 @@ def per_token(cfg, sites, kernel: str = "ep_dispatch_async",
     E, R, P, K = cfg.n_experts, cfg.n_ranks, cfg.p2p_world_size, cfg.layout.top_k
     T = cfg.max_tokens_per_rank if tokens is None else tokens
     remote = (R - P) / R
-    warps = (cfg.n_sms - cfg.layout.n_signal_sms) * (cfg.num_threads // 32)
+    warps = min(cfg.n_sms - cfg.layout.n_signal_sms, T) * min(cfg.num_threads // 32, K)
     out: dict[str, float] = {}
     for s in sites:
         if s.kernel != kernel or nvshmem.FUNCTIONS[s.function].role == "query":

@@ -80,7 +80,7 @@ def test_calls_per_token_after_the_redesign(changes):
     E, R, P, K = cfg.n_experts, cfg.n_ranks, cfg.p2p_world_size, cfg.layout.top_k
     T = 128
     got = shmem_calls.per_token(cfg, sites_of(cfg), tokens=T)
-    warps = (cfg.n_sms - cfg.layout.n_signal_sms) * cfg.num_threads // 32
+    warps = min(cfg.n_sms - cfg.layout.n_signal_sms, T) * min(cfg.num_threads // 32, K)
     remote_experts = E * (R - P) / R
     assert got["nvshmemx_putmem_signal_nbi_warp"] == pytest.approx(K * (R - P) / R)
     assert got["nvshmemx_signal_op"] == pytest.approx(remote_experts / T)
