@@ -2,9 +2,10 @@
 
 One table, ``FUNCTIONS``, names each device function by its C name with its signature and its
 role in the memory model, so that every layer agrees on it: the kernel builders emit calls
-through the helpers below (``putmem_nbi``, ``quiet``, ``fence``, ``signal_op``), the NVPTX
-backend declares and links them from NVSHMEM's device bitcode, the PTX checker knows which
-calls order memory, and the CPU simulator models each one.
+through the helpers below (``putmem_nbi``, ``putmem_nbi_warp``, ``putmem_signal_nbi_warp``,
+``quiet``, ``fence``, ``signal_op``), the NVPTX backend declares and links them from NVSHMEM's
+device bitcode, the PTX checker knows which calls order memory, and the CPU simulator models
+each one.
 
 PTX Mapping: every helper is one ``ir.Call`` statement, lowered to
 ``call.uni (ret), <name>, (args)`` of an ``.extern .func`` that the link step resolves.
