@@ -10,7 +10,8 @@ calls by role with their ordering role (put, put_signal, fence, quiet, signal, q
 ``ir.nvshmem``), and the ``ptxas`` resources when ``ptxas`` is found. ``op`` picks the
 kernels: dispatch (the default), combine (``ep_combine_async``, ``ep_combine_wait``) or all;
 with the combine, the report adds its per-rank buffers (``combine_buffers``). Kernels that
-call NVSHMEM are checked and assembled as they run: with NVSHMEM's device bitcode linked in (``nvptx.emit_linked_ptx``).
+call NVSHMEM are checked and assembled as they run: with NVSHMEM's device bitcode linked in
+(``nvptx.emit_linked_ptx``).
 """
 
 from __future__ import annotations
