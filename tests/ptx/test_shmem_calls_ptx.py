@@ -86,3 +86,16 @@ def test_calls_per_token_after_the_redesign(changes):
     assert got["nvshmemx_signal_op"] == pytest.approx(remote_experts / T)
     assert got["quiets"] == pytest.approx((warps + remote_experts) / T)
     assert got["quiets"] < 1        # fewer than one quiet per token, where there was one per slot
+
+
+def test_the_combine_puts_rows_by_warp_in_its_loops_and_quiets_once():
+    from epgen.kernels import build_combine_module
+    cfg = eg.flag_variant_config("shmem_mixed")
+    sites = [s for s in shmem_calls.call_sites(emit_ptx(build_combine_module(cfg)))
+             if s.kernel == "ep_combine_async"]
+    puts = [s for s in sites if s.function == "nvshmemx_putmem_signal_nbi_warp"]
+    quiets = [s for s in sites if s.function == "nvshmem_quiet"]
+    assert len(puts) == cfg.n_ranks and all(s.in_loop for s in puts)   # one per source
+    assert len(quiets) == 1 and not quiets[0].in_loop
+    assert {s.function for s in sites} == {"nvshmemx_putmem_signal_nbi_warp",
+                                           "nvshmemx_signal_op", "nvshmem_quiet"}
