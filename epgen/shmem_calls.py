@@ -18,9 +18,9 @@ per rank, for a call of ``max_tokens_per_rank`` tokens routed uniformly:
   / 32, K)`` (the comm blocks that get a token, and in each the warps that take top-k slots:
   warp ``w`` takes slots ``w, w + warps, ...``).
 
-Per-call numbers are divided by the call's tokens (``max_tokens_per_rank`` unless given). The result is a count of what the code
-can issue, not a measurement: masked slots, routings that favour some ranks and warps that
-send nothing issue fewer.
+Per-call numbers are divided by the call's tokens (``max_tokens_per_rank`` unless given).
+The result is a count of what the code can issue, not a measurement: masked slots, routings
+that favour some ranks and warps that send nothing issue fewer.
 """
 
 from __future__ import annotations

@@ -741,8 +741,9 @@ class Sim:
             return fence
         known = "" if not nvshmem.is_nvshmem(name) else " (an NVSHMEM function the " \
             "simulator does not model)"
+        modelled = sorted(n for n in nvshmem.FUNCTIONS if n != "nvshmem_my_pe")
         raise SimError(f"the simulator cannot call extern function {name!r}{known}; it "
-                       f"models {', '.join(sorted(n for n in nvshmem.FUNCTIONS if n != 'nvshmem_my_pe'))}")
+                       f"models {', '.join(modelled)}")
 
     def _compile_warp_call(self, s: N.Call):
         """A warp-collective ``ir.nvshmem`` function: every live lane arrives with its
