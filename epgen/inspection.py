@@ -6,11 +6,12 @@ and per kernel: its roles with their block, thread and warp ranges (the grid is 
 blocks, as the world launches it), each role's named barriers, the ordered IR operations by
 the PTX instruction each must produce (with how often the PTX holds it), the PTX's atomics,
 releases and acquires by scope (``backends.nvptx.check_ptx``), the bounded waits, the NVSHMEM
-calls by role with their ordering role (put, fence, quiet, signal, query: ``ir.nvshmem``), and
-the ``ptxas`` resources when ``ptxas`` is found. ``op`` picks the kernels: dispatch (the
-default), combine (``ep_combine_async``, ``ep_combine_wait``) or all; with the combine, the
-report adds its per-rank buffers (``combine_buffers``). Kernels that call NVSHMEM are checked and
-assembled as they run: with NVSHMEM's device bitcode linked in (``nvptx.emit_linked_ptx``).
+calls by role with their ordering role (put, put_signal, fence, quiet, signal, query:
+``ir.nvshmem``), and the ``ptxas`` resources when ``ptxas`` is found. ``op`` picks the
+kernels: dispatch (the default), combine (``ep_combine_async``, ``ep_combine_wait``) or all;
+with the combine, the report adds its per-rank buffers (``combine_buffers``). Kernels that
+call NVSHMEM are checked and assembled as they run: with NVSHMEM's device bitcode linked in
+(``nvptx.emit_linked_ptx``).
 """
 
 from __future__ import annotations

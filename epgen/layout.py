@@ -324,6 +324,21 @@ class Layout:
         """``rank_flag_base + n_ranks``: start of the per-local-expert reservation cursors."""
         return self.rank_flag_base + self._R
 
+    @property
+    def shmem_arrival_base(self) -> int:
+        """``rc_cursor_base + L`` (ours): start of the SHMEM arrival words, ``[L, R]`` UInt64
+        words after the reservation cursors, present only when some destination is reached
+        through NVSHMEM (``cfg.needs_shmem``; ``shmem_arrival_words``). Word ``e * R + src``
+        counts the messages of block ``(e, src)`` that a source outside this rank's P2P group
+        has delivered: each one's put-with-signal adds 1 after its data (kernels/shmem_send.py);
+        initialised 0, re-armed to 0 by dispatch_wait."""
+        return self.rc_cursor_base + self._L
+
+    @property
+    def shmem_arrival_words(self) -> int:
+        """``L * R`` under the SHMEM transport (``cfg.needs_shmem``), else 0."""
+        return self._L * self._R if self.cfg.needs_shmem else 0
+
     # ---- reference methods ---------------------------------------------------------------
     def rank_flag_offset(self, src_rank):
         """Offset (UInt64 words into the destination's recv_count) of ``src_rank``'s
@@ -342,8 +357,16 @@ class Layout:
         The page says the cursors "are always reserved" and puts them at ``rc_cursor_base =
         rank_flag_base + R``; for the cursors to lie inside the buffer the ``R`` flag words
         are therefore always reserved too, with or without ``has_rank_flag`` (the reference's
-        index table's ``L*R (+R)`` is superseded by its member list)."""
+        index table's ``L*R (+R)`` is superseded by its member list). The buffer itself may
+        hold more: ``recv_count_words``."""
         return self.rc_cursor_base + self._L
+
+    @property
+    def recv_count_words(self) -> int:
+        """Words of the receive-count buffer as allocated (ours): ``recv_count_size()`` and,
+        under the SHMEM transport, the ``L*R`` arrival words after it
+        (``shmem_arrival_base``)."""
+        return self.recv_count_size() + self.shmem_arrival_words
 
     @property
     def block_capacity(self) -> int:
@@ -465,7 +488,10 @@ class Layout:
         if words[-1].end > self.dispatch_wait_region.size:
             raise AssertionError(f"{words[-1].name} ends past the dispatch_wait region")
         if self.rc_cursor_base + self._L != self.recv_count_size():
-            raise AssertionError("the reservation cursors must end the recv_count buffer")
+            raise AssertionError("the reservation cursors must end the reference part of the "
+                                 "recv_count buffer")
+        if self.shmem_arrival_base + self.shmem_arrival_words != self.recv_count_words:
+            raise AssertionError("the SHMEM arrival words must end the recv_count buffer")
         regions = list(self.counter_regions().values())
         for a, b in zip(regions, regions[1:]):
             if a.end > b.offset:
@@ -674,7 +700,7 @@ class Layout:
 
     @property
     def recv_count_bytes(self) -> int:
-        return 8 * self.recv_count_size()
+        return 8 * self.recv_count_words
 
     @property
     def counter_bytes(self) -> int:
@@ -682,8 +708,9 @@ class Layout:
 
     def recv_count_initial(self) -> np.ndarray:
         """The receive-count buffer's required state at allocation: the count grid and the
-        rank flags at the sentinel, the reservation cursors at 0."""
-        words = np.full(self.recv_count_size(), RECV_COUNT_SENTINEL, dtype=np.uint64)
+        rank flags at the sentinel, the reservation cursors (and the SHMEM arrival words) at
+        0."""
+        words = np.full(self.recv_count_words, RECV_COUNT_SENTINEL, dtype=np.uint64)
         words[self.rc_cursor_base:] = 0
         return words
 
@@ -692,7 +719,7 @@ class Layout:
         fmt = self.cfg.token_fmt
         return {
             "send_buf_bytes": self.send_buf_bytes, "recv_buf_bytes": self.recv_buf_bytes,
-            "recv_count_words": self.recv_count_size(), "recv_count_bytes": self.recv_count_bytes,
+            "recv_count_words": self.recv_count_words, "recv_count_bytes": self.recv_count_bytes,
             "counter_words": self.counter_words, "counter_bytes": self.counter_bytes,
             "n_groups": self.n_groups, "max_recv_tokens": self.max_recv_tokens,
             "max_out_rows": self.max_out_rows,

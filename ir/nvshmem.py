@@ -2,22 +2,33 @@
 
 One table, ``FUNCTIONS``, names each device function by its C name with its signature and its
 role in the memory model, so that every layer agrees on it: the kernel builders emit calls
-through the helpers below (``putmem_nbi``, ``quiet``, ``fence``, ``signal_op``), the NVPTX
-backend declares and links them from NVSHMEM's device bitcode, the PTX checker knows which
-calls order memory, and the CPU simulator models each one.
+through the helpers below (``putmem_nbi``, ``putmem_nbi_warp``, ``putmem_signal_nbi_warp``,
+``quiet``, ``fence``, ``signal_op``), the NVPTX backend declares and links them from NVSHMEM's
+device bitcode, the PTX checker knows which calls order memory, and the CPU simulator models
+each one.
 
 PTX Mapping: every helper is one ``ir.Call`` statement, lowered to
 ``call.uni (ret), <name>, (args)`` of an ``.extern .func`` that the link step resolves.
 
-Ordering roles (what the call promises about the calling thread's earlier operations):
+Ordering roles (what NVSHMEM promises about the call; docs/shmem.md, "What NVSHMEM
+promises", has the sources):
 
-- ``"put"``: a non-blocking copy into a peer's symmetric memory; nothing about delivery.
-- ``"fence"``: the calling thread's puts to one peer are delivered before its later puts and
-  signals to that peer.
-- ``"quiet"``: every put the calling thread issued is complete (visible at its peer) when the
-  call returns.
-- ``"signal"``: an atomic update of a 64-bit signal word in a peer's symmetric memory.
+- ``"put"``: a non-blocking copy into a peer's symmetric memory; nothing about when it is
+  delivered, nor in which order with the caller's other operations.
+- ``"put_signal"``: a non-blocking put, then an atomic update of a 64-bit signal word at the
+  same peer that is delivered only after the put's data (the one ordering a put carries by
+  itself).
+- ``"fence"``: the operations the caller issued to one peer before the fence are delivered
+  before those it issues to that peer after it (order, not completion).
+- ``"quiet"``: every operation the caller issued is complete (delivered at its peer, its
+  source readable again) when the call returns.
+- ``"signal"``: an atomic update of a 64-bit signal word in a peer's symmetric memory; a
+  non-blocking operation like a put, unordered with the caller's earlier puts.
 - ``"query"``: no memory effect.
+
+Groups: a ``"thread"`` function is one thread's call; a ``"warp"`` function
+(``nvshmemx_*_warp``) is called by every lane of a warp with the same arguments and is one
+operation of the warp (NVSHMEM synchronises the warp before and after it).
 """
 
 from __future__ import annotations
@@ -36,13 +47,15 @@ SIGNAL_ADD = 10
 
 @attrs.frozen
 class DeviceFunction:
-    """One NVSHMEM device function: C name, return type (None: void), parameter types and
-    ordering role (module docstring)."""
+    """One NVSHMEM device function: C name, return type (None: void), parameter types,
+    ordering role and the group that calls it (``"thread"`` or ``"warp"``; module
+    docstring)."""
 
     name: str
     ret: T.DType | None
     params: tuple
     role: str
+    group: str = "thread"
 
 
 # C pointers are generic pointers (``T.ptr_generic``, LLVM ``ptr``): declared with the types of
@@ -52,6 +65,15 @@ FUNCTIONS: dict[str, DeviceFunction] = {f.name: f for f in (
     # void nvshmem_putmem_nbi(void *dest, const void *source, size_t nbytes, int pe)
     DeviceFunction("nvshmem_putmem_nbi", None, (T.ptr_generic, T.ptr_generic, T.u64, T.s32),
                    "put"),
+    # void nvshmemx_putmem_nbi_warp(void *dest, const void *source, size_t bytes, int pe)
+    DeviceFunction("nvshmemx_putmem_nbi_warp", None,
+                   (T.ptr_generic, T.ptr_generic, T.u64, T.s32), "put", "warp"),
+    # void nvshmemx_putmem_signal_nbi_warp(void *dest, const void *source, size_t nelems,
+    #                                      uint64_t *sig_addr, uint64_t signal, int sig_op,
+    #                                      int pe)
+    DeviceFunction("nvshmemx_putmem_signal_nbi_warp", None,
+                   (T.ptr_generic, T.ptr_generic, T.u64, T.ptr_generic, T.u64, T.s32, T.s32),
+                   "put_signal", "warp"),
     # void nvshmem_fence(void)
     DeviceFunction("nvshmem_fence", None, (), "fence"),
     # void nvshmem_quiet(void)
@@ -87,6 +109,21 @@ def putmem_nbi(r, dest, source, nbytes, pe):
     return _call(r, "nvshmem_putmem_nbi", dest, source, nbytes, pe)
 
 
+def putmem_nbi_warp(r, dest, source, nbytes, pe):
+    """``nvshmemx_putmem_nbi_warp(dest, source, nbytes, pe)``: the whole warp calls it with the
+    same arguments (one put of the warp); ``dest`` symmetric, as ``putmem_nbi``."""
+    return _call(r, "nvshmemx_putmem_nbi_warp", dest, source, nbytes, pe)
+
+
+def putmem_signal_nbi_warp(r, dest, source, nbytes, sig_addr, value, sig_op: int, pe):
+    """``nvshmemx_putmem_signal_nbi_warp(dest, source, nbytes, sig_addr, value, sig_op, pe)``:
+    the whole warp calls it with the same arguments; the put of ``nbytes`` to ``dest``, then
+    ``sig_op`` (``SIGNAL_SET`` / ``SIGNAL_ADD``) of ``value`` on the u64 word ``sig_addr``,
+    delivered after the data (both addresses symmetric, ``pe`` the target)."""
+    return _call(r, "nvshmemx_putmem_signal_nbi_warp", dest, source, nbytes, sig_addr, value,
+                 sig_op, pe)
+
+
 def fence(r):
     """``nvshmem_fence()``."""
     return _call(r, "nvshmem_fence")
@@ -109,4 +146,5 @@ def my_pe(r):
 
 
 __all__ = ["DeviceFunction", "FUNCTIONS", "SIGNAL_SET", "SIGNAL_ADD", "is_nvshmem",
-           "putmem_nbi", "fence", "quiet", "signal_op", "my_pe"]
+           "putmem_nbi", "putmem_nbi_warp", "putmem_signal_nbi_warp", "fence", "quiet",
+           "signal_op", "my_pe"]

@@ -8,12 +8,13 @@ counts those instructions in each kernel's ``.entry`` body: LLVM may duplicate a
 (unrolling) but must not drop one, so each distinct instruction must occur at least as often
 as IR operations expect it.
 
-Calls of NVSHMEM (``ir.nvshmem``) with an ordering role (put, fence, quiet, signal) are ordered
-operations too: each must appear as its ``call.uni <name>`` line, linked or not. Their order
-is checked as well, since it is their meaning (a fence between two puts, a quiet before the
-signal): wherever two operations adjacent in a role's IR, one of them an NVSHMEM call, meet in
-one straight-line run of the PTX, they must appear there in IR order (LLVM cannot move memory
-operations across a call it cannot see into; across blocks, text order is only layout).
+Calls of NVSHMEM (``ir.nvshmem``) with an ordering role (put, put_signal, fence, quiet,
+signal) are ordered operations too: each must appear as its ``call.uni <name>`` line, linked
+or not. Their order is checked as well, since it is their meaning (a fence between two puts,
+a quiet before the signal): wherever two operations adjacent in a role's IR, one of them an
+NVSHMEM call, meet in one straight-line run of the PTX, they must appear there in IR order
+(LLVM cannot move memory operations across a call it cannot see into; across blocks, text
+order is only layout).
 """
 
 from __future__ import annotations

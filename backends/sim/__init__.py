@@ -12,8 +12,8 @@ in a Python interpreter instead of on a GPU:
 - ``launch``   -- ``LoadedModule`` / ``LoadedKernel``, ``pack_arg``, ``launch_by_value``
 - ``graph``    -- graphs by stream capture (``capture``, ``GraphExec``)
 - ``machine``  -- ``Machine``: the simulated GPUs, the object a world takes as its backend
-- ``shmem``    -- ``SymmetricHeap``: the NVSHMEM device functions (puts delivered at the
-  issuing thread's quiet or fence, signals at once) over every PE in one process
+- ``shmem``    -- ``SymmetricHeap`` and ``Transfers``: the NVSHMEM device functions over every
+  PE in one process (puts and signals land rounds late, in any order NVSHMEM allows)
 - ``weak``     -- ``WeakMemory``: the weak-memory mode, ``Machine(memory="weak")``: global
   memory under an operational model of the PTX memory consistency model
 

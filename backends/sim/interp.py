@@ -42,6 +42,7 @@ from ir.enums import (AtomOp, BinOpKind, CacheHint, CmpOp, ReduxOp, ShflMode, Sp
                       UnOpKind, VoteMode)
 from ir.types import PtrType, VecType
 
+from . import shmem as nvshmem_model
 from .memory import Memory, SimError
 from .numerics import canonical_f32, e4m3_code, e4m3_value, fma
 from .weak import WeakMemory, is_acquire, is_release, level as release_level
@@ -186,7 +187,7 @@ class _Thread:
         self.reply = None
         self.spins = 0
         self.done = False
-        self.pending_puts: list = []    # NVSHMEM puts not yet delivered (shmem.py)
+        self.shmem_scope = None         # shmem.Scope of its NVSHMEM calls, on first one
         self.wfenced = 0                # weak.py: the level of the widest release fence run
 
 
@@ -203,6 +204,7 @@ class _Launch:
         self.bar_wait: dict = {}        # (block, barrier id) -> threads waiting
         self.bar_count: dict = {}       # (block, barrier id) -> its thread count (None: all)
         self.warp_wait: dict = {}       # (block, warp) -> lanes at a warp collective
+        self.warp_scopes: dict = {}     # (block, warp) -> shmem.Scope of its warp calls
         batch = kernel.rank_batch
         self.vgrid = grid if batch is None else batch.blocks   # %nctaid.x
         self.rank_params = None         # per rank: its arguments (from the by-value table)
@@ -265,6 +267,8 @@ class Sim:
         self._keep: list = []       # the compiled nodes (their ids stay unique)
         self.shmem = None           # shmem.SymmetricHeap, once a world registers buffers
         self.shmem_delay = shmem_delay
+        #: the NVSHMEM transfers in flight (shmem.py), delivered at the end of each round
+        self.transfers = nvshmem_model.Transfers(self.rng, shmem_delay, self._land_transfer)
 
     # -- launches -------------------------------------------------------------------------
     def launch(self, kernel: N.Kernel, grid: int, params: dict, after=(),
@@ -320,6 +324,8 @@ class Sim:
             for th in runnable:
                 if th.waiting is None and not th.done:
                     self._step(th)
+            if self.transfers.active:
+                self.transfers.deliver_round()
             if self.weak is not None:
                 self.weak.round()
 
@@ -365,6 +371,10 @@ class Sim:
         la, blk = th.launch, th.block
         la.block_live[blk] -= 1
         la.warp_live[(blk, th.tid // 32)] -= 1
+        if not la.warp_live[(blk, th.tid // 32)]:
+            nvshmem_model.check_completed(
+                la.warp_scopes.get((blk, th.tid // 32)),
+                f"kernel {la.kernel.name} block {blk} warp {th.tid // 32} (its warp calls)")
         for key in [k for k in la.bar_wait if k[0] == blk]:
             self._try_barrier(la, key, la.bar_count.get(key))
         self._try_warp(la, (blk, th.tid // 32))
@@ -394,15 +404,17 @@ class Sim:
             raise SimError(f"kernel {la.kernel.name} block {key[0]} warp {key[1]}: lanes at "
                            f"different warp collectives ({', '.join(names)})")
         node = waiting[0].reply[0]
-        if self.weak is not None and isinstance(node, N.WarpSync):
+        if self.weak is not None and isinstance(node, (N.WarpSync, N.Call)):
             self.weak.barrier(waiting)
+        if isinstance(node, N.Call):
+            self._warp_call(node, key, sorted(waiting, key=lambda t: t.tid))
         vals = {t.tid % 32: t.reply[1] for t in waiting}
         for t in waiting:
             t.reply = self._collective(node, vals, t.tid % 32, t.reply[2])
             t.waiting = None
 
     def _collective(self, node, vals: dict, lane: int, arg):
-        if isinstance(node, N.WarpSync):
+        if isinstance(node, (N.WarpSync, N.Call)):
             return None
         if isinstance(node, N.Ballot):
             return sum(1 << ln for ln, v in vals.items() if v)
@@ -453,10 +465,8 @@ class Sim:
         except KeyError as exc:
             raise SimError(f"kernel {th.launch.kernel.name}: a variable is read before it is "
                            f"assigned ({exc})") from None
-        if th.pending_puts:
-            raise SimError(f"kernel {th.launch.kernel.name} block {th.block} thread {th.tid}: "
-                           f"exits with {len(th.pending_puts)} NVSHMEM put(s) never completed "
-                           f"(no nvshmem_quiet or nvshmem_fence after them)")
+        nvshmem_model.check_completed(th.shmem_scope, f"kernel {th.launch.kernel.name} "
+                                      f"block {th.block} thread {th.tid}")
 
     def _in_role(self, th, role) -> bool:
         b = role.blocks
@@ -606,8 +616,10 @@ class Sim:
         if isinstance(s, N.SpinWait):
             return G, self._compile_spin(s)
         if isinstance(s, N.Call):
-            if s.name in ("nvshmem_quiet", "nvshmem_fence"):
-                return G, self._complete_puts
+            if s.name == "nvshmem_quiet":
+                return G, self._quiet
+            if nvshmem.is_nvshmem(s.name) and nvshmem.FUNCTIONS[s.name].group == "warp":
+                return G, self._compile_warp_call(s)
             return M, self._compile_call(s)
         raise SimError(f"the simulator does not run {type(s).__name__}")
 
@@ -704,44 +716,118 @@ class Sim:
         return _scalar_value(self.weak.load(th, addr, dtype.nbytes, nc, site), dtype)
 
     def _compile_call(self, s: N.Call):
-        """An ``ir.nvshmem`` device function (``shmem.py`` says what each one does); any
-        other extern function is a ``SimError``."""
+        """A thread's ``ir.nvshmem`` device function (``shmem.py`` says what each one does);
+        any other extern function is a ``SimError``."""
         args = [self._fn(a) for a in s.args]
         name = s.name
         if name == "nvshmem_putmem_nbi":
             dest, src, nbytes, pe = args
 
             def put(th):
-                n = nbytes(th)
-                target = self._heap().translate(dest(th), pe(th), n)
-                data = self.mem.read(src(th), n) if self.weak is None else \
-                    self.weak.load(th, src(th), n)
-                th.pending_puts.append((target, bytes(data)))
+                scope = self._thread_scope(th)
+                self._issue_put(th, scope, [scope], dest(th), src(th), nbytes(th), pe(th))
             return put
         if name == "nvshmemx_signal_op":
             addr, value, op, pe = args
 
             def signal(th):
-                a = self._heap().translate(addr(th), pe(th), 8)
-                v, sig_op = value(th) & MASK64, op(th)
-                if self.weak is not None and sig_op in (nvshmem.SIGNAL_SET, nvshmem.SIGNAL_ADD):
-                    add = sig_op == nvshmem.SIGNAL_ADD
-                    self.weak.rmw(th, a, 8, lambda b: (
-                        ((int.from_bytes(b, "little") if add else 0) + v) & MASK64
-                    ).to_bytes(8, "little"))
-                    self.weak.note_release(th, a)
-                elif sig_op == nvshmem.SIGNAL_SET:
-                    self._store(a, v, T.u64)
-                elif sig_op == nvshmem.SIGNAL_ADD:
-                    self._store(a, (self._load(a, T.u64) + v) & MASK64, T.u64)
-                else:
-                    raise SimError(f"nvshmemx_signal_op: unknown sig_op {sig_op}")
+                scope = self._thread_scope(th)
+                self._issue_signal(th, scope, [scope], addr(th), value(th), op(th), pe(th))
             return signal
+        if name == "nvshmem_fence":
+            def fence(th):
+                self.transfers.fence(self._thread_scope(th),
+                                     [self._thread_scope(th), self._warp_scope(th)])
+            return fence
         known = "" if not nvshmem.is_nvshmem(name) else " (an NVSHMEM function the " \
             "simulator does not model)"
+        modelled = sorted(n for n in nvshmem.FUNCTIONS if n != "nvshmem_my_pe")
         raise SimError(f"the simulator cannot call extern function {name!r}{known}; it "
-                       f"models nvshmem_putmem_nbi, nvshmem_quiet, nvshmem_fence and "
-                       f"nvshmemx_signal_op")
+                       f"models {', '.join(modelled)}")
+
+    def _compile_warp_call(self, s: N.Call):
+        """A warp-collective ``ir.nvshmem`` function: every live lane arrives with its
+        argument values; ``_warp_call`` issues the warp's one operation."""
+        args = [self._fn(a) for a in s.args]
+
+        def warp_call(th):
+            yield ("warp", s, tuple(a(th) for a in args), None)
+        return warp_call
+
+    def _warp_call(self, node: N.Call, key, lanes) -> None:
+        """The lanes of warp ``key`` met at warp-collective call ``node``: the same
+        arguments on every lane, then one put (and its signal) of the warp's scope, ordered
+        after what every lane's fences put before it; the source read through lane 0's
+        view (the lanes have just met at the warp barrier)."""
+        vals = {t.tid % 32: t.reply[1] for t in lanes}
+        if len(set(vals.values())) != 1:
+            raise SimError(f"kernel {lanes[0].launch.kernel.name} block {key[0]} warp {key[1]}:"
+                           f" the lanes call {node.name} with different arguments")
+        th = lanes[0]
+        scope = self._warp_scope(th)
+        fences = [scope] + [self._thread_scope(t) for t in lanes if t.shmem_scope is not None]
+        args = vals[th.tid % 32]
+        if node.name == "nvshmemx_putmem_nbi_warp":
+            dest, src, nbytes, pe = args
+            self._issue_put(th, scope, fences, dest, src, nbytes, pe)
+        elif node.name == "nvshmemx_putmem_signal_nbi_warp":
+            dest, src, nbytes, sig, value, op, pe = args
+            put = self._issue_put(th, scope, fences, dest, src, nbytes, pe)
+            self._issue_signal(th, scope, fences, sig, value, op, pe, after=[put])
+        else:
+            raise SimError(f"the simulator does not model warp call {node.name!r}")
+
+    def _thread_scope(self, th):
+        if th.shmem_scope is None:
+            th.shmem_scope = nvshmem_model.Scope(f"thread {th.tid}")
+        return th.shmem_scope
+
+    def _warp_scope(self, th):
+        key = (th.block, th.tid // 32)
+        scope = th.launch.warp_scopes.get(key)
+        if scope is None:
+            scope = th.launch.warp_scopes[key] = nvshmem_model.Scope(f"warp {key[1]}")
+        return scope
+
+    def _view(self, th, scope):
+        """Weak mode: the issuer's causal past now (``scope``'s agent, who lands its
+        transfers, made on first use); None otherwise."""
+        if self.weak is None:
+            return None
+        if scope.agent is None:
+            scope.agent = self.weak.agent(th)
+        return self.weak.view(th)
+
+    def _issue_put(self, th, scope, fences, dest, src, nbytes, pe):
+        n = int(nbytes)
+        target = self._heap().translate(dest, pe, n)
+        data = self.mem.read(src, n) if self.weak is None else self.weak.load(th, src, n)
+        return self.transfers.issue(scope, fences, "put", target, int(pe),
+                                    self._view(th, scope), data=bytes(data))
+
+    def _issue_signal(self, th, scope, fences, addr, value, op, pe, after=()):
+        if op not in (nvshmem.SIGNAL_SET, nvshmem.SIGNAL_ADD):
+            raise SimError(f"nvshmemx_signal_op: unknown sig_op {op}")
+        target = self._heap().translate(addr, pe, 8)
+        return self.transfers.issue(scope, fences, "signal", target, int(pe),
+                                    self._view(th, scope), after, value=value & MASK64,
+                                    op=op)
+
+    def _land_transfer(self, t) -> None:
+        """A transfer reaches its target (shmem.py, "Landing")."""
+        if self.weak is not None:
+            if t.kind == "put":
+                self.weak.land_put(t.scope.agent, t.view, t.target, t.data)
+            else:
+                self.weak.land_signal(t.scope.agent, t.view, t.target, lambda b: (
+                    nvshmem_model.signal_result(int.from_bytes(b, "little"), t.value, t.op)
+                ).to_bytes(8, "little"))
+            return
+        if t.kind == "put":
+            self.mem.write(t.target, t.data)
+        else:
+            old = self._load(t.target, T.u64)
+            self._store(t.target, nvshmem_model.signal_result(old, t.value, t.op), T.u64)
 
     def _heap(self):
         if self.shmem is None:
@@ -749,20 +835,17 @@ class Sim:
                            "registers its symmetric buffers: Machine.symmetric_heap())")
         return self.shmem
 
-    def _complete_puts(self, th):
-        """``nvshmem_quiet`` / ``nvshmem_fence``: with puts queued, the thread waits a random
-        number of scheduler rounds (below ``shmem_delay``: the transfer's time, while every
-        other thread runs on), then its queued puts land, in order, and the call returns."""
-        if not th.pending_puts:
-            return
-        for _ in range(self.rng.randrange(self.shmem_delay) if self.shmem_delay else 0):
+    def _quiet(self, th):
+        """``nvshmem_quiet``: the thread yields rounds until every transfer of its own scope
+        and its warp's has landed; under the weak model what landed joins its causal past."""
+        scopes = [sc for sc in (th.shmem_scope, th.launch.warp_scopes.get(
+            (th.block, th.tid // 32))) if sc is not None]
+        while any(sc.pending for sc in scopes):
             yield ("yield",)
-        for target, data in th.pending_puts:
-            if self.weak is None:
-                self.mem.write(target, data)
-            else:
-                self.weak.land_put(th, target, data)
-        th.pending_puts.clear()
+        for sc in scopes:
+            sc.unquieted = 0
+        if self.weak is not None:
+            self.weak.completed(th, [sc.agent for sc in scopes if sc.agent is not None])
 
     def _compile_collective(self, s):
         f = self._fn

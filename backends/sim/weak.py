@@ -53,10 +53,11 @@ stream, so a seed repeats its run):
   a launch starts after the words its dependencies of other domains left in domain buffers
   have landed, with their causal pasts (and, in its own domain, everything visible now);
   the host sees memory only after every launch has run and every buffer drained.
-- NVSHMEM puts read their source through the issuing thread's view and land in memory at
-  the thread's quiet or fence; ``nvshmemx_signal_op`` is an RMW at ``sys`` scope that
-  carries the thread's causal past (the puts its quiet completed are visible to whoever
-  acquires the signal).
+- NVSHMEM transfers (shmem.py) read a put's source through the issuing thread's view at
+  the call and land later through an agent of the issuing scope (``agent``): a put's bytes
+  land in memory stamped by the agent; a signal is an RMW at ``sys`` scope whose release
+  carries the issuer's causal past at the call and every transfer the agent landed before
+  it; a quiet joins what its scopes' agents landed into the thread's causal past.
 
 What it does not model, so it can miss a bug but, as far as the checks show, not invent one
 (every unmutated variant passes every seed tried): shared memory (sequentially consistent:
@@ -477,9 +478,58 @@ class WeakMemory:
                 self._move(buf, w)
             buf = buf.up
 
-    def land_put(self, th, addr: int, data: bytes) -> None:
-        """An NVSHMEM put's bytes land in memory."""
-        self.store(th, addr, data, SYS)
+    # -- NVSHMEM transfers (shmem.py) ---------------------------------------------------------
+    def agent(self, th) -> "_Agent":
+        """A new agent that lands the NVSHMEM transfers of one scope of ``th``'s CTA: a writer
+        of its own (its own stamps), in ``th``'s domain."""
+        self.threads += 1
+        return _Agent(self.threads, th)
+
+    @staticmethod
+    def view(th) -> tuple:
+        """``th``'s causal past now, own stores included: ``(vector clock, kb, f_all)``."""
+        vc = dict(th.vc)
+        if th.wlast:
+            vc[th.wid] = th.wlast
+        return vc, th.kb, th.f_all
+
+    @staticmethod
+    def _as_issued(agent, view) -> None:
+        """The agent acts with the causal past its transfer's issuer had at the call."""
+        agent.vc, agent.kb, agent.f_all = view
+
+    def land_put(self, agent, view, addr: int, data: bytes) -> None:
+        """An NVSHMEM put's bytes land in memory, stamped by ``agent``."""
+        self._as_issued(agent, view)
+        self.store(agent, addr, data, SYS)
+
+    def land_signal(self, agent, view, addr: int, fn) -> None:
+        """An NVSHMEM signal lands: an RMW of the u64 word at ``addr`` (``fn`` of the old
+        bytes) at ``sys`` scope that releases the issuer's causal past at the call and every
+        transfer ``agent`` landed before it."""
+        self._as_issued(agent, view)
+        self.rmw(agent, addr, 8, fn)
+        self.note_release(agent, addr)
+
+    @staticmethod
+    def completed(th, agents) -> None:
+        """``nvshmem_quiet`` returned: what ``agents`` landed is in ``th``'s causal past."""
+        for a in agents:
+            if a.wlast:
+                th.vc = _join(th.vc, {a.wid: a.wlast})
+
+
+class _Agent:
+    """Who lands one scope's NVSHMEM transfers: the fields ``store``, ``rmw`` and
+    ``note_release`` read of a thread (its own writer id and stamps, an empty store buffer,
+    the issuing CTA and domain)."""
+
+    def __init__(self, wid: int, th):
+        self.wid, self.wlast = wid, 0
+        self.wdom, self.wblk = th.wdom, th.wblk
+        self.wbuf = _Buf(th.wblk.buf, th.wdom, 0)
+        self.launch, self.block = th.launch, th.block
+        self.vc, self.kb, self.f_all = _EMPTY, _EMPTY, 0
 
 
 def _join(a: dict, b: dict) -> dict:

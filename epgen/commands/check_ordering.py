@@ -13,7 +13,9 @@ HELP = ("run a variant's dispatch (and combine) on the CPU simulator's weak-memo
         "which ones the protocol needs")
 
 CHECKED_VARIANTS = ("ep/small", "ep/ord_r", "ep/final_layout_prod_reserve", "ep/fused",
-                    "ep/shmem_p2p1", "combine/small", "combine/fused")
+                    "ep/shmem_p2p1", "ep/shmem_mixed", "ep/shmem_mixed_ord_r",
+                    "ep/shmem_fused", "combine/small", "combine/fused", "combine/shmem",
+                    "combine/shmem_fused")
 """The variants ``check-ordering`` takes (``epgen.ordering.runs.checked``)."""
 
 

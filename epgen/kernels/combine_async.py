@@ -24,7 +24,9 @@ one to this rank's done counter ``s`` (``atom.acq_rel.sys.add``, combine rank-co
 region); the warp that brings it to the number of warps re-arms it to 0, sums Region A's
 counts of source ``s`` (``rows_to_source``) and publishes ``rows + 1`` into this rank's word of source ``s``'s arrival words (``st.release.sys``):
 word ``my_rank``, or under ``skip_a2a`` (the device is its own only source and destination:
-``n_sources = 1``, pairs ``(e, 0)`` only) word 0.
+``n_sources = 1``, pairs ``(e, 0)`` only) word 0. Under the SHMEM transport a remote source's
+rows and arrival word go by NVSHMEM, and each warp completes its operations once at the end
+(``combine_shmem``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from ir import types as T
 
 from ..combine_layout import CombineLayout
 from ..primitives import warp_inclusive_scan
-from .combine_shmem import complete_puts, publish_arrival, send_row
+from .combine_shmem import (arrival_signal, complete_puts, issued_flag, publish_arrival,
+                            send_row, skip_row)
 from . import trace
 from .common import load_pointer, word
 
@@ -110,8 +113,10 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     e_first = r.let("e_first", gwarp % L)
     sub = r.let("pair_sub", gwarp // L)
     n_sub = r.let("pair_n_sub", ((nwarps - e_first + (L - 1)) // L).max(1))
+    issued = issued_flag(r) if cfg.needs_shmem else None
     for s in range(lay.n_sources):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
+        sig = arrival_signal(r, cfg, p, s)
         with r.for_range(f"e_{s}", e_first, L, nwarps) as e:
             w = r.let(f"pair_{s}", e * R + s)
             end = r.load(word(p.counters, region_a + 2 * w), T.u32, name="blk_end")
@@ -126,12 +131,12 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
                     | (k < ir.Const(0, T.s32)) | (k >= ir.Const(K, T.s32))
                 with r.if_(bad):
                     report_bounds(r, p.err_buf, p.my_rank, row, t, k)
+                    skip_row(r, cfg, p, s, sig, issued)
                 with r.else_():
                     slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
                     dst = r.let("dst_row", dst_buf + slot * row_bytes, peer=True)
                     src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
-                    send_row(r, cfg, p, s, dst, src, row_bytes, n_vec)
-        complete_puts(r, cfg, p, s)
+                    send_row(r, cfg, p, s, dst, src, row_bytes, n_vec, sig, issued)
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
         with r.if_(r.lane.eq(0)):
@@ -143,7 +148,8 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
             with r.if_(r.lane.eq(0)):
                 r.store(word(p.counters, done_base + s), 0)
                 trace.stamp(r, "send.arrival_raised", s, leader=False)  # before the signal
-                publish_arrival(r, cfg, p, s, rows_to_s + 1, sender)
+                publish_arrival(r, cfg, p, s, rows_to_s, sender, issued)
+    complete_puts(r, cfg, issued)
 
 
 def rows_to_source(r: ir.RoleBuilder, cfg, p, s: int) -> ir.Var:

@@ -18,8 +18,9 @@ Re-arming: after its wait each block adds one to the block counter (word 0 of th
 wait region, ``atom.acq_rel.gpu.add``); the last block re-arms the arrival words and the
 counter to 0, after every block of this call has seen them.
 
-The arrival words are u32, or u64 under the SHMEM transport (a signal sets a u64 word:
-``CombineLayout.arrival_word_bytes``).
+The arrival words are u32, or u64 under the SHMEM transport (signals update u64 words:
+``CombineLayout.arrival_word_bytes``), where a word is published (high half ``rows + 1``)
+and counts its landed rows (low half): the wait is for both (``combine_shmem.wait_arrival``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ir import types as T
 
 from ..combine_layout import CombineLayout
 from . import trace
+from .combine_shmem import wait_arrival
 from .common import VEC, exit_if_aborted, word
 
 KERNEL_NAME = "ep_combine_wait"
@@ -113,8 +115,12 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
     nbytes = clay.arrival_word_bytes          # u64 words under the SHMEM transport
     dtype = T.u64 if nbytes == 8 else T.u32
     with r.if_(r.tid < R):
-        r.spin_wait(word(p.arrival, r.tid, nbytes), dtype, CmpOp.NE, 0,
-                    buffer="combine_arrival", index=r.tid, sem=Sem.ACQUIRE, scope=Scope.SYS)
+        if cfg.needs_shmem:
+            wait_arrival(r, cfg, p.arrival, r.tid)
+        else:
+            r.spin_wait(word(p.arrival, r.tid, nbytes), dtype, CmpOp.NE, 0,
+                        buffer="combine_arrival", index=r.tid, sem=Sem.ACQUIRE,
+                        scope=Scope.SYS)
     r.syncthreads()
     exit_if_aborted(r, p.err_buf)
     trace.stamp(r, "reduce.arrivals_seen")

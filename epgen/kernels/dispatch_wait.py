@@ -17,6 +17,7 @@ from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
 from .common import word as _word
 from .ord_r import acquire_rank_flags, rearm_rank_flags
 from .schedule import fill_sm_schedule
+from .shmem_send import is_remote, rearm_arrivals, wait_remote_arrivals
 from .staged import StagedDestination
 from .staged_copy import L1Release
 
@@ -149,6 +150,8 @@ def wait_for_arrivals_and_compute_offsets(r: ir.RoleBuilder, cfg, p: WaitParams,
                 dest.pair_end_word(DATA_READY_FLAG, incl, raw_start, aligned, block_off, c))
         r.store(_word(ctr, 2 * tid + 1), incl - prev)
         r.store(_word(p.recv_count_p, tid, 8), ir.Const(SENTINEL, T.u64))
+    if cfg.needs_shmem:
+        rearm_arrivals(r, cfg, p.recv_count_p)
     dest.rearm_arrivals(r)
     if cfg.ep_ord_r:
         rearm_rank_flags(r, cfg, p.recv_count_p)
@@ -166,8 +169,10 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
     """Per-expert arrivals (legacy): thread ``w < E`` of a published word
     (``published_count_word``; the others count 0) waits (bounded, ``ld.acquire.sys``;
     ``gpu`` under ``skip_a2a``: ``signal_scope``) until count word ``w`` is not the sentinel,
-    then the role's barrier. Returns the u32 count of this thread and the block offset its
-    count word carries (``p.dest.count_offset_var``: capacity-strided only, else None)."""
+    then the role's barrier; under the SHMEM transport the thread of a remote source's word
+    then also waits for the word's arrival count (``shmem_send.wait_remote_arrivals``).
+    Returns the u32 count of this thread and the block offset its count word carries
+    (``p.dest.count_offset_var``: capacity-strided only, else None)."""
     c = r.var("c", T.u32, 0)
     block_off = p.dest.count_offset_var(r)
     with r.if_(published_count_word(cfg, r.tid)):
@@ -176,6 +181,9 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
                            scope=signal_scope(cfg))
         r.assign(c, seen.cast(T.u32))
         p.dest.read_count_offset(r, seen, block_off)
+        if cfg.needs_shmem:
+            with r.if_(is_remote(cfg, r.tid % cfg.n_ranks, p.my_rank)):
+                wait_remote_arrivals(r, cfg, p.recv_count_p, r.tid, c)
     comm_sync(r)
     exit_if_aborted(r, p.err_buf)
     return c, block_off

@@ -121,8 +121,10 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
     counts its share of a copy), publish the count word (``p.dest.count_word``; or the ORD-R
     rank completion), re-arm the counters (and the destination's words: ``p.dest.rearm``). A
     destination outside the P2P group (``cfg.needs_shmem``) gets the count word through
-    ``nvshmemx_signal_op`` (``shmem_send.signal_remote_count``) instead, with or without
-    ORD-R."""
+    ``nvshmemx_signal_op`` and a ``nvshmem_quiet`` (``shmem_send.signal_remote_count``)
+    instead, with or without ORD-R: the poll then only says every slot of the block was
+    reserved and its put issued; the messages' own signals tell the destination they
+    landed."""
     dest = p.dest
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks

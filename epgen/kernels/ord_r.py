@@ -24,7 +24,7 @@ from ir import types as T
 
 from .common import SENTINEL, comm_sync, exit_if_aborted, published_count_word, signal_scope
 from .common import word as _word
-from .shmem_send import in_group, is_remote
+from .shmem_send import in_group, is_remote, wait_remote_arrivals
 
 
 def rank_flag_word(cfg, src_rank):
@@ -70,7 +70,8 @@ def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf, my_rank=No
     this rank) that source raises no rank flag: its count words arrive
     one by one through ``nvshmemx_signal_op``, so thread ``w`` whose source ``w % R`` is remote
     waits for its count word itself (bounded, ``ld.acquire.sys``, until it is not the
-    sentinel), before the barrier, and the flag waits cover the in-group sources only."""
+    sentinel) and then for the word's arrival count (``shmem_send.wait_remote_arrivals``),
+    before the barrier, and the flag waits cover the in-group sources only."""
     lay = cfg.layout
     R, E, L = cfg.n_ranks, cfg.n_experts, lay.n_local_experts
     tid = r.tid
@@ -93,6 +94,7 @@ def acquire_rank_flags(r: ir.RoleBuilder, cfg, recv_count_p, err_buf, my_rank=No
                                buffer="recv_count", index=tid, sem=Sem.ACQUIRE,
                                scope=Scope.SYS)
             r.assign(c, seen.cast(T.u32))
+            wait_remote_arrivals(r, cfg, recv_count_p, tid, c)
     comm_sync(r)
     exit_if_aborted(r, err_buf)
     if c is None:

@@ -13,7 +13,7 @@ from ir import types as T
 
 from .common import VEC, comm_sync, send_sm
 from .common import word as _word
-from .shmem_send import cross_group_fan_out
+from .shmem_send import complete_remote_puts, issued_flag, put_to_remote
 from .staged import NO_SLOT
 
 
@@ -35,9 +35,10 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
     ``ep_send_join_named`` moves the join to ``bar.sync 3, <threads>``.
     Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
     own receive buffer (pointer-table entry 0) is written. With an NVSHMEM destination
-    (``cfg.needs_shmem``) the warps fan out to the in-group destinations only, and the
-    remote ones get the cross-group fan-out (``shmem_send.cross_group_fan_out``: a put of
-    the staged message, its quiet, then the finished count)."""
+    (``cfg.needs_shmem``) the warp that owns a top-k slot whose destination is outside the
+    P2P group puts the staged message there instead (``shmem_send.put_to_remote``: a
+    warp-wide put-with-signal, then the finished count), and after its last token completes
+    its puts with one quiet (``shmem_send.complete_remote_puts``)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
     msg_bytes = lay.msg_bytes
@@ -46,6 +47,7 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
     split = active_role_split(r, cfg)
     sm, n_active = send_sm(r, n_signal_sms, sm_id, n_active_send_sms)
     n_comm = r.let("n_comm", n_active)
+    issued = issued_flag(r) if cfg.needs_shmem else None
     with r.for_range("t", sm, p.n_tokens, n_comm) as t:
         msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
         src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
@@ -74,8 +76,10 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
                 r.warp_sync()
                 with r.if_(r.lane.eq(0)):
                     r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
-        if cfg.needs_shmem:
-            cross_group_fan_out(r, cfg, p, t, msg)
+            if cfg.needs_shmem:
+                put_to_remote(r, cfg, p, msg, g, dst_rank, e, issued)
+    if cfg.needs_shmem:
+        complete_remote_puts(r, issued)
 
 
 def stage_token(r: ir.RoleBuilder, cfg, p, t, msg, dsts, cos):

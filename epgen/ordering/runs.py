@@ -1,11 +1,13 @@
 """Runs of the protocol under the simulator's weak-memory mode (``backends.sim.weak``),
 each compared with ``epgen.reference``.
 
-``checked()`` names the variants the checker knows: each is a golden variant (its kernels are
-the ones mutated) with the world that runs it (standalone or fused kernels, dispatch alone
-or dispatch then combine) and a small configuration (``SMALL``: fewer threads, blocks,
-experts and tokens than the variant's preset, so one run takes a second or two); ``--preset``
-and ``--set`` replace or change the configuration.
+``checked()`` names the variants the checker knows: each names a golden variant (its kernels'
+names are the ones mutated: the variant's own, or ``Spec.golden``'s for a check that runs a
+golden's kernels another way) with the world that runs it (standalone or fused kernels,
+dispatch alone or dispatch then combine) and a small configuration (``SMALL``: fewer threads,
+blocks, experts and tokens than the variant's preset, so one run takes a second or two; the
+SHMEM checks keep remote destinations with their own ``p2p_world_size``); ``--preset`` and
+``--set`` replace or change the configuration.
 
 ``run_once(cfg, spec, seed, mutation)`` runs ``CALLS`` back-to-back round trips on a fresh
 weak machine seeded with ``seed`` (the interleaving and the memory model's choices), the
@@ -62,6 +64,7 @@ class Spec:
     fused: bool = False
     combine: bool = False
     small: dict = attrs.Factory(dict)   # changes of ``SMALL`` for this variant
+    golden: str | None = None           # the golden variant whose kernels are mutated
 
 
 def _flag(name: str) -> dict:
@@ -76,10 +79,24 @@ def checked() -> dict[str, Spec]:
         "ep/ord_r": Spec("small", _flag("ord_r"), small={"n_experts": 8, "num_threads": 128}),
         "ep/final_layout_prod_reserve": Spec("small", _flag("final_layout_prod_reserve")),
         "ep/fused": Spec("small", {}, fused=True),
-        "ep/shmem_p2p1": Spec("small", _flag("shmem_p2p1")),
+        # the SHMEM transport: every destination remote, and groups of 2 of the 4 ranks
+        "ep/shmem_p2p1": Spec("small", _flag("shmem_p2p1"), small=_SHMEM_P2P1),
+        "ep/shmem_mixed": Spec("small", _flag("shmem_mixed"), small=_SHMEM_MIXED),
+        "ep/shmem_mixed_ord_r": Spec("small", _flag("shmem_mixed_ord_r"),
+                                     small={**_SHMEM_MIXED, "n_experts": 8,
+                                            "num_threads": 128}),
+        "ep/shmem_fused": Spec("small", _flag("shmem_mixed"), fused=True, small=_SHMEM_MIXED,
+                               golden="ep/shmem_mixed"),
         "combine/small": Spec("small", {}, combine=True),
         "combine/fused": Spec("small", {}, fused=True, combine=True),
+        "combine/shmem": Spec("small", {"use_shmem": True}, combine=True, small=_SHMEM_P2P1),
+        "combine/shmem_fused": Spec("small", {"use_shmem": True}, fused=True, combine=True,
+                                    small=_SHMEM_MIXED, golden="combine/fused"),
     }
+
+
+_SHMEM_P2P1 = {"p2p_world_size": 1}
+_SHMEM_MIXED = {"p2p_world_size": 2}
 
 
 def config(spec: Spec, preset: str | None = None, overrides: dict | None = None):
@@ -189,7 +206,7 @@ def targets(cfg, spec: Spec, variant: str, seed: int = 0, observe: dict | None =
     """The kernels a variant's mutations apply to: those of its golden module that the
     world launches (from one unmutated run with ``seed``), as built by the world; and that
     run's outcome (``observe`` as in ``run_once``)."""
-    names = {k.name for k in goldens.build_module(variant).kernels}
+    names = {k.name for k in goldens.build_module(spec.golden or variant).kernels}
     machine = WeakMachine(seed)
     outcome = run_once(cfg, spec, seed, machine=machine, observe=observe)
     kernels = {}

@@ -40,17 +40,17 @@ def linked(tmp_path_factory):
 def test_linked_combine_passes_the_checker(linked):
     module = _module()
     ours = emit_ptx(module)
-    assert ".extern .func nvshmem_putmem_nbi" in ours
+    assert ".extern .func nvshmemx_putmem_signal_nbi_warp" in ours
     externs = set(re.findall(r"^\.extern \.func\s+(?:\([^)]*\)\s*)?(\w+)", linked, re.M))
     assert externs <= {"vprintf", "__assertfail"}
-    for name in ("nvshmem_putmem_nbi", "nvshmem_quiet", "nvshmemx_signal_op"):
+    for name in ("nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet", "nvshmemx_signal_op"):
         assert re.search(rf"^\.func\s+(?:\([^)]*\)\s*)?{name}\(", linked, re.M), name
     for k in module.kernels:
         report = check_ptx(k, linked)
         assert report.found == check_ptx(k, ours).found, k.name
     found = check_ptx(module.kernel("ep_combine_async"), linked).found
-    for call in ("putmem_nbi", "quiet"):
-        assert found[("ep_combine_async", f"call.uni nvshmem_{call}")] > 0
+    for call in ("nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet"):
+        assert found[("ep_combine_async", f"call.uni {call}")] > 0
     assert found[("ep_combine_async", "call.uni nvshmemx_signal_op")] > 0
     assert not any("nvshmem" in op for (_, op) in check_ptx(module.kernel("ep_combine_wait"),
                                                              linked).found)

@@ -99,13 +99,34 @@ C_TYPES = {"void *": T.ptr_generic, "const void *": T.ptr_generic, "size_t": T.u
            "uint64_t": T.u64, "int": T.s32}
 
 
+def _declaration(text: str, name: str):
+    """``(return type, parameter text)`` of ``name``'s declaration in the API headers: a
+    plain one (``NVSHMEMI_HOSTDEVICE_PREFIX`` or ``__device__``), or one a scope macro
+    declares (``#define M(SCOPE, SC_SUFFIX, SC_PREFIX) ... base##SC_SUFFIX(...);``
+    instantiated as ``M(warp, _warp, x)``); None if there is none."""
+    m = re.search(r"(?:NVSHMEMI_HOSTDEVICE_PREFIX|__device__)\s+(\w+)\s+" + name
+                  + r"\(([^)]*)\);", text)
+    if m:
+        return m.group(1), m.group(2)
+    base, _, scope = name.rpartition("_")
+    for macro, body in re.findall(r"#define (\w+)\(SCOPE, SC_SUFFIX, SC_PREFIX\)(.*?)\n\n",
+                                  text, re.S):
+        if not re.search(rf"^{macro}\({scope}, _{scope}, x\)", text, re.M):
+            continue
+        body = body.replace("\\\n", " ")
+        d = re.search(r"__device__\s+(\w+)\s+" + base + r"##SC_SUFFIX\(([^)]*)\);", body)
+        if d:
+            return d.group(1), d.group(2)
+    return None
+
+
 @pytest.mark.parametrize("name", sorted(nvshmem.FUNCTIONS))
 def test_signatures_match_the_headers(name):
     inc = _include_dir()
     text = (inc / "host" / "nvshmem_api.h").read_text() + (inc / "host" / "nvshmemx_api.h").read_text()
-    m = re.search(r"NVSHMEMI_HOSTDEVICE_PREFIX\s+(\w+)\s+" + name + r"\(([^)]*)\);", text)
+    m = _declaration(text, name)
     assert m, f"{name} is not declared in the host API headers"
-    ret, params = m.group(1), [p.strip() for p in m.group(2).split(",") if p.strip()]
+    ret, params = m[0], [" ".join(p.split()) for p in m[1].split(",") if p.strip()]
     params = [] if params == ["void"] else params
     f = nvshmem.FUNCTIONS[name]
     assert (ret == "void") == (f.ret is None)
@@ -128,7 +149,8 @@ def test_uses_nvshmem():
         r.call("some_device_function", ())
     assert not uses_nvshmem(kb.build())
     assert [c.name for _, _, c in link.nvshmem_calls(shmem_kernel())] == [
-        "nvshmem_my_pe", "nvshmem_putmem_nbi", "nvshmem_fence", "nvshmemx_signal_op",
+        "nvshmem_my_pe", "nvshmem_putmem_nbi", "nvshmemx_putmem_nbi_warp",
+        "nvshmemx_putmem_signal_nbi_warp", "nvshmem_fence", "nvshmemx_signal_op",
         "nvshmem_quiet"]
 
 
@@ -183,8 +205,7 @@ def test_linked_ptx_defines_every_nvshmem_function(linked):
     print(f"link: first {first:.1f} s (parse + prune + link), again {second:.2f} s, "
           f"{len(ptx)} bytes")
     assert re.search(r"^\.visible \.entry shmem_k\(", ptx, re.M)
-    for name in ("nvshmem_putmem_nbi", "nvshmem_fence", "nvshmem_quiet", "nvshmemx_signal_op",
-                 "nvshmem_my_pe"):
+    for name in nvshmem.FUNCTIONS:
         assert re.search(rf"^\.func\s+(?:\([^)]*\)\s*)?{name}\(", ptx, re.M), name
     externs = set(re.findall(r"^\.extern \.func\s+(?:\([^)]*\)\s*)?(\w+)", ptx, re.M))
     assert externs <= {"vprintf", "__assertfail"}
@@ -315,6 +336,9 @@ def test_inspect_lists_nvshmem_calls_by_role(monkeypatch, cache):
     assert kernels["inspect_k"]["nvshmem_calls"] == [
         {"role": "send", "function": "nvshmem_my_pe", "kind": "query", "calls": 1},
         {"role": "send", "function": "nvshmem_putmem_nbi", "kind": "put", "calls": 1},
+        {"role": "send", "function": "nvshmemx_putmem_nbi_warp", "kind": "put", "calls": 1},
+        {"role": "send", "function": "nvshmemx_putmem_signal_nbi_warp", "kind": "put_signal",
+         "calls": 1},
         {"role": "send", "function": "nvshmem_fence", "kind": "fence", "calls": 1},
         {"role": "send", "function": "nvshmemx_signal_op", "kind": "signal", "calls": 1},
         {"role": "send", "function": "nvshmem_quiet", "kind": "quiet", "calls": 1},

@@ -213,11 +213,13 @@ def test_text_without_target_is_rejected(kernel):
 
 
 def shmem_kernel(name="shmem"):
-    """A put, a fence, a relaxed store, a signal and a quiet, in that order."""
+    """A put, a warp's put, a warp's put-with-signal, a fence, a relaxed store, a signal and a
+    quiet, in that order."""
     return _shared_kernel(name, nvshmem.SIGNAL_SET)
 
 
-SHMEM_ORDER = ["call.uni nvshmem_putmem_nbi", "call.uni nvshmem_fence",
+SHMEM_ORDER = ["call.uni nvshmem_putmem_nbi", "call.uni nvshmemx_putmem_nbi_warp",
+               "call.uni nvshmemx_putmem_signal_nbi_warp", "call.uni nvshmem_fence",
                "st.relaxed.sys.global.b32", "call.uni nvshmemx_signal_op",
                "call.uni nvshmem_quiet"]
 
@@ -237,8 +239,9 @@ def test_nvshmem_calls_are_ordered_operations_in_ir_order():
     assert report.found[("shmem", "call.uni nvshmem_quiet")] == 1
 
 
-@pytest.mark.parametrize("name", ["nvshmem_putmem_nbi", "nvshmem_fence", "nvshmemx_signal_op",
-                                  "nvshmem_quiet"])
+@pytest.mark.parametrize("name", ["nvshmem_putmem_nbi", "nvshmemx_putmem_nbi_warp",
+                                  "nvshmemx_putmem_signal_nbi_warp", "nvshmem_fence",
+                                  "nvshmemx_signal_op", "nvshmem_quiet"])
 def test_dropping_an_nvshmem_call_fails(name):
     k = shmem_kernel()
     ptx = emit_ptx(k)
@@ -252,11 +255,13 @@ def test_dropping_an_nvshmem_call_fails(name):
 def test_nvshmem_calls_out_of_ir_order_fail():
     k = shmem_kernel()
     ptx = emit_ptx(k)
-    put, fence = _call_block(ptx, "nvshmem_putmem_nbi"), _call_block(ptx, "nvshmem_fence")
+    put = _call_block(ptx, "nvshmemx_putmem_signal_nbi_warp")
+    fence = _call_block(ptx, "nvshmem_fence")
     swapped = ptx.replace(put, "@@PUT@@").replace(fence, put).replace("@@PUT@@", fence)
     assert swapped != ptx
     with pytest.raises(PtxCheckError, match=r"`call.uni nvshmem_fence` \(Call nvshmem_fence\) "
-                                            r"is not after `call.uni nvshmem_putmem_nbi`") as e:
+                                            r"is not after `call.uni "
+                                            r"nvshmemx_putmem_signal_nbi_warp`") as e:
         check_ptx(k, swapped)
     assert not e.value.missing
 

@@ -1,12 +1,14 @@
 """The combine under the SHMEM transport on the CPU (``use_shmem`` with ``p2p_world_size <
-n_ranks``; docs/combine.md): rows to a source outside the sender's P2P group go by
-``nvshmem_putmem_nbi``, the arrival word by ``nvshmemx_signal_op`` (the simulator's model,
-``backends.sim.shmem``: a put lands only at its thread's quiet). ``EmulatedWorld(cfg,
+n_ranks``; docs/combine.md): rows to a source outside the sender's P2P group go by a warp's
+``nvshmemx_putmem_signal_nbi_warp`` (the row, then 1 on the arrival word), the publication
+by ``nvshmemx_signal_op`` (the simulator's model, ``backends.sim.shmem``: every transfer
+lands rounds late, in any order NVSHMEM allows). ``EmulatedWorld(cfg,
 backend="sim").combine`` equals ``epgen.reference.combine`` bit for bit with every source
 remote (``p2p_world_size = 1``) and mixed (4 ranks in groups of 2), weights and None, a
-residual, back-to-back calls; puts and signals target remote PEs only, one per row and one
-per (destination, source); a missing quiet is caught; a corrupted ``src_info`` row bound for
-a remote source is reported and nothing is written for it; the kernels' calls."""
+residual, back-to-back calls; puts and signals target remote PEs only, one put per row and
+on each arrival word one signal per row plus the publication; a missing quiet, an unordered
+signal and a missing wait for the rows are caught; a corrupted ``src_info`` row bound for a
+remote source is reported and nothing is written for it; the kernels' calls."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from sim_world import sim_world
 
 #: (n_ranks, p2p_world_size): every source remote, and mixed
 GROUPS = {"p2p1": (2, 1), "mixed": (4, 2)}
-NVSHMEM_CALLS = {"nvshmem_putmem_nbi", "nvshmem_quiet", "nvshmemx_signal_op"}
+NVSHMEM_CALLS = {"nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet", "nvshmemx_signal_op"}
 
 
 def make_cfg(R=2, P=1, T=4, **flags):
@@ -95,8 +97,9 @@ def test_combine_matches_the_reference_bit_for_bit(group, seed):
 
 def test_puts_and_signals_go_to_remote_sources_only(seed, monkeypatch):
     """Every combine put targets the row's source, outside the sender's group, one per row;
-    one signal per (destination, remote source); the in-group rows and words go by peer
-    stores (no call)."""
+    on the arrival word of each (destination, remote source) one signal per row (the
+    put-with-signal's) and one publication; the in-group rows and words go by peer stores
+    (no call)."""
     seen = []
     translate = sim_shmem.SymmetricHeap.translate
 
@@ -120,14 +123,16 @@ def test_puts_and_signals_go_to_remote_sources_only(seed, monkeypatch):
                   if int(s) // P != d // P)
     assert puts and puts == want
     signals = sorted((d, s) for n, d, s in seen if n == "combine_arrival")
-    assert signals == [(d, s) for d in range(4) for s in range(4) if d // P != s // P]
+    publications = [(d, s) for d in range(4) for s in range(4) if d // P != s // P]
+    assert signals == sorted(puts + publications)
     assert {n for n, _, _ in seen} == {"combine_recv", "combine_arrival"}
 
 
 def test_missing_quiet_is_caught(seed, monkeypatch):
-    """Without the quiet before the done count the puts are never completed: the simulator
-    delivers a put only at its thread's quiet, so the run fails instead of passing by luck."""
-    monkeypatch.setattr(combine_async, "complete_puts", lambda r, cfg, p, s: None)
+    """Without the warps' quiet the puts and signals are never completed: NVSHMEM promises
+    nothing at a kernel's end, so the simulator fails a thread that exits with operations
+    issued after its last quiet instead of passing by luck."""
+    monkeypatch.setattr(combine_async, "complete_puts", lambda r, cfg, issued: None)
     cfg = make_cfg(2, 1)
     rng = np.random.default_rng(seed)
     with sim_world(cfg, seed) as world:
@@ -196,9 +201,11 @@ def test_kernel_calls_only_with_remote_sources():
     assert set(names["ep_combine_async"]) == NVSHMEM_CALLS
     assert names["ep_combine_wait"] == []
     seq = names["ep_combine_async"]
-    # per source: the puts, then one quiet, then one signal (the last warp)
-    assert seq.count("nvshmem_quiet") == seq.count("nvshmemx_signal_op") == 4
-    assert all(seq[seq.index(q) - 1] == "nvshmem_putmem_nbi" for q in seq if q == "nvshmem_quiet")
+    # per source: a put-with-signal per row, a signal for a refused row, the publication;
+    # then one quiet for the warp, after the last source
+    assert seq.count("nvshmemx_putmem_signal_nbi_warp") == 4
+    assert seq.count("nvshmemx_signal_op") == 8
+    assert seq.count("nvshmem_quiet") == 1 and seq[-1] == "nvshmem_quiet"
     same = make_cfg(2, 2)
     assert all(calls_in(k) == [] for k in build_combine_module(same).kernels)
     assert ir.print_module(build_combine_module(same)) == \
@@ -210,3 +217,55 @@ def test_arrival_words_are_u64_under_the_shmem_transport():
     assert CombineLayout(make_cfg(2, 2)).arrival_word_bytes == 4
     assert combine_mod.combine_sizes(make_cfg(4, 2))["combine_arrival_word_bytes"] == 8
     combine_mod.check_supported(make_cfg(4, 2))         # no longer refused
+
+
+def failing_seeds(cfg, monkeypatch, transform, seeds=range(4)) -> int:
+    """How many of ``seeds`` fail a dispatch then a fused combine (``EmulatedWorld(fused=
+    True)``: a rank reduces while its peers still send) whose combine modules are built
+    through ``transform`` (a wrong result or a hang)."""
+    build = combine_mod.build_combine_module
+    monkeypatch.setattr(combine_mod, "build_combine_module",
+                        lambda c, *a, **k: transform(build(c, *a, **k)))
+    failures = 0
+    for s in seeds:
+        rng = np.random.default_rng(s)
+        try:
+            with sim_world(cfg, s, max_spins=3000, fused=True) as world:
+                toks, ids = routing.routing(rng, cfg, [cfg.max_tokens_per_rank] * cfg.n_ranks)
+                results = world.dispatch(toks, ids)
+                ys = expert_outputs(rng, cfg, results)
+                w = weights(rng, cfg, ids)
+                assert_same(world.combine(ys, w), reference.combine(cfg, results, ys, w),
+                            f"seed {s}")
+        except (AssertionError, sim_backend.SimHang):
+            failures += 1
+    return failures
+
+
+def test_unordered_signal_is_caught(monkeypatch):
+    """Each row's put-with-signal orders the row before its count on the arrival word: split
+    into the same put and a plain signal by lane 0, some seed's source reduces a row that
+    has not landed."""
+    from epgen.ordering import mutations
+
+    def split(module):
+        found = [oid for k in module.kernels for oid, _ in mutations.ordered_ops(k)
+                 if oid.endswith("nvshmemx_putmem_signal_nbi_warp")]
+        for oid in reversed(found):     # the last first: the others' indices stay
+            module = mutations.mutate(module, oid, "unordered")
+        return module
+    assert failing_seeds(make_cfg(4, 1, T=8), monkeypatch, split) >= 2
+
+
+def test_missing_wait_for_the_rows_is_caught(monkeypatch):
+    """The source must wait for the low half of the arrival word to count every published
+    row: with the publication alone (the P2P transport's wait), some seed reduces a row that
+    has not landed."""
+    from epgen.kernels import combine_shmem, combine_wait
+
+    def publication_only(r, cfg, arrival, d):
+        r.spin_wait(combine_shmem.word(arrival, d, 8), ir.types.u64, ir.CmpOp.NE, 0,
+                    buffer="combine_arrival", index=d, sem=ir.Sem.ACQUIRE,
+                    scope=ir.Scope.SYS)
+    monkeypatch.setattr(combine_wait, "wait_arrival", publication_only)
+    assert failing_seeds(make_cfg(4, 1, T=8), monkeypatch, lambda m: m) >= 2

@@ -1,17 +1,17 @@
 """``use_shmem`` with destinations outside the sender's P2P group, on the CPU: the kernels'
 NVSHMEM calls (``ir.nvshmem``) run in the simulator's model (``backends.sim.shmem``: every
-rank a PE, puts delivered only at the issuing thread's quiet or fence, signals at once)
-against the numpy reference, every format, all ranks remote (``p2p_world_size = 1``) and
-mixed (4 ranks in groups of 2), ORD-R, the fused kernel, back-to-back calls; which
-destinations get NVSHMEM calls; that a missing quiet is caught; the send policy; the sim's
-extern-call rules.
+rank a PE, every put and signal landing rounds late in any order NVSHMEM allows, a
+put-with-signal's signal after its data) against the numpy reference, every format, all
+ranks remote (``p2p_world_size = 1``) and mixed (4 ranks in groups of 2), ORD-R, the fused
+kernel, back-to-back calls; which destinations get NVSHMEM calls and where (a warp's
+put-with-signal per remote slot, one quiet per warp per call); that each ordering step the
+protocol needs is caught when removed; the send policy; the sim's extern-call rules.
 """
 
 from __future__ import annotations
 
 import re
 
-import attrs
 import numpy as np
 import pytest
 
@@ -22,7 +22,8 @@ from backends import sim as sim_backend
 from backends.sim import shmem as sim_shmem
 from epgen import reference, routing
 from epgen.formats import make_format
-from epgen.kernels import send_policy
+from epgen.kernels import send_policy, shmem_send
+from epgen.ordering import mutations
 
 import format_cases
 from cli_runs import run_cli
@@ -33,7 +34,7 @@ FORMATS = [(f, 256) for f in format_cases.PLAIN] + format_cases.sim_cases()
 #: (n_ranks, p2p_world_size): every peer remote, and mixed
 GROUPS = {"p2p1": (2, 1), "mixed": (4, 2)}
 ORD_R = {"ep_ord_r": True, "has_rank_flag": True}
-NVSHMEM_CALLS = ("nvshmem_putmem_nbi", "nvshmem_quiet", "nvshmemx_signal_op")
+NVSHMEM_CALLS = ("nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet", "nvshmemx_signal_op")
 
 
 def make_cfg(fmt="BF16", H=256, R=2, P=1, **flags):
@@ -62,17 +63,24 @@ def run_calls(cfg, seed, n_calls=3, **world_kwargs):
 
 def calls_in(kernel: ir.Kernel) -> list[str]:
     """The extern function names a kernel calls, in statement order."""
-    names = []
+    return [name for name, _, _ in call_sites(kernel)]
 
-    def walk(stmts):
+
+def call_sites(kernel: ir.Kernel) -> list[tuple[str, str, int]]:
+    """``(function, role, loops around it)`` of every extern call of ``kernel``, in statement
+    order (``loops``: the ``For`` / ``While`` bodies it is nested in)."""
+    out = []
+
+    def walk(stmts, role, depth):
         for s in stmts:
             if isinstance(s, ir.nodes.Call):
-                names.append(s.name)
+                out.append((s.name, role, depth))
+            inner = depth + isinstance(s, (ir.nodes.For, ir.nodes.While))
             for attr in ("then", "orelse", "body"):
-                walk(getattr(s, attr, None) or ())
+                walk(getattr(s, attr, None) or (), role, inner)
     for role in kernel.roles:
-        walk(role.body)
-    return names
+        walk(role.body, role.name, 0)
+    return out
 
 
 # ---- round trips ---------------------------------------------------------------------------
@@ -112,9 +120,12 @@ def test_calls_only_with_remote_destinations():
             assert names == [], names         # the wait kernel reads local memory only
         else:
             assert set(names) == set(NVSHMEM_CALLS), (k.name, names)
-            # each put is followed by its quiet
-            i = names.index("nvshmem_putmem_nbi")
-            assert names[i + 1] == "nvshmem_quiet"
+            sites = call_sites(k)
+            # the put-with-signal in the send loops; no quiet in any loop: one per warp (after
+            # its last token) and one per monitor lane (after its count signal)
+            assert [d for n, _, d in sites if n == "nvshmemx_putmem_signal_nbi_warp"] == [2]
+            assert [d for n, _, d in sites if n == "nvshmem_quiet"] == [0, 0], sites
+            assert names.count("nvshmemx_signal_op") == 1
     # use_shmem with every destination in the group: the P2P kernels, no call at all
     for cfg in (make_cfg(R=2, P=2), make_cfg(R=4, P=4, **ORD_R)):
         same = epgen.build_module(cfg)
@@ -125,12 +136,15 @@ def test_calls_only_with_remote_destinations():
 
 def test_puts_and_signals_go_to_remote_pes_only(seed, monkeypatch):
     """Every put and signal the kernels issue targets a PE outside the issuer's group; one
-    put per remote (token, k) pair and one signal per (remote destination, expert)."""
+    put per remote (token, k) pair, each with its signal on the arrival word of its block,
+    and one count signal per (remote destination, expert)."""
     seen = []
     translate = sim_shmem.SymmetricHeap.translate
 
     def record(heap, addr, pe, nbytes=1):
-        src, name, _ = heap.locate(addr, nbytes)
+        src, name, off = heap.locate(addr, nbytes)
+        if name == "recv_count":
+            name = "arrival" if off // 8 >= cfg.layout.shmem_arrival_base else "count"
         seen.append((name, src, int(pe)))
         return translate(heap, addr, pe, nbytes)
     monkeypatch.setattr(sim_shmem.SymmetricHeap, "translate", record)
@@ -146,15 +160,16 @@ def test_puts_and_signals_go_to_remote_pes_only(seed, monkeypatch):
     want = sorted((src, int(g) // L) for src, x in enumerate(ids) for g in np.ravel(x)
                   if src // P != int(g) // L // P)
     assert puts == want
-    signals = sorted((s, d) for n, s, d in seen if n == "recv_count")
+    assert sorted((s, d) for n, s, d in seen if n == "arrival") == want
+    signals = sorted((s, d) for n, s, d in seen if n == "count")
     assert signals == sorted((s, d) for s in range(4) for d in range(4) if s // P != d // P
                              for _ in range(L))
 
 
 def test_missing_quiet_is_caught(seed, monkeypatch):
-    """Without the quiet the puts are never completed before the finished count: the sim
-    delivers a put only at its thread's quiet or fence, so the run fails (the thread exits
-    with its puts pending) instead of passing by luck."""
+    """Without the quiets the puts and signals are never completed: NVSHMEM promises nothing
+    at a kernel's end, so the simulator fails a thread that exits with operations issued
+    after its last quiet, landed or not, instead of passing by luck."""
     monkeypatch.setattr(nvshmem, "quiet", lambda r: None)
     cfg = make_cfg(R=2, P=1)
     with pytest.raises(sim_backend.SimError, match="never completed"):
@@ -240,67 +255,53 @@ def test_cli_use_shmem_false_with_remote_destinations_is_a_usage_error(capsys):
     assert status == 2 and "use_shmem=False with p2p_world_size=1 < n_ranks=2" in err
 
 
-def quiet_after_count(module: ir.Module) -> ir.Module:
-    """``module`` with each quiet of the cross-group fan-out moved after the finished count
-    that follows it (put, red.release, quiet: the count no longer waits for the data)."""
-    def is_quiet(s):
-        return isinstance(s, ir.nodes.Call) and s.name == "nvshmem_quiet"
-
-    def rewrite(stmts):
-        out, moved = [], None
-        for s in stmts:
-            if isinstance(s, ir.nodes.If) and any(is_quiet(x) for x in s.then):
-                out.append(attrs.evolve(s, then=tuple(x for x in s.then if not is_quiet(x))))
-                moved = next(x for x in s.then if is_quiet(x))
-                continue
-            if isinstance(s, ir.nodes.If):
-                s = attrs.evolve(s, then=rewrite(s.then), orelse=rewrite(s.orelse))
-            elif isinstance(s, (ir.nodes.For, ir.nodes.While)):
-                s = attrs.evolve(s, body=rewrite(s.body))
-            out.append(s)
-            if moved is not None and isinstance(s, ir.nodes.AtomicRMW) and s.dst is None:
-                out.append(moved)
-                moved = None
-        assert moved is None
-        return tuple(out)
-
-    kernels = []
-    for k in module.kernels:
-        roles = tuple(attrs.evolve(r, body=rewrite(r.body)) for r in k.roles)
-        kernels.append(attrs.evolve(k, roles=roles))
-    return ir.Module(module.name, tuple(kernels))
-
-
-def test_count_before_quiet_is_caught(monkeypatch):
-    """The quiet must come before the finished count: with put, count, quiet the monitor
-    signals while the bytes are still in flight (the sim's quiet takes random rounds), and
-    some seed's destination copies stale rows."""
+def failing_seeds(cfg, monkeypatch, transform, seeds=range(4), **world_kwargs) -> int:
+    """How many of ``seeds`` fail a one-call run whose modules are built through
+    ``transform`` (a wrong result or a hang: a wait that polls too long)."""
     from epgen.runtime import world as world_mod
     build = world_mod.build_module
-    mutated = []
-
-    def build_mutated(cfg):
-        m = quiet_after_count(build(cfg))
-        mutated.append(calls_in(m.kernel("ep_dispatch_async")))
-        return m
-    monkeypatch.setattr(world_mod, "build_module", build_mutated)
-    cfg = make_cfg(R=2, P=1)
+    monkeypatch.setattr(world_mod, "build_module", lambda c: transform(build(c)))
     failures = 0
-    for s in range(4):
+    for s in seeds:
         try:
-            run_calls(cfg, s, n_calls=1)
-        except AssertionError:
+            run_calls(cfg, s, n_calls=1, max_spins=3000, **world_kwargs)
+        except (AssertionError, sim_backend.SimHang):
             failures += 1
-    names = mutated[0]
-    i = names.index("nvshmem_putmem_nbi")
-    assert names[i + 1] == "nvshmem_quiet"   # still one quiet per put, now after the count
-    assert failures >= 1, failures
+    return failures
+
+
+def test_unordered_signal_is_caught(monkeypatch):
+    """The put-with-signal is the one ordering between a message and its arrival count:
+    split into the same put and a plain signal by lane 0 (which NVSHMEM does not order after
+    the put), some seed's destination copies a row that has not landed. The fused kernel,
+    where a rank's copy runs while its peers still send (standalone, a rank's dispatch_wait
+    starts after its own sends are quieted, which narrows the window)."""
+    def split(module):
+        found = [oid for k in module.kernels for oid, _ in mutations.ordered_ops(k)
+                 if oid.endswith("nvshmemx_putmem_signal_nbi_warp")]
+        assert found
+        for oid in reversed(found):     # the last first: the others' indices stay
+            module = mutations.mutate(module, oid, "unordered")
+        return module
+    assert failing_seeds(make_cfg(R=4, P=1), monkeypatch, split, fused=True) >= 2
+
+
+def test_missing_arrival_wait_is_caught(monkeypatch):
+    """Without the wait for the arrival words the destination takes a remote count word as
+    the rows' arrival: some seed copies a row that has not landed (the fused kernel, as
+    above)."""
+    monkeypatch.setattr(shmem_send, "wait_remote_arrivals", lambda *a, **k: None)
+    from epgen.kernels import dispatch_wait, ord_r
+    monkeypatch.setattr(dispatch_wait, "wait_remote_arrivals", lambda *a, **k: None)
+    monkeypatch.setattr(ord_r, "wait_remote_arrivals", lambda *a, **k: None)
+    assert failing_seeds(make_cfg(R=4, P=1), monkeypatch, lambda m: m, fused=True) >= 2
 
 
 def test_ptx_calls_nvshmem_in_the_send_kernels_only():
     """The PTX of the mixed variant: the three NVSHMEM functions declared ``.extern .func``
-    and called (``call.uni``) in ``ep_dispatch_async`` and ``ep_dispatch``, once each, none in
-    ``ep_dispatch_wait``; the P2P build of the same ranks calls nothing."""
+    and called (``call.uni``) in ``ep_dispatch_async`` and ``ep_dispatch``: one put-with-signal
+    and one signal, two quiets (the comm warps', the monitor's); none in ``ep_dispatch_wait``;
+    the P2P build of the same ranks calls nothing."""
     from backends import nvptx
     ptx = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=2)))
     for name in NVSHMEM_CALLS:
@@ -309,7 +310,7 @@ def test_ptx_calls_nvshmem_in_the_send_kernels_only():
     assert set(bodies) == {"ep_dispatch_async", "ep_dispatch_wait", "ep_dispatch"}
     for kernel in ("ep_dispatch_async", "ep_dispatch"):
         found = re.findall(r"call\.uni (\w+),", bodies[kernel])
-        assert sorted(found) == sorted(NVSHMEM_CALLS), (kernel, found)
+        assert sorted(found) == sorted(NVSHMEM_CALLS + ("nvshmem_quiet",)), (kernel, found)
     assert "call" not in bodies["ep_dispatch_wait"]
     p2p = nvptx.emit_ptx(epgen.build_module(make_cfg(R=4, P=4)))
     assert "nvshmem" not in p2p and "call.uni" not in p2p

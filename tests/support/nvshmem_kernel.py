@@ -1,6 +1,7 @@
 """A small kernel that calls every NVSHMEM device function of ``ir.nvshmem`` once, shared by
-the link tests and the PTX checker tests: a put, a fence, a relaxed sys-scope store, a
-signal and a quiet, in that order (``nvshmem_my_pe`` first: a query, not ordered)."""
+the link tests and the PTX checker tests: a put, a warp's put, a warp's put-with-signal, a
+fence, a relaxed sys-scope store, a signal and a quiet, in that order (``nvshmem_my_pe``
+first: a query, not ordered)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def shmem_kernel(name: str = "shmem", sig_op: int = nvshmem.SIGNAL_SET):
     with kb.role("send") as r:
         me = nvshmem.my_pe(r)
         nvshmem.putmem_nbi(r, data, data + 64, 64, me + 1)
+        nvshmem.putmem_nbi_warp(r, data + 512, data + 576, 64, me + 1)
+        nvshmem.putmem_signal_nbi_warp(r, data + 1024, data + 1088, 64, sig, 1, sig_op, me + 1)
         nvshmem.fence(r)
         r.store(data + 256, me, sem=Sem.RELAXED, scope=Scope.SYS)
         nvshmem.signal_op(r, sig, 1, sig_op, me + 1)

@@ -177,13 +177,16 @@ def test_recv_count_size_and_tails(c):
     cfg = make(c)
     lay = cfg.layout
     L, R = cfg.n_experts // cfg.n_ranks, cfg.n_ranks
-    # always both tails: rank flags at [L*R, L*R + R), cursors at [L*R + R, L*R + R + L)
+    # always both tails: rank flags at [L*R, L*R + R), cursors at [L*R + R, L*R + R + L);
+    # under the SHMEM transport the L*R arrival words follow, initialised 0
     assert lay.recv_count_size() == L * R + R + L
     assert lay.rc_cursor_base + L == lay.recv_count_size()
+    arrivals = L * R if cfg.needs_shmem else 0
+    assert lay.shmem_arrival_base == L * R + R + L and lay.shmem_arrival_words == arrivals
     init = lay.recv_count_initial()
-    assert init.dtype == np.uint64 and len(init) == L * R + R + L
+    assert init.dtype == np.uint64 and len(init) == L * R + R + L + arrivals
     assert (init[:L * R + R] == np.uint64(2**64 - 1)).all() and (init[L * R + R:] == 0).all()
-    assert lay.recv_count_bytes == 8 * (L * R + R + L)
+    assert lay.recv_count_bytes == 8 * (L * R + R + L + arrivals)
 
 
 @pytest.mark.parametrize("c", CONFIGS)
