@@ -792,6 +792,9 @@ class Sim:
         slot = None if s.dst is None else self._slot(s.dst)
 
         err_buf, timeout = f(s.err_buf), f(s.timeout_ns)
+        give_up = None if s.give_up is None else f(s.give_up)
+        shrink = None if s.shrink is None else f(s.shrink)
+        status = None if s.status is None else self._slot(s.status)
 
         def spin(th):
             want = _mask(expected(th), bits)
@@ -799,6 +802,7 @@ class Sim:
             expiry = polls_to_expiry(timeout(th)) if self.timeouts else None
             # past max_spins the hang detector (_step) ends the wait first
             expires_on = expiry if expiry is not None and expiry <= self.max_spins else None
+            ended = N.SPIN_MET
             while True:
                 seen = self._load(addr(th), dt) if wm is None else \
                     self._wload(th, addr(th), dt, site=site)
@@ -807,9 +811,17 @@ class Sim:
                     field &= mask
                 if self._cmp(op, field, want, udt):
                     break
+                if give_up is not None and (self._load if wm is None else
+                                            lambda a, t: self._wload(th, a, t))(
+                        give_up(th), T.u32):
+                    ended = N.SPIN_GAVE_UP          # the rank waited on is masked
+                    break
                 if self.timeouts:
                     polls += 1
                     if polls == expires_on:
+                        if shrink is not None and shrink(th):
+                            ended = N.SPIN_EXPIRED  # no record, no abort: the kernel's call
+                            break
                         self._expire(th, s, seen, want, polls * SIM_POLL_NS)
                         raise _Exit()
                     if (self._load if wm is None else
@@ -821,6 +833,8 @@ class Sim:
                 wm.acquire(th, scope, addr(th))
             if slot is not None:
                 th.vars[slot] = seen
+            if status is not None:
+                th.vars[status] = ended
         return spin
 
     def _deadline_note(self, expiry: int | None) -> str:

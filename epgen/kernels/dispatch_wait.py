@@ -11,7 +11,7 @@ import ir
 from ir import CmpOp, Scope, Sem
 from ir import types as T
 
-from . import destination, trace
+from . import destination, rank_mask, trace
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted, published_count_word, signal_scope)
 from .common import word as _word
@@ -38,10 +38,13 @@ class WaitParams:
     err_buf: ir.Param
     #: the destination strategy (``destination.declare_wait``), with its own parameters
     dest: StagedDestination | None = None
+    #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
+    mask: rank_mask.MaskParams | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
-    """dispatch_wait's parameters on ``kb``, then its destination strategy's
+    """dispatch_wait's parameters on ``kb``, then the rank mask's (``ep_rank_mask``:
+    ``rank_mask``, ``rank_mask_ptrs``), its destination strategy's
     (``destination.declare_wait``: the final layout's ``hdr_p``, ...), and its diagnostics
     (``err_buf``, ``my_rank``)."""
     peer = cfg.layout.crosses_devices
@@ -56,6 +59,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
     )
+    p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=True))
     p = attrs.evolve(p, dest=destination.declare_wait(kb, cfg, p))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
@@ -167,15 +171,28 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
     (``published_count_word``; the others count 0) waits (bounded, ``ld.acquire.sys``;
     ``gpu`` under ``skip_a2a``: ``signal_scope``) until count word ``w`` is not the sentinel,
     then the role's barrier. Returns the u32 count of this thread and the block offset its
-    count word carries (``p.dest.count_offset_var``: capacity-strided only, else None)."""
+    count word carries (``p.dest.count_offset_var``: capacity-strided only, else None). With
+    ``ep_rank_mask`` the wait is ``rank_mask.wait_for_rank`` on the word's source rank
+    ``w % R``: a masked source counts 0, unwaited for, and so does one masked by the wait
+    (shrink)."""
     c = r.var("c", T.u32, 0)
     block_off = p.dest.count_offset_var(r)
     with r.if_(published_count_word(cfg, r.tid)):
-        seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
-                           buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
-                           scope=signal_scope(cfg))
-        r.assign(c, seen.cast(T.u32))
-        p.dest.read_count_offset(r, seen, block_off)
+        if p.mask is None:
+            seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                               buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
+                               scope=signal_scope(cfg))
+            r.assign(c, seen.cast(T.u32))
+            p.dest.read_count_offset(r, seen, block_off)
+        else:
+            seen, arrived = rank_mask.wait_for_rank(
+                r, cfg, p.mask, _word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                buffer="recv_count", index=r.tid, rank=r.tid % cfg.n_ranks,
+                my_rank=p.my_rank, err_buf=p.err_buf, kernel_name=r.kb.name,
+                scope=signal_scope(cfg))
+            with r.if_(arrived.ne(0)):
+                r.assign(c, seen.cast(T.u32))
+                p.dest.read_count_offset(r, seen, block_off)
     comm_sync(r)
     exit_if_aborted(r, p.err_buf)
     return c, block_off

@@ -82,6 +82,9 @@ def resolve_fused(cfg, fused: bool | None, world: str) -> bool:
     if fused and cfg.ep_final_layout:
         raise ValueError(f"{world}: fused=True with ep_final_layout=True: the fused "
                          "single-launch kernel does not take ep_final_layout yet")
+    if fused and cfg.ep_rank_mask:
+        raise ValueError(f"{world}: fused=True with ep_rank_mask=True: the fused "
+                         "single-launch kernels do not take the rank mask yet")
     return bool(fused)
 
 
