@@ -174,9 +174,13 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
     count word carries (``p.dest.count_offset_var``: capacity-strided only, else None). With
     ``ep_rank_mask`` the wait is ``rank_mask.wait_for_rank`` on the word's source rank
     ``w % R``: a masked source counts 0, unwaited for, and so does one masked by the wait
-    (shrink)."""
+    (shrink); after the barrier every word of a source with a word missing counts 0
+    (``source_missing``), so a source that stopped half-way contributes nothing rather
+    than some experts' rows."""
     c = r.var("c", T.u32, 0)
     block_off = p.dest.count_offset_var(r)
+    if p.mask is not None:
+        missing = source_missing(r, cfg)
     with r.if_(published_count_word(cfg, r.tid)):
         if p.mask is None:
             seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
@@ -185,17 +189,35 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
             r.assign(c, seen.cast(T.u32))
             p.dest.read_count_offset(r, seen, block_off)
         else:
+            src = r.let("src", r.tid % cfg.n_ranks)
             seen, arrived = rank_mask.wait_for_rank(
                 r, cfg, p.mask, _word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
-                buffer="recv_count", index=r.tid, rank=r.tid % cfg.n_ranks,
-                my_rank=p.my_rank, err_buf=p.err_buf, kernel_name=r.kb.name,
-                scope=signal_scope(cfg))
+                buffer="recv_count", index=r.tid, rank=src, my_rank=p.my_rank,
+                err_buf=p.err_buf, kernel_name=r.kb.name, scope=signal_scope(cfg))
             with r.if_(arrived.ne(0)):
                 r.assign(c, seen.cast(T.u32))
                 p.dest.read_count_offset(r, seen, block_off)
+            with r.else_():
+                r.store(_word(missing, src), 1)
     comm_sync(r)
     exit_if_aborted(r, p.err_buf)
+    if p.mask is not None:      # a source missing one word counts nothing at all
+        with r.if_(published_count_word(cfg, r.tid)):
+            with r.if_(r.load(_word(missing, r.tid % cfg.n_ranks), T.u32,
+                              name="src_missing").ne(0)):
+                r.assign(c, 0)
     return c, block_off
+
+
+def source_missing(r: ir.RoleBuilder, cfg) -> ir.Expr:
+    """``ep_rank_mask``: the aux block's shared ``R`` words, source ``q``'s set when a count
+    word of ``q`` did not come (masked before or during the wait), zeroed by threads
+    ``q < R`` before a role barrier that precedes every wait."""
+    missing = r.scratch("source_missing", 4 * cfg.n_ranks)
+    with r.if_(r.tid < cfg.n_ranks):
+        r.store(_word(missing, r.tid), 0)
+    comm_sync(r)
+    return missing
 
 
 def copy_received_tokens_to_output(r: ir.RoleBuilder, cfg, p: WaitParams, *,

@@ -165,9 +165,12 @@ class Combiner:
         """Enqueue every rank's ``ep_combine_async`` (after every rank's last dispatch_wait),
         then every rank's ``ep_combine_wait`` (after every rank's combine_async); or, fused,
         every rank's ``ep_combine`` (after every rank's last dispatch); no host
-        synchronisation. Each rank's ``wait_done`` is the end of its last combine launch. A
-        rank that sat the dispatch out (``RankBuffers.calling`` false, ``ep_rank_mask``)
-        launches nothing."""
+        synchronisation. Each rank's ``wait_done`` is the end of its last combine launch. With
+        ``ep_rank_mask`` a rank that sat the dispatch out (``RankBuffers.calling`` false)
+        launches nothing, and each rank's ``ep_combine_wait`` follows its own
+        ``ep_combine_async`` only: the arrival words order the ranks (docs/combine.md, "World
+        ordering"), and a rank that stops in its combine_async must not keep the others'
+        waits from starting (and masking it)."""
         w, cfg = self.world, self.world.cfg
         done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
         if self.fused:
@@ -187,6 +190,8 @@ class Combiner:
                 rk.stream.wait(ev)
             self.program_of(rk).launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
             events.append(w.cuda.record_event(rk.stream))
+        if cfg.ep_rank_mask:        # a rank that stops must not hold the others' waits back
+            events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             if not rk.calling:
                 continue
