@@ -7,7 +7,8 @@ A rank's mask is its own view: word ``q`` non-zero, it sends nothing to rank ``q
 for nothing from it. ``update(rank, masked, on=None)`` writes word ``rank`` of the views of
 the held ranks ``on`` (default: every one); with ``on`` None the world also takes ``rank``
 out of its calls (``dead``: not launched, its results None) or, unmasking it, back in
-(``rejoin``). The kernels mask a rank themselves when a wait for it expires under shrink
+(``rejoin``; a rank the world gave up on also rejoins once no held rank it launches masks
+it any more, each view cleared on its own). The kernels mask a rank themselves when a wait for it expires under shrink
 (``shrink``), and record it; ``note`` reads those records after a call: the ranks they name
 join ``dead`` and are the call's ``last``.
 
@@ -117,6 +118,16 @@ class RankMasks:
             self._write(rk, words)
         if on is None:
             self.dead.add(rank)
+        elif not masked:
+            self._rejoin_unmasked()
+
+    def _rejoin_unmasked(self) -> None:
+        """Every ``dead`` rank that no live held rank masks any more rejoins (views cleared
+        one at a time: each process of a DeepEP group unmasks in its own buffer)."""
+        for q in sorted(self.dead):
+            live = [rk for rk in self.world.ranks if rk.rank not in self.dead]
+            if live and not any(rk.rank_mask.to_host()[q] for rk in live):
+                self.rejoin(q)
 
     def rejoin(self, rank: int) -> None:
         """``rank`` back in every held rank's calls (after ``_quiescent``): the words the
@@ -162,6 +173,8 @@ class RankMasks:
             words = rk.rank_mask.to_host()
             words[:self.n_ranks] = 0
             self._write(rk, words)
+        if on is not None:
+            self._rejoin_unmasked()
 
     def query(self, rank=None) -> np.ndarray:
         """``[n_ranks]`` int32, 1 where masked: held rank ``rank``'s view, or (None) the

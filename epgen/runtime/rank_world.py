@@ -700,9 +700,24 @@ class RankWorld(abc.ABC):
         with ``topk_weights[s]`` (``[T, K]`` float32), or with None the unreduced ``[T, K,
         H]``; ``residual[s]`` (``[T, H]`` BF16, with weights) is added before the rounding.
         An out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written
-        for it). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
+        for it). With ``ep_rank_mask`` a rank whose expert outputs are None sits the combine
+        out (its result None; under shrink the others mask it). ``_src_info``: test hook
+        (``runtime.combine.Combiner.run``)."""
+        self._combine_sitting_out(expert_outputs)
         call_args.check_combine(self, expert_outputs, topk_weights, residual)
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info)
+
+    def _combine_sitting_out(self, expert_outputs) -> None:
+        """``ep_rank_mask``: a rank whose expert outputs are None sits the combine out (not
+        launched, its result None, its last call not waited for), as a rank that sat the
+        dispatch out does (``_sitting_out``)."""
+        if self.masks is None or not isinstance(expert_outputs, (list, tuple)) \
+                or len(expert_outputs) != len(self.ranks):
+            return
+        for rk, y in zip(self.ranks, expert_outputs):
+            if y is None and rk.calling:
+                rk.calling = False
+                rk.wait_done = None
 
 
 __all__ = ["RankWorld", "resolve_fused"]
