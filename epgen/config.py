@@ -37,7 +37,8 @@ MAX_THREADS = 1024
 INT_PARAMS = ("num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_rank",
               "p2p_world_size")
 BOOL_PARAMS = ("use_shmem", "fused_shared_expert", "skip_a2a", "has_rank_flag", "ep_ord_r",
-               "ep_final_layout", "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named")
+               "ep_final_layout", "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named",
+               "ep_rank_mask")
 
 
 class EPConfigError(ValueError):
@@ -111,6 +112,8 @@ class EPConfig:
     ep_prod_reserve: bool = _bool_field(False)
     ep_copy_role_split: bool = _bool_field(False)
     ep_send_join_named: bool = _bool_field(False)
+    #: ours, not a reference parameter: the device-side rank mask (docs/flags.md)
+    ep_rank_mask: bool = _bool_field(False)
     timeout_ns: int = _int_field(default=2_000_000_000)
     recv_block_capacity: int | None = attrs.field(default=None)
     #: ours, not a reference parameter: the code-generation choices (``epgen.tuning``)
@@ -232,6 +235,9 @@ class EPConfig:
         rule(self.has_rank_flag == self.ep_ord_r, ("has_rank_flag", "ep_ord_r"),
              f"has_rank_flag requires ep_ord_r (and vice versa), got has_rank_flag="
              f"{self.has_rank_flag}, ep_ord_r={self.ep_ord_r}")
+        if self.ep_rank_mask:
+            for params, text in self._rank_mask_violations():
+                rule(False, params, text)
         for params, text in self.token_fmt.check_config(self):
             rule(False, tuple(params), text)
         if not bad:     # the extents come from the layout, which needs the rules above
@@ -239,6 +245,32 @@ class EPConfig:
                 rule(value < INDEX_LIMIT, params,
                      f"{what} = {value} must be < 2**31: the kernels compute these indices "
                      f"in 32-bit arithmetic (byte offsets are 64-bit)")
+        return bad
+
+    def _rank_mask_violations(self):
+        """The combinations ``ep_rank_mask`` does not take (docs/flags.md), each
+        ``(parameters, rule)``."""
+        bad = []
+        if self.p2p_world_size < self.n_ranks and not self.skip_a2a:
+            bad.append((("ep_rank_mask", "use_shmem", "p2p_world_size"),
+                        f"ep_rank_mask with use_shmem and p2p_world_size={self.p2p_world_size} "
+                        f"< n_ranks={self.n_ranks}: the SHMEM send paths (NVSHMEM puts and "
+                        f"signals) do not consult the rank mask yet; use p2p_world_size="
+                        f"n_ranks (every destination by P2P stores)"))
+        excluded = {
+            "skip_a2a": "skip_a2a sends nothing off the device, so there is no other rank to "
+                        "mask",
+            "ep_ord_r": "ORD-R's per-rank flags are waited for as a whole, not per source "
+                        "rank",
+            "ep_prod_reserve": "the early counts and mailboxes make dispatch_async wait for "
+                               "every source, which the mask does not cover yet",
+            "fused_shared_expert": "the shared expert needs the fused single-launch kernel, "
+                                   "which does not take the rank mask",
+        }
+        for flag, why in excluded.items():
+            if getattr(self, flag):
+                bad.append((("ep_rank_mask", flag),
+                            f"ep_rank_mask and {flag} are exclusive: {why}"))
         return bad
 
     def index_extents(self) -> list[tuple[tuple[str, ...], str, int]]:

@@ -51,6 +51,10 @@ FLAG_VARIANTS = {
     # scales to the output (send_policy.writes_final_rows_by_warp)
     "final_layout_prod_reserve_nvfp4": ("small", {"ep_final_layout": True,
                                                   "ep_prod_reserve": True, "format": "NVFP4"}),
+    # ours: the rank mask, on the staged layout and on the capacity-strided final layout (the
+    # DeepEP API's)
+    "rank_mask": ("small", {"ep_rank_mask": True}),
+    "final_layout_rank_mask": ("small", {"ep_final_layout": True, "ep_rank_mask": True}),
 }
 
 
@@ -151,6 +155,8 @@ COMBINE_VARIANTS = {
     "skip_a2a_global": ({"skip_a2a": True}, False),
     # every source reached by NVSHMEM
     "shmem": ({"use_shmem": True, "p2p_world_size": 1}, False),
+    # ours: the rank mask (the standalone kernels only)
+    "rank_mask": ({"ep_rank_mask": True}, False),
 }
 
 

@@ -32,6 +32,12 @@ pruned expert). Nothing is sent for it, no row is reserved, ``counts`` and ``row
 do not include it, and combine skips it (``reference_combine``). A token whose ids are all
 ``-1`` is dispatched nowhere.
 
+Masked ranks (``ep_rank_mask``, docs/design.md "Rank masks"): ``mask_ranks(cfg, tokens,
+topk_ids, masked)`` gives the inputs whose ``dispatch`` (and ``combine``) are what the ranks
+outside ``masked`` receive and reduce when the ranks of ``masked`` are masked: a masked
+rank sends nothing (its input is empty) and every slot routed to one of its experts is
+``-1``. The masked ranks' own results are not modelled (they are not expected to call).
+
 Rows that the kernels never write hold, in a reference result: padding rows zero tokens and
 ``src_info = (-1, -1)``; shared-expert rows ``src_info = (-1, -1)``.
 """
@@ -48,7 +54,7 @@ from .errors import EPInputError
 from .reference_combine import combine
 
 __all__ = ["EPInputError", "MASKED", "RankResult", "dispatch", "combine", "validate_inputs",
-           "compare", "assert_match", "se_slice"]
+           "compare", "assert_match", "se_slice", "mask_ranks"]
 
 #: under skip_a2a (global ids) the first invalid id: ids travel as uint16 in message headers,
 #: where 0xffff is a masked slot's id (and the device check's sentinel for a bad one)
@@ -106,6 +112,36 @@ def per_rank_list(x, name: str) -> list:
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
         return list(x)
     raise EPInputError(f"{name}: must be a list of one array per rank, got {type(x).__name__}")
+
+
+def mask_ranks(cfg, tokens, topk_ids, masked) -> tuple[list, list]:
+    """The inputs ``(tokens, topk_ids)`` (one array per rank) as the ranks outside ``masked``
+    (an iterable of rank numbers) see them when those ranks are masked (module docstring):
+    a masked rank's tokens and ids empty (``[0, H]``, ``[0, K]``), and in every other rank's
+    ids each slot routed to an expert of a masked rank (``id // n_local_experts`` in
+    ``masked``) set to ``MASKED``. Not for ``skip_a2a`` (no other rank to mask)."""
+    if cfg.skip_a2a:
+        raise EPInputError("mask_ranks: skip_a2a has no other rank to mask")
+    R, L = cfg.n_ranks, cfg.layout.n_local_experts
+    masked = sorted({int(q) for q in masked})
+    bad = [q for q in masked if not 0 <= q < R]
+    if bad:
+        raise EPInputError(f"masked: ranks {bad} are not in [0, {R})")
+    toks, ids = per_rank_list(tokens, "tokens"), per_rank_list(topk_ids, "topk_ids")
+    out_toks, out_ids = [], []
+    for r, (x, i) in enumerate(zip(toks, ids)):
+        i = np.asarray(_host_ids(i, f"topk_ids[{r}]"))
+        if r in masked:
+            x = np.asarray(x)
+            out_toks.append(x[:0])
+            out_ids.append(i[:0].copy())
+            continue
+        i = i.copy()
+        owner = np.where(i >= 0, i // L, -1)
+        i[np.isin(owner, masked)] = MASKED
+        out_toks.append(x)
+        out_ids.append(i)
+    return out_toks, out_ids
 
 
 def _devices(cfg, n: int, ranks, allreduce_world_size) -> tuple[list[int], int]:

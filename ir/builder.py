@@ -296,18 +296,41 @@ class RoleBuilder:
     # -- waits, calls, misc --------------------------------------------------------------------
     def spin_wait(self, addr, dtype: T.DType, until: CmpOp, expected, *, buffer: str, index,
                   sem: Sem = Sem.ACQUIRE, scope: Scope = Scope.GPU, shift: int = 0,
-                  mask: int | None = None, backoff_ns: int = 0, name: str = "seen") -> N.Var:
+                  mask: int | None = None, backoff_ns: int = 0, name: str = "seen",
+                  timeout_ns=None) -> N.Var:
         """Bounded wait until ``([addr] >> shift) & mask <until> expected``; ``buffer[index]``
-        names the word in the timeout record. Needs ``KernelBuilder.diagnostics`` first."""
+        names the word in the timeout record. Needs ``KernelBuilder.diagnostics`` first.
+        ``timeout_ns`` (a u64 expression): this wait's deadline instead of the kernel's."""
+        return self._spin(addr, dtype, until, expected, buffer, index, sem, scope, shift, mask,
+                          backoff_ns, name, timeout_ns)[0]
+
+    def spin_wait_or_give_up(self, addr, dtype: T.DType, until: CmpOp, expected, *,
+                             buffer: str, index, give_up, shrink, sem: Sem = Sem.ACQUIRE,
+                             scope: Scope = Scope.GPU, backoff_ns: int = 0,
+                             name: str = "seen") -> tuple[N.Var, N.Var]:
+        """``spin_wait`` that may end without its condition (``N.SpinWait``'s ``give_up`` and
+        ``shrink``): returns ``(seen, status)``, ``status`` a u32 var (``N.SPIN_MET``,
+        ``SPIN_GAVE_UP``, ``SPIN_EXPIRED``)."""
+        return self._spin(addr, dtype, until, expected, buffer, index, sem, scope, 0, None,
+                          backoff_ns, name, None, give_up, shrink)
+
+    def _spin(self, addr, dtype, until, expected, buffer, index, sem, scope, shift, mask,
+              backoff_ns, name, timeout_ns, give_up=None, shrink=None):
         d = self.kb.diag
         if d is None:
             raise ValueError(f"role {self.name}: spin_wait needs kb.diagnostics(...) first")
         site = self.kb.new_site(self.name, buffer, as_expr(index, T.u64).cast(T.u64))
         dst = self.kb.new_var(name, dtype)
+        status = None
+        if give_up is not None or shrink is not None:
+            status = self.kb.new_var(f"{name}_status", T.u32)
+            give_up = None if give_up is None else as_expr(give_up)
+            shrink = None if shrink is None else as_expr(shrink, T.u32).cast(T.u32)
+        deadline = d["timeout_ns"] if timeout_ns is None else as_expr(timeout_ns, T.u64)
         self._emit(N.SpinWait(dst, addr, dtype, until, as_expr(expected, dtype).cast(dtype), site,
-                              d["timeout_ns"], d["err_buf"], d["rank"], sem, scope, shift, mask,
-                              backoff_ns))
-        return dst
+                              deadline, d["err_buf"], d["rank"], sem, scope, shift, mask,
+                              backoff_ns, give_up, shrink, status))
+        return dst, status
 
     def call(self, name: str, args, ret: T.DType | None = None, arg_types=()) -> N.Var | None:
         dst = self.kb.new_var("ret", ret) if ret else None

@@ -27,6 +27,11 @@ BOUNDS_MAGIC = 0xE9D1A601
 #: token): ``index`` = the token, ``expected`` = the top-k slot, ``last_seen`` = the id (its
 #: low 32 bits); ``decode`` skips it (``decode_ids`` reads it)
 IDS_MAGIC = 0xE9D1A602
+#: magic of a mask record (rank masks under shrink: a bounded wait for another rank expired,
+#: and the waiting rank masked it instead of aborting): the fields of a timeout record
+#: (``elapsed_ns`` 0, ``smid`` 0) with ``expected`` = the rank masked; ``decode`` skips it
+#: (``decode_masks`` reads it)
+MASK_MAGIC = 0xE9D1A603
 
 # word offsets inside one record; 64-bit fields take two words (low word first)
 FIELDS = {
@@ -128,4 +133,48 @@ def decode_bounds(words) -> list[dict]:
                     "t": s32(int(words[base + FIELDS["expected"]])),
                     "k": s32(int(words[base + FIELDS["last_seen"]])),
                     "kernel_tag": int(words[base + FIELDS["kernel_tag"]])})
+    return out
+
+
+@attrs.frozen
+class MaskRecord:
+    """One decoded mask record: rank ``rank``'s wait (``kernel``, ``role``, ``buffer[index]``,
+    block, thread) for rank ``masked`` expired under shrink, and ``rank`` masked it."""
+
+    kernel: str
+    role: str
+    buffer: str
+    rank: int
+    masked: int
+    block: int
+    thread: int
+    index: int
+    last_seen: int
+    site_id: int
+
+    def __str__(self) -> str:
+        return (f"{self.kernel}/{self.role} rank {self.rank} block {self.block} thread "
+                f"{self.thread}: masked rank {self.masked} (its {self.buffer}[{self.index}] "
+                f"never came, last saw {self.last_seen:#x})")
+
+
+def decode_masks(words, kernels) -> list[MaskRecord]:
+    """The mask records (``MASK_MAGIC``) of ``words``, named by ``kernels`` as ``decode``
+    names timeout records."""
+    by_tag = {kernel_tag(k.name): k for k in kernels}
+    n = min(int(words[COUNT_WORD]), MAX_RECORDS)
+    out = []
+    for i in range(n):
+        base = HEADER_WORDS + i * RECORD_WORDS
+        if int(words[base + FIELDS["magic"]]) != MASK_MAGIC:
+            continue
+        field = lambda name: int(words[base + FIELDS[name]])  # noqa: E731
+        k = by_tag.get(field("kernel_tag"))
+        site = next((s for s in (k.sites if k else ()) if s.site_id == field("site_id")), None)
+        out.append(MaskRecord(
+            kernel=k.name if k else f"<kernel {field('kernel_tag'):#x}>",
+            role=site.role if site else "?", buffer=site.buffer if site else "?",
+            rank=field("rank"), masked=field("expected"), block=field("block"),
+            thread=field("thread"), index=field("index"), last_seen=field("last_seen"),
+            site_id=field("site_id")))
     return out

@@ -505,6 +505,13 @@ class SpinWait:
     last value seen) to ``err_buf``, raises the abort word, and the thread exits (PTX ``exit``:
     barriers that count the whole CTA are released by exiting threads). ``dst`` receives the
     last value loaded.
+
+    A wait on another rank may give up instead (rank masks, docs/design.md): ``give_up`` (the
+    address of a u32 word, polled ``ld.relaxed.sys`` after each unmet poll) ends the wait as
+    soon as that word is non-zero; ``shrink`` (a u32 value) non-zero makes an expiry end the
+    wait too, with no record and no abort (the kernel records what it does about it).
+    ``status`` (a u32 var, required with either) says how the wait ended: 0 the condition
+    held, 1 ``give_up`` was set, 2 it expired under ``shrink``.
     """
 
     dst: Var | None
@@ -521,6 +528,13 @@ class SpinWait:
     shift: int = 0
     mask: int | None = None
     backoff_ns: int = 0
+    give_up: Expr | None = None
+    shrink: Expr | None = None
+    status: Var | None = None
+
+
+#: ``SpinWait.status`` values
+SPIN_MET, SPIN_GAVE_UP, SPIN_EXPIRED = 0, 1, 2
 
 
 Stmt = Union[Assign, Load, Store, AtomicRMW, AtomicCAS, Fence, BarSync, BarArrive, WarpSync,

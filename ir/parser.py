@@ -597,13 +597,17 @@ class _Parser:
         e = self.expr
         kv = ln.keyed({"site": ln.int, "buffer": ln.name, "index": e, "timeout_ns": e,
                        "err_buf": e, "rank": e, "shift": ln.int, "mask": ln.mask,
-                       "backoff_ns": ln.int},
+                       "backoff_ns": ln.int, "give_up": e, "shrink": e, "status": e},
                       required=("site", "buffer", "index", "timeout_ns", "err_buf", "rank"))
+        status = kv.get("status")
+        if status is not None and not isinstance(status, N.Var):
+            ln.fail("status must be a variable (%name:u32)")
         site = N.DiagSite(kv["site"], kv["buffer"], kv["index"])
         return N.SpinWait(dst, addr, dtype, _CMPS[cmp], expected, site, kv["timeout_ns"],
                           kv["err_buf"], kv["rank"], qs.get("sem", Sem.ACQUIRE),
                           qs.get("scope"), kv.get("shift", 0), kv.get("mask"),
-                          kv.get("backoff_ns", 0))
+                          kv.get("backoff_ns", 0), kv.get("give_up"), kv.get("shrink"),
+                          status)
 
     # -- expressions ---------------------------------------------------------------------------
     def typed_name(self, ln: _Line) -> tuple:

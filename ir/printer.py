@@ -268,7 +268,12 @@ class Printer:
         site = s.site
         text += f" site={site.site_id} buffer={name(site.buffer)} index={x(site.index)}"
         text += f" timeout_ns={x(s.timeout_ns)} err_buf={x(s.err_buf)} rank={x(s.rank)}"
-        return text + f" shift={s.shift} mask={hexmask(s.mask)} backoff_ns={s.backoff_ns}"
+        text += f" shift={s.shift} mask={hexmask(s.mask)} backoff_ns={s.backoff_ns}"
+        for key in ("give_up", "shrink", "status"):     # printed only when set
+            v = getattr(s, key)
+            if v is not None:
+                text += f" {key}={x(v)}"
+        return text
 
     def barrier_ref(self, b: N.NamedBarrier) -> str:
         return f"{name(b.name)} id={b.id} count={count(b.count)}" + group_key(b)

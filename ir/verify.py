@@ -401,6 +401,15 @@ class _RoleChecker:
         self.expect_type(s, s.rank, T.u32, "spin_wait rank")
         self.expect_type(s, s.site.index, T.u64, "spin_wait site index")
         self.expect_type(s, s.err_buf, T.ptr_global, "spin_wait err_buf")
+        if s.give_up is not None:
+            self.pointer(s, s.give_up, "spin_wait give_up")
+        if s.shrink is not None:
+            self.expect_type(s, s.shrink, T.u32, "spin_wait shrink")
+        if s.status is not None:
+            self.expect_type(s, s.status, T.u32, f"spin_wait status %{s.status.name}")
+        elif s.give_up is not None or s.shrink is not None:
+            self.add(s, "spin_wait with give_up or shrink needs a status variable (how the "
+                        "wait ended)")
         info = N.SiteInfo(s.site.site_id, self.role.name, s.site.buffer)
         if info not in self.k.sites:
             self.add(s, f"site {s.site.site_id} (role {self.role.name}, buffer "

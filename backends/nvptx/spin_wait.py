@@ -16,6 +16,12 @@ The wait becomes a loop of IR nodes whose lowerings (and PTX) are each pinned on
     dst = seen
 
 A ``timeout_ns`` that is the constant 0 drops the deadline test entirely.
+
+A wait that may give up (``give_up``, ``shrink``; rank masks) sets ``status = 0`` before the
+loop, and after an unmet poll:
+
+        if ld.relaxed.sys [give_up] != 0: status = 1; break     # the rank is masked
+        ... on expiry, first: if shrink != 0: status = 2; break  # no record, no abort
 """
 
 from __future__ import annotations
@@ -84,6 +90,13 @@ def expand(kernel_name: str, s: N.SpinWait) -> tuple:
     body = [N.Load(seen, s.addr, s.sem, s.scope),
             N.If(N.Cmp(s.cond, field, N.Bitcast(unsigned, s.expected)), (N.Break(),))]
     prologue = []
+    if s.status is not None:
+        prologue.append(N.Assign(s.status, N.Const(N.SPIN_MET, T.u32)))
+    if s.give_up is not None:
+        gave_up = N.Var(f"{tag}.give_up", T.u32)
+        body += [N.Load(gave_up, s.give_up, Sem.RELAXED, Scope.SYS),
+                 N.If(N.Cmp(CmpOp.NE, gave_up, N.Const(0, T.u32)),
+                      (N.Assign(s.status, N.Const(N.SPIN_GAVE_UP, T.u32)), N.Break()))]
     bounded = not (isinstance(s.timeout_ns, N.Const) and s.timeout_ns.value == 0)
     if bounded:
         t0 = N.Var(f"{tag}.t0", T.u64)
@@ -91,7 +104,11 @@ def expand(kernel_name: str, s: N.SpinWait) -> tuple:
         slot = N.Var(f"{tag}.slot", T.u32)
         timeout = s.timeout_ns.cast(T.u64)
         prologue.append(N.Assign(t0, N.SRegRead(SReg.GLOBALTIMER)))
-        expire = (
+        shrink = ()
+        if s.shrink is not None:
+            shrink = (N.If(N.Cmp(CmpOp.NE, s.shrink, N.Const(0, T.u32)),
+                           (N.Assign(s.status, N.Const(N.SPIN_EXPIRED, T.u32)), N.Break())),)
+        expire = shrink + (
             N.AtomicRMW(slot, AtomOp.ADD, _word(s.err_buf, diag.COUNT_WORD), N.Const(1, T.u32),
                         Sem.RELAXED, Scope.GPU),
             N.If(N.Cmp(CmpOp.LT, slot, N.Const(diag.MAX_RECORDS, T.u32)),

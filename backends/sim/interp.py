@@ -192,9 +192,11 @@ class _Thread:
 
 
 class _Launch:
-    def __init__(self, sim, kernel: N.Kernel, grid: int, params: dict, deps, shmem: int = 0):
+    def __init__(self, sim, kernel: N.Kernel, grid: int, params: dict, deps, shmem: int = 0,
+                 stream=None):
         self.sim, self.kernel, self.grid, self.params = sim, kernel, grid, params
         self.shmem = shmem              # dynamic shared memory bytes per block (dyn_smem)
+        self.stream = stream            # the stream it was queued on (holds: Sim.hold)
         self.deps = list(deps)
         self.threads: list[_Thread] = []
         self.started = False
@@ -269,15 +271,52 @@ class Sim:
         self.shmem_delay = shmem_delay
         #: the NVSHMEM transfers in flight (shmem.py), delivered at the end of each round
         self.transfers = nvshmem_model.Transfers(self.rng, shmem_delay, self._land_transfer)
+        #: held streams (``hold``): stream -> rounds left to run (None: none)
+        self.holds: dict = {}
 
     # -- launches -------------------------------------------------------------------------
     def launch(self, kernel: N.Kernel, grid: int, params: dict, after=(),
-               shmem: int = 0) -> _Launch:
+               shmem: int = 0, stream=None) -> _Launch:
         """Queue a grid of ``kernel`` after the launches ``after``; each block gets ``shmem``
-        bytes of dynamic shared memory (the kernel's ``dyn_smem``)."""
-        la = _Launch(self, kernel, grid, dict(params), after, shmem)
+        bytes of dynamic shared memory (the kernel's ``dyn_smem``); ``stream``: the stream it
+        belongs to (what ``hold`` names)."""
+        la = _Launch(self, kernel, grid, dict(params), after, shmem, stream)
         self.launches.append(la)
         return la
+
+    # -- holds: a rank that is late, or stops -----------------------------------------------
+    def hold(self, stream, after_rounds: int | None = None) -> None:
+        """Hold the launches of ``stream``: none of them starts or runs a step, from now
+        (``after_rounds`` None) or once they have run ``after_rounds`` more scheduler rounds
+        (a launch that stops half-way). ``run`` then returns with them still queued, with
+        every launch that depends on them; ``release`` lets them go on."""
+        if after_rounds is not None and (isinstance(after_rounds, bool) or
+                                         not isinstance(after_rounds, int) or after_rounds < 0):
+            raise ValueError(f"hold: after_rounds must be None or an integer >= 0, got "
+                             f"{after_rounds!r}")
+        self.holds[stream] = after_rounds
+
+    def release(self, stream) -> None:
+        """End ``stream``'s hold (a no-op for a stream not held); the next ``run`` runs its
+        launches."""
+        self.holds.pop(stream, None)
+
+    def _frozen(self, la: _Launch) -> bool:
+        """Whether ``la``'s threads may not run now (its stream is held, no rounds left)."""
+        if la.stream is None or la.stream not in self.holds:
+            return False
+        left = self.holds[la.stream]
+        return left is None or left <= 0
+
+    def _held_back(self, la: _Launch) -> bool:
+        """Whether unfinished ``la`` is frozen or waits on a launch that is held back."""
+        if self._frozen(la):
+            return True
+        return any(not d.finished and self._held_back(d) for d in la.deps)
+
+    def pending(self) -> list:
+        """The launches queued and not finished (after ``run``: the held ones)."""
+        return [la for la in self.launches if not la.finished]
 
     def _start(self, la: _Launch):
         la.started = True
@@ -302,18 +341,26 @@ class Sim:
         la.live = len(la.threads)
 
     def run(self) -> None:
+        """Run every queued grid to completion, except the held ones (``hold``) and those
+        that depend on them, which stay queued."""
         while True:
             for la in self.launches:
-                if not la.started and all(d.finished for d in la.deps):
+                if not la.started and not self._frozen(la) and \
+                        all(d.finished for d in la.deps):
                     self._start(la)
-            live = [t for la in self.launches if la.started for t in la.threads if not t.done]
+            live = [t for la in self.launches if la.started and not self._frozen(la)
+                    for t in la.threads if not t.done]
             if not live:
-                if any(not la.started for la in self.launches):
+                pending = self.pending()
+                if any(not self._held_back(la) for la in pending):
                     raise SimError("a launch waits on one that never finishes")
-                self.launches = []
-                if self.weak is not None:
+                self.launches = pending
+                if self.weak is not None and not pending:
                     self.weak.retire_all()
                 return
+            for key in {t.launch.stream for t in live} & set(self.holds):
+                if self.holds[key] is not None:
+                    self.holds[key] -= 1        # a round of a launch that stops half-way
             runnable = [t for t in live if t.waiting is None]
             if not runnable:
                 where = sorted({f"{t.launch.kernel.name} block {t.block}: {t.waiting}"
@@ -875,6 +922,9 @@ class Sim:
         slot = None if s.dst is None else self._slot(s.dst)
 
         err_buf, timeout = f(s.err_buf), f(s.timeout_ns)
+        give_up = None if s.give_up is None else f(s.give_up)
+        shrink = None if s.shrink is None else f(s.shrink)
+        status = None if s.status is None else self._slot(s.status)
 
         def spin(th):
             want = _mask(expected(th), bits)
@@ -882,6 +932,7 @@ class Sim:
             expiry = polls_to_expiry(timeout(th)) if self.timeouts else None
             # past max_spins the hang detector (_step) ends the wait first
             expires_on = expiry if expiry is not None and expiry <= self.max_spins else None
+            ended = N.SPIN_MET
             while True:
                 seen = self._load(addr(th), dt) if wm is None else \
                     self._wload(th, addr(th), dt, site=site)
@@ -890,9 +941,17 @@ class Sim:
                     field &= mask
                 if self._cmp(op, field, want, udt):
                     break
+                if give_up is not None and (self._load if wm is None else
+                                            lambda a, t: self._wload(th, a, t))(
+                        give_up(th), T.u32):
+                    ended = N.SPIN_GAVE_UP          # the rank waited on is masked
+                    break
                 if self.timeouts:
                     polls += 1
                     if polls == expires_on:
+                        if shrink is not None and shrink(th):
+                            ended = N.SPIN_EXPIRED  # no record, no abort: the kernel's call
+                            break
                         self._expire(th, s, seen, want, polls * SIM_POLL_NS)
                         raise _Exit()
                     if (self._load if wm is None else
@@ -904,6 +963,8 @@ class Sim:
                 wm.acquire(th, scope, addr(th))
             if slot is not None:
                 th.vars[slot] = seen
+            if status is not None:
+                th.vars[status] = ended
         return spin
 
     def _deadline_note(self, expiry: int | None) -> str:

@@ -166,8 +166,26 @@ class Machine:
             self.capture.touch(stream)
 
     def drain(self) -> None:
-        """Run every queued launch to completion."""
+        """Run every queued launch to completion, except those of held streams (``hold``)
+        and those that depend on them."""
         self.sim.run()
+
+    def hold(self, stream, after_rounds: int | None = None) -> None:
+        """Hold ``stream``'s launches (``interp.Sim.hold``): none starts or runs from now, or
+        once they have run ``after_rounds`` more scheduler rounds (a rank that stops half-way
+        through a kernel); ``drain`` returns with them queued. A rank whose launch is late,
+        or that stops mid-send, in the simulator."""
+        if stream.machine is not self:
+            raise SimError("sim: hold: a stream of another machine")
+        self.sim.hold(stream, after_rounds)
+
+    def release(self, stream) -> None:
+        """End ``stream``'s hold; the next ``drain`` runs its launches."""
+        self.sim.release(stream)
+
+    def held(self, stream) -> bool:
+        """Whether ``stream`` has launches queued that a hold keeps back."""
+        return any(la.stream is stream for la in self.sim.pending())
 
     # -- memory ------------------------------------------------------------------------------------
     def _refuse_while_capturing(self) -> None:
@@ -232,7 +250,8 @@ class Machine:
         self.check_launch(kernel, raw_args or {}, stream)
         deps = stream.take_dependencies()
         if self.capture is None:
-            stream.last = self.sim.launch(kernel.ir, grid, params, after=deps, shmem=shmem)
+            stream.last = self.sim.launch(kernel.ir, grid, params, after=deps, shmem=shmem,
+                                          stream=stream)
         else:
             node = Node(kernel.ir, grid, params, [d for d in deps if isinstance(d, Node)],
                         shmem)

@@ -22,9 +22,13 @@ argument):
   receiving one. A slot's next call waits for its hook: calling it is required.
 - ``async_finish``: the kernels run on the caller's current stream (DeepEP uses its own
   communication stream); the event marks their end, for other streams.
+- Shrink mode (``enable_shrink``, the mask calls) on an ``EmulatedGroup`` on the simulator
+  only: the worlds have rank masks (``ep_rank_mask`` with shrink, docs/deepep.md "Shrink
+  mode"); a rank's mask spans every world of its group (``emulated.MaskBook``).
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
-  and the mask calls, the normal (high-throughput) mode, ``comm`` (an MPI communicator).
+  on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode,
+  ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
   (``get_low_latency_rdma_size_hint`` says how much), and ``ignored_arguments`` lists them.
@@ -51,14 +55,16 @@ def _torch():
 
 
 class _EmulatedSource:
-    """Where an ``EmulatedGroup`` rank's ports come from."""
+    """Where an ``EmulatedGroup`` rank's ports come from (``shrink``: the buffer's
+    ``enable_shrink``)."""
 
-    def __init__(self, member: EmulatedRank):
+    def __init__(self, member: EmulatedRank, shrink: bool = False):
         self.group, self.rank, self.size = member.group, member.rank(), member.size()
         self.on_cuda = not member.group.sim
+        self.shrink = shrink
 
     def port(self, torch, shape, slot: int):
-        return self.group.port(torch, shape, slot, self.rank)
+        return self.group.port(torch, shape, slot, self.rank, shrink=self.shrink)
 
     def close(self) -> None:
         """The group owns the worlds."""
@@ -97,11 +103,16 @@ class Buffer:
         if comm is not None:
             raise EPInputError("comm: an MPI communicator is not supported; pass a "
                                "torch.distributed process group")
-        if enable_shrink:
-            raise EPInputError("enable_shrink: rank masks (shrink mode) are not available "
-                               "yet; build the buffer without it")
+        if enable_shrink and not (isinstance(group, EmulatedRank) and group.group.sim):
+            raise EPInputError("enable_shrink: rank masks (shrink mode) are available on an "
+                               "epgen.deepep.EmulatedGroup on the simulator only, not yet on "
+                               "a process group (ShmemWorld, use_shmem: the SHMEM transport "
+                               "does not take ep_rank_mask) nor on a GPU group (whose ranks' "
+                               "threads would change a shared world's masks under each "
+                               "other's calls); use EmulatedWorld or P2PWorld with "
+                               "ep_rank_mask on a GPU")
         if isinstance(group, EmulatedRank):
-            self._source = _EmulatedSource(group)
+            self._source = _EmulatedSource(group, bool(enable_shrink))
         elif group is None:
             raise EPInputError("group: required (a torch.distributed process group, or a "
                                "rank of an epgen.deepep.EmulatedGroup)")
@@ -115,7 +126,7 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self.enable_shrink = False
+        self.enable_shrink = bool(enable_shrink)
         #: DeepEP arguments this buffer accepted and does not use (module docstring)
         self.ignored_arguments = {
             "num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
@@ -365,12 +376,19 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Nothing to clean: epgen's kernels re-arm every word they use at the end of each
-        call, and a failed call's ``check()`` re-arms its world. The arguments are checked."""
+        call, and a failed call's ``check()`` re-arms its world. The arguments are checked.
+        In shrink mode on the simulator the ranks meet on every world this buffer used, and a
+        rank that does not come is masked by the others, as DeepEP's clean-up barrier masks
+        a rank that times out (on a GPU nothing is exchanged: such a rank is masked at the
+        next dispatch, when the waits for it expire)."""
         self._require_ll("clean_low_latency_buffer")
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                         ("hidden", hidden), ("num_experts", num_experts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise EPInputError(f"{name}: must be a positive int, got {v!r}")
+        if self.enable_shrink:
+            for port in self._ports_in_order():
+                port.clean()
 
     def check(self) -> None:
         """epgen's own: synchronise and raise what the kernels of this rank recorded (bad
@@ -378,17 +396,54 @@ class Buffer:
         for port in list(self._ports):
             port.check()
 
+    # -- shrink mode: the rank mask ------------------------------------------------------------
+    def _require_shrink(self, what: str) -> None:
+        self._require_ll(what)
+        if not self.enable_shrink:
+            raise EPInputError(f"{what}: needs a buffer built with enable_shrink=True (the "
+                               f"mask buffer)")
+
+    def _ports_in_order(self) -> list:
+        """This buffer's ports, one per world, in the order of the worlds' shapes and slots
+        (every rank's alike)."""
+        key = lambda p: (repr(p.world.cfg), id(p.rv) if hasattr(p, "rv") else 0)  # noqa
+        return sorted(self._ports, key=key)
+
+    def _book(self):
+        """The group's ``emulated.MaskBook`` (shrink mode)."""
+        return self._source.group.mask_book
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise NotImplementedError("low_latency_update_mask_buffer: rank masks (shrink mode) "
-                                  "are not available yet")
+        """Mask (``mask``) or unmask ``rank_to_mask``: this rank sends nothing to a masked
+        rank, waits for nothing from it, and its tokens' slots on that rank's experts weigh
+        nothing in combine (docs/deepep.md, "Shrink mode"). Applies from this rank's next call
+        on, on every world (``emulated.MaskBook``)."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) \
+                or not 0 <= rank_to_mask < self.group_size:
+            raise EPInputError(f"rank_to_mask: must be a rank in [0, {self.group_size}), got "
+                               f"{rank_to_mask!r}")
+        if not isinstance(mask, bool):
+            raise EPInputError(f"mask: must be a bool, got {mask!r}")
+        self._book().update(self.rank, rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
-        raise NotImplementedError("low_latency_query_mask_buffer: rank masks (shrink mode) "
-                                  "are not available yet")
+        """Write this rank's mask into ``mask_status`` (``[num_ranks]`` int32, 1 = masked):
+        the ranks its calls masked and those its worlds' kernels masked when a wait for them
+        expired (``emulated.MaskBook``)."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        torch = self.torch
+        shapes.check_tensor(torch, mask_status, "mask_status", dtypes=(torch.int32,),
+                            shape=(self.group_size,), on_cuda=self.on_cuda)
+        status = torch.zeros((self.group_size,), dtype=torch.int32)
+        for q in self._book().of(self.rank):
+            status[q] = 1
+        mask_status.copy_(status.to(mask_status.device))
 
     def low_latency_clean_mask_buffer(self):
-        raise NotImplementedError("low_latency_clean_mask_buffer: rank masks (shrink mode) "
-                                  "are not available yet")
+        """Unmask every rank in this rank's mask, from its next call on."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        self._book().clean(self.rank)
 
     def get_dispatch_layout(self, *args, **kwargs):
         raise NotImplementedError("get_dispatch_layout: DeepEP's normal mode is not "

@@ -13,6 +13,12 @@ On the simulator this is how calls must be made (a rank's call waits for the oth
 GPU each thread also sets its own CUDA stream (``group.stream(r)``), so the ranks' kernels
 run at once, as their receive kernels need. A rank whose ``fn`` raises ends the others'
 simulator waits (``PeerFailedError`` naming it) and the group: its later calls are refused.
+
+Shrink mode (the buffers' ``enable_shrink``, every rank's alike): the worlds have rank masks
+(``ep_rank_mask`` with ``shrink``; on the simulator the waits' deadlines count). A rank whose
+``fn`` returns makes no more calls (``leave``): on the simulator the others' calls go on
+without it, and their kernels mask it when their waits for it expire, as DeepEP's shrink
+test has a failed rank simply stop calling.
 """
 
 from __future__ import annotations
@@ -22,10 +28,62 @@ import threading
 from backends import sim as sim_backend
 
 from ..runtime.world import EmulatedWorld
+from ..errors import EPInputError
 from .ports import DevicePort, PeerFailedError, Rendezvous, SimPort, run_sim_step
 
 #: a simulator rank waits at most this long for the other ranks' calls (seconds)
 SIM_RENDEZVOUS_TIMEOUT_S = 120.0
+
+
+class MaskBook:
+    """Shrink mode on the simulator: every rank's mask, the ranks its buffer's calls masked
+    (``update``, ``clean``) and those its worlds' kernels masked when a wait for them expired
+    (``learn``), kept here so that the worlds are only touched inside their steps, one
+    thread at a time: each step first brings the view of every rank taking part up to its
+    mask (``apply``), then learns what its kernels masked. A rank's mask thus spans every
+    world (a rank one world masked is not waited for by the next)."""
+
+    def __init__(self, n_ranks: int):
+        self.lock = threading.Lock()
+        self.set = [set() for _ in range(n_ranks)]
+        self.learned = [set() for _ in range(n_ranks)]
+
+    def update(self, rank: int, q: int, masked: bool) -> None:
+        """Rank ``rank``'s buffer masks (``masked``) or unmasks rank ``q``."""
+        with self.lock:
+            if masked:
+                self.set[rank].add(q)
+            else:
+                self.set[rank].discard(q)
+                self.learned[rank].discard(q)
+
+    def clean(self, rank: int) -> None:
+        """Rank ``rank``'s buffer unmasks every rank."""
+        with self.lock:
+            self.set[rank].clear()
+            self.learned[rank].clear()
+
+    def of(self, rank: int) -> set[int]:
+        """The ranks rank ``rank`` masks."""
+        with self.lock:
+            return self.set[rank] | self.learned[rank]
+
+    def apply(self, world, present) -> None:
+        """Before a step of ``world``: each rank of ``present``'s view set to its mask."""
+        for r in present:
+            want = self.of(r)
+            have = {int(q) for q in world.query_mask(r).nonzero()[0]}
+            for q in sorted(want - have):
+                world.update_mask(q, True, on=[r])
+            for q in sorted(have - want):
+                world.update_mask(q, False, on=[r])
+
+    def learn(self, world, present) -> None:
+        """After a step of ``world``: what its kernels masked in each view of ``present``."""
+        for r in present:
+            seen = {int(q) for q in world.query_mask(r).nonzero()[0]}
+            with self.lock:
+                self.learned[r] |= seen - self.set[r]
 
 
 class EmulatedRank:
@@ -66,6 +124,11 @@ class EmulatedGroup:
         self._worlds = {}             # (shape, slot) -> [port per rank]
         self._failed = None           # (rank, error) of the first rank that failed in run()
         self._streams = None
+        #: rank masks (DeepEP's shrink mode): set by the first buffer that makes a world
+        self.shrink: bool | None = None
+        #: shrink mode: every rank's mask (``MaskBook``)
+        self.mask_book = MaskBook(n_ranks)
+        self._left: set[int] = set()  # ranks whose run function returned (shrink mode)
 
     def rank(self, r: int) -> EmulatedRank:
         if not 0 <= r < self.n_ranks:
@@ -87,15 +150,23 @@ class EmulatedGroup:
         from backends.cuda import sm_count
         return max(1, 2 * sm_count(self.device) // self.n_ranks), self.num_threads
 
-    def port(self, torch, shape, slot: int, r: int):
+    def port(self, torch, shape, slot: int, r: int, shrink: bool = False):
         """Rank ``r``'s port of the world of ``shape`` for result slot ``slot``, making the
-        world on first use."""
+        world on first use. ``shrink``: rank ``r``'s buffer has DeepEP's shrink mode (the
+        worlds then have rank masks, ``ep_rank_mask``, with ``shrink``; every rank's buffer
+        must agree: ``EPInputError`` otherwise)."""
         key = (shape, slot)
         with self._lock:
             if self._failed is not None:
                 failed, why = self._failed
                 raise PeerFailedError(f"rank {r}: rank {failed} of the group failed "
                                       f"({type(why).__name__}: {why})")
+            if self.shrink is None:
+                self.shrink = bool(shrink)
+            elif self.shrink != bool(shrink):
+                raise EPInputError(f"enable_shrink: rank {r}'s buffer has enable_shrink="
+                                   f"{bool(shrink)}, another rank's {self.shrink}: every "
+                                   f"rank of the group must agree")
             ports = self._worlds.get(key)
             if ports is None:
                 ports = self._worlds[key] = self._make(torch, shape)
@@ -104,17 +175,40 @@ class EmulatedGroup:
     def _make(self, torch, shape) -> list:
         n_sms, threads = self.grid(shape)
         cfg = shape.config(n_sms=n_sms, num_threads=threads, p2p_world_size=self.n_ranks,
-                           use_shmem=False)
+                           use_shmem=False, rank_mask=bool(self.shrink))
         if self.sim:
-            world = EmulatedWorld(cfg, backend=sim_backend.Machine(self.sim_seed),
-                                  timeout_ns=self.timeout_ns, fused=False)
+            # shrink: the waits' deadlines count (in polls), so a missing rank is masked
+            machine = sim_backend.Machine(self.sim_seed, timeouts=bool(self.shrink))
+            world = EmulatedWorld(cfg, backend=machine, timeout_ns=self.timeout_ns,
+                                  fused=False, shrink=bool(self.shrink))
             ports = []
-            rv = Rendezvous(self.n_ranks, lambda op, p: run_sim_step(world, ports, op, p),
+            book = self.mask_book if self.shrink else None
+            rv = Rendezvous(self.n_ranks,
+                            lambda op, p: run_sim_step(world, ports, op, p, book),
                             self.rendezvous_timeout_s)
             ports.extend(SimPort(torch, world, r, rv) for r in range(self.n_ranks))
+            for r in sorted(self._left):
+                rv.leave(r)
             return ports
-        world = EmulatedWorld(cfg, device=self.device, timeout_ns=self.timeout_ns, fused=False)
+        world = EmulatedWorld(cfg, device=self.device, timeout_ns=self.timeout_ns, fused=False,
+                              shrink=bool(self.shrink))
         return [DevicePort(torch, world, r) for r in range(self.n_ranks)]
+
+    def leave(self, r: int) -> None:
+        """Rank ``r`` makes no more calls (its ``run`` function returned): in shrink mode the
+        other ranks' simulator steps go on without it (``Rendezvous.leave``)."""
+        with self._lock:
+            if not self.shrink:
+                return
+            self._left.add(r)
+            ports = [p for ps in self._worlds.values() for p in ps]
+        for rv in {id(p.rv): p.rv for p in ports if hasattr(p, "rv")}.values():
+            rv.leave(r)
+
+    def worlds(self) -> list:
+        """Every world made so far (one per shape and result slot)."""
+        with self._lock:
+            return [ps[0].world for ps in self._worlds.values()]
 
     def abort(self, r: int, error: BaseException) -> None:
         """Rank ``r`` failed: the other ranks' simulator waits end with an error naming it
@@ -144,6 +238,7 @@ class EmulatedGroup:
             try:
                 if torch is None:
                     results[r] = fn(r)
+                    self.leave(r)
                 else:
                     # the device's primary context current on this thread too (the kernels
                     # are launched through the driver API)
@@ -176,4 +271,4 @@ class EmulatedGroup:
         return results
 
 
-__all__ = ["EmulatedGroup", "EmulatedRank"]
+__all__ = ["EmulatedGroup", "EmulatedRank", "MaskBook"]

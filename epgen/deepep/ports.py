@@ -87,7 +87,9 @@ class Rendezvous:
     every rank is one step of the world, run by whichever rank arrives last
     (``run(op, payloads)``, payloads in rank order); a rank that waits for a step gets its
     error, if it raised. Waits are bounded by ``timeout_s`` (``BootstrapTimeoutError``
-    naming the ranks that never arrived)."""
+    naming the ranks that never arrived). A rank that ``leave``s (it makes no more calls:
+    with rank masks, a rank that is down) is absent from every later step: its payload is
+    None."""
 
     def __init__(self, n_ranks: int, run, timeout_s: float):
         self.n, self.run, self.timeout_s = n_ranks, run, timeout_s
@@ -96,6 +98,29 @@ class Rendezvous:
         self.arrived: dict[int, dict] = {}
         self.done: dict[int, BaseException | None] = {}
         self.failed: tuple[int, BaseException] | None = None
+        self.left: dict[int, int] = {}      # rank -> the first step it is absent from
+
+    def leave(self, rank: int) -> None:
+        """Rank ``rank`` makes no more calls: the steps from its next one on run without it
+        (those now complete run here)."""
+        with self.cv:
+            self.left.setdefault(rank, self.next_step[rank])
+            for step in sorted(self.arrived):
+                self._run_if_complete(step)
+            self.cv.notify_all()
+
+    def _present(self, step: int) -> set[int]:
+        return {r for r in range(self.n) if r not in self.left or self.left[r] > step}
+
+    def _run_if_complete(self, step: int) -> None:
+        calls = self.arrived.get(step)
+        if calls is None or set(calls) != self._present(step):
+            return
+        del self.arrived[step]
+        self.done[step] = self._run(step, calls)
+        live = [n for r, n in enumerate(self.next_step) if r not in self.left] or [step]
+        for old in [s for s in self.done if s < min(live) - 2]:
+            del self.done[old]
 
     def abort(self, rank: int, error: BaseException) -> None:
         """Rank ``rank`` failed outside the world (it will make no more calls): every wait
@@ -112,12 +137,8 @@ class Rendezvous:
             self.next_step[rank] += 1
             calls = self.arrived.setdefault(step, {})
             calls[rank] = (op, payload)
-            if len(calls) == self.n:
-                del self.arrived[step]
-                self.done[step] = self._run(step, calls)
-                for old in [s for s in self.done if s < min(self.next_step) - 2]:
-                    del self.done[old]
-                self.cv.notify_all()
+            self._run_if_complete(step)
+            self.cv.notify_all()
             return step
 
     def _run(self, step: int, calls: dict):
@@ -127,7 +148,8 @@ class Rendezvous:
             return RuntimeError(f"step {step}: the ranks made different calls ({listed}); "
                                 f"every rank must make the same sequence of calls")
         try:
-            self.run(next(iter(ops.values())), [calls[r][1] for r in range(self.n)])
+            self.run(next(iter(ops.values())),
+                     [calls[r][1] if r in calls else None for r in range(self.n)])
         except BaseException as e:          # every rank of the step raises it
             return e
         return None
@@ -238,20 +260,50 @@ class SimPort:
     def check(self) -> None:
         """Nothing to check: the simulator raised at the call."""
 
+    def clean(self) -> None:
+        """Rank masks: meet the other ranks (``run_sim_step``'s ``clean``), waiting for the
+        step."""
+        step = self.rv.arrive(self.rank, "clean", ())
+        self.rv.wait(self.rank, step, "clean")
 
-def run_sim_step(world, ports, op: str, payloads) -> None:
+
+def run_sim_step(world, ports, op: str, payloads, mask_book=None) -> None:
     """Run one step of the simulator world ``world`` for every rank (``Rendezvous.run``):
     a dispatch of every rank's ``(tokens, ids)``, then each port's tensors filled; or a
-    combine of every rank's ``(expert rows, weights, result tensor)``."""
-    if op == "dispatch":
-        world.dispatch([p[0] for p in payloads], [p[1] for p in payloads])
-        for port, rk in zip(ports, world.ranks):
-            port.fill(rk)
+    combine of every rank's ``(expert rows, weights, result tensor)``; or (rank masks) a
+    ``clean``: every rank present masks the absent ones, as DeepEP's clean-up barrier does
+    when they do not come. An absent rank's payload is None (``Rendezvous.leave``): it sits
+    the call out (``ep_rank_mask``), the others mask it when their waits for it expire.
+    ``mask_book`` (shrink mode, ``emulated.MaskBook``): the present ranks' masks applied to
+    the world before the step, what its kernels masked learned after it."""
+    present = [r for r, p in enumerate(payloads) if p is not None]
+    if mask_book is not None:
+        mask_book.apply(world, present)
+    _run_step(world, ports, op, payloads, present)
+    if mask_book is not None:
+        mask_book.learn(world, present)
+
+
+def _run_step(world, ports, op: str, payloads, present) -> None:
+    def part(p, i):
+        return None if p is None else p[i]
+    if op == "clean":
+        for r, p in enumerate(payloads):
+            if p is None:
+                world.update_mask(r, True, on=present)
         return
-    outs = world.combine([p[0] for p in payloads], [p[1] for p in payloads])
-    for (_, _, result), out in zip(payloads, outs):
-        np.copyto(result.view(ports[0].torch.int16).numpy(),
-                  np.asarray(out).view(np.int16).reshape(result.shape))
+    if op == "dispatch":
+        world.dispatch([part(p, 0) for p in payloads], [part(p, 1) for p in payloads])
+        for port, rk, p in zip(ports, world.ranks, payloads):
+            if p is not None:
+                port.fill(rk)
+        return
+    outs = world.combine([part(p, 0) for p in payloads], [part(p, 1) for p in payloads])
+    for p, out in zip(payloads, outs):
+        if p is not None and out is not None:
+            result = p[2]
+            np.copyto(result.view(ports[0].torch.int16).numpy(),
+                      np.asarray(out).view(np.int16).reshape(result.shape))
 
 
 __all__ = ["DevicePort", "SimPort", "Rendezvous", "PeerFailedError", "run_sim_step"]

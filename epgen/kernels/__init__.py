@@ -20,7 +20,8 @@ def build_module(cfg) -> ir.Module:
     """The dispatch entry points of ``cfg`` in one module: ``ep_dispatch_async``,
     ``ep_dispatch_wait`` and the fused single launch ``ep_dispatch``; with
     ``fused_shared_expert`` only ``ep_dispatch`` (the standalone kernels do not take the shared
-    expert: the reference packs it only in the fused dispatch kernel); with ``ep_final_layout`` only the two standalone kernels.
+    expert: the reference packs it only in the fused dispatch kernel); with ``ep_final_layout``
+    or ``ep_rank_mask`` only the two standalone kernels.
     A flag that builds nothing different here (``cfg.inert_flags()``) is an
     ``EPFlagNoEffect`` warning."""
     for flag, why in cfg.inert_flags().items():
@@ -28,7 +29,7 @@ def build_module(cfg) -> ir.Module:
     if cfg.fused_shared_expert:
         return ir.Module("ep_dispatch", (build_dispatch_fused(cfg),))
     split = (build_dispatch_async(cfg), build_dispatch_wait(cfg))
-    if cfg.ep_final_layout:     # the fused kernel does not take ep_final_layout (yet)
+    if cfg.ep_final_layout or cfg.ep_rank_mask:   # the fused kernel takes neither (yet)
         return ir.Module("ep_dispatch", split)
     return ir.Module("ep_dispatch", split + (build_dispatch_fused(cfg),))
 
@@ -39,16 +40,18 @@ def build_combine_module(cfg) -> ir.Module:
     single launch ``ep_combine``; with ``fused_shared_expert`` only ``ep_combine`` (as for
     dispatch: only the fused kernels take the shared expert). Every dispatch format (the
     expert outputs are BF16), every layout, ``skip_a2a``; over P2P, and NVSHMEM to the sources outside a P2P
-    group (``use_shmem``); ``hid_dim`` a multiple of 8."""
+    group (``use_shmem``); ``hid_dim`` a multiple of 8. With ``ep_rank_mask`` only the two
+    standalone kernels (the fused one does not take the mask)."""
     check_hid_dim(cfg)
     if cfg.n_ranks > cfg.layout.combine_rank_completion_region.size:
         raise ValueError(f"combine: n_ranks={cfg.n_ranks} exceeds the "
                          f"{cfg.layout.combine_rank_completion_region.size} done counters of "
                          f"the combine rank-completion region (one P2P group)")
-    fused = build_combine_fused(cfg)
-    if cfg.fused_shared_expert:
-        return ir.Module("ep_combine", (fused,))
-    return ir.Module("ep_combine", (build_combine_async(cfg), build_combine_wait(cfg), fused))
+    split = (build_combine_async(cfg), build_combine_wait(cfg)) \
+        if not cfg.fused_shared_expert else ()
+    if cfg.ep_rank_mask:        # the fused kernel does not take the rank mask (yet)
+        return ir.Module("ep_combine", split)
+    return ir.Module("ep_combine", split + (build_combine_fused(cfg),))
 
 
 __all__ = ["build_module", "build_combine_module", "build_combine_async", "build_combine_wait",

@@ -27,9 +27,15 @@ word ``my_rank``, or under ``skip_a2a`` (the device is its own only source and d
 ``n_sources = 1``, pairs ``(e, 0)`` only) word 0. Under the SHMEM transport a remote source's
 rows and arrival word go by NVSHMEM, and each warp completes its operations once at the end
 (``combine_shmem``).
+
+``ep_rank_mask``: a source this rank masks gets no row and no arrival word (each warp reads
+the mask once per source before its rows, and the last warp again before the arrival); the
+done counters count every warp as before.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import attrs
 
@@ -41,7 +47,7 @@ from ..combine_layout import CombineLayout
 from ..primitives import warp_inclusive_scan
 from .combine_shmem import (arrival_signal, complete_puts, issued_flag, publish_arrival,
                             send_row, skip_row)
-from . import trace
+from . import rank_mask, trace
 from .common import load_pointer, word
 
 KERNEL_NAME = "ep_combine_async"
@@ -58,12 +64,16 @@ class CombineAsyncParams:
     arrival_ptrs: ir.Param
     my_rank: ir.Param
     err_buf: ir.Param
+    #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
+    mask: rank_mask.MaskParams | None = None
 
 
-def declare_params(kb: ir.KernelBuilder) -> CombineAsyncParams:
+def declare_params(kb: ir.KernelBuilder, cfg=None) -> CombineAsyncParams:
     """combine_async's parameters on ``kb`` and its diagnostics (``err_buf``, ``my_rank``).
     ``counters``: this rank's counter array (word 0 of it; Region A and the combine
-    rank-completion region are found from the layout)."""
+    rank-completion region are found from the layout). With ``cfg.ep_rank_mask`` the rank
+    mask's (``rank_mask``; the fused ``ep_combine`` passes no ``cfg``: it does not take the
+    mask)."""
     p = CombineAsyncParams(
         expert_out=kb.param("expert_out", T.ptr_global),
         src_info=kb.param("src_info", T.ptr_global),
@@ -73,6 +83,8 @@ def declare_params(kb: ir.KernelBuilder) -> CombineAsyncParams:
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
     )
+    if cfg is not None:
+        p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=False))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
 
@@ -117,6 +129,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
     for s in range(lay.n_sources):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
         sig = arrival_signal(r, cfg, p, s)
+        to_s = None if p.mask is None else r.let(f"live_{s}", rank_mask.live(r, p.mask, s))
         with r.for_range(f"e_{s}", e_first, L, nwarps) as e:
             w = r.let(f"pair_{s}", e * R + s)
             end = r.load(word(p.counters, region_a + 2 * w), T.u32, name="blk_end")
@@ -136,7 +149,8 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
                     slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
                     dst = r.let("dst_row", dst_buf + slot * row_bytes, peer=True)
                     src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
-                    send_row(r, cfg, p, s, dst, src, row_bytes, n_vec, sig, issued)
+                    with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
+                        send_row(r, cfg, p, s, dst, src, row_bytes, n_vec, sig, issued)
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
         with r.if_(r.lane.eq(0)):
@@ -148,7 +162,8 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
             with r.if_(r.lane.eq(0)):
                 r.store(word(p.counters, done_base + s), 0)
                 trace.stamp(r, "send.arrival_raised", s, leader=False)  # before the signal
-                publish_arrival(r, cfg, p, s, rows_to_s, sender, issued)
+                with rank_mask.if_live(r, p.mask, s):
+                    publish_arrival(r, cfg, p, s, rows_to_s, sender, issued)
     complete_puts(r, cfg, issued)
 
 
@@ -173,7 +188,7 @@ def build_combine_async(cfg) -> ir.Kernel:
     if (cfg.token_fmt.hid_dim * 2) % 16:
         raise ValueError("combine_async: a row must be a whole number of 16-byte vectors")
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
-    p = declare_params(kb)
+    p = declare_params(kb, cfg)
     trace.instrument(kb, cfg, p.my_rank)
     with kb.role("send", blocks=(0, None)) as r:
         send_tokens_back(r, cfg, p)

@@ -32,7 +32,7 @@ from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
 from ..combine_layout import CombineLayout
-from . import trace
+from . import rank_mask, trace
 from .combine_shmem import wait_arrival
 from .common import VEC, exit_if_aborted, word
 
@@ -55,10 +55,14 @@ class CombineWaitParams:
     counters: ir.Param
     my_rank: ir.Param
     err_buf: ir.Param
+    #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
+    mask: rank_mask.MaskParams | None = None
 
 
-def declare_params(kb: ir.KernelBuilder) -> CombineWaitParams:
-    """combine_wait's parameters on ``kb`` and its diagnostics."""
+def declare_params(kb: ir.KernelBuilder, cfg=None) -> CombineWaitParams:
+    """combine_wait's parameters on ``kb`` and its diagnostics; with ``cfg.ep_rank_mask`` the
+    rank mask's (``rank_mask``, ``rank_mask_ptrs``; the fused ``ep_combine`` passes no
+    ``cfg``: it does not take the mask)."""
     p = CombineWaitParams(
         combine_buf=kb.param("combine_buf", T.ptr_global, peer=True),
         arrival=kb.param("arrival", T.ptr_global, peer=True),
@@ -73,6 +77,8 @@ def declare_params(kb: ir.KernelBuilder) -> CombineWaitParams:
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
     )
+    if cfg is not None:
+        p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=True))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
 
@@ -108,19 +114,26 @@ def add_chunk(r: ir.RoleBuilder, acc: list, vec, name: str, weight=None, valid=N
 
 def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
     """Threads ``d < n_sources`` (``R``; 1 under ``skip_a2a``) wait for arrival word ``d``;
-    barrier; abort check; the last block to pass re-arms the words (module docstring)."""
+    barrier; abort check; the last block to pass re-arms the words (module docstring). With
+    ``ep_rank_mask`` the wait is ``rank_mask.wait_for_rank`` on destination ``d``: none for a
+    masked one, and under shrink an expired one is masked."""
     R = cfg.layout.n_sources
     clay = CombineLayout(cfg)
     ctr = word(p.counters, clay.wait_counter_offset)
     nbytes = clay.arrival_word_bytes          # u64 words under the SHMEM transport
     dtype = T.u64 if nbytes == 8 else T.u32
     with r.if_(r.tid < R):
-        if cfg.needs_shmem:
+        if cfg.needs_shmem:          # (ep_rank_mask refuses the SHMEM transport)
             wait_arrival(r, cfg, p.arrival, r.tid)
-        else:
+        elif p.mask is None:
             r.spin_wait(word(p.arrival, r.tid, nbytes), dtype, CmpOp.NE, 0,
                         buffer="combine_arrival", index=r.tid, sem=Sem.ACQUIRE,
                         scope=Scope.SYS)
+        else:
+            rank_mask.wait_for_rank(r, cfg, p.mask, word(p.arrival, r.tid, nbytes), dtype,
+                                    CmpOp.NE, 0, buffer="combine_arrival", index=r.tid,
+                                    rank=r.tid, my_rank=p.my_rank, err_buf=p.err_buf,
+                                    kernel_name=r.kb.name)
     r.syncthreads()
     exit_if_aborted(r, p.err_buf)
     trace.stamp(r, "reduce.arrivals_seen")
@@ -142,6 +155,23 @@ def valid_slot(cfg, gid, my_rank):
     return (rel >= ir.Const(0, T.s32)) & (rel < ir.Const(cfg.layout.n_local_experts, T.s32))
 
 
+def live_ranks(r: ir.RoleBuilder, cfg, mp) -> ir.Var:
+    """``ep_rank_mask``, the whole warp after the arrival waits: a u32 whose bit ``q`` is set
+    when this rank does not mask rank ``q`` (lane ``q < R`` reads its mask word,
+    ``vote.sync.ballot``)."""
+    m = r.var("lane_masked", T.u32, 1)
+    with r.if_(r.lane < cfg.n_ranks):
+        r.assign(m, rank_mask.masked(r, mp, r.lane, name="lane_mask"))
+    return r.ballot(m.eq(0), name="live_ranks")
+
+
+def from_live_rank(cfg, live_bits, gid) -> ir.Expr:
+    """Whether expert ``gid``'s rank is live in ``live_bits`` (``live_ranks``); only
+    meaningful for a ``valid_slot`` (the shift is clamped to 31 for the others)."""
+    rank = (gid.cast(T.u32) // cfg.layout.n_local_experts).min(31)
+    return ((live_bits >> rank) & 1).ne(0)
+
+
 def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                               shared_expert=None):
     """Warp ``w`` of the grid takes tokens ``w, w + warps, ...``; its lanes load the token's
@@ -154,7 +184,9 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
     ``[row0, row0 + t_se)``) and the residual's (``add.rn.f32``); rounding, one
     ``st.global.v4.b32``. ``weighted = 0``: each slot's chunk is copied to the unreduced
     ``[T, K, H]`` output (``ld``/``st.global.v4.b32``, the loads issued together; zero for a
-    slot without a row)."""
+    slot without a row). With ``ep_rank_mask`` a slot whose expert is on a rank this rank
+    masks (read once per warp after the waits: ``live_ranks``) has no row either: weight 0,
+    zero unreduced."""
     fmt = cfg.token_fmt
     K, H = fmt.top_k, fmt.hid_dim
     n_chunks = H // 8
@@ -162,11 +194,16 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
     gwarp = r.let("gwarp", r.block * (r.n_threads // 32) + r.warp)
     nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
     zero = ir.Const(0.0, T.f32)
+    live_bits = None if p.mask is None else live_ranks(r, cfg, p.mask)
     with r.for_range("t", gwarp, p.n_tokens, nwarps) as t:
         slots = [r.let(f"slot{k}", t * K + k) for k in range(K)]
-        valid = [r.let(f"valid{k}", valid_slot(
-            cfg, r.load(word(p.topk_ids, slots[k]), T.s32, name=f"id{k}"), p.my_rank))
-            for k in range(K)]
+        valid = []
+        for k in range(K):
+            gid = r.load(word(p.topk_ids, slots[k]), T.s32, name=f"id{k}")
+            ok = valid_slot(cfg, gid, p.my_rank)
+            if live_bits is not None:
+                ok = ok & from_live_rank(cfg, live_bits, gid)
+            valid.append(r.let(f"valid{k}", ok))
 
         def chunk(base, row, c):
             return base + (ir.as_expr(row).cast(T.u64) * row_bytes + c.cast(T.u64) * 16)
@@ -215,7 +252,7 @@ def build_combine_wait(cfg) -> ir.Kernel:
     """The combine_wait entry point: every block waits, then reduces its share."""
     check_hid_dim(cfg)
     kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
-    p = declare_params(kb)
+    p = declare_params(kb, cfg)
     trace.instrument(kb, cfg, p.my_rank)
     with kb.role("reduce", blocks=(0, None)) as r:
         wait_for_all_arrivals(r, cfg, p)

@@ -18,6 +18,8 @@ from ..primitives import (VEC, VEC_BYTES, block_inclusive_scan,  # noqa: F401
 
 SENTINEL = (1 << 64) - 1       # receive-count word "not yet published" (UInt64.MAX_FINITE)
 DATA_READY_FLAG = 1024         # EP_DATA_READY_FLAG
+#: ``ep_rank_mask``: the ready flag's deadline in kernel deadlines (``wait_ready_flag``)
+READY_FLAG_DEADLINES = 3
 
 
 def lowest_set_bit(r: ir.RoleBuilder, mask, name: str = "lsb") -> ir.Var:
@@ -46,12 +48,17 @@ def wait_ready_flag(r: ir.RoleBuilder, cfg, ctr, err_buf):
     """A dispatch_wait copy block's start: thread 0 waits (bounded, ``ld.acquire.gpu``, 32 ns
     back-off) for the aux block's ready flag (Region E of ``ctr``), the role's barrier
     (``comm_sync``), then every thread leaves together if a wait has expired
-    (``exit_if_aborted``)."""
+    (``exit_if_aborted``). With ``ep_rank_mask`` the wait's deadline is
+    ``READY_FLAG_DEADLINES`` times the kernel's: the aux block raises the flag only after its
+    own waits, which may each run a whole deadline before masking a rank (shrink)."""
     lay = cfg.layout
+    deadline = None
+    if cfg.ep_rank_mask:    # the aux block may spend a whole deadline on a rank it masks
+        deadline = r.kb.diag["timeout_ns"] * READY_FLAG_DEADLINES
     with r.if_(r.tid.eq(0)):
         r.spin_wait(word(ctr, lay.ready_flag_offset), T.u32, CmpOp.EQ, DATA_READY_FLAG,
                     buffer="ready_flag", index=lay.ready_flag_offset, sem=Sem.ACQUIRE,
-                    scope=Scope.GPU, backoff_ns=32)
+                    scope=Scope.GPU, backoff_ns=32, timeout_ns=deadline)
     comm_sync(r)
     exit_if_aborted(r, err_buf)
 

@@ -24,8 +24,9 @@ import attrs
 import ir
 from ir import types as T
 
-from . import destination, trace
+from . import destination, rank_mask, trace
 from .monitor import count_and_reserve, monitor_and_signal_completion, signal_after_sends
+from .rank_mask import MaskParams
 from .send_policy import (send_warps_per_token, sends_from_every_block, uses_block_broadcast,
                           uses_warp_send)
 from .send_staged import broadcast_tokens, send_buffer_tokens
@@ -51,12 +52,14 @@ class AsyncParams:
     err_buf: ir.Param
     #: the destination strategy (``destination.declare_send``), with its own parameters
     dest: StagedDestination | None = None
+    #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
+    mask: MaskParams | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> AsyncParams:
-    """dispatch_async's parameters on ``kb``, then its destination strategy's
-    (``destination.declare_send``: the final layout's with ``ep_final_layout``), and its
-    diagnostics (``err_buf``, ``my_rank``)."""
+    """dispatch_async's parameters on ``kb``, then the rank mask's (``ep_rank_mask``:
+    ``rank_mask``), its destination strategy's (``destination.declare_send``: the final
+    layout's with ``ep_final_layout``), and its diagnostics (``err_buf``, ``my_rank``)."""
     p = AsyncParams(
         input_tokens=kb.param("input_tokens", T.ptr_global),
         topk_ids=kb.param("topk_ids", T.ptr_global),
@@ -68,6 +71,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> AsyncParams:
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
     )
+    p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=False))
     p = attrs.evolve(p, dest=destination.declare_send(kb, cfg, p))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p

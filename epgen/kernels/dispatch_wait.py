@@ -11,7 +11,7 @@ import ir
 from ir import CmpOp, Scope, Sem
 from ir import types as T
 
-from . import destination, trace
+from . import destination, rank_mask, trace
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted, published_count_word, signal_scope)
 from .common import word as _word
@@ -39,10 +39,13 @@ class WaitParams:
     err_buf: ir.Param
     #: the destination strategy (``destination.declare_wait``), with its own parameters
     dest: StagedDestination | None = None
+    #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
+    mask: rank_mask.MaskParams | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
-    """dispatch_wait's parameters on ``kb``, then its destination strategy's
+    """dispatch_wait's parameters on ``kb``, then the rank mask's (``ep_rank_mask``:
+    ``rank_mask``, ``rank_mask_ptrs``), its destination strategy's
     (``destination.declare_wait``: the final layout's ``hdr_p``, ...), and its diagnostics
     (``err_buf``, ``my_rank``)."""
     peer = cfg.layout.crosses_devices
@@ -57,6 +60,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
         my_rank=kb.param("my_rank", T.u32),
         err_buf=kb.param("err_buf", T.ptr_global),
     )
+    p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=True))
     p = attrs.evolve(p, dest=destination.declare_wait(kb, cfg, p))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
@@ -172,21 +176,56 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
     then the role's barrier; under the SHMEM transport the thread of a remote source's word
     then also waits for the word's arrival count (``shmem_send.wait_remote_arrivals``).
     Returns the u32 count of this thread and the block offset its count word carries
-    (``p.dest.count_offset_var``: capacity-strided only, else None)."""
+    (``p.dest.count_offset_var``: capacity-strided only, else None). With
+    ``ep_rank_mask`` (which refuses the SHMEM transport) the wait is
+    ``rank_mask.wait_for_rank`` on the word's source rank ``w % R``: a masked source counts
+    0, unwaited for, and so does one masked by the wait (shrink); after the barrier every
+    word of a source with a word missing counts 0 (``source_missing``), so a source that
+    stopped half-way contributes nothing rather than some experts' rows."""
     c = r.var("c", T.u32, 0)
     block_off = p.dest.count_offset_var(r)
+    if p.mask is not None:
+        missing = source_missing(r, cfg)
     with r.if_(published_count_word(cfg, r.tid)):
-        seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
-                           buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
-                           scope=signal_scope(cfg))
-        r.assign(c, seen.cast(T.u32))
-        p.dest.read_count_offset(r, seen, block_off)
-        if cfg.needs_shmem:
-            with r.if_(is_remote(cfg, r.tid % cfg.n_ranks, p.my_rank)):
-                wait_remote_arrivals(r, cfg, p.recv_count_p, r.tid, c)
+        if p.mask is None:
+            seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                               buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
+                               scope=signal_scope(cfg))
+            r.assign(c, seen.cast(T.u32))
+            p.dest.read_count_offset(r, seen, block_off)
+            if cfg.needs_shmem:
+                with r.if_(is_remote(cfg, r.tid % cfg.n_ranks, p.my_rank)):
+                    wait_remote_arrivals(r, cfg, p.recv_count_p, r.tid, c)
+        else:
+            src = r.let("src", r.tid % cfg.n_ranks)
+            seen, arrived = rank_mask.wait_for_rank(
+                r, cfg, p.mask, _word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
+                buffer="recv_count", index=r.tid, rank=src, my_rank=p.my_rank,
+                err_buf=p.err_buf, kernel_name=r.kb.name, scope=signal_scope(cfg))
+            with r.if_(arrived.ne(0)):
+                r.assign(c, seen.cast(T.u32))
+                p.dest.read_count_offset(r, seen, block_off)
+            with r.else_():
+                r.store(_word(missing, src), 1)
     comm_sync(r)
     exit_if_aborted(r, p.err_buf)
+    if p.mask is not None:      # a source missing one word counts nothing at all
+        with r.if_(published_count_word(cfg, r.tid)):
+            with r.if_(r.load(_word(missing, r.tid % cfg.n_ranks), T.u32,
+                              name="src_missing").ne(0)):
+                r.assign(c, 0)
     return c, block_off
+
+
+def source_missing(r: ir.RoleBuilder, cfg) -> ir.Expr:
+    """``ep_rank_mask``: the aux block's shared ``R`` words, source ``q``'s set when a count
+    word of ``q`` did not come (masked before or during the wait), zeroed by threads
+    ``q < R`` before a role barrier that precedes every wait."""
+    missing = r.scratch("source_missing", 4 * cfg.n_ranks)
+    with r.if_(r.tid < cfg.n_ranks):
+        r.store(_word(missing, r.tid), 0)
+    comm_sync(r)
+    return missing
 
 
 def copy_received_tokens_to_output(r: ir.RoleBuilder, cfg, p: WaitParams, *,

@@ -36,6 +36,7 @@ import ir
 from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
+from . import rank_mask
 from .common import copy_vectors, exit_if_aborted, load_pointer, lowest_set_bit
 from .common import warp_inclusive_scan
 from .common import word as _word
@@ -43,6 +44,9 @@ from .header_pass import copy_headers, header_scratch_bytes
 from .staged import NO_SLOT, StagedDestination
 
 FINAL_BASE_VALID = 1 << 31      # hand-off word: bit 31 set = the block base is published
+#: ``ep_rank_mask``: the base handed off for a masked destination: every row ``base + slot``
+#: is past the output (rows are below 2**31 - 1, ``EPConfig``), so nothing is written
+MASKED_BASE = (1 << 31) - 1
 GEN_SHIFT = 32                  # early counts and mailboxes: value | gen << 32
 LOW32 = 0xFFFFFFFF
 
@@ -316,12 +320,15 @@ class CapacityStridedRows(FinalRowsDestination):
         """Lane 0: ``atom.relaxed.sys.global.add.u64`` of ``count`` on the destination's cursor
         ``rc_cursor_base + e`` (skipped when ``count`` is 0), then ``st.release.gpu.global.b32``
         of ``first_row | FINAL_BASE_VALID`` into the hand-off word ``e * R + dst``. Returns
-        the block's offset inside the expert's range (a u32 var)."""
+        the block's offset inside the expert's range (a u32 var). With ``ep_rank_mask`` a
+        masked destination gets no cursor add and its comm warps ``MASKED_BASE``, so they
+        write nothing and still count their copies."""
         cfg, p = self.cfg, self.p
         lay, R = cfg.layout, cfg.n_ranks
         off = r.var("fl_off", T.u32, 0)
         with r.if_(r.lane.eq(0)):
-            with r.if_(count > 0):
+            masked = None if p.mask is None else rank_mask.masked(r, p.mask, dst_rank)
+            with r.if_(count > 0 if masked is None else (count > 0) & masked.eq(0)):
                 rc_dst = load_pointer(r, p.recv_count_ptrs, lay.peer_index(dst_rank),
                                       "rc_cursor_dst")
                 old = r.atomic(AtomOp.ADD, _word(rc_dst, lay.rc_cursor_base + e, 8),
@@ -329,6 +336,8 @@ class CapacityStridedRows(FinalRowsDestination):
                                name="cursor_old")
                 r.assign(off, old.cast(T.u32))
             first_row = e * (R * cfg.max_tokens_per_rank) + off
+            if masked is not None:
+                first_row = ir.Select(masked.ne(0), ir.Const(MASKED_BASE, T.u32), first_row)
             r.store(_word(self.params.base_handoff_p, e * R + dst_rank),
                     first_row | FINAL_BASE_VALID, Sem.RELEASE, Scope.GPU)
         return off

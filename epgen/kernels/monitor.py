@@ -14,6 +14,7 @@ from ir import types as T
 from .common import load_pointer, signal_scope
 from .common import word as _word
 from .ord_r import signal_rank_completion
+from .rank_mask import if_live
 from .shmem_send import in_group, is_remote, signal_remote_count
 
 
@@ -124,7 +125,9 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
     ``nvshmemx_signal_op`` and a ``nvshmem_quiet`` (``shmem_send.signal_remote_count``)
     instead, with or without ORD-R: the poll then only says every slot of the block was
     reserved and its put issued; the messages' own signals tell the destination they
-    landed."""
+    landed. With ``ep_rank_mask`` (which refuses the SHMEM transport) nothing is published
+    to a destination this rank masks (``rank_mask.if_live``); the wait still counts every
+    copy, sent or skipped."""
     dest = p.dest
     lay = cfg.layout
     E, L, R = cfg.n_experts, lay.n_local_experts, cfg.n_ranks
@@ -156,7 +159,8 @@ def signal_completion(r: ir.RoleBuilder, cfg, p, expert_idx, g, count, fl_off,
                 with r.if_(is_remote(cfg, dst_rank, p.my_rank)):
                     signal_remote_count(r, cfg, p, signal_offset, published, dst_rank)
             else:
-                signal_in_group()
+                with if_live(r, p.mask, dst_rank):     # ep_rank_mask: nothing to a masked rank
+                    signal_in_group()
             r.store(_word(reserved, counter_offset), 0)
             r.store(_word(finished, counter_offset), 0)
             dest.rearm(r, counter_offset)

@@ -19,6 +19,7 @@ import ir
 from ir import AtomOp, Scope, Sem
 from ir import types as T
 
+from . import rank_mask
 from .common import copy_vectors, load_pointer
 from .common import word as _word
 from .shmem_send import in_group
@@ -124,13 +125,16 @@ class StagedDestination:
     def _receive_slot(self, r: ir.RoleBuilder, e, dst_rank, slot):
         """``with self._receive_slot(...) as at:`` the body runs unless ``slot`` is past the
         block's capacity (device guard: the host refuses such routings; the monitor
-        publishes the clamped count), with ``at`` the address of row ``slot`` of block
-        ``(e, my_rank)`` of ``dst_rank``'s receive buffer."""
+        publishes the clamped count) or ``dst_rank`` is masked (``ep_rank_mask``: the slot is
+        taken and counted finished, nothing is stored), with ``at`` the address of row
+        ``slot`` of block ``(e, my_rank)`` of ``dst_rank``'s receive buffer."""
         cfg, p = self.cfg, self.p
         lay = cfg.layout
         recv = load_pointer(r, p.recv_buf_ptrs, lay.peer_index(dst_rank), "recv_dst",
                             peer=lay.crosses_devices)
-        with r.if_(slot < lay.block_capacity):
+        fits = slot < lay.block_capacity
+        mp = getattr(p, "mask", None)
+        with r.if_(fits if mp is None else fits & rank_mask.live(r, mp, dst_rank)):
             row = ((e * cfg.n_ranks + lay.rank_coord(p.my_rank)) * lay.block_capacity
                    + slot).cast(T.u64)
             yield recv + row * lay.msg_bytes

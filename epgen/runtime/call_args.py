@@ -47,6 +47,12 @@ def per_rank(value, name: str, n: int) -> list:
     return list(value)
 
 
+def _calling(rk) -> bool:
+    """Whether rank buffers ``rk`` take part in the current call (``RankBuffers.calling``;
+    an object without it, always)."""
+    return getattr(rk, "calling", True)
+
+
 def combine_inputs(world, expert_outputs, topk_weights=None, residual=None) -> tuple:
     """Every rank's combine inputs checked against ``world``'s configuration and its ranks'
     token counts, as ``(ys, ws, rs)``: per rank the expert outputs ``[rows <= max_out_rows,
@@ -64,6 +70,8 @@ def combine_inputs(world, expert_outputs, topk_weights=None, residual=None) -> t
     ws = None if topk_weights is None else per_rank(topk_weights, "topk_weights", n)
     rs = None if residual is None else per_rank(residual, "residual", n)
     for i, rk in enumerate(ranks):
+        if not _calling(rk):        # ep_rank_mask: it sat the dispatch out, nothing is read
+            continue
         ys[i] = y = interop.host_bf16(ys[i], f"expert_outputs[{i}]")
         if y.ndim != 2 or y.shape[1] != H or y.shape[0] > M:
             raise EPInputError(f"expert_outputs[{i}]: shape {y.shape}, must be [rows <= "
@@ -102,7 +110,7 @@ def check_combine(world, expert_outputs, topk_weights=None, residual=None) -> No
     delivered = last_dispatch_rows(world)
     ys, _, _ = combine_inputs(world, expert_outputs, topk_weights, residual)
     for i, (rk, y, n) in enumerate(zip(world.ranks, ys, delivered)):
-        if y.shape[0] < n:
+        if _calling(rk) and y.shape[0] < n:
             raise EPInputError(
                 f"expert_outputs[{i}]: {y.shape[0]} rows given, but the last dispatch "
                 f"delivered {n} rows to rank {rk.rank}: one expert output row per delivered "

@@ -146,6 +146,8 @@ class Combiner:
         expert_outputs, topk_weights, residual = call_args.combine_inputs(
             w, expert_outputs, topk_weights, residual)
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
+            if not rk.calling:
+                continue
             y = expert_outputs[i]
             if y.shape[0]:
                 b.expert_out[:y.shape[0]].copy_from_host(np.ascontiguousarray(y))
@@ -163,11 +165,18 @@ class Combiner:
         """Enqueue every rank's ``ep_combine_async`` (after every rank's last dispatch_wait),
         then every rank's ``ep_combine_wait`` (after every rank's combine_async); or, fused,
         every rank's ``ep_combine`` (after every rank's last dispatch); no host
-        synchronisation. Each rank's ``wait_done`` is the end of its last combine launch."""
+        synchronisation. Each rank's ``wait_done`` is the end of its last combine launch. With
+        ``ep_rank_mask`` a rank that sat the dispatch out (``RankBuffers.calling`` false)
+        launches nothing, and each rank's ``ep_combine_wait`` follows its own
+        ``ep_combine_async`` only: the arrival words order the ranks (docs/combine.md, "World
+        ordering"), and a rank that stops in its combine_async must not keep the others'
+        waits from starting (and masking it)."""
         w, cfg = self.world, self.world.cfg
         done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
         if self.fused:
             for i, rk in enumerate(w.ranks):
+                if not rk.calling:
+                    continue
                 for ev in done:
                     rk.stream.wait(ev)
                 self.program_of(rk).launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
@@ -175,11 +184,17 @@ class Combiner:
             return
         events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
+            if not rk.calling:
+                continue
             for ev in done:
                 rk.stream.wait(ev)
             self.program_of(rk).launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
             events.append(w.cuda.record_event(rk.stream))
+        if cfg.ep_rank_mask:        # a rank that stops must not hold the others' waits back
+            events = []
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
+            if not rk.calling:
+                continue
             for ev in events:
                 rk.stream.wait(ev)
             self.program_of(rk).launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
@@ -189,7 +204,8 @@ class Combiner:
         """``ep_combine_async``'s launch arguments for rank index ``i``."""
         w = self.world
         rk, b = w.ranks[i], self.bufs[i]
-        return {**w.trace_args(C_ASYNC, rk), "expert_out": b.expert_out,
+        return {**w.trace_args(C_ASYNC, rk), **w.mask_args(rk, waits=False),
+                "expert_out": b.expert_out,
                 "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
@@ -200,7 +216,8 @@ class Combiner:
         weighted / residual choice)."""
         w = self.world
         rk, b = w.ranks[i], self.bufs[i]
-        return {**w.trace_args(C_WAIT, rk), "combine_buf": b.recv, "arrival": b.arrival,
+        return {**w.trace_args(C_WAIT, rk), **w.mask_args(rk, waits=True),
+                "combine_buf": b.recv, "arrival": b.arrival,
                 "topk_ids": rk.topk_ids,
                 "weights": b.weights, "weighted": int(self.weighted),
                 "residual": b.residual, "has_residual": int(self.has_residual),
@@ -221,19 +238,25 @@ class Combiner:
     def finish(self):
         """Synchronise the world, raise what the kernels reported (refused rows:
         ``EPInputError``; expired waits), and return every rank's output: ``[T, H]`` BF16
-        bits when the last ``load`` had weights, else ``[T, K, H]``."""
+        bits when the last ``load`` had weights, else ``[T, K, H]`` (None for a rank that sat
+        the call out). The ranks the kernels masked (``ep_rank_mask`` under shrink) are the
+        world's ``last_masked``."""
         w, cfg = self.world, self.world.cfg
         K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
         w.synchronize()
         self._raise_bounds()
         try:
-            w.raise_timeouts(self.program.module.kernels, "combine")
+            masks = w.raise_timeouts(self.program.module.kernels, "combine")
         except Exception:
             self._rearm()
             w.reset()
             raise
+        w.note_masked(masks, "combine")
         out = []
         for rk, b in zip(w.ranks, self.bufs):
+            if not rk.calling:
+                out.append(None)
+                continue
             flat = b.out.to_host()
             if not self.weighted:
                 out.append(flat[:rk.n_tokens * K * H].reshape(rk.n_tokens, K, H))

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from ir import diag
 
 from ..errors import EPTimeoutError
+
+
+@attrs.frozen
+class DiagReport:
+    """What one error buffer held (``DiagBuffer.take_report``)."""
+
+    expired: bool
+    timeouts: list
+    masks: list
 
 
 class DiagBuffer:
@@ -32,6 +42,21 @@ class DiagBuffer:
         self.array.zero()
         self.array.to_host()
         return diag.decode(words, kernels)
+
+    def take_report(self, kernels) -> DiagReport:
+        """Everything recorded since the last take (the caller has synchronised the
+        launches), the buffer re-armed (zeroed) if anything was: ``expired`` (a wait expired:
+        the abort word, or a timeout record), its ``timeouts`` and the ``masks`` (rank masks
+        under shrink: a wait that ended by masking its rank, which is no failure)."""
+        words = self.array.to_host()
+        if words[diag.ABORT_WORD] == 0 and words[diag.COUNT_WORD] == 0:
+            return DiagReport(False, [], [])
+        self.array.zero()
+        self.array.to_host()
+        timeouts = diag.decode(words, kernels)
+        masks = diag.decode_masks(words, kernels)
+        return DiagReport(bool(words[diag.ABORT_WORD]) or bool(timeouts)
+                          or not masks, timeouts, masks)
 
     def check(self, kernels, context: str = "") -> None:
         """Raise ``EPTimeoutError`` with the decoded records if any wait expired (the caller

@@ -179,15 +179,19 @@ class P2PWorld(RankWorld):
     (its program, for the IR module).
 
     ``backend="sim"`` runs it on simulated GPUs (``backends.sim``, as ``EmulatedWorld``
-    does; ``sim_seed`` the interleaving), one per rank unless ``devices`` says otherwise."""
+    does; ``sim_seed`` the interleaving), one per rank unless ``devices`` says otherwise.
+    ``shrink`` and the rank masks (``ep_rank_mask``) as ``EmulatedWorld``'s: each rank's mask
+    words in its GPU's peer-accessible pool, which its peers' kernels write."""
 
     def __init__(self, cfg, arch: str | None = None, devices=None,
                  timeout_ns: int | None = None, fused: bool | None = None,
-                 input_scale: float = 1.0, backend="cuda", sim_seed: int | None = None):
+                 input_scale: float = 1.0, backend="cuda", sim_seed: int | None = None,
+                 shrink: bool = False):
         check_world_args("P2PWorld", timeout_ns=timeout_ns)
         check_devices(cfg.n_ranks, devices)
         self._init_common(cfg, fused, "P2PWorld", timeout_ns, input_scale, backend, sim_seed,
-                          participants=cfg.n_ranks, n_gpus=sim_gpus(cfg, devices))
+                          participants=cfg.n_ranks, n_gpus=sim_gpus(cfg, devices),
+                          shrink=shrink)
         cuda = self.cuda
         self.devices = assign_devices(cfg.n_ranks, devices, cuda.device_count())
         self.device_ids = sorted(set(self.devices))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.rank_mask import mask_words
+
 
 class RankBuffers:
     """The device buffers and stream of one rank (``rank``, its ``my_rank``) on ``device``.
@@ -16,8 +18,12 @@ class RankBuffers:
     ``send_memory``; None: the device's default memory (``RankWorld.memory_of``).
 
     Besides the buffers: ``n_tokens`` (this call's token count), ``wait_done`` (the event
-    after the rank's last launch of a call: the next call waits for every rank's) and
-    ``trace_bufs`` (kernel name -> trace buffer, for kernels built with trace points)."""
+    after the rank's last launch of a call: the next call waits for every rank's),
+    ``calling`` (whether the rank takes part in the world's current call: always, unless
+    ``ep_rank_mask`` lets it sit one out, docs/design.md "Rank masks") and ``trace_bufs``
+    (kernel name -> trace buffer, for kernels built with trace points). With
+    ``ep_rank_mask``, ``rank_mask``: the rank's mask words (``kernels.rank_mask``), from
+    ``peer_memory`` (its peers set them when they mask it)."""
 
     def __init__(self, cuda, cfg, rank, device, peer_memory=None, send_memory=None):
         lay, fmt = cfg.layout, cfg.token_fmt
@@ -45,8 +51,12 @@ class RankBuffers:
         self.src_info = z((lay.max_out_rows, 2), np.int32)
         self.hdr_buf = z(lay.hdr_buf_bytes, np.uint8, peer_memory)       # ep_final_layout
         self.prod_buf = z(lay.prod_buf_words, np.uint64, peer_memory)    # ep_prod_reserve
+        # ep_rank_mask: this rank's mask words, which its peers' kernels write too (the push)
+        self.rank_mask = z(mask_words(cfg), np.uint32, peer_memory) if cfg.ep_rank_mask \
+            else None
         self.n_tokens = 0
         self.wait_done = None
+        self.calling = True
         self.trace_bufs = {}
 
     def counter_ptr(self, region) -> int:

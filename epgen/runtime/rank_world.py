@@ -66,7 +66,9 @@ from .graph import RoundTripGraph
 from .placement import (CapacityError, RankPrograms, co_resident, ordinal, p2p_group,
                         residency_problems)
 from .rank_buffers import RankBuffers
+from .rank_masks import RankMasks
 from .results import rank_result
+from .world_args import check_mask_args
 
 
 def resolve_fused(cfg, fused: bool | None, world: str) -> bool:
@@ -82,6 +84,9 @@ def resolve_fused(cfg, fused: bool | None, world: str) -> bool:
     if fused and cfg.ep_final_layout:
         raise ValueError(f"{world}: fused=True with ep_final_layout=True: the fused "
                          "single-launch kernel does not take ep_final_layout yet")
+    if fused and cfg.ep_rank_mask:
+        raise ValueError(f"{world}: fused=True with ep_rank_mask=True: the fused "
+                         "single-launch kernels do not take the rank mask yet")
     return bool(fused)
 
 
@@ -105,11 +110,12 @@ class RankWorld(abc.ABC):
 
     def _init_common(self, cfg, fused, world: str, timeout_ns, input_scale,
                      backend="cuda", sim_seed=None, participants=None, n_gpus=1,
-                     shmem_ok=False):
+                     shmem_ok=False, shrink=False):
         """The constructor prologue every world shares: the ``fused`` rule, the transport
-        check, the backend (``runtime.backend.resolve``: ``cuda`` is ``backends.cuda`` or a
-        ``backends.sim.Machine``), and ``world_name``, ``fused``, ``cfg``, ``cuda``,
-        ``timeout_ns``, ``input_scale``."""
+        check, the rank mask's (``shrink``), the backend (``runtime.backend.resolve``:
+        ``cuda`` is ``backends.cuda`` or a ``backends.sim.Machine``), and ``world_name``,
+        ``fused``, ``cfg``, ``cuda``, ``timeout_ns``, ``input_scale``."""
+        check_mask_args(cfg, world, shrink, batched=self.batched, shmem_world=shmem_ok)
         cuda = backends_of.resolve(backend, cfg, world, participants=participants,
                                    sim_seed=sim_seed, n_gpus=n_gpus)
         fused = resolve_fused(cfg, fused, world)
@@ -126,6 +132,9 @@ class RankWorld(abc.ABC):
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
         self.input_scale = input_scale
         self._combiner = None
+        self._shrink = shrink
+        #: ``ep_rank_mask``: the world's rank masks (``rank_masks.RankMasks``), else None
+        self.masks = None
 
     def _load_dispatch(self, module, arch: str | None = None):
         """Load the dispatch ``module`` on the world's GPUs (for ``arch``; default each
@@ -144,6 +153,8 @@ class RankWorld(abc.ABC):
         gpus = {ordinal(d): d for d in devices}
         self.errs = {o: DiagBuffer(d, cuda=self.cuda) for o, d in gpus.items()}
         self.build_pointer_tables()
+        if self.cfg.ep_rank_mask:
+            self.masks = RankMasks(self, self._shrink)
         self.synchronize()
         for d in gpus.values():          # the tables' and error buffers' default-stream copies
             self.cuda.get_device(d).sync()
@@ -253,18 +264,21 @@ class RankWorld(abc.ABC):
         """Every error buffer of the world (one per GPU)."""
         return list(self.errs.values())
 
-    def raise_timeouts(self, kernels, context: str) -> None:
+    def raise_timeouts(self, kernels, context: str) -> list:
         """After a synchronise: read every error buffer (``kernels`` name the records),
         re-arming each used one, and raise one ``EPTimeoutError`` holding all their records
-        if any wait expired anywhere."""
-        records, expired = [], False
+        if any wait expired anywhere. Returns the mask records (``ir.diag.MaskRecord``:
+        ``ep_rank_mask`` under shrink, a rank masked instead of a wait expiring) when none
+        did."""
+        records, masks, expired = [], [], False
         for err in self.error_buffers():
-            got = err.take(kernels)
-            if got is not None:
-                expired = True
-                records += got
+            got = err.take_report(kernels)
+            expired |= got.expired
+            records += got.timeouts
+            masks += got.masks
         if expired:
             raise EPTimeoutError(records, context)
+        return masks
 
     @property
     def allreduce_world_size(self) -> int | None:
@@ -283,6 +297,7 @@ class RankWorld(abc.ABC):
         ranks = self.rank_ids if self.cfg.skip_a2a else None
         tokens = reference.per_rank_list(tokens, "tokens")
         topk_ids = reference.per_rank_list(topk_ids, "topk_ids")
+        tokens, topk_ids = self._sitting_out(tokens, topk_ids)
         if len(topk_ids) == len(self.ranks):
             topk_ids = [self._host_ids(rk, i) for rk, i in zip(self.ranks, topk_ids)]
         counts = reference.validate_inputs(self.cfg, tokens, topk_ids, ranks=ranks)
@@ -291,7 +306,29 @@ class RankWorld(abc.ABC):
             if info.on_device:
                 interop.device_rows(info)
         for rk, x, ids, T in zip(self.ranks, tokens, topk_ids, counts):
-            self._load_rank(rk, x, ids, T)
+            if rk.calling:
+                self._load_rank(rk, x, ids, T)
+
+    def _sitting_out(self, tokens, topk_ids) -> tuple[list, list]:
+        """``ep_rank_mask``: which held ranks take part in this call (``RankBuffers.calling``):
+        not a ``dead`` one (``RankMasks``), nor one whose tokens and ids are both None (it
+        makes no call: a rank that is down, or late); such a rank's inputs are not read or
+        copied (they stand as empty arrays for the checks), its kernels not launched, its
+        results None, and its previous call not waited for. Without the flag every rank
+        calls (a None input is refused by the checks)."""
+        if self.masks is None or len(tokens) != len(self.ranks) \
+                or len(topk_ids) != len(self.ranks):
+            return tokens, topk_ids
+        fmt, K = self.cfg.token_fmt, self.cfg.token_fmt.top_k
+        tokens, topk_ids = list(tokens), list(topk_ids)
+        for i, rk in enumerate(self.ranks):
+            absent = tokens[i] is None and topk_ids[i] is None
+            rk.calling = not absent and rk.rank not in self.masks.dead
+            if not rk.calling:
+                rk.wait_done = None
+                tokens[i] = np.zeros((0, fmt.hid_dim), np.uint16)
+                topk_ids[i] = np.zeros((0, K), np.int32)
+        return tokens, topk_ids
 
     @staticmethod
     def _host_ids(rk, ids):
@@ -350,17 +387,25 @@ class RankWorld(abc.ABC):
         the send half of ``kernel``)."""
         lay = self.cfg.layout
         return {**self._format_args(kernel, rk), **self.trace_args(kernel, rk),
+                **self.mask_args(rk, waits=False),
                 "input_tokens": rk.tokens, "topk_ids": rk.topk_ids, "n_tokens": rk.n_tokens,
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
                 "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
                 "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns}
 
+    def mask_args(self, rk, waits: bool) -> dict:
+        """``ep_rank_mask``: rank ``rk``'s arguments of the mask parameters
+        (``rank_masks.RankMasks.args``; ``waits``: a kernel that waits for other ranks);
+        else nothing."""
+        return {} if self.masks is None else self.masks.args(rk, waits)
+
     def wait_args(self, rk, kernel: str = WAIT) -> dict:
         """The arguments of rank ``rk``'s receive side (dispatch_wait's parameters; those of
         the receive half of ``kernel``)."""
         lay = self.cfg.layout
         return {**self._format_args(kernel, rk), **self.trace_args(kernel, rk),
+                **self.mask_args(rk, waits=True),
                 "recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
@@ -429,11 +474,17 @@ class RankWorld(abc.ABC):
 
     # -- launches ----------------------------------------------------------------------------------
     def after_previous_call(self):
-        """Every rank's stream waits for the end of every rank's previous call (its
-        ``wait_done``): what a call's first launch needs (module docstring)."""
-        for rk in self.ranks:
+        """Every calling rank's stream waits for the end of every rank's previous call (its
+        ``wait_done``; a rank that sat a call out has none): what a call's first launch
+        needs (module docstring)."""
+        for rk in self.calling_ranks():
             for ev in [r.wait_done for r in self.ranks if r.wait_done is not None]:
                 rk.stream.wait(ev)
+
+    def calling_ranks(self) -> list:
+        """The held ranks that take part in the current call (``RankBuffers.calling``: every
+        one, unless ``ep_rank_mask`` lets a rank sit out)."""
+        return [rk for rk in self.ranks if rk.calling]
 
     def dispatch_async(self):
         """Enqueue every rank's dispatch_async (after every rank's previous dispatch_wait)."""
@@ -460,6 +511,8 @@ class RankWorld(abc.ABC):
         event after it. ``programmatic``: where the program can (``programmatic_ok``)."""
         if not self.batched:
             for rk, args in zip(self.ranks, rows):
+                if not rk.calling:
+                    continue
                 program = self.program_of(rk)
                 program.launch(kernel, self.cfg.n_sms, args, rk.stream,
                                programmatic=programmatic and program.programmatic_ok)
@@ -499,11 +552,14 @@ class RankWorld(abc.ABC):
         for rk in self.ranks:
             rk.stream.sync()
 
-    def check(self, context: str = "dispatch"):
-        """Synchronise and raise ``EPTimeoutError`` if a wait expired (then re-arm)."""
-        self.check_with(None, context)
+    def check(self, context: str = "dispatch", *, raise_masked: bool = False) -> list[int]:
+        """Synchronise and raise ``EPTimeoutError`` if a wait expired (then re-arm). Returns
+        the ranks the kernels masked in the call (``ep_rank_mask`` under shrink; sorted,
+        empty otherwise); ``raise_masked``: raise an ``EPTimeoutError`` naming them instead
+        (the world has masked them all the same)."""
+        return self.check_with(None, context, raise_masked=raise_masked)
 
-    def check_with(self, program, context: str):
+    def check_with(self, program, context: str, *, raise_masked: bool = False) -> list[int]:
         """``check`` after launches of another ``program`` (a test kernel's ``Program`` or
         ``RankPrograms``, or None) on this world's buffers and error buffers: its records
         are named by either program's kernels."""
@@ -511,11 +567,25 @@ class RankWorld(abc.ABC):
         kernels = tuple(self.program.module.kernels)
         if program is not None:
             kernels += tuple(program.module.kernels)
+        if self._combiner is not None:
+            kernels += tuple(self._combiner.program.module.kernels)
         try:
-            self.raise_timeouts(kernels, context)
+            masks = self.raise_timeouts(kernels, context)
         except Exception:
             self.reset()
             raise
+        return self.note_masked(masks, context, raise_masked)
+
+    def note_masked(self, records, context: str, raise_masked: bool = False) -> list[int]:
+        """The mask records of a checked call (``raise_timeouts``) into the rank masks
+        (``RankMasks.note``): returns the ranks masked, or with ``raise_masked`` raises an
+        ``EPTimeoutError`` holding the records when there are some."""
+        if self.masks is None:
+            return []
+        masked = self.masks.note(records)
+        if masked and raise_masked:
+            raise EPTimeoutError(records, f"{context} (ranks {masked} masked)")
+        return masked
 
     def reset(self):
         """Re-arm every buffer a failed call may have left half-used; the prod buffers
@@ -557,18 +627,70 @@ class RankWorld(abc.ABC):
         """Every held rank's ``reference.RankResult`` of the last call (``results.rank_result``
         of its buffers; the caller has synchronised)."""
         region = self.cfg.layout.dispatch_wait_region
-        return [rank_result(
+        return [None if not rk.calling else rank_result(
             self.cfg, rk.rank, n_tokens=rk.n_tokens, out_tokens=rk.out_tokens.to_host(),
             row_offsets=rk.row_offsets.to_host(), expert_ids=rk.expert_ids.to_host(),
             src_info=rk.src_info.to_host(), region_a=rk.counters.to_host()[region.offset:],
             out_scales=None if rk.out_scales is None else rk.out_scales.to_host(),
             allreduce_world_size=self.allreduce_world_size) for rk in self.ranks]
 
+    # -- rank masks (ep_rank_mask) -------------------------------------------------------------
+    def _masks(self, what: str):
+        if self.masks is None:
+            raise ValueError(f"{what}: the rank mask needs a configuration with "
+                             f"ep_rank_mask=True (docs/flags.md)")
+        return self.masks
+
+    def update_mask(self, rank: int, masked: bool = True, *, on=None) -> None:
+        """Mask (``masked``) or unmask ``rank`` in the views of the held ranks ``on`` (None:
+        every held rank, and the world stops or resumes launching it: ``RankMasks.update``).
+        Synchronises; unmasking re-arms the words the others read from ``rank`` once its
+        own work has finished (docs/design.md, "Rank masks")."""
+        self._masks("update_mask").update(rank, masked, on)
+
+    def query_mask(self, rank: int | None = None):
+        """``[n_ranks]`` int32, 1 where masked: held rank ``rank``'s view, or (None) every
+        rank some launched rank masks and every rank the world no longer launches
+        (``RankMasks.query``). Synchronises."""
+        return self._masks("query_mask").query(rank)
+
+    def clean_mask(self, *, on=None) -> None:
+        """Unmask every rank in the views of the held ranks ``on`` (None: every held rank,
+        and every rank the world stopped launching rejoins). Synchronises."""
+        self._masks("clean_mask").clean(on)
+
+    @property
+    def shrink(self) -> bool:
+        """``ep_rank_mask``'s shrink switch: a bounded wait for another rank that expires
+        masks that rank (``check()`` returns it) instead of aborting the call. Settable
+        (synchronises)."""
+        return self._masks("shrink").shrink
+
+    @shrink.setter
+    def shrink(self, on: bool) -> None:
+        self._masks("shrink").set_shrink(on)
+
+    @property
+    def last_masked(self) -> list[int]:
+        """The ranks the kernels masked in the last checked call (dispatch's ``check`` or a
+        combine), sorted; empty without ``ep_rank_mask``."""
+        return [] if self.masks is None else list(self.masks.last)
+
+    @property
+    def masked_ranks(self) -> list[int]:
+        """The ranks this world no longer launches (masked for every held rank, or by the
+        kernels under shrink), sorted; empty without ``ep_rank_mask``."""
+        return [] if self.masks is None else sorted(self.masks.dead)
+
     # -- combine -----------------------------------------------------------------------------
     def combiner(self) -> Combiner:
         """The world's combine side (``runtime.combine.Combiner``), built on first use."""
         if self._combiner is None:
             self._combiner = Combiner(self)
+        return self._combiner
+
+    def combiner_if_built(self) -> Combiner | None:
+        """The world's combine side if a combine built it, else None."""
         return self._combiner
 
     def combine(self, expert_outputs, topk_weights=None, residual=None, *, _src_info=None):
@@ -578,9 +700,24 @@ class RankWorld(abc.ABC):
         with ``topk_weights[s]`` (``[T, K]`` float32), or with None the unreduced ``[T, K,
         H]``; ``residual[s]`` (``[T, H]`` BF16, with weights) is added before the rounding.
         An out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written
-        for it). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
+        for it). With ``ep_rank_mask`` a rank whose expert outputs are None sits the combine
+        out (its result None; under shrink the others mask it). ``_src_info``: test hook
+        (``runtime.combine.Combiner.run``)."""
+        self._combine_sitting_out(expert_outputs)
         call_args.check_combine(self, expert_outputs, topk_weights, residual)
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info)
+
+    def _combine_sitting_out(self, expert_outputs) -> None:
+        """``ep_rank_mask``: a rank whose expert outputs are None sits the combine out (not
+        launched, its result None, its last call not waited for), as a rank that sat the
+        dispatch out does (``_sitting_out``)."""
+        if self.masks is None or not isinstance(expert_outputs, (list, tuple)) \
+                or len(expert_outputs) != len(self.ranks):
+            return
+        for rk, y in zip(self.ranks, expert_outputs):
+            if y is None and rk.calling:
+                rk.calling = False
+                rk.wait_done = None
 
 
 __all__ = ["RankWorld", "resolve_fused"]

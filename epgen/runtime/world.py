@@ -82,19 +82,24 @@ class EmulatedWorld(RankWorld):
     ``backend="sim"`` runs the same kernels' IR on the CPU (``backends.sim``; ``sim_seed``
     fixes the simulator's interleaving, default 0), with the same results; a configuration
     too large to simulate is refused with a ``ValueError`` (``runtime.backend.sim_work``).
-    ``backend`` may also be a ``backends.sim.Machine``."""
+    ``backend`` may also be a ``backends.sim.Machine``.
+
+    ``ep_rank_mask`` (docs/design.md, "Rank masks"): ``update_mask``, ``query_mask``,
+    ``clean_mask``, ``masked_ranks``; ``shrink=True``, a wait for another rank that expires
+    masks it instead of aborting, and ``check()`` returns the ranks masked; a rank whose
+    inputs are None sits the call out (not launched, results None)."""
 
     def __init__(self, cfg, arch: str | None = None, device=None, timeout_ns: int | None = None,
                  fused: bool | None = None, input_scale: float = 1.0,
                  devices: int | None = None, batched: bool = False, backend="cuda",
-                 sim_seed: int | None = None):
+                 sim_seed: int | None = None, shrink: bool = False):
         check_world_args("EmulatedWorld", timeout_ns=timeout_ns, device=device)
         self.rank_ids = participants(cfg, devices)
-        self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale, backend,
-                          sim_seed, participants=len(self.rank_ids))
         if not isinstance(batched, bool):
             raise ValueError(f"EmulatedWorld: batched must be a bool, got {batched!r}")
         self.batched = batched
+        self._init_common(cfg, fused, "EmulatedWorld", timeout_ns, input_scale, backend,
+                          sim_seed, participants=len(self.rank_ids), shrink=shrink)
         self.device = self.cuda.get_device(device)
         module = self.co_resident(build_module(cfg))
         if batched:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 
-__all__ = ["check_world_args", "device_ordinal"]
+__all__ = ["check_world_args", "device_ordinal", "check_mask_args"]
 
 #: the largest ``timeout_ns`` (a u64 launch argument)
 TIMEOUT_NS_MAX = (1 << 64) - 1
@@ -35,3 +35,23 @@ def check_world_args(world: str, *, timeout_ns=None, device=None) -> None:
                          f"in [0, 2**64) (0 = unbounded waits), got {timeout_ns!r}")
     if device is not None:
         device_ordinal(world, "device", device)
+
+
+def check_mask_args(cfg, world: str, shrink, *, batched: bool = False,
+                    shmem_world: bool = False) -> None:
+    """The rank mask's (``ep_rank_mask``, docs/flags.md) constructor rules: ``shrink`` a
+    bool, and True only with the flag; the flag neither with ``batched`` (every rank's grid
+    is one launch, so a rank cannot sit a call out) nor on ``ShmemWorld`` (one process per
+    rank: the SHMEM transport's world does not take the mask yet, ``use_shmem``)."""
+    if not isinstance(shrink, bool):
+        raise ValueError(f"{world}: shrink must be a bool, got {shrink!r}")
+    if shrink and not cfg.ep_rank_mask:
+        raise ValueError(f"{world}: shrink=True needs ep_rank_mask=True (the rank mask "
+                         f"that an expired wait sets)")
+    if cfg.ep_rank_mask and batched:
+        raise ValueError(f"{world}: batched=True with ep_rank_mask=True: a batched launch "
+                         f"runs every rank's grid at once, so a masked rank cannot sit a "
+                         f"call out")
+    if cfg.ep_rank_mask and shmem_world:
+        raise ValueError(f"{world}: ep_rank_mask is not available on ShmemWorld yet (the "
+                         f"rank mask with use_shmem): use EmulatedWorld or P2PWorld")

@@ -32,7 +32,7 @@ ARCH = "sm_90"
 # Written out by hand, not read from epgen: a new flag makes test_matrix_flags fail until it is
 # added here, to RULES (if it conflicts with another flag) and to the hand count.
 FLAGS = ("fused_shared_expert", "skip_a2a", "has_rank_flag", "ep_ord_r", "ep_final_layout",
-         "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named")
+         "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named", "ep_rank_mask")
 
 # The flag rules of EPConfig (the reference's plus ours, docs/flags.md, docs/final-layout.md,
 # docs/fused.md): (the parameters the rule names, when it is broken). The skip_a2a rules on
@@ -47,6 +47,13 @@ RULES = (
     (("ep_final_layout", "fused_shared_expert"),
      lambda f: f["ep_final_layout"] and f["fused_shared_expert"]),
     (("ep_final_layout", "skip_a2a"), lambda f: f["ep_final_layout"] and f["skip_a2a"]),
+    # ours: the rank mask takes neither a device without peers, nor ORD-R's per-rank flags,
+    # nor the prod reservation's cross-rank waits, nor the shared expert's fused kernel
+    (("ep_rank_mask", "skip_a2a"), lambda f: f["ep_rank_mask"] and f["skip_a2a"]),
+    (("ep_rank_mask", "ep_ord_r"), lambda f: f["ep_rank_mask"] and f["ep_ord_r"]),
+    (("ep_rank_mask", "ep_prod_reserve"), lambda f: f["ep_rank_mask"] and f["ep_prod_reserve"]),
+    (("ep_rank_mask", "fused_shared_expert"),
+     lambda f: f["ep_rank_mask"] and f["fused_shared_expert"]),
 )
 
 # The hand count. has_rank_flag == ep_ord_r, so the pair is one bit "O" (off/on);
@@ -56,9 +63,11 @@ RULES = (
 #   (on, off):  no fused_shared_expert, no skip_a2a, and O off (ORD-R with
 #               the capacity-strided final layout needs ep_prod_reserve)    1
 #   (on, on):   no fused_shared_expert, no skip_a2a, O free                 2
-# 8 + 1 + 2 = 11 settings of the six protocol flags; ep_copy_role_split and ep_send_join_named
-# conflict with nothing (x 4): 11 * 4 = 44 legal of 2**8 = 256, so 212 illegal.
-LEGAL_COUNT = 44
+# 8 + 1 + 2 = 11 settings of the six protocol flags without ep_rank_mask; with it only those
+# without fused_shared_expert, skip_a2a, O and ep_prod_reserve: (off, off) and (on, off), 2.
+# ep_copy_role_split and ep_send_join_named conflict with nothing (x 4): (11 + 2) * 4 = 52
+# legal of 2**9 = 512, so 460 illegal.
+LEGAL_COUNT = 52
 TOTAL = 2 ** len(FLAGS)
 
 COMBOS = variants.combinations()
@@ -93,7 +102,7 @@ def test_every_combination_once():
 
 def test_legal_count_is_the_hand_count():
     assert len(LEGAL) == LEGAL_COUNT
-    assert len(ILLEGAL) == TOTAL - LEGAL_COUNT == 212
+    assert len(ILLEGAL) == TOTAL - LEGAL_COUNT == 460
 
 
 def test_classification_matches_the_rules():
