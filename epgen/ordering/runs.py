@@ -87,11 +87,15 @@ def checked() -> dict[str, Spec]:
                                             "num_threads": 128}),
         "ep/shmem_fused": Spec("small", _flag("shmem_mixed"), fused=True, small=_SHMEM_MIXED,
                                golden="ep/shmem_mixed"),
+        # the rank mask on, every rank alive: its give-up waits and mask reads must not
+        # weaken what the protocol orders
+        "ep/rank_mask": Spec("small", _flag("rank_mask")),
         "combine/small": Spec("small", {}, combine=True),
         "combine/fused": Spec("small", {}, fused=True, combine=True),
         "combine/shmem": Spec("small", {"use_shmem": True}, combine=True, small=_SHMEM_P2P1),
         "combine/shmem_fused": Spec("small", {"use_shmem": True}, fused=True, combine=True,
                                     small=_SHMEM_MIXED, golden="combine/fused"),
+        "combine/rank_mask": Spec("small", {"ep_rank_mask": True}, combine=True),
     }
 
 
