@@ -35,21 +35,7 @@ ITERS=${ITERS:-50}
 echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $MODE; logs in $OUT" | tee "$LOG"
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 
-MPS=0
-if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
-    export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if timeout 30 nvidia-cuda-mps-control -d; then MPS=1; echo "MPS started" | tee -a "$LOG"; fi
-else
-    echo "MPS not started (no nvidia-cuda-mps-control or not root): PEs time-slice the GPU" | tee -a "$LOG"
-fi
-stop_mps() {
-    if [ "$MPS" = 1 ]; then
-        echo quit | timeout 30 nvidia-cuda-mps-control && echo "MPS stopped" | tee -a "$LOG"
-        MPS=0
-    fi
-}
-trap stop_mps EXIT
+. "$(dirname "${BASH_SOURCE[0]}")/mps.sh"    # MPS when available; stop_mps on exit
 
 status=0
 shapes=$([ "$MODE" = all ] && echo "decode prefill" || echo "$MODE")

@@ -20,21 +20,7 @@ echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; logs in
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 timeout 30 "$PY" -c "from backends.cuda import nvshmem_host as n; h = n.NvshmemHost(); print('NVSHMEM', h.version(), h.path)" 2>&1 | tee -a "$LOG"
 
-MPS=0
-if command -v nvidia-cuda-mps-control >/dev/null && [ "$(id -u)" = 0 ]; then
-    export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if timeout 30 nvidia-cuda-mps-control -d; then MPS=1; echo "MPS started" | tee -a "$LOG"; fi
-else
-    echo "MPS not started (no nvidia-cuda-mps-control or not root): PEs time-slice the GPU" | tee -a "$LOG"
-fi
-stop_mps() {
-    if [ "$MPS" = 1 ]; then
-        echo quit | timeout 30 nvidia-cuda-mps-control && echo "MPS stopped" | tee -a "$LOG"
-        MPS=0
-    fi
-}
-trap stop_mps EXIT
+. "$(dirname "${BASH_SOURCE[0]}")/mps.sh"    # MPS when available; stop_mps on exit
 
 status=0
 for n in 2 4 8; do

@@ -18,6 +18,8 @@ from epgen.commands.common import config_from_args
 from epgen.formats import make_format
 from epgen.presets import load_preset
 
+from sync_recorder import record_syncs
+
 
 def tiny_cfg(T=8, H=16, K=2, R=2, E=4, sms=None, **flags):
     return EPConfig(num_threads=128, n_sms=sms or max(E // R, E // 4) + 1, n_experts=E,
@@ -488,21 +490,12 @@ def test_measure_world_host_sync_on_the_simulator(host_sync, seed, monkeypatch):
     """``runner.measure_world(host_sync=True)``, the real measurement on the simulator with
     the event timing replaced: every sample starts after the host waited for every rank
     stream and the timing stream (no sample without); the checks pass either way."""
-    from backends.sim import stream as sim_stream
     from epgen.runtime.world import EmulatedWorld
     from test_final_layout_sim import SHAPES, make_cfg
 
     cfg = make_cfg(*SHAPES["R2-E4"])
     sets = inputs.make_input_sets(cfg, cfg.max_tokens_per_rank, 2, seed=seed)
-    events = []
-    real_sync = sim_stream.Stream.sync
-    monkeypatch.setattr(sim_stream.Stream, "sync",
-                        lambda s: (events.append(("sync", id(s))), real_sync(s))[1])
-
-    def timer(ts, streams, gate, body):
-        events.append(("sample", tuple(id(s) for s in (*streams, ts))))
-        body()
-        return 0.5, False
+    events, timer = record_syncs(monkeypatch)
 
     res = runner.measure_world(cfg, sets, 2, 1, None, progress=lambda m: None,
                                world_factory=lambda: EmulatedWorld(cfg, backend="sim",

@@ -16,6 +16,7 @@ from epgen.bench import combine, inputs, memory, p2p, timing, traffic
 from epgen.inspection import combine_buffers
 from epgen.runtime.p2p_world import P2PWorld
 
+from sync_recorder import record_syncs
 from test_bench_p2p import bench_plan, fake_gpus, tiny_cfg  # noqa: F401 - fixture
 from test_final_layout_sim import SHAPES, make_cfg
 
@@ -45,21 +46,12 @@ def test_combine_measure_world_host_sync_on_a_simulated_p2p_world(op, seed, monk
     """``combine.measure_world(host_sync=True)`` on a ``P2PWorld`` of simulated GPUs, the
     event timing replaced: every sample starts after the host waited for every rank stream
     and the timing stream; the checks before and after the timing pass."""
-    from backends.sim import stream as sim_stream
 
     cfg = make_cfg(*SHAPES["R2-E4"])
     T = cfg.max_tokens_per_rank
     sets = inputs.make_input_sets(cfg, T, 2, seed=seed)
     w = combine.weights(cfg, T, seed)
-    events = []
-    real_sync = sim_stream.Stream.sync
-    monkeypatch.setattr(sim_stream.Stream, "sync",
-                        lambda s: (events.append(("sync", id(s))), real_sync(s))[1])
-
-    def timer(ts, streams, gate, body):
-        events.append(("sample", tuple(id(s) for s in (*streams, ts))))
-        body()
-        return 0.5, False
+    events, timer = record_syncs(monkeypatch)
     worlds = []
 
     def factory():
