@@ -24,6 +24,11 @@ promises", has the sources):
   source readable again) when the call returns.
 - ``"signal"``: an atomic update of a 64-bit signal word in a peer's symmetric memory; a
   non-blocking operation like a put, unordered with the caller's earlier puts.
+- ``"wait"``: blocks until a 64-bit signal word in the caller's own symmetric memory
+  compares true with a value, then makes the data that arrived with it visible to the
+  caller's loads (on a network transport NVSHMEM's consistency step; nothing to do over
+  NVLink). The kernels call it only after their own bounded poll has seen the value, so it
+  returns at once: it is there for the consistency step, not to wait.
 - ``"query"``: no memory effect.
 
 Groups: a ``"thread"`` function is one thread's call; a ``"warp"`` function
@@ -43,6 +48,10 @@ from .nodes import Cast, as_expr
 #: ``device_host_transport/nvshmem_common_transport.h`` (3.4 to 3.8)
 SIGNAL_SET = 9
 SIGNAL_ADD = 10
+#: ``cmp`` of ``nvshmem_signal_wait_until``: the values of ``nvshmemx_cmp_type_t`` in
+#: NVSHMEM's ``device_host_transport/nvshmem_constants.h`` (3.8)
+CMP_EQ = 0
+CMP_GE = 5
 
 
 @attrs.frozen
@@ -81,6 +90,8 @@ FUNCTIONS: dict[str, DeviceFunction] = {f.name: f for f in (
     # void nvshmemx_signal_op(uint64_t *sig_addr, uint64_t signal, int sig_op, int pe)
     DeviceFunction("nvshmemx_signal_op", None, (T.ptr_generic, T.u64, T.s32, T.s32),
                    "signal"),
+    # uint64_t nvshmem_signal_wait_until(uint64_t *sig_addr, int cmp, uint64_t cmp_val)
+    DeviceFunction("nvshmem_signal_wait_until", T.u64, (T.ptr_generic, T.s32, T.u64), "wait"),
     # int nvshmem_my_pe(void)
     DeviceFunction("nvshmem_my_pe", T.s32, (), "query"),
 )}
@@ -140,6 +151,13 @@ def signal_op(r, sig_addr, value, sig_op: int, pe):
     return _call(r, "nvshmemx_signal_op", sig_addr, value, sig_op, pe)
 
 
+def signal_wait_until(r, sig_addr, cmp: int, value):
+    """``nvshmem_signal_wait_until(sig_addr, cmp, value)``: ``sig_addr`` this PE's own u64
+    signal word; returns the word (a u64 ``Var``). Called only once a bounded poll has seen
+    the condition hold (module docstring, role ``"wait"``)."""
+    return _call(r, "nvshmem_signal_wait_until", sig_addr, cmp, value)
+
+
 def my_pe(r):
     """``nvshmem_my_pe()``: this PE's number (an s32 ``Var``)."""
     return _call(r, "nvshmem_my_pe")
@@ -147,4 +165,4 @@ def my_pe(r):
 
 __all__ = ["DeviceFunction", "FUNCTIONS", "SIGNAL_SET", "SIGNAL_ADD", "is_nvshmem",
            "putmem_nbi", "putmem_nbi_warp", "putmem_signal_nbi_warp", "fence", "quiet",
-           "signal_op", "my_pe"]
+           "signal_op", "signal_wait_until", "my_pe", "CMP_EQ", "CMP_GE"]

@@ -781,6 +781,21 @@ class Sim:
                 scope = self._thread_scope(th)
                 self._issue_signal(th, scope, [scope], addr(th), value(th), op(th), pe(th))
             return signal
+        if name == "nvshmem_signal_wait_until":
+            (addr, cmp, value), dst = args, s.dst
+
+            def wait_until(th):
+                a, c, v = addr(th), cmp(th), value(th)
+                word = self._load(a, T.u64) if self.weak is None else \
+                    self._wload(th, a, T.u64)
+                if not nvshmem_model.compare(word, c, v):
+                    raise SimError(f"nvshmem_signal_wait_until({a:#x}, cmp {c}, {v}) in kernel "
+                                   f"{th.launch.kernel.name} would block: the word is {word} "
+                                   f"(the kernels call it only after their own bounded poll "
+                                   f"saw the condition)")
+                if dst is not None:
+                    th.vars[self._slot(dst)] = word
+            return wait_until
         if name == "nvshmem_fence":
             def fence(th):
                 self.transfers.fence(self._thread_scope(th),

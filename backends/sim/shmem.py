@@ -35,6 +35,11 @@ NVSHMEM defines (docs/shmem.md, "What NVSHMEM promises"), no more:
   one lane after a warp-collective call completes the warp's operations (NVSHMEM's warp
   calls end with the warp's barrier, and its implementation says a thread-scoped quiet of
   one thread completes the operations of the threads synchronised with it).
+- ``nvshmem_signal_wait_until(sig_addr, cmp, value)``: reads the u64 word (an acquire's
+  read under the weak mode) and returns it when it compares true; the kernels call it only
+  after their own bounded poll saw the condition, so a word that does not is a
+  ``SimError`` (the call would block, with no deadline). The consistency step it runs on a
+  network transport has nothing to model here: a landed transfer is visible at once.
 - **Exit.** NVSHMEM ties completion to ``nvshmem_quiet`` (and to barriers, which quiet)
   and promises nothing at a kernel's end (on InfiniBand a posted request may wait for a
   later doorbell), so a thread that exits with an operation of its scope issued after its
@@ -209,6 +214,18 @@ def check_completed(scope: Scope | None, who: str) -> None:
                        f"landed yet)")
 
 
+#: ``nvshmemx_cmp_type_t`` (``ir.nvshmem.CMP_*``) as Python comparisons
+_COMPARE = {0: lambda a, b: a == b, 1: lambda a, b: a != b, 2: lambda a, b: a > b,
+            3: lambda a, b: a <= b, 4: lambda a, b: a < b, 5: lambda a, b: a >= b}
+
+
+def compare(word: int, cmp: int, value: int) -> bool:
+    """Whether the u64 ``word`` compares true with ``value`` by NVSHMEM's ``cmp``."""
+    if cmp not in _COMPARE:
+        raise SimError(f"nvshmem_signal_wait_until: unknown cmp {cmp}")
+    return _COMPARE[cmp](word & MASK64, value & MASK64)
+
+
 def signal_result(old: int, value: int, op: int) -> int:
     """The u64 word after a signal: ``SIGNAL_SET`` of ``value`` or ``SIGNAL_ADD`` of it."""
     if op == SIGNAL_SET:
@@ -219,4 +236,4 @@ def signal_result(old: int, value: int, op: int) -> int:
 
 
 __all__ = ["SymmetricHeap", "Transfer", "Scope", "Transfers", "check_completed",
-           "signal_result"]
+           "compare", "signal_result"]

@@ -52,7 +52,7 @@ from ir import types as T
 
 from ..combine_layout import CombineLayout
 from .common import load_pointer, warp_copy, word
-from .shmem_send import in_group, is_remote, issued_flag
+from .shmem_send import in_group, is_remote, issued_flag, landed_consistently
 
 
 def arrival_value(rows) -> ir.Expr:
@@ -138,14 +138,19 @@ def publish_arrival(r: ir.RoleBuilder, cfg, p, s: int, rows, sender=None, issued
 def wait_arrival(r: ir.RoleBuilder, cfg, arrival, d):
     """combine_wait's thread ``d``, under the SHMEM transport: bounded waits
     (``ld.acquire.sys``) until arrival word ``d``'s high half is non-zero (``rows + 1``
-    published), then until its low half equals ``rows`` (every row landed)."""
+    published), then until its low half equals ``rows`` (every row landed); once both held,
+    NVSHMEM's consistency step (``shmem_send.landed_consistently`` of the word's final value
+    ``(rows + 1) << 32 | rows``), so rows a network transport wrote are visible to the
+    reduce's loads."""
     nbytes = CombineLayout(cfg).arrival_word_bytes
     at = word(arrival, d, nbytes)
     seen = r.spin_wait(at, T.u64, CmpOp.NE, 0, buffer="combine_arrival", index=d,
                        sem=Sem.ACQUIRE, scope=Scope.SYS, shift=32, name="published")
     rows = r.let("rows_published", (seen >> 32) - 1)
-    r.spin_wait(at, T.u64, CmpOp.EQ, rows, buffer="combine_rows_landed", index=d,
-                sem=Sem.ACQUIRE, scope=Scope.SYS, mask=0xFFFFFFFF, name="landed")
+    landed = r.spin_wait(at, T.u64, CmpOp.EQ, rows, buffer="combine_rows_landed", index=d,
+                         sem=Sem.ACQUIRE, scope=Scope.SYS, mask=0xFFFFFFFF, name="landed")
+    final = r.let("arrival_final", ((rows + 1) << 32) | rows)
+    landed_consistently(r, at, ((seen >> 32).ne(0)) & ((landed & 0xFFFFFFFF).eq(rows)), final)
 
 
 __all__ = ["issued_flag", "arrival_value", "arrival_signal", "send_row", "skip_row",

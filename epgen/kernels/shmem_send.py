@@ -145,11 +145,26 @@ def signal_remote_count(r: ir.RoleBuilder, cfg, p, signal_offset, value, dst_ran
 def wait_remote_arrivals(r: ir.RoleBuilder, cfg, recv_count_p, w, count):
     """dispatch_wait's aux thread of count word ``w`` from a remote source, after it saw the
     word published with ``count``: bounded wait (``ld.acquire.sys``) until arrival word ``w``
-    (``shmem_arrival_base + w``) equals ``count`` (every message of the block landed)."""
+    (``shmem_arrival_base + w``) equals ``count`` (every message of the block landed); once
+    it has, ``nvshmem_signal_wait_until`` of the same condition, which returns at once and
+    runs NVSHMEM's consistency step, so that messages a network transport wrote are visible
+    to this rank's loads (``landed_consistently``)."""
     lay = cfg.layout
-    r.spin_wait(_word(recv_count_p, ir.as_expr(w) + lay.shmem_arrival_base, 8), T.u64, CmpOp.EQ,
-                ir.as_expr(count).cast(T.u64), buffer="shmem_arrival", index=w,
-                sem=Sem.ACQUIRE, scope=Scope.SYS)
+    at = _word(recv_count_p, ir.as_expr(w) + lay.shmem_arrival_base, 8)
+    want = ir.as_expr(count).cast(T.u64)
+    seen = r.spin_wait(at, T.u64, CmpOp.EQ, want, buffer="shmem_arrival", index=w,
+                       sem=Sem.ACQUIRE, scope=Scope.SYS)
+    landed_consistently(r, at, seen.eq(want), want)
+
+
+def landed_consistently(r: ir.RoleBuilder, sig_addr, met, value) -> None:
+    """After a bounded poll of this rank's signal word ``sig_addr``: when it saw the word
+    reach ``value`` (``met``; an expired poll must not block), ``nvshmem_signal_wait_until(
+    sig_addr, NVSHMEM_CMP_GE, value)``. The word only grows until it is re-armed, so the call
+    returns at once; what it adds is NVSHMEM's consistency step after a wait (over a network
+    transport, making the NIC's writes visible to the GPU's loads; nothing over NVLink)."""
+    with r.if_(met):
+        nvshmem.signal_wait_until(r, sig_addr, nvshmem.CMP_GE, value)
 
 
 def rearm_arrivals(r: ir.RoleBuilder, cfg, recv_count_p):
@@ -162,4 +177,4 @@ def rearm_arrivals(r: ir.RoleBuilder, cfg, recv_count_p):
 
 __all__ = ["is_remote", "in_group", "issued_flag", "arrival_address", "put_to_remote",
            "complete_remote_puts", "signal_remote_count", "wait_remote_arrivals",
-           "rearm_arrivals"]
+           "landed_consistently", "rearm_arrivals"]

@@ -151,7 +151,7 @@ def test_uses_nvshmem():
     assert [c.name for _, _, c in link.nvshmem_calls(shmem_kernel())] == [
         "nvshmem_my_pe", "nvshmem_putmem_nbi", "nvshmemx_putmem_nbi_warp",
         "nvshmemx_putmem_signal_nbi_warp", "nvshmem_fence", "nvshmemx_signal_op",
-        "nvshmem_quiet"]
+        "nvshmem_quiet", "nvshmem_signal_wait_until"]
 
 
 def test_a_module_without_nvshmem_calls_is_not_linked(monkeypatch):
@@ -342,6 +342,7 @@ def test_inspect_lists_nvshmem_calls_by_role(monkeypatch, cache):
         {"role": "send", "function": "nvshmem_fence", "kind": "fence", "calls": 1},
         {"role": "send", "function": "nvshmemx_signal_op", "kind": "signal", "calls": 1},
         {"role": "send", "function": "nvshmem_quiet", "kind": "quiet", "calls": 1},
+        {"role": "send", "function": "nvshmem_signal_wait_until", "kind": "wait", "calls": 1},
     ]
     assert kernels["plain"]["nvshmem_calls"] == []
     assert report["nvshmem_link"] == {"needed": True, "error": None}

@@ -221,7 +221,7 @@ def shmem_kernel(name="shmem"):
 SHMEM_ORDER = ["call.uni nvshmem_putmem_nbi", "call.uni nvshmemx_putmem_nbi_warp",
                "call.uni nvshmemx_putmem_signal_nbi_warp", "call.uni nvshmem_fence",
                "st.relaxed.sys.global.b32", "call.uni nvshmemx_signal_op",
-               "call.uni nvshmem_quiet"]
+               "call.uni nvshmem_quiet", "call.uni nvshmem_signal_wait_until"]
 
 
 def _call_block(ptx: str, name: str) -> str:
@@ -241,7 +241,8 @@ def test_nvshmem_calls_are_ordered_operations_in_ir_order():
 
 @pytest.mark.parametrize("name", ["nvshmem_putmem_nbi", "nvshmemx_putmem_nbi_warp",
                                   "nvshmemx_putmem_signal_nbi_warp", "nvshmem_fence",
-                                  "nvshmemx_signal_op", "nvshmem_quiet"])
+                                  "nvshmemx_signal_op", "nvshmem_quiet",
+                                  "nvshmem_signal_wait_until"])
 def test_dropping_an_nvshmem_call_fails(name):
     k = shmem_kernel()
     ptx = emit_ptx(k)

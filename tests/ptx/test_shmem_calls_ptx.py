@@ -28,10 +28,13 @@ def sites_of(cfg, kernel="ep_dispatch_async"):
 def test_the_send_kernel_puts_by_warp_in_the_loop_and_quiets_outside_it(variant, kernel):
     got = {(s.function, s.in_loop, s.after) for s in sites_of(eg.flag_variant_config(variant),
                                                                  kernel)}
-    assert got == {("nvshmemx_putmem_signal_nbi_warp", True, None),   # per remote slot
-                   ("nvshmem_quiet", False, None),                     # per sending warp
-                   ("nvshmemx_signal_op", False, None),                # per remote expert
-                   ("nvshmem_quiet", False, "nvshmemx_signal_op")}     # the monitor's
+    want = {("nvshmemx_putmem_signal_nbi_warp", True, None),   # per remote slot
+            ("nvshmem_quiet", False, None),                     # per sending warp
+            ("nvshmemx_signal_op", False, None),                # per remote expert
+            ("nvshmem_quiet", False, "nvshmemx_signal_op")}     # the monitor's
+    if kernel == "ep_dispatch":      # the fused kernel also receives: the consistency step
+        want.add(("nvshmem_signal_wait_until", False, None))   # per remote count word
+    assert got == want
     assert "nvshmem_putmem_nbi" not in {s.function for s in sites_of(
         eg.flag_variant_config(variant), kernel)}
 

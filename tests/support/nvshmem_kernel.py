@@ -1,7 +1,7 @@
 """A small kernel that calls every NVSHMEM device function of ``ir.nvshmem`` once, shared by
 the link tests and the PTX checker tests: a put, a warp's put, a warp's put-with-signal, a
-fence, a relaxed sys-scope store, a signal and a quiet, in that order (``nvshmem_my_pe``
-first: a query, not ordered)."""
+fence, a relaxed sys-scope store, a signal, a quiet and a signal wait, in that order
+(``nvshmem_my_pe`` first: a query, not ordered)."""
 
 from __future__ import annotations
 
@@ -22,4 +22,5 @@ def shmem_kernel(name: str = "shmem", sig_op: int = nvshmem.SIGNAL_SET):
         r.store(data + 256, me, sem=Sem.RELAXED, scope=Scope.SYS)
         nvshmem.signal_op(r, sig, 1, sig_op, me + 1)
         nvshmem.quiet(r)
+        nvshmem.signal_wait_until(r, sig, nvshmem.CMP_GE, 1)
     return kb.build()
