@@ -43,7 +43,8 @@ def test_linked_combine_passes_the_checker(linked):
     assert ".extern .func nvshmemx_putmem_signal_nbi_warp" in ours
     externs = set(re.findall(r"^\.extern \.func\s+(?:\([^)]*\)\s*)?(\w+)", linked, re.M))
     assert externs <= {"vprintf", "__assertfail"}
-    for name in ("nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet", "nvshmemx_signal_op"):
+    for name in ("nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet", "nvshmemx_signal_op",
+                 "nvshmem_signal_wait_until"):
         assert re.search(rf"^\.func\s+(?:\([^)]*\)\s*)?{name}\(", linked, re.M), name
     for k in module.kernels:
         report = check_ptx(k, linked)
@@ -52,8 +53,9 @@ def test_linked_combine_passes_the_checker(linked):
     for call in ("nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet"):
         assert found[("ep_combine_async", f"call.uni {call}")] > 0
     assert found[("ep_combine_async", "call.uni nvshmemx_signal_op")] > 0
-    assert not any("nvshmem" in op for (_, op) in check_ptx(module.kernel("ep_combine_wait"),
-                                                             linked).found)
+    # the receiver's only NVSHMEM call: the consistency step after its arrival polls
+    assert {op for (_, op) in check_ptx(module.kernel("ep_combine_wait"), linked).found
+            if "nvshmem" in op} == {"call.uni nvshmem_signal_wait_until"}
 
 
 def test_linked_combine_assembles(linked):
