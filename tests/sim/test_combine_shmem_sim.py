@@ -194,12 +194,13 @@ def test_a_corrupted_row_bound_for_a_remote_source_is_reported_and_writes_nothin
 
 
 def test_kernel_calls_only_with_remote_sources():
-    """combine_async calls NVSHMEM only under the SHMEM transport; combine_wait never; with
-    every source in the group the module is the P2P one."""
+    """combine_async calls NVSHMEM only under the SHMEM transport; combine_wait only for the
+    consistency step after its arrival polls (``nvshmem_signal_wait_until``); with every
+    source in the group the module is the P2P one."""
     m = build_combine_module(make_cfg(4, 2))
     names = {k.name: calls_in(k) for k in m.kernels}
     assert set(names["ep_combine_async"]) == NVSHMEM_CALLS
-    assert names["ep_combine_wait"] == []
+    assert names["ep_combine_wait"] == ["nvshmem_signal_wait_until"]
     seq = names["ep_combine_async"]
     # per source: a put-with-signal per row, a signal for a refused row, the publication;
     # then one quiet for the warp, after the last source
