@@ -13,6 +13,8 @@ import pytest
 
 from epgen.runtime import bootstrap
 
+from atomic_writes import record_replaces
+
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -83,13 +85,7 @@ def test_uid_wait_names_the_file(tmp_path):
 
 def test_uid_written_atomically(tmp_path, monkeypatch):
     b = bootstrap.FileBootstrap(tmp_path, 0, 2)
-    seen = []
-    real = os.replace
-
-    def replace(src, dst):
-        seen.append((os.path.basename(src), os.path.exists(dst)))
-        real(src, dst)
-    monkeypatch.setattr(os, "replace", replace)
+    seen = record_replaces(monkeypatch)
     b.broadcast_bytes(b"\x01" * 128)
     (name, existed), = seen
     assert name.startswith(".uid-nvshmem.") and not existed

@@ -14,6 +14,8 @@ import pytest
 
 from epgen.runtime import bootstrap
 
+from atomic_writes import record_replaces
+
 
 def test_file_gather_every_rank_in_order_twice(tmp_path):
     n = 3
@@ -57,13 +59,7 @@ def test_file_gather_names_the_missing_ranks(tmp_path):
 
 def test_file_gather_written_atomically(tmp_path, monkeypatch):
     b = bootstrap.FileBootstrap(tmp_path, 0, 1)
-    seen = []
-    real = os.replace
-
-    def replace(src, dst):
-        seen.append((os.path.basename(src), os.path.exists(dst)))
-        real(src, dst)
-    monkeypatch.setattr(os, "replace", replace)
+    seen = record_replaces(monkeypatch)
     assert b.all_gather_bytes(b"\x02" * 5, "a") == [b"\x02" * 5]
     (name, existed), = seen
     assert name.startswith(".gather-a-0-0.") and not existed
