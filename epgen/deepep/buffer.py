@@ -27,7 +27,8 @@ argument):
   mode"); a rank's mask spans every world of its group (``emulated.MaskBook``).
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
-  on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode,
+  on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode's
+  ``dispatch`` and ``combine`` (its ``get_dispatch_layout`` is here),
   ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
@@ -39,7 +40,7 @@ argument):
 from __future__ import annotations
 
 from ..errors import EPInputError
-from . import events, shapes, views
+from . import dispatch_layout, events, shapes, views
 from .config import Config
 from .emulated import EmulatedRank
 from .handle import LowLatencyHandle
@@ -136,6 +137,8 @@ class Buffer:
         self._next_slot = 0
         self._ports = set()
         self._destroyed = False
+        #: get_dispatch_layout results captured into a CUDA graph, checked by check()
+        self._layout_checks = []
 
     # -- DeepEP's static helpers ---------------------------------------------------------------
     @staticmethod
@@ -392,9 +395,12 @@ class Buffer:
 
     def check(self) -> None:
         """epgen's own: synchronise and raise what the kernels of this rank recorded (bad
-        top-k ids, naming rank, token and slot; expired waits)."""
+        top-k ids, naming rank, token and slot; expired waits) and the bad top-k ids of
+        ``get_dispatch_layout`` calls captured into a CUDA graph."""
         for port in list(self._ports):
             port.check()
+        for res in self._layout_checks:
+            res.raise_if_bad()
 
     # -- shrink mode: the rank mask ------------------------------------------------------------
     def _require_shrink(self, what: str) -> None:
@@ -445,9 +451,26 @@ class Buffer:
         self._require_shrink("low_latency_clean_mask_buffer")
         self._book().clean(self.rank)
 
-    def get_dispatch_layout(self, *args, **kwargs):
-        raise NotImplementedError("get_dispatch_layout: DeepEP's normal mode is not "
-                                  "available yet; use the low-latency calls")
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's ``get_dispatch_layout``: ``(num_tokens_per_rank, None,
+        num_tokens_per_expert, is_token_in_rank, event)`` of this rank's ``topk_idx``
+        (``dispatch_layout``), computed on the caller's stream after ``previous_event``.
+        A top-k id outside ``[-1, num_experts)`` raises ``EPInputError`` here (one host read
+        of a count), or at ``check()`` when the call was captured into a CUDA graph."""
+        torch = self.torch
+        dispatch_layout.check_arguments(torch, topk_idx, num_experts, self.group_size,
+                                        on_cuda=self.on_cuda)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        res = dispatch_layout.dispatch_layout(torch, topk_idx, num_experts, self.group_size)
+        if self.on_cuda and torch.cuda.is_current_stream_capturing():
+            self._layout_checks.append(res)
+        else:
+            res.raise_if_bad()
+        event = events.record(torch, self.on_cuda, None) if async_finish else events.EventOverlap()
+        return (res.num_tokens_per_rank, None, res.num_tokens_per_expert, res.is_token_in_rank,
+                event)
 
     def dispatch(self, *args, **kwargs):
         raise NotImplementedError("dispatch: DeepEP's normal mode is not available yet; use "

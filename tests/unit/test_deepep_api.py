@@ -84,7 +84,7 @@ def test_construction_refuses_what_it_cannot_serve(group):
     normal = deep_ep.Buffer(group.rank(0))
     with pytest.raises(EPInputError, match=r"needs low_latency_mode=True"):
         normal.low_latency_dispatch(*inputs(), T, E)
-    for call in (normal.get_dispatch_layout, normal.dispatch, normal.combine):
+    for call in (normal.dispatch, normal.combine):
         with pytest.raises(NotImplementedError, match="normal mode"):
             call()
 
