@@ -6,9 +6,9 @@ What crosses, per (token, k) slot whose expert lives on another rank (a ``-1`` s
 no expert and sends nothing; under ``skip_a2a`` nothing leaves a device):
 
 * **dispatch**, staged layout: one message, ``fmt.msg_size()`` bytes (payload, scales,
-  header); ``ep_final_layout``: the output row (payload, plus the row's scales for a format
-  with row-major output scales) and its header row (``layout.hdr_bytes``, which holds the
-  scales of a format with transposed output scales);
+  header), less the padding of its payload and scale fields where the warp send path
+  writes the fields one by one (``dispatch_row_bytes``); ``ep_final_layout``: the output row,
+  its scales and its header row;
 * **dispatch with ``dedup``** (one message per (token, destination rank), expanded at the
   destination): one message (or output + header row) per (token, remote rank) that holds at
   least one of the token's experts, plus a 4-byte index entry per remote (token, k) slot;
@@ -34,6 +34,11 @@ import sys
 
 import attrs
 import numpy as np
+
+from ..config import EPConfig
+from ..formats import make_format
+from ..kernels.send_policy import uses_warp_send
+from .inputs import make_input_sets
 
 INDEX_ENTRY_BYTES = 4
 """Bytes of one (token, k) index entry a deduplicated message carries per remote slot."""
@@ -75,17 +80,24 @@ class LinkBytes:
 
 
 def dispatch_row_bytes(cfg) -> int:
-    """Bytes one message carries to another rank: ``msg_size()`` (staged layout), or the
-    output row, its row-major scales and its header row (``ep_final_layout``)."""
+    """Bytes one message writes on another rank, as the build's send path writes them
+    (``send_policy.uses_warp_send``). The warp send path writes the fields themselves: the
+    payload, the scales (unpadded) and the header fields (``src_info_size +
+    topk_info_size``); the send-buffer and block-staged paths copy the staged message whole,
+    ``msg_size()`` bytes, the padding of the payload and scale fields included. Under
+    ``ep_final_layout`` the same bytes land in the output row, its scales (row-major formats:
+    the output scales; transposed ones: the header row) and the header row, whose whole
+    ``hdr_bytes`` the send-buffer path copies."""
     fmt = cfg.token_fmt
+    header = fmt.src_info_size + fmt.topk_info_size
+    payload = int(getattr(fmt, "payload_bytes", fmt.token_size))
+    scales = int(getattr(fmt, "out_scale_bytes_per_row", 0))
+    by_warp = uses_warp_send(cfg)
     if not cfg.ep_final_layout:
-        return int(fmt.msg_size())
-    row = getattr(fmt, "out_row_bytes", None)
-    if row is None:
-        row = math.prod(fmt.out_row_shape) * np.dtype(fmt.host_dtype).itemsize
-    scales = 0 if getattr(fmt, "scales_transposed", False) else \
-        int(getattr(fmt, "out_scale_bytes_per_row", 0))
-    return int(row) + scales + int(cfg.layout.hdr_bytes)
+        return payload + scales + header if by_warp else int(fmt.msg_size())
+    if getattr(fmt, "scales_transposed", False):
+        return payload + (header + scales if by_warp else cfg.layout.hdr_bytes)
+    return payload + scales + (header if by_warp else cfg.layout.hdr_bytes)
 
 
 def combine_row_bytes(hid_dim: int, fp8: bool = False) -> int:
@@ -185,8 +197,6 @@ def issue_config(n_ranks: int = 8, n_experts: int = 256, hid_dim: int = 7168, to
                  tokens: int = 4096, fmt: str = "BF16"):
     """The configuration of the dedup figures: H=7168, K=8, E=256 over 8 ranks, every rank a
     P2P peer (defaults), ``tokens`` per rank."""
-    from ..config import EPConfig
-    from ..formats import make_format
     return EPConfig(num_threads=1024, n_sms=132, n_experts=n_experts, n_ranks=n_ranks,
                     max_tokens_per_rank=tokens, p2p_world_size=n_ranks, use_shmem=False,
                     token_fmt=make_format(fmt, hid_dim, top_k))
@@ -196,7 +206,6 @@ def figure(cfg, tokens: int, routing: str = "uniform", zipf_s: float = 0.8,
            seed: int = 0) -> dict:
     """``dedup_ratios`` of one routing drawn as ``epgen bench`` draws its first input set
     (``inputs.make_input_sets``: ``routing`` uniform or zipf, ``seed``)."""
-    from .inputs import make_input_sets
     _toks, ids = make_input_sets(cfg, tokens, 1, routing, zipf_s, seed)[0]
     return {"routing": routing, "zipf_s": zipf_s if routing == "zipf" else None,
             "seed": seed, "tokens_per_rank": tokens, **dedup_ratios(cfg, ids)}

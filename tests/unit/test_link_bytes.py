@@ -1,6 +1,7 @@
 """The link-byte model (``epgen.bench.link_bytes``) against a slot-by-slot count written here
-(every (token, k) slot and every (token, rank) pair visited in Python, the bytes of each
-from the format's fields), on routings with ``-1`` slots, under the SHMEM and ``skip_a2a``
+(every (token, k) slot and every (token, rank) pair visited in Python), and its message
+sizes against hand-counted fields (the simulator's traffic counter checks both against the
+kernels: tests/sim/test_link_bytes_sim.py), on routings with ``-1`` slots, under the SHMEM and ``skip_a2a``
 configurations; the figures of the per-rank deduplicated dispatch and the FP8 combine at
 H=7168, K=8, E=256 over 8 ranks; bad inputs refused by name."""
 
@@ -24,24 +25,11 @@ def _cfg(R=4, E=8, H=256, K=3, fmt="BF16", P=None, **flags):
                           token_fmt=make_format(fmt, H, K), **flags)
 
 
-def _message_bytes(cfg) -> int:
-    """What one message carries, from the format's own fields."""
-    f = cfg.token_fmt
-    if not cfg.ep_final_layout:
-        return f.token_size + f.src_info_size + f.topk_info_size
-    row = f.out_row_bytes if hasattr(f, "out_row_bytes") else \
-        math.prod(f.out_row_shape) * np.dtype(f.host_dtype).itemsize
-    scales = getattr(f, "out_scale_bytes_per_row", 0)
-    if getattr(f, "scales_transposed", False):
-        scales = 0                  # they ride in the header row
-    return row + scales + cfg.layout.hdr_bytes
-
-
 def _slow_count(cfg, ids, dedup, fp8, partial):
     """(dispatch link, combine link, dispatch local, combine local, dispatch signal, combine
     signal), visiting every slot."""
     L, P, H = cfg.n_experts // cfg.n_ranks, cfg.p2p_world_size, cfg.token_fmt.hid_dim
-    msg = _message_bytes(cfg)
+    msg = lb.dispatch_row_bytes(cfg)       # checked below and against the simulator
     crow = (H + math.ceil(H / 128) * 4) if fp8 else 2 * H
     out = dict.fromkeys(("dl", "cl", "dloc", "cloc", "ds", "cs"), 0)
     for s, a in enumerate(ids):
@@ -94,6 +82,18 @@ def test_model_matches_a_slot_by_slot_count(case, dedup, fp8, partial, rng):
         assert got.dispatch_link == got.combine_link == 0
     assert got.signal_bytes == got.dispatch_signal + got.combine_signal
     assert got.local == got.dispatch_local + got.combine_local
+
+
+@pytest.mark.parametrize("case,want", [
+    ({}, 512 + 16 + 16),                                    # BF16: no padding
+    ({"fmt": "MXFP8"}, 256 + 8 + 16 + 16),                  # warp path: fields unpadded
+    ({"fmt": "MXFP8", "P": 2, "use_shmem": True}, 272 + 32),  # send buffer: msg_size()
+    ({"fmt": "BlockwiseFP8", "H": 384, "ep_final_layout": True}, 384 + 32 + 12),
+    ({"fmt": "NVFP4", "ep_final_layout": True}, 128 + 16 + 32),
+    ({"fmt": "MXFP4", "ep_final_layout": True}, 128 + 8 + 32),  # send buffer: hdr_bytes
+])
+def test_dispatch_row_bytes_by_send_path(case, want):
+    assert lb.dispatch_row_bytes(_cfg(**case)) == want
 
 
 def test_today_matches_the_p2p_benchmarks_count(rng):
