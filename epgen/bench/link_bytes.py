@@ -174,6 +174,26 @@ def sets_link_bytes(cfg, sets, *, dedup: bool = False, fp8: bool = False,
     return {"per_set": per, "mean": mean}
 
 
+OP_LINK = {"dispatch": ("dispatch_link",), "combine": ("combine_link",),
+           "moe": ("dispatch_link", "combine_link")}
+"""The link bytes of what each ``--op`` times."""
+
+
+def op_link_bytes(cfg, sets, op: str, *, dedup: bool = False, fp8: bool = False,
+                  partial_reduce: bool = False) -> dict:
+    """What ``epgen bench`` reports of a variant: the mean per call over the input sets of
+    ``sets_link_bytes`` (``LinkBytes`` fields), ``link`` (the bytes crossing between ranks
+    in what ``op`` times: the dispatch's, the combine's or both), ``options`` (the choices
+    counted) and ``per_set_link``."""
+    if op not in OP_LINK:
+        raise ValueError(f"op_link_bytes: op must be one of {', '.join(OP_LINK)}, got {op!r}")
+    got = sets_link_bytes(cfg, sets, dedup=dedup, fp8=fp8, partial_reduce=partial_reduce)
+    keys = OP_LINK[op]
+    return {**got["mean"], "link": sum(got["mean"][k] for k in keys),
+            "per_set_link": [sum(p[k] for k in keys) for p in got["per_set"]],
+            "options": {"dedup": dedup, "fp8": fp8, "partial_reduce": partial_reduce}}
+
+
 def dedup_ratios(cfg, topk_ids) -> dict:
     """The figures of the deduplicated dispatch and the FP8 combine on one routing: dispatch
     link bytes with ``dedup`` over today's, the combine's with ``partial_reduce`` over
