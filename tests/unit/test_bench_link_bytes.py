@@ -75,3 +75,26 @@ def test_op_link_bytes_by_op(rng):
     with pytest.raises(ValueError, match="op_link_bytes: op must be one of dispatch, combine, "
                                          "moe, got 'both'"):
         lb.op_link_bytes(cfg, sets, "both")
+
+
+@pytest.mark.parametrize("op", ["combine", "moe"])
+def test_combine_and_moe_report_their_link_bytes(fake_gpu, monkeypatch, op):  # noqa: F811
+    from epgen.bench import combine, combine_baseline, timing
+    key = combine.PRIMARY[op]
+    monkeypatch.setattr(combine, "measure_world", lambda *a, **k: {
+        "check": "ok", "post_check": "ok", key: timing.summarize([2.0, 2.0, 2.0])})
+    monkeypatch.setattr(combine_baseline, "measure", lambda *a, **k: {
+        "check": [], "round_trip": timing.summarize([4.0, 4.0, 4.0])})
+    plan = bench_args("--preset", "small", "--tokens", "16", "--no-gate", "--op", op)
+    res = driver.run(plan, quiet())
+    s = res["shapes"][0]
+    v = s["variants"][0]
+    cfg = plan.config(16, plan.variants[0], s["recv_block_capacity"])
+    want = _mean_link(cfg, 16, plan, "combine_link")
+    if op == "moe":
+        want += _mean_link(cfg, 16, plan, "dispatch_link")
+    assert v["link_bytes"]["link"] == pytest.approx(want) and want > 0
+    assert v[key]["link_gbps"] == pytest.approx(want / 2.0 / 1e6)
+    text = io.StringIO()
+    report.print_report(res, file=text)
+    assert f"{want / 1e9:.2f} GB across ranks" in text.getvalue()
