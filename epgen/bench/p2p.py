@@ -26,8 +26,9 @@ Method
   every GPU sending to the next at once (each GPU sends and receives one copy, as in the
   all-to-all). Bandwidth per GPU = bytes one GPU sends / time; the ring's is the reference.
 * **Bytes per GPU** (``link_bytes``): what crosses the links: each (token, k) message whose
-  destination is another rank, ``msg_size()`` bytes (staged layout) or an output row plus its
-  header (``ep_final_layout``), counted per source (sent) and per destination (received);
+  destination is another rank, as the send path writes it (``link_bytes.dispatch_row_bytes``:
+  the message, or under ``ep_final_layout`` an output row, its scales and its header),
+  counted per source (sent) and per destination (received);
   the busiest GPU's larger count over the inputs sets bounds the time; the combine sends each
   remote (token, k)'s BF16 row back (``combine_row_bytes``, the other way), moe both. GB/s
   per GPU = those bytes / the op's time (1 GB = 1e9 B); fraction = that / the ring's

@@ -36,7 +36,7 @@ Method
   each PE's median, and the median over calls of the slowest PE's time of each call (the
   calls line up: every PE passes the same barrier between them), which is the figure the
   table and the comparison use. GB/s per PE: the bytes a PE sends to other PEs (dispatch:
-  one message per token and distinct destination rank; combine: one BF16 row per remote
+  one message per remote (token, k) slot; combine: one BF16 row per remote
   (token, k)), the mean over PEs, over that median.
 * **Comparison** (``--compare-p2p``): per shape, each world's figure against the largest
   ``p2p_world_size``'s, as "x of direct stores" = its median / this one's (1.0: as fast;
