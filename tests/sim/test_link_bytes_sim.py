@@ -4,7 +4,8 @@ the simulator's traffic counter (``Machine.count_traffic``, backends/sim/traffic
 dispatch and one combine of a seeded routing with ``-1`` slots; the bytes each rank's
 threads write (peer stores) or put (NVSHMEM) into another rank's payload buffers equal the
 model's link bytes exactly, and the signals of the puts its signal bytes, on 2 and 4 ranks,
-BF16 and quantising formats, both layouts, the P2P and the SHMEM transport. Then the
+BF16 and quantising formats, both layouts, the P2P and the SHMEM transport, ``skip_a2a`` (nothing crosses), and under
+the weak memory model. Then the
 counter's own rules: off by default, reset, owners by GPU."""
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def own_buffers(world, i: int) -> dict:
     return {**arrays(world.ranks[i]), **arrays(world.combiner().bufs[i], "combine.")}
 
 
-def counted_world(cfg, seed):
-    """An ``EmulatedWorld`` of ``cfg`` on the simulator, counting traffic with each rank the
-    owner of its stream and buffers."""
-    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+def counted_world(cfg, seed, memory="sc"):
+    """An ``EmulatedWorld`` of ``cfg`` on the simulator (``memory``: its memory model),
+    counting traffic with each rank the owner of its stream and buffers."""
+    world = EmulatedWorld(cfg, backend=sim_backend.Machine(seed, memory=memory))
     machine = world.cuda
     machine.count_traffic()
     for i, rk in enumerate(world.ranks):
@@ -70,6 +71,8 @@ CASES = {
     "R2-final-blockwise_fp8": dict(R=2, fmt="BlockwiseFP8", H=384, ep_final_layout=True),
     "R2-final-mxfp4": dict(R=2, fmt="MXFP4", H=256, ep_final_layout=True),
     "R4-blockwise_fp8-block_broadcast": dict(R=4, fmt="BlockwiseFP8", H=384, prefill=True),
+    "R2-skip_a2a": dict(R=2, skip_a2a=True),
+    "R2-bf16-weak_memory": dict(R=2, memory="weak"),
     "R2-shmem": dict(R=2, P=1, use_shmem=True),
     "R4-shmem-mixed-mxfp8": dict(R=4, P=2, use_shmem=True, fmt="MXFP8", H=256),
 }
@@ -77,9 +80,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_counted_link_bytes_equal_the_model(case, seed):
-    cfg = make_cfg(**CASES[case])
+    case_args = dict(CASES[case])
+    memory = case_args.pop("memory", "sc")
+    cfg = make_cfg(**case_args)
     rng = np.random.default_rng(seed)
-    world, machine = counted_world(cfg, seed)
+    world, machine = counted_world(cfg, seed, memory)
     layout = "final" if cfg.ep_final_layout else "staged"
     for call in range(2):
         toks, ids = routing.masked_routing(rng, cfg, cfg.max_tokens_per_rank, fraction=0.25) \
