@@ -131,6 +131,20 @@ def _float_binop_value(op, a: float, b: float, dtype: T.DType) -> float:
     return _round_float(r, dtype)
 
 
+def _access_bytes(dtype) -> int:
+    """Bytes one access of ``dtype`` moves (a vector's elements, a pointer's 8)."""
+    if isinstance(dtype, VecType):
+        return dtype.elem.nbytes * dtype.n
+    if isinstance(dtype, PtrType):
+        return 8
+    return dtype.nbytes
+
+
+def _store_kind(s) -> str:
+    """The traffic counter's kind of store ``s`` (traffic.py): ``release`` or ``store``."""
+    return "release" if is_release(s.sem) else "store"
+
+
 def _space(addr):
     """The state space of an address expression (None when it has no pointer type)."""
     t = getattr(addr, "dtype", None)
@@ -268,6 +282,8 @@ class Sim:
         self._slots: dict = {}      # Var -> index into a thread's vars
         self._keep: list = []       # the compiled nodes (their ids stay unique)
         self.shmem = None           # shmem.SymmetricHeap, once a world registers buffers
+        #: traffic.TrafficCounter while the machine counts written bytes, else None
+        self.traffic = None
         self.shmem_delay = shmem_delay
         #: the NVSHMEM transfers in flight (shmem.py), delivered at the end of each round
         self.transfers = nvshmem_model.Transfers(self.rng, shmem_delay, self._land_transfer)
@@ -577,7 +593,14 @@ class Sim:
             return M, load
         if isinstance(s, N.Store):
             addr, val, dt = f(s.addr), f(s.value), s.value.dtype
-            return M, lambda th: self._store(addr(th), val(th), dt)
+            kind, n = _store_kind(s), _access_bytes(dt)
+
+            def store(th):
+                a = addr(th)
+                self._store(a, val(th), dt)
+                if self.traffic is not None:
+                    self.traffic.note(th.launch.stream, a, n, kind)
+            return M, store
         if isinstance(s, N.AtomicRMW):
             addr, val, dt, op = f(s.addr), f(s.value), s.value.dtype, s.op
             slot = None if s.dst is None else self._slot(s.dst)
@@ -588,6 +611,8 @@ class Sim:
                 self._store(a, self._rmw(op, old, val(th), dt), dt)
                 if slot is not None:
                     th.vars[slot] = old
+                if self.traffic is not None:
+                    self.traffic.note(th.launch.stream, a, dt.nbytes, "atomic")
             return M, rmw
         if isinstance(s, N.AtomicCAS):
             addr, cmp, val, dt = f(s.addr), f(s.compare), f(s.value), s.value.dtype
@@ -599,6 +624,8 @@ class Sim:
                 if old == cmp(th):
                     self._store(a, val(th), dt)
                 th.vars[slot] = old
+                if self.traffic is not None:
+                    self.traffic.note(th.launch.stream, a, dt.nbytes, "atomic")
             return M, cas
         if isinstance(s, (N.Fence, N.Comment, N.Nanosleep)):
             return S, lambda th: None
@@ -704,6 +731,7 @@ class Sim:
         if isinstance(s, N.Store):
             val, dt = f(s.value), s.value.dtype
             lvl = release_level(scope) if is_release(s.sem) else 0
+            kind, n = _store_kind(s), _access_bytes(dt)
 
             def store(th):
                 a = addr(th)
@@ -712,6 +740,8 @@ class Sim:
                 wm.store(th, a, self._bytes(val(th), dt), lvl)
                 if lvl or th.wfenced:
                     wm.note_release(th, a, lvl or th.wfenced)
+                if self.traffic is not None:
+                    self.traffic.note(th.launch.stream, a, n, kind)
             return M, store
         if isinstance(s, N.SpinWait):
             return G, self._compile_spin(s, weak=True)
@@ -742,6 +772,8 @@ class Sim:
                 th.vars[slot] = _scalar_value(raw, dt)
             if acq:
                 wm.acquire(th, scope, a)
+            if self.traffic is not None:
+                self.traffic.note(th.launch.stream, a, dt.nbytes, "atomic")
         return M, atomic
 
     def _bytes(self, value, dtype) -> bytes:
@@ -864,6 +896,8 @@ class Sim:
         n = int(nbytes)
         target = self._heap().translate(dest, pe, n)
         data = self.mem.read(src, n) if self.weak is None else self.weak.load(th, src, n)
+        if self.traffic is not None:
+            self.traffic.note(th.launch.stream, target, n, "put")
         return self.transfers.issue(scope, fences, "put", target, int(pe),
                                     self._view(th, scope), data=bytes(data))
 
@@ -871,6 +905,8 @@ class Sim:
         if op not in (nvshmem.SIGNAL_SET, nvshmem.SIGNAL_ADD):
             raise SimError(f"nvshmemx_signal_op: unknown sig_op {op}")
         target = self._heap().translate(addr, pe, 8)
+        if self.traffic is not None:
+            self.traffic.note(th.launch.stream, target, 8, "put_signal" if after else "signal")
         return self.transfers.issue(scope, fences, "signal", target, int(pe),
                                     self._view(th, scope), after, value=value & MASK64,
                                     op=op)

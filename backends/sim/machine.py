@@ -27,6 +27,7 @@ from .interp import Sim
 from .memory import DeviceArray, SimError
 from .shmem import SymmetricHeap
 from .stream import Stream, record_event
+from .traffic import Ranges, Traffic, TrafficCounter
 
 
 class Pool:
@@ -104,6 +105,7 @@ class Machine:
         self.capture = None                            # the open graph capture
         self.graph = graph_api(self)
         self._default_streams: dict[int, Stream] = {}
+        self._allocations = Ranges()                    # every allocation's device
 
     def __repr__(self) -> str:
         weak = ", memory='weak'" if self.memory == "weak" else ""
@@ -206,7 +208,7 @@ class Machine:
     def zeros(self, shape, dtype, device=None, stream=None, memory_resource=None) -> DeviceArray:
         self._refuse_while_capturing()
         d, pool = self._place(device, memory_resource)
-        return DeviceArray(self, shape, dtype, device=d, pool=pool)
+        return self._note_allocation(DeviceArray(self, shape, dtype, device=d, pool=pool))
 
     empty = zeros
 
@@ -214,13 +216,44 @@ class Machine:
         self._refuse_while_capturing()
         host = np.ascontiguousarray(host)
         d, pool = self._place(device, memory_resource)
-        a = DeviceArray(self, host.shape, host.dtype, device=d, pool=pool)
+        a = self._note_allocation(DeviceArray(self, host.shape, host.dtype, device=d,
+                                              pool=pool))
         self.mem.put(a.ptr, host)
+        return a
+
+    def _note_allocation(self, a: DeviceArray) -> DeviceArray:
+        self._allocations.add(a.ptr, a.nbytes, a.device)
         return a
 
     @staticmethod
     def pointer_device(obj) -> int | None:
         return obj.device if isinstance(obj, DeviceArray) else getattr(obj, "device", None)
+
+    # -- the traffic counter (traffic.py) ---------------------------------------------------------
+    def count_traffic(self, on: bool = True) -> None:
+        """Start counting the bytes every launch's threads write, by owner (``traffic.py``),
+        from zero; ``on=False`` stops and drops the count. Off by default."""
+        self.sim.traffic = TrafficCounter(self._allocations) if on else None
+
+    def assign_traffic_owner(self, owner, *, streams=(), buffers=None) -> None:
+        """While counting: ``owner`` (any hashable, e.g. a rank) owns the launches of
+        ``streams`` and the memory of ``buffers`` (``{label: DeviceArray}``, disjoint) in
+        place of their GPU, and the counts name each buffer by its label. A ``SimError``
+        when the counter is off."""
+        if self.sim.traffic is None:
+            raise SimError("sim: assign_traffic_owner: the traffic counter is off (call "
+                           "count_traffic() first)")
+        self.sim.traffic.assign(owner, streams, buffers)
+
+    def link_traffic(self, reset: bool = False) -> Traffic:
+        """The bytes counted since ``count_traffic()`` or the last reset
+        (``traffic.Traffic``: by source owner, destination owner, buffer label and kind);
+        ``reset`` zeroes the count after reading it. A ``SimError`` when the counter is
+        off."""
+        if self.sim.traffic is None:
+            raise SimError("sim: link_traffic: the traffic counter is off (call "
+                           "count_traffic() first)")
+        return self.sim.traffic.read(reset)
 
     # -- NVSHMEM ---------------------------------------------------------------------------------
     def symmetric_heap(self):

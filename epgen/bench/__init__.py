@@ -18,6 +18,11 @@ Method
   read once, each routed message written and read once, each output row written once;
   ``ep_final_layout``: input read once, each output row written once. GB/s = bytes / time
   (1 GB = 1e9 B); fraction = GB/s over the copy's.
+* **Link bytes** (``link_bytes``): apart from those, the bytes crossing between ranks (a
+  message per remote (token, k) slot as the send path writes it; the combine's BF16 rows
+  back), from each variant's input sets, the mean per call, and their rate over the timed
+  figure. ``python -m epgen.bench.link_bytes`` prints the deduplicated-dispatch and FP8
+  ratios.
 * **Copy** (``runner``): ``copy_`` of a 1 GiB buffer in torch (and CuPy), read + written.
 * **Baseline** (``baseline``): one stable argsort of all ranks' (token, k) pairs by expert
   and one ``index_select`` into the grouped output; speed-up = its time / epgen's.

@@ -21,7 +21,22 @@ from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, publish
 from .timing import Gate, rate
+from .link_bytes import op_link_bytes
 from .traffic import baseline_bytes, combine_bytes, op_bytes, round_trip_bytes
+
+
+def variant_link_bytes(cfg, sets, op: str) -> dict:
+    """The bytes crossing between ranks in what ``op`` times, from the variant's input sets
+    (``link_bytes.op_link_bytes``: the mean per call, the dispatch as ``cfg`` sends it, the
+    combine in BF16 rows)."""
+    return op_link_bytes(cfg, sets, op)
+
+
+def add_link_rate(m: dict, link: dict) -> None:
+    """Put ``link`` (``variant_link_bytes``) into the measurement ``m``: ``link_bytes`` and
+    ``link_gbps`` (those bytes over its median time, 1 GB = 1e9 B)."""
+    m["link_bytes"] = link["link"]
+    m["link_gbps"] = rate(link["link"], m["median_ms"])[0]
 
 
 def _fits(plan: Plan, need: int, out: dict, hint: str = "") -> bool:
@@ -73,11 +88,12 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, 
     """Build, check and time one variant's world on ``sets``."""
     cfg = plan.config(T, variant, cap)
     nbytes = round_trip_bytes(cfg, T)
+    link = variant_link_bytes(cfg, sets, "dispatch")
     wm = memory.world_memory(cfg)
     full = memory.world_memory(plan.config(T, variant))["total"]
     staged = memory.staged_inputs_memory(cfg, T, plan.sets)
     out = {"label": variant.label, "spec": variant.spec, "config": cfg.describe(),
-           "bytes": nbytes,
+           "bytes": nbytes, "link_bytes": link,
            "memory": {"world": wm["total"], "world_per_rank": wm["per_rank"],
                       "world_full_capacity": full, "epgen_phase": wm["total"] + staged}}
     progress(f"  memory: {fmt_gb(wm['total'] + staged)} (world {fmt_gb(wm['total'])} at "
@@ -107,6 +123,7 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, 
             m["gbps"], m["fraction_of_copy"] = rate(nb, m["median_ms"], copy_gbps)
         if copy_gbps:
             r["round_trip"]["byte_floor_us"] = nbytes["total"] / copy_gbps / 1e3
+        add_link_rate(r["round_trip"], link)
         out.update(r)
         progress(f"  epgen {variant.label}: check {r['check']}, round trip "
                  f"{1e3 * r['round_trip']['median_ms']:.1f} us")
@@ -168,9 +185,10 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
     wm = memory.world_memory(cfg)
     need_bytes = wm["total"] + _combine_memory(cfg) + memory.staged_inputs_memory(cfg, T,
                                                                                   plan.sets)
+    link = variant_link_bytes(cfg, sets, plan.op)
     out = {"label": variant.label, "spec": variant.spec, "config": cfg.describe(),
            "bytes": {**rt, "layout": rt["layout"], "combine": cb,
-                     "total": op_bytes(cfg, T, plan.op)},
+                     "total": op_bytes(cfg, T, plan.op)}, "link_bytes": link,
            "memory": {"world": wm["total"], "combine": _combine_memory(cfg),
                       "epgen_phase": need_bytes}}
     if cap < need:
@@ -191,6 +209,7 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
         m["gbps"], m["fraction_of_copy"] = rate(m["bytes"], m["median_ms"], copy_gbps)
         if copy_gbps:
             m["byte_floor_us"] = m["bytes"] / copy_gbps / 1e3
+        add_link_rate(m, link)
         out.update(r)
         progress(f"  epgen {variant.label}: check {r['check']}, {key} "
                  f"{1e3 * m['median_ms']:.1f} us")
@@ -255,6 +274,9 @@ def run(plan: Plan, progress: Progress) -> dict:
                    "gate": plan.gate, "inputs": f"{plan.sets} staged sets rotated",
                    "bytes": "staged: input + 2 x messages + output rows; final layout: input "
                             "+ output rows; GB = 1e9 B",
+                   "link_bytes": "bytes crossing between ranks (epgen.bench.link_bytes): a "
+                                 "message per remote (token, k) slot; combine: a BF16 row per "
+                                 "remote slot; mean per call over the input sets",
                    "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
     }
     if plan.op != "dispatch":

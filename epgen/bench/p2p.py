@@ -26,8 +26,9 @@ Method
   every GPU sending to the next at once (each GPU sends and receives one copy, as in the
   all-to-all). Bandwidth per GPU = bytes one GPU sends / time; the ring's is the reference.
 * **Bytes per GPU** (``link_bytes``): what crosses the links: each (token, k) message whose
-  destination is another rank, ``msg_size()`` bytes (staged layout) or an output row plus its
-  header (``ep_final_layout``), counted per source (sent) and per destination (received);
+  destination is another rank, as the send path writes it (``link_bytes.dispatch_row_bytes``:
+  the message, or under ``ep_final_layout`` an output row, its scales and its header),
+  counted per source (sent) and per destination (received);
   the busiest GPU's larger count over the inputs sets bounds the time; the combine sends each
   remote (token, k)'s BF16 row back (``combine_row_bytes``, the other way), moe both. GB/s
   per GPU = those bytes / the op's time (1 GB = 1e9 B); fraction = that / the ring's
@@ -72,7 +73,8 @@ from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
 from .timing import Gate, fork_join, sample, summarize
-from .traffic import combine_bytes, op_bytes, out_row_bytes, round_trip_bytes
+from .link_bytes import dispatch_row_bytes, rank_counts
+from .traffic import combine_bytes, op_bytes, round_trip_bytes
 
 NCCL_NAME = "torch NCCL all_to_all+permute"
 MIN_GPUS = 2
@@ -87,10 +89,9 @@ NO_COMBINE_BASELINE = ("no NCCL baseline for --op combine|moe: the NCCL job time
 # ---- pure: bytes, rates, the NCCL job's numpy twin --------------------------------------------
 def link_row_bytes(cfg) -> int:
     """Bytes one routed (token, k) sends to another GPU: a message (staged layout), or an
-    output row plus its header row (``ep_final_layout``)."""
-    if cfg.ep_final_layout:
-        return out_row_bytes(cfg.token_fmt) + cfg.layout.hdr_bytes
-    return cfg.token_fmt.msg_size()
+    output row, its scales and its header row (``ep_final_layout``), as the build's send path
+    writes them (``link_bytes.dispatch_row_bytes``)."""
+    return dispatch_row_bytes(cfg)
 
 
 def combine_row_bytes(cfg) -> int:
@@ -100,14 +101,9 @@ def combine_row_bytes(cfg) -> int:
 
 
 def pair_counts(cfg, topk_ids) -> np.ndarray:
-    """``[R, R]``: routed (token, k) pairs each source rank sends to each destination rank."""
-    L = cfg.layout.n_local_experts
-    R = cfg.n_ranks
-    out = np.zeros((R, R), dtype=np.int64)
-    for s, ids in enumerate(topk_ids):
-        dst = np.asarray(ids, dtype=np.int64).reshape(-1) // L
-        out[s] = np.bincount(dst, minlength=R)[:R]
-    return out
+    """``[R, R]``: routed (token, k) pairs each source rank sends to each destination rank
+    (``-1`` slots nowhere; ``link_bytes.rank_counts``)."""
+    return rank_counts(cfg, topk_ids)[0]
 
 
 def link_bytes(cfg, topk_ids, op: str = "dispatch") -> dict:

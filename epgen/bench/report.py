@@ -170,6 +170,19 @@ def print_shapes(results, file, baseline: str, traffic) -> None:
                   file=file)
 
 
+def variant_bytes(v, what: str, key: str) -> str:
+    """A variant's bytes per ``what``: the total it moves through memory and, apart, the
+    bytes crossing between ranks (``link_bytes``), with their rate over its ``key``
+    measurement where that was timed."""
+    text = f"{fmt_gb(v['bytes']['total'])} per {what}"
+    link = v.get("link_bytes")
+    if link is None:
+        return text
+    text += f", {fmt_gb(link['link'])} across ranks"
+    gbps = v.get(key, {}).get("link_gbps")
+    return text + (f" ({gbps:.1f} GB/s)" if gbps is not None else "")
+
+
 def print_report(results, file=None) -> None:
     """The header (date, commit, device, copy), each shape's and variant's checks and bytes,
     then the table."""
@@ -186,8 +199,8 @@ def print_report(results, file=None) -> None:
               + ", ".join(parts) + f"; reference {c['gbps']:.1f} GB/s", file=file)
     what = {"dispatch": "round trip", "combine": "combine",
             "moe": "dispatch + combine"}[results.get("op", "dispatch")]
-    print_shapes(results, file, "baseline",
-                 lambda v: f"{fmt_gb(v['bytes']['total'])} per {what}")
+    key = _primary(results)
+    print_shapes(results, file, "baseline", lambda v: variant_bytes(v, what, key))
     print(file=file)
     print(format_table(table_rows(results)), file=file)
 

@@ -36,7 +36,7 @@ Method
   each PE's median, and the median over calls of the slowest PE's time of each call (the
   calls line up: every PE passes the same barrier between them), which is the figure the
   table and the comparison use. GB/s per PE: the bytes a PE sends to other PEs (dispatch:
-  one message per token and distinct destination rank; combine: one BF16 row per remote
+  one message per remote (token, k) slot; combine: one BF16 row per remote
   (token, k)), the mean over PEs, over that median.
 * **Comparison** (``--compare-p2p``): per shape, each world's figure against the largest
   ``p2p_world_size``'s, as "x of direct stores" = its median / this one's (1.0: as fast;
@@ -69,6 +69,7 @@ from ..runtime.shmem_world import ShmemWorld
 from ..inspection import combine_buffers
 from . import combine as bench_combine
 from . import memory
+from .link_bytes import dispatch_row_bytes
 from .p2p import slowest_rank_times
 from .plan import shape_name
 from .report import Progress, git_commit, write_json
@@ -83,15 +84,13 @@ TIMING = ("per PE on its own stream: an event before and after the timed launche
 
 # ---- pure: bytes, expert rows ---------------------------------------------------------------------
 def sent_bytes(cfg, topk_ids, rank: int) -> int:
-    """Bytes rank ``rank`` sends to other ranks: one message per (token, distinct
-    destination rank other than its own)."""
+    """Bytes rank ``rank`` sends to other ranks: one message per (token, k) slot whose
+    expert is on another rank (``-1`` slots send nothing), each as the send path writes it
+    (``link_bytes.dispatch_row_bytes``)."""
     L = cfg.layout.n_local_experts
     ids = np.asarray(topk_ids)
-    if ids.size == 0:
-        return 0
-    dest = ids // L
-    n = sum(len(set(row.tolist()) - {rank}) for row in dest)
-    return n * cfg.layout.msg_bytes
+    n = int(np.count_nonzero((ids >= 0) & (ids // L != rank)))
+    return n * dispatch_row_bytes(cfg)
 
 
 def combine_sent_bytes(cfg, all_topk_ids, rank: int) -> int:
@@ -396,8 +395,8 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                                              for p in plan.sizes),
                "nvshmem_symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"),
                "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
-                          "sent_bytes": "dispatch: a message per (token, distinct remote "
-                                        "rank); combine: a BF16 row per remote (token, k)"},
+                          "sent_bytes": "dispatch: a message per remote (token, k) slot; "
+                                        "combine: a BF16 row per remote (token, k)"},
                "runs": [], "failures": []}
     with contextlib.ExitStack() as stack:
         if session is None:

@@ -166,15 +166,17 @@ def test_sent_bytes_by_hand():
     cfg = tiny_cfg(T=2, H=16, K=2, R=2, E=4)            # L = 2
     ids = [np.array([[0, 2], [2, 3]]), np.array([[0, 1], [1, 3]])]
     msg = cfg.layout.msg_bytes
-    assert shmem.sent_bytes(cfg, ids[0], 0) == 2 * msg   # tokens 0 and 1 each to rank 1 once
-    assert shmem.sent_bytes(cfg, ids[1], 1) == 2 * msg
+    # a message per remote slot: rank 0's (0, 1), (1, 0), (1, 1); rank 1's (0, 0), (0, 1), (1, 0)
+    assert shmem.sent_bytes(cfg, ids[0], 0) == 3 * msg
+    assert shmem.sent_bytes(cfg, ids[1], 1) == 3 * msg
+    assert shmem.sent_bytes(cfg, np.array([[-1, 2], [-1, -1]]), 0) == msg   # -1 sends nothing
     row = 16 * 2
     # rank 0 sends back the rows rank 1 routed to it: (0, 0), (0, 1), (1, 0)
     assert shmem.combine_sent_bytes(cfg, ids, 0) == 3 * row
     assert shmem.combine_sent_bytes(cfg, ids, 1) == 3 * row      # (0,1), (1,0), (1,1)
-    assert shmem.op_sent_bytes(cfg, ids, 0, "dispatch") == 2 * msg
+    assert shmem.op_sent_bytes(cfg, ids, 0, "dispatch") == 3 * msg
     assert shmem.op_sent_bytes(cfg, ids, 0, "combine") == 3 * row
-    assert shmem.op_sent_bytes(cfg, ids, 0, "moe") == 2 * msg + 3 * row
+    assert shmem.op_sent_bytes(cfg, ids, 0, "moe") == 3 * msg + 3 * row
 
 
 def test_expert_rows_name_their_slot(seed):
