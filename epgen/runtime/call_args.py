@@ -12,7 +12,7 @@ import numpy as np
 from .. import combine_fp8, interop
 from ..errors import EPInputError
 
-__all__ = ["input_scale", "per_rank", "combine_inputs", "last_dispatch_rows", "check_combine",
+__all__ = ["input_scale", "per_rank", "combine_fp8_flag", "combine_inputs", "last_dispatch_rows", "check_combine",
            "check_dispatch_outputs"]
 
 

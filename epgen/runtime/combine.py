@@ -116,10 +116,14 @@ class Combiner:
         """The BF16 kernels' names one call launches (the FP8 ones are their twins)."""
         return (C_FUSED,) if self.fused else (C_ASYNC, C_WAIT)
 
-    def kernel_name(self, bf16_name: str) -> str:
-        """The kernel the next launch of ``bf16_name`` runs: itself, or its FP8 twin after a
-        ``load`` with ``fp8``."""
-        return Fp8Combine.wire_name(bf16_name) if self.fp8 else bf16_name
+    def _fp8(self, fp8) -> bool:
+        """``fp8`` of an argument method: the last ``load``'s choice when None."""
+        return self.fp8 if fp8 is None else bool(fp8)
+
+    def kernel_name(self, bf16_name: str, fp8: bool | None = None) -> str:
+        """The kernel a launch of ``bf16_name`` runs: itself, or its FP8 twin with ``fp8``
+        (None: the last ``load``'s choice)."""
+        return Fp8Combine.wire_name(bf16_name) if self._fp8(fp8) else bf16_name
 
     def all_kernels(self) -> tuple:
         """Every loaded combine kernel (``ir.Kernel``: the BF16 module's, and the FP8
@@ -138,10 +142,10 @@ class Combiner:
         self.fp8_side = Fp8Combine(self, GUARD_BYTES)
         return True
 
-    def program_of(self, rk):
+    def program_of(self, rk, fp8: bool | None = None):
         """The ``Program`` that launches rank ``rk``'s combine kernels (its GPU's; the FP8
-        module's when the last ``load`` chose ``fp8``)."""
-        programs = self.fp8_side.programs if self.fp8 else self.programs
+        module's with ``fp8``, None: the last ``load``'s choice)."""
+        programs = self.fp8_side.programs if self._fp8(fp8) else self.programs
         return programs.of(rk)
 
     # -- tables ------------------------------------------------------------------------------
@@ -244,28 +248,28 @@ class Combiner:
                                        rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 
-    def async_args(self, i: int) -> dict:
-        """``ep_combine_async``'s launch arguments for rank index ``i`` (its FP8 twin's
-        after a ``load`` with ``fp8``: ``Fp8Combine.async_args``)."""
-        w = self.world
+    def async_args(self, i: int, fp8: bool | None = None) -> dict:
+        """``ep_combine_async``'s launch arguments for rank index ``i`` (its FP8 twin's with
+        ``fp8``, None: the last ``load``'s choice: ``Fp8Combine.async_args``)."""
+        w, fp8 = self.world, self._fp8(fp8)
         rk, b = w.ranks[i], self.bufs[i]
-        args = {**w.trace_args(self.kernel_name(C_ASYNC), rk),
+        args = {**w.trace_args(self.kernel_name(C_ASYNC, fp8), rk),
                 **w.mask_args(rk, waits=False),
                 "expert_out": b.expert_out,
                 "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
                 "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
-        if self.fp8:
+        if fp8:
             args.update(self.fp8_side.async_args(i))
         return args
 
-    def wait_args(self, i: int) -> dict:
+    def wait_args(self, i: int, fp8: bool | None = None) -> dict:
         """``ep_combine_wait``'s launch arguments for rank index ``i`` (the last ``load``'s
         weighted / residual choice)."""
-        w = self.world
+        w, fp8 = self.world, self._fp8(fp8)
         rk, b = w.ranks[i], self.bufs[i]
-        args = {**w.trace_args(self.kernel_name(C_WAIT), rk),
+        args = {**w.trace_args(self.kernel_name(C_WAIT, fp8), rk),
                 **w.mask_args(rk, waits=True),
                 "combine_buf": b.recv, "arrival": b.arrival,
                 "topk_ids": rk.topk_ids,
@@ -273,18 +277,19 @@ class Combiner:
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
                 "my_rank": rk.rank, "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
-        if self.fp8:
+        if fp8:
             args.update(self.fp8_side.wait_args(i))
         return args
 
-    def fused_args(self, i: int) -> dict:
+    def fused_args(self, i: int, fp8: bool | None = None) -> dict:
         """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
         ``skip_a2a`` with the shared expert the devices' count (``allreduce_world_size``, as
         for ``ep_dispatch``)."""
-        name = self.kernels()[0]
-        args = {**self.async_args(i), **self.wait_args(i),
+        fp8 = self._fp8(fp8)
+        name = self.kernel_name(C_FUSED, fp8)
+        args = {**self.async_args(i, fp8), **self.wait_args(i, fp8),
                 **self.world.trace_args(name, self.world.ranks[i])}
-        program = self.fp8_side.program if self.fp8 else self.program
+        program = self.fp8_side.program if fp8 else self.program
         names = {p.name for p in program.module.kernel(name).params}
         if "allreduce_world_size" in names:
             args["allreduce_world_size"] = self.world.allreduce_world_size
