@@ -1,0 +1,223 @@
+"""The FP8 combine (``fp8=True``: ``ep_combine_async_fp8``, ``ep_combine_wait_fp8``,
+``ep_combine_fp8``; docs/combine.md, "FP8 combine") on the CPU simulator: every result equals
+``epgen.reference.combine(..., fp8=True)`` bit for bit (the reference quantises with the
+BlockwiseFP8 format's host quantiser), on 2 and 4 ranks, weighted, with a residual and
+unreduced, after a quantising dispatch format, in the final layout, with the fused kernel,
+the shared expert, ``skip_a2a``, the SHMEM transport (one put per row, codes and scales
+together), rank masks, masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and
+consecutive calls alternating the FP8 and the BF16 combine (each exact, without a rebuild)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import epgen
+from backends import sim as sim_backend
+from backends.sim import shmem as sim_shmem
+from epgen import combine_fp8, reference, routing
+from epgen.errors import EPInputError
+from epgen.formats import make_format
+from epgen.reference_combine import source_of_rows
+from epgen.runtime.world import EmulatedWorld
+
+from combine_checks import expert_outputs, round_trip_inputs, weights
+from combine_fp8_checks import assert_same, check_fp8_round_trips, plant_special_rows
+from mask_checks import assert_survivors, combine_and_check, draw
+from sim_world import sim_world
+from world_checks import make_cfg
+
+
+def _tiny(fmt="BF16", H=128, R=2, K=2, T=4, **flags):
+    """A grid the simulator runs quickly: 64 threads x 5 blocks, 4 tokens per rank."""
+    return epgen.EPConfig(num_threads=64, n_sms=5, n_experts=2 * R, n_ranks=R,
+                          max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
+                          token_fmt=make_format(fmt, H, K), **flags)
+
+
+def _launched(world) -> set[str]:
+    """The combine kernels the world has launched (both modules)."""
+    comb = world.combiner()
+    names = {k for k, _ in comb.program.loaded.launched}
+    if comb.fp8_side is not None:
+        names |= {k for k, _ in comb.fp8_side.program.loaded.launched}
+    return names
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fp8_combine_matches_the_reference_bit_for_bit(R, seed):
+    """Weighted with a residual, weighted, unreduced; each followed by a BF16 combine of the
+    same dispatch (the two switch per call); 3 calls, masked slots on the odd ones."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=R, H=256, K=4 if R == 4 else 2)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 3), f"R={R}")
+    assert _launched(world) == {"ep_combine_async", "ep_combine_wait",
+                                "ep_combine_async_fp8", "ep_combine_wait_fp8"}
+
+
+def test_a_quantising_dispatch_format(seed):
+    """A BlockwiseFP8 dispatch: the experts' outputs are BF16 all the same, quantised again
+    for the combine."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny("BlockwiseFP8", H=128)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "BlockwiseFP8",
+                          alternate=False)
+
+
+def test_final_layout(seed):
+    """``ep_final_layout`` + ``ep_prod_reserve``, 4 ranks: rows found as the BF16 combine
+    finds them."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=4, ep_final_layout=True, ep_prod_reserve=True)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "final layout",
+                          forms=("weighted+residual", "unreduced"), alternate=False)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fused_kernel(R, seed):
+    """``ep_combine_fp8`` (one launch per rank) when the world runs the fused dispatch."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=R)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, fused=True)
+    check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "fused",
+                          forms=("weighted+residual", "unreduced"))
+    assert _launched(world) == {"ep_combine", "ep_combine_fp8"}
+
+
+@pytest.mark.parametrize("devices", [None, 3], ids=["ranks", "skip_a2a"])
+def test_fused_shared_expert(devices, seed):
+    """The shared expert's rows are the source's own BF16 rows (they do not cross a link):
+    added after the dequantised routed slots, before the residual."""
+    rng = np.random.default_rng(seed)
+    skip = devices is not None
+    cfg = _tiny(R=1 if skip else 2, skip_a2a=skip, fused_shared_expert=True)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=devices)
+    check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=devices),
+                          "fused SE", forms=("weighted+residual",))
+
+
+def test_skip_a2a(seed):
+    """Independent devices: each combines its own local slots in FP8."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=1, K=4, skip_a2a=True)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed, devices=3)
+    check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2, devices=3),
+                          "skip_a2a", forms=("weighted", "unreduced"), alternate=False)
+
+
+def test_special_rows(seed):
+    """Zero, -0, NaN, +-inf and subnormal expert-output rows: the kernels give the
+    reference's bits, and the reference gives what docs/combine.md states (an all-zero or
+    all -0 row adds +0; a subnormal row quantises to zero codes; a NaN element becomes -448 of
+    its group's scale; an infinite element makes its group's scale +inf: the element
+    dequantises to -inf, the rest of its group to NaN)."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(R=2, H=256)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    results = world.dispatch(toks, ids)
+    ys = expert_outputs(rng, cfg, results)
+    planted = plant_special_rows(rng, ys)
+    w = weights(rng, cfg, ids)
+    for wt in (w, None):
+        got = world.combine(ys, wt, fp8=True)
+        assert_same(got, reference.combine(cfg, results, ys, wt, n_tokens=[len(i) for i in ids],
+                                           fp8=True), f"seed {seed} special rows {wt is None}")
+    H = cfg.token_fmt.hid_dim
+    for d, row, case in planted:
+        y = ys[d][row:row + 1]
+        v = combine_fp8.wire_values(cfg, y)[0]
+        codes, scales = combine_fp8.quantize_rows(cfg, y)
+        g = np.arange(H) // combine_fp8.GROUP
+        if case in ("zero", "neg_zero", "subnormal"):
+            assert not np.any(codes & 0x7F) and np.all(v == 0), case
+        elif case == "nan":
+            col = int(np.nonzero(y[0] == 0x7FC0)[0][0])
+            assert v[col] == np.float32(-448) * scales[0, g[col]], case
+        else:
+            col = int(np.nonzero((y[0] & 0x7FFF) == 0x7F80)[0][0])
+            group = g == g[col]
+            assert np.isinf(scales[0, g[col]]) and v[col] == -np.inf, case
+            assert np.all(np.isnan(v[group & (np.arange(H) != col)])), case
+            assert np.all(np.isfinite(v[~group])), case
+
+
+@pytest.mark.parametrize("group", [(2, 1), (4, 2)], ids=["p2p1", "mixed"])
+def test_shmem_transport(group, seed, monkeypatch):
+    """Sources outside the P2P group get each row by ONE put-with-signal of its whole slot
+    (codes and scales), from the send staging; in-group sources by peer stores; weighted,
+    residual and unreduced equal the reference; then a BF16 combine of the same world."""
+    R, P = group
+    cfg = epgen.EPConfig(num_threads=64, n_sms=R + 2, n_experts=2 * R, n_ranks=R,
+                         max_tokens_per_rank=4, p2p_world_size=P, use_shmem=True,
+                         token_fmt=make_format("BF16", 128, 2))
+    rng = np.random.default_rng(seed)
+    seen = []
+    translate = sim_shmem.SymmetricHeap.translate
+
+    def record(heap, addr, pe, nbytes=1):
+        src, name, _ = heap.locate(addr, nbytes)
+        seen.append((name, src, int(pe), nbytes))
+        return translate(heap, addr, pe, nbytes)
+    with sim_world(cfg, seed) as world:
+        toks, ids = routing.routing(rng, cfg, [cfg.max_tokens_per_rank] * R)
+        results = world.dispatch(toks, ids)
+        ys = expert_outputs(rng, cfg, results)
+        w = weights(rng, cfg, ids)
+        monkeypatch.setattr(sim_shmem.SymmetricHeap, "translate", record)
+        assert_same(world.combine(ys, w, fp8=True),
+                    reference.combine(cfg, results, ys, w, fp8=True), f"seed {seed} weighted")
+        monkeypatch.undo()
+        puts = sorted((d, s) for n, d, s, _ in seen if n == "combine_fp8_recv")
+        want = sorted((d, int(s)) for d, res in enumerate(results)
+                      for s in source_of_rows(res) if int(s) // P != d // P)
+        assert puts and puts == want, "one put per row to each remote source"
+        assert {b for n, _, _, b in seen if n == "combine_fp8_recv"} == \
+            {combine_fp8.slot_bytes(cfg)}, "a put carries the whole slot: codes and scales"
+        n_tok = [len(i) for i in ids]
+        res = [rng.integers(0, 1 << 16, size=(len(i), 128), dtype=np.uint16) & np.uint16(0xBFFF)
+               for i in ids]
+        assert_same(world.combine(ys, w, residual=res, fp8=True),
+                    reference.combine(cfg, results, ys, w, residual=res, fp8=True),
+                    f"seed {seed} residual")
+        assert_same(world.combine(ys, None, fp8=True),
+                    reference.combine(cfg, results, ys, None, n_tokens=n_tok, fp8=True),
+                    f"seed {seed} unreduced")
+        assert_same(world.combine(ys, w), reference.combine(cfg, results, ys, w),
+                    f"seed {seed} bf16 after fp8")
+
+
+def test_rank_masks(seed):
+    """A rank masked by hand gets no row and is not waited for; its experts' slots weigh
+    nothing in the FP8 combine either (the reference without it)."""
+    rng = np.random.default_rng(seed)
+    cfg = make_cfg(4, 8, 128, 2, 4, 64, 6, ep_rank_mask=True)
+    world = epgen.EmulatedWorld(cfg, backend=sim_backend.Machine(seed, max_spins=1000))
+    world.update_mask(2, True)
+    (toks, ids), (full_t, full_i) = draw(rng, cfg)
+    world.load_inputs(toks, ids)
+    world.enqueue_round_trip()
+    world.check()
+    res = world.results()
+    assert_survivors(cfg, res, full_t, full_i, {2})
+    assert combine_and_check(world, rng, res, full_t, full_i, {2}, fp8=True) == []
+
+
+def test_refusals_leave_the_world_usable(seed):
+    """``fp8=True`` with ``hid_dim`` not a multiple of 128 and a non-bool ``fp8`` are refused
+    by name before anything runs; the next BF16 combine is exact."""
+    rng = np.random.default_rng(seed)
+    cfg = _tiny(H=64)
+    world = EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    results = world.dispatch(toks, ids)
+    ys, w = expert_outputs(rng, cfg, results), weights(rng, cfg, ids)
+    with pytest.raises(ValueError, match="hid_dim to be a multiple of 128.*hid_dim=64"):
+        world.combine(ys, w, fp8=True)
+    with pytest.raises(EPInputError, match="fp8: must be True or False"):
+        world.combine(ys, w, fp8="yes")
+    assert world.combiner_if_built() is None or world.combiner().fp8_side is None
+    assert_same(world.combine(ys, w), reference.combine(cfg, results, ys, w), "bf16 after")
