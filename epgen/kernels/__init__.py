@@ -9,7 +9,8 @@ import ir
 from ..config import EPFlagNoEffect
 
 from .combine_async import build_combine_async
-from .combine_fp8 import build_combine_fp8_kernels
+from ..combine_fp8 import check_hid_dim as check_fp8_hid_dim
+from .combine_fp8 import Fp8Wire
 from .combine_fused import build_combine_fused
 from .combine_wait import build_combine_wait, check_hid_dim
 from .dispatch_async import build_dispatch_async
@@ -68,10 +69,14 @@ def build_combine_fp8_module(cfg) -> ir.Module:
     combine module and its goldens are unchanged; a world loads it on its first ``fp8=True``
     call and then switches per call. ``ValueError`` naming ``hid_dim`` unless it is a
     multiple of 128."""
-    from ..combine_fp8 import check_hid_dim as check_fp8_hid_dim
     check_fp8_hid_dim(cfg.token_fmt.hid_dim, "build_combine_fp8_module")
     check_combine_config(cfg)
-    return ir.Module("ep_combine_fp8", build_combine_fp8_kernels(cfg))
+    wire = Fp8Wire(cfg)
+    split = (build_combine_async(cfg, wire), build_combine_wait(cfg, wire)) \
+        if not cfg.fused_shared_expert else ()
+    if cfg.ep_rank_mask:        # as the BF16 module: the fused kernel does not take the mask
+        return ir.Module("ep_combine_fp8", split)
+    return ir.Module("ep_combine_fp8", split + (build_combine_fused(cfg, wire),))
 
 
 __all__ = ["build_module", "build_combine_module", "build_combine_fp8_module", "build_combine_async", "build_combine_wait",

@@ -121,17 +121,4 @@ class Fp8Wire:
                  issued)
 
 
-def build_combine_fp8_kernels(cfg) -> tuple:
-    """The FP8 twins of ``build_combine_module``'s kernels, in the same order."""
-    from .combine_async import build_combine_async
-    from .combine_fused import build_combine_fused
-    from .combine_wait import build_combine_wait
-    wire = Fp8Wire(cfg)
-    split = (build_combine_async(cfg, wire), build_combine_wait(cfg, wire)) \
-        if not cfg.fused_shared_expert else ()
-    if cfg.ep_rank_mask:
-        return split
-    return split + (build_combine_fused(cfg, wire),)
-
-
-__all__ = ["Fp8Wire", "Fp8SlotReader", "build_combine_fp8_kernels", "SUFFIX"]
+__all__ = ["Fp8Wire", "Fp8SlotReader", "SUFFIX"]
