@@ -221,3 +221,40 @@ def test_refusals_leave_the_world_usable(seed):
         world.combine(ys, w, fp8="yes")
     assert world.combiner_if_built() is None or world.combiner().fp8_side is None
     assert_same(world.combine(ys, w), reference.combine(cfg, results, ys, w), "bf16 after")
+
+
+def test_deepep_low_latency_combine_use_fp8(seed):
+    """``Buffer.low_latency_combine(..., use_fp8=True)`` (epgen's extension) on the
+    simulator's ranks: DeepEP's combine properties with the FP8 bound, after a BF16 and after
+    an FP8 dispatch, plain and zero-copy with a receive hook."""
+    torch = pytest.importorskip("torch")
+    import epgen.deepep as deep_ep
+    from deepep_checks import LLCase, rank_inputs, rank_rounds
+    case = LLCase(n_ranks=2, num_experts=4, tokens=4, hidden=256, top_k=2)
+    inputs = rank_inputs(torch, case, seed)
+    for variant in ("bf16", "fp8"):
+        group = deep_ep.EmulatedGroup(case.n_ranks, backend="sim", sim_seed=seed % 1000)
+        group.run(lambda rank: rank_rounds(
+            torch, deep_ep.Buffer(group.rank(rank), low_latency_mode=True,
+                                  num_qps_per_rank=2),
+            rank, case, inputs, variant, rounds=((False, False, 1), (True, True, 1)),
+            combine_fp8=True))
+
+
+def test_deepep_use_fp8_is_refused_by_name():
+    torch = pytest.importorskip("torch")
+    import epgen.deepep as deep_ep
+    from deepep_checks import LLCase, rank_inputs
+    case = LLCase(n_ranks=1, num_experts=2, tokens=2, hidden=64, top_k=1, masked=0)
+    (x, idx, w), = rank_inputs(torch, case, 0)
+    group = deep_ep.EmulatedGroup(1, backend="sim")
+
+    def body(rank):
+        buf = deep_ep.Buffer(group.rank(rank), low_latency_mode=True, num_qps_per_rank=2)
+        recv_x, _, handle, event, _ = buf.low_latency_dispatch(x, idx, 2, 2, use_fp8=False)
+        event.current_stream_wait()
+        for bad, match in (("yes", "use_fp8: must be True or False"),
+                           (True, "use_fp8: .*multiple of 128.*hidden=64")):
+            with pytest.raises(EPInputError, match=match):
+                buf.low_latency_combine(recv_x, idx, w, handle, use_fp8=bad)
+    group.run(body)
