@@ -258,3 +258,42 @@ def test_deepep_use_fp8_is_refused_by_name():
             with pytest.raises(EPInputError, match=match):
                 buf.low_latency_combine(recv_x, idx, w, handle, use_fp8=bad)
     group.run(body)
+
+
+@pytest.mark.parametrize("flags", [{}, {"use_shmem": True, "p2p_world_size": 1}],
+                         ids=["p2p", "shmem_p2p1"])
+def test_shmem_world_two_pes(flags, seed):
+    """``ShmemWorld.combine(..., fp8=True)``, each PE its own part: bit for bit the reference;
+    the FP8 buffers are symmetric allocations (the staging too, under the SHMEM transport),
+    made on the first FP8 call and followed by one barrier; a BF16 call in between."""
+    from test_shmem_world import SymmetricMachine, collectively, make_worlds, round_trip, small
+    cfg = small(num_threads=64, n_sms=4, n_experts=4, max_tokens_per_rank=4, **flags)
+    machine = SymmetricMachine(seed)
+    log = []
+    worlds = make_worlds(cfg, machine, log)
+    rng = np.random.default_rng(seed)
+
+    def combine_all(ys, w, fp8):
+        out, errors = collectively(machine, worlds, [
+            (lambda i=i: worlds[i].combine(ys[i], None if w is None else w[i], fp8=fp8))
+            for i in range(len(worlds))])
+        assert errors == [None] * len(worlds), errors
+        return out
+    for call in range(2):
+        toks, ids = routing.routing(rng, cfg, [cfg.max_tokens_per_rank, 3 - call])
+        results = round_trip(worlds, machine, toks, ids)
+        ys, wt = expert_outputs(rng, cfg, results), weights(rng, cfg, ids)
+        for fp8, w in ((True, wt), (False, wt), (True, None)):
+            want = reference.combine(cfg, results, ys, w, n_tokens=[len(i) for i in ids],
+                                     fp8=fp8)
+            assert_same(combine_all(ys, w, fp8), want, f"seed {seed} call {call} fp8={fp8}")
+    assert sum(1 for e in log if e == ("barrier", 0, "combine-fp8-ready")) == 1
+    for w in worlds:
+        side = w.combiner().fp8_side
+        allocs = {a.ptr for a in w.pool.allocs}
+        assert side.recv[0].ptr in allocs
+        assert (side.stage[0] is not None) == cfg.needs_shmem
+        if side.stage[0] is not None:
+            assert side.stage[0].ptr in allocs
+    for w in worlds:
+        w.close()
