@@ -4,7 +4,7 @@
 BlockwiseFP8 format's host quantiser), on 2 and 4 ranks, weighted, with a residual and
 unreduced, after a quantising dispatch format, in the final layout, with the fused kernel,
 the shared expert, ``skip_a2a``, the SHMEM transport (one put per row, codes and scales
-together), rank masks, masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and
+together), ``ShmemWorld``, a captured graph, the DeepEP API, rank masks, masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and
 consecutive calls alternating the FP8 and the BF16 combine (each exact, without a rebuild)."""
 
 from __future__ import annotations
@@ -297,3 +297,40 @@ def test_shmem_world_two_pes(flags, seed):
             assert side.stage[0].ptr in allocs
     for w in worlds:
         w.close()
+
+
+def test_captured_graph(seed):
+    """``capture_moe(fp8=True)``: replays of fresh inputs (``graph.combiner.load(...,
+    fp8=True)``) equal the reference's FP8 combine; a load that chooses the BF16 combine is
+    refused at launch (the graph froze the FP8 kernels); a BF16 graph after an FP8 call
+    captures the BF16 kernels."""
+    from test_final_layout_sim import SHAPES
+    cfg = make_cfg(*SHAPES["R2-E4-H512"])
+    rng = np.random.default_rng(seed)
+    counts = [cfg.max_tokens_per_rank] * cfg.n_ranks
+    with sim_world(cfg, seed) as world:
+        toks, ids = routing.routing(rng, cfg, counts)
+        world.load_inputs(toks, ids)
+        with world.capture_moe(fp8=True) as graph:
+            for call in range(2):
+                toks, ids = routing.routing(rng, cfg, counts)
+                world.load_inputs(toks, ids)
+                want_d = reference.dispatch(cfg, toks, ids)
+                ys = expert_outputs(rng, cfg, want_d)
+                w = weights(rng, cfg, ids)
+                graph.combiner.load(ys, w, fp8=True)
+                graph.launch()
+                got = graph.combiner.finish()
+                assert_same(got, reference.combine(cfg, world.results(), ys, w, fp8=True),
+                            f"seed {seed} replay {call}")
+            graph.combiner.load(ys, w)
+            with pytest.raises(ValueError, match="combine fp8"):
+                graph.launch()
+        world.dispatch(toks, ids)
+        world.combine(ys, w, fp8=True)
+        with world.capture_moe() as graph:
+            assert graph.combiner.fp8 is False
+            graph.combiner.load(ys, w)
+            graph.launch()
+            assert_same(graph.combiner.finish(),
+                        reference.combine(cfg, world.results(), ys, w), f"seed {seed} bf16")
