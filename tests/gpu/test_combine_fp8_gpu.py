@@ -122,3 +122,28 @@ def test_deepep_api(dispatch_fp8, seed):
         "fp8" if dispatch_fp8 else "bf16",
         rounds=((False, False, 1), (True, True, 2), (True, False, 1)), device="cuda",
         combine_fp8=True))
+
+
+def test_bench_combine_fp8(tmp_path, capsys):
+    """``epgen bench --op combine --combine-fp8``, small and quick: both combines checked
+    before and after their timing, both figures and their ratio in the JSON."""
+    import json
+
+    from epgen import cli
+    js = tmp_path / "fp8.json"
+    status = cli.main(["bench", "--preset", "small", "--tokens", "32", "--iters", "5",
+                       "--warmup", "2", "--copy-mib", "64", "--copy-iters", "3", "--op",
+                       "combine", "--combine-fp8", "--variant", "default", "--variant",
+                       "fused", "--json", str(js)])
+    _, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    data = json.loads(js.read_text())
+    assert data["failures"] == [] and data["plan"]["combine_fp8"] is True
+    for v in data["shapes"][0]["variants"]:
+        assert v["check"] == v["post_check"] == v["post_check_fp8"] == "ok", v
+        m = v["combine_fp8"]
+        assert m["median_ms"] > 0 and m["bytes"] == v["bytes"]["combine_fp8"]["total"]
+        assert v["fp8_speedup_vs_bf16"] == pytest.approx(
+            v["combine"]["median_ms"] / m["median_ms"])
+        assert v["bytes"]["combine_fp8"]["link_ratio"] == pytest.approx(272 / 512)
+    assert "combine_fp8" in err

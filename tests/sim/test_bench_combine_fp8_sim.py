@@ -12,6 +12,9 @@ from epgen.bench import combine, inputs
 from epgen.formats import make_format
 from epgen.runtime.world import EmulatedWorld
 
+from test_bench import fake_gpu  # noqa: F401 - fixture
+from test_bench_combine import fake_combine  # noqa: F401 - fixture
+
 
 def _cfg():
     return epgen.EPConfig(num_threads=64, n_sms=4, n_experts=4, n_ranks=2,
@@ -58,3 +61,34 @@ def test_an_fp8_combine_that_did_not_run_fails_the_check(seed):
         return 0.25, False
     with pytest.raises(AssertionError, match="fp8.*combine differs from the reference"):
         _measure(_cfg(), seed, fp8_skipped)
+
+
+def _fake_measure_fp8(cfg, sets, w, iters, warmup, gate, *, op, combine_fp8=False, **kw):
+    from epgen.bench import timing
+    out = {"check": "ok", "post_check": "ok", "build_s": 0.1,
+           "combine": timing.summarize([0.6, 0.6, 0.6])}
+    if combine_fp8:
+        out["combine_fp8"] = timing.summarize([0.4, 0.4, 0.4])
+        out["post_check_fp8"] = "ok"
+    return out
+
+
+def test_a_whole_run_reports_both_figures(fake_combine, monkeypatch, tmp_path, capsys):
+    """``epgen bench --op combine --combine-fp8`` with the device phases faked: the FP8
+    figure, its bytes and its speed-up over the BF16 combine reach the JSON and the progress
+    lines."""
+    import json
+
+    from epgen import cli
+    monkeypatch.setattr(combine, "measure_world", _fake_measure_fp8)
+    js = tmp_path / "fp8.json"
+    status = cli.main(["bench", "--preset", "small", "--tokens", "16", "--no-gate", "--op",
+                       "combine", "--combine-fp8", "--json", str(js)])
+    _, err = capsys.readouterr()
+    assert status == 0, err
+    v = json.loads(js.read_text())["shapes"][0]["variants"][0]
+    b = v["bytes"]["combine_fp8"]
+    assert b["link_ratio"] == pytest.approx(272 / 512)
+    assert v["combine_fp8"]["bytes"] == b["total"]
+    assert v["fp8_speedup_vs_bf16"] == pytest.approx(0.6 / 0.4)
+    assert "combine_fp8 400.0 us (1.50x the BF16 combine" in err, err
