@@ -4,7 +4,7 @@
 BlockwiseFP8 format's host quantiser), on 2 and 4 ranks, weighted, with a residual and
 unreduced, after a quantising dispatch format, in the final layout, with the fused kernel,
 the shared expert, ``skip_a2a``, the SHMEM transport (one put per row, codes and scales
-together), ``ShmemWorld``, a captured graph, the DeepEP API, rank masks, masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and
+together), ``P2PWorld`` and ``ShmemWorld``, a captured graph, the DeepEP API, rank masks, masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and
 consecutive calls alternating the FP8 and the BF16 combine (each exact, without a rebuild)."""
 
 from __future__ import annotations
@@ -334,3 +334,23 @@ def test_captured_graph(seed):
             graph.launch()
             assert_same(graph.combiner.finish(),
                         reference.combine(cfg, world.results(), ys, w), f"seed {seed} bf16")
+
+
+@pytest.mark.parametrize("group", [(2, None), (4, 2)], ids=["p2p", "shmem_between_groups"])
+def test_p2p_world(group, seed):
+    """``P2PWorld.combine(..., fp8=True)`` on simulated GPUs with placement checks (every
+    pointer argument on its own GPU, every table entry reachable: the FP8 receive buffers come
+    from the peer-accessible pools), one GPU per rank; 4 ranks in P2P groups of 2 reach the
+    other group by the simulator's NVSHMEM."""
+    from epgen.presets import config_from_dict, preset_data
+    from sim_p2p import sim_p2p_world
+    R, P = group
+    cfg = config_from_dict({**preset_data("small"), "n_ranks": R,
+                            "p2p_world_size": R if P is None else P, "n_experts": 2 * R,
+                            "num_threads": 64, "n_sms": R + 2, "max_tokens_per_rank": 4,
+                            "use_shmem": P is not None})
+    rng = np.random.default_rng(seed)
+    with sim_p2p_world(cfg, seed) as world:
+        check_fp8_round_trips(world, rng, seed, round_trip_inputs(rng, cfg, 2), "P2PWorld",
+                              forms=("weighted+residual", "unreduced"))
+        assert set(world.combiner().fp8_side.programs) == set(world.device_ids)
