@@ -224,8 +224,8 @@ class Combiner:
                     continue
                 for ev in done:
                     rk.stream.wait(ev)
-                self.program_of(rk).launch(self.kernels()[0], cfg.n_sms, self.fused_args(i),
-                                           rk.stream)
+                self.program_of(rk).launch(self.kernel_name(C_FUSED), cfg.n_sms,
+                                           self.fused_args(i), rk.stream)
                 rk.wait_done = w.cuda.record_event(rk.stream)
             return
         events = []
@@ -234,7 +234,7 @@ class Combiner:
                 continue
             for ev in done:
                 rk.stream.wait(ev)
-            self.program_of(rk).launch(self.kernels()[0], cfg.n_sms, self.async_args(i),
+            self.program_of(rk).launch(self.kernel_name(C_ASYNC), cfg.n_sms, self.async_args(i),
                                        rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         if cfg.ep_rank_mask:        # a rank that stops must not hold the others' waits back
@@ -244,7 +244,7 @@ class Combiner:
                 continue
             for ev in events:
                 rk.stream.wait(ev)
-            self.program_of(rk).launch(self.kernels()[1], cfg.n_sms, self.wait_args(i),
+            self.program_of(rk).launch(self.kernel_name(C_WAIT), cfg.n_sms, self.wait_args(i),
                                        rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 

@@ -4,8 +4,8 @@
 BlockwiseFP8 format's host quantiser), on 2 and 4 ranks, weighted, with a residual and
 unreduced, after a quantising dispatch format, in the final layout, with the fused kernel,
 the shared expert, ``skip_a2a``, the SHMEM transport (one put per row, codes and scales
-together), ``P2PWorld`` and ``ShmemWorld``, a captured graph, the DeepEP API, rank masks, masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and
-consecutive calls alternating the FP8 and the BF16 combine (each exact, without a rebuild)."""
+together), ``P2PWorld`` and ``ShmemWorld``, a captured graph, the DeepEP API, rank masks,
+masked (``-1``) slots, zero / -0 / NaN / infinite / subnormal rows, and consecutive calls alternating the FP8 and the BF16 combine (each exact, without a rebuild)."""
 
 from __future__ import annotations
 
