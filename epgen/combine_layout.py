@@ -1,10 +1,13 @@
 """Per-rank memory of the combine (docs/combine.md): the combine receive buffer and the
-arrival words, which peers write, and the counter words of the rank's counter array that
+arrival words, which peers write (and the FP8 combine's receive buffer and send staging,
+epgen's own), and the counter words of the rank's counter array that
 the combine kernels use (``EPLayout`` regions)."""
 
 from __future__ import annotations
 
 import attrs
+
+from . import combine_fp8
 
 
 @attrs.frozen
@@ -19,6 +22,35 @@ class CombineLayout:
         ``(t, k)`` at ``(t * K + k) * H * 2``; peer-visible."""
         fmt = self.cfg.token_fmt
         return self.cfg.max_tokens_per_rank * fmt.top_k * fmt.hid_dim * 2
+
+    # ---- the FP8 combine (epgen's own: ``fp8=True``, docs/combine.md "FP8 combine") -------
+    @property
+    def fp8_slot_bytes(self) -> int:
+        """One slot of the FP8 receive buffer: the E4M3 codes of a row, then its float32
+        scales (one per 128 elements), padded to 16 bytes (``combine_fp8.slot_bytes``);
+        ``ValueError`` unless ``hid_dim`` is a multiple of 128."""
+        return combine_fp8.slot_bytes(self.cfg)
+
+    @property
+    def fp8_recv_bytes(self) -> int:
+        """The FP8 combine receive buffer: ``max_tokens_per_rank * K`` slots, slot ``(t, k)``
+        at ``(t * K + k) * fp8_slot_bytes``; peer-visible (a symmetric object under the SHMEM
+        transport)."""
+        return self.cfg.max_tokens_per_rank * self.cfg.token_fmt.top_k * self.fp8_slot_bytes
+
+    @property
+    def fp8_stage_bytes(self) -> int:
+        """Under the SHMEM transport only (else 0): the FP8 send staging, one slot per row of
+        the grouped output (``max_out_rows``), where a destination quantises a row before
+        copying or putting it (a put's source must be registered memory)."""
+        if not self.cfg.needs_shmem:
+            return 0
+        return self.cfg.layout.max_out_rows * self.fp8_slot_bytes
+
+    @property
+    def fp8_supported(self) -> bool:
+        """Whether ``fp8=True`` is possible: ``hid_dim`` a multiple of 128."""
+        return self.cfg.token_fmt.hid_dim % combine_fp8.GROUP == 0
 
     @property
     def arrival_words(self) -> int:
@@ -44,8 +76,15 @@ class CombineLayout:
         return self.cfg.layout.combine_wait_region.offset
 
     def describe(self) -> dict:
-        return {"combine_recv_bytes": self.recv_bytes,
-                "combine_arrival_words": self.arrival_words,
-                "combine_arrival_word_bytes": self.arrival_word_bytes,
-                "combine_done_counter_offset": self.done_counter_offset,
-                "combine_wait_counter_offset": self.wait_counter_offset}
+        """The sizes and counter words by name; the FP8 buffers' where ``hid_dim`` allows
+        them (``fp8_supported``)."""
+        d = {"combine_recv_bytes": self.recv_bytes,
+             "combine_arrival_words": self.arrival_words,
+             "combine_arrival_word_bytes": self.arrival_word_bytes,
+             "combine_done_counter_offset": self.done_counter_offset,
+             "combine_wait_counter_offset": self.wait_counter_offset}
+        if self.fp8_supported:
+            d.update(combine_fp8_slot_bytes=self.fp8_slot_bytes,
+                     combine_fp8_recv_bytes=self.fp8_recv_bytes,
+                     combine_fp8_stage_bytes=self.fp8_stage_bytes)
+        return d

@@ -183,6 +183,33 @@ for _name in COMBINE_VARIANTS:
     _register_combine_variant(_name)
 
 
+# The FP8 combine's twins (``ep_combine_async_fp8``, ``ep_combine_wait_fp8``, ``ep_combine_fp8``;
+# docs/combine.md, "FP8 combine"): one ``combine/<name>_fp8`` per BF16 combine golden above,
+# the same configuration, the FP8 module (or its fused kernel alone where the BF16 golden is).
+def _register_combine_fp8_variant(name: str) -> None:
+    changes, fused_only = ({}, False) if name == "small" else COMBINE_VARIANTS[name]
+
+    def build():
+        import ir
+
+        from .kernels import build_combine_fp8_module, build_combine_fused
+        from .kernels.combine_fp8 import Fp8Wire
+        from .presets import config_from_dict
+        cfg = config_from_dict({**preset_data("small"), **changes})
+        if fused_only:
+            return ir.Module("ep_combine_fp8", (build_combine_fused(cfg, Fp8Wire(cfg)),))
+        return build_combine_fp8_module(cfg)
+
+    what = "the FP8 fused kernel ep_combine_fp8" if fused_only else "the FP8 combine kernels"
+    build.__name__ = f"combine_{name}_fp8_module"
+    sets = f" + {describe_changes(changes)}" if changes else ""
+    golden(f"combine/{name}_fp8", description=f"preset small{sets}: {what}")(build)
+
+
+for _name in ("small", *COMBINE_VARIANTS):
+    _register_combine_fp8_variant(_name)
+
+
 # The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with
 # fused_shared_expert) and the fused-roles test kernel (``ep/fused_roles``: the small preset).
 @golden("ep/fused", description="preset small: the fused single-launch kernel ep_dispatch "

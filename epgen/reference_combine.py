@@ -31,6 +31,15 @@ element: ``acc = 0``; for ``k = 0 .. K-1`` in order, over the slots that receive
 BF16 to nearest even. BF16 inputs widen to float32 exactly. Infinities and NaN follow IEEE
 754, and every NaN that the f32 arithmetic returns is the GPU's canonical NaN ``0x7fffffff``
 (single precision keeps no payload or sign), so a NaN result is always BF16 ``0x7fff``.
+
+**``fp8=True``** (the FP8 combine, epgen's own; docs/combine.md, "FP8 combine"): every row
+that received a slot is first quantised as the destination's kernel does, with the
+BlockwiseFP8 format's host quantiser (E4M3, one float32 scale ``max(amax, 1e-4) / 448`` per
+128 elements), and dequantised as the source's kernel does (``y = mul.rn.f32(e4m3 value,
+scale)``: ``epgen.combine_fp8.wire_values``); the sum above then takes ``y`` in place of the
+widened BF16 row, in the same order. The unreduced form returns ``y`` rounded to BF16 (zero
+for slots without a row). Shared-expert rows and the residual do not cross the link: BF16 as
+before. ``hid_dim`` must be a multiple of 128.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import numpy as np
 
 from backends.sim.numerics import add_f32, fma_f32
 
-from . import interop
+from . import combine_fp8, interop
 from .errors import EPInputError
 
 __all__ = ["combine", "bf16_to_f32", "f32_to_bf16", "source_of_rows"]
@@ -94,12 +103,15 @@ def _expert_rows(cfg, dispatch_results, expert_outputs) -> list[np.ndarray]:
 
 def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             *, residual=None, n_tokens: Sequence[int] | None = None,
-            sources: Sequence[int] | None = None) -> list[np.ndarray]:
+            sources: Sequence[int] | None = None, fp8: bool = False) -> list[np.ndarray]:
     """Per source rank, its tokens' combined rows (module docstring). ``n_tokens``: each
     source's token count (default: the rows of its weights, or of its residual; required
     for the unreduced form without a residual). ``sources``: compute only these sources'
-    results (the others are None): a benchmark's check at large shapes."""
+    results (the others are None): a benchmark's check at large shapes. ``fp8``: the FP8
+    combine (module docstring; ``ValueError`` naming ``hid_dim`` unless a multiple of 128)."""
     K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    if fp8:
+        combine_fp8.check_hid_dim(H, "reference.combine")
     ys = _expert_rows(cfg, dispatch_results, expert_outputs)
     n_src = cfg.n_ranks if not cfg.skip_a2a else len(dispatch_results)
     if n_tokens is None:
@@ -135,8 +147,17 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
                                    f"range for source {s} ({n_tokens[s]} tokens, top_k={K})")
             rows[s][t, k] = y[sent[mine]]
             got[s][t, k] = True
+    if fp8:       # what crosses the link, dequantised: the values the source reduces
+        vals = [None if rows[s] is None else combine_fp8.wire_values(cfg, rows[s])
+                for s in range(n_src)]
+    else:
+        vals = [None if r is None else bf16_to_f32(r) for r in rows]
     if topk_weights is None:
-        return rows
+        if not fp8:
+            return rows
+        return [None if v is None else np.where(got[s][..., None], f32_to_bf16(v),
+                                                np.uint16(0))
+                for s, v in enumerate(vals)]
     out = []
     for s, T in enumerate(n_tokens):
         if s not in wanted:
@@ -147,7 +168,7 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             raise EPInputError(f"topk_weights[{s}]: must be [{T}, {K}] float32, got {w.shape}")
         acc = np.zeros((T, H), np.float32)
         for k in range(K):
-            term = fma_f32(w[:, k:k + 1], bf16_to_f32(rows[s][:, k]), acc)
+            term = fma_f32(w[:, k:k + 1], vals[s][:, k], acc)
             acc = np.where(got[s][:, k:k + 1], term, acc)
         if cfg.fused_shared_expert:
             res = dispatch_results[s]

@@ -17,6 +17,12 @@ the ``graph`` variant, the replay of a ``world.capture_moe`` graph (one per inpu
 
 Checks: on set 0, ``world.dispatch`` + ``world.combine`` against ``reference.combine`` bit for
 bit before the timing, and the last timed call's dispatch and combine after it.
+
+``combine_fp8`` (``--combine-fp8``, ``op == "combine"``): after the BF16 figure, the FP8
+combine (``combine(fp8=True)``) is timed on the same world, input sets, weights and expert
+outputs, the same way (``combine_fp8``), checked like the BF16 one against
+``reference.combine(..., fp8=True)`` on set 0 and after its last call; its bytes are
+``fp8_combine_bytes``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 
 import numpy as np
 
+from .. import combine_fp8 as fp8_wire
 from .. import reference
 from ..runtime.combine import check_supported
 from .memory import trim_memory_pool
@@ -65,14 +72,28 @@ def _rows(results, fixed) -> list:
     return [f[:len(r.src_info)] for r, f in zip(results, fixed)]
 
 
-def _check(cfg, got, results, w, what: str, fixed=None) -> None:
+def fp8_combine_bytes(cfg, tokens_per_rank: int) -> dict:
+    """Bytes of one FP8 combine of every rank at ``tokens_per_rank`` (every slot filled):
+    ``rows_read`` (the BF16 expert outputs), ``slots`` (the FP8 slots written over the
+    link: ``R * T * K * slot_bytes``, ``link_ratio`` of the BF16 rows' bytes), the same
+    slots read by the reduce, the ``[T, H]`` BF16 output; ``total``."""
+    R, K, H = cfg.n_ranks, cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    n = R * tokens_per_rank * K
+    rows, slots = n * H * 2, n * fp8_wire.slot_bytes(cfg)
+    out = R * tokens_per_rank * H * 2
+    return {"rows_read": rows, "slots": slots, "link_ratio": slots / rows, "output": out,
+            "total": rows + 2 * slots + out}
+
+
+def _check(cfg, got, results, w, what: str, fixed=None, fp8: bool = False) -> None:
     """``AssertionError`` unless ``got`` (the world's combine) is the reference combine of
-    the world's dispatch ``results`` (expert outputs ``_rows``), bit for bit."""
+    the world's dispatch ``results`` (expert outputs ``_rows``; ``fp8``: the FP8 combine's),
+    bit for bit."""
     # every source at small shapes; at large ones (the reference's float32 sums of R * T * K
     # rows take minutes) the first and the last source
     big = max(len(r) for r in w) > PREFILL_CHECK_TOKENS if w is not None else False
     only = [0, len(got) - 1] if big else None
-    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only)
+    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only, fp8=fp8)
     for s, (g, x) in enumerate(zip(got, want)):
         if x is None:
             continue
@@ -84,7 +105,7 @@ def _check(cfg, got, results, w, what: str, fixed=None) -> None:
 def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, device=None,
                   arch=None, post_check: bool = True, progress, fused: bool | None = None,
                   graph: bool = False, batched: bool = False, world_factory=None,
-                  host_sync: bool = False, timer=fork_join) -> dict:
+                  host_sync: bool = False, timer=fork_join, combine_fp8: bool = False) -> dict:
     """Build the world (``world_factory()``, default an ``EmulatedWorld``), check dispatch +
     combine on set 0, time ``op`` (module docstring; ``timer``: the fork/join timing,
     ``timing.fork_join``), check the last call. Raises when a check fails; ``ValueError``
@@ -93,7 +114,11 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
     ``host_sync`` (with ``gate`` None): every sample starts after the host waited for every
     rank stream and the timing stream, as ``runner.measure_world(host_sync=True)`` times the
     dispatch (the P2P benchmark): ``combine``'s untimed dispatch is enqueued after that
-    wait, as ``dispatch_wait``'s untimed dispatch_async is there."""
+    wait, as ``dispatch_wait``'s untimed dispatch_async is there. ``combine_fp8`` (``op``
+    combine only): the FP8 combine's figure too, ``res["combine_fp8"]`` (module
+    docstring)."""
+    if combine_fp8 and op != "combine":
+        raise ValueError(f"measure_world: combine_fp8 times the combine alone, not op={op}")
     if host_sync and gate is not None:
         raise ValueError("measure_world: host_sync times host enqueue; it takes no gate")
     check_supported(cfg)
@@ -110,13 +135,17 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
         results = world.dispatch(*sets[0])
         reference.assert_match(cfg, reference.dispatch(cfg, *sets[0]), results)
         _check(cfg, world.combine(_rows(results, fixed), w), results, w, "set 0", fixed)
+        if combine_fp8:
+            _check(cfg, world.combine(_rows(results, fixed), w, fp8=True), results, w,
+                   "set 0 fp8", fixed, fp8=True)
         res["check"] = "ok"
 
         comb = world.combiner()
         staged = StagedInputs(world, sets)
         staged.use(0)
         H = cfg.token_fmt.hid_dim
-        comb.load(fixed or [np.zeros((0, H), np.uint16)] * len(world.ranks), w)
+        given = fixed or [np.zeros((0, H), np.uint16)] * len(world.ranks)
+        comb.load(given, w)
         if fixed is None:
             saved = [b.expert_out for b in comb.bufs]
             for b, rk in zip(comb.bufs, world.ranks):
@@ -161,6 +190,17 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
             reference.assert_match(cfg, reference.dispatch(cfg, *sets[last]), results)
             _check(cfg, got, results, w, f"set {last} after timing", fixed)
             res["post_check"] = "ok"
+        if combine_fp8:                 # the same samples, the FP8 kernels
+            comb.load(given, w, fp8=True)
+            progress(f"  epgen: timing combine_fp8 ({warmup} warm-up + {iters} iterations)")
+            res["combine_fp8"] = summarize(sample(once, iters, warmup, gate))
+            world.check("benchmark combine_fp8")
+            got = comb.finish()
+            if post_check:
+                last = staged.current
+                _check(cfg, got, world.results(), w, f"set {last} after timing, fp8", fixed,
+                       fp8=True)
+                res["post_check_fp8"] = "ok"
     finally:
         if saved is not None:
             for b, buf in zip(comb.bufs, saved):

@@ -14,6 +14,7 @@ import datetime
 import sys
 
 from .. import reference
+from ..combine_layout import CombineLayout
 from ..inspection import combine_buffers
 from . import baseline, combine, combine_baseline, common, inputs, memory, p2p, runner
 from .common import bf16_config, failures
@@ -132,9 +133,14 @@ def variant_phase(plan: Plan, T: int, variant, sets, need: int, cap: int, gate, 
     return out
 
 
-def _combine_memory(cfg) -> int:
-    """Every rank's combine buffers (``inspection.combine_buffers``)."""
-    return cfg.n_ranks * combine_buffers(cfg)["bytes_per_rank"]["combine_total"]
+def _combine_memory(cfg, fp8: bool = False) -> int:
+    """Every rank's combine buffers (``inspection.combine_buffers``); ``fp8``: with the FP8
+    combine's receive buffer and staging (``CombineLayout``)."""
+    per_rank = combine_buffers(cfg)["bytes_per_rank"]["combine_total"]
+    if fp8:
+        clay = CombineLayout(cfg)
+        per_rank += clay.fp8_recv_bytes + clay.fp8_stage_bytes
+    return cfg.n_ranks * per_rank
 
 
 def combine_baseline_phase(plan: Plan, T: int, sets, w, torch, gate, copy_gbps,
@@ -183,13 +189,13 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
     rt = round_trip_bytes(cfg, T)
     cb = combine_bytes(cfg, T)
     wm = memory.world_memory(cfg)
-    need_bytes = wm["total"] + _combine_memory(cfg) + memory.staged_inputs_memory(cfg, T,
-                                                                                  plan.sets)
+    need_bytes = wm["total"] + _combine_memory(cfg, plan.combine_fp8) + \
+        memory.staged_inputs_memory(cfg, T, plan.sets)
     link = variant_link_bytes(cfg, sets, plan.op)
     out = {"label": variant.label, "spec": variant.spec, "config": cfg.describe(),
            "bytes": {**rt, "layout": rt["layout"], "combine": cb,
                      "total": op_bytes(cfg, T, plan.op)}, "link_bytes": link,
-           "memory": {"world": wm["total"], "combine": _combine_memory(cfg),
+           "memory": {"world": wm["total"], "combine": _combine_memory(cfg, plan.combine_fp8),
                       "epgen_phase": need_bytes}}
     if cap < need:
         out["skipped"] = (f"--block-capacity {cap} is smaller than the largest (expert, "
@@ -199,7 +205,7 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
             r = combine.measure_world(cfg, sets, w, plan.iters_for(T), plan.warmup_for(T),
                                       gate, op=plan.op, device=plan.device, arch=plan.arch,
                                       post_check=plan.post_check, progress=progress,
-                                      **variant.world_options)
+                                      combine_fp8=plan.combine_fp8, **variant.world_options)
         except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
             out["error"] = f"{type(exc).__name__}: {exc}"
             progress(f"  epgen {variant.label} FAILED: {out['error']}")
@@ -213,9 +219,27 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
         out.update(r)
         progress(f"  epgen {variant.label}: check {r['check']}, {key} "
                  f"{1e3 * m['median_ms']:.1f} us")
+        if "combine_fp8" in r:
+            _fp8_figures(out, cfg, T, copy_gbps, progress)
+            add_link_rate(out["combine_fp8"], op_link_bytes(cfg, sets, "combine", fp8=True))
     if "skipped" in out:
         progress(f"  epgen {variant.label} skipped: {out['skipped']}")
     return out
+
+
+def _fp8_figures(out: dict, cfg, T: int, copy_gbps, progress) -> None:
+    """The FP8 combine's figures beside the BF16 ones (``--combine-fp8``): its bytes
+    (``combine.fp8_combine_bytes``), GB/s and fraction of the copy, and
+    ``fp8_speedup_vs_bf16`` (the BF16 combine's median over the FP8 one's)."""
+    m = out["combine_fp8"]
+    b = combine.fp8_combine_bytes(cfg, T)
+    out["bytes"]["combine_fp8"] = b
+    m["bytes"] = b["total"]
+    m["gbps"], m["fraction_of_copy"] = rate(m["bytes"], m["median_ms"], copy_gbps)
+    out["fp8_speedup_vs_bf16"] = out["combine"]["median_ms"] / m["median_ms"]
+    progress(f"  epgen: combine_fp8 {1e3 * m['median_ms']:.1f} us "
+             f"({out['fp8_speedup_vs_bf16']:.2f}x the BF16 combine; link bytes "
+             f"{b['link_ratio']:.4f} of BF16's)")
 
 
 def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:

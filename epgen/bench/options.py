@@ -132,6 +132,11 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                         "is; transform-free (each received row goes back as it came; the "
                         "quantising formats send fixed BF16 rows); --world p2p has no NCCL "
                         "baseline for combine and moe")
+    p.add_argument("--combine-fp8", action="store_true",
+                   help="with --op combine (--world emulated): time the FP8 combine "
+                        "(combine(fp8=True): rows sent as E4M3 with a float32 scale per 128 "
+                        "elements) after the BF16 one in the same run, the same way, and "
+                        "report both and their ratio; hid_dim a multiple of 128")
     p.add_argument("--compare-p2p", type=_arg_type("parse_p2p_sizes", "p2p_world_size list"),
                    metavar="P,Q[,...]",
                    help="with --world shmem: time every p2p_world_size of the list in the "
@@ -227,8 +232,12 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
         parser.error(f"argument --variant: graph with --op moe replays a captured dispatch + "
                      f"combine (EmulatedWorld.capture_moe): --world emulated only, not "
                      f"{world}")
+    combine_fp8 = bool(getattr(args, "combine_fp8", False))
+    if combine_fp8 and (op != "combine" or world != "emulated"):
+        parser.error(f"argument --combine-fp8: times the FP8 combine next to the BF16 one: "
+                     f"with --op combine on --world emulated, not --op {op} --world {world}")
     kw = {"variants": tuple(args.variant)} if args.variant else {}
-    kw.update(world=world, devices=devices, op=op)
+    kw.update(world=world, devices=devices, op=op, combine_fp8=combine_fp8)
     from .plan import Plan
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
                 seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,
@@ -252,6 +261,11 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
                     plan.check_op(T, v)
                 except ValueError as exc:
                     parser.error(f"argument --op {op}: variant {v.label}: {exc}")
+                if combine_fp8:
+                    try:
+                        plan.check_combine_fp8(T, v)
+                    except ValueError as exc:
+                        parser.error(f"argument --combine-fp8: variant {v.label}: {exc}")
     return plan
 
 
@@ -278,6 +292,7 @@ SHMEM_REFUSED = (
     ("--copy-mib", "copy_mib", "the SHMEM benchmark measures no device copy"),
     ("--copy-iters", "copy_iters", "the SHMEM benchmark measures no device copy"),
     ("--mem-fraction", "mem_fraction", "the SHMEM benchmark skips no phase for memory"),
+    ("--combine-fp8", "combine_fp8", "the SHMEM benchmark times the BF16 combine only"),
 )
 """Options ``--world shmem`` refuses when given (option, ``dest``, why): it would ignore
 them."""

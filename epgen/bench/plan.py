@@ -24,6 +24,7 @@ import dataclasses
 
 import attrs
 
+from .. import combine_fp8
 from ..config import BOOL_PARAMS, EPConfig
 from ..presets import parse_value
 from ..runtime.combine import check_supported
@@ -205,6 +206,9 @@ class Plan:
     world: str = "emulated"
     devices: tuple[int, ...] | None = None
     op: str = "dispatch"
+    #: ``--combine-fp8`` (``op == "combine"``, emulated world): the FP8 combine timed after the
+    #: BF16 one in the same run (``epgen.bench.combine``)
+    combine_fp8: bool = False
 
     def iters_for(self, tokens_per_rank: int) -> int:
         return self.iters or default_iters(tokens_per_rank)
@@ -235,6 +239,11 @@ class Plan:
         this shape's and variant's configuration (``runtime.combine.check_supported``)."""
         if self.op != "dispatch":
             check_supported(self.config(tokens_per_rank, variant))
+
+    def check_combine_fp8(self, tokens_per_rank: int, variant: Variant) -> None:
+        """``ValueError`` naming ``hid_dim`` when the FP8 combine cannot run this variant."""
+        combine_fp8.check_hid_dim(self.config(tokens_per_rank, variant).token_fmt.hid_dim,
+                                  "--combine-fp8")
 
     def describe(self) -> dict:
         """Plain data (for the JSON)."""

@@ -19,6 +19,7 @@ from .memory import fmt_gb
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMINGS = (("round_trip", "round trip"), ("dispatch_async", "dispatch_async"),
            ("dispatch_wait", "dispatch_wait"), ("combine", "combine"),
+           ("combine_fp8", "combine (fp8)"),
            ("moe", "dispatch + combine"))
 """Timed parts of an epgen variant: result key, table label."""
 PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}

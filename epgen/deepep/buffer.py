@@ -280,13 +280,15 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out=None,
-                            combine_wait_recv_cost_stats=None):
+                            combine_wait_recv_cost_stats=None, use_fp8: bool = False):
         """Send the experts' outputs ``x`` ``[L, R * T_max, hidden]`` BF16 (the dispatch's
         layout; with ``zero_copy`` the tensor ``get_next_low_latency_combine_buffer``
         gave, filled) back to their source tokens and reduce them there with
         ``topk_weights`` ``[T, top_k]`` float32 (a ``-1`` slot weighs nothing). Returns
         ``(combined_x [T, hidden] BF16, event, hook)``; with ``out`` the result is written
-        into it."""
+        into it. ``use_fp8`` (epgen's own extension, not DeepEP's): the FP8 combine, rows
+        sent as E4M3 with a float32 scale per 128 elements and reduced in fp32 at the source
+        (docs/deepep.md; every rank passes the same value; ``hidden`` a multiple of 128)."""
         torch = self.torch
         self._require_ll("low_latency_combine")
         if use_logfmt:
@@ -299,6 +301,12 @@ class Buffer:
         slot = self._check_handle(handle)
         shape, port = slot.shape, slot.port
         L, RT, H, K = shape.n_local_experts, shape.rows_per_expert, shape.hidden, shape.top_k
+        if not isinstance(use_fp8, bool):
+            raise EPInputError(f"use_fp8: must be True or False, got {use_fp8!r}")
+        if use_fp8 and H % shapes.FP8_GROUP:
+            raise EPInputError(f"use_fp8: the FP8 combine needs hidden to be a multiple of "
+                               f"{shapes.FP8_GROUP} (one float32 scale per {shapes.FP8_GROUP} "
+                               f"elements), got hidden={H}")
         shapes.check_tensor(torch, x, "x", dtypes=(torch.bfloat16,), shape=(L, RT, H),
                             on_cuda=self.on_cuda)
         T = port.n_tokens
@@ -313,7 +321,7 @@ class Buffer:
                                 on_cuda=self.on_cuda, device=x.device)
         rows = port.combine_input() if zero_copy else x.view(L * RT, H)
         result = port.combine(rows, topk_weights.contiguous(), out,
-                              receive=not return_recv_hook)
+                              receive=not return_recv_hook, fp8=use_fp8)
         slot.combined = True
 
         def receive_hook():

@@ -18,6 +18,7 @@ import threading
 
 import numpy as np
 
+from ..errors import EPInputError
 from ..runtime.bootstrap import BootstrapTimeoutError
 from ..torch import tensors
 from ..torch.buffer import EPBuffer
@@ -56,11 +57,11 @@ class DevicePort:
     def receive(self) -> None:
         self.ep.receive()
 
-    def combine(self, expert_out, weights, into, *, receive: bool):
-        """Enqueue the combine of this port's last dispatch; returns the result tensor
-        (``into`` when given)."""
+    def combine(self, expert_out, weights, into, *, receive: bool, fp8: bool = False):
+        """Enqueue the combine of this port's last dispatch (``fp8``: the FP8 combine);
+        returns the result tensor (``into`` when given)."""
         return self.ep.combine(expert_out, self.ep.outputs[0], weights, into=into,
-                               receive=receive)
+                               receive=receive, fp8=fp8)
 
     def combine_receive(self) -> None:
         self.ep.combine_receive()
@@ -231,7 +232,7 @@ class SimPort:
         np.copyto(self.raw.region_b.numpy(), words[2 * E:2 * E + L * R])
 
     # -- combine -----------------------------------------------------------------------------
-    def combine(self, expert_out, weights, into, *, receive: bool):
+    def combine(self, expert_out, weights, into, *, receive: bool, fp8: bool = False):
         T = self.n_tokens
         H = self.world.cfg.token_fmt.hid_dim
         result = into
@@ -242,7 +243,7 @@ class SimPort:
         bits = expert_out.reshape(-1, H).view(self.torch.int16).numpy().view(np.uint16).copy()
         self._combine_step = self.rv.arrive(self.rank, "combine",
                                             (bits, weights.to(self.torch.float32).numpy()
-                                             .copy(), result))
+                                             .copy(), result, bool(fp8)))
         if receive:
             self.combine_receive()
         return result
@@ -270,7 +271,8 @@ class SimPort:
 def run_sim_step(world, ports, op: str, payloads, mask_book=None) -> None:
     """Run one step of the simulator world ``world`` for every rank (``Rendezvous.run``):
     a dispatch of every rank's ``(tokens, ids)``, then each port's tensors filled; or a
-    combine of every rank's ``(expert rows, weights, result tensor)``; or (rank masks) a
+    combine of every rank's ``(expert rows, weights, result tensor, fp8)`` (every rank
+    present must pass the same ``fp8``); or (rank masks) a
     ``clean``: every rank present masks the absent ones, as DeepEP's clean-up barrier does
     when they do not come. An absent rank's payload is None (``Rendezvous.leave``): it sits
     the call out (``ep_rank_mask``), the others mask it when their waits for it expire.
@@ -298,7 +300,12 @@ def _run_step(world, ports, op: str, payloads, present) -> None:
             if p is not None:
                 port.fill(rk)
         return
-    outs = world.combine([part(p, 0) for p in payloads], [part(p, 1) for p in payloads])
+    fp8 = {part(payloads[r], 3) for r in present}
+    if len(fp8) > 1:
+        raise EPInputError("use_fp8: every rank of a combine must pass the same value, got "
+                           + ", ".join(f"rank {r}: {payloads[r][3]}" for r in present))
+    outs = world.combine([part(p, 0) for p in payloads], [part(p, 1) for p in payloads],
+                         fp8=bool(fp8 and fp8.pop()))
     for p, out in zip(payloads, outs):
         if p is not None and out is not None:
             result = p[2]

@@ -108,13 +108,15 @@ def report_bounds(r: ir.RoleBuilder, err_buf, rank, row, t, k):
                 r.store(word(err_buf, base + F[name]), v)
 
 
-def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
+def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     """Every row of every block to its source's combine receive buffer, then the per-source
-    completion (module docstring)."""
+    completion (module docstring). ``wire``: how a row goes into its slot (None: the BF16
+    row's copy, ``send_row``; the FP8 combine's ``combine_fp8.Fp8Wire`` quantises it)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, R, K, H = lay.n_local_experts, cfg.n_ranks, fmt.top_k, fmt.hid_dim
     max_tpr = cfg.max_tokens_per_rank
     row_bytes = H * 2
+    slot_bytes = row_bytes if wire is None else wire.slot_bytes
     n_vec = row_bytes // 16
     region_a = lay.dispatch_wait_region.offset
     done_base = CombineLayout(cfg).done_counter_offset
@@ -147,10 +149,13 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams):
                     skip_row(r, cfg, p, s, sig, issued)
                 with r.else_():
                     slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
-                    dst = r.let("dst_row", dst_buf + slot * row_bytes, peer=True)
+                    dst = r.let("dst_row", dst_buf + slot * slot_bytes, peer=True)
                     src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
                     with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
-                        send_row(r, cfg, p, s, dst, src, row_bytes, n_vec, sig, issued)
+                        if wire is None:
+                            send_row(r, cfg, p, s, dst, src, row_bytes, n_vec, sig, issued)
+                        else:
+                            wire.send_row(r, cfg, p, s, dst, src, row, sig, issued)
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
         with r.if_(r.lane.eq(0)):
@@ -183,15 +188,17 @@ def rows_to_source(r: ir.RoleBuilder, cfg, p, s: int) -> ir.Var:
     return r.shfl(ShflMode.IDX, total, 31, name=f"rows_to_{s}")
 
 
-def build_combine_async(cfg) -> ir.Kernel:
-    """The combine_async entry point (``send_tokens_back`` over the whole grid)."""
+def build_combine_async(cfg, wire=None) -> ir.Kernel:
+    """The combine_async entry point (``send_tokens_back`` over the whole grid); with the
+    FP8 combine's ``wire`` (``combine_fp8.Fp8Wire``) its FP8 twin ``ep_combine_async_fp8``."""
     if (cfg.token_fmt.hid_dim * 2) % 16:
         raise ValueError("combine_async: a row must be a whole number of 16-byte vectors")
-    kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
+    kb = ir.KernelBuilder(KERNEL_NAME if wire is None else wire.name(KERNEL_NAME),
+                          cfg.num_threads)
     p = declare_params(kb, cfg)
     trace.instrument(kb, cfg, p.my_rank)
     with kb.role("send", blocks=(0, None)) as r:
-        send_tokens_back(r, cfg, p)
+        send_tokens_back(r, cfg, p, wire)
     return kb.build()
 
 

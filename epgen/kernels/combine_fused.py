@@ -29,10 +29,13 @@ from .shared_expert import se_token_slice
 KERNEL_NAME = "ep_combine"
 
 
-def build_combine_fused(cfg) -> ir.Kernel:
-    """The fused entry point ``ep_combine`` (module docstring)."""
+def build_combine_fused(cfg, wire=None) -> ir.Kernel:
+    """The fused entry point ``ep_combine`` (module docstring); with the FP8 combine's
+    ``wire`` (``combine_fp8.Fp8Wire``) its FP8 twin ``ep_combine_fp8``: both halves take
+    it."""
     combine_wait.check_hid_dim(cfg)
-    kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
+    kb = ir.KernelBuilder(KERNEL_NAME if wire is None else wire.name(KERNEL_NAME),
+                          cfg.num_threads)
     view = SharedParams(kb)
     pa = combine_async.declare_params(view)
     pw = combine_wait.declare_params(view)
@@ -40,14 +43,15 @@ def build_combine_fused(cfg) -> ir.Kernel:
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None
     trace.instrument(kb, cfg, pw.my_rank)
     with kb.role("send", blocks=(0, None)) as r:
-        combine_async.send_tokens_back(r, cfg, pa)
+        combine_async.send_tokens_back(r, cfg, pa, wire)
     with kb.role("reduce", blocks=(0, None)) as r:
         combine_wait.wait_for_all_arrivals(r, cfg, pw)
         shared = None
         if se:
             row0, t_se = se_token_slice(r, cfg, pw.n_tokens, pw.my_rank, world)
             shared = (pa.expert_out, row0, t_se)
-        combine_wait.reduce_and_copy_to_output(r, cfg, pw, shared_expert=shared)
+        combine_wait.reduce_and_copy_to_output(r, cfg, pw, shared_expert=shared,
+                                               reader=None if wire is None else wire.reader)
     return kb.build()
 
 

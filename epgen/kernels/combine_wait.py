@@ -172,8 +172,30 @@ def from_live_rank(cfg, live_bits, gid) -> ir.Expr:
     return ((live_bits >> rank) & 1).ne(0)
 
 
+class Bf16SlotReader:
+    """How the reduce reads the BF16 combine's slots: slot ``(t, k)`` a ``[H]`` BF16 row,
+    chunk ``c`` (8 elements) one 16-byte vector (``ld.global.v4.b32``). The FP8 combine's
+    twin is ``combine_fp8.Fp8SlotReader``."""
+
+    def __init__(self, cfg):
+        self.row_bytes = cfg.token_fmt.hid_dim * 2
+
+    def load(self, r: ir.RoleBuilder, buf, slot, c, name: str):
+        """Chunk ``c`` of ``slot``'s row: one ``v4.u32``."""
+        return r.load(buf + (ir.as_expr(slot).cast(T.u64) * self.row_bytes
+                             + c.cast(T.u64) * 16), VEC, name=name)
+
+    def add(self, r: ir.RoleBuilder, acc: list, loaded, k: int, weight, valid):
+        """``acc[j] = fma.rn.f32(weight, y[j], acc[j])`` where ``valid`` (``add_chunk``)."""
+        add_chunk(r, acc, loaded, f"yf{k}_", weight, valid)
+
+    def bf16_words(self, r: ir.RoleBuilder, loaded, k: int) -> tuple:
+        """The chunk as 4 u32 words of BF16 pairs (the unreduced form's): as loaded."""
+        return tuple(ir.Extract(loaded, q) for q in range(4))
+
+
 def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
-                              shared_expert=None):
+                              shared_expert=None, reader=None):
     """Warp ``w`` of the grid takes tokens ``w, w + warps, ...``; its lanes load the token's
     top-k ids (and weights) once, then take the 16-byte chunks ``lane, lane + 32, ...`` of the
     row: per chunk, the ``K`` slots' ``ld.global.v4.b32`` issued together (every slot of a
@@ -186,7 +208,9 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
     ``[T, K, H]`` output (``ld``/``st.global.v4.b32``, the loads issued together; zero for a
     slot without a row). With ``ep_rank_mask`` a slot whose expert is on a rank this rank
     masks (read once per warp after the waits: ``live_ranks``) has no row either: weight 0,
-    zero unreduced."""
+    zero unreduced. ``reader``: how a slot's chunk is loaded and widened (default
+    ``Bf16SlotReader``; the FP8 combine's ``combine_fp8.Fp8SlotReader`` dequantises)."""
+    reader = Bf16SlotReader(cfg) if reader is None else reader
     fmt = cfg.token_fmt
     K, H = fmt.top_k, fmt.hid_dim
     n_chunks = H // 8
@@ -216,10 +240,9 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 in_se = r.let("in_se", (t >= row0) & (se_row < t_se))
             with r.for_range("c", r.lane, n_chunks, 32) as c:
                 acc = [r.var(f"acc{j}", T.f32, zero) for j in range(8)]
-                ys = [r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"y{k}")
-                      for k in range(K)]
+                ys = [reader.load(r, p.combine_buf, slots[k], c, f"y{k}") for k in range(K)]
                 for k in range(K):
-                    add_chunk(r, acc, ys[k], f"yf{k}_", ws[k], valid[k])
+                    reader.add(r, acc, ys[k], k, ws[k], valid[k])
                 if shared_expert is not None:
                     with r.if_(in_se):
                         add_chunk(r, acc, r.load(chunk(se_rows, se_row, c), VEC, name="se"),
@@ -231,11 +254,10 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 r.store(chunk(p.out, t, c), ir.Pack(VEC, words))
         with r.else_():
             with r.for_range("c", r.lane, n_chunks, 32) as c:
-                us = [r.load(chunk(p.combine_buf, slots[k], c), VEC, name=f"u{k}")
-                      for k in range(K)]
+                us = [reader.load(r, p.combine_buf, slots[k], c, f"u{k}") for k in range(K)]
                 for k in range(K):
-                    words = tuple(ir.Select(valid[k], ir.Extract(us[k], q), ir.Const(0, T.u32))
-                                  for q in range(4))
+                    words = tuple(ir.Select(valid[k], w, ir.Const(0, T.u32))
+                                  for w in reader.bf16_words(r, us[k], k))
                     r.store(chunk(p.out, slots[k], c), ir.Pack(VEC, words))
 
 
@@ -248,18 +270,21 @@ def check_hid_dim(cfg):
                          f"chunks of 8 BF16 elements), got hid_dim={H}")
 
 
-def build_combine_wait(cfg) -> ir.Kernel:
-    """The combine_wait entry point: every block waits, then reduces its share."""
+def build_combine_wait(cfg, wire=None) -> ir.Kernel:
+    """The combine_wait entry point: every block waits, then reduces its share; with the
+    FP8 combine's ``wire`` (``combine_fp8.Fp8Wire``) its FP8 twin ``ep_combine_wait_fp8``,
+    which reads the slots through ``wire.reader``."""
     check_hid_dim(cfg)
-    kb = ir.KernelBuilder(KERNEL_NAME, cfg.num_threads)
+    kb = ir.KernelBuilder(KERNEL_NAME if wire is None else wire.name(KERNEL_NAME),
+                          cfg.num_threads)
     p = declare_params(kb, cfg)
     trace.instrument(kb, cfg, p.my_rank)
     with kb.role("reduce", blocks=(0, None)) as r:
         wait_for_all_arrivals(r, cfg, p)
-        reduce_and_copy_to_output(r, cfg, p)
+        reduce_and_copy_to_output(r, cfg, p, reader=None if wire is None else wire.reader)
     return kb.build()
 
 
 __all__ = ["build_combine_wait", "wait_for_all_arrivals", "reduce_and_copy_to_output",
-           "check_hid_dim", "valid_slot",
+           "check_hid_dim", "valid_slot", "f32_to_bf16", "Bf16SlotReader",
            "KERNEL_NAME", "CombineWaitParams"]

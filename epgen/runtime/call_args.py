@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import interop
+from .. import combine_fp8, interop
 from ..errors import EPInputError
 
-__all__ = ["input_scale", "per_rank", "combine_inputs", "last_dispatch_rows", "check_combine",
+__all__ = ["input_scale", "per_rank", "combine_fp8_flag", "combine_inputs", "last_dispatch_rows", "check_combine",
            "check_dispatch_outputs"]
 
 
@@ -51,6 +51,17 @@ def _calling(rk) -> bool:
     """Whether rank buffers ``rk`` take part in the current call (``RankBuffers.calling``;
     an object without it, always)."""
     return getattr(rk, "calling", True)
+
+
+def combine_fp8_flag(cfg, fp8) -> bool:
+    """``fp8`` of a combine call (the FP8 combine, docs/combine.md) checked: a bool
+    (``EPInputError`` naming ``fp8`` otherwise), and ``hid_dim`` a multiple of 128 when it
+    is True (``ValueError`` naming ``hid_dim``)."""
+    if not isinstance(fp8, (bool, np.bool_)):
+        raise EPInputError(f"fp8: must be True or False, got {fp8!r}")
+    if fp8:
+        combine_fp8.check_hid_dim(cfg.token_fmt.hid_dim)
+    return bool(fp8)
 
 
 def combine_inputs(world, expert_outputs, topk_weights=None, residual=None) -> tuple:

@@ -17,6 +17,7 @@ from ..kernels.combine_async import KERNEL_NAME as C_ASYNC
 from ..kernels.combine_fused import KERNEL_NAME as C_FUSED
 from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from . import call_args
+from .combine_fp8 import Fp8Combine
 from . import trace as runtime_trace
 from .placement import p2p_group
 
@@ -91,7 +92,8 @@ class Combiner:
         self.fused = bool(world.fused)
         self.programs = world.load(world.co_resident(build_combine_module(cfg)))
         self.program = self.programs.first
-        world.check_resident(self.programs, self.kernels(), f"{world.world_name}.combine")
+        world.check_resident(self.programs, self.bf16_kernels(),
+                             f"{world.world_name}.combine")
         runtime_trace.allocate(world, self.program.module)   # kernels built with trace rings only
         self.bufs = [CombineBuffers(world.cuda, cfg, rk, **world.memory_of(rk.device))
                      for rk in world.ranks]
@@ -99,16 +101,52 @@ class Combiner:
         for name in ("recv", "arrival"):
             world.register_symmetric(f"combine_{name}", [getattr(b, name) for b in self.bufs])
         self.build_tables()
-        self.weighted = self.has_residual = False    # set by ``load``
+        self.weighted = self.has_residual = self.fp8 = False    # set by ``load``
+        #: the FP8 combine's programs and buffers (``combine_fp8.Fp8Combine``), made by the
+        #: first ``fp8=True`` call (``prepare_fp8``)
+        self.fp8_side = None
 
     def kernels(self) -> tuple[str, ...]:
         """The combine kernels one call launches: ``ep_combine``, or ``ep_combine_async``
-        and ``ep_combine_wait``."""
+        and ``ep_combine_wait`` (their ``_fp8`` twins when the last ``load`` chose
+        ``fp8``)."""
+        return tuple(self.kernel_name(n) for n in self.bf16_kernels())
+
+    def bf16_kernels(self) -> tuple[str, ...]:
+        """The BF16 kernels' names one call launches (the FP8 ones are their twins)."""
         return (C_FUSED,) if self.fused else (C_ASYNC, C_WAIT)
 
-    def program_of(self, rk):
-        """The ``Program`` that launches rank ``rk``'s combine kernels (its GPU's)."""
-        return self.programs.of(rk)
+    def _fp8(self, fp8) -> bool:
+        """``fp8`` of an argument method: the last ``load``'s choice when None."""
+        return self.fp8 if fp8 is None else bool(fp8)
+
+    def kernel_name(self, bf16_name: str, fp8: bool | None = None) -> str:
+        """The kernel a launch of ``bf16_name`` runs: itself, or its FP8 twin with ``fp8``
+        (None: the last ``load``'s choice)."""
+        return Fp8Combine.wire_name(bf16_name) if self._fp8(fp8) else bf16_name
+
+    def all_kernels(self) -> tuple:
+        """Every loaded combine kernel (``ir.Kernel``: the BF16 module's, and the FP8
+        module's once loaded), naming the records of the error buffers."""
+        kernels = tuple(self.program.module.kernels)
+        if self.fp8_side is not None:
+            kernels += tuple(self.fp8_side.program.module.kernels)
+        return kernels
+
+    def prepare_fp8(self) -> bool:
+        """Make the FP8 side (``combine_fp8.Fp8Combine``) unless it exists; True when it was
+        made now (``ShmemWorld`` then meets the other PEs before a kernel writes its
+        buffers). ``ValueError`` naming ``hid_dim`` unless it is a multiple of 128."""
+        if self.fp8_side is not None:
+            return False
+        self.fp8_side = Fp8Combine(self, GUARD_BYTES)
+        return True
+
+    def program_of(self, rk, fp8: bool | None = None):
+        """The ``Program`` that launches rank ``rk``'s combine kernels (its GPU's; the FP8
+        module's with ``fp8``, None: the last ``load``'s choice)."""
+        programs = self.fp8_side.programs if self._fp8(fp8) else self.programs
+        return programs.of(rk)
 
     # -- tables ------------------------------------------------------------------------------
     def table_ranks(self, rk) -> list[int]:
@@ -129,22 +167,28 @@ class Combiner:
             self.recv_ptrs.append(w.pointer_table(i, whose, [b.recv for b in self.bufs]))
             self.arrival_ptrs.append(w.pointer_table(i, whose, [b.arrival for b in self.bufs]))
 
-    def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
+    def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None,
+            fp8: bool = False):
         """One combine of the world's last dispatch (module docstring of ``world.combine``):
         ``load``, ``enqueue``, then ``finish`` (synchronises and returns every rank's output).
-        ``src_info``: test hook (``load``)."""
-        self.load(expert_outputs, topk_weights, residual, src_info=src_info)
+        ``src_info``: test hook (``load``); ``fp8``: the FP8 combine (``load``)."""
+        self.load(expert_outputs, topk_weights, residual, src_info=src_info, fp8=fp8)
         self.enqueue()
         return self.finish()
 
-    def load(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None):
+    def load(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None,
+             fp8: bool = False):
         """Validate the host inputs and copy them into the combine buffers (rank streams).
-        Sets what the next ``enqueue`` passes (weighted or not, residual or not).
+        Sets what the next ``enqueue`` passes (weighted or not, residual or not, the BF16 or
+        the FP8 kernels: ``fp8``, whose first use makes the FP8 side, ``prepare_fp8``).
         ``src_info``: test hook, per rank an array replacing that rank's ``src_info`` on the
         device (None entries: unchanged)."""
         w = self.world
+        fp8 = call_args.combine_fp8_flag(w.cfg, fp8)
         expert_outputs, topk_weights, residual = call_args.combine_inputs(
             w, expert_outputs, topk_weights, residual)
+        if fp8:
+            self.prepare_fp8()
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             if not rk.calling:
                 continue
@@ -160,6 +204,7 @@ class Combiner:
                 rk.src_info[:len(s)].copy_from_host(s)
         self.weighted = topk_weights is not None
         self.has_residual = residual is not None
+        self.fp8 = fp8
 
     def enqueue(self):
         """Enqueue every rank's ``ep_combine_async`` (after every rank's last dispatch_wait),
@@ -179,7 +224,8 @@ class Combiner:
                     continue
                 for ev in done:
                     rk.stream.wait(ev)
-                self.program_of(rk).launch(C_FUSED, cfg.n_sms, self.fused_args(i), rk.stream)
+                self.program_of(rk).launch(self.kernel_name(C_FUSED), cfg.n_sms,
+                                           self.fused_args(i), rk.stream)
                 rk.wait_done = w.cuda.record_event(rk.stream)
             return
         events = []
@@ -188,7 +234,8 @@ class Combiner:
                 continue
             for ev in done:
                 rk.stream.wait(ev)
-            self.program_of(rk).launch(C_ASYNC, cfg.n_sms, self.async_args(i), rk.stream)
+            self.program_of(rk).launch(self.kernel_name(C_ASYNC), cfg.n_sms, self.async_args(i),
+                                       rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         if cfg.ep_rank_mask:        # a rank that stops must not hold the others' waits back
             events = []
@@ -197,40 +244,53 @@ class Combiner:
                 continue
             for ev in events:
                 rk.stream.wait(ev)
-            self.program_of(rk).launch(C_WAIT, cfg.n_sms, self.wait_args(i), rk.stream)
+            self.program_of(rk).launch(self.kernel_name(C_WAIT), cfg.n_sms, self.wait_args(i),
+                                       rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 
-    def async_args(self, i: int) -> dict:
-        """``ep_combine_async``'s launch arguments for rank index ``i``."""
-        w = self.world
+    def async_args(self, i: int, fp8: bool | None = None) -> dict:
+        """``ep_combine_async``'s launch arguments for rank index ``i`` (its FP8 twin's with
+        ``fp8``, None: the last ``load``'s choice: ``Fp8Combine.async_args``)."""
+        w, fp8 = self.world, self._fp8(fp8)
         rk, b = w.ranks[i], self.bufs[i]
-        return {**w.trace_args(C_ASYNC, rk), **w.mask_args(rk, waits=False),
+        args = {**w.trace_args(self.kernel_name(C_ASYNC, fp8), rk),
+                **w.mask_args(rk, waits=False),
                 "expert_out": b.expert_out,
                 "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
                 "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
+        if fp8:
+            args.update(self.fp8_side.async_args(i))
+        return args
 
-    def wait_args(self, i: int) -> dict:
+    def wait_args(self, i: int, fp8: bool | None = None) -> dict:
         """``ep_combine_wait``'s launch arguments for rank index ``i`` (the last ``load``'s
         weighted / residual choice)."""
-        w = self.world
+        w, fp8 = self.world, self._fp8(fp8)
         rk, b = w.ranks[i], self.bufs[i]
-        return {**w.trace_args(C_WAIT, rk), **w.mask_args(rk, waits=True),
+        args = {**w.trace_args(self.kernel_name(C_WAIT, fp8), rk),
+                **w.mask_args(rk, waits=True),
                 "combine_buf": b.recv, "arrival": b.arrival,
                 "topk_ids": rk.topk_ids,
                 "weights": b.weights, "weighted": int(self.weighted),
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
                 "my_rank": rk.rank, "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
+        if fp8:
+            args.update(self.fp8_side.wait_args(i))
+        return args
 
-    def fused_args(self, i: int) -> dict:
+    def fused_args(self, i: int, fp8: bool | None = None) -> dict:
         """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
         ``skip_a2a`` with the shared expert the devices' count (``allreduce_world_size``, as
         for ``ep_dispatch``)."""
-        args = {**self.async_args(i), **self.wait_args(i),
-                **self.world.trace_args(C_FUSED, self.world.ranks[i])}
-        names = {p.name for p in self.program.module.kernel(C_FUSED).params}
+        fp8 = self._fp8(fp8)
+        name = self.kernel_name(C_FUSED, fp8)
+        args = {**self.async_args(i, fp8), **self.wait_args(i, fp8),
+                **self.world.trace_args(name, self.world.ranks[i])}
+        program = self.fp8_side.program if fp8 else self.program
+        names = {p.name for p in program.module.kernel(name).params}
         if "allreduce_world_size" in names:
             args["allreduce_world_size"] = self.world.allreduce_world_size
         return args
@@ -246,7 +306,7 @@ class Combiner:
         w.synchronize()
         self._raise_bounds()
         try:
-            masks = w.raise_timeouts(self.program.module.kernels, "combine")
+            masks = w.raise_timeouts(self.all_kernels(), "combine")
         except Exception:
             self._rearm()
             w.reset()

@@ -82,6 +82,7 @@ class RoundTripGraph:
             c = self.combiner
             out["combine weighted"] = c.weighted
             out["combine has_residual"] = c.has_residual
+            out["combine fp8"] = c.fp8
             for rk, b in zip(w.ranks, c.bufs):
                 out[f"rank {rk.rank} expert_out buffer"] = b.expert_out.ptr
         return out

@@ -568,7 +568,7 @@ class RankWorld(abc.ABC):
         if program is not None:
             kernels += tuple(program.module.kernels)
         if self._combiner is not None:
-            kernels += tuple(self._combiner.program.module.kernels)
+            kernels += self._combiner.all_kernels()
         try:
             masks = self.raise_timeouts(kernels, context)
         except Exception:
@@ -693,7 +693,8 @@ class RankWorld(abc.ABC):
         """The world's combine side if a combine built it, else None."""
         return self._combiner
 
-    def combine(self, expert_outputs, topk_weights=None, residual=None, *, _src_info=None):
+    def combine(self, expert_outputs, topk_weights=None, residual=None, *, fp8: bool = False,
+                _src_info=None):
         """Combine the last ``dispatch`` (docs/combine.md): ``expert_outputs[d]``, rank
         ``d``'s expert output rows ``[rows, H]`` BF16 (one per row of its grouped output),
         go back to their sources' slots; returns per rank its ``[T, H]`` BF16 bits reduced
@@ -701,11 +702,15 @@ class RankWorld(abc.ABC):
         H]``; ``residual[s]`` (``[T, H]`` BF16, with weights) is added before the rounding.
         An out-of-range ``src_info`` row is an ``EPInputError`` naming it (nothing written
         for it). With ``ep_rank_mask`` a rank whose expert outputs are None sits the combine
-        out (its result None; under shrink the others mask it). ``_src_info``: test hook
+        out (its result None; under shrink the others mask it). ``fp8``: the FP8 combine
+        (docs/combine.md, "FP8 combine": rows cross as E4M3 with a float32 scale per 128
+        elements; ``hid_dim`` a multiple of 128). ``_src_info``: test hook
         (``runtime.combine.Combiner.run``)."""
+        call_args.combine_fp8_flag(self.cfg, fp8)
         self._combine_sitting_out(expert_outputs)
         call_args.check_combine(self, expert_outputs, topk_weights, residual)
-        return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info)
+        return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info,
+                                   fp8=fp8)
 
     def _combine_sitting_out(self, expert_outputs) -> None:
         """``ep_rank_mask``: a rank whose expert outputs are None sits the combine out (not

@@ -296,25 +296,31 @@ class ShmemWorld(RankWorld):
             return g, res[0]
         return self._after_call(run)
 
-    def combine(self, expert_out, topk_weights=None, residual=None, *, _src_info=None):
+    def combine(self, expert_out, topk_weights=None, residual=None, *, fp8: bool = False,
+                _src_info=None):
         """Combine this PE's part of the last ``dispatch`` (every PE calls it; docs/combine.md):
         ``expert_out`` ``[rows, H]`` BF16, one row per row of this rank's grouped output;
         ``topk_weights`` ``[T, K]`` float32 or None; ``residual`` ``[T, H]`` BF16 or None.
         Returns this rank's ``[T, H]`` BF16 bits (None weights: the unreduced ``[T, K, H]``),
         as ``reference.combine(cfg, ...)[rank]``, after a host barrier of every PE (also
-        when a row was refused: ``EPInputError`` after it). ``_src_info``: test hook, this
-        rank's replacement ``src_info``."""
+        when a row was refused: ``EPInputError`` after it). ``fp8``: the FP8 combine (every
+        PE passes the same; its first use allocates the FP8 buffers collectively, then the PEs
+        meet at a barrier). ``_src_info``: test hook, this rank's replacement ``src_info``."""
         self._require_open()
         if any(isinstance(a, (list, tuple)) for a in (expert_out, topk_weights, residual)):
             raise TypeError("ShmemWorld: combine takes this rank's own arrays (expert_out, "
                             "topk_weights, residual), not a list per rank")
         one = lambda a: None if a is None else [a]  # noqa: E731
+        call_args.combine_fp8_flag(self.cfg, fp8)
         call_args.check_combine(self, [expert_out], one(topk_weights), one(residual))
         if self._combiner is None:
             self.combiner()
             self.barrier("combine-ready")
         comb = self._combiner
-        comb.load([expert_out], one(topk_weights), one(residual), src_info=one(_src_info))
+        if fp8 and comb.prepare_fp8():
+            self.barrier("combine-fp8-ready")
+        comb.load([expert_out], one(topk_weights), one(residual), src_info=one(_src_info),
+                  fp8=fp8)
 
         def run():
             comb.enqueue()

@@ -115,21 +115,26 @@ class EmulatedWorld(RankWorld):
                          ranks_in_words(self.rank_ids))]
 
     def capture_moe(self, calls: int = 1, stream=None, *, weighted: bool = True,
-                    residual: bool = False) -> RoundTripGraph:
+                    residual: bool = False, fp8: bool = False) -> RoundTripGraph:
         """A ``RoundTripGraph`` of ``calls`` dispatch + combine round trips of every rank
         (``graph.py``; docs/combine.md "CUDA graphs"): per call the launches of
         ``enqueue_round_trip`` then those of ``Combiner.enqueue``, in one graph. ``weighted``
         / ``residual``: the combine's launch arguments frozen into it (each replay's
-        ``graph.combiner.load`` must make the same choice). ``ValueError`` for a
-        configuration combine does not take (``runtime.combine.check_supported``)."""
-        if not isinstance(weighted, bool) or not isinstance(residual, bool):
-            raise ValueError(f"capture_moe: weighted and residual must be bools, got "
-                             f"{weighted!r}, {residual!r}")
+        ``graph.combiner.load`` must make the same choice). ``fp8``: the FP8 combine's
+        kernels (docs/combine.md, "FP8 combine"; its buffers are made before the capture),
+        each replay's ``load`` passing ``fp8=True``. ``ValueError`` for a configuration
+        combine does not take (``runtime.combine.check_supported``; ``fp8``: ``hid_dim`` a
+        multiple of 128)."""
+        if not all(isinstance(v, bool) for v in (weighted, residual, fp8)):
+            raise ValueError(f"capture_moe: weighted, residual and fp8 must be bools, got "
+                             f"{weighted!r}, {residual!r}, {fp8!r}")
         if residual and not weighted:
             raise ValueError("capture_moe: residual=True needs weighted=True (the unreduced "
                              "rows take no residual)")
         comb = self.combiner()
-        comb.weighted, comb.has_residual = weighted, residual
+        if fp8:
+            comb.prepare_fp8()          # no allocation may happen while capturing
+        comb.weighted, comb.has_residual, comb.fp8 = weighted, residual, fp8
         return RoundTripGraph(self, calls, stream, combiner=comb)
 
 

@@ -210,7 +210,10 @@ class EPBuffer:
         # every launch prepared now (the first call must not compile: the other ranks'
         # kernels would wait for it): (kernel name, [prepared launch per handled rank])
         self._prepare_dispatch()
-        self._combine = None       # prepared on the first combine (builds the combine side)
+        #: per ``fp8`` choice, the combine launches prepared on its first combine (which
+        #: builds the combine side) and their hot parameters
+        self._combine, self._combine_hot = {}, {}
+        self._results = {}     # (handled rank, shape): the tensor viewing its output buffer
         self._pending_receive = None          # dispatch_wait steps of a split dispatch
         self._pending_combine = None          # combine_wait steps of a split combine
 
@@ -368,29 +371,35 @@ class EPBuffer:
         self._enqueue(steps, self._stream(stream))
 
     # -- combine ----------------------------------------------------------------------------
-    def _prepare_combine(self):
-        """The world's combine side (built as ``world.combine`` builds it) and every handled
-        rank's combine launches, prepared."""
+    def _prepare_combine(self, fp8: bool = False):
+        """The world's combine side (built as ``world.combine`` builds it; with ``fp8`` its
+        FP8 side too, ``Combiner.prepare_fp8``) and every handled rank's combine launches of
+        the BF16 or the FP8 kernels, prepared (``self._combine[fp8]``, ``_combine_hot[fp8]``)."""
         c = self.world.combiner()
+        if fp8:
+            c.prepare_fp8()
         n, steps = self.cfg.n_sms, []
-        prog = lambda i: c.program_of(self.world.ranks[i])  # noqa: E731
+        prog = lambda i: c.program_of(self.world.ranks[i], fp8)  # noqa: E731
+        name = lambda bf16_name: c.kernel_name(bf16_name, fp8)  # noqa: E731
         if c.fused:
-            steps.append((C_FUSED, [prog(i).prepare(C_FUSED, n, c.fused_args(i))
-                                    for i in self.index]))
+            steps.append((name(C_FUSED), [prog(i).prepare(name(C_FUSED), n,
+                                                          c.fused_args(i, fp8))
+                                          for i in self.index]))
         else:
-            steps.append((C_ASYNC, [prog(i).prepare(C_ASYNC, n, c.async_args(i))
-                                    for i in self.index]))
-            steps.append((C_WAIT, [prog(i).prepare(C_WAIT, n, c.wait_args(i))
-                                   for i in self.index]))
-        self._combiner, self._combine = c, steps
+            steps.append((name(C_ASYNC), [prog(i).prepare(name(C_ASYNC), n,
+                                                          c.async_args(i, fp8))
+                                          for i in self.index]))
+            steps.append((name(C_WAIT), [prog(i).prepare(name(C_WAIT), n, c.wait_args(i, fp8))
+                                         for i in self.index]))
+        self._combiner = c
+        self._combine[fp8] = steps
         hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens",
                "out")
-        self._combine_hot = [_HotParams([(ls[j], {}) for _, ls in steps], hot)
-                             for j in range(len(self.ranks))]
-        self._results = {}     # (handled rank, shape): the tensor viewing its output buffer
+        self._combine_hot[fp8] = [_HotParams([(ls[j], {}) for _, ls in steps], hot)
+                                  for j in range(len(self.ranks))]
 
     def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None,
-                into=None, receive=True):
+                into=None, receive=True, fp8: bool = False):
         """Enqueue the combine of the last dispatch: ``expert_out`` ``[max_out_rows,
         hid_dim]`` BF16, the experts' outputs on the grouped rows ``out`` (that dispatch's
         ``DispatchOutput``) delivered, one row per row of ``out.tokens`` (the delivered count
@@ -405,8 +414,16 @@ class EPBuffer:
         rank that the kernel writes the result into instead (no copy), returned as the
         result. ``receive=False`` enqueues only ``ep_combine_async`` (the rows are sent);
         ``combine_receive()`` enqueues ``ep_combine_wait``, after which the result is
-        filled (the staged kernels only)."""
+        filled (the staged kernels only).
+
+        ``fp8=True``: the FP8 combine (docs/combine.md, "FP8 combine"; epgen's own): each row
+        crosses as E4M3 with a float32 scale per 128 elements (the BlockwiseFP8 rule) and is
+        dequantised and reduced in fp32 at the source, in the BF16 combine's order; the
+        result is BF16 as without it (unreduced: the dequantised rows rounded to BF16).
+        ``hid_dim`` must be a multiple of 128. Its first use builds and loads the FP8
+        kernels; later calls switch per call."""
         torch, cfg = self.torch, self.cfg
+        fp8 = call_args.combine_fp8_flag(cfg, fp8)
         if not receive and self.fused:
             raise ValueError("combine(receive=False): the world runs the fused single-launch "
                              "kernel, which cannot be split; make it with fused=False")
@@ -420,8 +437,8 @@ class EPBuffer:
         rs = self._per_rank(residual, "residual", optional=True)
         intos = self._per_rank(into, "into", optional=True)
         call_args.check_dispatch_outputs(outs, self.ranks)
-        if self._combine is None:
-            self._prepare_combine()
+        if fp8 not in self._combine:
+            self._prepare_combine(fp8)
         checked = []
         for rk, y, o, w, res in zip(self.ranks, ys, outs, ws, rs):
             T = o.n_tokens
@@ -463,7 +480,7 @@ class EPBuffer:
                       else b.residual.ptr,
                       "has_residual": int(res is not None), "n_tokens": T,
                       "out": b.out.ptr if intos[j] is None else intos[j].data_ptr()}
-            self._combine_hot[j].write(values)
+            self._combine_hot[fp8][j].write(values)
             shape = (T, H) if w is not None else (T, K, H)
             view = intos[j] if intos[j] is not None else self._results.get((j, shape))
             if view is None:
@@ -471,16 +488,18 @@ class EPBuffer:
                                                               shape=shape)
             results.append(view)
         self._keep_combine = (checked, intos)
+        steps = self._combine[fp8]
         if receive:
-            self._enqueue(self._combine, s)
+            self._enqueue(steps, s)
         else:
-            self._enqueue(self._combine[:-1], s)
-            self._pending_combine = self._combine[-1:]
+            self._enqueue(steps[:-1], s)
+            self._pending_combine = steps[-1:]
         return results[0] if len(results) == 1 and not isinstance(out, (list, tuple)) \
             else results
 
     def combine_receive(self, *, stream=None) -> None:
-        """Enqueue the receiving half (``ep_combine_wait``) of the last combine, which was
+        """Enqueue the receiving half (``ep_combine_wait``, or its FP8 twin) of the last
+        combine, which was
         sent with ``receive=False`` (as ``receive`` for dispatch)."""
         if self._pending_combine is None:
             raise RuntimeError("combine_receive: no combine sent with receive=False is waiting")

@@ -158,11 +158,12 @@ def check_combine(torch, rank: int, x, idx, w, combined, *, use_fp8: bool,
 
 
 def rank_rounds(torch, buf, rank: int, case: LLCase, inputs, variant: str, rounds=ROUNDS,
-                device=None) -> None:
+                device=None, combine_fp8: bool = False) -> None:
     """Rank ``rank``'s ``rounds`` on ``buf`` (``inputs``: every rank's, on the CPU; moved to
     ``device`` for the calls): dispatch(es) with the statistics, the hook or
     ``async_finish``, then a combine into ``out`` (zero-copy when the round says), each
-    result checked (module docstring)."""
+    result checked (module docstring). ``combine_fp8``: every combine is epgen's FP8 combine
+    (``use_fp8=True`` on ``low_latency_combine``), checked with the FP8 bound."""
     use_fp8, round_scale, use_ue8m0 = VARIANTS[variant]
     all_idx = [i for _, i, _ in inputs]
     T, H, E, L = case.tokens, case.hidden, case.num_experts, case.num_experts // case.n_ranks
@@ -184,8 +185,8 @@ def rank_rounds(torch, buf, rank: int, case: LLCase, inputs, variant: str, round
         out = torch.empty((T, H), dtype=torch.bfloat16, device=device)
         combined, event, recv_hook = buf.low_latency_combine(
             y, idx, w, handle, zero_copy=zero_copy, async_finish=not hook,
-            return_recv_hook=hook, out=out)
+            return_recv_hook=hook, out=out, use_fp8=combine_fp8)
         recv_hook() if hook else event.current_stream_wait()
         assert combined is out
         check_combine(torch, rank, inputs[rank][0], inputs[rank][1], inputs[rank][2],
-                      combined, use_fp8=use_fp8, round_scale=round_scale)
+                      combined, use_fp8=use_fp8 or combine_fp8, round_scale=round_scale)

@@ -53,13 +53,13 @@ def assert_survivors(cfg, results, tokens, ids, masked, *, absent=()):
         reference.assert_match(cfg, e, a)
 
 
-def combine_and_check(world, rng, results, tokens, ids, masked, *, absent=()):
+def combine_and_check(world, rng, results, tokens, ids, masked, *, absent=(), fp8=False):
     """``world.combine`` of random expert outputs and weights for the ranks that called;
     each survivor's rows equal ``reference.combine`` of the kernels' own dispatch results
     (rows within a block are in reservation order) for the survivors and of the reference
     with ``masked`` removed for the masked ranks (a rank masked during the combine returns
-    nothing), with ``masked`` removed from the weights' ids. Returns the ranks the combine
-    masked."""
+    nothing), with ``masked`` removed from the weights' ids; ``fp8``: the FP8 combine,
+    against the reference's. Returns the ranks the combine masked."""
     cfg = world.cfg
     K = cfg.token_fmt.top_k
     _, masked_ids = reference.mask_ranks(cfg, tokens, ids, masked)
@@ -79,9 +79,9 @@ def combine_and_check(world, rng, results, tokens, ids, masked, *, absent=()):
             given_ws[r] = ws[r].copy()
             dropped = (np.asarray(masked_ids[r]) == -1) & (np.asarray(ids[r]) != -1)
             given_ws[r][dropped] = 1e30
-    out = world.combine(given_ys, given_ws)
+    out = world.combine(given_ys, given_ws, fp8=fp8)
     ref_ws = [np.zeros((0, K), np.float32) if r in absent else w for r, w in enumerate(ws)]
-    exp = reference.combine(cfg, ref_rows, ys, ref_ws)
+    exp = reference.combine(cfg, ref_rows, ys, ref_ws, fp8=fp8)
     for r in range(cfg.n_ranks):
         if r in absent:
             assert out[r] is None

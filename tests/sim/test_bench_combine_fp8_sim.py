@@ -1,0 +1,94 @@
+"""``epgen bench --op combine --combine-fp8`` measured for real on the simulator with only the
+event timing replaced: the BF16 and the FP8 combine both timed on one world, every FP8 sample
+ran the FP8 kernels, both checked against the reference before and after the timing, and an
+FP8 combine that did not run fails its check."""
+
+from __future__ import annotations
+
+import epgen
+import pytest
+
+from epgen.bench import combine, inputs
+from epgen.formats import make_format
+from epgen.runtime.world import EmulatedWorld
+
+from test_bench import fake_gpu  # noqa: F401 - fixture
+from test_bench_combine import fake_combine  # noqa: F401 - fixture
+
+
+def _cfg():
+    return epgen.EPConfig(num_threads=64, n_sms=4, n_experts=4, n_ranks=2,
+                          max_tokens_per_rank=4, p2p_world_size=2, use_shmem=False,
+                          token_fmt=make_format("BF16", 128, 2))
+
+
+def _measure(cfg, seed, timer):
+    T = cfg.max_tokens_per_rank
+    sets = inputs.make_input_sets(cfg, T, 2, seed=seed)
+    w = combine.weights(cfg, T, seed)
+    worlds = []
+
+    def factory():
+        worlds.append(EmulatedWorld(cfg, backend="sim", sim_seed=seed))
+        return worlds[0]
+    res = combine.measure_world(cfg, sets, w, 3, 1, None, op="combine", world_factory=factory,
+                                timer=timer, progress=lambda m: None, combine_fp8=True)
+    return res, worlds[0]
+
+
+def test_both_combines_timed_and_checked(seed):
+    calls = []
+
+    def fake_timer(ts, streams, gate, body):
+        body()
+        calls.append(1)
+        return 0.25, False
+    res, world = _measure(_cfg(), seed, fake_timer)
+    assert res["check"] == res["post_check"] == res["post_check_fp8"] == "ok", f"seed {seed}"
+    assert res["combine"]["n"] == res["combine_fp8"]["n"] == 3
+    assert len(calls) == 2 * (3 + 1)                 # warm-up + iterations, each combine
+    fp8 = world.combiner().fp8_side.program.loaded.launched
+    assert sum(1 for k, *_ in fp8 if k == "ep_combine_async_fp8") >= 2 * 4
+
+
+def test_an_fp8_combine_that_did_not_run_fails_the_check(seed):
+    timed = []
+
+    def fp8_skipped(ts, streams, gate, body):
+        if len(timed) < 4:            # the BF16 samples run; the FP8 ones enqueue nothing
+            body()
+        timed.append(1)
+        return 0.25, False
+    with pytest.raises(AssertionError, match="fp8.*combine differs from the reference"):
+        _measure(_cfg(), seed, fp8_skipped)
+
+
+def _fake_measure_fp8(cfg, sets, w, iters, warmup, gate, *, op, combine_fp8=False, **kw):
+    from epgen.bench import timing
+    out = {"check": "ok", "post_check": "ok", "build_s": 0.1,
+           "combine": timing.summarize([0.6, 0.6, 0.6])}
+    if combine_fp8:
+        out["combine_fp8"] = timing.summarize([0.4, 0.4, 0.4])
+        out["post_check_fp8"] = "ok"
+    return out
+
+
+def test_a_whole_run_reports_both_figures(fake_combine, monkeypatch, tmp_path, capsys):
+    """``epgen bench --op combine --combine-fp8`` with the device phases faked: the FP8
+    figure, its bytes and its speed-up over the BF16 combine reach the JSON and the progress
+    lines."""
+    import json
+
+    from epgen import cli
+    monkeypatch.setattr(combine, "measure_world", _fake_measure_fp8)
+    js = tmp_path / "fp8.json"
+    status = cli.main(["bench", "--preset", "small", "--tokens", "16", "--no-gate", "--op",
+                       "combine", "--combine-fp8", "--json", str(js)])
+    _, err = capsys.readouterr()
+    assert status == 0, err
+    v = json.loads(js.read_text())["shapes"][0]["variants"][0]
+    b = v["bytes"]["combine_fp8"]
+    assert b["link_ratio"] == pytest.approx(272 / 512)
+    assert v["combine_fp8"]["bytes"] == b["total"]
+    assert v["fp8_speedup_vs_bf16"] == pytest.approx(0.6 / 0.4)
+    assert "combine_fp8 400.0 us (1.50x the BF16 combine" in err, err
