@@ -318,8 +318,9 @@ def test_bench_sent_bytes():
 
     cfg = small()                                  # 8 local experts per rank
     ids = np.array([[0, 1, 8, 9], [0, 1, 2, 3], [8, 9, 10, 11]])
-    assert sent_bytes(cfg, ids, 0) == 2 * cfg.layout.msg_bytes
-    assert sent_bytes(cfg, ids, 1) == 2 * cfg.layout.msg_bytes
+    # one message per (token, k) slot on the other rank, as the transport sends them
+    assert sent_bytes(cfg, ids, 0) == 6 * cfg.layout.msg_bytes     # 8, 9 and 8, 9, 10, 11
+    assert sent_bytes(cfg, ids, 1) == 6 * cfg.layout.msg_bytes     # 0, 1 and 0, 1, 2, 3
     assert sent_bytes(cfg, np.zeros((0, 4), np.int32), 0) == 0
 
 
