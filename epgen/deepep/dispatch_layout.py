@@ -22,6 +22,7 @@ from __future__ import annotations
 import attrs
 
 from ..errors import EPInputError
+from .shapes import check_tensor
 
 
 @attrs.frozen
@@ -46,7 +47,6 @@ def check_arguments(torch, topk_idx, num_experts, n_ranks: int, *, on_cuda: bool
     """``EPInputError`` naming the argument unless ``topk_idx`` is a 2-D int64 or int32 tensor
     on the buffer's kind of device and ``num_experts`` a positive multiple of ``n_ranks``;
     returns the experts per rank."""
-    from .shapes import check_tensor
     check_tensor(torch, topk_idx, "topk_idx", dtypes=(torch.int64, torch.int32), dim=2,
                  on_cuda=on_cuda, contiguous=False)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
