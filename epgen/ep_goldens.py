@@ -55,6 +55,10 @@ FLAG_VARIANTS = {
     # DeepEP API's)
     "rank_mask": ("small", {"ep_rank_mask": True}),
     "final_layout_rank_mask": ("small", {"ep_final_layout": True, "ep_rank_mask": True}),
+    # ours: one message per (token, destination rank), on the staged layout (the warp send
+    # path with two warps per token), in BF16 and in a quantising format
+    "rank_dedup": ("small", {"ep_rank_dedup": True}),
+    "rank_dedup_nvfp4": ("small", {"ep_rank_dedup": True, "format": "NVFP4"}),
 }
 
 
