@@ -32,6 +32,8 @@ top-k ids as before.
 
 from __future__ import annotations
 
+import contextlib
+
 import ir
 from ir import AtomOp, CacheHint, Scope, Sem
 from ir import types as T
@@ -106,36 +108,54 @@ class RankDedupDestination(StagedDestination):
     def send_slot(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e) -> None:
         """The send-buffer path's warp of top-k slot ``k`` of token ``t``: when the slot
         ``takes_slot`` and ``leads`` its rank, the warp does the whole (token, rank): it
-        copies the staged message ``msg`` into the message area (``copy_vectors``: 16-byte
-        stores), lane 0 reserves a row for every slot ``k' >= k`` of the token whose expert
-        lives on ``dst_rank`` and stores its index word, ``bar.warp.sync``, then lane 0 counts
-        each of those copies finished (``red.release.gpu.add``). A slot that does not lead
-        does nothing: its leader's warp did it."""
-        cfg, p, lay = self.cfg, self.p, self.cfg.layout
-        K, L, R = lay.top_k, lay.n_local_experts, cfg.n_ranks
-        finished = _word(p.counters, cfg.n_experts)
+        copies the staged message ``msg`` into the message area (``copy_to_message_area``),
+        lane 0 reserves a row for every slot ``k' >= k`` of the token whose expert lives on
+        ``dst_rank`` and stores its index word (``reserve_rank_slots``), ``bar.warp.sync``,
+        then lane 0 counts each of those copies finished (``count_rank_slots``). A slot that
+        does not lead does nothing: its leader's warp did it."""
         with r.if_(self.takes_slot(g, dst_rank) & self.leads(r, t, k, dst_rank)):
             recv = self._recv(r, dst_rank)
             live = r.let("dst_live", self._live(r, dst_rank))
-            with r.if_(live):
-                dst = r.let("dst", self._message_at(recv, t), peer=lay.crosses_devices)
-                copy_vectors(r, dst, msg, lay.msg_bytes // 16, r.lane, 32, tag="fan")
-            with r.if_(r.lane.eq(0)):
-                with r.for_range("k_same", k, K, 1) as k2:
-                    g2 = r.load(_word(p.topk_ids, t * K + k2), T.u32, cache=CacheHint.NC,
-                                name="g_same")
-                    with r.if_((g2 // L).eq(dst_rank)):
-                        e2 = r.let("e_same", g2 % L)
-                        slot2 = self.take_slot(r, e2 * R + lay.rank_coord(dst_rank))
-                        self._store_index(r, recv, e2, slot2, t, live)
+            self.copy_to_message_area(r, msg, recv, t, live)
+            self.reserve_rank_slots(r, recv, t, k, dst_rank, live)
             r.warp_sync()
-            with r.if_(r.lane.eq(0)):
-                with r.for_range("k_done", k, K, 1) as k3:
-                    g3 = r.load(_word(p.topk_ids, t * K + k3), T.u32, cache=CacheHint.NC,
-                                name="g_done")
-                    with r.if_((g3 // L).eq(dst_rank)):
-                        co3 = (g3 % L) * R + lay.rank_coord(dst_rank)
-                        r.red(AtomOp.ADD, _word(finished, co3), 1, Sem.RELEASE, Scope.GPU)
+            self.count_rank_slots(r, t, k, dst_rank)
+
+    def copy_to_message_area(self, r: ir.RoleBuilder, msg, recv, t, live) -> None:
+        """The whole warp: the staged message ``msg`` to token ``t``'s row of receive buffer
+        ``recv``'s message area when ``live`` (``copy_vectors``: 16-byte stores)."""
+        lay = self.cfg.layout
+        with r.if_(live):
+            dst = r.let("dst", self._message_at(recv, t), peer=lay.crosses_devices)
+            copy_vectors(r, dst, msg, lay.msg_bytes // 16, r.lane, 32, tag="fan")
+
+    @contextlib.contextmanager
+    def _rank_slots(self, r: ir.RoleBuilder, name: str, t, k, dst_rank):
+        """Lane 0, ``with`` body once per slot ``k' >= k`` of token ``t`` whose expert lives
+        on ``dst_rank``: the body gets that expert's local index."""
+        K, L = self.cfg.layout.top_k, self.cfg.layout.n_local_experts
+        with r.if_(r.lane.eq(0)):
+            with r.for_range(name, k, K, 1) as kk:
+                g = r.load(_word(self.p.topk_ids, t * K + kk), T.u32, cache=CacheHint.NC,
+                           name=f"g_{name}")
+                with r.if_((g // L).eq(dst_rank)):
+                    yield r.let(f"e_{name}", g % L)
+
+    def reserve_rank_slots(self, r: ir.RoleBuilder, recv, t, k, dst_rank, live) -> None:
+        """Lane 0: a row (``take_slot``) and its index word (``_store_index``) for every slot
+        ``k' >= k`` of token ``t`` on ``dst_rank``."""
+        R = self.cfg.n_ranks
+        with self._rank_slots(r, "k_same", t, k, dst_rank) as e:
+            slot = self.take_slot(r, e * R + self.cfg.layout.rank_coord(dst_rank))
+            self._store_index(r, recv, e, slot, t, live)
+
+    def count_rank_slots(self, r: ir.RoleBuilder, t, k, dst_rank) -> None:
+        """Lane 0: every slot ``k' >= k`` of token ``t`` on ``dst_rank`` counted finished
+        (``red.release.gpu.add`` on its finished counter)."""
+        finished = _word(self.p.counters, self.cfg.n_experts)
+        with self._rank_slots(r, "k_done", t, k, dst_rank) as e:
+            co = e * self.cfg.n_ranks + self.cfg.layout.rank_coord(dst_rank)
+            r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
     # ---- wait side ----------------------------------------------------------------------------
     def message_address(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Expr:
