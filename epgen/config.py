@@ -289,15 +289,8 @@ class EPConfig:
             "skip_a2a": "skip_a2a keeps every top-k slot on its own device, so nothing "
                         "crosses a link and there is nothing to deduplicate",
         }
-        bad = [(("ep_rank_dedup", flag), f"ep_rank_dedup and {flag} are exclusive: {why}")
-               for flag, why in excluded.items() if getattr(self, flag)]
-        if self.needs_shmem:
-            bad.append((("ep_rank_dedup", "use_shmem", "p2p_world_size"),
-                        f"ep_rank_dedup with use_shmem and p2p_world_size="
-                        f"{self.p2p_world_size} < n_ranks={self.n_ranks}: the NVSHMEM send "
-                        f"path puts one message per top-k slot and has no deduplicated form "
-                        f"yet; use p2p_world_size=n_ranks (every destination by P2P stores)"))
-        return bad
+        return [(("ep_rank_dedup", flag), f"ep_rank_dedup and {flag} are exclusive: {why}")
+                for flag, why in excluded.items() if getattr(self, flag)]
 
     def index_extents(self) -> list[tuple[tuple[str, ...], str, int]]:
         """The element extents the kernels index in 32-bit arithmetic, each ``(parameters,

@@ -74,6 +74,8 @@ SHMEM_VARIANTS = {
        for suffix, name in formats_besides("small")},
     "shmem_mixed": ("small", dict(_MIXED)),
     "shmem_mixed_ord_r": ("small", {**_MIXED, "ep_ord_r": True, "has_rank_flag": True}),
+    # ours: one message per (token, destination rank), remote destinations included
+    "shmem_mixed_rank_dedup": ("small", {**_MIXED, "ep_rank_dedup": True}),
 }
 
 

@@ -35,12 +35,13 @@ from __future__ import annotations
 import contextlib
 
 import ir
-from ir import AtomOp, CacheHint, Scope, Sem
+from ir import AtomOp, CacheHint, Scope, Sem, nvshmem
 from ir import types as T
 
 from . import rank_mask
 from .common import copy_vectors, load_pointer
 from .common import word as _word
+from .shmem_send import arrival_address, is_remote
 from .staged import StagedDestination
 
 
@@ -156,6 +157,55 @@ class RankDedupDestination(StagedDestination):
         with self._rank_slots(r, "k_done", t, k, dst_rank) as e:
             co = e * self.cfg.n_ranks + self.cfg.layout.rank_coord(dst_rank)
             r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+    def put_slot_to_remote(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e, issued) -> None:
+        """The send-buffer path's warp of top-k slot ``k`` of token ``t`` (staged in
+        send-buffer row ``msg``) when ``dst_rank`` is outside the P2P group and the slot
+        ``leads`` its rank: the warp does the whole (token, rank) through NVSHMEM. It puts the
+        message once into the token's row of ``dst_rank``'s message area
+        (``nvshmemx_putmem_nbi_warp``), lane 0 calls ``nvshmem_fence()`` (the message reaches
+        ``dst_rank`` before the warp's later operations), then for every slot ``k' >= k`` of
+        the token on ``dst_rank``: lane 0 reserves its row ``j`` (``take_slot``, broadcast by
+        ``shfl.sync.idx``); unless ``j`` is past the block's capacity the warp puts its index
+        word with a signal (``nvshmemx_putmem_signal_nbi_warp``: 4 bytes from the staged
+        header's source index, which is ``t``, then 1 added to the arrival word of block
+        ``(e', my_rank)`` there); lane 0 counts the slot issued (``red.release.gpu.add``).
+        ``issued`` := 1 (the warp's ``nvshmem_quiet`` after its last token completes them:
+        ``complete_remote_puts``). Each slot's signal is delivered after its index word (the
+        put-with-signal) and after the message (the fence), so the destination's wait is
+        unchanged: the count word, then the arrival word up to it. Symmetric addresses are
+        this rank's own (``recv_buf_ptrs[my_rank % P]``), as in ``shmem_send.put_to_remote``.
+        A slot that does not lead does nothing."""
+        cfg, p, lay = self.cfg, self.p, self.cfg.layout
+        K, L, R, P = lay.top_k, lay.n_local_experts, cfg.n_ranks, cfg.p2p_world_size
+        finished = _word(p.counters, cfg.n_experts)
+        remote = is_remote(cfg, dst_rank, p.my_rank) & (g < cfg.n_experts)
+        with r.if_(remote & self.leads(r, t, k, dst_rank)):
+            own = load_pointer(r, p.recv_buf_ptrs, p.my_rank % P, "recv_sym")
+            nvshmem.putmem_nbi_warp(r, ir.Cast(T.u64, self._message_at(own, t)),
+                                    ir.Cast(T.u64, msg), lay.msg_bytes, dst_rank)
+            with r.if_(r.lane.eq(0)):
+                nvshmem.fence(r)
+            staged_index = ir.Cast(T.u64, msg + cfg.token_fmt.src_info_offset)
+            with r.for_range("k_rm", k, K, 1) as k2:
+                g2 = r.load(_word(p.topk_ids, t * K + k2), T.u32, cache=CacheHint.NC,
+                            name="g_rm")
+                with r.if_((g2 // L).eq(dst_rank)):
+                    e2 = r.let("e_rm", g2 % L)
+                    co = r.let("co_rm", e2 * R + dst_rank)
+                    slot = r.var("slot_rm", T.u32, 0)
+                    with r.if_(r.lane.eq(0)):
+                        r.assign(slot, self.take_slot(r, co))
+                    slot_b = r.shfl(ir.ShflMode.IDX, slot, 0, name="slot_rm_b")
+                    with r.if_(slot_b < lay.block_capacity):
+                        w = lay.dedup_index_word(e2, p.my_rank, slot_b).cast(T.u64)
+                        at = ir.Cast(T.u64, own) + (w * 4 + lay.dedup_index_offset)
+                        nvshmem.putmem_signal_nbi_warp(r, at, staged_index, 4,
+                                                       arrival_address(r, cfg, p, e2), 1,
+                                                       nvshmem.SIGNAL_ADD, dst_rank)
+                    with r.if_(r.lane.eq(0)):
+                        r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+            r.assign(issued, 1)
 
     # ---- wait side ----------------------------------------------------------------------------
     def message_address(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Expr:

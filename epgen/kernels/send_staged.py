@@ -13,7 +13,7 @@ from ir import types as T
 
 from .common import VEC, comm_sync, send_sm
 from .common import word as _word
-from .shmem_send import complete_remote_puts, issued_flag, put_to_remote
+from .shmem_send import complete_remote_puts, issued_flag
 from .staged import NO_SLOT
 
 
@@ -36,9 +36,10 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
     Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
     own receive buffer (pointer-table entry 0) is written. With an NVSHMEM destination
     (``cfg.needs_shmem``) the warp that owns a top-k slot whose destination is outside the
-    P2P group puts the staged message there instead (``shmem_send.put_to_remote``: a
-    warp-wide put-with-signal, then the finished count), and after its last token completes
-    its puts with one quiet (``shmem_send.complete_remote_puts``)."""
+    P2P group puts the staged message there instead (``p.dest.put_slot_to_remote``, the
+    staged layout's ``shmem_send.put_to_remote``: a warp-wide put-with-signal, then the
+    finished count), and after its last token completes its puts with one quiet
+    (``shmem_send.complete_remote_puts``)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, K = lay.n_local_experts, lay.top_k
     msg_bytes = lay.msg_bytes
@@ -68,7 +69,7 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
             e = r.let("e", g % L)
             dest.send_slot(r, msg, t, k, g, dst_rank, e)
             if cfg.needs_shmem:
-                put_to_remote(r, cfg, p, msg, g, dst_rank, e, issued)
+                dest.put_slot_to_remote(r, msg, t, k, g, dst_rank, e, issued)
     if cfg.needs_shmem:
         complete_remote_puts(r, issued)
 

@@ -22,7 +22,7 @@ from ir import types as T
 from . import rank_mask
 from .common import copy_vectors, load_pointer
 from .common import word as _word
-from .shmem_send import in_group
+from .shmem_send import in_group, put_to_remote
 from .staged_copy import copy_staged_messages, copy_scratch_bytes
 
 NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this device's expert)
@@ -175,6 +175,13 @@ class StagedDestination:
             r.warp_sync()
             with r.if_(r.lane.eq(0)):
                 r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+    def put_slot_to_remote(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e, issued) -> None:
+        """The send-buffer path with destinations outside the P2P group (``cfg.needs_shmem``),
+        the warp of top-k slot ``k`` of token ``t`` staged in send-buffer row ``msg``, when
+        ``dst_rank`` is remote: ``shmem_send.put_to_remote`` (the message put with a signal
+        on its block's arrival word); ``issued`` := 1 when it issued a put."""
+        put_to_remote(r, self.cfg, self.p, msg, g, dst_rank, e, issued)
 
     def warp_rows(self, r: ir.RoleBuilder, co_word, slot, dst_rank, addr):
         """The warp send path, after ``reserve_slot``: ``(header address, source rank to write

@@ -87,6 +87,11 @@ def checked() -> dict[str, Spec]:
                                             "num_threads": 128}),
         "ep/shmem_fused": Spec("small", _flag("shmem_mixed"), fused=True, small=_SHMEM_MIXED,
                                golden="ep/shmem_mixed"),
+        # one message per (token, destination rank) through NVSHMEM too: the fence between
+        # a (token, rank)'s puts and each slot's signal
+        "ep/shmem_mixed_rank_dedup": Spec("small", _flag("shmem_mixed_rank_dedup"),
+                                          small={**_SHMEM_MIXED, "n_experts": 8,
+                                                 "num_threads": 128}),
         # the rank mask on, every rank alive: its give-up waits and mask reads must not
         # weaken what the protocol orders
         "ep/rank_mask": Spec("small", _flag("rank_mask")),

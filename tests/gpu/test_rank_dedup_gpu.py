@@ -3,9 +3,10 @@ EmulatedWorld against ``epgen.reference.dispatch``, bit-exact (rows inside an (e
 source) block in any order), for every registered format on each send path (the warp path,
 the block-staged broadcast, the send-buffer path of the fused shared expert), on random
 routings, every routing edge case and back-to-back calls (a 200-call loop re-arms nothing of
-its own, checked anyway); the fused kernel; and the combine after it equal to the combine
-after the plain dispatch, bit for bit. The simulator tests (tests/sim/test_rank_dedup_sim.py)
-run the same at small sizes."""
+its own, checked anyway); the fused kernel; the combine after it equal to the combine after
+the plain dispatch, bit for bit; and the SHMEM transport (one process per PE, as
+tests/gpu/test_shmem_gpu.py runs it). The simulator tests (tests/sim/test_rank_dedup_sim.py,
+tests/sim/test_rank_dedup_shmem_sim.py) run the same at small sizes."""
 
 from __future__ import annotations
 
@@ -142,3 +143,24 @@ def test_combine_after_dedup_equals_combine_after_plain(shape, seed):
     for c, (a, b) in enumerate(zip(got[False], got[True])):
         for s, (x, y) in enumerate(zip(a, b)):
             assert np.array_equal(x, y), f"call {c} rank {s}: the combine after dedup differs"
+
+
+# ---- the SHMEM transport: one process per PE under ``epgen launch`` (test_shmem_gpu.py)
+@pytest.mark.usefixtures("nvshmem_wheel")
+@pytest.mark.parametrize("fmt", ["BF16", "NVFP4"])
+@pytest.mark.parametrize("p2p", [1, 2], ids=["every_peer_by_shmem", "p2p_groups"])
+def test_shmem_transport(p2p, fmt):
+    from test_shmem_gpu import PES, assert_all_match, group, launch
+    n = max(p for p in PES if p <= 4)
+    if n < 2 * p2p:
+        pytest.skip(f"groups of {p2p} need {2 * p2p} PEs, EPGEN_SHMEM_PES allows {n}")
+    proc = launch(n, group(n, p2p) + ["--set", "ep_rank_dedup=true", "--set", f"format={fmt}",
+                                      "--calls", "3", "--seed", "4"])
+    assert_all_match(proc, n, 3)
+
+
+@pytest.mark.usefixtures("nvshmem_wheel")
+def test_shmem_transport_fused():
+    from test_shmem_gpu import assert_all_match, group, launch
+    proc = launch(2, group(2, 1) + ["--set", "ep_rank_dedup=true", "--fused", "--calls", "2"])
+    assert_all_match(proc, 2, 2)

@@ -4,7 +4,7 @@ path of the fused shared expert): every slot's index word is stored before the r
 that count the slots finished (IR statement order, and the PTX text of the variant), the
 copy pass reads the index word, the ordered operations are exactly the stock build's (the
 flag adds none and drops none) and the PTX checker finds each; the stock build has no index
-word."""
+word; the SHMEM variant's fence sits between the message put and the index puts."""
 
 from __future__ import annotations
 
@@ -107,3 +107,16 @@ def test_role_split_builds_and_checks():
     module = build_module(cfg)
     assert ir.check(module) == []
     nvptx.check_ptx(module, nvptx.emit_ptx(module))
+
+
+def test_shmem_variant_checks_with_its_fence_before_the_index_puts():
+    """``ep/shmem_mixed_rank_dedup``: the PTX checker finds every ordered operation and
+    NVSHMEM call in IR order (the fence after the message put, before each index word's
+    put-with-signal)."""
+    module = build_module(flag_variant_config("shmem_mixed_rank_dedup"))
+    assert ir.check(module) == []
+    nvptx.check_ptx(module, nvptx.emit_ptx(module))
+    send = entry_bodies(nvptx.emit_ptx(module))[ASYNC]
+    order = re.findall(r"call\.uni (?:\([^)]*\),\s*)?(nvshmem\w+),", send)
+    put, fence = order.index("nvshmemx_putmem_nbi_warp"), order.index("nvshmem_fence")
+    assert put < fence < order.index("nvshmemx_putmem_signal_nbi_warp")

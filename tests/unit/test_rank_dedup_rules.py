@@ -30,21 +30,13 @@ def test_refused_with(flag, extra, reason):
     assert reason in text
 
 
-def test_refused_with_destinations_reached_through_nvshmem():
-    with pytest.raises(EPConfigError) as err:
-        _small(ep_rank_dedup=True, use_shmem=True, p2p_world_size=1)
-    (params, text), = [v for v in err.value.violations if "ep_rank_dedup" in v[0]]
-    assert set(params) == {"ep_rank_dedup", "use_shmem", "p2p_world_size"}
-    assert "NVSHMEM" in text
-
-
 @pytest.mark.parametrize("change", [
     {}, {"ep_ord_r": True, "has_rank_flag": True}, {"ep_rank_mask": True},
     {"ep_send_join_named": True}, {"fused_shared_expert": True},
     {"ep_copy_role_split": True, "num_threads": 384}, {"use_shmem": True},
-    {"recv_block_capacity": 8}],
+    {"use_shmem": True, "p2p_world_size": 1}, {"recv_block_capacity": 8}],
     ids=["staged", "ord_r", "rank_mask", "send_join_named", "fused_se", "role_split",
-         "use_shmem_all_p2p", "block_capacity"])
+         "use_shmem_all_p2p", "use_shmem_remote", "block_capacity"])
 def test_taken_with(change):
     cfg = _small(ep_rank_dedup=True, **change)
     assert destination.strategy_class(cfg) is RankDedupDestination
