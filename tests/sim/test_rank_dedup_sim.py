@@ -236,3 +236,21 @@ def test_combine_after_dedup_equals_combine_after_plain(R, seed):
     for c, (a, b) in enumerate(zip(got[False], got[True])):
         for s, (x, y) in enumerate(zip(a, b)):
             assert np.array_equal(x, y), f"call {c} rank {s}: the combine after dedup differs"
+
+
+@pytest.mark.parametrize("path", ["warp_split", "buffer"])
+def test_receive_blocks_smaller_than_a_call(path, seed):
+    """``recv_block_capacity`` below ``max_tokens_per_rank`` (the largest block of the drawn
+    routings): the index table's blocks are that many words apart, the message area keeps a
+    row per source token."""
+    base = make_cfg("BF16", 64, R=2, K=4, L=4, T=8, path=path)
+    calls = _edge_calls(base, seed)
+    L = base.layout.n_local_experts
+    need = max(int(np.sum(np.asarray(i) == g)) for _, ids in calls for i in ids
+               for g in range(base.n_experts))
+    cap = max(need, 1)
+    if cap >= base.max_tokens_per_rank:
+        pytest.skip(f"the drawn routings fill a block ({cap} tokens)")
+    cfg = base.replace(recv_block_capacity=cap)
+    assert cfg.layout.dedup_index_words == L * cfg.n_ranks * cap
+    _run(cfg, seed, calls)
