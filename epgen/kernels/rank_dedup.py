@@ -25,6 +25,11 @@ stored by the thread that releases that slot's counter, before the release. The 
 acquires the finished counter and releases the count word, so a destination that acquires
 count word ``(e, src)`` sees every index word of the block and every message they name.
 
+Destinations outside the P2P group (``cfg.needs_shmem``, docs/shmem.md): the leader's warp
+puts the message once, fences, then puts each slot's index word with a put-with-signal on
+its block's arrival word (``put_slot_to_remote``), so the destination's count-then-arrival
+wait is the staged layout's.
+
 Wait side: the copy pass reads slot ``j``'s index word and copies message row
 ``dedup_msg_row(src, t)`` (``message_address``); ``src_info``'s ``k`` comes from the header's
 top-k ids as before.
@@ -35,7 +40,7 @@ from __future__ import annotations
 import contextlib
 
 import ir
-from ir import AtomOp, CacheHint, Scope, Sem, nvshmem
+from ir import AtomOp, CacheHint, Scope, Sem, ShflMode, nvshmem
 from ir import types as T
 
 from . import rank_mask
@@ -196,7 +201,7 @@ class RankDedupDestination(StagedDestination):
                     slot = r.var("slot_rm", T.u32, 0)
                     with r.if_(r.lane.eq(0)):
                         r.assign(slot, self.take_slot(r, co))
-                    slot_b = r.shfl(ir.ShflMode.IDX, slot, 0, name="slot_rm_b")
+                    slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_rm_b")
                     with r.if_(slot_b < lay.block_capacity):
                         w = lay.dedup_index_word(e2, p.my_rank, slot_b).cast(T.u64)
                         at = ir.Cast(T.u64, own) + (w * 4 + lay.dedup_index_offset)
