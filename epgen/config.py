@@ -38,7 +38,7 @@ INT_PARAMS = ("num_threads", "n_sms", "n_experts", "n_ranks", "max_tokens_per_ra
               "p2p_world_size")
 BOOL_PARAMS = ("use_shmem", "fused_shared_expert", "skip_a2a", "has_rank_flag", "ep_ord_r",
                "ep_final_layout", "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named",
-               "ep_rank_mask")
+               "ep_rank_mask", "ep_rank_dedup")
 
 
 class EPConfigError(ValueError):
@@ -114,6 +114,9 @@ class EPConfig:
     ep_send_join_named: bool = _bool_field(False)
     #: ours, not a reference parameter: the device-side rank mask (docs/flags.md)
     ep_rank_mask: bool = _bool_field(False)
+    #: ours, not a reference parameter: one message per (token, destination rank)
+    #: (docs/flags.md)
+    ep_rank_dedup: bool = _bool_field(False)
     timeout_ns: int = _int_field(default=2_000_000_000)
     recv_block_capacity: int | None = attrs.field(default=None)
     #: ours, not a reference parameter: the code-generation choices (``epgen.tuning``)
@@ -238,6 +241,9 @@ class EPConfig:
         if self.ep_rank_mask:
             for params, text in self._rank_mask_violations():
                 rule(False, params, text)
+        if self.ep_rank_dedup:
+            for params, text in self._rank_dedup_violations():
+                rule(False, params, text)
         for params, text in self.token_fmt.check_config(self):
             rule(False, tuple(params), text)
         if not bad:     # the extents come from the layout, which needs the rules above
@@ -273,6 +279,19 @@ class EPConfig:
                             f"ep_rank_mask and {flag} are exclusive: {why}"))
         return bad
 
+    def _rank_dedup_violations(self):
+        """The combinations ``ep_rank_dedup`` does not take (docs/flags.md), each
+        ``(parameters, rule)``."""
+        excluded = {
+            "ep_final_layout": "the final layout writes each (token, expert) row in place at "
+                               "the destination, with no receive pass that could expand one "
+                               "message into several rows",
+            "skip_a2a": "skip_a2a keeps every top-k slot on its own device, so nothing "
+                        "crosses a link and there is nothing to deduplicate",
+        }
+        return [(("ep_rank_dedup", flag), f"ep_rank_dedup and {flag} are exclusive: {why}")
+                for flag, why in excluded.items() if getattr(self, flag)]
+
     def index_extents(self) -> list[tuple[tuple[str, ...], str, int]]:
         """The element extents the kernels index in 32-bit arithmetic, each ``(parameters,
         what, largest index + 1)``; ``EPConfig`` requires every one to be ``< 2**31``
@@ -287,7 +306,9 @@ class EPConfig:
              "src_info words 2 * max_out_rows", 2 * lay.max_out_rows),
             (("max_tokens_per_rank", "token_fmt.top_k"),
              "top-k ids max_tokens_per_rank * top_k", self.max_tokens_per_rank * K),
-        ]
+        ] + ([(("n_ranks", "max_tokens_per_rank", "ep_rank_dedup"),
+                "ep_rank_dedup message-area rows n_ranks * max_tokens_per_rank",
+                lay.dedup_msg_rows)] if self.ep_rank_dedup else [])
 
     # ---- derived --------------------------------------------------------------------------
     @functools.cached_property

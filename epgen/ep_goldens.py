@@ -55,6 +55,10 @@ FLAG_VARIANTS = {
     # DeepEP API's)
     "rank_mask": ("small", {"ep_rank_mask": True}),
     "final_layout_rank_mask": ("small", {"ep_final_layout": True, "ep_rank_mask": True}),
+    # ours: one message per (token, destination rank), on the staged layout (the warp send
+    # path with two warps per token), in BF16 and in a quantising format
+    "rank_dedup": ("small", {"ep_rank_dedup": True}),
+    "rank_dedup_nvfp4": ("small", {"ep_rank_dedup": True, "format": "NVFP4"}),
 }
 
 
@@ -70,6 +74,8 @@ SHMEM_VARIANTS = {
        for suffix, name in formats_besides("small")},
     "shmem_mixed": ("small", dict(_MIXED)),
     "shmem_mixed_ord_r": ("small", {**_MIXED, "ep_ord_r": True, "has_rank_flag": True}),
+    # ours: one message per (token, destination rank), remote destinations included
+    "shmem_mixed_rank_dedup": ("small", {**_MIXED, "ep_rank_dedup": True}),
 }
 
 

@@ -693,10 +693,60 @@ class Layout:
     @property
     def recv_buf_bytes(self) -> int:
         """Bytes of the staging receive buffer; 0 with ``ep_final_layout``, where sources
-        write the grouped output directly and nothing is staged."""
+        write the grouped output directly and nothing is staged. With ``ep_rank_dedup`` the
+        message area and the index table after it (``dedup_index_offset`` +
+        ``dedup_index_bytes``)."""
         if self.cfg.ep_final_layout:
             return 0
+        if self.cfg.ep_rank_dedup:
+            return self.dedup_index_offset + self.dedup_index_bytes
         return self._L * self._R * self.block_capacity * self.msg_bytes
+
+    # ---- ep_rank_dedup's receive buffer (ours, docs/flags.md) ---------------------------
+    @property
+    def dedup_msg_rows(self) -> int:
+        """Ours (``ep_rank_dedup``): message rows of the receive buffer's message area, one
+        per (source rank, source token): ``n_ranks * max_tokens_per_rank``; 0 without the
+        flag. The message of source ``src``'s token ``t`` is row ``dedup_msg_row(src, t)``,
+        written once by the source whatever number of the token's experts live here."""
+        return self._R * self.cfg.max_tokens_per_rank if self.cfg.ep_rank_dedup else 0
+
+    def dedup_msg_row(self, src, t):
+        """Ours (``ep_rank_dedup``): the message-area row of source ``src``'s token ``t``:
+        ``src * max_tokens_per_rank + t`` (an int or IR expression); no cursor, nothing to
+        re-arm."""
+        _check_coord("dedup_msg_row", "src", src, self._R)
+        _check_coord("dedup_msg_row", "t", t, self.cfg.max_tokens_per_rank)
+        return src * self.cfg.max_tokens_per_rank + t
+
+    @property
+    def dedup_index_offset(self) -> int:
+        """Ours (``ep_rank_dedup``): byte offset of the index table in the receive buffer,
+        right after the message area (``dedup_msg_rows * msg_bytes``, a multiple of 16)."""
+        return _align(self.dedup_msg_rows * self.msg_bytes, 16)
+
+    @property
+    def dedup_index_words(self) -> int:
+        """Ours (``ep_rank_dedup``): u32 words of the index table, one per (local expert,
+        source, slot): ``L * R * block_capacity``; 0 without the flag. Word
+        ``dedup_index_word(e, src, j)`` holds the source token index of slot ``j`` of block
+        ``(e, src)``, whose message is then row ``dedup_msg_row(src, token)``."""
+        return self._L * self._R * self.block_capacity if self.cfg.ep_rank_dedup else 0
+
+    @property
+    def dedup_index_bytes(self) -> int:
+        """Ours (``ep_rank_dedup``): bytes of the index table, ``4 * dedup_index_words``
+        rounded up to 16."""
+        return _align(4 * self.dedup_index_words, 16)
+
+    def dedup_index_word(self, e, src, j):
+        """Ours (``ep_rank_dedup``): the index-table word of slot ``j`` of block ``(e,
+        src)``: ``(e * n_ranks + src) * block_capacity + j`` (its byte offset in the receive
+        buffer: ``dedup_index_offset + 4 *`` this)."""
+        _check_coord("dedup_index_word", "e", e, self._L)
+        _check_coord("dedup_index_word", "src", src, self._R)
+        _check_coord("dedup_index_word", "j", j, self.block_capacity)
+        return (e * self._R + src) * self.block_capacity + j
 
     @property
     def recv_count_bytes(self) -> int:

@@ -57,7 +57,8 @@ def _flag_base() -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name, (preset, changes) in FLAG_VARIANTS.items():
         flags = [k for k, v in changes.items() if k in BOOL_PARAMS and v is True]
-        geometry = {k: v for k, v in changes.items() if k not in BOOL_PARAMS}
+        # a token format is not geometry: a variant in another format is not the flag's base
+        geometry = {k: v for k, v in changes.items() if k not in BOOL_PARAMS and k != "format"}
         if preset != BASE_PRESET or len(flags) != 1 or not geometry:
             continue
         if flags[0] in out and out[flags[0]] != geometry:

@@ -14,8 +14,9 @@ HELP = ("run a variant's dispatch (and combine) on the CPU simulator's weak-memo
 
 CHECKED_VARIANTS = ("ep/small", "ep/ord_r", "ep/final_layout_prod_reserve", "ep/fused",
                     "ep/shmem_p2p1", "ep/shmem_mixed", "ep/shmem_mixed_ord_r",
-                    "ep/shmem_fused", "ep/rank_mask", "combine/small", "combine/fused",
-                    "combine/shmem", "combine/shmem_fused", "combine/rank_mask")
+                    "ep/shmem_fused", "ep/shmem_mixed_rank_dedup", "ep/rank_mask",
+                    "ep/rank_dedup", "combine/small", "combine/fused", "combine/shmem",
+                    "combine/shmem_fused", "combine/rank_mask")
 """The variants ``check-ordering`` takes (``epgen.ordering.runs.checked``)."""
 
 

@@ -8,12 +8,12 @@ of formats whose scale rows the warp path cannot write).
 from __future__ import annotations
 
 import ir
-from ir import AtomOp, CacheHint, Scope, Sem, ShflMode
+from ir import AtomOp, CacheHint, Scope, Sem
 from ir import types as T
 
 from .common import VEC, comm_sync, send_sm
 from .common import word as _word
-from .shmem_send import complete_remote_puts, issued_flag, put_to_remote
+from .shmem_send import complete_remote_puts, issued_flag
 from .staged import NO_SLOT
 
 
@@ -36,14 +36,14 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
     Under ``skip_a2a`` destinations other than ``my_rank`` are skipped and only this device's
     own receive buffer (pointer-table entry 0) is written. With an NVSHMEM destination
     (``cfg.needs_shmem``) the warp that owns a top-k slot whose destination is outside the
-    P2P group puts the staged message there instead (``shmem_send.put_to_remote``: a
-    warp-wide put-with-signal, then the finished count), and after its last token completes
-    its puts with one quiet (``shmem_send.complete_remote_puts``)."""
+    P2P group puts the staged message there instead (``p.dest.put_slot_to_remote``, the
+    staged layout's ``shmem_send.put_to_remote``: a warp-wide put-with-signal, then the
+    finished count), and after its last token completes its puts with one quiet
+    (``shmem_send.complete_remote_puts``)."""
     lay, fmt = cfg.layout, cfg.token_fmt
-    E, L, K = cfg.n_experts, lay.n_local_experts, lay.top_k
+    L, K = lay.n_local_experts, lay.top_k
     msg_bytes = lay.msg_bytes
     dest = p.dest
-    finished = _word(p.counters, E)
     split = active_role_split(r, cfg)
     sm, n_active = send_sm(r, n_signal_sms, sm_id, n_active_send_sms)
     n_comm = r.let("n_comm", n_active)
@@ -67,17 +67,9 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
             g = r.load(_word(p.topk_ids, t * K + k), T.u32, cache=CacheHint.NC, name="g")
             dst_rank = r.let("dst_rank", g // L)
             e = r.let("e", g % L)
-            with dest.slot_counter(r, g, dst_rank, e) as co:
-                slot = r.var("slot", T.u32, 0)
-                with r.if_(r.lane.eq(0)):
-                    r.assign(slot, dest.take_slot(r, co))
-                slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_b")
-                dest.copy_message(r, msg, dst_rank, e, co, slot_b)
-                r.warp_sync()
-                with r.if_(r.lane.eq(0)):
-                    r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+            dest.send_slot(r, msg, t, k, g, dst_rank, e)
             if cfg.needs_shmem:
-                put_to_remote(r, cfg, p, msg, g, dst_rank, e, issued)
+                dest.put_slot_to_remote(r, msg, t, k, g, dst_rank, e, issued)
     if cfg.needs_shmem:
         complete_remote_puts(r, issued)
 
@@ -97,7 +89,8 @@ def stage_token(r: ir.RoleBuilder, cfg, p, t, msg, dsts, cos):
         dst_rank = r.let("dst_rank", g // L)
         addr = r.var("dst_addr", T.u64, ir.Const(0, T.u64))
         co_word = r.var("co_word", T.u32, NO_SLOT)
-        p.dest.reserve_slot(r, g, dst_rank, co_word, r.var("slot", T.u32, 0), addr)
+        p.dest.reserve_slot(r, g, dst_rank, co_word, r.var("slot", T.u32, 0), addr,
+                            token=(t, r.tid))
         r.store(_word(dsts, r.tid, 8), addr)
         r.store(_word(cos, r.tid), co_word)
     with r.if_(r.tid.eq(0)):
@@ -137,7 +130,7 @@ def begin_staging(r: ir.RoleBuilder, cfg, p, t, n_comm, g_ahead):
     co_word = r.var("co_word", T.u32, NO_SLOT)
     with r.if_(live & (r.tid < K)):
         p.dest.reserve_slot(r, g, r.let("dst_rank", g // L), co_word,
-                            r.var("slot", T.u32, 0), addr)
+                            r.var("slot", T.u32, 0), addr, token=(t, r.tid))
         after = r.let("t_after", t + n_comm)
         with r.if_(after < p.n_tokens):
             r.assign(g_ahead, r.load(_word(p.topk_ids, after * K + r.tid), T.u32,

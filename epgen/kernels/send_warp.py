@@ -103,7 +103,7 @@ def warp_broadcast_tokens(r: ir.RoleBuilder, cfg, p, first_block: int,
             r.assign(g, r.load(_word(p.topk_ids, t * K + r.lane % K), T.u32,
                                cache=CacheHint.NC, name="g_ld"))
             r.assign(dst_rank, g // L)
-            dest.reserve_slot(r, g, dst_rank, co_word, slot, addr)
+            dest.reserve_slot(r, g, dst_rank, co_word, slot, addr, token=(t, r.lane % K))
         # the header row (the message's own, or the final layout's), and the scales' place
         hdr, src_rank, scale_addr = dest.warp_rows(r, co_word, slot, dst_rank, addr)
         ids = [r.shfl(ShflMode.IDX, g, lane_tok * K + k, name=f"id{k}") for k in range(K)]

@@ -10,7 +10,9 @@ nothing; ``nvshmem_quiet`` completes every operation of the calling thread (and,
 warp-collective call, which ends with the warp's barrier, of its warp); a kernel's end
 completes nothing.
 
-The send side (``send_staged.send_buffer_tokens``), per remote top-k slot ``k`` of token
+The send side (``send_staged.send_buffer_tokens``, through the destination strategy's
+``put_slot_to_remote``; with ``ep_rank_dedup`` one message per (token, remote rank) instead,
+``rank_dedup.RankDedupDestination.put_slot_to_remote``), per remote top-k slot ``k`` of token
 ``t``: the warp that owns slot ``k`` in the fan-out (warp ``k`` strided over the role's
 warps, the same warp that would copy it to an in-group destination) runs ``put_to_remote``:
 

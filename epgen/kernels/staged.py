@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 
 import ir
-from ir import AtomOp, Scope, Sem
+from ir import AtomOp, Scope, Sem, ShflMode
 from ir import types as T
 
 from . import rank_mask
 from .common import copy_vectors, load_pointer
 from .common import word as _word
-from .shmem_send import in_group
+from .shmem_send import in_group, put_to_remote
 from .staged_copy import copy_staged_messages, copy_scratch_bytes
 
 NO_SLOT = 0xFFFFFFFF   # a top-k slot that sends nothing (skip_a2a: not this device's expert)
@@ -110,11 +110,13 @@ class StagedDestination:
         return r.atomic(AtomOp.ADD, _word(self.p.counters, co), 1, Sem.RELAXED, Scope.GPU,
                         name="slot0")
 
-    def reserve_slot(self, r: ir.RoleBuilder, g, dst_rank, co_word, slot, addr):
+    def reserve_slot(self, r: ir.RoleBuilder, g, dst_rank, co_word, slot, addr, token=None):
         """One top-k slot of a token routed to global expert ``g`` (on ``dst_rank``), per
         thread: when it ``takes_slot``, ``co_word`` := its counter offset, ``slot`` := the
         row reserved on it (``take_slot``), then ``slot_address``. Vars not set keep their
-        values (``NO_SLOT``, 0: nothing sent)."""
+        values (``NO_SLOT``, 0: nothing sent). ``token``: ``(t, k)``, the slot's source token
+        and top-k index (u32 expressions), for a strategy whose rows depend on them
+        (``rank_dedup``); unused here."""
         e = r.let("e", g % self.cfg.layout.n_local_experts)
         with self.slot_counter(r, g, dst_rank, e) as co:
             r.assign(co_word, co)
@@ -156,6 +158,30 @@ class StagedDestination:
         with self._receive_slot(r, e, dst_rank, slot) as at:
             dst = r.let("dst", at, peer=lay.crosses_devices)
             copy_vectors(r, dst, msg, lay.msg_bytes // 16, r.lane, 32, tag="fan")
+
+    def send_slot(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e) -> None:
+        """One comm warp of the send-buffer path, top-k slot ``k`` of token ``t`` (global
+        expert ``g``, local ``e`` on ``dst_rank``) staged in send-buffer row ``msg``: when it
+        ``takes_slot``, lane 0 reserves its row (``take_slot``, broadcast by
+        ``shfl.sync.idx``), the warp copies the message there (``copy_message``),
+        ``bar.warp.sync``, then lane 0 counts the copy finished (``red.release.gpu.add``)."""
+        finished = _word(self.p.counters, self.cfg.n_experts)
+        with self.slot_counter(r, g, dst_rank, e) as co:
+            slot = r.var("slot", T.u32, 0)
+            with r.if_(r.lane.eq(0)):
+                r.assign(slot, self.take_slot(r, co))
+            slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_b")
+            self.copy_message(r, msg, dst_rank, e, co, slot_b)
+            r.warp_sync()
+            with r.if_(r.lane.eq(0)):
+                r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+    def put_slot_to_remote(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e, issued) -> None:
+        """The send-buffer path with destinations outside the P2P group (``cfg.needs_shmem``),
+        the warp of top-k slot ``k`` of token ``t`` staged in send-buffer row ``msg``, when
+        ``dst_rank`` is remote: ``shmem_send.put_to_remote`` (the message put with a signal
+        on its block's arrival word); ``issued`` := 1 when it issued a put."""
+        put_to_remote(r, self.cfg, self.p, msg, g, dst_rank, e, issued)
 
     def warp_rows(self, r: ir.RoleBuilder, co_word, slot, dst_rank, addr):
         """The warp send path, after ``reserve_slot``: ``(header address, source rank to write
@@ -202,11 +228,20 @@ class StagedDestination:
         receive-count buffer (here: none)."""
 
     # ---- wait side: the copy blocks -------------------------------------------------------------
+    def message_address(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Expr:
+        """The copy pass: the address of the message in slot ``j`` of block ``(e,
+        src_rank)`` of this rank's receive buffer (u64 byte arithmetic on ``recv_buf_p``):
+        row ``(e * R + src) * block_capacity + j``."""
+        lay = self.cfg.layout
+        slot = ((e * self.cfg.n_ranks + lay.rank_coord(src_rank)) * lay.block_capacity
+                + j).cast(T.u64)
+        return self.p.recv_buf_p + slot * lay.msg_bytes
+
     def copy_pass(self, r: ir.RoleBuilder, *, l1_release=None, scatter_sm_id=None,
                   copy_trace=None) -> None:
         """The copy blocks' work (``copy_received_tokens_to_output``): every message into its
         grouped output row (``staged_copy.copy_staged_messages``)."""
-        copy_staged_messages(r, self.cfg, self.p, l1_release=l1_release,
+        copy_staged_messages(r, self.cfg, self.p, self, l1_release=l1_release,
                              scatter_sm_id=scatter_sm_id, copy_trace=copy_trace)
 
     @classmethod

@@ -63,16 +63,18 @@ def copy_scratch_bytes(cfg) -> int:
     return -(-4 * max(cfg.n_ranks, 1) // 16) * 16 + 16 + tile
 
 
-def copy_staged_messages(r: ir.RoleBuilder, cfg, p, *, l1_release: L1Release | None = None,
-                         scatter_sm_id=None, copy_trace: trace.CopyTrace | None = None):
+def copy_staged_messages(r: ir.RoleBuilder, cfg, p, dest, *,
+                         l1_release: L1Release | None = None, scatter_sm_id=None,
+                         copy_trace: trace.CopyTrace | None = None):
     """Copy blocks. Thread 0 waits (bounded, ``ld.acquire.gpu``) for the ready flag. Block
     ``b`` starts on expert ``sm_schedule[b]`` and warp 0 claims tiles of 128 of the expert's
     tokens (``atom.acquire.gpu.add`` on its tile counter), moving on to later experts when it
     is exhausted (``schedule.claim_next_tile``). Warp ``w`` of the role copies tile tokens
     ``w, w + n_warps, ...``: the source rank of a token is the lowest lane ``r`` with ``token <
-    rank_prefix[r]`` (``vote.sync.ballot``), its message sits in slot ``token - prefix[r-1]``
-    of block ``[e, r]``; lanes ``k < K`` load the header's top-k id ``k`` and source index
-    before the format copies the payload (so the two dependent round trips that would
+    rank_prefix[r]`` (``vote.sync.ballot``), its message is that of slot ``token -
+    prefix[r-1]`` of block ``[e, r]`` (where it lies: ``dest.message_address``, ``dest`` the
+    build's destination strategy); lanes ``k < K`` load the header's top-k id ``k`` and
+    source index before the format copies the payload (so the two dependent round trips that would
     follow the copy hide behind it; measured neutral on the H200, kept as it costs nothing),
     then the lane whose top-k id is this expert writes ``src_info[row] = (source index, k)``.
     A format that copies scales per tile (``copies_scales_per_tile``: transposed scales) gets
@@ -152,9 +154,8 @@ def copy_staged_messages(r: ir.RoleBuilder, cfg, p, *, l1_release: L1Release | N
             base_r = r.var("base_r", T.u32, 0)
             with r.if_(src_rank > 0):
                 r.assign(base_r, r.load(_word(prefix, src_rank - 1), T.u32, name="base_ld"))
-            slot = ((e * R + lay.rank_coord(src_rank)) * lay.block_capacity
-                    + (tok - base_r)).cast(T.u64)
-            msg = r.let("msg", p.recv_buf_p + slot * lay.msg_bytes, peer=lay.crosses_devices)
+            msg = r.let("msg", dest.message_address(r, e, src_rank, tok - base_r),
+                        peer=lay.crosses_devices)
             row = r.let("row", start + tok)
             gid = r.var("gid16", T.u16, ir.Const(0xFFFF, T.u16))
             src_idx = r.var("src_idx", T.u32, 0)

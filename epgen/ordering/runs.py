@@ -87,9 +87,18 @@ def checked() -> dict[str, Spec]:
                                             "num_threads": 128}),
         "ep/shmem_fused": Spec("small", _flag("shmem_mixed"), fused=True, small=_SHMEM_MIXED,
                                golden="ep/shmem_mixed"),
+        # one message per (token, destination rank) through NVSHMEM too: the fence between
+        # a (token, rank)'s puts and each slot's signal
+        "ep/shmem_mixed_rank_dedup": Spec("small", _flag("shmem_mixed_rank_dedup"),
+                                          small={**_SHMEM_MIXED, "n_experts": 8,
+                                                 "num_threads": 128}),
         # the rank mask on, every rank alive: its give-up waits and mask reads must not
         # weaken what the protocol orders
         "ep/rank_mask": Spec("small", _flag("rank_mask")),
+        # one message per (token, destination rank): two local experts per rank, so that
+        # tokens with both experts on one rank send one message for two slots
+        "ep/rank_dedup": Spec("small", _flag("rank_dedup"),
+                              small={"n_experts": 8, "num_threads": 128}),
         "combine/small": Spec("small", {}, combine=True),
         "combine/fused": Spec("small", {}, fused=True, combine=True),
         "combine/shmem": Spec("small", {"use_shmem": True}, combine=True, small=_SHMEM_P2P1),

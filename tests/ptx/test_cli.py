@@ -129,17 +129,17 @@ def test_variants_matrix(capsys):
     status, out, _ = run_cli(capsys, "variants", "--matrix")
     assert status == 0
     lines = out.splitlines()
-    assert lines[0].startswith("# 9 flags on preset small, use_shmem=false: 52 legal, 460 "
-                               "illegal of 512")
+    assert lines[0].startswith("# 10 flags on preset small, use_shmem=false: 72 legal, 952 "
+                               "illegal of 1024")
     rows = [line.split(None, 2) for line in lines[1:]]
-    assert len(rows) == 512 and sum(kind == "legal" for kind, _, _ in rows) == 52
+    assert len(rows) == 1024 and sum(kind == "legal" for kind, _, _ in rows) == 72
     combine = {rest.split(": ", 1)[0]: comb for _, comb, rest in rows}
     by_name = {rest.split(": ", 1)[0]: (kind, rest.split(": ", 1)[1]) for kind, _, rest in rows}
     for c in variants.combinations():
         assert combine[c.name] == ("-" if not c.legal else "combine=yes"
                                    if c.combine_error is None else "combine=no"), c.name
     n_combine = sum(v == "combine=yes" for v in combine.values())
-    assert 0 < n_combine <= 52 and f"the combine kernels build for {n_combine} " in lines[0]
+    assert 0 < n_combine <= 72 and f"the combine kernels build for {n_combine} " in lines[0]
     assert combine["stock"] == "combine=yes"
     assert set(by_name) == {c.name for c in variants.combinations()}
     assert by_name["skip_a2a"] == ("legal", "--preset small --set n_ranks=1 --set "

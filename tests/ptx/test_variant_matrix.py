@@ -32,7 +32,8 @@ ARCH = "sm_90"
 # Written out by hand, not read from epgen: a new flag makes test_matrix_flags fail until it is
 # added here, to RULES (if it conflicts with another flag) and to the hand count.
 FLAGS = ("fused_shared_expert", "skip_a2a", "has_rank_flag", "ep_ord_r", "ep_final_layout",
-         "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named", "ep_rank_mask")
+         "ep_prod_reserve", "ep_copy_role_split", "ep_send_join_named", "ep_rank_mask",
+         "ep_rank_dedup")
 
 # The flag rules of EPConfig (the reference's plus ours, docs/flags.md, docs/final-layout.md,
 # docs/fused.md): (the parameters the rule names, when it is broken). The skip_a2a rules on
@@ -54,6 +55,10 @@ RULES = (
     (("ep_rank_mask", "ep_prod_reserve"), lambda f: f["ep_rank_mask"] and f["ep_prod_reserve"]),
     (("ep_rank_mask", "fused_shared_expert"),
      lambda f: f["ep_rank_mask"] and f["fused_shared_expert"]),
+    # ours: the per-rank deduplicated dispatch needs a receive pass (not the final layout)
+    # and a link to save (not skip_a2a)
+    (("ep_rank_dedup", "ep_final_layout"), lambda f: f["ep_rank_dedup"] and f["ep_final_layout"]),
+    (("ep_rank_dedup", "skip_a2a"), lambda f: f["ep_rank_dedup"] and f["skip_a2a"]),
 )
 
 # The hand count. has_rank_flag == ep_ord_r, so the pair is one bit "O" (off/on);
@@ -66,8 +71,10 @@ RULES = (
 # 8 + 1 + 2 = 11 settings of the six protocol flags without ep_rank_mask; with it only those
 # without fused_shared_expert, skip_a2a, O and ep_prod_reserve: (off, off) and (on, off), 2.
 # ep_copy_role_split and ep_send_join_named conflict with nothing (x 4): (11 + 2) * 4 = 52
-# legal of 2**9 = 512, so 460 illegal.
-LEGAL_COUNT = 52
+# without ep_rank_dedup. With it, only those with (off, off) and no skip_a2a: without the mask
+# fused_shared_expert and O free (4), with it 1: (4 + 1) * 4 = 20. 52 + 20 = 72 legal of
+# 2**10 = 1024, so 952 illegal.
+LEGAL_COUNT = 72
 TOTAL = 2 ** len(FLAGS)
 
 COMBOS = variants.combinations()
@@ -102,7 +109,7 @@ def test_every_combination_once():
 
 def test_legal_count_is_the_hand_count():
     assert len(LEGAL) == LEGAL_COUNT
-    assert len(ILLEGAL) == TOTAL - LEGAL_COUNT == 460
+    assert len(ILLEGAL) == TOTAL - LEGAL_COUNT == 952
 
 
 def test_classification_matches_the_rules():

@@ -1,0 +1,227 @@
+"""``RankDedupDestination``: the destination strategy of ``ep_rank_dedup`` (ours, docs/flags.md):
+each token crosses to a destination rank once, however many of its experts live there.
+
+The receive buffer holds a *message area* of ``n_ranks * max_tokens_per_rank`` message rows
+(source ``src``'s token ``t`` at row ``layout.dedup_msg_row(src, t)``: fixed, no cursor,
+nothing to re-arm) and an *index table* of u32 words after it, one per (local expert, source,
+slot) (``layout.dedup_index_word``): the source token index of that slot.
+
+Send side: every top-k slot that takes a slot reserves its row ``j`` on the source-local
+counter of ``(e, dst)`` as the staged layout does (``take_slot``), stores the token index
+into index word ``(e, my_rank, j)`` of the destination, and counts its copy finished as
+before. Only the slot that *leads* its (token, destination rank), the lowest ``k`` whose
+expert lives there (``leads``), stores the message (payload and header) into the message
+area; the others' destination address is 0, so the send paths store nothing for them. The
+monitor, the count words and the aux block are the staged layout's: a block's count is still
+its number of top-k slots.
+
+Ordering: a token's message stores, whichever slot's thread or warp makes them, come before
+the release of every finished counter of that token's slots on that rank: on the warp path
+the warp's stores, ``bar.warp.sync``, then each lane's release; on the block-staged broadcast
+the block's stores, the send join, then the releases; on the send-buffer path the leader
+warp handles every slot of its (token, rank) itself (``send_slot``: the message, each slot's
+reservation and index word, ``bar.warp.sync``, each slot's release). Each index word is
+stored by the thread that releases that slot's counter, before the release. The monitor
+acquires the finished counter and releases the count word, so a destination that acquires
+count word ``(e, src)`` sees every index word of the block and every message they name.
+
+Destinations outside the P2P group (``cfg.needs_shmem``, docs/shmem.md): the leader's warp
+puts the message once, fences, then puts each slot's index word with a put-with-signal on
+its block's arrival word (``put_slot_to_remote``), so the destination's count-then-arrival
+wait is the staged layout's.
+
+Wait side: the copy pass reads slot ``j``'s index word and copies message row
+``dedup_msg_row(src, t)`` (``message_address``); ``src_info``'s ``k`` comes from the header's
+top-k ids as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ir
+from ir import AtomOp, CacheHint, Scope, Sem, ShflMode, nvshmem
+from ir import types as T
+
+from . import rank_mask
+from .common import copy_vectors, load_pointer
+from .common import word as _word
+from .shmem_send import arrival_address, is_remote
+from .staged import StagedDestination
+
+
+class RankDedupDestination(StagedDestination):
+    """One message per (token, destination rank) (module docstring)."""
+
+    # ---- send side ----------------------------------------------------------------------------
+    def leads(self, r: ir.RoleBuilder, t, k, dst_rank) -> ir.Expr:
+        """Whether top-k slot ``k`` of token ``t`` leads its destination ``dst_rank`` (a valid
+        rank): no earlier slot ``j < k`` of the token has an expert there (``topk_ids[t, j] //
+        L != dst_rank``; a ``-1`` id or the id check's sentinel ``n_experts`` is never a valid
+        rank). The token's first ``K - 1`` ids, ``ld.global.nc``, all in flight at once."""
+        K, L = self.cfg.layout.top_k, self.cfg.layout.n_local_experts
+        k, dst_rank = ir.as_expr(k), ir.as_expr(dst_rank)
+        earlier = ir.Const(0, T.pred)
+        for j in range(K - 1):
+            gj = r.load(_word(self.p.topk_ids, t * K + j), T.u32, cache=CacheHint.NC,
+                        name="lead_id")
+            earlier = earlier | ((k > j) & (gj // L).eq(dst_rank))
+        return r.let("leads", ~earlier)
+
+    def _recv(self, r: ir.RoleBuilder, dst_rank) -> ir.Var:
+        """``dst_rank``'s receive buffer (the P2P pointer table's entry)."""
+        lay = self.cfg.layout
+        return load_pointer(r, self.p.recv_buf_ptrs, lay.peer_index(dst_rank), "recv_dst",
+                            peer=lay.crosses_devices)
+
+    def _live(self, r: ir.RoleBuilder, dst_rank) -> ir.Expr:
+        """Whether anything is stored to ``dst_rank`` (``ep_rank_mask``: not a masked rank)."""
+        mp = getattr(self.p, "mask", None)
+        return ir.Const(1, T.pred) if mp is None else rank_mask.live(r, mp, dst_rank)
+
+    def _message_at(self, recv, t) -> ir.Expr:
+        """This rank's token ``t``'s row in the message area of receive buffer ``recv``."""
+        lay = self.cfg.layout
+        row = lay.dedup_msg_row(self.p.my_rank, t).cast(T.u64)
+        return recv + row * lay.msg_bytes
+
+    def _store_index(self, r: ir.RoleBuilder, recv, e, slot, t, live) -> None:
+        """Index word ``(e, my_rank, slot)`` of receive buffer ``recv`` := ``t``, unless
+        ``slot`` is past the block's capacity (device guard, as the staged layout's) or the
+        destination is masked (``live`` false)."""
+        lay = self.cfg.layout
+        with r.if_((slot < lay.block_capacity) & live):
+            w = lay.dedup_index_word(e, self.p.my_rank, slot).cast(T.u64)
+            r.store(recv + (w * 4 + lay.dedup_index_offset), ir.as_expr(t))
+
+    def reserve_slot(self, r: ir.RoleBuilder, g, dst_rank, co_word, slot, addr, token=None):
+        """The staged reservation (``co_word``, ``slot``), then the slot's index word
+        (``_store_index``) and, for the slot that ``leads`` its rank, ``addr`` := the token's
+        message row (0 otherwise: nothing sent). ``token``: ``(t, k)``, required."""
+        if token is None:
+            raise ValueError("RankDedupDestination.reserve_slot needs token=(t, k)")
+        t, k = token
+        e = r.let("e", g % self.cfg.layout.n_local_experts)
+        with self.slot_counter(r, g, dst_rank, e) as co:
+            r.assign(co_word, co)
+            r.assign(slot, self.take_slot(r, co))
+            recv = self._recv(r, dst_rank)
+            live = r.let("dst_live", self._live(r, dst_rank))
+            self._store_index(r, recv, e, slot, t, live)
+            with r.if_(live & self.leads(r, t, k, dst_rank)):
+                r.assign(addr, ir.Cast(T.u64, self._message_at(recv, t)))
+
+    def send_slot(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e) -> None:
+        """The send-buffer path's warp of top-k slot ``k`` of token ``t``: when the slot
+        ``takes_slot`` and ``leads`` its rank, the warp does the whole (token, rank): it
+        copies the staged message ``msg`` into the message area (``copy_to_message_area``),
+        lane 0 reserves a row for every slot ``k' >= k`` of the token whose expert lives on
+        ``dst_rank`` and stores its index word (``reserve_rank_slots``), ``bar.warp.sync``,
+        then lane 0 counts each of those copies finished (``count_rank_slots``). A slot that
+        does not lead does nothing: its leader's warp did it."""
+        with r.if_(self.takes_slot(g, dst_rank) & self.leads(r, t, k, dst_rank)):
+            recv = self._recv(r, dst_rank)
+            live = r.let("dst_live", self._live(r, dst_rank))
+            self.copy_to_message_area(r, msg, recv, t, live)
+            self.reserve_rank_slots(r, recv, t, k, dst_rank, live)
+            r.warp_sync()
+            self.count_rank_slots(r, t, k, dst_rank)
+
+    def copy_to_message_area(self, r: ir.RoleBuilder, msg, recv, t, live) -> None:
+        """The whole warp: the staged message ``msg`` to token ``t``'s row of receive buffer
+        ``recv``'s message area when ``live`` (``copy_vectors``: 16-byte stores)."""
+        lay = self.cfg.layout
+        with r.if_(live):
+            dst = r.let("dst", self._message_at(recv, t), peer=lay.crosses_devices)
+            copy_vectors(r, dst, msg, lay.msg_bytes // 16, r.lane, 32, tag="fan")
+
+    @contextlib.contextmanager
+    def _rank_slots(self, r: ir.RoleBuilder, name: str, t, k, dst_rank):
+        """Lane 0, ``with`` body once per slot ``k' >= k`` of token ``t`` whose expert lives
+        on ``dst_rank``: the body gets that expert's local index."""
+        K, L = self.cfg.layout.top_k, self.cfg.layout.n_local_experts
+        with r.if_(r.lane.eq(0)):
+            with r.for_range(name, k, K, 1) as kk:
+                g = r.load(_word(self.p.topk_ids, t * K + kk), T.u32, cache=CacheHint.NC,
+                           name=f"g_{name}")
+                with r.if_((g // L).eq(dst_rank)):
+                    yield r.let(f"e_{name}", g % L)
+
+    def reserve_rank_slots(self, r: ir.RoleBuilder, recv, t, k, dst_rank, live) -> None:
+        """Lane 0: a row (``take_slot``) and its index word (``_store_index``) for every slot
+        ``k' >= k`` of token ``t`` on ``dst_rank``."""
+        R = self.cfg.n_ranks
+        with self._rank_slots(r, "k_same", t, k, dst_rank) as e:
+            slot = self.take_slot(r, e * R + self.cfg.layout.rank_coord(dst_rank))
+            self._store_index(r, recv, e, slot, t, live)
+
+    def count_rank_slots(self, r: ir.RoleBuilder, t, k, dst_rank) -> None:
+        """Lane 0: every slot ``k' >= k`` of token ``t`` on ``dst_rank`` counted finished
+        (``red.release.gpu.add`` on its finished counter)."""
+        finished = _word(self.p.counters, self.cfg.n_experts)
+        with self._rank_slots(r, "k_done", t, k, dst_rank) as e:
+            co = e * self.cfg.n_ranks + self.cfg.layout.rank_coord(dst_rank)
+            r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+
+    def put_slot_to_remote(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e, issued) -> None:
+        """The send-buffer path's warp of top-k slot ``k`` of token ``t`` (staged in
+        send-buffer row ``msg``) when ``dst_rank`` is outside the P2P group and the slot
+        ``leads`` its rank: the warp does the whole (token, rank) through NVSHMEM. It puts the
+        message once into the token's row of ``dst_rank``'s message area
+        (``nvshmemx_putmem_nbi_warp``), lane 0 calls ``nvshmem_fence()`` (the message reaches
+        ``dst_rank`` before the warp's later operations), then for every slot ``k' >= k`` of
+        the token on ``dst_rank``: lane 0 reserves its row ``j`` (``take_slot``, broadcast by
+        ``shfl.sync.idx``); unless ``j`` is past the block's capacity the warp puts its index
+        word with a signal (``nvshmemx_putmem_signal_nbi_warp``: 4 bytes from the staged
+        header's source index, which is ``t``, then 1 added to the arrival word of block
+        ``(e', my_rank)`` there); lane 0 counts the slot issued (``red.release.gpu.add``).
+        ``issued`` := 1 (the warp's ``nvshmem_quiet`` after its last token completes them:
+        ``complete_remote_puts``). Each slot's signal is delivered after its index word (the
+        put-with-signal) and after the message (the fence), so the destination's wait is
+        unchanged: the count word, then the arrival word up to it. Symmetric addresses are
+        this rank's own (``recv_buf_ptrs[my_rank % P]``), as in ``shmem_send.put_to_remote``.
+        A slot that does not lead does nothing."""
+        cfg, p, lay = self.cfg, self.p, self.cfg.layout
+        K, L, R, P = lay.top_k, lay.n_local_experts, cfg.n_ranks, cfg.p2p_world_size
+        finished = _word(p.counters, cfg.n_experts)
+        remote = is_remote(cfg, dst_rank, p.my_rank) & (g < cfg.n_experts)
+        with r.if_(remote & self.leads(r, t, k, dst_rank)):
+            own = load_pointer(r, p.recv_buf_ptrs, p.my_rank % P, "recv_sym")
+            nvshmem.putmem_nbi_warp(r, ir.Cast(T.u64, self._message_at(own, t)),
+                                    ir.Cast(T.u64, msg), lay.msg_bytes, dst_rank)
+            with r.if_(r.lane.eq(0)):
+                nvshmem.fence(r)
+            staged_index = ir.Cast(T.u64, msg + cfg.token_fmt.src_info_offset)
+            with r.for_range("k_rm", k, K, 1) as k2:
+                g2 = r.load(_word(p.topk_ids, t * K + k2), T.u32, cache=CacheHint.NC,
+                            name="g_rm")
+                with r.if_((g2 // L).eq(dst_rank)):
+                    e2 = r.let("e_rm", g2 % L)
+                    co = r.let("co_rm", e2 * R + dst_rank)
+                    slot = r.var("slot_rm", T.u32, 0)
+                    with r.if_(r.lane.eq(0)):
+                        r.assign(slot, self.take_slot(r, co))
+                    slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_rm_b")
+                    with r.if_(slot_b < lay.block_capacity):
+                        w = lay.dedup_index_word(e2, p.my_rank, slot_b).cast(T.u64)
+                        at = ir.Cast(T.u64, own) + (w * 4 + lay.dedup_index_offset)
+                        nvshmem.putmem_signal_nbi_warp(r, at, staged_index, 4,
+                                                       arrival_address(r, cfg, p, e2), 1,
+                                                       nvshmem.SIGNAL_ADD, dst_rank)
+                    with r.if_(r.lane.eq(0)):
+                        r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+            r.assign(issued, 1)
+
+    # ---- wait side ----------------------------------------------------------------------------
+    def message_address(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Expr:
+        """The message of slot ``j`` of block ``(e, src_rank)``: index word ``(e, src, j)``
+        (``ld.global``; ordered by the ready flag's acquire, as the messages are) names the
+        source token ``t``, whose message is row ``dedup_msg_row(src, t)``."""
+        lay = self.cfg.layout
+        base = self.p.recv_buf_p
+        w = lay.dedup_index_word(e, src_rank, j).cast(T.u64)
+        t = r.load(base + (w * 4 + lay.dedup_index_offset), T.u32, name="msg_token")
+        return base + lay.dedup_msg_row(src_rank, t).cast(T.u64) * lay.msg_bytes
+
+
+__all__ = ["RankDedupDestination"]

@@ -1,0 +1,256 @@
+"""``ep_rank_dedup`` (one message per (token, destination rank); docs/flags.md) on the CPU
+simulator: the dispatch equals ``epgen.reference.dispatch`` (the plain dispatch's ground truth)
+for every registered format on each send path (the warp path with one and with two warps per
+token, the block-staged broadcast, the send-buffer path), 2 and 4 ranks, back-to-back calls;
+routings with ``-1`` slots, several and all of a token's experts on one rank; the fused
+kernel; rank masks; the message area receives exactly one message per (token, destination
+rank), counted from the simulator's stores; and the combine after it equals the combine
+after the plain dispatch, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import epgen
+from backends import sim as sim_backend
+from epgen import reference, round_trips
+from epgen.formats import make_format
+from epgen.kernels import send_policy
+
+import format_cases
+from combine_checks import weights
+from format_cases import case_ids
+from mask_checks import mask_cfg
+from sim_world import sim_world
+from test_rank_mask_sim import MAX_SPINS, _call
+
+#: every registered format at the simulator's sizes
+CASES = [(f, 64) for f in format_cases.PLAIN] + format_cases.sim_cases()
+PATHS = ("warp", "warp_split", "block", "buffer")
+
+
+def make_cfg(fmt="BF16", H=64, R=2, K=2, L=2, T=4, path="warp_split", **flags):
+    """``R`` ranks of ``L`` experts, top-``K``, ``T`` tokens per rank, 64 threads on 5 blocks
+    (more where the experts or ``warp_split`` need them)
+    with ``ep_rank_dedup``, sending by ``path``: ``warp_split`` (the warp path, two warps per
+    token at 4 tokens), ``warp`` (one warp per token: 16 tokens), ``block`` (the block-staged
+    broadcast: ``ep_send_join_named``), ``buffer`` (the send-buffer path: the fused shared
+    expert)."""
+    extra = {"block": {"ep_send_join_named": True},
+             "buffer": {"fused_shared_expert": True}}.get(path, {})
+    # a monitor warp per expert and a comm block; two warps per token need a warp pair per
+    # token of a full call: T blocks
+    n_sms = max(5, -(-L * R // 2) + 1, T if path == "warp_split" else 0)
+    cfg = epgen.EPConfig(num_threads=64, n_sms=n_sms, n_experts=L * R, n_ranks=R,
+                         max_tokens_per_rank=max(T, 16) if path == "warp" else T,
+                         p2p_world_size=R, use_shmem=False,
+                         token_fmt=make_format(fmt, H, K), ep_rank_dedup=True,
+                         **{**flags, **extra})
+    warp = send_policy.uses_warp_send(cfg)
+    assert warp == path.startswith("warp"), path
+    if warp:
+        assert (send_policy.send_warps_per_token(cfg) > 1) == (path == "warp_split"), path
+    assert send_policy.uses_block_broadcast(cfg) == (path == "block"), path
+    return cfg
+
+
+def _run(cfg, seed, inputs, **world_kwargs):
+    with sim_world(cfg, seed, **world_kwargs) as world:
+        n = 0
+        for _ in round_trips.checked_calls(world, inputs, seed=f"{seed} ({cfg.token_fmt.name})"):
+            n += 1
+        assert n == len(inputs)
+
+
+def _random_calls(cfg, seed, n_calls=3):
+    rng = np.random.default_rng(seed)
+
+    def counts(call):
+        return [int(rng.integers(1, cfg.max_tokens_per_rank + 1)) for _ in range(cfg.n_ranks)]
+    return list(round_trips.drawn_inputs(rng, cfg, counts, n_calls))
+
+
+def _edge_ids(rng, cfg, T):
+    """``T`` tokens' ids of one rank over ``R`` ranks of ``L`` experts, top-``K`` (``K <=
+    L``): all ``K`` on one rank, ``K - 1`` on one rank and a ``-1``, two ranks with several
+    each, a token of ``-1`` only, one expert and ``-1``s, repeated in a random order."""
+    R, K = cfg.n_ranks, cfg.token_fmt.top_k
+    L = cfg.n_experts // R
+    rows = []
+    for i in range(T):
+        kind = i % 5
+        d = int(rng.integers(R))
+        on_d = (d * L + rng.permutation(L)[:K]).tolist()
+        if kind == 0:
+            ids = on_d
+        elif kind == 1:
+            ids = on_d[:K - 1] + [-1]
+        elif kind == 2:
+            other = (d + 1) % R
+            ids = on_d[:K // 2] + (other * L + rng.permutation(L)[:K - K // 2]).tolist()
+        elif kind == 3:
+            ids = [-1] * K
+        else:
+            ids = [on_d[0]] + [-1] * (K - 1)
+        rows.append(rng.permutation(ids))
+    return np.array(rows, np.int32).reshape(T, K)
+
+
+def _edge_calls(cfg, seed, n_calls=3):
+    rng = np.random.default_rng(seed)
+    T, H = cfg.max_tokens_per_rank, cfg.token_fmt.hid_dim
+    calls = []
+    for _ in range(n_calls):
+        toks, ids = [], []
+        for _r in range(cfg.n_ranks):
+            n = int(rng.integers(T // 2, T + 1))
+            toks.append(epgen.routing.random_tokens(rng, n, H))
+            ids.append(_edge_ids(rng, cfg, n))
+        calls.append((toks, ids))
+    return calls
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt,H", CASES, ids=case_ids(CASES))
+def test_every_format_and_send_path_matches_the_reference(fmt, H, path, R, seed):
+    cfg = make_cfg(fmt, H, R=R, path=path)
+    _run(cfg, seed, _random_calls(cfg, seed))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", ["BF16", "NVFP4"])
+def test_several_and_all_experts_on_one_rank_and_masked_slots(fmt, path, seed):
+    """Top-4 over 2 ranks of 4 experts: tokens with all four experts on one rank, three and
+    a ``-1``, two and two, only ``-1``, one expert; three calls (re-arming)."""
+    cfg = make_cfg(fmt, 64, R=2, K=4, L=4, T=8, path=path)
+    _run(cfg, seed, _edge_calls(cfg, seed))
+
+
+@pytest.mark.parametrize("path", ["warp_split", "block", "buffer"])
+def test_fused_kernel(path, seed):
+    cfg = make_cfg("BF16", 64, R=4, K=2, L=2, T=4, path=path)
+    _run(cfg, seed, _random_calls(cfg, seed, n_calls=2), fused=True)
+
+
+@pytest.mark.parametrize("flags", [{"ep_ord_r": True, "has_rank_flag": True},
+                                   {"ep_rank_mask": True}], ids=["ord_r", "rank_mask_on"])
+def test_with_other_flags(flags, seed):
+    cfg = make_cfg("BF16", 64, R=2, path="warp_split", **flags)
+    _run(cfg, seed, _edge_calls(cfg, seed, n_calls=2))
+
+
+def test_masked_rank_gets_nothing_and_is_not_waited_for(seed):
+    rng = np.random.default_rng(seed)
+    cfg = mask_cfg(ep_rank_dedup=True)
+    world = epgen.EmulatedWorld(cfg, backend=sim_backend.Machine(seed, max_spins=MAX_SPINS))
+    assert _call(world, rng, []) == ([], [])
+    world.update_mask(1, True)
+    assert _call(world, rng, [1]) == ([], [])
+    world.update_mask(1, False)
+    assert _call(world, rng, []) == ([], [])
+
+
+def _expected_messages(cfg, ids_per_rank, dst):
+    """The (source, token) pairs with at least one expert on ``dst``, from the ids alone."""
+    L = cfg.n_experts // cfg.n_ranks
+    return {(src, t) for src, ids in enumerate(ids_per_rank)
+            for t, row in enumerate(np.asarray(ids)) if any(0 <= g and g // L == dst
+                                                            for g in row)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_message_per_token_and_destination_rank(path, seed):
+    """Every store the simulator makes into a rank's message area is counted by row: each
+    (source, token) with an expert on that rank gets exactly ``msg_bytes`` bytes, once, and
+    no other row is written; the plain build writes one message per top-k slot."""
+    cfg = make_cfg("BF16", 64, R=4, K=4, L=4, T=8, path=path)
+    lay = cfg.layout
+    calls = _edge_calls(cfg, seed, n_calls=1)
+    with sim_world(cfg, seed) as world:
+        mem = world.cuda.mem
+        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.msg_bytes)
+                 for rk in world.ranks]
+        written = [dict() for _ in world.ranks]
+        plain_write = mem.write
+
+        def counting_write(addr, data):
+            for d, (lo, hi) in enumerate(areas):
+                if lo <= addr < hi:
+                    assert addr + len(data) <= hi
+                    row = (addr - lo) // lay.msg_bytes
+                    written[d][row] = written[d].get(row, 0) + len(data)
+            plain_write(addr, data)
+        mem.write = counting_write
+        for _ in round_trips.checked_calls(world, calls, seed=seed):
+            pass
+        mem.write = plain_write
+    toks, ids = calls[0]
+    n_slots = 0
+    for d in range(cfg.n_ranks):
+        want = {lay.dedup_msg_row(src, t) for src, t in _expected_messages(cfg, ids, d)}
+        assert set(written[d]) == want, f"rank {d}: rows written"
+        assert all(n == lay.msg_bytes for n in written[d].values()), f"rank {d}: bytes"
+        n_slots += sum(int(((np.asarray(i) // (cfg.n_experts // cfg.n_ranks)) == d)
+                           [np.asarray(i) >= 0].sum()) for i in ids)
+    assert sum(len(w) for w in written) < n_slots      # the edge routings repeat ranks
+
+
+def _expert_outputs(results):
+    """Each received row's expert output, a function of what the row is (its token's payload,
+    its top-k slot, its group), not of where it lies, so that two dispatches whose rows
+    inside a block come in different orders combine to the same result."""
+    outs = []
+    for res in results:
+        n = len(res.src_info)
+        y = np.asarray(res.out_tokens)[:n].view(np.uint16).copy()
+        k = np.asarray(res.src_info)[:, 1].astype(np.uint16)
+        group = np.repeat(np.arange(len(res.row_offsets) - 1, dtype=np.uint16),
+                          np.diff(np.asarray(res.row_offsets, np.int64)))[:n]
+        y ^= ((k * 5 + group * 3 + 1) & 0x3F)[:, None]     # low mantissa bits: still finite
+        outs.append(y)
+    return outs
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_combine_after_dedup_equals_combine_after_plain(R, seed):
+    rng = np.random.default_rng(seed)
+    dedup = make_cfg("BF16", 64, R=R, K=2, L=2, T=4)
+    plain = dedup.replace(ep_rank_dedup=False)
+    calls = _edge_calls(dedup, seed, n_calls=2)
+    ws = [weights(rng, dedup, ids) for _, ids in calls]
+    got = {}
+    for cfg in (plain, dedup):
+        world = epgen.EmulatedWorld(cfg, backend="sim", sim_seed=seed)
+        got[cfg.ep_rank_dedup] = outs = []
+        for (toks, ids), w in zip(calls, ws):
+            results = world.dispatch(toks, ids)
+            for want, res in zip(reference.dispatch(cfg, toks, ids), results):
+                reference.assert_match(cfg, want, res)
+            ys = _expert_outputs(results)
+            out = world.combine(ys, w)
+            for o, e in zip(out, reference.combine(cfg, results, ys, w)):
+                assert np.array_equal(o, e), "combine differs from the reference"
+            outs.append(out)
+    for c, (a, b) in enumerate(zip(got[False], got[True])):
+        for s, (x, y) in enumerate(zip(a, b)):
+            assert np.array_equal(x, y), f"call {c} rank {s}: the combine after dedup differs"
+
+
+@pytest.mark.parametrize("path", ["warp_split", "buffer"])
+def test_receive_blocks_smaller_than_a_call(path, seed):
+    """``recv_block_capacity`` below ``max_tokens_per_rank`` (the largest block of the drawn
+    routings): the index table's blocks are that many words apart, the message area keeps a
+    row per source token."""
+    base = make_cfg("BF16", 64, R=2, K=4, L=4, T=8, path=path)
+    calls = _edge_calls(base, seed)
+    L = base.layout.n_local_experts
+    need = max(int(np.sum(np.asarray(i) == g)) for _, ids in calls for i in ids
+               for g in range(base.n_experts))
+    cap = max(need, 1)
+    if cap >= base.max_tokens_per_rank:
+        pytest.skip(f"the drawn routings fill a block ({cap} tokens)")
+    cfg = base.replace(recv_block_capacity=cap)
+    assert cfg.layout.dedup_index_words == L * cfg.n_ranks * cap
+    _run(cfg, seed, calls)
