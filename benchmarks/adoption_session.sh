@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU runs of the adoption features (DeepEP's API, the SHMEM warp puts, rank masks, the
+# per-rank deduplicated dispatch, the FP8 and partial-reduce combines), one mode per call,
+# each fitting a 10-minute command; logs and JSON under $OUT/<mode>/ and a tally in
+# $OUT/<mode>/summary.txt. Run from the repository root:
+#
+#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh tests   # one process
+#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh mps     # 2 and 4 PEs
+#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh bench   # the figures
+#
+# "tests": the single-process GPU tests of those features (emulated worlds, the torch and
+# DeepEP APIs, CUDA graphs), process-group cases left to "mps". "mps": MPS on (when this
+# machine has it and we are root), the tests that launch one process per PE with 2 and 4 PEs
+# (EPGEN_SHMEM_PES), then MPS off. "bench": in one run each, decode (128 tokens per rank)
+# and prefill (4096): the deduplicated dispatch against today's, the FP8 combine against
+# the BF16 one, the rank mask's cost, the DeepEP API's host and round-trip times.
+# docs/PERF.md "Open items" says which goal each figure answers.
+set -u
+cd "$(dirname "$0")/.."
+what=${1:-tests}
+OUT=${OUT:-adoption-out}/$what
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+status=0
+echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $what" | tee "$SUMMARY"
+nvidia-smi -L 2>&1 | tee -a "$SUMMARY"
+
+step() {   # step NAME SECONDS COMMAND...: run under a timeout, keep the log, one-line verdict
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    [ $rc -eq 124 ] && verdict="timed out after ${limit}s"
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="exit $rc"
+    [ $rc -ne 0 ] && status=1
+    echo "[$((SECONDS - t0))s] $name: $verdict" | tee -a "$SUMMARY"
+    grep -E "passed|failed|^FAILED|^ERROR|round trip|combine|speed|link" "$OUT/$name.log" \
+        | tail -12 | sed 's/^/    /' | tee -a "$SUMMARY"
+}
+
+gpu_tests() {   # gpu_tests NAME SECONDS PYTEST ARGS...
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs "$@"
+}
+
+case "$what" in
+tests)
+    gpu_tests deepep 200 tests/gpu/test_deepep_gpu.py -k "not process_group"
+    gpu_tests rank-mask 150 tests/gpu/test_rank_mask_gpu.py tests/gpu/test_masked_slots_gpu.py
+    gpu_tests dedup-fp8 220 tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_combine_fp8_gpu.py \
+        -k "not shmem_transport"
+    gpu_tests pow2-bench 150 tests/gpu/test_formats_gpu.py tests/gpu/test_bench_combine_gpu.py \
+        -k "BlockwiseFP8Pow2 or bench_"
+    ;;
+mps)
+    LOG="$SUMMARY"
+    . benchmarks/mps.sh        # MPS when available; stop_mps on exit
+    export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
+    gpu_tests shmem-warp-puts 200 tests/gpu/test_shmem_gpu.py -x
+    gpu_tests shmem-features 330 tests/gpu/test_deepep_gpu.py tests/gpu/test_shmem_session_gpu.py \
+        tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_bench_worlds_gpu.py \
+        -k "process_group or two_formats or shmem_transport or shmem_bench"
+    stop_mps
+    ;;
+bench)
+    step dedup 200 "$PY" -m epgen bench --tokens 128,4096 --variant default \
+        --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
+        --json "$OUT/dedup.json"
+    step combine-fp8 150 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
+        --no-post-check --json "$OUT/combine-fp8.json"
+    step deepep-api 150 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
+        --json "$OUT/deepep-api.json"
+    ;;
+*)
+    echo "usage: $0 [tests|mps|bench]" >&2
+    exit 2
+    ;;
+esac
+echo "status $status" | tee -a "$SUMMARY"
+exit $status
