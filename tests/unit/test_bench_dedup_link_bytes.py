@@ -102,3 +102,42 @@ def test_combine_fp8_reports_fp8_link_bytes(fake_gpu, monkeypatch):  # noqa: F81
     assert v["link_bytes"]["link"] == pytest.approx(slots * 2 * H)       # BF16 rows
     assert v["combine_fp8"]["link_bytes"] == pytest.approx(slots * (H + H // 128 * 4))
     assert v["combine_fp8"]["link_gbps"] == pytest.approx(slots * (H + H // 128 * 4) / 1e6)
+
+
+def test_the_shmem_benchmark_takes_dedup_by_set():
+    """The SHMEM benchmark takes no --variant: ``--set ep_rank_dedup=true`` builds both
+    worlds of a ``--compare-p2p`` run with it, and the bytes a PE sends follow it."""
+    from test_bench_shmem import shmem_plan
+    p = shmem_plan("--world", "shmem", "--preset", "small", "--set", "use_shmem=true",
+                   "--set", "ep_rank_dedup=true", "--compare-p2p", "1,2", "--tokens", "16")
+    assert p.sizes == (1, 2)
+    assert all(p.config(size).ep_rank_dedup for size in p.sizes)
+
+
+def test_the_shmem_benchmark_script_runs_each_build_of_flags(tmp_path):
+    """benchmarks/shmem_bench.sh with ``FLAGS="- ep_rank_dedup"`` (a recording stand-in for
+    python): each (shape, PE count, op) launched for the plain build, then with
+    ``--set ep_rank_dedup=true`` and its own JSON name; each parses into its plan."""
+    import os
+    import subprocess
+
+    from test_bench_shmem import shmem_plan
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path), "PES": "2",
+           "OPS": "dispatch", "FLAGS": "- ep_rank_dedup", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "shmem_bench.sh")],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    got = []
+    for call in calls:
+        argv = call.split(" -- ", 1)[1].split()
+        p = shmem_plan(*argv[4:])
+        got.append((p.tokens, p.base.ep_rank_dedup, os.path.basename(argv[-1])))
+    assert got == [((128,), False, "shmem-decode-2pe-dispatch.json"),
+                   ((128,), True, "shmem-decode-2pe-dispatch-ep_rank_dedup.json"),
+                   ((4096,), False, "shmem-prefill-2pe-dispatch.json"),
+                   ((4096,), True, "shmem-prefill-2pe-dispatch-ep_rank_dedup.json")]
