@@ -215,6 +215,8 @@ def dedup_ratios(cfg, topk_ids) -> dict:
     ded = link_bytes(cfg, topk_ids, dedup=True, partial_reduce=True)
     fp8 = link_bytes(cfg, topk_ids, fp8=True)
     return {"dispatch_today": today.dispatch_link, "dispatch_dedup": ded.dispatch_link,
+            "dispatch_signal_today": today.dispatch_signal,
+            "dispatch_signal_dedup": ded.dispatch_signal,
             "dispatch_ratio": ded.dispatch_link / today.dispatch_link
             if today.dispatch_link else None,
             "remote_slots": today.dispatch_messages, "remote_pairs": ded.dispatch_messages,
@@ -226,11 +228,13 @@ def dedup_ratios(cfg, topk_ids) -> dict:
 
 
 def issue_config(n_ranks: int = 8, n_experts: int = 256, hid_dim: int = 7168, top_k: int = 8,
-                 tokens: int = 4096, fmt: str = "BF16"):
+                 tokens: int = 4096, fmt: str = "BF16", p2p_world_size: int | None = None):
     """The configuration of the dedup figures: H=7168, K=8, E=256 over 8 ranks, every rank a
-    P2P peer (defaults), ``tokens`` per rank."""
+    P2P peer (defaults), ``tokens`` per rank; a ``p2p_world_size`` below ``n_ranks`` puts
+    the other groups behind the SHMEM transport (``use_shmem``)."""
+    P = n_ranks if p2p_world_size is None else p2p_world_size
     return EPConfig(num_threads=1024, n_sms=132, n_experts=n_experts, n_ranks=n_ranks,
-                    max_tokens_per_rank=tokens, p2p_world_size=n_ranks, use_shmem=False,
+                    max_tokens_per_rank=tokens, p2p_world_size=P, use_shmem=P < n_ranks,
                     token_fmt=make_format(fmt, hid_dim, top_k))
 
 
@@ -262,11 +266,15 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--format", default="BF16", help="dispatch token format (default BF16)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
+    p.add_argument("--p2p-world-size", type=int, default=None,
+                   help="ranks per P2P group (default: all); fewer: the SHMEM transport "
+                        "between groups, whose signal bytes are printed too")
     p.add_argument("--zipf-s", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     try:
-        cfg = issue_config(a.ranks, a.experts, a.hid_dim, a.top_k, a.tokens, a.format)
+        cfg = issue_config(a.ranks, a.experts, a.hid_dim, a.top_k, a.tokens, a.format,
+                           a.p2p_world_size)
     except ValueError as exc:
         p.error(str(exc))
     fmt = cfg.token_fmt
@@ -281,6 +289,10 @@ def main(argv=None) -> int:
               f"({f['remote_pairs'] / f['remote_slots']:.4f} messages per remote slot); "
               f"combine partial reduce {f['combine_partial_ratio']:.4f}, "
               f"FP8 {f['fp8_ratio']:.4f}")
+        if cfg.needs_shmem:
+            print(f"{'':<13} SHMEM signals (8 B per put-with-signal, one per remote slot): "
+                  f"{f['dispatch_signal_today'] / 1e6:.3f} MB today, "
+                  f"{f['dispatch_signal_dedup'] / 1e6:.3f} MB dedup")
     return 0
 
 

@@ -164,3 +164,19 @@ def test_entry_point_prints_both_routings(capsys):
     assert lb.main(["--tokens", "64", "--hid-dim", "256"]) == 0
     out = capsys.readouterr().out
     assert "uniform" in out and "zipf s=0.8" in out and "FP8 0.5156" in out
+
+
+def test_entry_point_prints_the_shmem_signals_between_groups(capsys, rng):
+    """Two P2P groups of 2: the dedup dispatch still signals once per remote slot outside
+    the group (its index words' puts), so its signal bytes equal today's."""
+    assert lb.main(["--tokens", "64", "--hid-dim", "256", "--ranks", "4", "--experts", "16",
+                    "--p2p-world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "SHMEM signals" in out
+    cfg = lb.issue_config(4, 16, 256, 8, 64, p2p_world_size=2)
+    assert cfg.use_shmem and cfg.needs_shmem
+    _toks, ids = routing.routing(rng, cfg, 64)
+    L = 4
+    slots = sum(int(((a // L) // 2 != s // 2).sum()) for s, a in enumerate(ids))
+    f = lb.dedup_ratios(cfg, ids)
+    assert f["dispatch_signal_today"] == f["dispatch_signal_dedup"] == 8 * slots
