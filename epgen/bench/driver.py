@@ -300,8 +300,10 @@ def run(plan: Plan, progress: Progress) -> dict:
                    "bytes": "staged: input + 2 x messages + output rows; final layout: input "
                             "+ output rows; GB = 1e9 B",
                    "link_bytes": "bytes crossing between ranks (epgen.bench.link_bytes): a "
-                                 "message per remote (token, k) slot; combine: a BF16 row per "
-                                 "remote slot; mean per call over the input sets",
+                                 "message per remote (token, k) slot (ep_rank_dedup: per "
+                                 "(token, remote rank), plus a 4-byte index word per slot); "
+                                 "combine: a BF16 row per remote slot (combine_fp8: its FP8 "
+                                 "slot); mean per call over the input sets",
                    "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
     }
     if plan.op != "dispatch":

@@ -581,8 +581,9 @@ def run(plan: Plan, progress: Progress) -> dict:
         "gpus": n_gpus, "devices": list(devices), "plan": plan.describe(),
         "method": {"timing": TIMING, "gate": "peer copies only" if plan.gate else "none",
                    "inputs": f"{plan.sets} staged sets rotated",
-                   "link_bytes": "remote (token, k) messages (staged) or output+header rows "
-                                 "(final layout) of the busiest GPU"
+                   "link_bytes": "remote (token, k) messages (staged; ep_rank_dedup: "
+                                 "(token, remote rank) messages and a 4-byte index word per "
+                                 "slot) or output+header rows (final layout) of the busiest GPU"
                                  + ("" if plan.op == "dispatch" else
                                     "; combine: each remote (token, k) BF16 row back to its "
                                     "source" + (", after the dispatch's" if plan.op == "moe"

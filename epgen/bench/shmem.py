@@ -401,8 +401,10 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                                              for p in plan.sizes),
                "nvshmem_symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"),
                "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
-                          "sent_bytes": "dispatch: a message per remote (token, k) slot; "
-                                        "combine: a BF16 row per remote (token, k)"},
+                          "sent_bytes": "dispatch: a message per remote (token, k) slot "
+                                        "(ep_rank_dedup: per (token, remote rank), plus a "
+                                        "4-byte index word per slot); combine: a BF16 row "
+                                        "per remote (token, k)"},
                "runs": [], "failures": []}
     with contextlib.ExitStack() as stack:
         if session is None:
