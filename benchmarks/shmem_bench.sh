@@ -11,8 +11,13 @@
 #   EPGEN_COMMIT=<commit> timeout 590 benchmarks/shmem_bench.sh [decode|prefill|all]
 #
 # (default all). PES (default "2 4"), OPS (default "dispatch combine moe") and ITERS
-# (default 50) narrow or change a call. The shapes: the decode preset's H=7168, K=8, BF16 with
-# 7 local experts per PE (n_experts = 7 N) on 8 blocks of 512 threads per PE, at 128 tokens
+# (default 50) narrow or change a call. FLAGS (default "-") lists the builds each launch is
+# made for, one after the other: "-" the configuration as below, or comma-separated boolean
+# flags each added as `--set FLAG=true` (the SHMEM benchmark takes no --variant), e.g.
+# FLAGS="- ep_rank_dedup" times every shape, PE count and op without and then with the
+# per-rank deduplicated dispatch, under the same MPS daemon; a flagged launch's files are
+# named shmem-<shape>-<N>pe-<op>-<flags>. The shapes: the decode preset's H=7168, K=8, BF16
+# with 7 local experts per PE (n_experts = 7 N) on 8 blocks of 512 threads per PE, at 128 tokens
 # per rank (decode) and 4096 (prefill; its symmetric heap need, up to 5.1 GiB per PE at 4 PEs,
 # is why NVSHMEM_SYMMETRIC_SIZE is 8 GiB here; its runs skip the checks, --no-post-check, as
 # the reference combine of a prefill shape takes tens of seconds per PE: CHECK_PREFILL=1 keeps
@@ -32,6 +37,7 @@ export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8589934592}
 PES=${PES:-"2 4"}
 OPS=${OPS:-"dispatch combine moe"}
 ITERS=${ITERS:-50}
+FLAGS=${FLAGS:--}
 echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $MODE; logs in $OUT" | tee "$LOG"
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 
@@ -46,22 +52,29 @@ for shape in $shapes; do
     fi
     for n in $PES; do
         for op in $OPS; do
-            name="shmem-$shape-${n}pe-$op"
-            echo "== $name ==" | tee -a "$LOG"
-            timeout $((limit + 30)) "$PY" -m epgen launch -n "$n" --timeout "$limit" \
-                $( [ "$MPS" = 1 ] && echo --mps-share ) -- \
-                "$PY" -m epgen bench --world shmem --op "$op" --preset decode \
-                --set n_ranks="$n" --set n_experts=$((7 * n)) --set n_sms=8 \
-                --set use_shmem=true --tokens "$tokens" --compare-p2p "1,$n" \
-                --iters "$ITERS" ${check[@]+"${check[@]}"} --json "$OUT/$name.json" \
-                > "$OUT/$name.log" 2>&1
-            rc=$?
-            grep -E '^\[rank 0\] (shape|T=|decode|prefill|FAILED)' "$OUT/$name.log" | tee -a "$LOG"
-            if [ "$rc" != 0 ]; then
-                status=1
-                echo "$name: exit $rc" | tee -a "$LOG"
-                tail -20 "$OUT/$name.log" | tee -a "$LOG"
-            fi
+            for flags in $FLAGS; do
+                name="shmem-$shape-${n}pe-$op"
+                sets=()
+                if [ "$flags" != - ]; then
+                    name="$name-${flags//,/+}"
+                    for f in ${flags//,/ }; do sets+=(--set "$f=true"); done
+                fi
+                echo "== $name ==" | tee -a "$LOG"
+                timeout $((limit + 30)) "$PY" -m epgen launch -n "$n" --timeout "$limit" \
+                    $( [ "$MPS" = 1 ] && echo --mps-share ) -- \
+                    "$PY" -m epgen bench --world shmem --op "$op" --preset decode \
+                    --set n_ranks="$n" --set n_experts=$((7 * n)) --set n_sms=8 \
+                    --set use_shmem=true ${sets[@]+"${sets[@]}"} --tokens "$tokens" \
+                    --compare-p2p "1,$n" --iters "$ITERS" ${check[@]+"${check[@]}"} \
+                    --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+                rc=$?
+                grep -E '^\[rank 0\] (shape|T=|decode|prefill|FAILED)' "$OUT/$name.log" | tee -a "$LOG"
+                if [ "$rc" != 0 ]; then
+                    status=1
+                    echo "$name: exit $rc" | tee -a "$LOG"
+                    tail -20 "$OUT/$name.log" | tee -a "$LOG"
+                fi
+            done
         done
     done
 done

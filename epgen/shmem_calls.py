@@ -11,6 +11,11 @@ per rank, for a call of ``max_tokens_per_rank`` tokens routed uniformly:
 - a site inside a loop runs once per remote top-k slot (the send loops' iterations are
   slots: a lane's in a per-lane fan-out, a warp's in a per-warp one), ``K * (R - P) / R``
   remote slots per token (``P = p2p_world_size``, uniform routing over the experts);
+  under ``ep_rank_dedup`` (``kernels/rank_dedup.py``, ``put_slot_to_remote``) only the
+  put-with-signal of each slot's index word does; the message put and the fence after it
+  (a put or a fence in a loop) run once per (token, remote rank) that holds one of the
+  token's experts, ``(R - P) * (1 - C(E - L, K) / C(E, K))`` per token (``L = E / R``;
+  top-k without repeats);
 - a site outside every loop runs once per thread (or warp) that issues it per call: a
   signal, and a quiet whose block's previous NVSHMEM call is a signal (the monitor's),
   once per (expert, remote destination), ``E * (R - P) / R`` per call; any other quiet once
@@ -25,6 +30,7 @@ that favour some ranks and warps that send nothing issue fewer.
 
 from __future__ import annotations
 
+import math
 import re
 
 import attrs
@@ -156,13 +162,16 @@ def per_token(cfg, sites, kernel: str = "ep_dispatch_async",
     E, R, P, K = cfg.n_experts, cfg.n_ranks, cfg.p2p_world_size, cfg.layout.top_k
     T = cfg.max_tokens_per_rank if tokens is None else tokens
     remote = (R - P) / R
+    per_pair = ("put", "fence") if cfg.ep_rank_dedup else ()
     warps = min(cfg.n_sms - cfg.layout.n_signal_sms, T) * min(cfg.num_threads // 32, K)
     out: dict[str, float] = {}
     for s in sites:
         if s.kernel != kernel or nvshmem.FUNCTIONS[s.function].role == "query":
             continue
         role = nvshmem.FUNCTIONS[s.function].role
-        if s.in_loop:
+        if s.in_loop and role in per_pair:
+            n = remote_rank_pairs(cfg)
+        elif s.in_loop:
             n = K * remote
         elif role == "signal" or (role == "quiet" and s.after is not None
                                   and nvshmem.FUNCTIONS[s.after].role == "signal"):
@@ -177,4 +186,14 @@ def per_token(cfg, sites, kernel: str = "ep_dispatch_async",
     return out
 
 
-__all__ = ["CallSite", "call_sites", "per_token"]
+def remote_rank_pairs(cfg) -> float:
+    """Expected (token, remote rank) pairs per token whose rank holds at least one of the
+    token's experts, for uniform top-k routing without repeats: each of the ``R - P`` ranks
+    outside the token's P2P group holds ``L = E / R`` experts and is missed with probability
+    ``C(E - L, K) / C(E, K)``."""
+    E, R, P, K = cfg.n_experts, cfg.n_ranks, cfg.p2p_world_size, cfg.layout.top_k
+    L = cfg.layout.n_local_experts
+    return (R - P) * (1 - math.comb(E - L, K) / math.comb(E, K))
+
+
+__all__ = ["CallSite", "call_sites", "per_token", "remote_rank_pairs"]

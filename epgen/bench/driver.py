@@ -26,11 +26,12 @@ from .link_bytes import op_link_bytes
 from .traffic import baseline_bytes, combine_bytes, op_bytes, round_trip_bytes
 
 
-def variant_link_bytes(cfg, sets, op: str) -> dict:
+def variant_link_bytes(cfg, sets, op: str, fp8: bool = False) -> dict:
     """The bytes crossing between ranks in what ``op`` times, from the variant's input sets
-    (``link_bytes.op_link_bytes``: the mean per call, the dispatch as ``cfg`` sends it, the
-    combine in BF16 rows)."""
-    return op_link_bytes(cfg, sets, op)
+    (``link_bytes.op_link_bytes``: the mean per call, the dispatch as ``cfg`` sends it, one
+    message per (token, rank) under ``ep_rank_dedup``; the combine in BF16 rows, or with
+    ``fp8`` the FP8 combine's)."""
+    return op_link_bytes(cfg, sets, op, dedup=cfg.ep_rank_dedup, fp8=fp8)
 
 
 def add_link_rate(m: dict, link: dict) -> None:
@@ -221,7 +222,7 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
                  f"{1e3 * m['median_ms']:.1f} us")
         if "combine_fp8" in r:
             _fp8_figures(out, cfg, T, copy_gbps, progress)
-            add_link_rate(out["combine_fp8"], op_link_bytes(cfg, sets, "combine", fp8=True))
+            add_link_rate(out["combine_fp8"], variant_link_bytes(cfg, sets, "combine", fp8=True))
     if "skipped" in out:
         progress(f"  epgen {variant.label} skipped: {out['skipped']}")
     return out
@@ -299,8 +300,10 @@ def run(plan: Plan, progress: Progress) -> dict:
                    "bytes": "staged: input + 2 x messages + output rows; final layout: input "
                             "+ output rows; GB = 1e9 B",
                    "link_bytes": "bytes crossing between ranks (epgen.bench.link_bytes): a "
-                                 "message per remote (token, k) slot; combine: a BF16 row per "
-                                 "remote slot; mean per call over the input sets",
+                                 "message per remote (token, k) slot (ep_rank_dedup: per "
+                                 "(token, remote rank), plus a 4-byte index word per slot); "
+                                 "combine: a BF16 row per remote slot (combine_fp8: its FP8 "
+                                 "slot); mean per call over the input sets",
                    "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
     }
     if plan.op != "dispatch":

@@ -9,17 +9,20 @@ no expert and sends nothing; under ``skip_a2a`` nothing leaves a device):
   header), less the padding of its payload and scale fields where the warp send path
   writes the fields one by one (``dispatch_row_bytes``); ``ep_final_layout``: the output row,
   its scales and its header row;
-* **dispatch with ``dedup``** (one message per (token, destination rank), expanded at the
-  destination): one message (or output + header row) per (token, remote rank) that holds at
-  least one of the token's experts, plus a 4-byte index entry per remote (token, k) slot;
+* **dispatch with ``dedup``** (``ep_rank_dedup``: one message per (token, destination
+  rank), expanded at the destination; ``kernels/rank_dedup.py``): one message, as its send
+  path writes it (``dispatch_row_bytes``), per (token, remote rank) that holds at least one of
+  the token's experts, plus the 4-byte index word of each remote (token, k) slot;
 * **combine**: one BF16 row (``H * 2`` bytes) per remote (token, k) slot, sent back; with
-  ``fp8`` an E4M3 row plus one float32 scale per 128 elements (``H + H / 128 * 4``); with
+  ``fp8`` an E4M3 row plus one float32 scale per 128 elements (``combine_row_bytes``); with
   ``partial_reduce`` (the destination sums its local experts' rows of a token first) one row
   per (token, remote rank) instead;
-* **signals** (the SHMEM transport, destinations outside the source's P2P group): each put
-  is a put-with-signal whose signal is an 8-byte word, counted apart (``*_signal``) from the
-  data bytes, which are the same as the peer stores'. The count and arrival words (one per
-  block or per rank pair, whatever the routing) are not counted.
+* **signals** (the SHMEM transport, destinations outside the source's P2P group): a put
+  that signals is a put-with-signal whose signal is an 8-byte word, counted apart
+  (``*_signal``) from the data bytes, which are the same as the peer stores'. Every dispatch
+  message and combine row is one, except under ``dedup``: the message put carries no signal
+  (``nvshmem_fence`` orders it, no bytes), each slot's index-word put carries one. The count
+  and arrival words (one per block or per rank pair, whatever the routing) are not counted.
 
 Same-rank slots move the same bytes inside a device (``*_local``). ``python -m
 epgen.bench.link_bytes`` prints the dedup and FP8 ratios at a configuration (docs/PERF.md,
@@ -41,7 +44,8 @@ from ..kernels.send_policy import uses_warp_send
 from .inputs import make_input_sets
 
 INDEX_ENTRY_BYTES = 4
-"""Bytes of one (token, k) index entry a deduplicated message carries per remote slot."""
+"""Bytes of the index word ``ep_rank_dedup`` stores (or puts) on the destination per remote
+(token, k) slot."""
 SIGNAL_BYTES = 8
 """Bytes of the signal word of one NVSHMEM put-with-signal."""
 FP8_SCALE_GROUP = 128
@@ -100,12 +104,19 @@ def dispatch_row_bytes(cfg) -> int:
     return payload + scales + (header if by_warp else cfg.layout.hdr_bytes)
 
 
-def combine_row_bytes(hid_dim: int, fp8: bool = False) -> int:
+def combine_row_bytes(hid_dim: int, fp8: bool = False, whole_slot: bool = False) -> int:
     """Bytes of one combine row: BF16 (``H * 2``), or with ``fp8`` E4M3 elements plus one
-    float32 scale per 128 (``H + ceil(H / 128) * 4``)."""
-    if fp8:
-        return hid_dim + -(-hid_dim // FP8_SCALE_GROUP) * 4
-    return 2 * hid_dim
+    float32 scale per 128 (``H + ceil(H / 128) * 4``), as the P2P send writes them (the
+    quantiser's stores, straight into the slot). ``whole_slot`` (the SHMEM transport,
+    ``cfg.needs_shmem``: every row is quantised into the send staging, then copied or put
+    whole in 16-byte vectors, ``kernels/combine_fp8.py``): the FP8 slot with the padding of
+    its codes and scales to 16 bytes each (``combine_fp8.slot_bytes``)."""
+    if not fp8:
+        return 2 * hid_dim
+    scales = -(-hid_dim // FP8_SCALE_GROUP) * 4
+    if whole_slot:
+        return -(-hid_dim // 16) * 16 + -(-scales // 16) * 16
+    return hid_dim + scales
 
 
 def rank_counts(cfg, topk_ids) -> tuple[np.ndarray, np.ndarray]:
@@ -142,9 +153,9 @@ def link_bytes(cfg, topk_ids, *, dedup: bool = False, fp8: bool = False,
                partial_reduce: bool = False) -> LinkBytes:
     """The ``LinkBytes`` of one dispatch and one combine of ``topk_ids`` (one ``[T, K]``
     array per rank, ``-1`` slots allowed) on ``cfg`` (module docstring). ``dedup``: one
-    message per (token, destination rank) plus a 4-byte index entry per slot (the
-    per-rank deduplicated dispatch); ``fp8``: FP8 combine rows; ``partial_reduce``: one
-    combine row per (token, destination rank)."""
+    message per (token, destination rank) plus a 4-byte index word per slot
+    (``ep_rank_dedup``); ``fp8``: FP8 combine rows (the FP8 combine); ``partial_reduce``:
+    one combine row per (token, destination rank)."""
     slots, pairs = rank_counts(cfg, topk_ids)
     R, P = cfg.n_ranks, cfg.p2p_world_size
     src, dst = np.indices((R, R))
@@ -154,11 +165,12 @@ def link_bytes(cfg, topk_ids, *, dedup: bool = False, fp8: bool = False,
     d_msgs = pairs if dedup else slots
     d_bytes = d_msgs * dispatch_row_bytes(cfg) + (slots * INDEX_ENTRY_BYTES if dedup else 0)
     c_rows = pairs if partial_reduce else slots
-    c_bytes = c_rows * combine_row_bytes(cfg.token_fmt.hid_dim, fp8)
+    c_bytes = c_rows * combine_row_bytes(cfg.token_fmt.hid_dim, fp8, cfg.needs_shmem)
     return LinkBytes(
         dispatch_link=int(d_bytes[remote].sum()), combine_link=int(c_bytes[remote].sum()),
         dispatch_local=int(d_bytes[local].sum()), combine_local=int(c_bytes[local].sum()),
-        dispatch_signal=SIGNAL_BYTES * int(d_msgs[shmem].sum()),
+        # one signal per slot, with or without dedup (its index words' puts signal)
+        dispatch_signal=SIGNAL_BYTES * int(slots[shmem].sum()),
         combine_signal=SIGNAL_BYTES * int(c_rows[shmem].sum()),
         dispatch_messages=int(d_msgs[remote].sum()), combine_rows=int(c_rows[remote].sum()))
 
@@ -203,6 +215,8 @@ def dedup_ratios(cfg, topk_ids) -> dict:
     ded = link_bytes(cfg, topk_ids, dedup=True, partial_reduce=True)
     fp8 = link_bytes(cfg, topk_ids, fp8=True)
     return {"dispatch_today": today.dispatch_link, "dispatch_dedup": ded.dispatch_link,
+            "dispatch_signal_today": today.dispatch_signal,
+            "dispatch_signal_dedup": ded.dispatch_signal,
             "dispatch_ratio": ded.dispatch_link / today.dispatch_link
             if today.dispatch_link else None,
             "remote_slots": today.dispatch_messages, "remote_pairs": ded.dispatch_messages,
@@ -214,11 +228,13 @@ def dedup_ratios(cfg, topk_ids) -> dict:
 
 
 def issue_config(n_ranks: int = 8, n_experts: int = 256, hid_dim: int = 7168, top_k: int = 8,
-                 tokens: int = 4096, fmt: str = "BF16"):
+                 tokens: int = 4096, fmt: str = "BF16", p2p_world_size: int | None = None):
     """The configuration of the dedup figures: H=7168, K=8, E=256 over 8 ranks, every rank a
-    P2P peer (defaults), ``tokens`` per rank."""
+    P2P peer (defaults), ``tokens`` per rank; a ``p2p_world_size`` below ``n_ranks`` puts
+    the other groups behind the SHMEM transport (``use_shmem``)."""
+    P = n_ranks if p2p_world_size is None else p2p_world_size
     return EPConfig(num_threads=1024, n_sms=132, n_experts=n_experts, n_ranks=n_ranks,
-                    max_tokens_per_rank=tokens, p2p_world_size=n_ranks, use_shmem=False,
+                    max_tokens_per_rank=tokens, p2p_world_size=P, use_shmem=P < n_ranks,
                     token_fmt=make_format(fmt, hid_dim, top_k))
 
 
@@ -250,11 +266,15 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--format", default="BF16", help="dispatch token format (default BF16)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
+    p.add_argument("--p2p-world-size", type=int, default=None,
+                   help="ranks per P2P group (default: all); fewer: the SHMEM transport "
+                        "between groups, whose signal bytes are printed too")
     p.add_argument("--zipf-s", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     try:
-        cfg = issue_config(a.ranks, a.experts, a.hid_dim, a.top_k, a.tokens, a.format)
+        cfg = issue_config(a.ranks, a.experts, a.hid_dim, a.top_k, a.tokens, a.format,
+                           a.p2p_world_size)
     except ValueError as exc:
         p.error(str(exc))
     fmt = cfg.token_fmt
@@ -269,6 +289,10 @@ def main(argv=None) -> int:
               f"({f['remote_pairs'] / f['remote_slots']:.4f} messages per remote slot); "
               f"combine partial reduce {f['combine_partial_ratio']:.4f}, "
               f"FP8 {f['fp8_ratio']:.4f}")
+        if cfg.needs_shmem:
+            print(f"{'':<13} SHMEM signals (8 B per put-with-signal, one per remote slot): "
+                  f"{f['dispatch_signal_today'] / 1e6:.3f} MB today, "
+                  f"{f['dispatch_signal_dedup'] / 1e6:.3f} MB dedup")
     return 0
 
 

@@ -27,8 +27,9 @@ Method
   all-to-all). Bandwidth per GPU = bytes one GPU sends / time; the ring's is the reference.
 * **Bytes per GPU** (``link_bytes``): what crosses the links: each (token, k) message whose
   destination is another rank, as the send path writes it (``link_bytes.dispatch_row_bytes``:
-  the message, or under ``ep_final_layout`` an output row, its scales and its header),
-  counted per source (sent) and per destination (received);
+  the message, or under ``ep_final_layout`` an output row, its scales and its header;
+  under ``ep_rank_dedup`` one message per (token, destination rank) plus a 4-byte index
+  word per (token, k)), counted per source (sent) and per destination (received);
   the busiest GPU's larger count over the inputs sets bounds the time; the combine sends each
   remote (token, k)'s BF16 row back (``combine_row_bytes``, the other way), moe both. GB/s
   per GPU = those bytes / the op's time (1 GB = 1e9 B); fraction = that / the ring's
@@ -73,7 +74,7 @@ from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
 from .timing import Gate, fork_join, sample, summarize
-from .link_bytes import dispatch_row_bytes, rank_counts
+from .link_bytes import INDEX_ENTRY_BYTES, dispatch_row_bytes, rank_counts
 from .traffic import combine_bytes, op_bytes, round_trip_bytes
 
 NCCL_NAME = "torch NCCL all_to_all+permute"
@@ -106,25 +107,35 @@ def pair_counts(cfg, topk_ids) -> np.ndarray:
     return rank_counts(cfg, topk_ids)[0]
 
 
+def dispatch_bytes_matrix(cfg, topk_ids) -> np.ndarray:
+    """``[R, R]``: dispatch bytes each source rank writes on each destination rank: a
+    message (``link_row_bytes``) per routed (token, k); under ``ep_rank_dedup`` one per
+    (token, destination rank) holding one of the token's experts plus each (token, k)'s
+    4-byte index word (``link_bytes.INDEX_ENTRY_BYTES``)."""
+    slots, ranks = rank_counts(cfg, topk_ids)
+    if cfg.ep_rank_dedup:
+        return ranks * link_row_bytes(cfg) + slots * INDEX_ENTRY_BYTES
+    return slots * link_row_bytes(cfg)
+
+
 def link_bytes(cfg, topk_ids, op: str = "dispatch") -> dict:
     """Bytes crossing the GPU links in one ``op`` of ``topk_ids`` (one ``[T, K]`` array per
     rank): ``sent[r]`` (rank r to other ranks), ``received[r]``, ``local`` (to itself, no
     link), ``busiest`` (the largest sent or received count of one GPU). ``dispatch``: the
-    round trip's messages (``link_row_bytes`` each); ``combine``: each of those pairs' BF16
+    round trip's messages (``dispatch_bytes_matrix``: under ``ep_rank_dedup`` one per (token,
+    destination rank) and an index word per slot); ``combine``: each routed (token, k)'s BF16
     row back from its destination to its source (``combine_row_bytes``); ``moe``: both."""
-    m = pair_counts(cfg, topk_ids)
-    own = np.diag(m)
-    out_pairs, in_pairs = m.sum(axis=1) - own, m.sum(axis=0) - own
-    row, crow = link_row_bytes(cfg), combine_row_bytes(cfg)
-    sent, received, local = (np.zeros(len(own), np.int64) for _ in range(3))
-    if op in ("dispatch", "moe"):
-        sent, received, local = sent + out_pairs * row, received + in_pairs * row, \
-            local + own * row
-    if op in ("combine", "moe"):
-        sent, received, local = sent + in_pairs * crow, received + out_pairs * crow, \
-            local + own * crow
     if op not in ("dispatch", "combine", "moe"):
         raise ValueError(f"link_bytes: op must be dispatch, combine or moe, got {op!r}")
+    R = cfg.n_ranks
+    row, crow = link_row_bytes(cfg), combine_row_bytes(cfg)
+    moved = np.zeros((R, R), np.int64)          # [writer, owner of the memory written]
+    if op in ("dispatch", "moe"):
+        moved += dispatch_bytes_matrix(cfg, topk_ids)
+    if op in ("combine", "moe"):
+        moved += pair_counts(cfg, topk_ids).T * crow      # destination -> source
+    local = np.diag(moved).copy()
+    sent, received = moved.sum(axis=1) - local, moved.sum(axis=0) - local
     return {"row_bytes": row, "combine_row_bytes": crow, "sent": sent.tolist(),
             "received": received.tolist(), "local": local.tolist(),
             "total_remote": int(sent.sum()),
@@ -570,8 +581,9 @@ def run(plan: Plan, progress: Progress) -> dict:
         "gpus": n_gpus, "devices": list(devices), "plan": plan.describe(),
         "method": {"timing": TIMING, "gate": "peer copies only" if plan.gate else "none",
                    "inputs": f"{plan.sets} staged sets rotated",
-                   "link_bytes": "remote (token, k) messages (staged) or output+header rows "
-                                 "(final layout) of the busiest GPU"
+                   "link_bytes": "remote (token, k) messages (staged; ep_rank_dedup: "
+                                 "(token, remote rank) messages and a 4-byte index word per "
+                                 "slot) or output+header rows (final layout) of the busiest GPU"
                                  + ("" if plan.op == "dispatch" else
                                     "; combine: each remote (token, k) BF16 row back to its "
                                     "source" + (", after the dispatch's" if plan.op == "moe"

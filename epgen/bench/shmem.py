@@ -69,7 +69,7 @@ from ..runtime.shmem_world import ShmemWorld
 from ..inspection import combine_buffers
 from . import combine as bench_combine
 from . import memory
-from .link_bytes import dispatch_row_bytes
+from .link_bytes import INDEX_ENTRY_BYTES, dispatch_row_bytes
 from .p2p import slowest_rank_times
 from .plan import shape_name
 from .report import Progress, git_commit, write_json
@@ -86,11 +86,17 @@ TIMING = ("per PE on its own stream: an event before and after the timed launche
 def sent_bytes(cfg, topk_ids, rank: int) -> int:
     """Bytes rank ``rank`` sends to other ranks: one message per (token, k) slot whose
     expert is on another rank (``-1`` slots send nothing), each as the send path writes it
-    (``link_bytes.dispatch_row_bytes``)."""
+    (``link_bytes.dispatch_row_bytes``); under ``ep_rank_dedup`` one message per (token,
+    other rank) holding one of the token's experts plus each such slot's 4-byte index word
+    (``link_bytes.INDEX_ENTRY_BYTES``)."""
     L = cfg.layout.n_local_experts
     ids = np.asarray(topk_ids)
-    n = int(np.count_nonzero((ids >= 0) & (ids // L != rank)))
-    return n * dispatch_row_bytes(cfg)
+    remote = (ids >= 0) & (ids // L != rank)
+    slots = int(np.count_nonzero(remote))
+    if not cfg.ep_rank_dedup:
+        return slots * dispatch_row_bytes(cfg)
+    pairs = sum(len(set((row[hit] // L).tolist())) for row, hit in zip(ids, remote))
+    return pairs * dispatch_row_bytes(cfg) + slots * INDEX_ENTRY_BYTES
 
 
 def combine_sent_bytes(cfg, all_topk_ids, rank: int) -> int:
@@ -395,8 +401,10 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                                              for p in plan.sizes),
                "nvshmem_symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"),
                "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
-                          "sent_bytes": "dispatch: a message per remote (token, k) slot; "
-                                        "combine: a BF16 row per remote (token, k)"},
+                          "sent_bytes": "dispatch: a message per remote (token, k) slot "
+                                        "(ep_rank_dedup: per (token, remote rank), plus a "
+                                        "4-byte index word per slot); combine: a BF16 row "
+                                        "per remote (token, k)"},
                "runs": [], "failures": []}
     with contextlib.ExitStack() as stack:
         if session is None:

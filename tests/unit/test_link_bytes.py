@@ -31,6 +31,8 @@ def _slow_count(cfg, ids, dedup, fp8, partial):
     L, P, H = cfg.n_experts // cfg.n_ranks, cfg.p2p_world_size, cfg.token_fmt.hid_dim
     msg = lb.dispatch_row_bytes(cfg)       # checked below and against the simulator
     crow = (H + math.ceil(H / 128) * 4) if fp8 else 2 * H
+    if fp8 and cfg.needs_shmem:        # the staged FP8 slot goes whole: codes and scales
+        crow = 16 * math.ceil(H / 16) + 16 * math.ceil(math.ceil(H / 128) * 4 / 16)
     out = dict.fromkeys(("dl", "cl", "dloc", "cloc", "ds", "cs"), 0)
     for s, a in enumerate(ids):
         for row in a:
@@ -44,11 +46,11 @@ def _slow_count(cfg, ids, dedup, fp8, partial):
                 ranks.append(d)
             for d in set(ranks) if dedup else ranks:
                 out["dloc" if d == s else "dl"] += msg
+            for d in ranks:                # a message's put, or a dedup index word's
+                if dedup:
+                    out["dloc" if d == s else "dl"] += 4
                 if d != s and cfg.use_shmem and s // P != d // P:
                     out["ds"] += 8
-            if dedup:
-                for d in ranks:
-                    out["dloc" if d == s else "dl"] += 4
             for d in set(ranks) if partial else ranks:
                 out["cloc" if d == s else "cl"] += crow
                 if d != s and cfg.use_shmem and s // P != d // P:
@@ -64,6 +66,7 @@ CASES = {
     "final_nvfp4": {"fmt": "NVFP4", "ep_final_layout": True},
     "final_fp8": {"fmt": "BlockwiseFP8", "H": 384, "ep_final_layout": True},
     "shmem_mixed": {"P": 2, "use_shmem": True},
+    "shmem_mixed_h640": {"P": 2, "use_shmem": True, "H": 640},
     "skip_a2a": {"skip_a2a": True},
 }
 
@@ -161,3 +164,19 @@ def test_entry_point_prints_both_routings(capsys):
     assert lb.main(["--tokens", "64", "--hid-dim", "256"]) == 0
     out = capsys.readouterr().out
     assert "uniform" in out and "zipf s=0.8" in out and "FP8 0.5156" in out
+
+
+def test_entry_point_prints_the_shmem_signals_between_groups(capsys, rng):
+    """Two P2P groups of 2: the dedup dispatch still signals once per remote slot outside
+    the group (its index words' puts), so its signal bytes equal today's."""
+    assert lb.main(["--tokens", "64", "--hid-dim", "256", "--ranks", "4", "--experts", "16",
+                    "--p2p-world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "SHMEM signals" in out
+    cfg = lb.issue_config(4, 16, 256, 8, 64, p2p_world_size=2)
+    assert cfg.use_shmem and cfg.needs_shmem
+    _toks, ids = routing.routing(rng, cfg, 64)
+    L = 4
+    slots = sum(int(((a // L) // 2 != s // 2).sum()) for s, a in enumerate(ids))
+    f = lb.dedup_ratios(cfg, ids)
+    assert f["dispatch_signal_today"] == f["dispatch_signal_dedup"] == 8 * slots
