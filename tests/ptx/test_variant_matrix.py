@@ -273,8 +273,12 @@ def test_named_variants_combine_builds_where_supported():
     assert variants.variant_config("ep/fused_se").fused_shared_expert
     assert variants.variant_config("ep/shmem_mixed") == flag_variant_config("shmem_mixed")
     assert variants.variant_config("demo/copy16") is None
+    built = set()
     for name in named:
         cfg = variants.variant_config(name)
+        if repr(cfg) in built:       # an FP8 twin's configuration is its BF16 golden's
+            continue
+        built.add(repr(cfg))
         if variants.combine_error(cfg) is not None:
             with pytest.raises(ValueError):
                 build_combine_module(cfg)
