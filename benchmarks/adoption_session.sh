@@ -27,18 +27,10 @@ status=0
 echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $what" | tee "$SUMMARY"
 nvidia-smi -L 2>&1 | tee -a "$SUMMARY"
 
-step() {   # step NAME SECONDS COMMAND...: run under a timeout, keep the log, one-line verdict
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    local verdict=ok
-    [ $rc -eq 124 ] && verdict="timed out after ${limit}s"
-    [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="exit $rc"
-    [ $rc -ne 0 ] && status=1
-    echo "[$((SECONDS - t0))s] $name: $verdict" | tee -a "$SUMMARY"
-    grep -E "passed|failed|^FAILED|^ERROR|round trip|combine|speed|link" "$OUT/$name.log" \
+. benchmarks/step.sh      # step NAME SECONDS COMMAND...
+
+show() {   # show NAME: the tallies and timed rows of step NAME's log, into the summary
+    grep -E "passed|failed|^FAILED|^ERROR|round trip|combine|speed|link" "$OUT/$1.log" \
         | tail -12 | sed 's/^/    /' | tee -a "$SUMMARY"
 }
 
@@ -46,6 +38,7 @@ gpu_tests() {   # gpu_tests NAME SECONDS PYTEST ARGS...
     local name=$1 limit=$2
     shift 2
     step "$name" "$limit" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs "$@"
+    show "$name"
 }
 
 case "$what" in
@@ -71,10 +64,13 @@ bench)
     step dedup 200 "$PY" -m epgen bench --tokens 128,4096 --variant default \
         --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
         --json "$OUT/dedup.json"
+    show dedup
     step combine-fp8 150 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
         --no-post-check --json "$OUT/combine-fp8.json"
+    show combine-fp8
     step deepep-api 150 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
         --json "$OUT/deepep-api.json"
+    show deepep-api
     ;;
 *)
     echo "usage: $0 [tests|mps|bench]" >&2

@@ -54,18 +54,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 what=${1:-all}
 status=0
 
-step() {   # step NAME SECONDS COMMAND...: run, keep its output, print a one-line verdict
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    local verdict=ok
-    [ $rc -eq 124 ] && verdict="timed out after ${limit}s"
-    [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="exit $rc"
-    [ $rc -ne 0 ] && status=1
-    echo "[$((SECONDS - t0))s] $name: $verdict"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/step.sh"    # step NAME SECONDS COMMAND...
 
 bench() {  # bench NAME SECONDS ARGS...: epgen bench with JSON, then its table rows
     local name=$1 limit=$2

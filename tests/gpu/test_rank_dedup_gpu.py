@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import epgen
-from epgen import reference, round_trips, routing
+from epgen import round_trips, routing
 from epgen.kernels import send_policy
 
 from format_cases import ALL
 from world_checks import make_cfg
+from combine_checks import assert_combine_ignores_flag
 
 pytestmark = pytest.mark.gpu
 
@@ -105,44 +106,13 @@ def test_with_other_flags(flags, seed):
     _check(world_for(cfg), _random_inputs(np.random.default_rng(seed), cfg, 3), seed)
 
 
-def _expert_outputs(results):
-    """Each received row's expert output, a function of its token's payload, its top-k slot
-    and its group, not of where the row lies (tests/sim/test_rank_dedup_sim.py)."""
-    outs = []
-    for res in results:
-        n = len(res.src_info)
-        y = np.asarray(res.out_tokens)[:n].view(np.uint16).copy()
-        k = np.asarray(res.src_info)[:, 1].astype(np.uint16)
-        group = np.repeat(np.arange(len(res.row_offsets) - 1, dtype=np.uint16),
-                          np.diff(np.asarray(res.row_offsets, np.int64)))[:n]
-        y ^= ((k * 5 + group * 3 + 1) & 0x3F)[:, None]
-        outs.append(y)
-    return outs
-
-
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=shape_id)
 def test_combine_after_dedup_equals_combine_after_plain(shape, seed):
     rng = np.random.default_rng(seed)
     dedup = dedup_cfg(shape, "BF16", "warp")
-    plain = dedup.replace(ep_rank_dedup=False)
     inputs = _random_inputs(rng, dedup, 3)
     ws = [[rng.standard_normal(i.shape).astype(np.float32) for i in ids] for _, ids in inputs]
-    got = {}
-    for cfg in (plain, dedup):
-        world = world_for(cfg)
-        got[cfg.ep_rank_dedup] = outs = []
-        for (toks, ids), w in zip(inputs, ws):
-            results = world.dispatch(toks, ids)
-            for want, res in zip(reference.dispatch(cfg, toks, ids), results):
-                reference.assert_match(cfg, want, res)
-            ys = _expert_outputs(results)
-            out = world.combine(ys, w)
-            for o, e in zip(out, reference.combine(cfg, results, ys, w)):
-                assert np.array_equal(o, e), "combine differs from the reference"
-            outs.append(out)
-    for c, (a, b) in enumerate(zip(got[False], got[True])):
-        for s, (x, y) in enumerate(zip(a, b)):
-            assert np.array_equal(x, y), f"call {c} rank {s}: the combine after dedup differs"
+    assert_combine_ignores_flag(dedup, "ep_rank_dedup", world_for, inputs, ws)
 
 
 # ---- the SHMEM transport: one process per PE under ``epgen launch`` (test_shmem_gpu.py)

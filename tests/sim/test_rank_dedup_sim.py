@@ -14,12 +14,12 @@ import pytest
 
 import epgen
 from backends import sim as sim_backend
-from epgen import reference, round_trips
+from epgen import round_trips
 from epgen.formats import make_format
 from epgen.kernels import send_policy
 
 import format_cases
-from combine_checks import weights
+from combine_checks import assert_combine_ignores_flag, weights
 from format_cases import case_ids
 from mask_checks import mask_cfg
 from sim_world import sim_world
@@ -197,45 +197,15 @@ def test_one_message_per_token_and_destination_rank(path, seed):
     assert sum(len(w) for w in written) < n_slots      # the edge routings repeat ranks
 
 
-def _expert_outputs(results):
-    """Each received row's expert output, a function of what the row is (its token's payload,
-    its top-k slot, its group), not of where it lies, so that two dispatches whose rows
-    inside a block come in different orders combine to the same result."""
-    outs = []
-    for res in results:
-        n = len(res.src_info)
-        y = np.asarray(res.out_tokens)[:n].view(np.uint16).copy()
-        k = np.asarray(res.src_info)[:, 1].astype(np.uint16)
-        group = np.repeat(np.arange(len(res.row_offsets) - 1, dtype=np.uint16),
-                          np.diff(np.asarray(res.row_offsets, np.int64)))[:n]
-        y ^= ((k * 5 + group * 3 + 1) & 0x3F)[:, None]     # low mantissa bits: still finite
-        outs.append(y)
-    return outs
-
-
 @pytest.mark.parametrize("R", [2, 4])
 def test_combine_after_dedup_equals_combine_after_plain(R, seed):
     rng = np.random.default_rng(seed)
     dedup = make_cfg("BF16", 64, R=R, K=2, L=2, T=4)
-    plain = dedup.replace(ep_rank_dedup=False)
     calls = _edge_calls(dedup, seed, n_calls=2)
     ws = [weights(rng, dedup, ids) for _, ids in calls]
-    got = {}
-    for cfg in (plain, dedup):
-        world = epgen.EmulatedWorld(cfg, backend="sim", sim_seed=seed)
-        got[cfg.ep_rank_dedup] = outs = []
-        for (toks, ids), w in zip(calls, ws):
-            results = world.dispatch(toks, ids)
-            for want, res in zip(reference.dispatch(cfg, toks, ids), results):
-                reference.assert_match(cfg, want, res)
-            ys = _expert_outputs(results)
-            out = world.combine(ys, w)
-            for o, e in zip(out, reference.combine(cfg, results, ys, w)):
-                assert np.array_equal(o, e), "combine differs from the reference"
-            outs.append(out)
-    for c, (a, b) in enumerate(zip(got[False], got[True])):
-        for s, (x, y) in enumerate(zip(a, b)):
-            assert np.array_equal(x, y), f"call {c} rank {s}: the combine after dedup differs"
+    assert_combine_ignores_flag(
+        dedup, "ep_rank_dedup",
+        lambda c: epgen.EmulatedWorld(c, backend="sim", sim_seed=seed), calls, ws)
 
 
 @pytest.mark.parametrize("path", ["warp_split", "buffer"])
