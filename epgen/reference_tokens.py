@@ -24,7 +24,8 @@ class TokenMajorResult:
     K]`` int64 local expert ids (``-1``: not this rank's), ``src`` ``[n_rows, 2]`` int32
     (source rank, source token), ``rank_prefix`` ``[R]`` int32 (inclusive rows per source),
     ``expert_counts`` ``[L]`` int32 (received ``(token, slot)`` pairs per local expert),
-    ``pad_topk`` the top-k ids of the padding rows past ``n_rows`` (empty without padding)."""
+    ``pad_topk`` and ``pad_src`` the top-k ids and sources of the padding rows past
+    ``n_rows`` (empty without padding)."""
 
     rank: int
     n_rows: int
@@ -34,6 +35,7 @@ class TokenMajorResult:
     rank_prefix: np.ndarray
     expert_counts: np.ndarray
     pad_topk: np.ndarray
+    pad_src: np.ndarray
 
 
 def normal_dispatch(n_experts: int, tokens, topk_ids, rank: int) -> TokenMajorResult:
@@ -60,7 +62,8 @@ def normal_dispatch(n_experts: int, tokens, topk_ids, rank: int) -> TokenMajorRe
         topk_idx=np.concatenate(idx).reshape(-1, K).astype(np.int64),
         src=np.concatenate(srcs).reshape(-1, 2).astype(np.int32),
         rank_prefix=np.cumsum(prefix).astype(np.int32),
-        expert_counts=counts.astype(np.int32), pad_topk=np.zeros((0, K), np.int64))
+        expert_counts=counts.astype(np.int32), pad_topk=np.zeros((0, K), np.int64),
+        pad_src=np.zeros((0, 2), np.int32))
 
 
 __all__ = ["TokenMajorResult", "normal_dispatch"]

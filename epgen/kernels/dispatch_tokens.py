@@ -17,8 +17,8 @@ messages before them), marks each source's received tokens in a bitmap from the 
 (a token with several local experts appears several times: ``red.or``), scans the bitmap's
 popcounts into each bitmap word's first row, writes ``meta`` and raises the ready flag. The
 other blocks (copy) take bitmap words, one warp each, and copy every marked token's message
-to its row; then they write ``-1`` top-k ids into the padding rows ``[n_rows, pad_rows)``
-(DeepEP's ``num_worst_tokens``). Everything is re-armed by the kernel: the count words to the
+to its row; then they write ``-1`` top-k ids and sources into the padding rows ``[n_rows,
+pad_rows)`` (DeepEP's ``num_worst_tokens``). Everything is re-armed by the kernel: the count words to the
 sentinel (aux, as ``ep_dispatch_wait``'s aux does), each bitmap word to 0 (the warp that
 copied it), the ready flag to 0 (the last copy block), so consecutive calls need no host
 reset. The message rows are read with the stride ``message_row_bytes``.
@@ -265,8 +265,9 @@ def copy_tokens(r: ir.RoleBuilder, cfg, p: TokensParams) -> None:
     (``copy_vectors``: 16-byte ``ld.global.v4`` / ``st.global.v4``), lanes ``k < K`` load
     the header's top-k id ``k`` (``ld.global.u16``) and store its local id
     (``local_expert_id``, ``st.global.s64``), lane 0 stores ``(src, t)``; then
-    ``bar.warp.sync`` (every lane has read the word) and lane 0 clears the bitmap word. Then the padding rows ``[n_rows, pad_rows)`` get ``-1`` ids, the role's
-    barrier, and thread 0 counts the block done (``atom.relaxed.gpu.add`` of -1 on the
+    ``bar.warp.sync`` (every lane has read the word) and lane 0 clears the bitmap word.
+    Then the padding rows ``[n_rows, pad_rows)`` get ``-1`` ids and ``(-1, -1)`` sources,
+    the role's barrier, and thread 0 counts the block done (``atom.relaxed.gpu.add`` of -1 on the
     cleanup countdown); the last one lowers the ready flag."""
     lay, fmt, tl = cfg.layout, cfg.token_fmt, TokensLayout(cfg)
     K, W = fmt.top_k, tl.words_per_source
@@ -309,6 +310,9 @@ def copy_tokens(r: ir.RoleBuilder, cfg, p: TokensParams) -> None:
     with r.for_range("pad", n_rows * K + r.block * r.n_threads + r.tid, p.pad_rows * K,
                      n_copy * r.n_threads) as q:
         r.store(_word(p.out_topk, q, 8), ir.Const(-1, T.s64))
+        with r.if_((q % K).eq(0)):
+            r.store(_word(p.out_src, (q // K) * 2), ir.Const(-1, T.s32))
+            r.store(_word(p.out_src, (q // K) * 2 + 1), ir.Const(-1, T.s32))
     comm_sync(r)
     with r.if_(r.tid.eq(0)):
         old = r.atomic(AtomOp.ADD, _word(p.scratch, CLEANUP_WORD), 0xFFFFFFFF, Sem.RELAXED,

@@ -124,13 +124,14 @@ class TokenMajorReceiver:
         R = w.cfg.n_ranks
         meta = b.meta.to_host()
         n = int(meta[tl.N_ROWS])
-        topk = b.out_topk.to_host()
+        topk, src = b.out_topk.to_host(), b.out_src.to_host()
+        pad = max(n, self.pad_rows[i])
         return TokenMajorResult(
             rank=rk.rank, n_rows=n, x=b.out_x.to_host()[:n], topk_idx=topk[:n],
-            src=b.out_src.to_host()[:n],
+            src=src[:n],
             rank_prefix=meta[tl.rank_prefix_offset:tl.rank_prefix_offset + R].copy(),
             expert_counts=meta[tl.expert_count_offset:tl.meta_words].copy(),
-            pad_topk=topk[n:max(n, self.pad_rows[i])])
+            pad_topk=topk[n:pad], pad_src=src[n:pad])
 
 
 __all__ = ["TokenMajorReceiver", "TokenMajorBuffers"]

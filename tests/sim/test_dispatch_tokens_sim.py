@@ -56,6 +56,7 @@ def check_rank(cfg, got, toks, ids, d, pad_rows=0):
                                   err_msg=f"rank {d} expert_counts")
     assert got.pad_topk.shape == (max(0, pad_rows - got.n_rows), cfg.token_fmt.top_k)
     assert (got.pad_topk == -1).all()
+    assert (got.pad_src == -1).all() and len(got.pad_src) == len(got.pad_topk)
 
 
 @pytest.mark.parametrize("R,L,K", [(2, 2, 2), (4, 2, 3)], ids=["R2", "R4"])
