@@ -197,7 +197,8 @@ class EmulatedGroup:
 
     def normal_port(self, torch, shape, slot: int, r: int):
         """Rank ``r``'s port of the normal-mode world of ``shape`` (a ``normal.NormalShape``)
-        for result slot ``slot``, making the world on first use (``normal.make_ports``)."""
+        for result slot ``slot``, making the world on first use (``normal.make_ports``; the
+        grid as ``grid`` says, raised to what the shape needs)."""
         key = (shape, slot)
         with self._lock:
             if self._failed is not None:
@@ -206,8 +207,9 @@ class EmulatedGroup:
                                       f"({type(why).__name__}: {why})")
             ports = self._worlds.get(key)
             if ports is None:
+                n_sms, threads = self.grid(shape)
                 ports = self._worlds[key] = normal.make_ports(
-                    torch, shape, sim=self.sim, n_sms=self.n_sms, num_threads=self.num_threads,
+                    torch, shape, sim=self.sim, n_sms=n_sms, num_threads=threads,
                     timeout_ns=self.timeout_ns, sim_seed=self.sim_seed,
                     rendezvous_timeout_s=self.rendezvous_timeout_s, device=self.device)
         return ports[r]

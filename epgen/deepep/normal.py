@@ -244,16 +244,19 @@ class NormalMode:
         self.buffer, self.max_tokens = buffer, max_tokens
         self.next_slot = 0
         self.ports = set()
-        #: device-side checks of calls that could not read the device (CUDA graphs,
-        #: num_worst_tokens), raised by ``check()``
+        #: device-side checks of eager calls that could not read the device
+        #: (num_worst_tokens), raised once by ``check()``
         self.deferred = []
+        #: those of calls captured into a CUDA graph, raised by every ``check()`` (each
+        #: replay rewrites their counts)
+        self.graph_checks = []
 
     def check(self) -> None:
         """Synchronise each port's world and raise what was recorded (``Buffer.check``)."""
         for port in list(self.ports):
             port.check()
         deferred, self.deferred = self.deferred, []
-        for d in deferred:
+        for d in deferred + self.graph_checks:
             d.raise_if_bad()
 
     # -- the checks of a call ----------------------------------------------------------------
@@ -383,8 +386,8 @@ class NormalMode:
                                f"{shape.rows}")
         # on a GPU a check that reads the device waits for the host read DeepEP makes
         # anyway, or, without one (num_worst_tokens, a CUDA graph), for check()
-        deferred = b.on_cuda and (num_worst_tokens > 0
-                                  or torch.cuda.is_current_stream_capturing())
+        capturing = b.on_cuda and torch.cuda.is_current_stream_capturing()
+        deferred = capturing or (b.on_cuda and num_worst_tokens > 0)
         if not deferred:
             for c in checks:
                 c.raise_if_bad()
@@ -415,7 +418,7 @@ class NormalMode:
             a = expert_alignment
             counts_list = [-(-c // a) * a for c in counts]
         if deferred:
-            self.deferred.extend(checks + after)
+            (self.graph_checks if capturing else self.deferred).extend(checks + after)
         else:
             for c in after:
                 c.raise_if_bad()
