@@ -1,5 +1,5 @@
-"""``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels
-(docs/deepep.md).
+"""``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels, and the normal
+mode's ``get_dispatch_layout`` and ``dispatch`` (``normal``; docs/deepep.md).
 
 One ``Buffer`` is one rank's, as in DeepEP: built from a ``torch.distributed`` process group
 (one process per GPU, ``ShmemWorld``: NVSHMEM, direct stores inside the P2P group and puts
@@ -28,7 +28,8 @@ argument):
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
   on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode's
-  ``dispatch`` and ``combine`` (its ``get_dispatch_layout`` is here),
+  ``combine`` (its ``get_dispatch_layout`` and ``dispatch`` are here; ``dispatch`` on an
+  ``EmulatedGroup`` only),
   ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
