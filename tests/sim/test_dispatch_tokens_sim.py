@@ -2,7 +2,7 @@
 ``ep_rank_dedup`` configuration; ``world.dispatch_tokens``) on the CPU simulator, against
 ``epgen.reference_tokens.normal_dispatch``: 2 and 4 ranks, ``-1`` slots, a token with all
 its experts on one rank, a token of ``-1`` only, an idle rank, consecutive calls on one world
-(every word re-armed by the kernels), padding rows, the weak memory model."""
+(every word re-armed by the kernels), padding rows, the weak memory model, ``P2PWorld``."""
 
 from __future__ import annotations
 
@@ -115,3 +115,14 @@ def test_refused_configurations():
         world = epgen.EmulatedWorld(cfg, backend=sim_backend.Machine(0))
         with pytest.raises(ValueError, match=name):
             world.token_receiver()
+
+
+def test_p2p_world_one_gpu_per_rank(seed, rng):
+    """``P2PWorld`` (one simulated GPU per rank) runs the same receive."""
+    cfg = make_cfg(R=2, L=2, K=2)
+    world = epgen.P2PWorld(cfg, backend="sim", sim_seed=seed % 1000)
+    for _ in range(2):
+        toks, ids = draw_inputs(rng, cfg)
+        got = world.dispatch_tokens(toks, ids, pad_rows=3)
+        for d in range(2):
+            check_rank(cfg, got[d], toks, ids, d, 3)
