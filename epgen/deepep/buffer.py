@@ -497,7 +497,7 @@ class Buffer:
         return (res.num_tokens_per_rank, None, res.num_tokens_per_expert, res.is_token_in_rank,
                 event)
 
-    def _source_for_normal_mode(self):
+    def source_for_normal_mode(self):
         """Where the normal mode's ports come from: an ``EmulatedGroup`` rank's source;
         ``EPInputError`` naming ``group`` for a process group (not yet) or a destroyed
         buffer."""

@@ -261,7 +261,7 @@ class NormalMode:
 
     # -- the checks of a call ----------------------------------------------------------------
     def _source_port(self, shape, slot: int):
-        source = self.buffer._source_for_normal_mode()
+        source = self.buffer.source_for_normal_mode()
         return source.normal_port(self.buffer.torch, shape, slot)
 
     def _shape(self, x, topk_idx, num_experts: int) -> NormalShape:
