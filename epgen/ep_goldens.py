@@ -301,3 +301,14 @@ def check_ids_small_ranks4_module():
     from .kernels.check_ids import build_check_ids_module
     from .presets import load_preset
     return build_check_ids_module(load_preset("small"), n_ranks=4)
+
+
+# The token-major receive of the deduplicated dispatch (``ep_dispatch_wait_tokens``;
+# epgen.kernels.dispatch_tokens, DeepEP's normal mode): its own module, after the unchanged
+# ``ep_dispatch_async`` of ``ep/rank_dedup``.
+@golden("ep/rank_dedup_tokens", description="preset small + ep_rank_dedup=true: "
+                                            "ep_dispatch_wait_tokens, the token-major receive "
+                                            "(DeepEP's normal mode)")
+def ep_rank_dedup_tokens_module():
+    from .kernels.dispatch_tokens import build_dispatch_tokens_module
+    return build_dispatch_tokens_module(flag_variant_config("rank_dedup"))

@@ -1,4 +1,5 @@
-"""DeepEP's Python API on epgen's kernels (docs/deepep.md): ``Buffer`` (low-latency mode),
+"""DeepEP's Python API on epgen's kernels (docs/deepep.md): ``Buffer`` (low-latency mode; the
+normal mode's ``get_dispatch_layout`` and ``dispatch``),
 ``EventOverlap``, ``topk_idx_t``, and ``EmulatedGroup`` (every rank in one process, on a GPU
 or on the CPU simulator). An engine written for DeepEP imports it in DeepEP's place::
 

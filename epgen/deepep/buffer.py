@@ -1,5 +1,5 @@
-"""``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels
-(docs/deepep.md).
+"""``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels, and the normal
+mode's ``get_dispatch_layout`` and ``dispatch`` (``normal``; docs/deepep.md).
 
 One ``Buffer`` is one rank's, as in DeepEP: built from a ``torch.distributed`` process group
 (one process per GPU, ``ShmemWorld``: NVSHMEM, direct stores inside the P2P group and puts
@@ -28,7 +28,8 @@ argument):
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
   on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode's
-  ``dispatch`` and ``combine`` (its ``get_dispatch_layout`` is here),
+  ``combine`` (its ``get_dispatch_layout`` and ``dispatch`` are here; ``dispatch`` on an
+  ``EmulatedGroup`` only),
   ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
@@ -40,7 +41,7 @@ argument):
 from __future__ import annotations
 
 from ..errors import EPInputError
-from . import dispatch_layout, events, shapes, views
+from . import dispatch_layout, events, normal, shapes, views
 from .config import Config
 from .emulated import EmulatedRank
 from .handle import LowLatencyHandle
@@ -66,6 +67,10 @@ class _EmulatedSource:
 
     def port(self, torch, shape, slot: int):
         return self.group.port(torch, shape, slot, self.rank, shrink=self.shrink)
+
+    def normal_port(self, torch, shape, slot: int):
+        """The port of the normal-mode world of ``shape`` (``normal.NormalShape``)."""
+        return self.group.normal_port(torch, shape, slot, self.rank)
 
     def close(self) -> None:
         """The group owns the worlds."""
@@ -99,7 +104,8 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  n_sms: int | None = None, num_threads: int | None = None,
-                 timeout_ns: int | None = None, p2p_world_size: int | None = None):
+                 timeout_ns: int | None = None, p2p_world_size: int | None = None,
+                 num_max_dispatch_tokens_per_rank: int | None = None):
         self.torch = _torch()
         if comm is not None:
             raise EPInputError("comm: an MPI communicator is not supported; pass a "
@@ -139,6 +145,14 @@ class Buffer:
         self._destroyed = False
         #: get_dispatch_layout results captured into a CUDA graph, checked by check()
         self._layout_checks = []
+        if num_max_dispatch_tokens_per_rank is not None:
+            if isinstance(num_max_dispatch_tokens_per_rank, bool) \
+                    or not isinstance(num_max_dispatch_tokens_per_rank, int) \
+                    or num_max_dispatch_tokens_per_rank < 1:
+                raise EPInputError(f"num_max_dispatch_tokens_per_rank: must be a positive "
+                                   f"int, got {num_max_dispatch_tokens_per_rank!r}")
+        #: the normal mode's calls (``normal.NormalMode``)
+        self._normal = normal.NormalMode(self, num_max_dispatch_tokens_per_rank)
 
     # -- DeepEP's static helpers ---------------------------------------------------------------
     @staticmethod
@@ -404,11 +418,14 @@ class Buffer:
     def check(self) -> None:
         """epgen's own: synchronise and raise what the kernels of this rank recorded (bad
         top-k ids, naming rank, token and slot; expired waits) and the bad top-k ids of
-        ``get_dispatch_layout`` calls captured into a CUDA graph."""
+        ``get_dispatch_layout`` calls captured into a CUDA graph, and the normal mode's
+        checks that could not read the device at the call (``num_worst_tokens``, CUDA
+        graphs: ``normal.NormalMode.check``)."""
         for port in list(self._ports):
             port.check()
         for res in self._layout_checks:
             res.raise_if_bad()
+        self._normal.check()
 
     # -- shrink mode: the rank mask ------------------------------------------------------------
     def _require_shrink(self, what: str) -> None:
@@ -480,13 +497,50 @@ class Buffer:
         return (res.num_tokens_per_rank, None, res.num_tokens_per_expert, res.is_token_in_rank,
                 event)
 
-    def dispatch(self, *args, **kwargs):
-        raise NotImplementedError("dispatch: DeepEP's normal mode is not available yet; use "
-                                  "low_latency_dispatch")
+    def source_for_normal_mode(self):
+        """Where the normal mode's ports come from: an ``EmulatedGroup`` rank's source;
+        ``EPInputError`` naming ``group`` for a process group (not yet) or a destroyed
+        buffer."""
+        if self._destroyed:
+            raise RuntimeError("dispatch: the buffer was destroyed")
+        if not isinstance(self._source, _EmulatedSource):
+            raise EPInputError("group: the normal mode runs on an epgen.deepep.EmulatedGroup "
+                               "for now (a process group's ShmemWorld does not take "
+                               "ep_rank_dedup's token-major receive yet)")
+        return self._source
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                 num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None,
+                 previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode dispatch (docs/deepep.md, "Normal mode"; ``normal``): send
+        ``x`` ``[T, hidden]`` BF16 once to each rank that holds one of its ``topk_idx``
+        experts and receive this rank's tokens. Returns ``(recv_x, recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``: ``recv_x``
+        ``[N, hidden]`` (each received token once, grouped by source rank in rank order,
+        in token order inside a source), ``recv_topk_idx`` ``[N, K]`` int64 local ids
+        (``-1``: not this rank's), ``recv_topk_weights`` None (``topk_weights`` is refused
+        for now), the per-local-expert counts aligned up to ``expert_alignment`` (empty with
+        ``num_worst_tokens``), the handle (``normal.NormalHandle``) and the event. With
+        ``num_worst_tokens`` the outputs have that many rows (the padding rows' ids ``-1``)
+        and nothing is read on the host; without it ``N`` is read (one synchronisation, as
+        DeepEP's). With ``handle`` (and no top-k) a cached dispatch re-sends ``x`` with the
+        handle's routing: ``(recv_x, None, None, None, None, event)``. The results are
+        valid until the second dispatch after this one. ``config`` and
+        ``allocate_on_comm_stream`` are accepted and not used."""
+        return self._normal.dispatch(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+            num_worst_tokens, previous_event, async_finish)
 
     def combine(self, *args, **kwargs):
-        raise NotImplementedError("combine: DeepEP's normal mode is not available yet; use "
-                                  "low_latency_combine")
+        raise NotImplementedError(
+            "combine: DeepEP's normal-mode combine is not available yet; it comes with the "
+            "partial-reduce combine's kernels, which it will reuse (each destination sends "
+            "one row per (token, rank) into the source's slot of the token's lowest top-k "
+            "slot on that rank, and the source sums them); use low_latency_combine")
 
     def destroy(self) -> None:
         """Release the buffer's worlds (``explicitly_destroy=True`` required, as in DeepEP);

@@ -29,6 +29,7 @@ from backends import sim as sim_backend
 
 from ..runtime.world import EmulatedWorld
 from ..errors import EPInputError
+from . import normal
 from .ports import DevicePort, PeerFailedError, Rendezvous, SimPort, run_sim_step
 
 #: a simulator rank waits at most this long for the other ranks' calls (seconds)
@@ -193,6 +194,25 @@ class EmulatedGroup:
         world = EmulatedWorld(cfg, device=self.device, timeout_ns=self.timeout_ns, fused=False,
                               shrink=bool(self.shrink))
         return [DevicePort(torch, world, r) for r in range(self.n_ranks)]
+
+    def normal_port(self, torch, shape, slot: int, r: int):
+        """Rank ``r``'s port of the normal-mode world of ``shape`` (a ``normal.NormalShape``)
+        for result slot ``slot``, making the world on first use (``normal.make_ports``; the
+        grid as ``grid`` says, raised to what the shape needs)."""
+        key = (shape, slot)
+        with self._lock:
+            if self._failed is not None:
+                failed, why = self._failed
+                raise PeerFailedError(f"rank {r}: rank {failed} of the group failed "
+                                      f"({type(why).__name__}: {why})")
+            ports = self._worlds.get(key)
+            if ports is None:
+                n_sms, threads = self.grid(shape)
+                ports = self._worlds[key] = normal.make_ports(
+                    torch, shape, sim=self.sim, n_sms=n_sms, num_threads=threads,
+                    timeout_ns=self.timeout_ns, sim_seed=self.sim_seed,
+                    rendezvous_timeout_s=self.rendezvous_timeout_s, device=self.device)
+        return ports[r]
 
     def leave(self, r: int) -> None:
         """Rank ``r`` makes no more calls (its ``run`` function returned): in shrink mode the

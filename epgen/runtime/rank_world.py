@@ -68,6 +68,7 @@ from .placement import (CapacityError, RankPrograms, co_resident, ordinal, p2p_g
 from .rank_buffers import RankBuffers
 from .rank_masks import RankMasks
 from .results import rank_result
+from .token_major import TokenMajorReceiver
 from .world_args import check_mask_args
 
 
@@ -132,6 +133,7 @@ class RankWorld(abc.ABC):
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
         self.input_scale = input_scale
         self._combiner = None
+        self._token_receiver = None
         self._shrink = shrink
         #: ``ep_rank_mask``: the world's rank masks (``rank_masks.RankMasks``), else None
         self.masks = None
@@ -569,6 +571,8 @@ class RankWorld(abc.ABC):
             kernels += tuple(program.module.kernels)
         if self._combiner is not None:
             kernels += self._combiner.all_kernels()
+        if self._token_receiver is not None:
+            kernels += self._token_receiver.kernels()
         try:
             masks = self.raise_timeouts(kernels, context)
         except Exception:
@@ -681,6 +685,23 @@ class RankWorld(abc.ABC):
         """The ranks this world no longer launches (masked for every held rank, or by the
         kernels under shrink), sorted; empty without ``ep_rank_mask``."""
         return [] if self.masks is None else sorted(self.masks.dead)
+
+    # -- the token-major receive (DeepEP's normal mode) --------------------------------------
+    def token_receiver(self) -> TokenMajorReceiver:
+        """The world's token-major receive (``runtime.token_major.TokenMajorReceiver``),
+        built on first use; ``ValueError`` for a configuration it does not take."""
+        if self._token_receiver is None:
+            self._token_receiver = TokenMajorReceiver(self)
+        return self._token_receiver
+
+    def dispatch_tokens(self, tokens, topk_ids, pad_rows=0) -> list:
+        """One dispatch received token-major (docs/deepep.md, "Normal mode"; an
+        ``ep_rank_dedup`` configuration): ``ep_dispatch_async`` then
+        ``ep_dispatch_wait_tokens`` on every rank. Returns a
+        ``token_major.TokenMajorResult`` per rank: each token with an expert on the rank
+        once, source-major, in token order. ``pad_rows``: rows up to which the rows past the
+        received ones get ``-1`` ids (DeepEP's ``num_worst_tokens``)."""
+        return self.token_receiver().run(tokens, topk_ids, pad_rows)
 
     # -- combine -----------------------------------------------------------------------------
     def combiner(self) -> Combiner:

@@ -1,0 +1,91 @@
+"""``epgen.deepep.Buffer.dispatch`` (DeepEP's normal mode on the deduplicated transport) on
+the H200, every rank in one process (``EmulatedGroup``, one thread and one stream per rank),
+with the properties of DeepEP's tests/legacy/test_intranode.py dispatch checks
+(``normal_checks``) at realistic sizes; and ``num_worst_tokens`` dispatches captured in a
+CUDA graph (both result slots: an even number of dispatches per graph) and replayed with new
+tokens.
+
+    PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_deepep_normal_gpu.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import epgen.deepep as deep_ep  # noqa: E402
+from epgen.reference_tokens import normal_dispatch  # noqa: E402
+
+from normal_checks import NormalCase, draw_inputs, rank_checks  # noqa: E402
+
+DEV = "cuda"
+CASES = {
+    # DeepEP's intranode test shape with 8 ranks on one GPU (4096 tokens per rank scaled down)
+    "R8-E256-K8": NormalCase(n_ranks=8, num_experts=256, tokens=512, hidden=7168, top_k=8,
+                             masked=0.05),
+    "R4-E64-K6": NormalCase(n_ranks=4, num_experts=64, tokens=1024, hidden=4096, top_k=6),
+}
+
+
+def emulated(n_ranks):
+    return deep_ep.EmulatedGroup(n_ranks, backend="cuda", timeout_ns=2_000_000_000)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_normal_dispatch_has_deepeps_properties(name, seed):
+    case = CASES[name]
+    inputs = draw_inputs(torch, case, seed)
+    group = emulated(case.n_ranks)
+
+    def body(rank):
+        dev = [(x.to(DEV), i.to(DEV)) for x, i in inputs]
+        buf = deep_ep.Buffer(group.rank(rank), num_max_dispatch_tokens_per_rank=case.tokens)
+        for alignment in (1, 128):
+            rank_checks(torch, buf, rank, case, dev, alignment=alignment)
+        return True
+    assert all(group.run(body))
+
+
+def test_num_worst_tokens_dispatch_in_a_cuda_graph(seed):
+    """Warm up both result slots, capture two dispatches per rank (one per slot), replay
+    with three new token sets copied into the captured input and compare with the
+    reference."""
+    case = CASES["R4-E64-K6"]
+    rounds = [draw_inputs(torch, case, seed + k) for k in range(3)]
+    group = emulated(case.n_ranks)
+    R, E, worst = case.n_ranks, case.num_experts, case.n_ranks * case.tokens
+
+    def body(rank):
+        buf = deep_ep.Buffer(group.rank(rank), num_max_dispatch_tokens_per_rank=case.tokens)
+        x, idx = (t.to(DEV) for t in rounds[0][rank])
+        ntpr, _, ntpe, itir, _ = buf.get_dispatch_layout(idx, E)
+        args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itir,
+                    num_tokens_per_expert=ntpe, topk_idx=idx, num_worst_tokens=worst)
+        stream = torch.cuda.current_stream()
+        buf.dispatch(x, **args)
+        buf.dispatch(x, **args)             # both slots' worlds made before the capture
+        buf.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            first = buf.dispatch(x, **args)
+            second = buf.dispatch(x, **args)
+        for inputs in rounds:
+            x.copy_(inputs[rank][0].to(DEV))
+            graph.replay()
+            buf.check()
+            ref = normal_dispatch(E, [xs.view(torch.int16).numpy().view(np.uint16)
+                                      for xs, _ in inputs],
+                                  [i.numpy() for _, i in rounds[0]], rank)
+            for recv_x, recv_idx, _, counts, _, _ in (first, second):
+                assert recv_x.size(0) == worst and counts == []
+                n = ref.n_rows
+                got = recv_x[:n].cpu().view(torch.int16).numpy().view(np.uint16)
+                np.testing.assert_array_equal(got, ref.x)
+                np.testing.assert_array_equal(recv_idx[:n].cpu().numpy(), ref.topk_idx)
+                assert torch.all(recv_idx[n:] == -1).item()
+        return True
+    assert all(group.run(body))

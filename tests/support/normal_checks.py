@@ -1,0 +1,129 @@
+"""DeepEP's normal-mode dispatch checks (its tests/legacy/test_intranode.py, the dispatch
+half) for ``epgen.deepep.Buffer.dispatch``, shared by the simulator and GPU tests: every
+rank's inputs drawn up front (``NormalCase``, ``draw_inputs``), then per rank
+``rank_checks``: a dispatch of tokens equal to the source rank (``check_data`` per source
+block) and of random tokens (against ``epgen.reference_tokens.normal_dispatch``), the
+received count against the global per-rank count, the counts list against the global
+per-expert counts (aligned), ``recv_topk_idx``'s range and per-expert counts, the
+``num_worst_tokens`` dispatch equal on the received rows with ``-1`` padding, and the cached
+dispatch."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from epgen.reference_tokens import normal_dispatch
+
+
+@attrs.frozen
+class NormalCase:
+    n_ranks: int
+    num_experts: int
+    tokens: int
+    hidden: int
+    top_k: int
+    masked: float = 0.25
+
+
+def draw_inputs(torch, case: NormalCase, seed: int, device="cpu") -> list:
+    """Per rank ``(x_rand, topk_idx)``: random BF16 tokens and unique top-k ids with ``-1``
+    slots; the first token has all its experts on one rank, the second only ``-1``s, and the
+    last rank has one token fewer than the others."""
+    rng = np.random.default_rng(seed)
+    R, E, K = case.n_ranks, case.num_experts, case.top_k
+    L = E // R
+    out = []
+    for r in range(R):
+        T = case.tokens - (1 if r == R - 1 else 0)
+        a = np.array([rng.permutation(E)[:K] for _ in range(T)], np.int64).reshape(T, K)
+        a[rng.random(a.shape) < case.masked] = -1
+        if K <= L:
+            d = int(rng.integers(R))
+            a[0] = d * L + rng.permutation(L)[:K]
+        a[1] = -1
+        x = torch.from_numpy(rng.standard_normal((T, case.hidden)).astype(np.float32))
+        out.append((x.to(torch.bfloat16).to(device), torch.from_numpy(a).to(device)))
+    return out
+
+
+def global_counts(case: NormalCase, inputs):
+    """The all-reduced ``num_tokens_per_rank`` ``[R]`` and ``num_tokens_per_expert`` ``[E]``
+    of every rank's ids."""
+    R, E = case.n_ranks, case.num_experts
+    L = E // R
+    per_rank, per_expert = np.zeros(R, np.int64), np.zeros(E, np.int64)
+    for _, idx in inputs:
+        a = idx.cpu().numpy()
+        for r in range(R):
+            per_rank[r] += ((a >= 0) & (a // L == r)).any(axis=1).sum()
+        per_expert += np.bincount(a[a >= 0], minlength=E)
+    return per_rank, per_expert
+
+
+def _bits(torch, x):
+    return x.cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+def check_data(torch, check_x, rank_prefix_matrix, rank: int, R: int):
+    """DeepEP's ``check_data``: every row constant, rows of source ``i`` equal to ``i``."""
+    check_x = check_x.float().cpu()
+    assert torch.allclose(check_x.amin(dim=1), check_x.amax(dim=1))
+    start = 0
+    for i in range(R):
+        end = int(rank_prefix_matrix[i][rank])
+        assert (check_x[start:end, :].int() - i).sum().item() == 0, (rank, i)
+        start = end
+
+
+def rank_checks(torch, buf, rank: int, case: NormalCase, inputs, *, alignment=1):
+    """Rank ``rank``'s dispatches on ``buf`` (module docstring)."""
+    R, E, K = case.n_ranks, case.num_experts, case.top_k
+    L = E // R
+    x_rand, idx = inputs[rank]
+    T = x_rand.shape[0]
+    x_rank = torch.ones_like(x_rand) * rank
+    per_rank, per_expert = global_counts(case, inputs)
+    ntpr, _, ntpe, itir, _ = buf.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe,
+                topk_idx=idx, expert_alignment=alignment)
+    for x in (x_rank, x_rand):
+        recv_x, recv_idx, recv_w, counts_list, handle, event = buf.dispatch(x, **args)
+        assert recv_w is None
+        rank_prefix_matrix = handle[0]
+        assert int(per_rank[rank]) == recv_x.size(0)
+        want = [-(-int(c) // alignment) * alignment for c in per_expert.reshape(R, L)[rank]]
+        assert want == counts_list
+        if x is x_rank:
+            check_data(torch, recv_x, rank_prefix_matrix, rank, R)
+        else:
+            ref = normal_dispatch(E, [_bits(torch, xs) for xs, _ in inputs],
+                                  [i.cpu().numpy() for _, i in inputs], rank)
+            np.testing.assert_array_equal(_bits(torch, recv_x), ref.x)
+            np.testing.assert_array_equal(recv_idx.cpu().numpy(), ref.topk_idx)
+            np.testing.assert_array_equal(handle.recv_src.cpu().numpy(), ref.src)
+            np.testing.assert_array_equal(handle[3].cpu().numpy(), ref.src[:, 1])
+            np.testing.assert_array_equal(rank_prefix_matrix[:, rank].cpu().numpy(),
+                                          ref.rank_prefix)
+        assert ((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < L))).sum().item() \
+            == recv_idx.numel()
+        if alignment == 1:
+            for i, count in enumerate(counts_list):
+                assert recv_idx.eq(i).sum().item() == count
+        worst = R * case.tokens
+        wx, widx, ww, empty, _, event = buf.dispatch(x, **args, num_worst_tokens=worst)
+        buf.check()
+        assert len(empty) == 0 and ww is None
+        assert wx.size(0) == worst and widx.size(0) == worst
+        n = recv_x.size(0)
+        assert torch.equal(recv_x, wx[:n])
+        assert torch.equal(recv_idx, widx[:n])
+        assert torch.all(widx[n:] == -1).item()
+        cx, c1, c2, c3, c4, event = buf.dispatch(x, handle=handle)
+        assert (c1, c2, c3, c4) == (None, None, None, None)
+        assert cx.size(0) == n
+        if x is x_rank:
+            check_data(torch, cx, rank_prefix_matrix, rank, R)
+        else:
+            np.testing.assert_array_equal(_bits(torch, cx), ref.x)
+    return True
