@@ -52,7 +52,7 @@ import abc
 import numpy as np
 
 from .. import interop, reference
-from ..errors import EPTimeoutError
+from ..errors import EPInputError, EPTimeoutError
 from ..kernels import trace
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
@@ -132,6 +132,8 @@ class RankWorld(abc.ABC):
         self.timeout_ns = cfg.timeout_ns if timeout_ns is None else timeout_ns
         self.input_scale = input_scale
         self._combiner = None
+        #: the last dispatch's ``topk_weights`` (``load_weights``; None: none given)
+        self.last_weights = None
         self._shrink = shrink
         #: ``ep_rank_mask``: the world's rank masks (``rank_masks.RankMasks``), else None
         self.masks = None
@@ -392,7 +394,13 @@ class RankWorld(abc.ABC):
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
                 "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
-                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns,
+                **self.dedup_args(rk, "topk_weights")}
+
+    def dedup_args(self, rk, name: str) -> dict:
+        """``ep_rank_dedup``: rank ``rk``'s ``topk_weights`` (the send side) or ``row_map``
+        (the receive side) buffer as the argument ``name``; else nothing."""
+        return {name: getattr(rk, name)} if self.cfg.ep_rank_dedup else {}
 
     def mask_args(self, rk, waits: bool) -> dict:
         """``ep_rank_mask``: rank ``rk``'s arguments of the mask parameters
@@ -410,7 +418,8 @@ class RankWorld(abc.ABC):
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
-                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns,
+                **self.dedup_args(rk, "row_map")}
 
     def _gen_word(self, rk) -> int:
         """Rank ``rk``'s generation word (``ep_prod_reserve``)."""
@@ -601,16 +610,64 @@ class RankWorld(abc.ABC):
         self.synchronize()
 
     # -- the public round trip ---------------------------------------------------------------
-    def dispatch(self, tokens, topk_ids, input_scale: float | None = None) -> list:
+    def dispatch(self, tokens, topk_ids, input_scale: float | None = None, *,
+                 topk_weights=None) -> list:
         """One dispatch round trip; returns a ``reference.RankResult`` per rank.
         ``input_scale`` (formats that use one) replaces ``self.input_scale`` from this call
-        on."""
+        on. ``topk_weights`` (``ep_rank_dedup`` only; one ``[T, K]`` float32 array per rank):
+        the router weights the messages carry, for a ``combine(partial_reduce=True)``
+        (``load_weights``)."""
         if input_scale is not None:
             self.input_scale = input_scale
+        weights = self.check_weights(topk_weights, topk_ids)
         self.load_inputs(tokens, topk_ids)
+        self.load_weights(weights)
         self.enqueue_round_trip()
         self.check()
         return self.results()
+
+    def check_weights(self, topk_weights, topk_ids) -> list | None:
+        """The dispatch's ``topk_weights`` as float32 host arrays, one per rank (None: none
+        given), checked before anything is copied: ``EPInputError`` unless the
+        configuration has ``ep_rank_dedup`` (only its messages carry weights) and each
+        rank's array is ``[T, K]`` with ``T`` its ``topk_ids``' rows."""
+        if topk_weights is None:
+            return None
+        if not self.cfg.ep_rank_dedup:
+            raise EPInputError("topk_weights: the dispatch carries router weights only with "
+                               "ep_rank_dedup=True (the partial-reduce combine reads them); "
+                               "pass them to combine instead")
+        ws = reference.per_rank_list(topk_weights, "topk_weights")
+        ids = reference.per_rank_list(topk_ids, "topk_ids")
+        if len(ws) != len(ids):
+            raise EPInputError(f"topk_weights: one array per rank ({len(ids)}), got {len(ws)}")
+        K = self.cfg.token_fmt.top_k
+        out = []
+        for q, (w, i) in enumerate(zip(ws, ids)):
+            if w is None and i is None:     # a rank sitting the call out (ep_rank_mask)
+                out.append(np.zeros((0, K), np.float32))
+                continue
+            w = interop.host_float32(w, f"topk_weights[{q}]")
+            T = int(tuple(i.shape)[0]) if hasattr(i, "shape") else len(i)
+            if w.shape != (T, K):
+                raise EPInputError(f"topk_weights[{q}]: must be [{T}, {K}] float32 (one row "
+                                   f"per token of topk_ids[{q}]), got shape {w.shape}")
+            out.append(np.ascontiguousarray(w, np.float32))
+        return out
+
+    def load_weights(self, weights) -> None:
+        """``ep_rank_dedup``: every calling rank's weights buffer := its ``weights`` (from
+        ``check_weights``), or zero when None; ``last_weights`` remembers them for the
+        partial-reduce combine. Without the flag nothing (and ``weights`` is None)."""
+        self.last_weights = weights
+        if not self.cfg.ep_rank_dedup:
+            return
+        K = self.cfg.token_fmt.top_k
+        for i, rk in enumerate(self.ranks):
+            if not rk.calling or rk.n_tokens == 0:
+                continue
+            w = np.zeros((rk.n_tokens, K), np.float32) if weights is None else weights[i]
+            rk.topk_weights[:rk.n_tokens].copy_from_host(w)
 
     def dispatch_replayed(self, tokens, topk_ids, graph=None) -> tuple:
         """``dispatch`` as a replay of ``graph`` (a ``RoundTripGraph`` of this world; None:

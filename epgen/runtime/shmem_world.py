@@ -282,12 +282,24 @@ class ShmemWorld(RankWorld):
         their bounded waits take to fail too."""
         self._failed = True
 
-    def dispatch(self, tokens, topk_ids, input_scale: float | None = None):
+    def dispatch(self, tokens, topk_ids, input_scale: float | None = None, *,
+                 topk_weights=None):
         """One round trip of every PE (each calls it with its own inputs): this rank's
         ``reference.RankResult``. Returns after every PE's round trip has finished (a host
-        barrier), so the next call may start."""
+        barrier), so the next call may start. ``topk_weights``: this rank's ``[T, K]``
+        (``ep_rank_dedup`` only, as ``RankWorld.dispatch``)."""
         return self._after_call(lambda: super(ShmemWorld, self).dispatch(
-            tokens, topk_ids, input_scale)[0])
+            tokens, topk_ids, input_scale, topk_weights=topk_weights)[0])
+
+    def check_weights(self, topk_weights, topk_ids) -> list | None:
+        """This rank's ``topk_weights`` checked as ``RankWorld.check_weights`` checks one
+        rank's (named ``topk_weights[<rank>]``)."""
+        if topk_weights is None:
+            return None
+        if isinstance(topk_weights, (list, tuple)):
+            raise TypeError("ShmemWorld: dispatch takes this rank's own topk_weights (one "
+                            "array), not a list per rank")
+        return super().check_weights([topk_weights], [topk_ids])
 
     def dispatch_replayed(self, tokens, topk_ids, graph=None) -> tuple:
         """``dispatch`` as a replay of this rank's captured round trip: ``(graph, result)``."""
