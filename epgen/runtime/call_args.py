@@ -12,7 +12,7 @@ import numpy as np
 from .. import combine_fp8, interop
 from ..errors import EPInputError
 
-__all__ = ["input_scale", "per_rank", "combine_fp8_flag", "combine_inputs", "last_dispatch_rows", "check_combine",
+__all__ = ["input_scale", "per_rank", "combine_fp8_flag", "combine_partial_flag", "combine_inputs", "last_dispatch_rows", "check_combine",
            "check_dispatch_outputs"]
 
 
@@ -62,6 +62,32 @@ def combine_fp8_flag(cfg, fp8) -> bool:
     if fp8:
         combine_fp8.check_hid_dim(cfg.token_fmt.hid_dim)
     return bool(fp8)
+
+
+def combine_partial_flag(world, partial_reduce, topk_weights=None, fp8: bool = False) -> bool:
+    """``partial_reduce`` of a combine call (the partial-reduce combine, docs/combine.md)
+    checked, before anything runs: a bool (``EPInputError`` naming ``partial_reduce``); when
+    True, ``ValueError`` without ``ep_rank_dedup`` or with ``fp8=True`` (not built), and
+    ``EPInputError`` when ``topk_weights`` is given (the weights are the dispatched ones) or
+    the last dispatch was given none (``dispatch(..., topk_weights=)``)."""
+    if not isinstance(partial_reduce, (bool, np.bool_)):
+        raise EPInputError(f"partial_reduce: must be True or False, got {partial_reduce!r}")
+    if not partial_reduce:
+        return False
+    if not world.cfg.ep_rank_dedup:
+        raise ValueError("partial_reduce: needs ep_rank_dedup=True (the destination sums the "
+                         "rows of a token it received once)")
+    if fp8:
+        raise ValueError("partial_reduce: not with fp8=True (not built: the FP8 wire "
+                         "quantises rows read from memory, the partial sums live in "
+                         "registers; use one or the other)")
+    if topk_weights is not None:
+        raise EPInputError("topk_weights: must be None with partial_reduce=True (the "
+                           "destinations weigh with the weights the dispatch carried)")
+    if getattr(world, "last_weights", None) is None:
+        raise EPInputError("partial_reduce: the last dispatch was given no topk_weights "
+                           "(pass dispatch(..., topk_weights=) first)")
+    return True
 
 
 def combine_inputs(world, expert_outputs, topk_weights=None, residual=None) -> tuple:

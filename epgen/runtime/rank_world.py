@@ -751,7 +751,7 @@ class RankWorld(abc.ABC):
         return self._combiner
 
     def combine(self, expert_outputs, topk_weights=None, residual=None, *, fp8: bool = False,
-                _src_info=None):
+                partial_reduce: bool = False, _src_info=None):
         """Combine the last ``dispatch`` (docs/combine.md): ``expert_outputs[d]``, rank
         ``d``'s expert output rows ``[rows, H]`` BF16 (one per row of its grouped output),
         go back to their sources' slots; returns per rank its ``[T, H]`` BF16 bits reduced
@@ -761,13 +761,16 @@ class RankWorld(abc.ABC):
         for it). With ``ep_rank_mask`` a rank whose expert outputs are None sits the combine
         out (its result None; under shrink the others mask it). ``fp8``: the FP8 combine
         (docs/combine.md, "FP8 combine": rows cross as E4M3 with a float32 scale per 128
-        elements; ``hid_dim`` a multiple of 128). ``_src_info``: test hook
-        (``runtime.combine.Combiner.run``)."""
+        elements; ``hid_dim`` a multiple of 128). ``partial_reduce`` (``ep_rank_dedup``, after
+        a dispatch given ``topk_weights``; no ``topk_weights`` here): each destination sums
+        its local experts' weighted rows of a token and sends one row back (docs/combine.md,
+        "Partial reduce"). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
         call_args.combine_fp8_flag(self.cfg, fp8)
+        call_args.combine_partial_flag(self, partial_reduce, topk_weights, fp8)
         self._combine_sitting_out(expert_outputs)
         call_args.check_combine(self, expert_outputs, topk_weights, residual)
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info,
-                                   fp8=fp8)
+                                   fp8=fp8, partial_reduce=partial_reduce)
 
     def _combine_sitting_out(self, expert_outputs) -> None:
         """``ep_rank_mask``: a rank whose expert outputs are None sits the combine out (not

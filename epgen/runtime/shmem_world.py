@@ -309,7 +309,7 @@ class ShmemWorld(RankWorld):
         return self._after_call(run)
 
     def combine(self, expert_out, topk_weights=None, residual=None, *, fp8: bool = False,
-                _src_info=None):
+                partial_reduce: bool = False, _src_info=None):
         """Combine this PE's part of the last ``dispatch`` (every PE calls it; docs/combine.md):
         ``expert_out`` ``[rows, H]`` BF16, one row per row of this rank's grouped output;
         ``topk_weights`` ``[T, K]`` float32 or None; ``residual`` ``[T, H]`` BF16 or None.
@@ -317,6 +317,8 @@ class ShmemWorld(RankWorld):
         as ``reference.combine(cfg, ...)[rank]``, after a host barrier of every PE (also
         when a row was refused: ``EPInputError`` after it). ``fp8``: the FP8 combine (every
         PE passes the same; its first use allocates the FP8 buffers collectively, then the PEs
+        meet at a barrier). ``partial_reduce``: the partial-reduce combine (every PE passes
+        the same; as ``RankWorld.combine``; its first use allocates its staging, then the PEs
         meet at a barrier). ``_src_info``: test hook, this rank's replacement ``src_info``."""
         self._require_open()
         if any(isinstance(a, (list, tuple)) for a in (expert_out, topk_weights, residual)):
@@ -324,6 +326,7 @@ class ShmemWorld(RankWorld):
                             "topk_weights, residual), not a list per rank")
         one = lambda a: None if a is None else [a]  # noqa: E731
         call_args.combine_fp8_flag(self.cfg, fp8)
+        call_args.combine_partial_flag(self, partial_reduce, topk_weights, fp8)
         call_args.check_combine(self, [expert_out], one(topk_weights), one(residual))
         if self._combiner is None:
             self.combiner()
@@ -331,8 +334,10 @@ class ShmemWorld(RankWorld):
         comb = self._combiner
         if fp8 and comb.prepare_fp8():
             self.barrier("combine-fp8-ready")
+        if partial_reduce and comb.prepare_partial():
+            self.barrier("combine-partial-ready")
         comb.load([expert_out], one(topk_weights), one(residual), src_info=one(_src_info),
-                  fp8=fp8)
+                  fp8=fp8, partial_reduce=partial_reduce)
 
         def run():
             comb.enqueue()
