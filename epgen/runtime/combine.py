@@ -218,7 +218,7 @@ class Combiner:
         fp8 = call_args.combine_fp8_flag(w.cfg, fp8)
         partial = call_args.combine_partial_flag(w, partial_reduce, topk_weights, fp8)
         expert_outputs, topk_weights, residual = call_args.combine_inputs(
-            w, expert_outputs, topk_weights, residual)
+            w, expert_outputs, topk_weights, residual, reduced=partial)
         if fp8:
             self.prepare_fp8()
         if partial:

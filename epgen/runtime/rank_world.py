@@ -768,7 +768,8 @@ class RankWorld(abc.ABC):
         call_args.combine_fp8_flag(self.cfg, fp8)
         call_args.combine_partial_flag(self, partial_reduce, topk_weights, fp8)
         self._combine_sitting_out(expert_outputs)
-        call_args.check_combine(self, expert_outputs, topk_weights, residual)
+        call_args.check_combine(self, expert_outputs, topk_weights, residual,
+                                reduced=partial_reduce)
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info,
                                    fp8=fp8, partial_reduce=partial_reduce)
 

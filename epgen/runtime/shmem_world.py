@@ -327,7 +327,8 @@ class ShmemWorld(RankWorld):
         one = lambda a: None if a is None else [a]  # noqa: E731
         call_args.combine_fp8_flag(self.cfg, fp8)
         call_args.combine_partial_flag(self, partial_reduce, topk_weights, fp8)
-        call_args.check_combine(self, [expert_out], one(topk_weights), one(residual))
+        call_args.check_combine(self, [expert_out], one(topk_weights), one(residual),
+                                reduced=partial_reduce)
         if self._combiner is None:
             self.combiner()
             self.barrier("combine-ready")
