@@ -64,17 +64,18 @@ def combine_fp8_flag(cfg, fp8) -> bool:
     return bool(fp8)
 
 
-def combine_partial_flag(world, partial_reduce, topk_weights=None, fp8: bool = False) -> bool:
+def combine_partial_flag(cfg, partial_reduce, topk_weights=None, fp8: bool = False,
+                         dispatched: bool = False) -> bool:
     """``partial_reduce`` of a combine call (the partial-reduce combine, docs/combine.md)
     checked, before anything runs: a bool (``EPInputError`` naming ``partial_reduce``); when
     True, ``ValueError`` without ``ep_rank_dedup`` or with ``fp8=True`` (not built), and
     ``EPInputError`` when ``topk_weights`` is given (the weights are the dispatched ones) or
-    the last dispatch was given none (``dispatch(..., topk_weights=)``)."""
+    the last dispatch was given none (``dispatched`` false)."""
     if not isinstance(partial_reduce, (bool, np.bool_)):
         raise EPInputError(f"partial_reduce: must be True or False, got {partial_reduce!r}")
     if not partial_reduce:
         return False
-    if not world.cfg.ep_rank_dedup:
+    if not cfg.ep_rank_dedup:
         raise ValueError("partial_reduce: needs ep_rank_dedup=True (the destination sums the "
                          "rows of a token it received once)")
     if fp8:
@@ -84,7 +85,7 @@ def combine_partial_flag(world, partial_reduce, topk_weights=None, fp8: bool = F
     if topk_weights is not None:
         raise EPInputError("topk_weights: must be None with partial_reduce=True (the "
                            "destinations weigh with the weights the dispatch carried)")
-    if getattr(world, "last_weights", None) is None:
+    if not dispatched:
         raise EPInputError("partial_reduce: the last dispatch was given no topk_weights "
                            "(pass dispatch(..., topk_weights=) first)")
     return True

@@ -216,7 +216,8 @@ class Combiner:
         first use makes its side (``prepare_partial``)."""
         w = self.world
         fp8 = call_args.combine_fp8_flag(w.cfg, fp8)
-        partial = call_args.combine_partial_flag(w, partial_reduce, topk_weights, fp8)
+        partial = call_args.combine_partial_flag(w.cfg, partial_reduce, topk_weights, fp8,
+                                                 w.last_weights is not None)
         expert_outputs, topk_weights, residual = call_args.combine_inputs(
             w, expert_outputs, topk_weights, residual, reduced=partial)
         if fp8:

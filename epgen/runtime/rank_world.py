@@ -766,7 +766,8 @@ class RankWorld(abc.ABC):
         its local experts' weighted rows of a token and sends one row back (docs/combine.md,
         "Partial reduce"). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
         call_args.combine_fp8_flag(self.cfg, fp8)
-        call_args.combine_partial_flag(self, partial_reduce, topk_weights, fp8)
+        call_args.combine_partial_flag(self.cfg, partial_reduce, topk_weights, fp8,
+                                       self.last_weights is not None)
         self._combine_sitting_out(expert_outputs)
         call_args.check_combine(self, expert_outputs, topk_weights, residual,
                                 reduced=partial_reduce)

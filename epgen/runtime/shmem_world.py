@@ -326,7 +326,8 @@ class ShmemWorld(RankWorld):
                             "topk_weights, residual), not a list per rank")
         one = lambda a: None if a is None else [a]  # noqa: E731
         call_args.combine_fp8_flag(self.cfg, fp8)
-        call_args.combine_partial_flag(self, partial_reduce, topk_weights, fp8)
+        call_args.combine_partial_flag(self.cfg, partial_reduce, topk_weights, fp8,
+                                       self.last_weights is not None)
         call_args.check_combine(self, [expert_out], one(topk_weights), one(residual),
                                 reduced=partial_reduce)
         if self._combiner is None:
