@@ -292,11 +292,13 @@ class RankWorld(abc.ABC):
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """Validate and copy every rank's inputs to its buffers; nothing is copied when any
-        input is invalid. Inputs: host numpy / ml_dtypes / torch CPU arrays, or device
+        input is invalid. Forgets the last dispatch's weights (``last_weights``:
+        ``load_weights`` sets them after). Inputs: host numpy / ml_dtypes / torch CPU arrays, or device
         arrays (torch CUDA tensors, DLPack, ``__cuda_array_interface__``) whose strides are
         honoured (``epgen.interop``); device top-k ids are read back to the host for the
         checks (this API synchronises anyway)."""
         ranks = self.rank_ids if self.cfg.skip_a2a else None
+        self.last_weights = None        # new inputs: the weights, if any, come after them
         tokens = reference.per_rank_list(tokens, "tokens")
         topk_ids = reference.per_rank_list(topk_ids, "topk_ids")
         tokens, topk_ids = self._sitting_out(tokens, topk_ids)

@@ -244,7 +244,9 @@ class ShmemWorld(RankWorld):
     # -- the per-rank API --------------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """Validate and copy this rank's inputs (one ``[T, hid_dim]`` tokens array and its
-        ``[T, top_k]`` ids; host or device arrays)."""
+        ``[T, top_k]`` ids; host or device arrays). Forgets the last dispatch's weights
+        (``last_weights``), as ``RankWorld.load_inputs``."""
+        self.last_weights = None
         K = self.cfg.token_fmt.top_k
         if isinstance(tokens, (list, tuple)) or isinstance(topk_ids, (list, tuple)):
             raise TypeError(f"ShmemWorld: dispatch takes this rank's own inputs (one tokens "

@@ -226,6 +226,12 @@ def test_refusals_leave_the_world_usable(seed):
         got = world.combine(ys, partial_reduce=True)
         want = reference.combine(cfg, results, ys, ws, partial_reduce=True)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        # a round trip of new inputs without weights (the stream form) forgets them
+        world.load_inputs(toks, ids)
+        world.enqueue_round_trip()
+        world.check()
+        with pytest.raises(EPInputError, match="last dispatch was given no topk_weights"):
+            world.combine(ys, partial_reduce=True)
 
 
 def test_refused_without_ep_rank_dedup(seed):
