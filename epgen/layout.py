@@ -829,6 +829,6 @@ class Layout:
                                   + (", rank coord 0" if self.cfg.skip_a2a else ""))
         out["recv_count_layout"] = (f"[{self._L}, {self._R}] row-major words"
                                     + (", rank coord 0" if self.cfg.skip_a2a else ""))
-        out["send_buf_layout"] = (f"[{self.cfg.max_tokens_per_rank}, {self.msg_bytes}] "
-                                  "row-major bytes")
+        out["send_buf_layout"] = (f"[{self.cfg.max_tokens_per_rank}, "
+                                  f"{self.send_buf_row_bytes}] row-major bytes")
         return out
