@@ -216,6 +216,34 @@ for _name in ("small", *COMBINE_VARIANTS):
     _register_combine_fp8_variant(_name)
 
 
+# Ours: the partial-reduce combine's twins (``ep_combine_async_partial``,
+# ``ep_combine_wait_partial``, ``ep_combine_partial``; ``ep_rank_dedup`` only, docs/combine.md
+# "Partial reduce"): the small preset with the flag, and with every source reached by NVSHMEM.
+COMBINE_PARTIAL_VARIANTS = {
+    "rank_dedup_partial": {"ep_rank_dedup": True},
+    "shmem_rank_dedup_partial": {"ep_rank_dedup": True, "use_shmem": True,
+                                 "p2p_world_size": 1},
+}
+
+
+def _register_combine_partial_variant(name: str) -> None:
+    changes = COMBINE_PARTIAL_VARIANTS[name]
+
+    def build():
+        from .kernels import build_combine_partial_module
+        from .presets import config_from_dict
+        return build_combine_partial_module(config_from_dict({**preset_data("small"),
+                                                              **changes}))
+
+    build.__name__ = f"combine_{name}_module"
+    golden(f"combine/{name}", description=f"preset small + {describe_changes(changes)}: "
+                                          f"the partial-reduce combine kernels")(build)
+
+
+for _name in COMBINE_PARTIAL_VARIANTS:
+    _register_combine_partial_variant(_name)
+
+
 # The fused single-launch kernel alone (``ep/fused``: the small preset; ``ep/fused_se``: with
 # fused_shared_expert) and the fused-roles test kernel (``ep/fused_roles``: the small preset).
 @golden("ep/fused", description="preset small: the fused single-launch kernel ep_dispatch "

@@ -398,10 +398,11 @@ class Layout:
 
     def send_buf_layout(self, t, byte=0):
         """Byte offset of ``(t, byte)`` in the row-major send buffer
-        ``[max_tokens_per_rank, msg_bytes]``."""
+        ``[max_tokens_per_rank, send_buf_row_bytes]`` (``msg_bytes`` without
+        ``ep_rank_dedup``)."""
         _check_coord("send_buf_layout", "t", t, self.cfg.max_tokens_per_rank)
-        _check_coord("send_buf_layout", "byte", byte, self.msg_bytes)
-        return t * self.msg_bytes + byte
+        _check_coord("send_buf_layout", "byte", byte, self.send_buf_row_bytes)
+        return t * self.send_buf_row_bytes + byte
 
     def _check_recv(self, method, e, r):
         _check_coord(method, "e", e, self._L)
@@ -687,8 +688,14 @@ class Layout:
         return self.max_recv_tokens + self.n_groups * pad
 
     @property
+    def send_buf_row_bytes(self) -> int:
+        """Ours: the stride of a send-buffer row: ``msg_bytes``, or ``dedup_row_bytes`` with
+        ``ep_rank_dedup`` (the staged message, then the token's weights)."""
+        return self.dedup_row_bytes if self.cfg.ep_rank_dedup else self.msg_bytes
+
+    @property
     def send_buf_bytes(self) -> int:
-        return self.cfg.max_tokens_per_rank * self.msg_bytes
+        return self.cfg.max_tokens_per_rank * self.send_buf_row_bytes
 
     @property
     def recv_buf_bytes(self) -> int:
@@ -720,10 +727,33 @@ class Layout:
         return src * self.cfg.max_tokens_per_rank + t
 
     @property
+    def dedup_weights_offset(self) -> int:
+        """Ours (``ep_rank_dedup``): byte offset, inside a message-area row, of the token's
+        ``K`` float32 router weights (weight ``k`` at ``+ 4 k``), right after the format's
+        message: ``msg_bytes`` rounded up to 16. The partial-reduce combine reads them."""
+        return _align(self.msg_bytes, 16)
+
+    @property
+    def dedup_row_bytes(self) -> int:
+        """Ours (``ep_rank_dedup``): the stride of a message-area row (and of a send-buffer
+        row under the flag): the message, then the weights, rounded up to 16
+        (``dedup_weights_offset + 4 K``)."""
+        return _align(self.dedup_weights_offset + 4 * self.top_k, 16)
+
+    @property
+    def dedup_row_map_words(self) -> int:
+        """Ours (``ep_rank_dedup``): u32 words of a rank's row map, one per (message-area
+        row, top-k slot): ``dedup_msg_rows * K``; 0 without the flag. dispatch_wait's copy
+        pass stores word ``msg_row * K + k`` := the grouped-output row it filled for slot
+        ``k`` of that message (receiver-local); the partial-reduce combine reads it."""
+        return self.dedup_msg_rows * self.top_k
+
+    @property
     def dedup_index_offset(self) -> int:
         """Ours (``ep_rank_dedup``): byte offset of the index table in the receive buffer,
-        right after the message area (``dedup_msg_rows * msg_bytes``, a multiple of 16)."""
-        return _align(self.dedup_msg_rows * self.msg_bytes, 16)
+        right after the message area (``dedup_msg_rows * dedup_row_bytes``, a multiple of
+        16)."""
+        return _align(self.dedup_msg_rows * self.dedup_row_bytes, 16)
 
     @property
     def dedup_index_words(self) -> int:
@@ -799,6 +829,6 @@ class Layout:
                                   + (", rank coord 0" if self.cfg.skip_a2a else ""))
         out["recv_count_layout"] = (f"[{self._L}, {self._R}] row-major words"
                                     + (", rank coord 0" if self.cfg.skip_a2a else ""))
-        out["send_buf_layout"] = (f"[{self.cfg.max_tokens_per_rank}, {self.msg_bytes}] "
-                                  "row-major bytes")
+        out["send_buf_layout"] = (f"[{self.cfg.max_tokens_per_rank}, "
+                                  f"{self.send_buf_row_bytes}] row-major bytes")
         return out

@@ -40,6 +40,17 @@ scale)``: ``epgen.combine_fp8.wire_values``); the sum above then takes ``y`` in 
 widened BF16 row, in the same order. The unreduced form returns ``y`` rounded to BF16 (zero
 for slots without a row). Shared-expert rows and the residual do not cross the link: BF16 as
 before. ``hid_dim`` must be a multiple of 128.
+
+**``partial_reduce=True``** (``ep_rank_dedup``'s partial-reduce combine, epgen's own;
+docs/combine.md, "Partial reduce"): ``topk_weights`` are the weights the dispatch carried.
+Each destination ``d`` first sums, per source token ``t``, its own slots in float32: ``p =
+0``; for ``k = 0 .. K-1`` in order over the slots whose row ``d`` received, ``p = fma(w[t,
+k], y[t, k], p)``; ``p`` rounds to BF16 (nearest even, NaN quiet) and crosses as one row.
+The source then sums: ``acc = 0``; for ``k = 0 .. K-1`` in order over the slots that *lead*
+their destination (the lowest slot of the token that received a row from that rank),
+``acc = acc + p_d`` (``add.rn.f32``, ``p_d`` widened exactly); then the shared expert, the
+residual and the rounding as above. Each partial is rounded to BF16 once more than in the
+plain combine (the error: docs/combine.md).
 """
 
 from __future__ import annotations
@@ -103,13 +114,19 @@ def _expert_rows(cfg, dispatch_results, expert_outputs) -> list[np.ndarray]:
 
 def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             *, residual=None, n_tokens: Sequence[int] | None = None,
-            sources: Sequence[int] | None = None, fp8: bool = False) -> list[np.ndarray]:
+            sources: Sequence[int] | None = None, fp8: bool = False,
+            partial_reduce: bool = False) -> list[np.ndarray]:
     """Per source rank, its tokens' combined rows (module docstring). ``n_tokens``: each
     source's token count (default: the rows of its weights, or of its residual; required
     for the unreduced form without a residual). ``sources``: compute only these sources'
     results (the others are None): a benchmark's check at large shapes. ``fp8``: the FP8
-    combine (module docstring; ``ValueError`` naming ``hid_dim`` unless a multiple of 128)."""
+    combine (module docstring; ``ValueError`` naming ``hid_dim`` unless a multiple of 128).
+    ``partial_reduce``: the partial-reduce combine (module docstring; ``topk_weights``
+    required, ``fp8`` refused)."""
     K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    if partial_reduce and (fp8 or topk_weights is None):
+        raise ValueError("reference.combine: partial_reduce=True needs the dispatched "
+                         "topk_weights and is not built with fp8=True")
     if fp8:
         combine_fp8.check_hid_dim(H, "reference.combine")
     ys = _expert_rows(cfg, dispatch_results, expert_outputs)
@@ -127,6 +144,9 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
     rows = [np.zeros((T, K, H), np.uint16) if s in wanted else None
             for s, T in enumerate(n_tokens)]
     got = [np.zeros((T, K), bool) if s in wanted else None for s, T in enumerate(n_tokens)]
+    # dest[s][t, k] = the destination rank that returned slot (t, k) (-1: none)
+    dest = [np.full((T, K), -1, np.int64) if s in wanted else None
+            for s, T in enumerate(n_tokens)]
     for d, (res, y) in enumerate(zip(dispatch_results, ys)):
         src = source_of_rows(res) if not cfg.skip_a2a else np.where(
             res.src_info[:, 0] >= 0, d, -1).astype(np.int32)
@@ -147,6 +167,7 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
                                    f"range for source {s} ({n_tokens[s]} tokens, top_k={K})")
             rows[s][t, k] = y[sent[mine]]
             got[s][t, k] = True
+            dest[s][t, k] = d
     if fp8:       # what crosses the link, dequantised: the values the source reduces
         vals = [None if rows[s] is None else combine_fp8.wire_values(cfg, rows[s])
                 for s in range(n_src)]
@@ -166,10 +187,13 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
         w = interop.host_float32(topk_weights[s], f"topk_weights[{s}]")
         if w.shape != (T, K):
             raise EPInputError(f"topk_weights[{s}]: must be [{T}, {K}] float32, got {w.shape}")
-        acc = np.zeros((T, H), np.float32)
-        for k in range(K):
-            term = fma_f32(w[:, k:k + 1], vals[s][:, k], acc)
-            acc = np.where(got[s][:, k:k + 1], term, acc)
+        if partial_reduce:
+            acc = _partial_sums(w, vals[s], got[s], dest[s])
+        else:
+            acc = np.zeros((T, H), np.float32)
+            for k in range(K):
+                term = fma_f32(w[:, k:k + 1], vals[s][:, k], acc)
+                acc = np.where(got[s][:, k:k + 1], term, acc)
         if cfg.fused_shared_expert:
             res = dispatch_results[s]
             se = bf16_to_f32(ys[s][:res.se_tokens])
@@ -182,3 +206,23 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             acc = add_f32(acc, bf16_to_f32(r))
         out.append(f32_to_bf16(acc))
     return out
+
+
+def _partial_sums(w, vals, got, dest) -> np.ndarray:
+    """The source's float32 sum under ``partial_reduce`` (module docstring): ``w`` ``[T,
+    K]``, ``vals`` ``[T, K, H]`` the widened returned rows, ``got`` which slots received a
+    row, ``dest`` from which rank."""
+    T, K, H = vals.shape
+    acc = np.zeros((T, H), np.float32)
+    for k in range(K):
+        # slot k leads its rank when no earlier slot of the token came from the same rank
+        lead = got[:, k].copy()
+        for j in range(k):
+            lead &= ~(got[:, j] & (dest[:, j] == dest[:, k]))
+        part = np.zeros((T, H), np.float32)
+        for j in range(k, K):        # the rank's slots in order (all at or after its lead)
+            mine = (got[:, j] & (dest[:, j] == dest[:, k]))[:, None]
+            part = np.where(mine, fma_f32(w[:, j:j + 1], vals[:, j], part), part)
+        crossed = bf16_to_f32(f32_to_bf16(part))
+        acc = np.where(lead[:, None], add_f32(acc, crossed), acc)
+    return acc

@@ -11,8 +11,9 @@ no expert and sends nothing; under ``skip_a2a`` nothing leaves a device):
   its scales and its header row;
 * **dispatch with ``dedup``** (``ep_rank_dedup``: one message per (token, destination
   rank), expanded at the destination; ``kernels/rank_dedup.py``): one message, as its send
-  path writes it (``dispatch_row_bytes``), per (token, remote rank) that holds at least one of
-  the token's experts, plus the 4-byte index word of each remote (token, k) slot;
+  path writes it, with the token's ``K`` float32 router weights after it
+  (``dedup_message_bytes``), per (token, remote rank) that holds at least one of the token's
+  experts, plus the 4-byte index word of each remote (token, k) slot;
 * **combine**: one BF16 row (``H * 2`` bytes) per remote (token, k) slot, sent back; with
   ``fp8`` an E4M3 row plus one float32 scale per 128 elements (``combine_row_bytes``); with
   ``partial_reduce`` (the destination sums its local experts' rows of a token first) one row
@@ -40,7 +41,7 @@ import numpy as np
 
 from ..config import EPConfig
 from ..formats import make_format
-from ..kernels.send_policy import uses_warp_send
+from ..kernels.send_policy import uses_block_broadcast, uses_warp_send
 from .inputs import make_input_sets
 
 INDEX_ENTRY_BYTES = 4
@@ -104,6 +105,16 @@ def dispatch_row_bytes(cfg) -> int:
     return payload + scales + (header if by_warp else cfg.layout.hdr_bytes)
 
 
+def dedup_message_bytes(cfg) -> int:
+    """Bytes one deduplicated message writes on another rank: the message
+    (``dispatch_row_bytes``) and the token's ``K`` float32 weights, which the warp and
+    block-staged paths store apart (``4 K``); the send-buffer path copies (or puts) the
+    whole staged row, ``layout.dedup_row_bytes``."""
+    if uses_warp_send(cfg) or uses_block_broadcast(cfg):
+        return dispatch_row_bytes(cfg) + 4 * cfg.token_fmt.top_k
+    return cfg.layout.dedup_row_bytes
+
+
 def combine_row_bytes(hid_dim: int, fp8: bool = False, whole_slot: bool = False) -> int:
     """Bytes of one combine row: BF16 (``H * 2``), or with ``fp8`` E4M3 elements plus one
     float32 scale per 128 (``H + ceil(H / 128) * 4``), as the P2P send writes them (the
@@ -163,7 +174,8 @@ def link_bytes(cfg, topk_ids, *, dedup: bool = False, fp8: bool = False,
     local = src == dst
     shmem = remote & bool(cfg.use_shmem) & (src // P != dst // P)
     d_msgs = pairs if dedup else slots
-    d_bytes = d_msgs * dispatch_row_bytes(cfg) + (slots * INDEX_ENTRY_BYTES if dedup else 0)
+    d_bytes = slots * dispatch_row_bytes(cfg) if not dedup else \
+        pairs * dedup_message_bytes(cfg) + slots * INDEX_ENTRY_BYTES
     c_rows = pairs if partial_reduce else slots
     c_bytes = c_rows * combine_row_bytes(cfg.token_fmt.hid_dim, fp8, cfg.needs_shmem)
     return LinkBytes(

@@ -16,7 +16,9 @@ CHECKED_VARIANTS = ("ep/small", "ep/ord_r", "ep/final_layout_prod_reserve", "ep/
                     "ep/shmem_p2p1", "ep/shmem_mixed", "ep/shmem_mixed_ord_r",
                     "ep/shmem_fused", "ep/shmem_mixed_rank_dedup", "ep/rank_mask",
                     "ep/rank_dedup", "combine/small", "combine/fused", "combine/shmem",
-                    "combine/shmem_fused", "combine/rank_mask")
+                    "combine/shmem_fused", "combine/rank_mask", "combine/rank_dedup_partial",
+                    "combine/rank_dedup_partial_fused", "combine/shmem_rank_dedup_partial",
+                    "combine/shmem_rank_dedup_partial_fused")
 """The variants ``check-ordering`` takes (``epgen.ordering.runs.checked``)."""
 
 

@@ -12,6 +12,7 @@ from .combine_async import build_combine_async
 from ..combine_fp8 import check_hid_dim as check_fp8_hid_dim
 from .combine_fp8 import Fp8Wire
 from .combine_fused import build_combine_fused
+from .combine_partial import PartialWire
 from .combine_wait import build_combine_wait, check_hid_dim
 from .dispatch_async import build_dispatch_async
 from .dispatch_fused import build_dispatch_fused
@@ -79,5 +80,22 @@ def build_combine_fp8_module(cfg) -> ir.Module:
     return ir.Module("ep_combine_fp8", split + (build_combine_fused(cfg, wire),))
 
 
-__all__ = ["build_module", "build_combine_module", "build_combine_fp8_module", "build_combine_async", "build_combine_wait",
+def build_combine_partial_module(cfg) -> ir.Module:
+    """The partial-reduce combine's entry points (``ep_rank_dedup`` only; docs/combine.md,
+    "Partial reduce"), the twins of ``build_combine_module``'s (``ep_combine_async_partial``,
+    ``ep_combine_wait_partial``, ``ep_combine_partial``, with the same selection) in a module
+    of their own, so the BF16 combine module and its goldens are unchanged; a world loads it
+    on its first ``partial_reduce=True`` call. ``ValueError`` for a configuration it does
+    not take (``combine_partial.check_config``)."""
+    check_combine_config(cfg)
+    wire = PartialWire(cfg)
+    split = (build_combine_async(cfg, wire), build_combine_wait(cfg, wire)) \
+        if not cfg.fused_shared_expert else ()
+    if cfg.ep_rank_mask:
+        return ir.Module("ep_combine_partial", split)
+    return ir.Module("ep_combine_partial", split + (build_combine_fused(cfg, wire),))
+
+
+__all__ = ["build_module", "build_combine_module", "build_combine_fp8_module",
+           "build_combine_partial_module", "build_combine_async", "build_combine_wait",
            "build_combine_fused", "build_dispatch_async", "build_dispatch_wait", "build_dispatch_fused"]

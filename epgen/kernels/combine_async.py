@@ -47,7 +47,7 @@ from ..combine_layout import CombineLayout
 from ..primitives import warp_inclusive_scan
 from .combine_shmem import (arrival_signal, complete_puts, issued_flag, publish_arrival,
                             send_row, skip_row)
-from . import rank_mask, trace
+from . import combine_partial, rank_mask, trace
 from .common import load_pointer, word
 
 KERNEL_NAME = "ep_combine_async"
@@ -111,13 +111,12 @@ def report_bounds(r: ir.RoleBuilder, err_buf, rank, row, t, k):
 def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     """Every row of every block to its source's combine receive buffer, then the per-source
     completion (module docstring). ``wire``: how a row goes into its slot (None: the BF16
-    row's copy, ``send_row``; the FP8 combine's ``combine_fp8.Fp8Wire`` quantises it)."""
+    row's copy, ``send_row``; the FP8 combine's ``combine_fp8.Fp8Wire`` quantises it; the
+    partial-reduce combine's ``combine_partial.PartialWire`` sends one summed row per
+    (token, source) and counts the rows it sent in the done counter)."""
     lay, fmt = cfg.layout, cfg.token_fmt
-    L, R, K, H = lay.n_local_experts, cfg.n_ranks, fmt.top_k, fmt.hid_dim
+    L, R, K = lay.n_local_experts, cfg.n_ranks, fmt.top_k
     max_tpr = cfg.max_tokens_per_rank
-    row_bytes = H * 2
-    slot_bytes = row_bytes if wire is None else wire.slot_bytes
-    n_vec = row_bytes // 16
     region_a = lay.dispatch_wait_region.offset
     done_base = CombineLayout(cfg).done_counter_offset
     sender = ir.as_expr(lay.rank_coord(p.my_rank))     # 0 under skip_a2a
@@ -128,10 +127,12 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     sub = r.let("pair_sub", gwarp // L)
     n_sub = r.let("pair_n_sub", ((nwarps - e_first + (L - 1)) // L).max(1))
     issued = issued_flag(r) if cfg.needs_shmem else None
+    partial = wire is not None and wire.reduces_at_destination
     for s in range(lay.n_sources):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
         sig = arrival_signal(r, cfg, p, s)
         to_s = None if p.mask is None else r.let(f"live_{s}", rank_mask.live(r, p.mask, s))
+        sent = r.var(f"sent_{s}", T.u32, 0) if partial else None
         with r.for_range(f"e_{s}", e_first, L, nwarps) as e:
             w = r.let(f"pair_{s}", e * R + s)
             end = r.load(word(p.counters, region_a + 2 * w), T.u32, name="blk_end")
@@ -147,29 +148,52 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
                 with r.if_(bad):
                     report_bounds(r, p.err_buf, p.my_rank, row, t, k)
                     skip_row(r, cfg, p, s, sig, issued)
+                    if partial and cfg.needs_shmem:      # its 1 was signalled: counted
+                        r.assign(sent, sent + 1)
                 with r.else_():
-                    slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
-                    dst = r.let("dst_row", dst_buf + slot * slot_bytes, peer=True)
-                    src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
-                    with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
-                        if wire is None:
-                            send_row(r, cfg, p, s, dst, src, row_bytes, n_vec, sig, issued)
-                        else:
-                            wire.send_row(r, cfg, p, s, dst, src, row, sig, issued)
+                    if partial:
+                        with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
+                            wire.send_token_row(r, p, s, dst_buf, row, t, k, sent, sig,
+                                                issued)
+                    else:
+                        send_slot_row(r, cfg, p, s, dst_buf, row, t, k, to_s, sig, issued,
+                                      wire)
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
+        add = 1 if not partial else combine_partial.done_increment(sent)
         with r.if_(r.lane.eq(0)):
-            r.assign(old, r.atomic(AtomOp.ADD, word(p.counters, done_base + s), 1,
+            r.assign(old, r.atomic(AtomOp.ADD, word(p.counters, done_base + s), add,
                                    Sem.ACQ_REL, Scope.SYS, name="done_add"))
         last = r.shfl(ShflMode.IDX, old, 0, name=f"done_b_{s}")
-        with r.if_((last + 1).eq(nwarps)):
-            rows_to_s = rows_to_source(r, cfg, p, s)
+        if partial:       # the rows actually sent, counted in the done counter
+            warps_done, rows_sent = combine_partial.done_split(last + add)
+        with r.if_((last + 1).eq(nwarps) if not partial else warps_done.eq(nwarps)):
+            rows_to_s = rows_to_source(r, cfg, p, s) if not partial \
+                else r.let(f"rows_to_{s}", rows_sent)
             with r.if_(r.lane.eq(0)):
                 r.store(word(p.counters, done_base + s), 0)
                 trace.stamp(r, "send.arrival_raised", s, leader=False)  # before the signal
                 with rank_mask.if_live(r, p.mask, s):
                     publish_arrival(r, cfg, p, s, rows_to_s, sender, issued)
     complete_puts(r, cfg, issued)
+
+
+def send_slot_row(r: ir.RoleBuilder, cfg, p, s: int, dst_buf, row, t, k, to_s, sig, issued,
+                  wire=None):
+    """Grouped-output row ``row`` (``src_info = (t, k)``, in bounds) into slot ``(t, k)``
+    of ``dst_buf`` (source ``s``'s receive buffer) unless ``to_s`` is false: the BF16
+    row's ``send_row``, or the FP8 ``wire``'s."""
+    K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    row_bytes = H * 2
+    slot_bytes = row_bytes if wire is None else wire.slot_bytes
+    slot = (t.cast(T.u32) * K + k.cast(T.u32)).cast(T.u64)
+    dst = r.let("dst_row", dst_buf + slot * slot_bytes, peer=True)
+    src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
+    with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
+        if wire is None:
+            send_row(r, cfg, p, s, dst, src, row_bytes, row_bytes // 16, sig, issued)
+        else:
+            wire.send_row(r, cfg, p, s, dst, src, row, sig, issued)
 
 
 def rows_to_source(r: ir.RoleBuilder, cfg, p, s: int) -> ir.Var:

@@ -87,6 +87,9 @@ class Fp8Wire:
     """The FP8 combine's choices for the BF16 combine's builders (module docstring):
     ``slot_bytes``, ``send_row`` (the send), ``reader`` (the reduce) and the kernel names."""
 
+    #: every row crosses (the partial-reduce wire sums a token's rows first)
+    reduces_at_destination = False
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.fmt = combine_fp8.wire_format(cfg)

@@ -50,8 +50,9 @@ def build_combine_fused(cfg, wire=None) -> ir.Kernel:
         if se:
             row0, t_se = se_token_slice(r, cfg, pw.n_tokens, pw.my_rank, world)
             shared = (pa.expert_out, row0, t_se)
-        combine_wait.reduce_and_copy_to_output(r, cfg, pw, shared_expert=shared,
-                                               reader=None if wire is None else wire.reader)
+        combine_wait.reduce_and_copy_to_output(
+            r, cfg, pw, shared_expert=shared, reader=None if wire is None else wire.reader,
+            partial=wire is not None and wire.reduces_at_destination)
     return kb.build()
 
 

@@ -25,6 +25,8 @@ and counts its landed rows (low half): the wait is for both (``combine_shmem.wai
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 
 import ir
@@ -195,7 +197,7 @@ class Bf16SlotReader:
 
 
 def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
-                              shared_expert=None, reader=None):
+                              shared_expert=None, reader=None, partial: bool = False):
     """Warp ``w`` of the grid takes tokens ``w, w + warps, ...``; its lanes load the token's
     top-k ids (and weights) once, then take the 16-byte chunks ``lane, lane + 32, ...`` of the
     row: per chunk, the ``K`` slots' ``ld.global.v4.b32`` issued together (every slot of a
@@ -209,7 +211,10 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
     slot without a row). With ``ep_rank_mask`` a slot whose expert is on a rank this rank
     masks (read once per warp after the waits: ``live_ranks``) has no row either: weight 0,
     zero unreduced. ``reader``: how a slot's chunk is loaded and widened (default
-    ``Bf16SlotReader``; the FP8 combine's ``combine_fp8.Fp8SlotReader`` dequantises)."""
+    ``Bf16SlotReader``; the FP8 combine's ``combine_fp8.Fp8SlotReader`` dequantises).
+    ``partial`` (the partial-reduce combine, ``combine_partial``): each slot holds a
+    destination's weighted partial sum, in the slot that leads its rank (``lead_slots``):
+    only those are read, and added (``add.rn.f32``), without weights; no unreduced form."""
     reader = Bf16SlotReader(cfg) if reader is None else reader
     fmt = cfg.token_fmt
     K, H = fmt.top_k, fmt.hid_dim
@@ -221,19 +226,23 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
     live_bits = None if p.mask is None else live_ranks(r, cfg, p.mask)
     with r.for_range("t", gwarp, p.n_tokens, nwarps) as t:
         slots = [r.let(f"slot{k}", t * K + k) for k in range(K)]
-        valid = []
+        valid, gids = [], []
         for k in range(K):
             gid = r.load(word(p.topk_ids, slots[k]), T.s32, name=f"id{k}")
             ok = valid_slot(cfg, gid, p.my_rank)
             if live_bits is not None:
                 ok = ok & from_live_rank(cfg, live_bits, gid)
             valid.append(r.let(f"valid{k}", ok))
+            gids.append(gid)
+        if partial:
+            valid = lead_slots(r, cfg, gids, valid)
 
         def chunk(base, row, c):
             return base + (ir.as_expr(row).cast(T.u64) * row_bytes + c.cast(T.u64) * 16)
 
-        with r.if_(p.weighted.ne(0)):
-            ws = [r.load(word(p.weights, slots[k]), T.f32, name=f"w{k}") for k in range(K)]
+        with r.if_(p.weighted.ne(0)) if not partial else contextlib.nullcontext():
+            ws = [r.load(word(p.weights, slots[k]), T.f32, name=f"w{k}") for k in range(K)] \
+                if not partial else [None] * K
             if shared_expert is not None:
                 se_rows, row0, t_se = shared_expert
                 se_row = r.let("se_row", t - row0)
@@ -252,13 +261,30 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 o = [f32_to_bf16(r, a, f"o{j}") for j, a in enumerate(acc)]
                 words = tuple(o[2 * q] | (o[2 * q + 1] << 16) for q in range(4))
                 r.store(chunk(p.out, t, c), ir.Pack(VEC, words))
-        with r.else_():
-            with r.for_range("c", r.lane, n_chunks, 32) as c:
-                us = [reader.load(r, p.combine_buf, slots[k], c, f"u{k}") for k in range(K)]
-                for k in range(K):
-                    words = tuple(ir.Select(valid[k], w, ir.Const(0, T.u32))
-                                  for w in reader.bf16_words(r, us[k], k))
-                    r.store(chunk(p.out, slots[k], c), ir.Pack(VEC, words))
+        if not partial:          # the partial sums have no unreduced form
+            with r.else_():
+                with r.for_range("c", r.lane, n_chunks, 32) as c:
+                    us = [reader.load(r, p.combine_buf, slots[k], c, f"u{k}")
+                          for k in range(K)]
+                    for k in range(K):
+                        words = tuple(ir.Select(valid[k], w, ir.Const(0, T.u32))
+                                      for w in reader.bf16_words(r, us[k], k))
+                        r.store(chunk(p.out, slots[k], c), ir.Pack(VEC, words))
+
+
+def lead_slots(r: ir.RoleBuilder, cfg, gids, valid) -> list:
+    """The partial-reduce combine's slots to read: ``valid[k]`` and no earlier valid slot
+    ``j < k`` whose expert lives on the same rank (``gid // L``), the one slot per (token,
+    rank) the destination sent its partial sum to."""
+    L = cfg.layout.n_local_experts
+    ranks = [r.let(f"rank{k}", g.cast(T.u32) // L) for k, g in enumerate(gids)]
+    out = []
+    for k in range(len(gids)):
+        lead = valid[k]
+        for j in range(k):
+            lead = lead & ~(valid[j] & ranks[j].eq(ranks[k]))
+        out.append(r.let(f"lead{k}", lead))
+    return out
 
 
 def check_hid_dim(cfg):
@@ -281,10 +307,11 @@ def build_combine_wait(cfg, wire=None) -> ir.Kernel:
     trace.instrument(kb, cfg, p.my_rank)
     with kb.role("reduce", blocks=(0, None)) as r:
         wait_for_all_arrivals(r, cfg, p)
-        reduce_and_copy_to_output(r, cfg, p, reader=None if wire is None else wire.reader)
+        reduce_and_copy_to_output(r, cfg, p, reader=None if wire is None else wire.reader,
+                                  partial=wire is not None and wire.reduces_at_destination)
     return kb.build()
 
 
 __all__ = ["build_combine_wait", "wait_for_all_arrivals", "reduce_and_copy_to_output",
-           "check_hid_dim", "valid_slot", "f32_to_bf16", "Bf16SlotReader",
+           "check_hid_dim", "valid_slot", "lead_slots", "f32_to_bf16", "Bf16SlotReader",
            "KERNEL_NAME", "CombineWaitParams"]

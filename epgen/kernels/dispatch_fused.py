@@ -99,7 +99,7 @@ def build_dispatch_fused(cfg, sms=DEFAULT_SMS, name: str = KERNEL_NAME) -> ir.Ke
                 pack_args = dict(pack_sm_id=r.let("pack_sm_id", n_active - 1 - r.block),
                                  n_active_comm_sms=n_active, n_send_sms=r.n_blocks - n_sig)
             send_rows = pa.send_buf_p if not cfg.skip_a2a else \
-                r.let("se_rows", pa.send_buf_p + row0.cast(T.u64) * lay.msg_bytes)
+                r.let("se_rows", pa.send_buf_p + row0.cast(T.u64) * lay.send_buf_row_bytes)
             pack_shared_expert_inputs(
                 r, cfg, send_rows=send_rows,
                 output_tokens=pw.output_tokens,

@@ -33,6 +33,17 @@ wait is the staged layout's.
 Wait side: the copy pass reads slot ``j``'s index word and copies message row
 ``dedup_msg_row(src, t)`` (``message_address``); ``src_info``'s ``k`` comes from the header's
 top-k ids as before.
+
+Weights and the row map (for the partial-reduce combine, docs/combine.md): a message-area row
+is ``layout.dedup_row_bytes`` long, the format's message then, at ``dedup_weights_offset``,
+the token's ``K`` float32 router weights (dispatch_async's ``topk_weights`` parameter, ``[T,
+K]``). The thread whose slot leads a (token, rank) stores them with the message
+(``reserve_slot``: its own stores, before the same join or warp barrier as the message's);
+on the send-buffer path threads ``k < K`` stage weight ``k`` in the send-buffer row
+(``stage_slot``), which the leader's warp copies (or puts) whole. The copy pass's lane that
+writes ``src_info[row] = (t, k)`` also stores ``row_map[dedup_msg_row(src, t) * K + k] :=
+row`` (dispatch_wait's ``row_map`` parameter, ``layout.dedup_row_map_words`` u32 words,
+``record_row``).
 """
 
 from __future__ import annotations
@@ -51,7 +62,24 @@ from .staged import StagedDestination
 
 
 class RankDedupDestination(StagedDestination):
-    """One message per (token, destination rank) (module docstring)."""
+    """One message per (token, destination rank) (module docstring). ``side``: the
+    strategy's own parameter (``topk_weights`` on the send side, ``row_map`` on the wait
+    side)."""
+
+    def __init__(self, cfg, p, side=None):
+        super().__init__(cfg, p)
+        self.side = side
+
+    @classmethod
+    def declare_send(cls, kb: ir.KernelBuilder, cfg, p) -> RankDedupDestination:
+        """The send side, with its ``topk_weights`` parameter (f32 ``[T, K]``: the router
+        weights the messages carry)."""
+        return cls(cfg, p, kb.param("topk_weights", T.ptr_global))
+
+    @classmethod
+    def declare_wait(cls, kb: ir.KernelBuilder, cfg, p) -> RankDedupDestination:
+        """The wait side, with its ``row_map`` parameter (u32 ``[dedup_msg_rows, K]``)."""
+        return cls(cfg, p, kb.param("row_map", T.ptr_global))
 
     # ---- send side ----------------------------------------------------------------------------
     def leads(self, r: ir.RoleBuilder, t, k, dst_rank) -> ir.Expr:
@@ -83,7 +111,16 @@ class RankDedupDestination(StagedDestination):
         """This rank's token ``t``'s row in the message area of receive buffer ``recv``."""
         lay = self.cfg.layout
         row = lay.dedup_msg_row(self.p.my_rank, t).cast(T.u64)
-        return recv + row * lay.msg_bytes
+        return recv + row * lay.dedup_row_bytes
+
+    def _store_weights(self, r: ir.RoleBuilder, at, t) -> None:
+        """One thread: token ``t``'s ``K`` weights (``ld.global.nc.f32``, all issued first)
+        into the message row at ``at`` (u64), from ``dedup_weights_offset``."""
+        K, off = self.cfg.layout.top_k, self.cfg.layout.dedup_weights_offset
+        ws = [r.load(_word(self.side, t * K + k), T.f32, cache=CacheHint.NC, name=f"w_msg{k}")
+              for k in range(K)]
+        for k, w in enumerate(ws):
+            r.store(ir.Cast(T.ptr_global, at + (off + 4 * k)), w)
 
     def _store_index(self, r: ir.RoleBuilder, recv, e, slot, t, live) -> None:
         """Index word ``(e, my_rank, slot)`` of receive buffer ``recv`` := ``t``, unless
@@ -110,6 +147,7 @@ class RankDedupDestination(StagedDestination):
             self._store_index(r, recv, e, slot, t, live)
             with r.if_(live & self.leads(r, t, k, dst_rank)):
                 r.assign(addr, ir.Cast(T.u64, self._message_at(recv, t)))
+                self._store_weights(r, addr, t)
 
     def send_slot(self, r: ir.RoleBuilder, msg, t, k, g, dst_rank, e) -> None:
         """The send-buffer path's warp of top-k slot ``k`` of token ``t``: when the slot
@@ -127,13 +165,21 @@ class RankDedupDestination(StagedDestination):
             r.warp_sync()
             self.count_rank_slots(r, t, k, dst_rank)
 
+    def stage_slot(self, r: ir.RoleBuilder, msg, t, k) -> None:
+        """Thread ``k`` of the send-buffer staging: weight ``k`` of token ``t`` into the
+        row's weights (``dedup_weights_offset``)."""
+        w = r.load(_word(self.side, t * self.cfg.layout.top_k + k), T.f32, cache=CacheHint.NC,
+                   name="w_stage")
+        r.store(msg + self.cfg.layout.dedup_weights_offset + (k * 4).cast(T.u64), w)
+
     def copy_to_message_area(self, r: ir.RoleBuilder, msg, recv, t, live) -> None:
-        """The whole warp: the staged message ``msg`` to token ``t``'s row of receive buffer
-        ``recv``'s message area when ``live`` (``copy_vectors``: 16-byte stores)."""
+        """The whole warp: the staged row ``msg`` (message and weights) to token ``t``'s row
+        of receive buffer ``recv``'s message area when ``live`` (``copy_vectors``: 16-byte
+        stores)."""
         lay = self.cfg.layout
         with r.if_(live):
             dst = r.let("dst", self._message_at(recv, t), peer=lay.crosses_devices)
-            copy_vectors(r, dst, msg, lay.msg_bytes // 16, r.lane, 32, tag="fan")
+            copy_vectors(r, dst, msg, lay.dedup_row_bytes // 16, r.lane, 32, tag="fan")
 
     @contextlib.contextmanager
     def _rank_slots(self, r: ir.RoleBuilder, name: str, t, k, dst_rank):
@@ -188,7 +234,7 @@ class RankDedupDestination(StagedDestination):
         with r.if_(remote & self.leads(r, t, k, dst_rank)):
             own = load_pointer(r, p.recv_buf_ptrs, p.my_rank % P, "recv_sym")
             nvshmem.putmem_nbi_warp(r, ir.Cast(T.u64, self._message_at(own, t)),
-                                    ir.Cast(T.u64, msg), lay.msg_bytes, dst_rank)
+                                    ir.Cast(T.u64, msg), lay.dedup_row_bytes, dst_rank)
             with r.if_(r.lane.eq(0)):
                 nvshmem.fence(r)
             staged_index = ir.Cast(T.u64, msg + cfg.token_fmt.src_info_offset)
@@ -221,7 +267,13 @@ class RankDedupDestination(StagedDestination):
         base = self.p.recv_buf_p
         w = lay.dedup_index_word(e, src_rank, j).cast(T.u64)
         t = r.load(base + (w * 4 + lay.dedup_index_offset), T.u32, name="msg_token")
-        return base + lay.dedup_msg_row(src_rank, t).cast(T.u64) * lay.msg_bytes
+        return base + lay.dedup_msg_row(src_rank, t).cast(T.u64) * lay.dedup_row_bytes
+
+    def record_row(self, r: ir.RoleBuilder, src_rank, src_token, k, row) -> None:
+        """``row_map[dedup_msg_row(src_rank, src_token) * K + k] := row`` (``st.global``;
+        read by the next kernel, the combine)."""
+        m = self.cfg.layout.dedup_msg_row(src_rank, src_token)
+        r.store(_word(self.side, m * self.cfg.layout.top_k + k), ir.as_expr(row))
 
 
 __all__ = ["RankDedupDestination"]

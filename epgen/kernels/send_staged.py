@@ -42,14 +42,13 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
     (``shmem_send.complete_remote_puts``)."""
     lay, fmt = cfg.layout, cfg.token_fmt
     L, K = lay.n_local_experts, lay.top_k
-    msg_bytes = lay.msg_bytes
     dest = p.dest
     split = active_role_split(r, cfg)
     sm, n_active = send_sm(r, n_signal_sms, sm_id, n_active_send_sms)
     n_comm = r.let("n_comm", n_active)
     issued = issued_flag(r) if cfg.needs_shmem else None
     with r.for_range("t", sm, p.n_tokens, n_comm) as t:
-        msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * msg_bytes)
+        msg = r.let("msg", p.send_buf_p + t.cast(T.u64) * lay.send_buf_row_bytes)
         src_row = p.input_tokens + t.cast(T.u64) * fmt.input_row_bytes
         if split is None:
             fmt.emit_copy_token_to_send_buf(r, src_row, msg, r.tid, r.n_threads)
@@ -58,6 +57,7 @@ def send_buffer_tokens(r: ir.RoleBuilder, cfg, p, n_signal_sms: int, sm_id=None,
         with r.if_(r.tid < K):
             gid = r.load(_word(p.topk_ids, t * K + r.tid), T.u32, cache=CacheHint.NC, name="gid")
             r.store(msg + fmt.topk_info_offset + (r.tid * 2).cast(T.u64), gid.cast(T.u16))
+            dest.stage_slot(r, msg, t, r.tid)
         with r.if_(r.tid.eq(0)):
             r.store(msg + fmt.src_info_offset, t)
             dest.stage_source(r, msg)

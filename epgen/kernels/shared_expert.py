@@ -96,7 +96,7 @@ def pack_shared_expert_inputs(r: ir.RoleBuilder, cfg, *, send_rows, output_token
             n_in_tile = r.let("se_n", (t_se - ts).min(TT))
             with r.for_range("se_j", r.warp, n_in_tile, r.n_threads // 32) as j:
                 row = r.let("se_row", ts + j)
-                msg = r.let("se_msg", send_rows + row.cast(T.u64) * lay.msg_bytes)
+                msg = r.let("se_msg", send_rows + row.cast(T.u64) * lay.send_buf_row_bytes)
                 fmt.emit_copy_msg_to_output(r, msg, row, output_tokens)
 
 

@@ -151,6 +151,10 @@ class StagedDestination:
         """Thread 0 of a token's send-buffer staging, after the source index: the rest of the
         message's source field (here: nothing)."""
 
+    def stage_slot(self, r: ir.RoleBuilder, msg, t, k) -> None:
+        """Thread ``k < K`` of token ``t``'s send-buffer staging (send-buffer row ``msg``),
+        after its top-k id: what else the strategy stages per slot (here: nothing)."""
+
     def copy_message(self, r: ir.RoleBuilder, msg, dst_rank, e, co, slot) -> None:
         """One comm warp, one (token, k) of the send-buffer path: the staged message ``msg`` to
         its receive slot (``_receive_slot``; ``copy_vectors``: 16-byte stores)."""
@@ -236,6 +240,11 @@ class StagedDestination:
         slot = ((e * self.cfg.n_ranks + lay.rank_coord(src_rank)) * lay.block_capacity
                 + j).cast(T.u64)
         return self.p.recv_buf_p + slot * lay.msg_bytes
+
+    def record_row(self, r: ir.RoleBuilder, src_rank, src_token, k, row) -> None:
+        """The copy pass, the lane that writes ``src_info[row] = (src_token, k)`` (slot
+        ``k`` of source ``src_rank``'s token ``src_token`` filled grouped-output row
+        ``row``): what else the strategy records (here: nothing)."""
 
     def copy_pass(self, r: ir.RoleBuilder, *, l1_release=None, scatter_sm_id=None,
                   copy_trace=None) -> None:

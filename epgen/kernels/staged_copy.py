@@ -171,6 +171,7 @@ def copy_staged_messages(r: ir.RoleBuilder, cfg, p, dest, *,
             with r.if_((r.lane < K) & gid.eq(g.cast(T.u16))):
                 r.store(_word(p.src_info, row * 2), src_idx)
                 r.store(_word(p.src_info, row * 2 + 1), r.lane)
+                dest.record_row(r, src_rank, src_idx, r.lane, row)
         comm_sync(r)
         if fmt.copies_scales_per_tile:
             # the next tile's addresses are stored only after warp 0's claim barrier

@@ -65,6 +65,8 @@ class Spec:
     combine: bool = False
     small: dict = attrs.Factory(dict)   # changes of ``SMALL`` for this variant
     golden: str | None = None           # the golden variant whose kernels are mutated
+    #: the combine is the partial-reduce one (``ep_rank_dedup``; the dispatch carries weights)
+    partial: bool = False
 
 
 def _flag(name: str) -> dict:
@@ -105,11 +107,28 @@ def checked() -> dict[str, Spec]:
         "combine/shmem_fused": Spec("small", {"use_shmem": True}, fused=True, combine=True,
                                     small=_SHMEM_MIXED, golden="combine/fused"),
         "combine/rank_mask": Spec("small", {"ep_rank_mask": True}, combine=True),
+        # the partial-reduce combine (ours): two local experts per rank, so that a token
+        # with both on one rank gets one summed row back for two slots; split, fused, and
+        # every source reached by NVSHMEM
+        "combine/rank_dedup_partial": Spec("small", {"ep_rank_dedup": True}, combine=True,
+                                           partial=True, small=_TWO_PER_RANK),
+        "combine/rank_dedup_partial_fused": Spec("small", {"ep_rank_dedup": True},
+                                                 fused=True, combine=True, partial=True,
+                                                 small=_TWO_PER_RANK,
+                                                 golden="combine/rank_dedup_partial"),
+        "combine/shmem_rank_dedup_partial": Spec(
+            "small", {"ep_rank_dedup": True, "use_shmem": True}, combine=True, partial=True,
+            small={**_SHMEM_P2P1, **_TWO_PER_RANK}),
+        "combine/shmem_rank_dedup_partial_fused": Spec(
+            "small", {"ep_rank_dedup": True, "use_shmem": True}, fused=True, combine=True,
+            partial=True, small={**_SHMEM_MIXED, **_TWO_PER_RANK},
+            golden="combine/rank_dedup_partial"),
     }
 
 
 _SHMEM_P2P1 = {"p2p_world_size": 1}
 _SHMEM_MIXED = {"p2p_world_size": 2}
+_TWO_PER_RANK = {"n_experts": 8, "num_threads": 128}
 
 
 def config(spec: Spec, preset: str | None = None, overrides: dict | None = None):
@@ -162,15 +181,21 @@ def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
     rng = np.random.default_rng(seed)
     for _ in range(CALLS):
         toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
-        got = world.dispatch(toks, ids)
+        w = combine_run.router_weights(rng, cfg, ids) if spec.combine else None
+        got = world.dispatch(toks, ids, topk_weights=w) if spec.partial \
+            else world.dispatch(toks, ids)
         want = reference.dispatch(cfg, toks, ids)
         if any(reference.compare(cfg, x, a) for x, a in zip(want, got)):
             return False
         if spec.combine:
-            w = combine_run.router_weights(rng, cfg, ids)
             ys = [combine_run.expert_outputs(cfg, r) for r in got]
-            out = world.combine(ys, w)
-            if combine_run.differences(out, reference.combine(cfg, got, ys, w)):
+            if spec.partial:
+                out = world.combine(ys, partial_reduce=True)
+                ref = reference.combine(cfg, got, ys, w, partial_reduce=True)
+            else:
+                out = world.combine(ys, w)
+                ref = reference.combine(cfg, got, ys, w)
+            if combine_run.differences(out, ref):
                 return False
     return True
 

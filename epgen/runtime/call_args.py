@@ -12,7 +12,7 @@ import numpy as np
 from .. import combine_fp8, interop
 from ..errors import EPInputError
 
-__all__ = ["input_scale", "per_rank", "combine_fp8_flag", "combine_inputs", "last_dispatch_rows", "check_combine",
+__all__ = ["input_scale", "per_rank", "combine_fp8_flag", "combine_partial_flag", "combine_inputs", "last_dispatch_rows", "check_combine",
            "check_dispatch_outputs"]
 
 
@@ -64,18 +64,47 @@ def combine_fp8_flag(cfg, fp8) -> bool:
     return bool(fp8)
 
 
-def combine_inputs(world, expert_outputs, topk_weights=None, residual=None) -> tuple:
+def combine_partial_flag(cfg, partial_reduce, topk_weights=None, fp8: bool = False,
+                         dispatched: bool = False) -> bool:
+    """``partial_reduce`` of a combine call (the partial-reduce combine, docs/combine.md)
+    checked, before anything runs: a bool (``EPInputError`` naming ``partial_reduce``); when
+    True, ``ValueError`` without ``ep_rank_dedup`` or with ``fp8=True`` (not built), and
+    ``EPInputError`` when ``topk_weights`` is given (the weights are the dispatched ones) or
+    the last dispatch was given none (``dispatched`` false)."""
+    if not isinstance(partial_reduce, (bool, np.bool_)):
+        raise EPInputError(f"partial_reduce: must be True or False, got {partial_reduce!r}")
+    if not partial_reduce:
+        return False
+    if not cfg.ep_rank_dedup:
+        raise ValueError("partial_reduce: needs ep_rank_dedup=True (the destination sums the "
+                         "rows of a token it received once)")
+    if fp8:
+        raise ValueError("partial_reduce: not with fp8=True (not built: the FP8 wire "
+                         "quantises rows read from memory, the partial sums live in "
+                         "registers; use one or the other)")
+    if topk_weights is not None:
+        raise EPInputError("topk_weights: must be None with partial_reduce=True (the "
+                           "destinations weigh with the weights the dispatch carried)")
+    if not dispatched:
+        raise EPInputError("partial_reduce: the last dispatch was given no topk_weights "
+                           "(pass dispatch(..., topk_weights=) first)")
+    return True
+
+
+def combine_inputs(world, expert_outputs, topk_weights=None, residual=None, *,
+                   reduced: bool = False) -> tuple:
     """Every rank's combine inputs checked against ``world``'s configuration and its ranks'
     token counts, as ``(ys, ws, rs)``: per rank the expert outputs ``[rows <= max_out_rows,
     H]`` as BF16 bits, the router weights ``[T, K]`` as float32 (``ws`` None without
     weights), the residual ``[T, H]`` as BF16 bits (``rs`` None without one). A residual
-    needs weights (the unreduced rows take none). Host arrays only (``interop.host_bf16``,
+    needs weights (the unreduced rows take none), unless the call reduces without them
+    (``reduced``: the partial-reduce combine). Host arrays only (``interop.host_bf16``,
     ``interop.host_float32``). What the rows must cover is ``check_combine``'s: a CUDA
     graph's combine inputs are loaded before the dispatch that delivers the rows."""
     cfg, ranks = world.cfg, world.ranks
     K, H, M = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim, cfg.layout.max_out_rows
     n = len(ranks)
-    if residual is not None and topk_weights is None:
+    if residual is not None and topk_weights is None and not reduced:
         raise EPInputError("residual: needs topk_weights (the unreduced rows take none)")
     ys = per_rank(expert_outputs, "expert_outputs", n)
     ws = None if topk_weights is None else per_rank(topk_weights, "topk_weights", n)
@@ -113,13 +142,15 @@ def last_dispatch_rows(world) -> list[int]:
     return [int(rk.row_offsets.to_host()[-1]) for rk in world.ranks]
 
 
-def check_combine(world, expert_outputs, topk_weights=None, residual=None) -> None:
+def check_combine(world, expert_outputs, topk_weights=None, residual=None, *,
+                  reduced: bool = False) -> None:
     """The arguments of ``world.combine``: a dispatch came first (``last_dispatch_rows``),
     the inputs are well formed (``combine_inputs``), and each rank's expert outputs cover
     every row its last dispatch delivered (missing rows would be read from whatever the
-    device buffer held). Raises before anything is copied."""
+    device buffer held). ``reduced``: as ``combine_inputs``. Raises before anything is
+    copied."""
     delivered = last_dispatch_rows(world)
-    ys, _, _ = combine_inputs(world, expert_outputs, topk_weights, residual)
+    ys, _, _ = combine_inputs(world, expert_outputs, topk_weights, residual, reduced=reduced)
     for i, (rk, y, n) in enumerate(zip(world.ranks, ys, delivered)):
         if _calling(rk) and y.shape[0] < n:
             raise EPInputError(

@@ -18,6 +18,7 @@ from ..kernels.combine_fused import KERNEL_NAME as C_FUSED
 from ..kernels.combine_wait import KERNEL_NAME as C_WAIT
 from . import call_args
 from .combine_fp8 import Fp8Combine
+from .combine_partial import PartialCombine
 from . import trace as runtime_trace
 from .placement import p2p_group
 
@@ -102,9 +103,13 @@ class Combiner:
             world.register_symmetric(f"combine_{name}", [getattr(b, name) for b in self.bufs])
         self.build_tables()
         self.weighted = self.has_residual = self.fp8 = False    # set by ``load``
+        self.partial = False                                     # set by ``load``
         #: the FP8 combine's programs and buffers (``combine_fp8.Fp8Combine``), made by the
         #: first ``fp8=True`` call (``prepare_fp8``)
         self.fp8_side = None
+        #: the partial-reduce combine's (``combine_partial.PartialCombine``), made by the
+        #: first ``partial_reduce=True`` call (``prepare_partial``)
+        self.partial_side = None
 
     def kernels(self) -> tuple[str, ...]:
         """The combine kernels one call launches: ``ep_combine``, or ``ep_combine_async``
@@ -120,17 +125,29 @@ class Combiner:
         """``fp8`` of an argument method: the last ``load``'s choice when None."""
         return self.fp8 if fp8 is None else bool(fp8)
 
-    def kernel_name(self, bf16_name: str, fp8: bool | None = None) -> str:
-        """The kernel a launch of ``bf16_name`` runs: itself, or its FP8 twin with ``fp8``
-        (None: the last ``load``'s choice)."""
+    def _side(self, fp8, partial):
+        """The side whose kernels a launch runs: the partial-reduce one (``partial``), the
+        FP8 one (``fp8``), or None (the BF16 module); None arguments: the last ``load``'s
+        choice."""
+        if (self.partial if partial is None else bool(partial)):
+            return self.partial_side
+        return self.fp8_side if self._fp8(fp8) else None
+
+    def kernel_name(self, bf16_name: str, fp8: bool | None = None,
+                    partial: bool | None = None) -> str:
+        """The kernel a launch of ``bf16_name`` runs: itself, its FP8 twin with ``fp8``, or
+        its partial-reduce twin with ``partial`` (None: the last ``load``'s choice)."""
+        if (self.partial if partial is None else bool(partial)):
+            return PartialCombine.wire_name(bf16_name)
         return Fp8Combine.wire_name(bf16_name) if self._fp8(fp8) else bf16_name
 
     def all_kernels(self) -> tuple:
         """Every loaded combine kernel (``ir.Kernel``: the BF16 module's, and the FP8
         module's once loaded), naming the records of the error buffers."""
         kernels = tuple(self.program.module.kernels)
-        if self.fp8_side is not None:
-            kernels += tuple(self.fp8_side.program.module.kernels)
+        for side in (self.fp8_side, self.partial_side):
+            if side is not None:
+                kernels += tuple(side.program.module.kernels)
         return kernels
 
     def prepare_fp8(self) -> bool:
@@ -142,11 +159,21 @@ class Combiner:
         self.fp8_side = Fp8Combine(self, GUARD_BYTES)
         return True
 
-    def program_of(self, rk, fp8: bool | None = None):
+    def prepare_partial(self) -> bool:
+        """Make the partial-reduce side (``combine_partial.PartialCombine``) unless it
+        exists; True when it was made now. ``ValueError`` for a configuration it does not
+        take (``kernels.combine_partial.check_config``)."""
+        if self.partial_side is not None:
+            return False
+        self.partial_side = PartialCombine(self)
+        return True
+
+    def program_of(self, rk, fp8: bool | None = None, partial: bool | None = None):
         """The ``Program`` that launches rank ``rk``'s combine kernels (its GPU's; the FP8
-        module's with ``fp8``, None: the last ``load``'s choice)."""
-        programs = self.fp8_side.programs if self._fp8(fp8) else self.programs
-        return programs.of(rk)
+        module's with ``fp8``, the partial-reduce one's with ``partial``; None: the last
+        ``load``'s choice)."""
+        side = self._side(fp8, partial)
+        return (self.programs if side is None else side.programs).of(rk)
 
     # -- tables ------------------------------------------------------------------------------
     def table_ranks(self, rk) -> list[int]:
@@ -168,27 +195,35 @@ class Combiner:
             self.arrival_ptrs.append(w.pointer_table(i, whose, [b.arrival for b in self.bufs]))
 
     def run(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None,
-            fp8: bool = False):
+            fp8: bool = False, partial_reduce: bool = False):
         """One combine of the world's last dispatch (module docstring of ``world.combine``):
         ``load``, ``enqueue``, then ``finish`` (synchronises and returns every rank's output).
-        ``src_info``: test hook (``load``); ``fp8``: the FP8 combine (``load``)."""
-        self.load(expert_outputs, topk_weights, residual, src_info=src_info, fp8=fp8)
+        ``src_info``: test hook (``load``); ``fp8``: the FP8 combine, ``partial_reduce``: the
+        partial-reduce combine (``load``)."""
+        self.load(expert_outputs, topk_weights, residual, src_info=src_info, fp8=fp8,
+                  partial_reduce=partial_reduce)
         self.enqueue()
         return self.finish()
 
     def load(self, expert_outputs, topk_weights=None, residual=None, *, src_info=None,
-             fp8: bool = False):
+             fp8: bool = False, partial_reduce: bool = False):
         """Validate the host inputs and copy them into the combine buffers (rank streams).
         Sets what the next ``enqueue`` passes (weighted or not, residual or not, the BF16 or
         the FP8 kernels: ``fp8``, whose first use makes the FP8 side, ``prepare_fp8``).
         ``src_info``: test hook, per rank an array replacing that rank's ``src_info`` on the
-        device (None entries: unchanged)."""
+        device (None entries: unchanged). ``partial_reduce``: the partial-reduce combine
+        (``call_args.combine_partial_flag``: the weights are the last dispatch's), whose
+        first use makes its side (``prepare_partial``)."""
         w = self.world
         fp8 = call_args.combine_fp8_flag(w.cfg, fp8)
+        partial = call_args.combine_partial_flag(w.cfg, partial_reduce, topk_weights, fp8,
+                                                 w.last_weights is not None)
         expert_outputs, topk_weights, residual = call_args.combine_inputs(
-            w, expert_outputs, topk_weights, residual)
+            w, expert_outputs, topk_weights, residual, reduced=partial)
         if fp8:
             self.prepare_fp8()
+        if partial:
+            self.prepare_partial()
         for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
             if not rk.calling:
                 continue
@@ -202,9 +237,10 @@ class Combiner:
             if src_info is not None and src_info[i] is not None:
                 s = np.ascontiguousarray(src_info[i], np.int32)
                 rk.src_info[:len(s)].copy_from_host(s)
-        self.weighted = topk_weights is not None
+        self.weighted = topk_weights is not None or partial
         self.has_residual = residual is not None
         self.fp8 = fp8
+        self.partial = partial
 
     def enqueue(self):
         """Enqueue every rank's ``ep_combine_async`` (after every rank's last dispatch_wait),
@@ -248,28 +284,29 @@ class Combiner:
                                        rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 
-    def async_args(self, i: int, fp8: bool | None = None) -> dict:
+    def async_args(self, i: int, fp8: bool | None = None, partial: bool | None = None) -> dict:
         """``ep_combine_async``'s launch arguments for rank index ``i`` (its FP8 twin's with
-        ``fp8``, None: the last ``load``'s choice: ``Fp8Combine.async_args``)."""
-        w, fp8 = self.world, self._fp8(fp8)
+        ``fp8``: ``Fp8Combine.async_args``; its partial-reduce twin's with ``partial``:
+        ``PartialCombine.async_args``; None: the last ``load``'s choice)."""
+        w, side = self.world, self._side(fp8, partial)
         rk, b = w.ranks[i], self.bufs[i]
-        args = {**w.trace_args(self.kernel_name(C_ASYNC, fp8), rk),
+        args = {**w.trace_args(self.kernel_name(C_ASYNC, fp8, partial), rk),
                 **w.mask_args(rk, waits=False),
                 "expert_out": b.expert_out,
                 "src_info": rk.src_info,
                 "counters": rk.counters.ptr, "combine_buf_ptrs": self.recv_ptrs[i],
                 "arrival_ptrs": self.arrival_ptrs[i], "my_rank": rk.rank,
                 "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
-        if fp8:
-            args.update(self.fp8_side.async_args(i))
+        if side is not None:
+            args.update(side.async_args(i))
         return args
 
-    def wait_args(self, i: int, fp8: bool | None = None) -> dict:
+    def wait_args(self, i: int, fp8: bool | None = None, partial: bool | None = None) -> dict:
         """``ep_combine_wait``'s launch arguments for rank index ``i`` (the last ``load``'s
         weighted / residual choice)."""
-        w, fp8 = self.world, self._fp8(fp8)
+        w, side = self.world, self._side(fp8, partial)
         rk, b = w.ranks[i], self.bufs[i]
-        args = {**w.trace_args(self.kernel_name(C_WAIT, fp8), rk),
+        args = {**w.trace_args(self.kernel_name(C_WAIT, fp8, partial), rk),
                 **w.mask_args(rk, waits=True),
                 "combine_buf": b.recv, "arrival": b.arrival,
                 "topk_ids": rk.topk_ids,
@@ -277,19 +314,19 @@ class Combiner:
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
                 "my_rank": rk.rank, "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
-        if fp8:
-            args.update(self.fp8_side.wait_args(i))
+        if side is not None:
+            args.update(side.wait_args(i))
         return args
 
-    def fused_args(self, i: int, fp8: bool | None = None) -> dict:
+    def fused_args(self, i: int, fp8: bool | None = None, partial: bool | None = None) -> dict:
         """``ep_combine``'s launch arguments for rank index ``i``: both halves', and under
         ``skip_a2a`` with the shared expert the devices' count (``allreduce_world_size``, as
         for ``ep_dispatch``)."""
-        fp8 = self._fp8(fp8)
-        name = self.kernel_name(C_FUSED, fp8)
-        args = {**self.async_args(i, fp8), **self.wait_args(i, fp8),
+        side = self._side(fp8, partial)
+        name = self.kernel_name(C_FUSED, fp8, partial)
+        args = {**self.async_args(i, fp8, partial), **self.wait_args(i, fp8, partial),
                 **self.world.trace_args(name, self.world.ranks[i])}
-        program = self.fp8_side.program if fp8 else self.program
+        program = self.program if side is None else side.program
         names = {p.name for p in program.module.kernel(name).params}
         if "allreduce_world_size" in names:
             args["allreduce_world_size"] = self.world.allreduce_world_size

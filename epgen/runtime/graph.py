@@ -83,6 +83,7 @@ class RoundTripGraph:
             out["combine weighted"] = c.weighted
             out["combine has_residual"] = c.has_residual
             out["combine fp8"] = c.fp8
+            out["combine partial_reduce"] = c.partial
             for rk, b in zip(w.ranks, c.bufs):
                 out[f"rank {rk.rank} expert_out buffer"] = b.expert_out.ptr
         return out

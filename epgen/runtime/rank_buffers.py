@@ -23,7 +23,10 @@ class RankBuffers:
     ``ep_rank_mask`` lets it sit one out, docs/design.md "Rank masks") and ``trace_bufs``
     (kernel name -> trace buffer, for kernels built with trace points). With
     ``ep_rank_mask``, ``rank_mask``: the rank's mask words (``kernels.rank_mask``), from
-    ``peer_memory`` (its peers set them when they mask it)."""
+    ``peer_memory`` (its peers set them when they mask it). With ``ep_rank_dedup``,
+    ``topk_weights`` (``[T, K]`` float32, the weights dispatch_async puts in its messages)
+    and ``row_map`` (``layout.dedup_row_map_words`` u32, filled by dispatch_wait); else
+    None."""
 
     def __init__(self, cuda, cfg, rank, device, peer_memory=None, send_memory=None):
         lay, fmt = cfg.layout, cfg.token_fmt
@@ -53,6 +56,11 @@ class RankBuffers:
         self.prod_buf = z(lay.prod_buf_words, np.uint64, peer_memory)    # ep_prod_reserve
         # ep_rank_mask: this rank's mask words, which its peers' kernels write too (the push)
         self.rank_mask = z(mask_words(cfg), np.uint32, peer_memory) if cfg.ep_rank_mask \
+            else None
+        # ep_rank_dedup (ours): the router weights the messages carry, and the row map
+        # dispatch_wait fills (docs/flags.md); read by the partial-reduce combine
+        self.topk_weights = z((T, K), np.float32) if cfg.ep_rank_dedup else None
+        self.row_map = z(max(lay.dedup_row_map_words, 1), np.uint32) if cfg.ep_rank_dedup \
             else None
         self.n_tokens = 0
         self.wait_done = None

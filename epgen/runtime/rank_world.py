@@ -52,7 +52,7 @@ import abc
 import numpy as np
 
 from .. import interop, reference
-from ..errors import EPTimeoutError
+from ..errors import EPInputError, EPTimeoutError
 from ..kernels import trace
 from ..kernels.dispatch_async import KERNEL_NAME as ASYNC
 from ..kernels.dispatch_fused import KERNEL_NAME as FUSED
@@ -134,6 +134,8 @@ class RankWorld(abc.ABC):
         self.input_scale = input_scale
         self._combiner = None
         self._token_receiver = None
+        #: the last dispatch's ``topk_weights`` (``load_weights``; None: none given)
+        self.last_weights = None
         self._shrink = shrink
         #: ``ep_rank_mask``: the world's rank masks (``rank_masks.RankMasks``), else None
         self.masks = None
@@ -292,11 +294,13 @@ class RankWorld(abc.ABC):
     # -- device-side steps ---------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """Validate and copy every rank's inputs to its buffers; nothing is copied when any
-        input is invalid. Inputs: host numpy / ml_dtypes / torch CPU arrays, or device
+        input is invalid. Forgets the last dispatch's weights (``last_weights``:
+        ``load_weights`` sets them after). Inputs: host numpy / ml_dtypes / torch CPU arrays, or device
         arrays (torch CUDA tensors, DLPack, ``__cuda_array_interface__``) whose strides are
         honoured (``epgen.interop``); device top-k ids are read back to the host for the
         checks (this API synchronises anyway)."""
         ranks = self.rank_ids if self.cfg.skip_a2a else None
+        self.last_weights = None        # new inputs: the weights, if any, come after them
         tokens = reference.per_rank_list(tokens, "tokens")
         topk_ids = reference.per_rank_list(topk_ids, "topk_ids")
         tokens, topk_ids = self._sitting_out(tokens, topk_ids)
@@ -394,7 +398,13 @@ class RankWorld(abc.ABC):
                 "send_buf_p": rk.send_buf, "recv_buf_ptrs": self.recv_buf_ptrs[rk.rank],
                 "recv_count_ptrs": self.recv_count_ptrs[rk.rank],
                 "counters": rk.counter_ptr(lay.dispatch_async_region), "my_rank": rk.rank,
-                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns,
+                **self.dedup_args(rk, "topk_weights")}
+
+    def dedup_args(self, rk, name: str) -> dict:
+        """``ep_rank_dedup``: rank ``rk``'s ``topk_weights`` (the send side) or ``row_map``
+        (the receive side) buffer as the argument ``name``; else nothing."""
+        return {name: getattr(rk, name)} if self.cfg.ep_rank_dedup else {}
 
     def mask_args(self, rk, waits: bool) -> dict:
         """``ep_rank_mask``: rank ``rk``'s arguments of the mask parameters
@@ -412,7 +422,8 @@ class RankWorld(abc.ABC):
                 "atomic_counter": rk.counter_ptr(lay.dispatch_wait_region),
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
-                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns}
+                "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns,
+                **self.dedup_args(rk, "row_map")}
 
     def _gen_word(self, rk) -> int:
         """Rank ``rk``'s generation word (``ep_prod_reserve``)."""
@@ -605,16 +616,64 @@ class RankWorld(abc.ABC):
         self.synchronize()
 
     # -- the public round trip ---------------------------------------------------------------
-    def dispatch(self, tokens, topk_ids, input_scale: float | None = None) -> list:
+    def dispatch(self, tokens, topk_ids, input_scale: float | None = None, *,
+                 topk_weights=None) -> list:
         """One dispatch round trip; returns a ``reference.RankResult`` per rank.
         ``input_scale`` (formats that use one) replaces ``self.input_scale`` from this call
-        on."""
+        on. ``topk_weights`` (``ep_rank_dedup`` only; one ``[T, K]`` float32 array per rank):
+        the router weights the messages carry, for a ``combine(partial_reduce=True)``
+        (``load_weights``)."""
         if input_scale is not None:
             self.input_scale = input_scale
+        weights = self.check_weights(topk_weights, topk_ids)
         self.load_inputs(tokens, topk_ids)
+        self.load_weights(weights)
         self.enqueue_round_trip()
         self.check()
         return self.results()
+
+    def check_weights(self, topk_weights, topk_ids) -> list | None:
+        """The dispatch's ``topk_weights`` as float32 host arrays, one per rank (None: none
+        given), checked before anything is copied: ``EPInputError`` unless the
+        configuration has ``ep_rank_dedup`` (only its messages carry weights) and each
+        rank's array is ``[T, K]`` with ``T`` its ``topk_ids``' rows."""
+        if topk_weights is None:
+            return None
+        if not self.cfg.ep_rank_dedup:
+            raise EPInputError("topk_weights: the dispatch carries router weights only with "
+                               "ep_rank_dedup=True (the partial-reduce combine reads them); "
+                               "pass them to combine instead")
+        ws = reference.per_rank_list(topk_weights, "topk_weights")
+        ids = reference.per_rank_list(topk_ids, "topk_ids")
+        if len(ws) != len(ids):
+            raise EPInputError(f"topk_weights: one array per rank ({len(ids)}), got {len(ws)}")
+        K = self.cfg.token_fmt.top_k
+        out = []
+        for q, (w, i) in enumerate(zip(ws, ids)):
+            if w is None and i is None:     # a rank sitting the call out (ep_rank_mask)
+                out.append(np.zeros((0, K), np.float32))
+                continue
+            w = interop.host_float32(w, f"topk_weights[{q}]")
+            T = int(tuple(i.shape)[0]) if hasattr(i, "shape") else len(i)
+            if w.shape != (T, K):
+                raise EPInputError(f"topk_weights[{q}]: must be [{T}, {K}] float32 (one row "
+                                   f"per token of topk_ids[{q}]), got shape {w.shape}")
+            out.append(np.ascontiguousarray(w, np.float32))
+        return out
+
+    def load_weights(self, weights) -> None:
+        """``ep_rank_dedup``: every calling rank's weights buffer := its ``weights`` (from
+        ``check_weights``), or zero when None; ``last_weights`` remembers them for the
+        partial-reduce combine. Without the flag nothing (and ``weights`` is None)."""
+        self.last_weights = weights
+        if not self.cfg.ep_rank_dedup:
+            return
+        K = self.cfg.token_fmt.top_k
+        for i, rk in enumerate(self.ranks):
+            if not rk.calling or rk.n_tokens == 0:
+                continue
+            w = np.zeros((rk.n_tokens, K), np.float32) if weights is None else weights[i]
+            rk.topk_weights[:rk.n_tokens].copy_from_host(w)
 
     def dispatch_replayed(self, tokens, topk_ids, graph=None) -> tuple:
         """``dispatch`` as a replay of ``graph`` (a ``RoundTripGraph`` of this world; None:
@@ -715,7 +774,7 @@ class RankWorld(abc.ABC):
         return self._combiner
 
     def combine(self, expert_outputs, topk_weights=None, residual=None, *, fp8: bool = False,
-                _src_info=None):
+                partial_reduce: bool = False, _src_info=None):
         """Combine the last ``dispatch`` (docs/combine.md): ``expert_outputs[d]``, rank
         ``d``'s expert output rows ``[rows, H]`` BF16 (one per row of its grouped output),
         go back to their sources' slots; returns per rank its ``[T, H]`` BF16 bits reduced
@@ -725,13 +784,18 @@ class RankWorld(abc.ABC):
         for it). With ``ep_rank_mask`` a rank whose expert outputs are None sits the combine
         out (its result None; under shrink the others mask it). ``fp8``: the FP8 combine
         (docs/combine.md, "FP8 combine": rows cross as E4M3 with a float32 scale per 128
-        elements; ``hid_dim`` a multiple of 128). ``_src_info``: test hook
-        (``runtime.combine.Combiner.run``)."""
+        elements; ``hid_dim`` a multiple of 128). ``partial_reduce`` (``ep_rank_dedup``, after
+        a dispatch given ``topk_weights``; no ``topk_weights`` here): each destination sums
+        its local experts' weighted rows of a token and sends one row back (docs/combine.md,
+        "Partial reduce"). ``_src_info``: test hook (``runtime.combine.Combiner.run``)."""
         call_args.combine_fp8_flag(self.cfg, fp8)
+        call_args.combine_partial_flag(self.cfg, partial_reduce, topk_weights, fp8,
+                                       self.last_weights is not None)
         self._combine_sitting_out(expert_outputs)
-        call_args.check_combine(self, expert_outputs, topk_weights, residual)
+        call_args.check_combine(self, expert_outputs, topk_weights, residual,
+                                reduced=partial_reduce)
         return self.combiner().run(expert_outputs, topk_weights, residual, src_info=_src_info,
-                                   fp8=fp8)
+                                   fp8=fp8, partial_reduce=partial_reduce)
 
     def _combine_sitting_out(self, expert_outputs) -> None:
         """``ep_rank_mask``: a rank whose expert outputs are None sits the combine out (not

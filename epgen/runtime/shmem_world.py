@@ -244,7 +244,9 @@ class ShmemWorld(RankWorld):
     # -- the per-rank API --------------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
         """Validate and copy this rank's inputs (one ``[T, hid_dim]`` tokens array and its
-        ``[T, top_k]`` ids; host or device arrays)."""
+        ``[T, top_k]`` ids; host or device arrays). Forgets the last dispatch's weights
+        (``last_weights``), as ``RankWorld.load_inputs``."""
+        self.last_weights = None
         K = self.cfg.token_fmt.top_k
         if isinstance(tokens, (list, tuple)) or isinstance(topk_ids, (list, tuple)):
             raise TypeError(f"ShmemWorld: dispatch takes this rank's own inputs (one tokens "
@@ -282,12 +284,24 @@ class ShmemWorld(RankWorld):
         their bounded waits take to fail too."""
         self._failed = True
 
-    def dispatch(self, tokens, topk_ids, input_scale: float | None = None):
+    def dispatch(self, tokens, topk_ids, input_scale: float | None = None, *,
+                 topk_weights=None):
         """One round trip of every PE (each calls it with its own inputs): this rank's
         ``reference.RankResult``. Returns after every PE's round trip has finished (a host
-        barrier), so the next call may start."""
+        barrier), so the next call may start. ``topk_weights``: this rank's ``[T, K]``
+        (``ep_rank_dedup`` only, as ``RankWorld.dispatch``)."""
         return self._after_call(lambda: super(ShmemWorld, self).dispatch(
-            tokens, topk_ids, input_scale)[0])
+            tokens, topk_ids, input_scale, topk_weights=topk_weights)[0])
+
+    def check_weights(self, topk_weights, topk_ids) -> list | None:
+        """This rank's ``topk_weights`` checked as ``RankWorld.check_weights`` checks one
+        rank's (named ``topk_weights[<rank>]``)."""
+        if topk_weights is None:
+            return None
+        if isinstance(topk_weights, (list, tuple)):
+            raise TypeError("ShmemWorld: dispatch takes this rank's own topk_weights (one "
+                            "array), not a list per rank")
+        return super().check_weights([topk_weights], [topk_ids])
 
     def dispatch_replayed(self, tokens, topk_ids, graph=None) -> tuple:
         """``dispatch`` as a replay of this rank's captured round trip: ``(graph, result)``."""
@@ -297,7 +311,7 @@ class ShmemWorld(RankWorld):
         return self._after_call(run)
 
     def combine(self, expert_out, topk_weights=None, residual=None, *, fp8: bool = False,
-                _src_info=None):
+                partial_reduce: bool = False, _src_info=None):
         """Combine this PE's part of the last ``dispatch`` (every PE calls it; docs/combine.md):
         ``expert_out`` ``[rows, H]`` BF16, one row per row of this rank's grouped output;
         ``topk_weights`` ``[T, K]`` float32 or None; ``residual`` ``[T, H]`` BF16 or None.
@@ -305,6 +319,8 @@ class ShmemWorld(RankWorld):
         as ``reference.combine(cfg, ...)[rank]``, after a host barrier of every PE (also
         when a row was refused: ``EPInputError`` after it). ``fp8``: the FP8 combine (every
         PE passes the same; its first use allocates the FP8 buffers collectively, then the PEs
+        meet at a barrier). ``partial_reduce``: the partial-reduce combine (every PE passes
+        the same; as ``RankWorld.combine``; its first use allocates its staging, then the PEs
         meet at a barrier). ``_src_info``: test hook, this rank's replacement ``src_info``."""
         self._require_open()
         if any(isinstance(a, (list, tuple)) for a in (expert_out, topk_weights, residual)):
@@ -312,15 +328,20 @@ class ShmemWorld(RankWorld):
                             "topk_weights, residual), not a list per rank")
         one = lambda a: None if a is None else [a]  # noqa: E731
         call_args.combine_fp8_flag(self.cfg, fp8)
-        call_args.check_combine(self, [expert_out], one(topk_weights), one(residual))
+        call_args.combine_partial_flag(self.cfg, partial_reduce, topk_weights, fp8,
+                                       self.last_weights is not None)
+        call_args.check_combine(self, [expert_out], one(topk_weights), one(residual),
+                                reduced=partial_reduce)
         if self._combiner is None:
             self.combiner()
             self.barrier("combine-ready")
         comb = self._combiner
         if fp8 and comb.prepare_fp8():
             self.barrier("combine-fp8-ready")
+        if partial_reduce and comb.prepare_partial():
+            self.barrier("combine-partial-ready")
         comb.load([expert_out], one(topk_weights), one(residual), src_info=one(_src_info),
-                  fp8=fp8)
+                  fp8=fp8, partial_reduce=partial_reduce)
 
         def run():
             comb.enqueue()

@@ -135,6 +135,7 @@ class EmulatedWorld(RankWorld):
         if fp8:
             comb.prepare_fp8()          # no allocation may happen while capturing
         comb.weighted, comb.has_residual, comb.fp8 = weighted, residual, fp8
+        comb.partial = False      # a graph of the partial-reduce combine: not built
         return RoundTripGraph(self, calls, stream, combiner=comb)
 
 

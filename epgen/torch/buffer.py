@@ -243,7 +243,7 @@ class EPBuffer:
                                                                   programmatic=True)
                                  for i in self.index]))
         self._dispatch = steps
-        hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens")
+        hot = ("input_tokens", "ids_in", "ids_wide", "n_tokens", "topk_weights")
         self._hot = [_HotParams([(ls[j], {}) for _, ls in steps]
                                 + ([(self._check_all, check_renames[j])] if check_renames
                                    else []), hot)
@@ -330,23 +330,27 @@ class EPBuffer:
             it, iinfo = tensors.ids_input(torch, ii, f"topk_ids[{rk.rank}]", T, K, self.device)
             wt, winfo = (None, None) if wi is None else tensors.weights_input(
                 torch, wi, f"topk_weights[{rk.rank}]", T, K, self.device)
-            checked.append((xt, xinfo, it, iinfo, wt, T))
+            checked.append((xt, xinfo, it, iinfo, wt, T, winfo))
             infos += (xinfo, iinfo, winfo)
         s = self._stream(stream)
         for info in infos:
             self.producers.order(info, s)
         outs = []
-        for j, (rk, (xt, xinfo, it, iinfo, wt, T)) in enumerate(zip(self.ranks, checked)):
+        for j, (rk, (xt, xinfo, it, iinfo, wt, T, winfo)) in enumerate(zip(self.ranks,
+                                                                          checked)):
+            # ep_rank_dedup: the weights the messages carry (the world's zeros without them)
+            zero_w = 0 if rk.topk_weights is None else rk.topk_weights.ptr
             if T == 0:
                 values = {"input_tokens": rk.tokens.ptr, "ids_in": rk.topk_ids.ptr,
-                          "ids_wide": 0, "n_tokens": 0}
+                          "ids_wide": 0, "n_tokens": 0, "topk_weights": zero_w}
             else:
                 values = {"input_tokens": xt.data_ptr() if xinfo is None
                           else self._token_pointer(rk, xinfo, T, s),
                           "ids_in": it.data_ptr() if iinfo is None else iinfo.ptr,
                           "ids_wide": int((it.element_size() if iinfo is None
                                            else iinfo.itemsize) == 8),
-                          "n_tokens": T}
+                          "n_tokens": T,
+                          "topk_weights": zero_w if wt is None else _address(wt, winfo)}
             self._hot[j].write(values)
             rk.n_tokens = T
             out = self.outputs[j]
@@ -381,35 +385,41 @@ class EPBuffer:
         self._enqueue(steps, self._stream(stream))
 
     # -- combine ----------------------------------------------------------------------------
-    def _prepare_combine(self, fp8: bool = False):
+    def _prepare_combine(self, fp8: bool = False, partial: bool = False):
         """The world's combine side (built as ``world.combine`` builds it; with ``fp8`` its
-        FP8 side too, ``Combiner.prepare_fp8``) and every handled rank's combine launches of
-        the BF16 or the FP8 kernels, prepared (``self._combine[fp8]``, ``_combine_hot[fp8]``)."""
+        FP8 side too, ``Combiner.prepare_fp8``, with ``partial`` its partial-reduce side,
+        ``Combiner.prepare_partial``) and every handled rank's combine launches of the BF16,
+        FP8 or partial-reduce kernels, prepared (``self._combine[mode]``,
+        ``_combine_hot[mode]``, ``mode = (fp8, partial)``)."""
         c = self.world.combiner()
+        mode = (fp8, partial)
         if fp8:
             c.prepare_fp8()
+        if partial:
+            c.prepare_partial()
         n, steps = self.cfg.n_sms, []
-        prog = lambda i: c.program_of(self.world.ranks[i], fp8)  # noqa: E731
-        name = lambda bf16_name: c.kernel_name(bf16_name, fp8)  # noqa: E731
+        prog = lambda i: c.program_of(self.world.ranks[i], *mode)  # noqa: E731
+        name = lambda bf16_name: c.kernel_name(bf16_name, *mode)  # noqa: E731
         if c.fused:
             steps.append((name(C_FUSED), [prog(i).prepare(name(C_FUSED), n,
-                                                          c.fused_args(i, fp8))
+                                                          c.fused_args(i, *mode))
                                           for i in self.index]))
         else:
             steps.append((name(C_ASYNC), [prog(i).prepare(name(C_ASYNC), n,
-                                                          c.async_args(i, fp8))
+                                                          c.async_args(i, *mode))
                                           for i in self.index]))
-            steps.append((name(C_WAIT), [prog(i).prepare(name(C_WAIT), n, c.wait_args(i, fp8))
+            steps.append((name(C_WAIT), [prog(i).prepare(name(C_WAIT), n,
+                                                         c.wait_args(i, *mode))
                                          for i in self.index]))
         self._combiner = c
-        self._combine[fp8] = steps
+        self._combine[mode] = steps
         hot = ("expert_out", "weights", "weighted", "residual", "has_residual", "n_tokens",
                "out")
-        self._combine_hot[fp8] = [_HotParams([(ls[j], {}) for _, ls in steps], hot)
+        self._combine_hot[mode] = [_HotParams([(ls[j], {}) for _, ls in steps], hot)
                                   for j in range(len(self.ranks))]
 
     def combine(self, expert_out, out, topk_weights=None, *, residual=None, stream=None,
-                into=None, receive=True, fp8: bool = False):
+                into=None, receive=True, fp8: bool = False, partial_reduce: bool = False):
         """Enqueue the combine of the last dispatch: ``expert_out`` ``[max_out_rows,
         hid_dim]`` BF16, the experts' outputs on the grouped rows ``out`` (that dispatch's
         ``DispatchOutput``) delivered, one row per row of ``out.tokens`` (the delivered count
@@ -431,7 +441,12 @@ class EPBuffer:
         dequantised and reduced in fp32 at the source, in the BF16 combine's order; the
         result is BF16 as without it (unreduced: the dequantised rows rounded to BF16).
         ``hid_dim`` must be a multiple of 128. Its first use builds and loads the FP8
-        kernels; later calls switch per call."""
+        kernels; later calls switch per call.
+
+        ``partial_reduce=True`` (``ep_rank_dedup``, after a dispatch given ``topk_weights``;
+        no ``topk_weights`` here): each destination sums its local experts' weighted rows of
+        a token in fp32 and sends one BF16 row per (token, rank) back; the source adds the
+        partial sums (docs/combine.md, "Partial reduce"). Built and loaded on first use."""
         torch, cfg = self.torch, self.cfg
         fp8 = call_args.combine_fp8_flag(cfg, fp8)
         if not receive and self.fused:
@@ -447,8 +462,12 @@ class EPBuffer:
         rs = self._per_rank(residual, "residual", optional=True)
         intos = self._per_rank(into, "into", optional=True)
         call_args.check_dispatch_outputs(outs, self.ranks)
-        if fp8 not in self._combine:
-            self._prepare_combine(fp8)
+        partial = call_args.combine_partial_flag(
+            cfg, partial_reduce, topk_weights, fp8,
+            all(o.topk_weights is not None for o in outs))
+        mode = (fp8, partial)
+        if mode not in self._combine:
+            self._prepare_combine(fp8, partial)
         checked = []
         for rk, y, o, w, res in zip(self.ranks, ys, outs, ws, rs):
             T = o.n_tokens
@@ -490,7 +509,7 @@ class EPBuffer:
                       else b.residual.ptr,
                       "has_residual": int(res is not None), "n_tokens": T,
                       "out": b.out.ptr if intos[j] is None else intos[j].data_ptr()}
-            self._combine_hot[fp8][j].write(values)
+            self._combine_hot[mode][j].write(values)
             shape = (T, H) if w is not None else (T, K, H)
             view = intos[j] if intos[j] is not None else self._results.get((j, shape))
             if view is None:
@@ -498,7 +517,7 @@ class EPBuffer:
                                                               shape=shape)
             results.append(view)
         self._keep_combine = (checked, intos)
-        steps = self._combine[fp8]
+        steps = self._combine[mode]
         if receive:
             self._enqueue(steps, s)
         else:

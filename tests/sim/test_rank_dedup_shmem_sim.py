@@ -59,8 +59,8 @@ def test_several_and_all_experts_on_one_rank_and_masked_slots(group, seed):
 
 
 def test_one_put_per_token_and_remote_rank(seed, monkeypatch):
-    """Every put and signal, by target buffer: one message put per (source, token, remote
-    rank with one of its experts), one 4-byte index-word put and one arrival signal per
+    """Every put and signal, by target buffer: one message put (the message and the token's
+    weights, ``dedup_row_bytes``) per (source, token, remote rank with one of its experts), one 4-byte index-word put and one arrival signal per
     remote top-k slot; nothing to a rank of the issuer's own group."""
     seen = []
     translate = sim_shmem.SymmetricHeap.translate
@@ -89,7 +89,7 @@ def test_one_put_per_token_and_remote_rank(seed, monkeypatch):
                      if g >= 0 and src // P != int(g) // L // P})
     messages = [(s, d, n) for name, s, d, n in seen if name == "message"]
     assert sorted((s, d) for s, d, _ in messages) == sorted((s, d) for s, _, d in tokens)
-    assert all(n == lay.msg_bytes for _, _, n in messages)
+    assert all(n == lay.dedup_row_bytes for _, _, n in messages)     # message + weights
     assert len(tokens) < len(slots)                 # the routings repeat ranks
     assert sorted((s, d) for name, s, d, n in seen if name == "index" and n == 4) == slots
     assert sorted((s, d) for name, s, d, _ in seen if name == "arrival") == slots

@@ -163,14 +163,16 @@ def _expected_messages(cfg, ids_per_rank, dst):
 @pytest.mark.parametrize("path", PATHS)
 def test_one_message_per_token_and_destination_rank(path, seed):
     """Every store the simulator makes into a rank's message area is counted by row: each
-    (source, token) with an expert on that rank gets exactly ``msg_bytes`` bytes, once, and
-    no other row is written; the plain build writes one message per top-k slot."""
+    (source, token) with an expert on that rank gets exactly its message and its ``K``
+    weights (``msg_bytes + 4 K`` bytes; the send-buffer path copies the whole staged row,
+    ``dedup_row_bytes``), once, and no other row is written; the plain build writes one
+    message per top-k slot."""
     cfg = make_cfg("BF16", 64, R=4, K=4, L=4, T=8, path=path)
     lay = cfg.layout
     calls = _edge_calls(cfg, seed, n_calls=1)
     with sim_world(cfg, seed) as world:
         mem = world.cuda.mem
-        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.msg_bytes)
+        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
                  for rk in world.ranks]
         written = [dict() for _ in world.ranks]
         plain_write = mem.write
@@ -179,7 +181,7 @@ def test_one_message_per_token_and_destination_rank(path, seed):
             for d, (lo, hi) in enumerate(areas):
                 if lo <= addr < hi:
                     assert addr + len(data) <= hi
-                    row = (addr - lo) // lay.msg_bytes
+                    row = (addr - lo) // lay.dedup_row_bytes
                     written[d][row] = written[d].get(row, 0) + len(data)
             plain_write(addr, data)
         mem.write = counting_write
@@ -191,7 +193,8 @@ def test_one_message_per_token_and_destination_rank(path, seed):
     for d in range(cfg.n_ranks):
         want = {lay.dedup_msg_row(src, t) for src, t in _expected_messages(cfg, ids, d)}
         assert set(written[d]) == want, f"rank {d}: rows written"
-        assert all(n == lay.msg_bytes for n in written[d].values()), f"rank {d}: bytes"
+        row_bytes = lay.dedup_row_bytes if path == "buffer" else lay.msg_bytes + 4 * lay.top_k
+        assert all(n == row_bytes for n in written[d].values()), f"rank {d}: bytes"
         n_slots += sum(int(((np.asarray(i) // (cfg.n_experts // cfg.n_ranks)) == d)
                            [np.asarray(i) >= 0].sum()) for i in ids)
     assert sum(len(w) for w in written) < n_slots      # the edge routings repeat ranks

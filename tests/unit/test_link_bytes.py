@@ -30,6 +30,8 @@ def _slow_count(cfg, ids, dedup, fp8, partial):
     signal), visiting every slot."""
     L, P, H = cfg.n_experts // cfg.n_ranks, cfg.p2p_world_size, cfg.token_fmt.hid_dim
     msg = lb.dispatch_row_bytes(cfg)       # checked below and against the simulator
+    if dedup:                              # the K float32 weights travel with the message
+        msg = lb.dedup_message_bytes(cfg)  # checked below
     crow = (H + math.ceil(H / 128) * 4) if fp8 else 2 * H
     if fp8 and cfg.needs_shmem:        # the staged FP8 slot goes whole: codes and scales
         crow = 16 * math.ceil(H / 16) + 16 * math.ceil(math.ceil(H / 128) * 4 / 16)
@@ -99,6 +101,15 @@ def test_dispatch_row_bytes_by_send_path(case, want):
     assert lb.dispatch_row_bytes(_cfg(**case)) == want
 
 
+@pytest.mark.parametrize("case,want", [
+    ({}, 512 + 16 + 16 + 12),                               # warp path: message + 3 weights
+    ({"fmt": "MXFP8"}, 256 + 8 + 16 + 16 + 12),
+    ({"P": 2, "use_shmem": True}, 560),          # send buffer: the staged row, 16-aligned
+])
+def test_dedup_message_bytes_by_send_path(case, want):
+    assert lb.dedup_message_bytes(_cfg(**case)) == want
+
+
 def test_today_matches_the_p2p_benchmarks_count(rng):
     """Without ``-1`` slots the model's dispatch and combine link bytes are what the P2P
     benchmark's per-GPU count sends in total."""
@@ -145,7 +156,7 @@ def test_one_hot_routing_to_one_rank_gains_k_fold():
     today, ded = lb.link_bytes(cfg, ids), lb.link_bytes(cfg, ids, dedup=True)
     msg = cfg.token_fmt.msg_size()
     assert today.dispatch_link == 21 * msg
-    assert ded.dispatch_link == 7 * msg + 21 * 4
+    assert ded.dispatch_link == 7 * (msg + 3 * 4) + 21 * 4     # message + weights, index
     assert ded.dispatch_messages == 7
 
 

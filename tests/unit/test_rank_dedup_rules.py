@@ -45,8 +45,10 @@ def test_taken_with(change):
 
 @pytest.mark.parametrize("capacity", [None, 5])
 def test_receive_buffer_layout(capacity):
-    """The message area (R * T rows) then the index table (L * R * capacity u32 words), each
-    rounded up to 16 bytes; the plain buffer is L * R * capacity messages."""
+    """The message area (R * T rows of the message and the token's K float32 weights, the
+    weights from the message rounded up to 16, the row rounded up to 16) then the index
+    table (L * R * capacity u32 words), each rounded up to 16 bytes; the plain buffer is L *
+    R * capacity messages."""
     cfg = _small(recv_block_capacity=capacity)
     dd = cfg.replace(ep_rank_dedup=True)
     R, T, L = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.n_experts // cfg.n_ranks
@@ -54,7 +56,10 @@ def test_receive_buffer_layout(capacity):
     msg = cfg.token_fmt.msg_size()
     lay = dd.layout
     assert cfg.layout.recv_buf_bytes == L * R * cap * msg
-    area = R * T * msg
+    K = cfg.token_fmt.top_k
+    row = -(-(-(-msg // 16) * 16 + 4 * K) // 16) * 16
+    assert (lay.dedup_weights_offset, lay.dedup_row_bytes) == (-(-msg // 16) * 16, row)
+    area = R * T * row
     assert lay.dedup_index_offset == -(-area // 16) * 16
     assert lay.dedup_index_words == L * R * cap
     assert lay.recv_buf_bytes == lay.dedup_index_offset + -(-4 * L * R * cap // 16) * 16
