@@ -42,10 +42,9 @@ READY_WORD, CLEANUP_WORD, SCRATCH_HEADER_WORDS = 0, 1, 32
 
 
 def message_row_bytes(lay) -> int:
-    """The byte stride of the message area's rows: today the message itself
-    (``layout.msg_bytes``). The one place this module reads it, so a row that carries more
-    than the message (the top-k weights) changes this line only."""
-    return lay.msg_bytes
+    """The byte stride of the message area's rows: the message and the token's top-k weights
+    after it (``layout.dedup_row_bytes``)."""
+    return lay.dedup_row_bytes
 
 
 @attrs.frozen
