@@ -521,13 +521,15 @@ class Buffer:
         recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``: ``recv_x``
         ``[N, hidden]`` (each received token once, grouped by source rank in rank order,
         in token order inside a source), ``recv_topk_idx`` ``[N, K]`` int64 local ids
-        (``-1``: not this rank's), ``recv_topk_weights`` None (``topk_weights`` is refused
-        for now), the per-local-expert counts aligned up to ``expert_alignment`` (empty with
+        (``-1``: not this rank's), ``recv_topk_weights`` ``[N, K]`` float32 (the
+        ``topk_weights`` ``[T, K]`` float32 given, ``0.0`` where the id is ``-1``; None
+        without them), the per-local-expert counts aligned up to ``expert_alignment`` (empty with
         ``num_worst_tokens``), the handle (``normal.NormalHandle``) and the event. With
         ``num_worst_tokens`` the outputs have that many rows (the padding rows' ids ``-1``)
         and nothing is read on the host; without it ``N`` is read (one synchronisation, as
         DeepEP's). With ``handle`` (and no top-k) a cached dispatch re-sends ``x`` with the
-        handle's routing: ``(recv_x, None, None, None, None, event)``. The results are
+        handle's routing (``topk_weights`` None): ``(recv_x, None, None, None, None,
+        event)``. The results are
         valid until the second dispatch after this one. ``config`` and
         ``allocate_on_comm_stream`` are accepted and not used."""
         return self._normal.dispatch(

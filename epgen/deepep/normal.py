@@ -77,10 +77,12 @@ class NormalShape:
 @attrs.frozen
 class NormalOutputs:
     """A port's receive buffers as torch tensors: ``x`` ``[rows, H]`` BF16, ``topk``
-    ``[rows, K]`` int64, ``src`` ``[rows, 2]`` int32, ``meta`` int32 (``TokensLayout``)."""
+    ``[rows, K]`` int64, ``weights`` ``[rows, K]`` float32, ``src`` ``[rows, 2]`` int32,
+    ``meta`` int32 (``TokensLayout``)."""
 
     x: object
     topk: object
+    weights: object
     src: object
     meta: object
 
@@ -98,15 +100,17 @@ class NormalSimPort:
         self.out = NormalOutputs(
             x=torch.zeros((tl.rows, fmt.hid_dim), dtype=torch.bfloat16),
             topk=torch.zeros((tl.rows, fmt.top_k), dtype=torch.int64),
+            weights=torch.zeros((tl.rows, fmt.top_k), dtype=torch.float32),
             src=torch.zeros((tl.rows, 2), dtype=torch.int32),
             meta=torch.zeros((tl.meta_words,), dtype=torch.int32))
 
-    def send(self, x, topk_idx, pad_rows: int) -> None:
-        """This rank's dispatch of ``x`` / ``topk_idx`` (received by the step that the last
-        rank's call runs; waits for it)."""
+    def send(self, x, topk_idx, pad_rows: int, topk_weights=None) -> None:
+        """This rank's dispatch of ``x`` / ``topk_idx`` / ``topk_weights`` (None: zeros)
+        (received by the step that the last rank's call runs; waits for it)."""
         bits = x.view(self.torch.int16).numpy().view(np.uint16).copy()
         ids = topk_idx.to(self.torch.int32).numpy().copy()
-        step = self.rv.arrive(self.rank, "tokens", (bits, ids, int(pad_rows)))
+        w = None if topk_weights is None else topk_weights.numpy().astype(np.float32)
+        step = self.rv.arrive(self.rank, "tokens", (bits, ids, int(pad_rows), w))
         self.rv.wait(self.rank, step, "dispatch")
 
     def fill(self, bufs) -> None:
@@ -115,6 +119,7 @@ class NormalSimPort:
         np.copyto(self.out.x.view(self.torch.int16).numpy(),
                   bufs.out_x.to_host().view(np.int16))
         np.copyto(self.out.topk.numpy(), bufs.out_topk.to_host())
+        np.copyto(self.out.weights.numpy(), bufs.out_weights.to_host())
         np.copyto(self.out.src.numpy(), bufs.out_src.to_host())
         np.copyto(self.out.meta.numpy(), bufs.meta.to_host())
 
@@ -123,13 +128,18 @@ class NormalSimPort:
 
 
 def run_tokens_step(world, ports, op: str, payloads) -> None:
-    """One simulator step (``Rendezvous.run``): every rank's ``(tokens, ids, pad_rows)``
-    dispatched and received token-major (``world.dispatch_tokens``), each port filled."""
+    """One simulator step (``Rendezvous.run``): every rank's ``(tokens, ids, pad_rows,
+    weights)`` dispatched and received token-major (``world.dispatch_tokens``), each port
+    filled."""
     if op != "tokens" or any(p is None for p in payloads):
         raise RuntimeError(f"normal mode: unexpected step {op!r} (every rank must make the "
                            f"same calls)")
+    weights = [p[3] for p in payloads]
     world.dispatch_tokens([p[0] for p in payloads], [p[1] for p in payloads],
-                          pad_rows=[p[2] for p in payloads])
+                          pad_rows=[p[2] for p in payloads],
+                          topk_weights=None if all(w is None for w in weights) else
+                          [np.zeros(p[1].shape, np.float32) if w is None else w
+                           for p, w in zip(payloads, weights)])
     for port, bufs in zip(ports, world.token_receiver().bufs):
         port.fill(bufs)
 
@@ -152,14 +162,16 @@ class NormalDevicePort:
         self.layout = receiver.layout
         self.out = NormalOutputs(x=tensors.view(torch, b.out_x, dtype="bfloat16"),
                                  topk=tensors.view(torch, b.out_topk),
+                                 weights=tensors.view(torch, b.out_weights),
                                  src=tensors.view(torch, b.out_src),
                                  meta=tensors.view(torch, b.meta))
         self.device = self.ep.device
 
-    def send(self, x, topk_idx, pad_rows: int) -> None:
-        """Enqueue this rank's dispatch of ``x`` / ``topk_idx`` on the current stream: the
-        id check and ``dispatch_async``, then the token-major receive."""
-        self.ep.send(x, topk_idx)
+    def send(self, x, topk_idx, pad_rows: int, topk_weights=None) -> None:
+        """Enqueue this rank's dispatch of ``x`` / ``topk_idx`` / ``topk_weights`` (None:
+        zeros) on the current stream: the id check and ``dispatch_async``, then the
+        token-major receive."""
+        self.ep.send(x, topk_idx, topk_weights)
         self.launch.set("pad_rows", int(pad_rows))
         self.launch.launch(int(self.torch.cuda.current_stream(self.device).cuda_stream))
 
@@ -339,11 +351,6 @@ class NormalMode:
         if num_tokens_per_rdma_rank is not None:
             raise EPInputError("num_tokens_per_rdma_rank: must be None (every rank reaches "
                                "every other directly; epgen has no RDMA-rank level)")
-        if topk_weights is not None:
-            raise EPInputError("topk_weights: not available yet: the deduplicated message "
-                               "does not carry the top-k weights (they come with the "
-                               "partial-reduce combine's message rows); pass None "
-                               "(recv_topk_weights is then None)")
         if b.enable_shrink:
             raise EPInputError("enable_shrink: the normal mode does not take rank masks; "
                                "use a buffer without enable_shrink")
@@ -353,6 +360,9 @@ class NormalMode:
             if topk_idx is not None:
                 raise EPInputError("topk_idx: a cached dispatch (handle given) re-sends with "
                                    "the handle's routing; pass topk_idx=None")
+            if topk_weights is not None:
+                raise EPInputError("topk_weights: a cached dispatch (handle given) returns "
+                                   "no weights (DeepEP's passes none); pass None")
             if not isinstance(handle, NormalHandle) or handle.owner is not b:
                 raise EPInputError("handle: must be a handle this buffer's dispatch returned")
             topk_idx = handle.topk_idx
@@ -380,6 +390,9 @@ class NormalMode:
             shape = self._shape(x, topk_idx, E)
             checks.append(self._check_layout(x, topk_idx, num_tokens_per_rank,
                                              is_token_in_rank, num_tokens_per_expert))
+            if topk_weights is not None:
+                check_tensor(torch, topk_weights, "topk_weights", dtypes=(torch.float32,),
+                             shape=tuple(topk_idx.shape), on_cuda=b.on_cuda, device=x.device)
         if num_worst_tokens > shape.rows:
             raise EPInputError(f"num_worst_tokens: {num_worst_tokens} exceeds the receive "
                                f"rows num_ranks * num_max_dispatch_tokens_per_rank = "
@@ -396,7 +409,7 @@ class NormalMode:
         slot = self.next_slot
         port = self._source_port(shape, slot)
         self.ports.add(port)
-        port.send(x, topk_idx, num_worst_tokens)
+        port.send(x, topk_idx, num_worst_tokens, topk_weights)
         self.next_slot ^= 1
         out, tl = port.out, port.layout
         R, L = shape.n_ranks, shape.n_local_experts
@@ -432,7 +445,8 @@ class NormalMode:
         new_handle = NormalHandle(prefix, out.src[:n], is_token_in_rank,
                                   topk_idx=topk_idx.clone(), n_rows=n_rows, shape=shape,
                                   owner=b)
-        return recv_x, out.topk[:n], None, counts_list, new_handle, event
+        recv_w = None if topk_weights is None else out.weights[:n]
+        return recv_x, out.topk[:n], recv_w, counts_list, new_handle, event
 
 
 __all__ = ["NormalShape", "NormalHandle", "NormalMode", "NormalSimPort", "NormalDevicePort",

@@ -753,14 +753,16 @@ class RankWorld(abc.ABC):
             self._token_receiver = TokenMajorReceiver(self)
         return self._token_receiver
 
-    def dispatch_tokens(self, tokens, topk_ids, pad_rows=0) -> list:
+    def dispatch_tokens(self, tokens, topk_ids, pad_rows=0, topk_weights=None) -> list:
         """One dispatch received token-major (docs/deepep.md, "Normal mode"; an
         ``ep_rank_dedup`` configuration): ``ep_dispatch_async`` then
         ``ep_dispatch_wait_tokens`` on every rank. Returns a
         ``token_major.TokenMajorResult`` per rank: each token with an expert on the rank
         once, source-major, in token order. ``pad_rows``: rows up to which the rows past the
-        received ones get ``-1`` ids (DeepEP's ``num_worst_tokens``)."""
-        return self.token_receiver().run(tokens, topk_ids, pad_rows)
+        received ones get ``-1`` ids (DeepEP's ``num_worst_tokens``). ``topk_weights`` (one
+        ``[T, K]`` float32 array per rank, None: zeros) travel in the messages and come back
+        per row (``0.0`` in the slots of other ranks' experts)."""
+        return self.token_receiver().run(tokens, topk_ids, pad_rows, topk_weights)
 
     # -- combine -----------------------------------------------------------------------------
     def combiner(self) -> Combiner:

@@ -37,7 +37,9 @@ def args(buf, T=T, K=K):
 @pytest.mark.parametrize("change,match", [
     (lambda x, a: ((x.to(torch.float8_e4m3fn), torch.ones((T, 1))), a), r"^x: FP8 input"),
     (lambda x, a: (x.float(), a), r"^x: dtype torch.float32"),
-    (lambda x, a: (x, {**a, "topk_weights": torch.ones((T, K))}), r"^topk_weights: not "),
+    (lambda x, a: (x, {**a, "topk_weights": torch.ones((T, K), dtype=torch.float64)}),
+     r"^topk_weights: dtype"),
+    (lambda x, a: (x, {**a, "topk_weights": torch.ones((T, K + 1))}), r"^topk_weights: shape"),
     (lambda x, a: (x, {**a, "topk_idx": None}), r"^topk_idx: required"),
     (lambda x, a: (x, {**a, "num_tokens_per_expert": None}), r"^num_tokens_per_expert: "),
     (lambda x, a: (x, {**a, "is_token_in_rank": None}), r"^is_token_in_rank: required"),
@@ -50,7 +52,7 @@ def args(buf, T=T, K=K):
     (lambda x, a: (x, {**a, "is_token_in_rank": ~a["is_token_in_rank"]}),
      r"^topk_idx: .*mismatch"),
     (lambda x, a: (x, {**a, "topk_idx": a["topk_idx"] + E}), r"^topk_idx: .*mismatch"),
-], ids=["fp8", "dtype", "weights", "no_topk", "no_per_expert", "no_in_rank", "rdma",
+], ids=["fp8", "dtype", "weights", "weights_shape", "no_topk", "no_per_expert", "no_in_rank", "rdma",
         "alignment", "worst_negative", "worst_too_many", "hidden", "layout", "bad_ids"])
 def test_refused_by_name_before_anything_is_sent(buf, group, change, match):
     x, a = args(buf)
