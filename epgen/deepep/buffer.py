@@ -537,12 +537,22 @@ class Buffer:
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
             num_worst_tokens, previous_event, async_finish)
 
-    def combine(self, *args, **kwargs):
-        raise NotImplementedError(
-            "combine: DeepEP's normal-mode combine is not available yet; it comes with the "
-            "partial-reduce combine's kernels, which it will reuse (each destination sends "
-            "one row per (token, rank) into the source's slot of the token's lowest top-k "
-            "slot on that rank, and the source sums them); use low_latency_combine")
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode combine (docs/deepep.md, "Normal mode"; ``normal``): ``x``
+        ``[N, hidden]`` BF16, this rank's received rows (``dispatch``'s ``recv_x`` order, the
+        local experts already weighted and reduced; rows past the received ones are not
+        read), go back to their sources, where each token becomes the plain sum of the rows
+        of the ranks that received it plus ``bias`` (None, one or two ``[T, hidden]`` BF16
+        tensors), rounded to BF16. Returns ``(combined_x [T, hidden] BF16,
+        combined_topk_weights, event)``: the sum of the ``topk_weights`` ``[N, K]`` float32
+        rows likewise (None without them). The handle's latest dispatch (its own or a
+        cached one with it) is combined, once; the result is valid until the next combine
+        of the same result slot. ``config`` and ``allocate_on_comm_stream`` are accepted and
+        not used."""
+        return self._normal.combine(x, handle, topk_weights, bias, previous_event,
+                                    async_finish)
 
     def destroy(self) -> None:
         """Release the buffer's worlds (``explicitly_destroy=True`` required, as in DeepEP);

@@ -28,6 +28,7 @@ from ..config import EPConfig
 from ..errors import EPInputError
 from ..formats import make_format
 from ..kernels.dispatch_tokens import KERNEL_NAME, TokensLayout
+from ..runtime import token_major_combine
 from ..runtime.world import EmulatedWorld
 from ..torch import tensors
 from ..torch.buffer import EPBuffer
@@ -123,6 +124,22 @@ class NormalSimPort:
         np.copyto(self.out.src.numpy(), bufs.out_src.to_host())
         np.copyto(self.out.meta.numpy(), bufs.meta.to_host())
 
+    def combine(self, x, topk_weights, residual, n_tokens: int):
+        """This rank's combine of its token-major rows ``x`` (``topk_weights``: None or its
+        rows' weights; ``residual``: None or the one BF16 bias ``[T, H]``), run by the step
+        of the last rank's call. Returns ``(combined_x [T, H] BF16, combined weights [T, K]
+        float32 or None)`` (CPU tensors of their own)."""
+        torch = self.torch
+        bits = x.view(torch.int16).numpy().view(np.uint16).copy()
+        w = None if topk_weights is None else topk_weights.numpy().astype(np.float32)
+        res = () if residual is None else (residual.view(torch.int16).numpy()
+                                           .view(np.uint16).copy(),)
+        step = self.rv.arrive(self.rank, "combine", (bits, w, res))
+        self.rv.wait(self.rank, step, "combine")
+        cx, cw = self.combined
+        out_x = torch.from_numpy(cx.view(np.int16).copy()).view(torch.bfloat16)
+        return out_x, None if topk_weights is None else torch.from_numpy(cw.copy())
+
     def check(self) -> None:
         """Nothing to check: the simulator raised at the call."""
 
@@ -130,7 +147,20 @@ class NormalSimPort:
 def run_tokens_step(world, ports, op: str, payloads) -> None:
     """One simulator step (``Rendezvous.run``): every rank's ``(tokens, ids, pad_rows,
     weights)`` dispatched and received token-major (``world.dispatch_tokens``), each port
-    filled."""
+    filled; or (``op == "combine"``) every rank's ``(rows, weights, bias)`` combined
+    (``world.combine_tokens``; weights of the ranks that gave none count as zeros), each
+    port's ``combined`` set."""
+    if op == "combine" and all(p is not None for p in payloads):
+        ws = [p[1] for p in payloads]
+        if all(w is None for w in ws):
+            ws = None
+        else:
+            ws = [np.zeros((len(p[0]), world.cfg.token_fmt.top_k), np.float32)
+                  if w is None else w for p, w in zip(payloads, ws)]
+        out = world.combine_tokens([p[0] for p in payloads], ws, [p[2] for p in payloads])
+        for port, res in zip(ports, out):
+            port.combined = res
+        return
     if op != "tokens" or any(p is None for p in payloads):
         raise RuntimeError(f"normal mode: unexpected step {op!r} (every rank must make the "
                            f"same calls)")
@@ -160,6 +190,8 @@ class NormalDevicePort:
         self.launch = receiver.programs.of(rk).prepare(KERNEL_NAME, world.cfg.n_sms,
                                                        receiver.args(i, 0))
         self.layout = receiver.layout
+        self.world_index = i
+        self.combine_launches = None         # made by the first combine (``combine``)
         self.out = NormalOutputs(x=tensors.view(torch, b.out_x, dtype="bfloat16"),
                                  topk=tensors.view(torch, b.out_topk),
                                  weights=tensors.view(torch, b.out_weights),
@@ -174,6 +206,60 @@ class NormalDevicePort:
         self.ep.send(x, topk_idx, topk_weights)
         self.launch.set("pad_rows", int(pad_rows))
         self.launch.launch(int(self.torch.cuda.current_stream(self.device).cuda_stream))
+
+    def combine(self, x, topk_weights, residual, n_tokens: int):
+        """Enqueue this rank's combine on the current stream: ``ep_combine_async_tokens``
+        of its rows ``x`` (``topk_weights``: their weights or None), then
+        ``ep_combine_wait_partial`` with ``residual`` (the one BF16 bias or None) into the
+        Combiner's output; then, with weights, their reduce over the lead slots
+        (``token_major_combine.reduce_weights``, torch on the stream). Returns ``(combined_x
+        [T, H] BF16, combined weights or None)``, views of the world's buffers (the weights
+        a tensor of their own)."""
+        torch, w, i = self.torch, self.world, self.world_index
+        tc = w.token_combiner()
+        rk = w.ranks[i]
+        if self.combine_launches is None:
+            prog = tc.programs.of(rk)
+            self.combine_launches = (
+                prog.prepare(token_major_combine.KERNEL_NAME, w.cfg.n_sms, tc.async_args(i)),
+                prog.prepare(token_major_combine.WAIT_NAME, w.cfg.n_sms, tc.wait_args(i)))
+        send, wait = self.combine_launches
+        send.set("x_rows", x.data_ptr())
+        send.set("in_weights", topk_weights.data_ptr() if topk_weights is not None
+                 else tc.in_weights[i].ptr)
+        send.set("has_weights", int(topk_weights is not None))
+        b = tc.combiner.bufs[i]
+        wait.set("residual", residual.data_ptr() if residual is not None else b.residual.ptr)
+        wait.set("has_residual", int(residual is not None))
+        wait.set("n_tokens", int(n_tokens))
+        stream = int(torch.cuda.current_stream(self.device).cuda_stream)
+        send.launch(stream)
+        wait.launch(stream)
+        cfg = w.cfg
+        H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+        out_x = tensors.view(torch, b.out, dtype="bfloat16", shape=(n_tokens, H))
+        if topk_weights is None:
+            return out_x, None
+        slots = tensors.view(torch, tc.weight_slots[i], shape=(cfg.max_tokens_per_rank, K, K))
+        lead = self.lead(n_tokens)
+        return out_x, token_major_combine.reduce_weights(
+            slots[:n_tokens], lead, torch.where,
+            torch.zeros((n_tokens, K), dtype=torch.float32, device=x.device))
+
+    def lead(self, n_tokens: int):
+        """``[T, K]`` bool on the device: the lead slots of this rank's dispatched top-k ids
+        (``reference_tokens.lead_slots``, in torch)."""
+        torch, cfg = self.torch, self.world.cfg
+        rk = self.world.ranks[self.world_index]
+        ids = tensors.view(torch, rk.topk_ids)[:n_tokens].to(torch.int64)
+        E, L = cfg.n_experts, cfg.layout.n_local_experts
+        valid = (ids >= 0) & (ids < E)
+        rank = torch.where(valid, ids // L, -1)
+        lead = valid.clone()
+        for k in range(ids.shape[1]):
+            for j in range(k):
+                lead[:, k] &= ~(valid[:, j] & (rank[:, j] == rank[:, k]))
+        return lead
 
     def check(self) -> None:
         self.ep.check()
@@ -213,14 +299,17 @@ class NormalHandle(tuple):
     epgen's own attributes: ``recv_src`` ``[N, 2]`` int32 (source rank, source token) per
     row (what a combine needs), ``topk_idx`` (the routing a cached dispatch re-sends with),
     ``n_rows`` (``N``, a host int, or None when ``num_worst_tokens`` kept it on the device),
-    ``shape``, ``owner``."""
+    ``shape``, ``owner``, and the result slot and generation of the handle's latest dispatch
+    (``slot``, ``generation``: its first or a cached one), which a combine returns the rows
+    of; ``combined``: that dispatch was combined."""
 
     def __new__(cls, rank_prefix_matrix, recv_src, is_token_in_rank, *, topk_idx, n_rows,
-                shape, owner):
+                shape, owner, slot, generation):
         self = super().__new__(cls, (rank_prefix_matrix, None, None, recv_src[:, 1],
                                      is_token_in_rank, None))
         self.recv_src, self.topk_idx, self.n_rows = recv_src, topk_idx, n_rows
         self.shape, self.owner = shape, owner
+        self.slot, self.generation, self.combined = slot, generation, False
         return self
 
     def __repr__(self) -> str:
@@ -255,6 +344,11 @@ class NormalMode:
     def __init__(self, buffer, max_tokens: int | None):
         self.buffer, self.max_tokens = buffer, max_tokens
         self.next_slot = 0
+        #: per result slot: the dispatches made on it (a handle's combine checks that its
+        #: dispatch is the slot's latest)
+        self.generations = [0, 0]
+        #: per result slot: the port of its latest dispatch
+        self.slot_ports = [None, None]
         self.ports = set()
         #: device-side checks of eager calls that could not read the device
         #: (num_worst_tokens), raised once by ``check()``
@@ -411,6 +505,11 @@ class NormalMode:
         self.ports.add(port)
         port.send(x, topk_idx, num_worst_tokens, topk_weights)
         self.next_slot ^= 1
+        self.generations[slot] += 1
+        self.slot_ports[slot] = port
+        if cached:          # the handle's combine now returns this dispatch's rows
+            handle.slot, handle.generation = slot, self.generations[slot]
+            handle.combined = False
         out, tl = port.out, port.layout
         R, L = shape.n_ranks, shape.n_local_experts
         meta = out.meta
@@ -444,9 +543,71 @@ class NormalMode:
             return recv_x, None, None, None, None, event
         new_handle = NormalHandle(prefix, out.src[:n], is_token_in_rank,
                                   topk_idx=topk_idx.clone(), n_rows=n_rows, shape=shape,
-                                  owner=b)
+                                  owner=b, slot=slot, generation=self.generations[slot])
         recv_w = None if topk_weights is None else out.weights[:n]
         return recv_x, out.topk[:n], recv_w, counts_list, new_handle, event
+
+
+    # -- combine -----------------------------------------------------------------------------
+    def combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
+        """``Buffer.combine`` (its docstring), the arguments as DeepEP names them."""
+        b, torch = self.buffer, self.buffer.torch
+        if isinstance(x, tuple):
+            raise EPInputError("x: FP8 input is not available: the normal-mode combine "
+                               "returns BF16 rows (DeepEP's takes BF16 only)")
+        if not isinstance(handle, NormalHandle):
+            raise EPInputError(f"handle: must be the handle this buffer's normal-mode "
+                               f"dispatch returned, got {type(handle).__name__}")
+        if handle.owner is not b:
+            raise EPInputError("handle: from another buffer")
+        if self.generations[handle.slot] != handle.generation:
+            raise EPInputError("handle: its result slot was reused by a later dispatch (at "
+                               "most two results are outstanding; a cached dispatch with "
+                               "the handle makes it current again)")
+        if handle.combined:
+            raise EPInputError("handle: already combined (epgen combines each dispatch once; "
+                               "dispatch again, e.g. cached with handle=, to combine again)")
+        shape = handle.shape
+        H, K = shape.hidden, shape.top_k
+        check_tensor(torch, x, "x", dtypes=(torch.bfloat16,), dim=2, on_cuda=b.on_cuda)
+        rows = handle.recv_src.shape[0]
+        if x.shape[1] != H or not rows <= x.shape[0] <= shape.rows:
+            raise EPInputError(f"x: shape {tuple(x.shape)}, must be [N, {H}] with N from the "
+                               f"handle's {rows} received rows up to {shape.rows}")
+        if topk_weights is not None:
+            check_tensor(torch, topk_weights, "topk_weights", dtypes=(torch.float32,),
+                         shape=(x.shape[0], K), on_cuda=b.on_cuda, device=x.device)
+        T = handle.topk_idx.shape[0]
+        residual = unpack_bias(torch, bias, T, H, b.on_cuda, x.device)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        port = self.slot_ports[handle.slot]
+        combined_x, combined_w = port.combine(x, topk_weights, residual, T)
+        handle.combined = True
+        self.keep = (x, topk_weights, residual)      # alive while the kernels read them
+        event = events.record(torch, b.on_cuda, (x,)) if async_finish \
+            else events.EventOverlap()
+        return combined_x, combined_w, event
+
+def unpack_bias(torch, bias, T: int, H: int, on_cuda: bool, device):
+    """DeepEP's ``_unpack_bias`` of ``bias`` (None, a tensor, or a pair of tensors or None),
+    each checked as ``[T, H]`` BF16: the one BF16 residual the combine adds (None, the one,
+    or the two's ``a + b``, summed in float32 and rounded to BF16 by torch)."""
+    if bias is None:
+        parts = ()
+    elif isinstance(bias, torch.Tensor):
+        parts = (bias,)
+    elif isinstance(bias, tuple) and len(bias) == 2:
+        parts = tuple(b for b in bias if b is not None)
+    else:
+        raise EPInputError("bias: must be None, a [num_tokens, hidden] BF16 tensor or a pair "
+                           "of them (DeepEP's _unpack_bias)")
+    for j, b in enumerate(parts):
+        check_tensor(torch, b, f"bias[{j}]", dtypes=(torch.bfloat16,), shape=(T, H),
+                     on_cuda=on_cuda, device=device)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 __all__ = ["NormalShape", "NormalHandle", "NormalMode", "NormalSimPort", "NormalDevicePort",

@@ -8,14 +8,21 @@ per-expert counts (aligned), ``recv_topk_idx``'s range and per-expert counts, wi
 ``recv_topk_weights`` (DeepEP's check: rank-constant weights come back equal to the source
 rank where the id is local; random ones equal to the reference's, ``0.0`` elsewhere), the
 ``num_worst_tokens`` dispatch equal on the received rows with ``-1`` ids and ``0.0``
-weights in the padding, and the cached dispatch."""
+weights in the padding, and the cached dispatch; then DeepEP's combine checks: the cached
+dispatch's rows combined with the handle (``combined_x / is_token_in_rank.sum(1)`` against
+``x``, ``calc_diff < 5e-6``, on the tokens some rank received; the combined weights against
+the dispatched ones, ``< 1e-9``), bit-exact against ``reference_tokens.normal_combine`` for
+random tokens, and the ``num_worst_tokens`` dispatch's rows (padding included) combined to
+the same result."""
 
 from __future__ import annotations
 
 import attrs
 import numpy as np
 
-from epgen.reference_tokens import normal_dispatch
+from epgen.reference_tokens import normal_combine, normal_dispatch
+
+from deepep_checks import calc_diff
 
 
 @attrs.frozen
@@ -105,6 +112,7 @@ def rank_checks(torch, buf, rank: int, case: NormalCase, inputs, *, alignment=1,
         recv_x, recv_idx, recv_w, counts_list, handle, event = buf.dispatch(
             x, **args, topk_weights=w)
         assert (recv_w is None) == (w is None)
+        saved_w = None if recv_w is None else recv_w.clone()
         rank_prefix_matrix = handle[0]
         assert int(per_rank[rank]) == recv_x.size(0)
         want = [-(-int(c) // alignment) * alignment for c in per_expert.reshape(R, L)[rank]]
@@ -135,8 +143,8 @@ def rank_checks(torch, buf, rank: int, case: NormalCase, inputs, *, alignment=1,
             for i, count in enumerate(counts_list):
                 assert recv_idx.eq(i).sum().item() == count
         worst = R * case.tokens
-        wx, widx, ww, empty, _, event = buf.dispatch(x, **args, num_worst_tokens=worst,
-                                                     topk_weights=w)
+        wx, widx, ww, empty, hw, event = buf.dispatch(x, **args, num_worst_tokens=worst,
+                                                      topk_weights=w)
         buf.check()
         assert len(empty) == 0 and (ww is None) == (w is None)
         assert wx.size(0) == worst and widx.size(0) == worst
@@ -154,4 +162,64 @@ def rank_checks(torch, buf, rank: int, case: NormalCase, inputs, *, alignment=1,
             check_data(torch, cx, rank_prefix_matrix, rank, R)
         else:
             np.testing.assert_array_equal(_bits(torch, cx), ref.x)
+        # DeepEP's test combines recv_topk_weights after the cached dispatch; under epgen's
+        # rule (results valid until the second dispatch after) that needs a copy
+        cw = filled if w is not None and x is x_rank else saved_w
+        combine_checks(torch, buf, rank, case, inputs, weights, x is x_rank, x, w, cx, cw,
+                       handle, itir)
+        wcx, wcw, _ = buf.combine(wx, hw, topk_weights=ww)
+        ref_x, ref_w = reference_combine(torch, case, inputs, weights if w is not None else None,
+                                         rank, x_rank if x is x_rank else None)
+        np.testing.assert_array_equal(_bits(torch, wcx), ref_x)
+        if w is None:
+            assert wcw is None
+        else:
+            if x is x_rank:     # the unfilled weights: the source rank on the valid slots
+                ref_w = np.where(idx.cpu().numpy() >= 0, np.float32(rank), np.float32(0))
+            np.testing.assert_array_equal(wcw.cpu().numpy(), ref_w)
     return True
+
+
+def reference_combine(torch, case: NormalCase, inputs, weights, rank: int, x_rank):
+    """Rank ``rank``'s ``(x bits, weights)`` of ``reference_tokens.normal_combine`` when
+    every rank returns the rows (and weights) it received: of random tokens, or with
+    ``x_rank`` given of every rank's rank-constant tokens."""
+    R, E = case.n_ranks, case.num_experts
+    if x_rank is None:
+        toks = [_bits(torch, xs) for xs, _ in inputs]
+    else:
+        toks = [np.full((len(i), case.hidden), _bits(torch, torch.ones(1, dtype=torch.bfloat16)
+                                                      * q)[0], np.uint16)
+                for q, (_, i) in enumerate(inputs)]
+    ids = [i.cpu().numpy() for _, i in inputs]
+    ws = None if weights is None else [q.cpu().numpy() for q in weights]
+    refs = [normal_dispatch(E, toks, ids, d, ws) for d in range(R)]
+    out = normal_combine(E, ids, [r.src for r in refs], [r.x for r in refs],
+                         None if ws is None else [r.topk_weights for r in refs])
+    return out[rank]
+
+
+def combine_checks(torch, buf, rank, case, inputs, weights, constant, x, w, recv_x, recv_w,
+                   handle, is_token_in_rank):
+    """DeepEP's combine checks of ``recv_x`` (and ``recv_w``) combined with ``handle``
+    (module docstring); ``constant``: ``x`` is the rank-constant tokens (and ``recv_w`` the
+    weights DeepEP's test filled in place), else random, also checked bit-exact against the
+    reference."""
+    combined_x, combined_w, event = buf.combine(recv_x, handle, topk_weights=recv_w)
+    count = is_token_in_rank.sum(dim=1)
+    some = count > 0
+    per_rank = count.clamp(min=1).unsqueeze(1)
+    assert calc_diff(torch, combined_x.float()[some] / per_rank[some], x.float()[some]) < 5e-6
+    assert torch.all(combined_x[~some] == 0).item()
+    if w is None:
+        assert combined_w is None
+    elif constant:      # every slot of a received token held the source rank on each rank
+        assert calc_diff(torch, combined_w[some] / per_rank[some], w[some]) < 1e-9
+    else:
+        ref_w = torch.where(handle.topk_idx >= 0, w, torch.zeros_like(w))
+        assert calc_diff(torch, combined_w[some], ref_w[some]) < 1e-9
+    if not constant:
+        ref_x, ref_w = reference_combine(torch, case, inputs, weights, rank, None)
+        np.testing.assert_array_equal(_bits(torch, combined_x), ref_x)
+        if w is not None:
+            np.testing.assert_array_equal(combined_w.cpu().numpy(), ref_w)

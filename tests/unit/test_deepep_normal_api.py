@@ -1,6 +1,7 @@
 """``epgen.deepep.Buffer.dispatch`` (the normal mode)'s host side: every argument DeepEP
 would reject, and every one epgen cannot serve yet, is refused with an ``EPInputError``
-naming it before any world is made or anything sent; the normal-mode combine is refused
+naming it before any world is made or anything sent; a normal-mode combine without a handle
+is refused
 with its reason."""
 
 from __future__ import annotations
@@ -81,14 +82,15 @@ def test_cached_dispatch_refusals(buf, group):
     from epgen.deepep.normal import NormalHandle
     foreign = NormalHandle(torch.zeros((R, R)), torch.zeros((0, 2)), None,
                            topk_idx=a["topk_idx"], n_rows=0,
-                           shape=NormalShape(R, E, T, H, K), owner=other)
+                           shape=NormalShape(R, E, T, H, K), owner=other, slot=0,
+                           generation=1)
     with pytest.raises(EPInputError, match=r"^handle: must be a handle this buffer"):
         buf.dispatch(x, handle=foreign)
     with pytest.raises(EPInputError, match=r"^handle: must be"):
         buf.dispatch(x, handle=(1, 2, 3))
     mine = NormalHandle(torch.zeros((R, R)), torch.zeros((0, 2)), None,
                         topk_idx=a["topk_idx"], n_rows=0, shape=NormalShape(R, E, T, H, K),
-                        owner=buf)
+                        owner=buf, slot=0, generation=1)
     with pytest.raises(EPInputError, match=r"^topk_idx: a cached dispatch"):
         buf.dispatch(x, handle=mine, topk_idx=a["topk_idx"])
     with pytest.raises(EPInputError, match=r"^x: 3 tokens, the handle's dispatch had 4"):
@@ -98,14 +100,15 @@ def test_cached_dispatch_refusals(buf, group):
     assert group.worlds() == []
 
 
-def test_shrink_buffers_and_the_combine_are_refused(group):
+def test_shrink_buffers_and_a_combine_without_a_handle_are_refused(group):
     sim = deep_ep.EmulatedGroup(R, backend="sim")
     shrink = deep_ep.Buffer(sim.rank(0), enable_shrink=True, num_max_dispatch_tokens_per_rank=T)
     x, a = args(shrink)
     with pytest.raises(EPInputError, match=r"^enable_shrink: the normal mode"):
         shrink.dispatch(x, **a)
-    with pytest.raises(NotImplementedError, match=r"^combine: DeepEP's normal-mode combine"):
-        deep_ep.Buffer(group.rank(0)).combine(x)
+    with pytest.raises(EPInputError, match=r"^handle: must be the handle .* normal-mode"):
+        deep_ep.Buffer(group.rank(0)).combine(x, None)
+    assert group.worlds() == []
 
 
 def test_handle_keeps_deepeps_positions():
@@ -114,7 +117,7 @@ def test_handle_keeps_deepeps_positions():
     prefix, in_rank, ids = torch.zeros((2, 2)), torch.ones((4, 2), dtype=torch.bool), \
         torch.zeros((4, 2), dtype=torch.int64)
     h = NormalHandle(prefix, src, in_rank, topk_idx=ids, n_rows=2,
-                     shape=NormalShape(2, 4, 4, 32, 2), owner=None)
+                     shape=NormalShape(2, 4, 4, 32, 2), owner=None, slot=0, generation=1)
     rpm, cpm, rcpm, recv_src_idx, itir, send_head = h
     assert rpm is prefix and itir is in_rank and (cpm, rcpm, send_head) == (None, None, None)
     assert recv_src_idx.tolist() == [3, 2] and h.recv_src is src and h.topk_idx is ids
