@@ -1,5 +1,5 @@
 """``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels, and the normal
-mode's ``get_dispatch_layout`` and ``dispatch`` (``normal``; docs/deepep.md).
+mode's ``get_dispatch_layout``, ``dispatch`` and ``combine`` (``normal``; docs/deepep.md).
 
 One ``Buffer`` is one rank's, as in DeepEP: built from a ``torch.distributed`` process group
 (one process per GPU, ``ShmemWorld``: NVSHMEM, direct stores inside the P2P group and puts

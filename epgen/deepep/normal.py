@@ -1,5 +1,5 @@
-"""DeepEP's normal-mode ``Buffer.dispatch`` on the deduplicated transport (docs/deepep.md,
-"Normal mode").
+"""DeepEP's normal-mode ``Buffer.dispatch`` and ``Buffer.combine`` on the deduplicated
+transport (docs/deepep.md, "Normal mode").
 
 A call's shape (``NormalShape``: ranks, experts, the buffer's worst-case tokens per rank,
 hidden, top-k) names one ``EPConfig`` with ``ep_rank_dedup`` and BF16 tokens. Each shape has
@@ -15,6 +15,11 @@ rank once, source-major. Two kinds of port reach a world, as for the low-latency
 (``ports``): ``NormalSimPort`` (the CPU simulator; every rank's call meets at a
 ``Rendezvous`` and the last runs ``world.dispatch_tokens``) and ``NormalDevicePort`` (a GPU
 world; ``EPBuffer.send`` then the prepared receive launch on the caller's stream).
+
+A combine runs on the world of its handle's latest dispatch: ``ep_combine_async_tokens``
+then ``ep_combine_wait_partial`` (``runtime.token_major_combine``; on the simulator as a
+``"combine"`` step of the same ``Rendezvous``, on a GPU as two prepared launches made with
+the port), then, with weights, their reduce (torch on the caller's stream).
 """
 
 from __future__ import annotations
@@ -191,7 +196,11 @@ class NormalDevicePort:
                                                        receiver.args(i, 0))
         self.layout = receiver.layout
         self.world_index = i
-        self.combine_launches = None         # made by the first combine (``combine``)
+        tc = world.token_combiner()          # made with the port: never inside a capture
+        prog = tc.programs.of(rk)
+        self.combine_launches = (
+            prog.prepare(token_major_combine.KERNEL_NAME, world.cfg.n_sms, tc.async_args(i)),
+            prog.prepare(token_major_combine.WAIT_NAME, world.cfg.n_sms, tc.wait_args(i)))
         self.out = NormalOutputs(x=tensors.view(torch, b.out_x, dtype="bfloat16"),
                                  topk=tensors.view(torch, b.out_topk),
                                  weights=tensors.view(torch, b.out_weights),
@@ -217,12 +226,6 @@ class NormalDevicePort:
         a tensor of their own)."""
         torch, w, i = self.torch, self.world, self.world_index
         tc = w.token_combiner()
-        rk = w.ranks[i]
-        if self.combine_launches is None:
-            prog = tc.programs.of(rk)
-            self.combine_launches = (
-                prog.prepare(token_major_combine.KERNEL_NAME, w.cfg.n_sms, tc.async_args(i)),
-                prog.prepare(token_major_combine.WAIT_NAME, w.cfg.n_sms, tc.wait_args(i)))
         send, wait = self.combine_launches
         send.set("x_rows", x.data_ptr())
         send.set("in_weights", topk_weights.data_ptr() if topk_weights is not None
@@ -282,6 +285,7 @@ def make_ports(torch, shape: NormalShape, *, sim: bool, n_sms, num_threads, time
         return ports
     world = EmulatedWorld(cfg, device=device, timeout_ns=timeout_ns, fused=False)
     receiver = world.token_receiver()
+    world.token_combiner()
     return [NormalDevicePort(torch, world, r, receiver) for r in range(shape.n_ranks)]
 
 
