@@ -556,6 +556,7 @@ class NormalMode:
     def combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
         """``Buffer.combine`` (its docstring), the arguments as DeepEP names them."""
         b, torch = self.buffer, self.buffer.torch
+        b.source_for_normal_mode()          # a destroyed buffer, a process group: refused
         if isinstance(x, tuple):
             raise EPInputError("x: FP8 input is not available: the normal-mode combine "
                                "returns BF16 rows (DeepEP's takes BF16 only)")

@@ -167,7 +167,9 @@ def rank_checks(torch, buf, rank: int, case: NormalCase, inputs, *, alignment=1,
         cw = filled if w is not None and x is x_rank else saved_w
         combine_checks(torch, buf, rank, case, inputs, weights, x is x_rank, x, w, cx, cw,
                        handle, itir)
-        wcx, wcw, _ = buf.combine(wx, hw, topk_weights=ww)
+        padded = wx.clone()
+        padded[n:] = 7          # the padding rows' values must not reach the result
+        wcx, wcw, _ = buf.combine(padded, hw, topk_weights=ww)
         ref_x, ref_w = reference_combine(torch, case, inputs, weights if w is not None else None,
                                          rank, x_rank if x is x_rank else None)
         np.testing.assert_array_equal(_bits(torch, wcx), ref_x)
