@@ -251,18 +251,12 @@ class NormalDevicePort:
 
     def lead(self, n_tokens: int):
         """``[T, K]`` bool on the device: the lead slots of this rank's dispatched top-k ids
-        (``reference_tokens.lead_slots``, in torch)."""
+        (``token_major_combine.lead_mask``, in torch)."""
         torch, cfg = self.torch, self.world.cfg
         rk = self.world.ranks[self.world_index]
         ids = tensors.view(torch, rk.topk_ids)[:n_tokens].to(torch.int64)
-        E, L = cfg.n_experts, cfg.layout.n_local_experts
-        valid = (ids >= 0) & (ids < E)
-        rank = torch.where(valid, ids // L, -1)
-        lead = valid.clone()
-        for k in range(ids.shape[1]):
-            for j in range(k):
-                lead[:, k] &= ~(valid[:, j] & (rank[:, j] == rank[:, k]))
-        return lead
+        return token_major_combine.lead_mask(ids, cfg.n_experts, cfg.layout.n_local_experts,
+                                             torch.where, torch.stack)
 
     def check(self) -> None:
         self.ep.check()

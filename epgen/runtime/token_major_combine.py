@@ -22,11 +22,27 @@ import numpy as np
 from ..kernels.combine_tokens import KERNEL_NAME, build_combine_tokens_module, check_supported
 from ..kernels.combine_partial import PartialWire
 from ..kernels.combine_wait import KERNEL_NAME as WAIT_BF16
-from ..reference_tokens import combined_bias, lead_slots
+from ..reference_tokens import combined_bias
 from . import trace as runtime_trace
 
 #: the source half's kernel: the partial-reduce combine's wait
 WAIT_NAME = PartialWire.name(WAIT_BF16)
+
+
+def lead_mask(ids, n_experts: int, n_local: int, where, stack):
+    """``[T, K]`` bool: the lead slots of top-k ids ``ids`` ``[T, K]`` (int64, numpy or
+    torch): valid (in ``[0, n_experts)``) with no earlier valid slot on the same rank (``id
+    // n_local``), where the rank that received the token returned its row. ``where`` and
+    ``stack`` are the library's (``stack(columns, 1)``)."""
+    valid = (ids >= 0) & (ids < n_experts)
+    rank = where(valid, ids // n_local, -1)
+    cols = []
+    for k in range(ids.shape[1]):
+        col = valid[:, k]
+        for j in range(k):
+            col = col & ~(valid[:, j] & (rank[:, j] == rank[:, k]))
+        cols.append(col)
+    return stack(cols, 1)
 
 
 def reduce_weights(slots, lead, where, zeros):
@@ -147,7 +163,9 @@ class TokenMajorCombine:
             cw = None
             if weights is not None:
                 slots = self.weight_slots[i].to_host()[:T * K * K].reshape(T, K, K)
-                lead = lead_slots(rk.topk_ids.to_host()[:T], cfg.n_experts, cfg.n_ranks)
+                ids = rk.topk_ids.to_host()[:T].astype(np.int64)
+                lead = lead_mask(ids, cfg.n_experts, cfg.layout.n_local_experts, np.where,
+                                 np.stack)
                 cw = reduce_weights(slots, lead, np.where, np.zeros((T, K), np.float32))
             out.append((x, cw))
         return out
@@ -176,4 +194,4 @@ class TokenMajorCombine:
             rk.wait_done = w.cuda.record_event(rk.stream)
 
 
-__all__ = ["TokenMajorCombine", "reduce_weights", "WAIT_NAME"]
+__all__ = ["TokenMajorCombine", "lead_mask", "reduce_weights", "WAIT_NAME"]
