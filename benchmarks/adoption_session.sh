@@ -5,11 +5,13 @@
 # $OUT/<mode>/summary.txt. Run from the repository root:
 #
 #   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh tests   # one process
+#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh tests2  # one process
 #   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh mps     # 2 and 4 PEs
 #   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh bench   # the figures
 #
-# "tests": the single-process GPU tests of those features (emulated worlds, the torch and
-# DeepEP APIs, CUDA graphs), process-group cases left to "mps". "mps": MPS on (when this
+# "tests" and "tests2": the single-process GPU tests of those features (emulated worlds, the
+# torch and DeepEP APIs, DeepEP's normal mode, CUDA graphs), process-group cases left to
+# "mps". "mps": MPS on (when this
 # machine has it and we are root), the tests that launch one process per PE with 2 and 4 PEs
 # (EPGEN_SHMEM_PES), then MPS off. "bench": in one run each, decode (128 tokens per rank)
 # and prefill (4096): the deduplicated dispatch against today's, the FP8 combine against
@@ -43,10 +45,14 @@ gpu_tests() {   # gpu_tests NAME SECONDS PYTEST ARGS...
 
 case "$what" in
 tests)
-    gpu_tests deepep 200 tests/gpu/test_deepep_gpu.py -k "not process_group"
-    gpu_tests rank-mask 150 tests/gpu/test_rank_mask_gpu.py tests/gpu/test_masked_slots_gpu.py
+    gpu_tests deepep 180 tests/gpu/test_deepep_gpu.py -k "not process_group"
+    gpu_tests rank-mask 130 tests/gpu/test_rank_mask_gpu.py tests/gpu/test_masked_slots_gpu.py
     gpu_tests dedup-fp8 220 tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_combine_fp8_gpu.py \
         -k "not shmem_transport"
+    ;;
+tests2)
+    gpu_tests partial-normal 200 tests/gpu/test_partial_reduce_gpu.py \
+        tests/gpu/test_deepep_normal_gpu.py
     gpu_tests pow2-bench 150 tests/gpu/test_formats_gpu.py tests/gpu/test_bench_combine_gpu.py \
         -k "BlockwiseFP8Pow2 or bench_"
     ;;
@@ -73,7 +79,7 @@ bench)
     show deepep-api
     ;;
 *)
-    echo "usage: $0 [tests|mps|bench]" >&2
+    echo "usage: $0 [tests|tests2|mps|bench]" >&2
     exit 2
     ;;
 esac

@@ -144,8 +144,9 @@ def combine_error(cfg) -> str | None:
 def variant_config(name: str) -> EPConfig | None:
     """The ``EPConfig`` a registered golden variant is built from (``ep/<preset>``, the
     format and flag variants, ``ep/fused``, ``ep/fused_se``, ``ep/skip_a2a_global``,
-    ``ep/rank_dedup_tokens``, ``ep/rank_dedup_combine_tokens``, every ``combine/`` variant and its FP8 twin
-    ``combine/<name>_fp8``); None for the others (the demos, the id checks, the test kernels
+    ``ep/rank_dedup_tokens``, ``ep/rank_dedup_combine_tokens``, every ``combine/`` variant,
+    its FP8 twin ``combine/<name>_fp8`` and the partial-reduce ones); None for the others
+    (the demos, the id checks, the test kernels
     ``ep/fused_roles`` and ``ep/sm_remap*``)."""
     from . import ep_goldens as eg
     from .presets import config_from_dict, load_preset, preset_data
@@ -155,6 +156,8 @@ def variant_config(name: str) -> EPConfig | None:
         base = rest[:-len("_fp8")]
         if base in eg.GOLDEN_PRESETS or base in eg.COMBINE_VARIANTS:
             return variant_config(f"combine/{base}")
+    if group == "combine" and rest in eg.COMBINE_PARTIAL_VARIANTS:
+        return config_from_dict({**preset_data("small"), **eg.COMBINE_PARTIAL_VARIANTS[rest]})
     if group == "combine" and rest in eg.GOLDEN_PRESETS:
         return load_preset(rest)
     if group == "combine" and rest in eg.COMBINE_VARIANTS:

@@ -75,7 +75,8 @@ def test_a_dedup_run_reports_deduplicated_link_bytes(fake_gpu, spec):  # noqa: F
     v = s["variants"][-1]
     cfg = plan.config(16, plan.variants[-1], s["recv_block_capacity"])
     sets = inputs.make_input_sets(cfg, 16, plan.sets, plan.routing, plan.zipf_s, plan.seed)
-    msg = cfg.token_fmt.hid_dim * 2 + 16 + 16      # BF16 H=256, K=4: no padding
+    # BF16 H=256, K=4, no padding: payload, source and top-k fields, the K f32 weights
+    msg = cfg.token_fmt.hid_dim * 2 + 16 + 16 + 4 * 4
     per_set = [p * msg + 4 * n for n, p in _remote_counts(cfg, sets)]
     assert v["link_bytes"]["options"]["dedup"] is True
     assert v["link_bytes"]["per_set_link"] == per_set
