@@ -340,3 +340,14 @@ def check_ids_small_ranks4_module():
 def ep_rank_dedup_tokens_module():
     from .kernels.dispatch_tokens import build_dispatch_tokens_module
     return build_dispatch_tokens_module(flag_variant_config("rank_dedup"))
+
+
+# DeepEP's normal-mode combine (epgen.kernels.combine_tokens): ``ep_combine_async_tokens`` and
+# the partial-reduce combine's unchanged ``ep_combine_wait_partial``, in a module of their own.
+@golden("ep/rank_dedup_combine_tokens", description="preset small + ep_rank_dedup=true: "
+                                                    "ep_combine_async_tokens and "
+                                                    "ep_combine_wait_partial, the normal-mode "
+                                                    "combine (DeepEP's)")
+def ep_rank_dedup_combine_tokens_module():
+    from .kernels.combine_tokens import build_combine_tokens_module
+    return build_combine_tokens_module(flag_variant_config("rank_dedup"))

@@ -144,8 +144,9 @@ def combine_error(cfg) -> str | None:
 def variant_config(name: str) -> EPConfig | None:
     """The ``EPConfig`` a registered golden variant is built from (``ep/<preset>``, the
     format and flag variants, ``ep/fused``, ``ep/fused_se``, ``ep/skip_a2a_global``,
-    ``ep/rank_dedup_tokens``, every ``combine/`` variant, its FP8 twin
-    ``combine/<name>_fp8`` and the partial-reduce ones); None for the others (the demos, the id checks, the test kernels
+    ``ep/rank_dedup_tokens``, ``ep/rank_dedup_combine_tokens``, every ``combine/`` variant,
+    its FP8 twin ``combine/<name>_fp8`` and the partial-reduce ones); None for the others
+    (the demos, the id checks, the test kernels
     ``ep/fused_roles`` and ``ep/sm_remap*``)."""
     from . import ep_goldens as eg
     from .presets import config_from_dict, load_preset, preset_data
@@ -179,7 +180,7 @@ def variant_config(name: str) -> EPConfig | None:
         return load_preset("small").replace(fused_shared_expert=True)
     if rest == "skip_a2a_global":
         return load_preset("small").replace(skip_a2a=True)
-    if rest == "rank_dedup_tokens":
+    if rest in ("rank_dedup_tokens", "rank_dedup_combine_tokens"):
         return eg.flag_variant_config("rank_dedup")
     return None
 

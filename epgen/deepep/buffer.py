@@ -1,5 +1,5 @@
 """``Buffer``: DeepEP's ``deep_ep.Buffer`` low-latency API on epgen's kernels, and the normal
-mode's ``get_dispatch_layout`` and ``dispatch`` (``normal``; docs/deepep.md).
+mode's ``get_dispatch_layout``, ``dispatch`` and ``combine`` (``normal``; docs/deepep.md).
 
 One ``Buffer`` is one rank's, as in DeepEP: built from a ``torch.distributed`` process group
 (one process per GPU, ``ShmemWorld``: NVSHMEM, direct stores inside the P2P group and puts
@@ -521,13 +521,15 @@ class Buffer:
         recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``: ``recv_x``
         ``[N, hidden]`` (each received token once, grouped by source rank in rank order,
         in token order inside a source), ``recv_topk_idx`` ``[N, K]`` int64 local ids
-        (``-1``: not this rank's), ``recv_topk_weights`` None (``topk_weights`` is refused
-        for now), the per-local-expert counts aligned up to ``expert_alignment`` (empty with
+        (``-1``: not this rank's), ``recv_topk_weights`` ``[N, K]`` float32 (the
+        ``topk_weights`` ``[T, K]`` float32 given, ``0.0`` where the id is ``-1``; None
+        without them), the per-local-expert counts aligned up to ``expert_alignment`` (empty with
         ``num_worst_tokens``), the handle (``normal.NormalHandle``) and the event. With
         ``num_worst_tokens`` the outputs have that many rows (the padding rows' ids ``-1``)
         and nothing is read on the host; without it ``N`` is read (one synchronisation, as
         DeepEP's). With ``handle`` (and no top-k) a cached dispatch re-sends ``x`` with the
-        handle's routing: ``(recv_x, None, None, None, None, event)``. The results are
+        handle's routing (``topk_weights`` None): ``(recv_x, None, None, None, None,
+        event)``. The results are
         valid until the second dispatch after this one. ``config`` and
         ``allocate_on_comm_stream`` are accepted and not used."""
         return self._normal.dispatch(
@@ -535,12 +537,22 @@ class Buffer:
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
             num_worst_tokens, previous_event, async_finish)
 
-    def combine(self, *args, **kwargs):
-        raise NotImplementedError(
-            "combine: DeepEP's normal-mode combine is not available yet; it comes with the "
-            "partial-reduce combine's kernels, which it will reuse (each destination sends "
-            "one row per (token, rank) into the source's slot of the token's lowest top-k "
-            "slot on that rank, and the source sums them); use low_latency_combine")
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """DeepEP's normal-mode combine (docs/deepep.md, "Normal mode"; ``normal``): ``x``
+        ``[N, hidden]`` BF16, this rank's received rows (``dispatch``'s ``recv_x`` order, the
+        local experts already weighted and reduced; rows past the received ones are not
+        read), go back to their sources, where each token becomes the plain sum of the rows
+        of the ranks that received it plus ``bias`` (None, one or two ``[T, hidden]`` BF16
+        tensors), rounded to BF16. Returns ``(combined_x [T, hidden] BF16,
+        combined_topk_weights, event)``: the sum of the ``topk_weights`` ``[N, K]`` float32
+        rows likewise (None without them). The handle's latest dispatch (its own or a
+        cached one with it) is combined, once; the result is valid until the next combine
+        of the same result slot. ``config`` and ``allocate_on_comm_stream`` are accepted and
+        not used."""
+        return self._normal.combine(x, handle, topk_weights, bias, previous_event,
+                                    async_finish)
 
     def destroy(self) -> None:
         """Release the buffer's worlds (``explicitly_destroy=True`` required, as in DeepEP);

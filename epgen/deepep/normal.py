@@ -1,5 +1,5 @@
-"""DeepEP's normal-mode ``Buffer.dispatch`` on the deduplicated transport (docs/deepep.md,
-"Normal mode").
+"""DeepEP's normal-mode ``Buffer.dispatch`` and ``Buffer.combine`` on the deduplicated
+transport (docs/deepep.md, "Normal mode").
 
 A call's shape (``NormalShape``: ranks, experts, the buffer's worst-case tokens per rank,
 hidden, top-k) names one ``EPConfig`` with ``ep_rank_dedup`` and BF16 tokens. Each shape has
@@ -15,6 +15,11 @@ rank once, source-major. Two kinds of port reach a world, as for the low-latency
 (``ports``): ``NormalSimPort`` (the CPU simulator; every rank's call meets at a
 ``Rendezvous`` and the last runs ``world.dispatch_tokens``) and ``NormalDevicePort`` (a GPU
 world; ``EPBuffer.send`` then the prepared receive launch on the caller's stream).
+
+A combine runs on the world of its handle's latest dispatch: ``ep_combine_async_tokens``
+then ``ep_combine_wait_partial`` (``runtime.token_major_combine``; on the simulator as a
+``"combine"`` step of the same ``Rendezvous``, on a GPU as two prepared launches made with
+the port), then, with weights, their reduce (torch on the caller's stream).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ..config import EPConfig
 from ..errors import EPInputError
 from ..formats import make_format
 from ..kernels.dispatch_tokens import KERNEL_NAME, TokensLayout
+from ..runtime import token_major_combine
 from ..runtime.world import EmulatedWorld
 from ..torch import tensors
 from ..torch.buffer import EPBuffer
@@ -77,10 +83,12 @@ class NormalShape:
 @attrs.frozen
 class NormalOutputs:
     """A port's receive buffers as torch tensors: ``x`` ``[rows, H]`` BF16, ``topk``
-    ``[rows, K]`` int64, ``src`` ``[rows, 2]`` int32, ``meta`` int32 (``TokensLayout``)."""
+    ``[rows, K]`` int64, ``weights`` ``[rows, K]`` float32, ``src`` ``[rows, 2]`` int32,
+    ``meta`` int32 (``TokensLayout``)."""
 
     x: object
     topk: object
+    weights: object
     src: object
     meta: object
 
@@ -98,15 +106,17 @@ class NormalSimPort:
         self.out = NormalOutputs(
             x=torch.zeros((tl.rows, fmt.hid_dim), dtype=torch.bfloat16),
             topk=torch.zeros((tl.rows, fmt.top_k), dtype=torch.int64),
+            weights=torch.zeros((tl.rows, fmt.top_k), dtype=torch.float32),
             src=torch.zeros((tl.rows, 2), dtype=torch.int32),
             meta=torch.zeros((tl.meta_words,), dtype=torch.int32))
 
-    def send(self, x, topk_idx, pad_rows: int) -> None:
-        """This rank's dispatch of ``x`` / ``topk_idx`` (received by the step that the last
-        rank's call runs; waits for it)."""
+    def send(self, x, topk_idx, pad_rows: int, topk_weights=None) -> None:
+        """This rank's dispatch of ``x`` / ``topk_idx`` / ``topk_weights`` (None: zeros)
+        (received by the step that the last rank's call runs; waits for it)."""
         bits = x.view(self.torch.int16).numpy().view(np.uint16).copy()
         ids = topk_idx.to(self.torch.int32).numpy().copy()
-        step = self.rv.arrive(self.rank, "tokens", (bits, ids, int(pad_rows)))
+        w = None if topk_weights is None else topk_weights.numpy().astype(np.float32)
+        step = self.rv.arrive(self.rank, "tokens", (bits, ids, int(pad_rows), w))
         self.rv.wait(self.rank, step, "dispatch")
 
     def fill(self, bufs) -> None:
@@ -115,21 +125,56 @@ class NormalSimPort:
         np.copyto(self.out.x.view(self.torch.int16).numpy(),
                   bufs.out_x.to_host().view(np.int16))
         np.copyto(self.out.topk.numpy(), bufs.out_topk.to_host())
+        np.copyto(self.out.weights.numpy(), bufs.out_weights.to_host())
         np.copyto(self.out.src.numpy(), bufs.out_src.to_host())
         np.copyto(self.out.meta.numpy(), bufs.meta.to_host())
+
+    def combine(self, x, topk_weights, residual, n_tokens: int):
+        """This rank's combine of its token-major rows ``x`` (``topk_weights``: None or its
+        rows' weights; ``residual``: None or the one BF16 bias ``[T, H]``), run by the step
+        of the last rank's call. Returns ``(combined_x [T, H] BF16, combined weights [T, K]
+        float32 or None)`` (CPU tensors of their own)."""
+        torch = self.torch
+        bits = x.view(torch.int16).numpy().view(np.uint16).copy()
+        w = None if topk_weights is None else topk_weights.numpy().astype(np.float32)
+        res = () if residual is None else (residual.view(torch.int16).numpy()
+                                           .view(np.uint16).copy(),)
+        step = self.rv.arrive(self.rank, "combine", (bits, w, res))
+        self.rv.wait(self.rank, step, "combine")
+        cx, cw = self.combined
+        out_x = torch.from_numpy(cx.view(np.int16).copy()).view(torch.bfloat16)
+        return out_x, None if topk_weights is None else torch.from_numpy(cw.copy())
 
     def check(self) -> None:
         """Nothing to check: the simulator raised at the call."""
 
 
 def run_tokens_step(world, ports, op: str, payloads) -> None:
-    """One simulator step (``Rendezvous.run``): every rank's ``(tokens, ids, pad_rows)``
-    dispatched and received token-major (``world.dispatch_tokens``), each port filled."""
+    """One simulator step (``Rendezvous.run``): every rank's ``(tokens, ids, pad_rows,
+    weights)`` dispatched and received token-major (``world.dispatch_tokens``), each port
+    filled; or (``op == "combine"``) every rank's ``(rows, weights, bias)`` combined
+    (``world.combine_tokens``; weights of the ranks that gave none count as zeros), each
+    port's ``combined`` set."""
+    if op == "combine" and all(p is not None for p in payloads):
+        ws = [p[1] for p in payloads]
+        if all(w is None for w in ws):
+            ws = None
+        else:
+            ws = [np.zeros((len(p[0]), world.cfg.token_fmt.top_k), np.float32)
+                  if w is None else w for p, w in zip(payloads, ws)]
+        out = world.combine_tokens([p[0] for p in payloads], ws, [p[2] for p in payloads])
+        for port, res in zip(ports, out):
+            port.combined = res
+        return
     if op != "tokens" or any(p is None for p in payloads):
         raise RuntimeError(f"normal mode: unexpected step {op!r} (every rank must make the "
                            f"same calls)")
+    weights = [p[3] for p in payloads]
     world.dispatch_tokens([p[0] for p in payloads], [p[1] for p in payloads],
-                          pad_rows=[p[2] for p in payloads])
+                          pad_rows=[p[2] for p in payloads],
+                          topk_weights=None if all(w is None for w in weights) else
+                          [np.zeros(p[1].shape, np.float32) if w is None else w
+                           for p, w in zip(payloads, weights)])
     for port, bufs in zip(ports, world.token_receiver().bufs):
         port.fill(bufs)
 
@@ -150,18 +195,68 @@ class NormalDevicePort:
         self.launch = receiver.programs.of(rk).prepare(KERNEL_NAME, world.cfg.n_sms,
                                                        receiver.args(i, 0))
         self.layout = receiver.layout
+        self.world_index = i
+        tc = world.token_combiner()          # made with the port: never inside a capture
+        prog = tc.programs.of(rk)
+        self.combine_launches = (
+            prog.prepare(token_major_combine.KERNEL_NAME, world.cfg.n_sms, tc.async_args(i)),
+            prog.prepare(token_major_combine.WAIT_NAME, world.cfg.n_sms, tc.wait_args(i)))
         self.out = NormalOutputs(x=tensors.view(torch, b.out_x, dtype="bfloat16"),
                                  topk=tensors.view(torch, b.out_topk),
+                                 weights=tensors.view(torch, b.out_weights),
                                  src=tensors.view(torch, b.out_src),
                                  meta=tensors.view(torch, b.meta))
         self.device = self.ep.device
 
-    def send(self, x, topk_idx, pad_rows: int) -> None:
-        """Enqueue this rank's dispatch of ``x`` / ``topk_idx`` on the current stream: the
-        id check and ``dispatch_async``, then the token-major receive."""
-        self.ep.send(x, topk_idx)
+    def send(self, x, topk_idx, pad_rows: int, topk_weights=None) -> None:
+        """Enqueue this rank's dispatch of ``x`` / ``topk_idx`` / ``topk_weights`` (None:
+        zeros) on the current stream: the id check and ``dispatch_async``, then the
+        token-major receive."""
+        self.ep.send(x, topk_idx, topk_weights)
         self.launch.set("pad_rows", int(pad_rows))
         self.launch.launch(int(self.torch.cuda.current_stream(self.device).cuda_stream))
+
+    def combine(self, x, topk_weights, residual, n_tokens: int):
+        """Enqueue this rank's combine on the current stream: ``ep_combine_async_tokens``
+        of its rows ``x`` (``topk_weights``: their weights or None), then
+        ``ep_combine_wait_partial`` with ``residual`` (the one BF16 bias or None) into the
+        Combiner's output; then, with weights, their reduce over the lead slots
+        (``token_major_combine.reduce_weights``, torch on the stream). Returns ``(combined_x
+        [T, H] BF16, combined weights or None)``, views of the world's buffers (the weights
+        a tensor of their own)."""
+        torch, w, i = self.torch, self.world, self.world_index
+        tc = w.token_combiner()
+        send, wait = self.combine_launches
+        send.set("x_rows", x.data_ptr())
+        send.set("in_weights", topk_weights.data_ptr() if topk_weights is not None
+                 else tc.in_weights[i].ptr)
+        send.set("has_weights", int(topk_weights is not None))
+        b = tc.combiner.bufs[i]
+        wait.set("residual", residual.data_ptr() if residual is not None else b.residual.ptr)
+        wait.set("has_residual", int(residual is not None))
+        wait.set("n_tokens", int(n_tokens))
+        stream = int(torch.cuda.current_stream(self.device).cuda_stream)
+        send.launch(stream)
+        wait.launch(stream)
+        cfg = w.cfg
+        H, K = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+        out_x = tensors.view(torch, b.out, dtype="bfloat16", shape=(n_tokens, H))
+        if topk_weights is None:
+            return out_x, None
+        slots = tensors.view(torch, tc.weight_slots[i], shape=(cfg.max_tokens_per_rank, K, K))
+        lead = self.lead(n_tokens)
+        return out_x, token_major_combine.reduce_weights(
+            slots[:n_tokens], lead, torch.where,
+            torch.zeros((n_tokens, K), dtype=torch.float32, device=x.device))
+
+    def lead(self, n_tokens: int):
+        """``[T, K]`` bool on the device: the lead slots of this rank's dispatched top-k ids
+        (``token_major_combine.lead_mask``, in torch)."""
+        torch, cfg = self.torch, self.world.cfg
+        rk = self.world.ranks[self.world_index]
+        ids = tensors.view(torch, rk.topk_ids)[:n_tokens].to(torch.int64)
+        return token_major_combine.lead_mask(ids, cfg.n_experts, cfg.layout.n_local_experts,
+                                             torch.where, torch.stack)
 
     def check(self) -> None:
         self.ep.check()
@@ -184,6 +279,7 @@ def make_ports(torch, shape: NormalShape, *, sim: bool, n_sms, num_threads, time
         return ports
     world = EmulatedWorld(cfg, device=device, timeout_ns=timeout_ns, fused=False)
     receiver = world.token_receiver()
+    world.token_combiner()
     return [NormalDevicePort(torch, world, r, receiver) for r in range(shape.n_ranks)]
 
 
@@ -201,14 +297,17 @@ class NormalHandle(tuple):
     epgen's own attributes: ``recv_src`` ``[N, 2]`` int32 (source rank, source token) per
     row (what a combine needs), ``topk_idx`` (the routing a cached dispatch re-sends with),
     ``n_rows`` (``N``, a host int, or None when ``num_worst_tokens`` kept it on the device),
-    ``shape``, ``owner``."""
+    ``shape``, ``owner``, and the result slot and generation of the handle's latest dispatch
+    (``slot``, ``generation``: its first or a cached one), which a combine returns the rows
+    of; ``combined``: that dispatch was combined."""
 
     def __new__(cls, rank_prefix_matrix, recv_src, is_token_in_rank, *, topk_idx, n_rows,
-                shape, owner):
+                shape, owner, slot, generation):
         self = super().__new__(cls, (rank_prefix_matrix, None, None, recv_src[:, 1],
                                      is_token_in_rank, None))
         self.recv_src, self.topk_idx, self.n_rows = recv_src, topk_idx, n_rows
         self.shape, self.owner = shape, owner
+        self.slot, self.generation, self.combined = slot, generation, False
         return self
 
     def __repr__(self) -> str:
@@ -243,6 +342,11 @@ class NormalMode:
     def __init__(self, buffer, max_tokens: int | None):
         self.buffer, self.max_tokens = buffer, max_tokens
         self.next_slot = 0
+        #: per result slot: the dispatches made on it (a handle's combine checks that its
+        #: dispatch is the slot's latest)
+        self.generations = [0, 0]
+        #: per result slot: the port of its latest dispatch
+        self.slot_ports = [None, None]
         self.ports = set()
         #: device-side checks of eager calls that could not read the device
         #: (num_worst_tokens), raised once by ``check()``
@@ -339,11 +443,6 @@ class NormalMode:
         if num_tokens_per_rdma_rank is not None:
             raise EPInputError("num_tokens_per_rdma_rank: must be None (every rank reaches "
                                "every other directly; epgen has no RDMA-rank level)")
-        if topk_weights is not None:
-            raise EPInputError("topk_weights: not available yet: the deduplicated message "
-                               "does not carry the top-k weights (they come with the "
-                               "partial-reduce combine's message rows); pass None "
-                               "(recv_topk_weights is then None)")
         if b.enable_shrink:
             raise EPInputError("enable_shrink: the normal mode does not take rank masks; "
                                "use a buffer without enable_shrink")
@@ -353,6 +452,9 @@ class NormalMode:
             if topk_idx is not None:
                 raise EPInputError("topk_idx: a cached dispatch (handle given) re-sends with "
                                    "the handle's routing; pass topk_idx=None")
+            if topk_weights is not None:
+                raise EPInputError("topk_weights: a cached dispatch (handle given) returns "
+                                   "no weights (DeepEP's passes none); pass None")
             if not isinstance(handle, NormalHandle) or handle.owner is not b:
                 raise EPInputError("handle: must be a handle this buffer's dispatch returned")
             topk_idx = handle.topk_idx
@@ -380,6 +482,9 @@ class NormalMode:
             shape = self._shape(x, topk_idx, E)
             checks.append(self._check_layout(x, topk_idx, num_tokens_per_rank,
                                              is_token_in_rank, num_tokens_per_expert))
+            if topk_weights is not None:
+                check_tensor(torch, topk_weights, "topk_weights", dtypes=(torch.float32,),
+                             shape=tuple(topk_idx.shape), on_cuda=b.on_cuda, device=x.device)
         if num_worst_tokens > shape.rows:
             raise EPInputError(f"num_worst_tokens: {num_worst_tokens} exceeds the receive "
                                f"rows num_ranks * num_max_dispatch_tokens_per_rank = "
@@ -396,8 +501,13 @@ class NormalMode:
         slot = self.next_slot
         port = self._source_port(shape, slot)
         self.ports.add(port)
-        port.send(x, topk_idx, num_worst_tokens)
+        port.send(x, topk_idx, num_worst_tokens, topk_weights)
         self.next_slot ^= 1
+        self.generations[slot] += 1
+        self.slot_ports[slot] = port
+        if cached:          # the handle's combine now returns this dispatch's rows
+            handle.slot, handle.generation = slot, self.generations[slot]
+            handle.combined = False
         out, tl = port.out, port.layout
         R, L = shape.n_ranks, shape.n_local_experts
         meta = out.meta
@@ -431,8 +541,72 @@ class NormalMode:
             return recv_x, None, None, None, None, event
         new_handle = NormalHandle(prefix, out.src[:n], is_token_in_rank,
                                   topk_idx=topk_idx.clone(), n_rows=n_rows, shape=shape,
-                                  owner=b)
-        return recv_x, out.topk[:n], None, counts_list, new_handle, event
+                                  owner=b, slot=slot, generation=self.generations[slot])
+        recv_w = None if topk_weights is None else out.weights[:n]
+        return recv_x, out.topk[:n], recv_w, counts_list, new_handle, event
+
+
+    # -- combine -----------------------------------------------------------------------------
+    def combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
+        """``Buffer.combine`` (its docstring), the arguments as DeepEP names them."""
+        b, torch = self.buffer, self.buffer.torch
+        b.source_for_normal_mode()          # a destroyed buffer, a process group: refused
+        if isinstance(x, tuple):
+            raise EPInputError("x: FP8 input is not available: the normal-mode combine "
+                               "returns BF16 rows (DeepEP's takes BF16 only)")
+        if not isinstance(handle, NormalHandle):
+            raise EPInputError(f"handle: must be the handle this buffer's normal-mode "
+                               f"dispatch returned, got {type(handle).__name__}")
+        if handle.owner is not b:
+            raise EPInputError("handle: from another buffer")
+        if self.generations[handle.slot] != handle.generation:
+            raise EPInputError("handle: its result slot was reused by a later dispatch (at "
+                               "most two results are outstanding; a cached dispatch with "
+                               "the handle makes it current again)")
+        if handle.combined:
+            raise EPInputError("handle: already combined (epgen combines each dispatch once; "
+                               "dispatch again, e.g. cached with handle=, to combine again)")
+        shape = handle.shape
+        H, K = shape.hidden, shape.top_k
+        check_tensor(torch, x, "x", dtypes=(torch.bfloat16,), dim=2, on_cuda=b.on_cuda)
+        rows = handle.recv_src.shape[0]
+        if x.shape[1] != H or not rows <= x.shape[0] <= shape.rows:
+            raise EPInputError(f"x: shape {tuple(x.shape)}, must be [N, {H}] with N from the "
+                               f"handle's {rows} received rows up to {shape.rows}")
+        if topk_weights is not None:
+            check_tensor(torch, topk_weights, "topk_weights", dtypes=(torch.float32,),
+                         shape=(x.shape[0], K), on_cuda=b.on_cuda, device=x.device)
+        T = handle.topk_idx.shape[0]
+        residual = unpack_bias(torch, bias, T, H, b.on_cuda, x.device)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        port = self.slot_ports[handle.slot]
+        combined_x, combined_w = port.combine(x, topk_weights, residual, T)
+        handle.combined = True
+        self.keep = (x, topk_weights, residual)      # alive while the kernels read them
+        event = events.record(torch, b.on_cuda, (x,)) if async_finish \
+            else events.EventOverlap()
+        return combined_x, combined_w, event
+
+def unpack_bias(torch, bias, T: int, H: int, on_cuda: bool, device):
+    """DeepEP's ``_unpack_bias`` of ``bias`` (None, a tensor, or a pair of tensors or None),
+    each checked as ``[T, H]`` BF16: the one BF16 residual the combine adds (None, the one,
+    or the two's ``a + b``, summed in float32 and rounded to BF16 by torch)."""
+    if bias is None:
+        parts = ()
+    elif isinstance(bias, torch.Tensor):
+        parts = (bias,)
+    elif isinstance(bias, tuple) and len(bias) == 2:
+        parts = tuple(b for b in bias if b is not None)
+    else:
+        raise EPInputError("bias: must be None, a [num_tokens, hidden] BF16 tensor or a pair "
+                           "of them (DeepEP's _unpack_bias)")
+    for j, b in enumerate(parts):
+        check_tensor(torch, b, f"bias[{j}]", dtypes=(torch.bfloat16,), shape=(T, H),
+                     on_cuda=on_cuda, device=device)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 __all__ = ["NormalShape", "NormalHandle", "NormalMode", "NormalSimPort", "NormalDevicePort",

@@ -8,7 +8,9 @@ expert, this kernel gives each received *token* one row: the tokens that have at
 expert on this rank, source-major (source rank 0's first), in source token order inside a
 source. Per row it writes the payload (``out_x``), the token's top-k ids as this rank's
 local expert ids (``out_topk``, int64, ``-1`` where the slot's expert lives elsewhere or the
-slot is masked) and ``(source rank, source token)`` (``out_src``); and per call the
+slot is masked), the token's top-k weights from the message row (``out_weights``, float32,
+``0.0`` where the local id is ``-1``: DeepEP's ``recv_topk_weights``) and ``(source rank,
+source token)`` (``out_src``); and per call the
 ``meta`` words (``TokensLayout``): the row count, the inclusive per-source row prefix (DeepEP's
 ``rank_prefix_matrix`` column of this rank) and the per-local-expert counts.
 
@@ -17,8 +19,8 @@ messages before them), marks each source's received tokens in a bitmap from the 
 (a token with several local experts appears several times: ``red.or``), scans the bitmap's
 popcounts into each bitmap word's first row, writes ``meta`` and raises the ready flag. The
 other blocks (copy) take bitmap words, one warp each, and copy every marked token's message
-to its row; then they write ``-1`` top-k ids and sources into the padding rows ``[n_rows,
-pad_rows)`` (DeepEP's ``num_worst_tokens``). Everything is re-armed by the kernel: the count words to the
+to its row; then they write ``-1`` top-k ids, ``0.0`` weights and ``(-1, -1)`` sources
+into the padding rows ``[n_rows, pad_rows)`` (DeepEP's ``num_worst_tokens``). Everything is re-armed by the kernel: the count words to the
 sentinel (aux, as ``ep_dispatch_wait``'s aux does), each bitmap word to 0 (the warp that
 copied it), the ready flag to 0 (the last copy block), so consecutive calls need no host
 reset. The message rows are read with the stride ``message_row_bytes``.
@@ -146,6 +148,7 @@ class TokensParams:
     scratch: ir.Param
     out_x: ir.Param
     out_topk: ir.Param
+    out_weights: ir.Param
     out_src: ir.Param
     meta: ir.Param
     pad_rows: ir.Param
@@ -163,6 +166,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> TokensParams:
         scratch=kb.param("scratch", T.ptr_global),
         out_x=kb.param("out_x", T.ptr_global),
         out_topk=kb.param("out_topk", T.ptr_global),
+        out_weights=kb.param("out_weights", T.ptr_global),
         out_src=kb.param("out_src", T.ptr_global),
         meta=kb.param("meta", T.ptr_global),
         pad_rows=kb.param("pad_rows", T.u32),
@@ -262,10 +266,13 @@ def copy_tokens(r: ir.RoleBuilder, cfg, p: TokensParams) -> None:
     first: ``popc``) of source ``src``'s word, the warp copies message row
     ``dedup_msg_row(src, t)``'s payload to row ``first + i`` of ``out_x``
     (``copy_vectors``: 16-byte ``ld.global.v4`` / ``st.global.v4``), lanes ``k < K`` load
-    the header's top-k id ``k`` (``ld.global.u16``) and store its local id
-    (``local_expert_id``, ``st.global.s64``), lane 0 stores ``(src, t)``; then
+    the header's top-k id ``k`` (``ld.global.u16``) and the row's weight ``k``
+    (``dedup_weights_offset``, ``ld.global.f32``) and store the local id
+    (``local_expert_id``, ``st.global.s64``) and the weight, ``0.0`` where the local id is
+    ``-1`` (``st.global.f32``), lane 0 stores ``(src, t)``; then
     ``bar.warp.sync`` (every lane has read the word) and lane 0 clears the bitmap word.
-    Then the padding rows ``[n_rows, pad_rows)`` get ``-1`` ids and ``(-1, -1)`` sources,
+    Then the padding rows ``[n_rows, pad_rows)`` get ``-1`` ids, ``0.0`` weights and ``(-1,
+    -1)`` sources,
     the role's barrier, and thread 0 counts the block done (``atom.relaxed.gpu.add`` of -1 on the
     cleanup countdown); the last one lowers the ready flag."""
     lay, fmt, tl = cfg.layout, cfg.token_fmt, TokensLayout(cfg)
@@ -295,8 +302,12 @@ def copy_tokens(r: ir.RoleBuilder, cfg, p: TokensParams) -> None:
             with r.if_(r.lane < K):
                 gid = r.load(msg + fmt.topk_info_offset + (r.lane * 2).cast(T.u64), T.u16,
                              name="gid16")
-                r.store(_word(p.out_topk, row * K + r.lane, 8),
-                        local_expert_id(r, cfg, p, gid))
+                local = local_expert_id(r, cfg, p, gid)
+                r.store(_word(p.out_topk, row * K + r.lane, 8), local)
+                wt = r.load(msg + lay.dedup_weights_offset + (r.lane * 4).cast(T.u64), T.f32,
+                            name="wt_ld")
+                r.store(_word(p.out_weights, row * K + r.lane),
+                        ir.Select(local.eq(ir.Const(-1, T.s64)), ir.Const(0.0, T.f32), wt))
             with r.if_(r.lane.eq(0)):
                 r.store(_word(p.out_src, row * 2), src)
                 r.store(_word(p.out_src, row * 2 + 1), t)
@@ -309,6 +320,7 @@ def copy_tokens(r: ir.RoleBuilder, cfg, p: TokensParams) -> None:
     with r.for_range("pad", n_rows * K + r.block * r.n_threads + r.tid, p.pad_rows * K,
                      n_copy * r.n_threads) as q:
         r.store(_word(p.out_topk, q, 8), ir.Const(-1, T.s64))
+        r.store(_word(p.out_weights, q), ir.Const(0.0, T.f32))
         with r.if_((q % K).eq(0)):
             r.store(_word(p.out_src, (q // K) * 2), ir.Const(-1, T.s32))
             r.store(_word(p.out_src, (q // K) * 2 + 1), ir.Const(-1, T.s32))

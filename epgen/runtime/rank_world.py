@@ -69,6 +69,7 @@ from .rank_buffers import RankBuffers
 from .rank_masks import RankMasks
 from .results import rank_result
 from .token_major import TokenMajorReceiver
+from .token_major_combine import TokenMajorCombine
 from .world_args import check_mask_args
 
 
@@ -134,6 +135,7 @@ class RankWorld(abc.ABC):
         self.input_scale = input_scale
         self._combiner = None
         self._token_receiver = None
+        self._token_combiner = None
         #: the last dispatch's ``topk_weights`` (``load_weights``; None: none given)
         self.last_weights = None
         self._shrink = shrink
@@ -584,6 +586,8 @@ class RankWorld(abc.ABC):
             kernels += self._combiner.all_kernels()
         if self._token_receiver is not None:
             kernels += self._token_receiver.kernels()
+        if self._token_combiner is not None:
+            kernels += self._token_combiner.kernels()
         try:
             masks = self.raise_timeouts(kernels, context)
         except Exception:
@@ -753,14 +757,32 @@ class RankWorld(abc.ABC):
             self._token_receiver = TokenMajorReceiver(self)
         return self._token_receiver
 
-    def dispatch_tokens(self, tokens, topk_ids, pad_rows=0) -> list:
+    def dispatch_tokens(self, tokens, topk_ids, pad_rows=0, topk_weights=None) -> list:
         """One dispatch received token-major (docs/deepep.md, "Normal mode"; an
         ``ep_rank_dedup`` configuration): ``ep_dispatch_async`` then
         ``ep_dispatch_wait_tokens`` on every rank. Returns a
         ``token_major.TokenMajorResult`` per rank: each token with an expert on the rank
         once, source-major, in token order. ``pad_rows``: rows up to which the rows past the
-        received ones get ``-1`` ids (DeepEP's ``num_worst_tokens``)."""
-        return self.token_receiver().run(tokens, topk_ids, pad_rows)
+        received ones get ``-1`` ids (DeepEP's ``num_worst_tokens``). ``topk_weights`` (one
+        ``[T, K]`` float32 array per rank, None: zeros) travel in the messages and come back
+        per row (``0.0`` in the slots of other ranks' experts)."""
+        return self.token_receiver().run(tokens, topk_ids, pad_rows, topk_weights)
+
+    def token_combiner(self) -> TokenMajorCombine:
+        """The world's normal-mode combine (``runtime.token_major_combine``), built on first
+        use; ``ValueError`` for a configuration it does not take."""
+        if self._token_combiner is None:
+            self._token_combiner = TokenMajorCombine(self)
+        return self._token_combiner
+
+    def combine_tokens(self, xs, topk_weights=None, bias=None) -> list:
+        """The normal-mode combine of the last ``dispatch_tokens`` (docs/deepep.md, "Normal
+        mode"): rank ``d`` returns its token-major rows ``xs[d]`` ``[N, H]`` BF16 (and
+        ``topk_weights[d]`` ``[N, K]`` float32); each source token becomes the sum of the
+        rows of the ranks that received it plus ``bias[s]`` (0 to 2 ``[T, H]`` BF16 arrays),
+        rounded to BF16, and the sum of their weight rows. Returns per rank ``(x, w)``
+        (``TokenMajorCombine.run``)."""
+        return self.token_combiner().run(xs, topk_weights, bias)
 
     # -- combine -----------------------------------------------------------------------------
     def combiner(self) -> Combiner:

@@ -18,7 +18,8 @@ from ..kernels.dispatch_tokens import (KERNEL_NAME, TokensLayout, build_dispatch
 class TokenMajorBuffers:
     """One rank's buffers of the token-major receive (``TokensLayout``): ``scratch``
     (zeroed; each call leaves it zeroed), ``out_x`` ``[rows, H]`` uint16, ``out_topk``
-    ``[rows, K]`` int64, ``out_src`` ``[rows, 2]`` int32, ``meta`` int32."""
+    ``[rows, K]`` int64, ``out_weights`` ``[rows, K]`` float32, ``out_src`` ``[rows, 2]``
+    int32, ``meta`` int32."""
 
     def __init__(self, cuda, cfg, rk):
         tl, fmt = TokensLayout(cfg), cfg.token_fmt
@@ -28,6 +29,7 @@ class TokenMajorBuffers:
         self.scratch = z(tl.scratch_words, np.uint32)
         self.out_x = z((tl.rows, fmt.hid_dim), np.uint16)
         self.out_topk = z((tl.rows, fmt.top_k), np.int64)
+        self.out_weights = z((tl.rows, fmt.top_k), np.float32)
         self.out_src = z((tl.rows, 2), np.int32)
         self.meta = z(tl.meta_words, np.int32)
 
@@ -65,7 +67,7 @@ class TokenMajorReceiver:
         rk, b = w.ranks[i], self.bufs[i]
         return {"recv_buf_p": rk.recv_buf, "recv_count_p": rk.recv_count,
                 "scratch": b.scratch, "out_x": b.out_x, "out_topk": b.out_topk,
-                "out_src": b.out_src, "meta": b.meta, "pad_rows": pad_rows,
+                "out_weights": b.out_weights, "out_src": b.out_src, "meta": b.meta, "pad_rows": pad_rows,
                 "my_rank": rk.rank, "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
 
     def enqueue(self, pad_rows=0) -> None:
@@ -89,11 +91,14 @@ class TokenMajorReceiver:
                                         rk.stream)
             rk.wait_done = w.cuda.record_event(rk.stream)
 
-    def run(self, tokens, topk_ids, pad_rows=0) -> list:
+    def run(self, tokens, topk_ids, pad_rows=0, topk_weights=None) -> list:
         """One dispatch of every rank's ``tokens`` / ``topk_ids`` (as ``world.dispatch``
-        takes them), received token-major: ``finish``'s results."""
+        takes them) and ``topk_weights`` (None: zeros travel), received token-major:
+        ``finish``'s results."""
         w = self.world
+        weights = w.check_weights(topk_weights, topk_ids)
         w.load_inputs(tokens, topk_ids)
+        w.load_weights(weights)
         w.dispatch_async()
         self.enqueue(pad_rows)
         return self.finish()
@@ -125,13 +130,14 @@ class TokenMajorReceiver:
         meta = b.meta.to_host()
         n = int(meta[tl.N_ROWS])
         topk, src = b.out_topk.to_host(), b.out_src.to_host()
+        weights = b.out_weights.to_host()
         pad = max(n, self.pad_rows[i])
         return TokenMajorResult(
             rank=rk.rank, n_rows=n, x=b.out_x.to_host()[:n], topk_idx=topk[:n],
-            src=src[:n],
+            topk_weights=weights[:n], src=src[:n],
             rank_prefix=meta[tl.rank_prefix_offset:tl.rank_prefix_offset + R].copy(),
             expert_counts=meta[tl.expert_count_offset:tl.meta_words].copy(),
-            pad_topk=topk[n:pad], pad_src=src[n:pad])
+            pad_topk=topk[n:pad], pad_weights=weights[n:pad], pad_src=src[n:pad])
 
 
 __all__ = ["TokenMajorReceiver", "TokenMajorBuffers"]

@@ -364,13 +364,13 @@ class EPBuffer:
             self._pending_receive = self._dispatch[-1:]
         return outs[0] if len(outs) == 1 and not isinstance(x, (list, tuple)) else outs
 
-    def send(self, x, topk_ids, *, stream=None):
+    def send(self, x, topk_ids, topk_weights=None, *, stream=None):
         """Enqueue the sending half of a dispatch (the id check and ``dispatch_async``) for a
         caller that receives with a kernel of its own on the same world (the DeepEP normal
         mode's token-major receive, ``runtime.token_major``): ``dispatch(receive=False)``
-        with nothing left pending. Returns the ``DispatchOutput`` (its grouped tensors are
-        not filled by this call)."""
-        out = self.dispatch(x, topk_ids, stream=stream, receive=False)
+        with nothing left pending (``topk_weights``: what the messages carry). Returns the
+        ``DispatchOutput`` (its grouped tensors are not filled by this call)."""
+        out = self.dispatch(x, topk_ids, topk_weights, stream=stream, receive=False)
         self._pending_receive = None
         return out
 

@@ -1,9 +1,10 @@
 """``epgen.deepep.Buffer.dispatch`` (DeepEP's normal mode on the deduplicated transport) on
 the H200, every rank in one process (``EmulatedGroup``, one thread and one stream per rank),
-with the properties of DeepEP's tests/legacy/test_intranode.py dispatch checks
-(``normal_checks``) at realistic sizes; and ``num_worst_tokens`` dispatches captured in a
+with the properties of DeepEP's tests/legacy/test_intranode.py dispatch and combine checks
+(``normal_checks``: ``recv_topk_weights``, the combine's ``calc_diff`` thresholds, bit-exact
+against the reference) at realistic sizes; ``num_worst_tokens`` dispatches captured in a
 CUDA graph (both result slots: an even number of dispatches per graph) and replayed with new
-tokens.
+tokens; and dispatch + combine pairs (weights and a bias) captured and replayed likewise.
 
     PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_deepep_normal_gpu.py
 """
@@ -18,9 +19,9 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import epgen.deepep as deep_ep  # noqa: E402
-from epgen.reference_tokens import normal_dispatch  # noqa: E402
+from epgen.reference_tokens import normal_combine, normal_dispatch  # noqa: E402
 
-from normal_checks import NormalCase, draw_inputs, rank_checks  # noqa: E402
+from normal_checks import NormalCase, draw_inputs, draw_weights, rank_checks  # noqa: E402
 
 DEV = "cuda"
 CASES = {
@@ -39,13 +40,15 @@ def emulated(n_ranks):
 def test_normal_dispatch_has_deepeps_properties(name, seed):
     case = CASES[name]
     inputs = draw_inputs(torch, case, seed)
+    weights = draw_weights(torch, case, inputs, seed)
     group = emulated(case.n_ranks)
 
     def body(rank):
         dev = [(x.to(DEV), i.to(DEV)) for x, i in inputs]
         buf = deep_ep.Buffer(group.rank(rank), num_max_dispatch_tokens_per_rank=case.tokens)
-        for alignment in (1, 128):
-            rank_checks(torch, buf, rank, case, dev, alignment=alignment)
+        for alignment, ws in ((1, [w.to(DEV) for w in weights]), (128, None)):
+            rank_checks(torch, buf, rank, case, dev, alignment=alignment, weights=ws)
+        torch.cuda.current_stream().synchronize()
         return True
     assert all(group.run(body))
 
@@ -87,5 +90,60 @@ def test_num_worst_tokens_dispatch_in_a_cuda_graph(seed):
                 np.testing.assert_array_equal(got, ref.x)
                 np.testing.assert_array_equal(recv_idx[:n].cpu().numpy(), ref.topk_idx)
                 assert torch.all(recv_idx[n:] == -1).item()
+        return True
+    assert all(group.run(body))
+
+
+def test_dispatch_and_combine_pairs_in_a_cuda_graph(seed):
+    """Two ``num_worst_tokens`` dispatch + combine pairs per rank (both result slots; the
+    rows returned are the received ones, weights and a bias given) captured after a warm-up
+    and replayed with three new token sets; each result bit-exact against
+    ``normal_combine``."""
+    case = CASES["R4-E64-K6"]
+    rounds = [draw_inputs(torch, case, seed + k) for k in range(3)]
+    weights = draw_weights(torch, case, rounds[0], seed)
+    g = torch.Generator().manual_seed(seed % 1000)
+    bias = [torch.randn((len(i), case.hidden), generator=g).to(torch.bfloat16)
+            for _, i in rounds[0]]
+    group = emulated(case.n_ranks)
+    R, E, worst = case.n_ranks, case.num_experts, case.n_ranks * case.tokens
+
+    def bits(t):
+        return t.cpu().view(torch.int16).numpy().view(np.uint16)
+
+    def body(rank):
+        buf = deep_ep.Buffer(group.rank(rank), num_max_dispatch_tokens_per_rank=case.tokens)
+        x, idx = (t.to(DEV) for t in rounds[0][rank])
+        w, b = weights[rank].to(DEV), bias[rank].to(DEV)
+        ntpr, _, ntpe, itir, _ = buf.get_dispatch_layout(idx, E)
+        args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itir,
+                    num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                    num_worst_tokens=worst)
+
+        def pair():
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **args)
+            return buf.combine(recv_x, handle, topk_weights=recv_w, bias=b)
+        stream = torch.cuda.current_stream()
+        pair()
+        pair()                              # both slots' worlds made before the capture
+        buf.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            first = pair()
+            second = pair()
+        ids = [i.numpy() for _, i in rounds[0]]
+        ws = [q.numpy() for q in weights]
+        for inputs in rounds:
+            x.copy_(inputs[rank][0].to(DEV))
+            graph.replay()
+            buf.check()
+            toks = [bits(xs) for xs, _ in inputs]
+            refs = [normal_dispatch(E, toks, ids, d, ws) for d in range(R)]
+            exp_x, exp_w = normal_combine(E, ids, [r.src for r in refs], [r.x for r in refs],
+                                          [r.topk_weights for r in refs],
+                                          [(bits(q),) for q in bias])[rank]
+            for combined_x, combined_w, _ in (first, second):
+                np.testing.assert_array_equal(bits(combined_x), exp_x)
+                np.testing.assert_array_equal(combined_w.cpu().numpy(), exp_w)
         return True
     assert all(group.run(body))

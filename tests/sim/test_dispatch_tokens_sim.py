@@ -2,7 +2,8 @@
 ``ep_rank_dedup`` configuration; ``world.dispatch_tokens``) on the CPU simulator, against
 ``epgen.reference_tokens.normal_dispatch``: 2 and 4 ranks, ``-1`` slots, a token with all
 its experts on one rank, a token of ``-1`` only, an idle rank, consecutive calls on one world
-(every word re-armed by the kernels), padding rows, the weak memory model, ``P2PWorld``."""
+(every word re-armed by the kernels), padding rows, the top-k weights, the weak memory
+model, ``P2PWorld``."""
 
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ def draw_inputs(rng, cfg, counts=None):
     return toks, ids
 
 
-def check_rank(cfg, got, toks, ids, d, pad_rows=0):
-    exp = normal_dispatch(cfg.n_experts, toks, ids, d)
+def check_rank(cfg, got, toks, ids, d, pad_rows=0, weights=None):
+    exp = normal_dispatch(cfg.n_experts, toks, ids, d, weights)
+    np.testing.assert_array_equal(got.topk_weights, exp.topk_weights,
+                                  err_msg=f"rank {d} topk_weights")
+    assert (got.pad_weights == 0).all() and len(got.pad_weights) == len(got.pad_topk)
     assert got.n_rows == exp.n_rows, (d, got.n_rows, exp.n_rows)
     np.testing.assert_array_equal(got.src, exp.src, err_msg=f"rank {d} src")
     np.testing.assert_array_equal(got.x, exp.x, err_msg=f"rank {d} x")
@@ -67,9 +71,12 @@ def test_matches_reference_over_consecutive_calls(seed, rng, R, L, K):
     for call in range(3):
         toks, ids = draw_inputs(rng, cfg)
         pad = rows if call == 1 else 0
-        got = world.dispatch_tokens(toks, ids, pad_rows=pad)
+        # weights on the first and last calls: the middle one's travel as zeros
+        ws = None if call == 1 else [rng.standard_normal(i.shape).astype(np.float32)
+                                     for i in ids]
+        got = world.dispatch_tokens(toks, ids, pad_rows=pad, topk_weights=ws)
         for d in range(R):
-            check_rank(cfg, got[d], toks, ids, d, pad)
+            check_rank(cfg, got[d], toks, ids, d, pad, ws)
     tl = TokensLayout(cfg)
     for b in world.token_receiver().bufs:   # the flag, countdown and bitmap left re-armed
         words = b.scratch.to_host()

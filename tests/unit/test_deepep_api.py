@@ -84,8 +84,8 @@ def test_construction_refuses_what_it_cannot_serve(group):
     normal = deep_ep.Buffer(group.rank(0))
     with pytest.raises(EPInputError, match=r"needs low_latency_mode=True"):
         normal.low_latency_dispatch(*inputs(), T, E)
-    with pytest.raises(NotImplementedError, match="normal-mode combine .* partial-reduce"):
-        normal.combine()
+    with pytest.raises(EPInputError, match=r"^handle: must be the handle .* normal-mode"):
+        normal.combine(torch.zeros((1, 8), dtype=torch.bfloat16), None)
 
 
 def test_combine_refuses_logfmt_wait_statistics_and_foreign_handles(buf, group):

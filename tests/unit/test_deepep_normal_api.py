@@ -1,6 +1,7 @@
 """``epgen.deepep.Buffer.dispatch`` (the normal mode)'s host side: every argument DeepEP
 would reject, and every one epgen cannot serve yet, is refused with an ``EPInputError``
-naming it before any world is made or anything sent; the normal-mode combine is refused
+naming it before any world is made or anything sent; a normal-mode combine without a handle
+is refused
 with its reason."""
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def args(buf, T=T, K=K):
 @pytest.mark.parametrize("change,match", [
     (lambda x, a: ((x.to(torch.float8_e4m3fn), torch.ones((T, 1))), a), r"^x: FP8 input"),
     (lambda x, a: (x.float(), a), r"^x: dtype torch.float32"),
-    (lambda x, a: (x, {**a, "topk_weights": torch.ones((T, K))}), r"^topk_weights: not "),
+    (lambda x, a: (x, {**a, "topk_weights": torch.ones((T, K), dtype=torch.float64)}),
+     r"^topk_weights: dtype"),
+    (lambda x, a: (x, {**a, "topk_weights": torch.ones((T, K + 1))}), r"^topk_weights: shape"),
     (lambda x, a: (x, {**a, "topk_idx": None}), r"^topk_idx: required"),
     (lambda x, a: (x, {**a, "num_tokens_per_expert": None}), r"^num_tokens_per_expert: "),
     (lambda x, a: (x, {**a, "is_token_in_rank": None}), r"^is_token_in_rank: required"),
@@ -50,7 +53,7 @@ def args(buf, T=T, K=K):
     (lambda x, a: (x, {**a, "is_token_in_rank": ~a["is_token_in_rank"]}),
      r"^topk_idx: .*mismatch"),
     (lambda x, a: (x, {**a, "topk_idx": a["topk_idx"] + E}), r"^topk_idx: .*mismatch"),
-], ids=["fp8", "dtype", "weights", "no_topk", "no_per_expert", "no_in_rank", "rdma",
+], ids=["fp8", "dtype", "weights", "weights_shape", "no_topk", "no_per_expert", "no_in_rank", "rdma",
         "alignment", "worst_negative", "worst_too_many", "hidden", "layout", "bad_ids"])
 def test_refused_by_name_before_anything_is_sent(buf, group, change, match):
     x, a = args(buf)
@@ -79,14 +82,15 @@ def test_cached_dispatch_refusals(buf, group):
     from epgen.deepep.normal import NormalHandle
     foreign = NormalHandle(torch.zeros((R, R)), torch.zeros((0, 2)), None,
                            topk_idx=a["topk_idx"], n_rows=0,
-                           shape=NormalShape(R, E, T, H, K), owner=other)
+                           shape=NormalShape(R, E, T, H, K), owner=other, slot=0,
+                           generation=1)
     with pytest.raises(EPInputError, match=r"^handle: must be a handle this buffer"):
         buf.dispatch(x, handle=foreign)
     with pytest.raises(EPInputError, match=r"^handle: must be"):
         buf.dispatch(x, handle=(1, 2, 3))
     mine = NormalHandle(torch.zeros((R, R)), torch.zeros((0, 2)), None,
                         topk_idx=a["topk_idx"], n_rows=0, shape=NormalShape(R, E, T, H, K),
-                        owner=buf)
+                        owner=buf, slot=0, generation=1)
     with pytest.raises(EPInputError, match=r"^topk_idx: a cached dispatch"):
         buf.dispatch(x, handle=mine, topk_idx=a["topk_idx"])
     with pytest.raises(EPInputError, match=r"^x: 3 tokens, the handle's dispatch had 4"):
@@ -96,14 +100,15 @@ def test_cached_dispatch_refusals(buf, group):
     assert group.worlds() == []
 
 
-def test_shrink_buffers_and_the_combine_are_refused(group):
+def test_shrink_buffers_and_a_combine_without_a_handle_are_refused(group):
     sim = deep_ep.EmulatedGroup(R, backend="sim")
     shrink = deep_ep.Buffer(sim.rank(0), enable_shrink=True, num_max_dispatch_tokens_per_rank=T)
     x, a = args(shrink)
     with pytest.raises(EPInputError, match=r"^enable_shrink: the normal mode"):
         shrink.dispatch(x, **a)
-    with pytest.raises(NotImplementedError, match=r"^combine: DeepEP's normal-mode combine"):
-        deep_ep.Buffer(group.rank(0)).combine(x)
+    with pytest.raises(EPInputError, match=r"^handle: must be the handle .* normal-mode"):
+        deep_ep.Buffer(group.rank(0)).combine(x, None)
+    assert group.worlds() == []
 
 
 def test_handle_keeps_deepeps_positions():
@@ -112,7 +117,7 @@ def test_handle_keeps_deepeps_positions():
     prefix, in_rank, ids = torch.zeros((2, 2)), torch.ones((4, 2), dtype=torch.bool), \
         torch.zeros((4, 2), dtype=torch.int64)
     h = NormalHandle(prefix, src, in_rank, topk_idx=ids, n_rows=2,
-                     shape=NormalShape(2, 4, 4, 32, 2), owner=None)
+                     shape=NormalShape(2, 4, 4, 32, 2), owner=None, slot=0, generation=1)
     rpm, cpm, rcpm, recv_src_idx, itir, send_head = h
     assert rpm is prefix and itir is in_rank and (cpm, rcpm, send_head) == (None, None, None)
     assert recv_src_idx.tolist() == [3, 2] and h.recv_src is src and h.topk_idx is ids
