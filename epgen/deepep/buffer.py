@@ -28,9 +28,8 @@ argument):
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
   on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode's
-  ``combine`` (its ``get_dispatch_layout`` and ``dispatch`` are here; ``dispatch`` on an
-  ``EmulatedGroup`` only),
-  ``comm`` (an MPI communicator).
+  ``dispatch`` and ``combine`` on a process group (they run on an ``EmulatedGroup``), FP8
+  input to the normal mode, ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
   (``get_low_latency_rdma_size_hint`` says how much), and ``ignored_arguments`` lists them.
