@@ -17,7 +17,7 @@ import pytest
 import epgen
 from epgen import reference
 
-from combine_checks import round_trip_inputs
+from combine_checks import check_torch_combine_option, round_trip_inputs
 from world_checks import make_cfg
 
 pytestmark = pytest.mark.gpu
@@ -91,28 +91,4 @@ def test_torch_api(fused, seed):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    import epgen.torch as ept
-    world = _world("decode", fused=fused)
-    cfg, ep = world.cfg, ept.EPBuffer(world)
-    rng = np.random.default_rng(seed)
-    H, K, M = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k, cfg.layout.max_out_rows
-
-    def dev(bits):
-        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
-            torch.bfloat16).cuda()
-    for call, (toks, ids) in enumerate(round_trip_inputs(rng, cfg, 3)):
-        w = [rng.random((len(a), K), dtype=np.float32) for a in ids]
-        outs = ep.dispatch([dev(t) for t in toks],
-                           [torch.from_numpy(i.astype(np.int64)).cuda() for i in ids],
-                           [torch.from_numpy(a).cuda() for a in w])
-        results = [o.to_reference(cfg) for o in outs]
-        ys = [rng.integers(0, 1 << 16, size=(M, H), dtype=np.uint16) & np.uint16(0xBFFF)
-              for _ in outs]
-        for partial in (True, False):
-            got = ep.combine([dev(y) for y in ys], outs, partial_reduce=partial)
-            ep.check("combine")
-            want = reference.combine(cfg, results, ys, w, partial_reduce=partial)
-            for r, (g, e) in enumerate(zip(got, want)):
-                g = g.view(torch.int16).cpu().numpy().view(np.uint16)
-                assert np.array_equal(g, e), \
-                    f"seed {seed} call {call} partial={partial} rank {r}"
+    check_torch_combine_option(_world("decode", fused=fused), seed, "partial_reduce")

@@ -194,3 +194,34 @@ def assert_combine_ignores_flag(cfg, flag: str, make_world, calls, ws) -> None:
     for c, (a, b) in enumerate(zip(got[False], got[True])):
         for s, (x, y) in enumerate(zip(a, b)):
             assert np.array_equal(x, y), f"call {c} rank {s}: the combine with {flag} differs"
+
+
+def check_torch_combine_option(world, seed: int, option: str, n_calls: int = 3) -> None:
+    """``EPBuffer`` over ``world`` (on a CUDA device): ``n_calls`` dispatches with weights,
+    each followed by a combine with ``option=True`` (``fp8``, ``partial_reduce``) and one
+    without, each equal bit for bit to ``reference.combine`` with the same option."""
+    import torch
+
+    import epgen.torch as ept
+    cfg, ep = world.cfg, ept.EPBuffer(world)
+    rng = np.random.default_rng(seed)
+    H, K, M = cfg.token_fmt.hid_dim, cfg.token_fmt.top_k, cfg.layout.max_out_rows
+
+    def dev(bits):
+        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
+            torch.bfloat16).cuda()
+    for call, (toks, ids) in enumerate(round_trip_inputs(rng, cfg, n_calls)):
+        w = [rng.random((len(a), K), dtype=np.float32) for a in ids]
+        outs = ep.dispatch([dev(t) for t in toks],
+                           [torch.from_numpy(i.astype(np.int64)).cuda() for i in ids],
+                           [torch.from_numpy(a).cuda() for a in w])
+        results = [o.to_reference(cfg) for o in outs]
+        ys = [rng.integers(0, 1 << 16, size=(M, H), dtype=np.uint16) & np.uint16(0xBFFF)
+              for _ in outs]
+        for on in (True, False):
+            got = ep.combine([dev(y) for y in ys], outs, **{option: on})
+            ep.check("combine")
+            want = reference.combine(cfg, results, ys, w, **{option: on})
+            for r, (g, e) in enumerate(zip(got, want)):
+                g = g.view(torch.int16).cpu().numpy().view(np.uint16)
+                assert np.array_equal(g, e), f"seed {seed} call {call} {option}={on} rank {r}"

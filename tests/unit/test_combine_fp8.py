@@ -5,8 +5,6 @@ MoE example's SwiGLU expert outputs (``examples/moe_layer.py``'s own functions).
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -20,7 +18,8 @@ from epgen.kernels import build_combine_fp8_module
 from epgen.reference_combine import bf16_to_f32
 from epgen.runtime import call_args
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from example_runs import moe_reference_round_trip
+
 
 #: the stated tolerance of the FP8 combine against the BF16 combine on realistic activations
 #: (docs/combine.md): per output row, relative L2 error and max abs error over the row's amax
@@ -32,14 +31,6 @@ def _cfg(H=256, K=2, R=2, T=4, E=4, threads=64, sms=5):
     return epgen.EPConfig(num_threads=threads, n_sms=sms, n_experts=E, n_ranks=R,
                           max_tokens_per_rank=T, p2p_world_size=R, use_shmem=False,
                           token_fmt=make_format("BF16", H, K))
-
-
-def _moe():
-    spec = importlib.util.spec_from_file_location(
-        "moe_layer", os.path.join(REPO, "examples", "moe_layer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ---- refusals --------------------------------------------------------------------------------
@@ -109,19 +100,10 @@ def test_dequantisation_is_one_f32_multiply(seed):
 
 # ---- the error against the BF16 combine, on the MoE example's SwiGLU outputs -----------------
 def _moe_round_trip(seed):
-    """The example's layer on the reference: its tokens, router and SwiGLU experts
-    (``examples/moe_layer.py``), the reference dispatch, the expert outputs, and both
-    combines: ``(bf16 rows, fp8 rows, ys, weights, results, cfg)`` of every source."""
-    moe = _moe()
-    R, E, H, I, K, T = 2, 16, 1024, 512, 4, 64
-    cfg = _cfg(H=H, K=K, R=R, T=T, E=E, threads=128, sms=12)
-    experts = moe.NumpyExperts(E, H, I, K, seed)
-    tokens = [moe.rank_tokens(seed, r, T, H) for r in range(R)]
-    routes = [experts.route(x) for x in tokens]
-    ids, ws = [i for i, _ in routes], [w for _, w in routes]
-    results = reference.dispatch(cfg, tokens, ids)
-    ys = [experts.grouped(np.asarray(res.out_tokens, np.uint16), moe.expert_groups(cfg, res))
-          for res in results]
+    """The example's layer on the reference (``example_runs.moe_reference_round_trip``) and
+    both combines: ``(bf16 rows, fp8 rows, ys, weights, results, cfg)`` of every source."""
+    cfg = _cfg(H=1024, K=4, R=2, T=64, E=16, threads=128, sms=12)
+    results, ys, ws = moe_reference_round_trip(cfg, seed)
     bf16 = reference.combine(cfg, results, ys, ws)
     fp8 = reference.combine(cfg, results, ys, ws, fp8=True)
     return bf16, fp8, ys, ws, results, cfg
@@ -146,7 +128,7 @@ def test_error_within_the_formats_bound_per_element(seed):
     sums' slack; a bound that a wrong scale or a lost slot would break."""
     bf16, fp8, ys, ws, results, cfg = _moe_round_trip(seed % 1000)
     fmt = combine_fp8.wire_format(cfg)
-    K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
+    H = cfg.token_fmt.hid_dim
     rows = reference.combine(cfg, results, ys, None, n_tokens=[len(w) for w in ws])
     for s in range(cfg.n_ranks):
         y = bf16_to_f32(rows[s]).astype(np.float64)                 # [T, K, H]

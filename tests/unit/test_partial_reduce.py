@@ -18,7 +18,7 @@ from epgen.kernels.combine_partial import COUNT_SHIFT
 from epgen.reference_combine import bf16_to_f32
 from epgen.runtime import call_args
 
-from test_combine_fp8 import _moe
+from example_runs import moe_reference_round_trip
 
 #: the stated tolerance of the partial-reduce combine against the plain BF16 combine on
 #: realistic activations (docs/combine.md): per output row, relative L2 error and max abs
@@ -93,19 +93,11 @@ def _moe_round_trip(seed):
     """The example's layer on the reference with ``ep_rank_dedup`` (2 ranks of 8 experts,
     top-4: most tokens have several experts on one rank): ``(plain, partial, unreduced rows,
     weights)`` of every source."""
-    moe = _moe()
-    R, E, H, I, K, T = 2, 16, 1024, 512, 4, 64
-    cfg = _cfg(H=H, K=K, R=R, T=T, E=E, threads=128, sms=12)
-    experts = moe.NumpyExperts(E, H, I, K, seed)
-    tokens = [moe.rank_tokens(seed, r, T, H) for r in range(R)]
-    routes = [experts.route(x) for x in tokens]
-    ids, ws = [i for i, _ in routes], [w for _, w in routes]
-    results = reference.dispatch(cfg, tokens, ids)
-    ys = [experts.grouped(np.asarray(res.out_tokens, np.uint16), moe.expert_groups(cfg, res))
-          for res in results]
+    cfg = _cfg(H=1024, K=4, R=2, T=64, E=16, threads=128, sms=12)
+    results, ys, ws = moe_reference_round_trip(cfg, seed)
     plain = reference.combine(cfg, results, ys, ws)
     partial = reference.combine(cfg, results, ys, ws, partial_reduce=True)
-    rows = reference.combine(cfg, results, ys, None, n_tokens=[T] * R)
+    rows = reference.combine(cfg, results, ys, None, n_tokens=[cfg.max_tokens_per_rank] * 2)
     return plain, partial, rows, ws
 
 
