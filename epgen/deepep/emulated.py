@@ -151,6 +151,13 @@ class EmulatedGroup:
         from backends.cuda import sm_count
         return max(1, 2 * sm_count(self.device) // self.n_ranks), self.num_threads
 
+    def _raise_if_failed(self, r: int) -> None:
+        """``PeerFailedError`` for rank ``r`` when a rank of the group has failed."""
+        if self._failed is not None:
+            failed, why = self._failed
+            raise PeerFailedError(f"rank {r}: rank {failed} of the group failed "
+                                  f"({type(why).__name__}: {why})")
+
     def port(self, torch, shape, slot: int, r: int, shrink: bool = False):
         """Rank ``r``'s port of the world of ``shape`` for result slot ``slot``, making the
         world on first use. ``shrink``: rank ``r``'s buffer has DeepEP's shrink mode (the
@@ -158,10 +165,7 @@ class EmulatedGroup:
         must agree: ``EPInputError`` otherwise)."""
         key = (shape, slot)
         with self._lock:
-            if self._failed is not None:
-                failed, why = self._failed
-                raise PeerFailedError(f"rank {r}: rank {failed} of the group failed "
-                                      f"({type(why).__name__}: {why})")
+            self._raise_if_failed(r)
             if self.shrink is None:
                 self.shrink = bool(shrink)
             elif self.shrink != bool(shrink):
@@ -201,10 +205,7 @@ class EmulatedGroup:
         grid as ``grid`` says, raised to what the shape needs)."""
         key = (shape, slot)
         with self._lock:
-            if self._failed is not None:
-                failed, why = self._failed
-                raise PeerFailedError(f"rank {r}: rank {failed} of the group failed "
-                                      f"({type(why).__name__}: {why})")
+            self._raise_if_failed(r)
             ports = self._worlds.get(key)
             if ports is None:
                 n_sms, threads = self.grid(shape)
