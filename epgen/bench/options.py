@@ -137,6 +137,14 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                         "(combine(fp8=True): rows sent as E4M3 with a float32 scale per 128 "
                         "elements) after the BF16 one in the same run, the same way, and "
                         "report both and their ratio; hid_dim a multiple of 128")
+    p.add_argument("--combine-partial", action="store_true",
+                   help="with --op combine (--world emulated): time the partial-reduce "
+                        "combine (combine(partial_reduce=True): each destination sums its "
+                        "experts' weighted rows of a token and sends one row back) after the "
+                        "plain one of the same dispatches, the same way, and report both and "
+                        "their ratio; on each variant with ep_rank_dedup (e.g. --variant "
+                        "dedup=ep_rank_dedup), the others say why not; not with "
+                        "--combine-fp8 (the kernels do not build an FP8 partial reduce)")
     p.add_argument("--compare-p2p", type=_arg_type("parse_p2p_sizes", "p2p_world_size list"),
                    metavar="P,Q[,...]",
                    help="with --world shmem: time every p2p_world_size of the list in the "
@@ -159,6 +167,10 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                    help="draw a PNG: round-trip GB/s against tokens per rank for each variant "
                         "and the baseline, the copy bandwidth as a line (with --world p2p: "
                         "GB/s per GPU over the links, NCCL, the peer copy; needs matplotlib)")
+
+
+PARTIAL_WITH_FP8 = ("argument --combine-partial: not with --combine-fp8 (the partial-reduce "
+                    "combine is not built with fp8=True: the kernels refuse the pair)")
 
 
 def have_matplotlib() -> bool:
@@ -236,8 +248,16 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
     if combine_fp8 and (op != "combine" or world != "emulated"):
         parser.error(f"argument --combine-fp8: times the FP8 combine next to the BF16 one: "
                      f"with --op combine on --world emulated, not --op {op} --world {world}")
+    combine_partial = bool(getattr(args, "combine_partial", False))
+    if combine_partial and (op != "combine" or world != "emulated"):
+        parser.error(f"argument --combine-partial: times the partial-reduce combine next to "
+                     f"the plain one: with --op combine on --world emulated, not --op {op} "
+                     f"--world {world}")
+    if combine_partial and combine_fp8:
+        parser.error(PARTIAL_WITH_FP8)
     kw = {"variants": tuple(args.variant)} if args.variant else {}
-    kw.update(world=world, devices=devices, op=op, combine_fp8=combine_fp8)
+    kw.update(world=world, devices=devices, op=op, combine_fp8=combine_fp8,
+              combine_partial=combine_partial)
     from .plan import Plan
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
                 seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,

@@ -209,6 +209,10 @@ class Plan:
     #: ``--combine-fp8`` (``op == "combine"``, emulated world): the FP8 combine timed after the
     #: BF16 one in the same run (``epgen.bench.combine``)
     combine_fp8: bool = False
+    #: ``--combine-partial`` (``op == "combine"``, emulated world): the partial-reduce combine
+    #: timed after the plain one in the same run, on each variant with ``ep_rank_dedup``
+    #: (``epgen.bench.combine``; the others report why not)
+    combine_partial: bool = False
 
     def iters_for(self, tokens_per_rank: int) -> int:
         return self.iters or default_iters(tokens_per_rank)

@@ -1,0 +1,74 @@
+"""``epgen bench --op combine --combine-partial`` (the partial-reduce combine timed next to the
+plain one, docs/combine.md "Partial reduce"): its argument handling and the extra-combine
+arms it shares with ``--combine-fp8``, on the host."""
+
+from __future__ import annotations
+
+import pytest
+
+from epgen import cli
+from epgen.bench import combine
+
+from test_bench import bench_args, tiny_cfg
+
+
+def _usage_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", *argv])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_flag_reaches_the_plan():
+    p = bench_args("--op", "combine", "--combine-partial", "--variant", "default",
+                   "--variant", "dedup=ep_rank_dedup")
+    assert p.op == "combine" and p.combine_partial is True and p.combine_fp8 is False
+    assert p.describe()["combine_partial"] is True
+    assert bench_args("--op", "combine").combine_partial is False
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--combine-partial"], "with --op combine on --world emulated, not --op dispatch"),
+    (["--op", "moe", "--combine-partial"], "not --op moe"),
+    (["--op", "combine", "--world", "p2p", "--combine-partial"], "--world p2p"),
+    (["--op", "combine", "--combine-partial", "--combine-fp8"],
+     "not with --combine-fp8 .*kernels refuse the pair"),
+])
+def test_refusals_name_the_option(argv, match, capsys):
+    import re
+    err = _usage_error(capsys, *argv)
+    assert "argument --combine-partial" in err and re.search(match, err), err
+
+
+def test_a_variant_without_dedup_is_not_a_usage_error():
+    """The plain combine of a variant without ``ep_rank_dedup`` still runs (the run reports
+    why its partial combine does not, ``driver``)."""
+    p = bench_args("--op", "combine", "--combine-partial")
+    assert p.combine_partial and not p.config(p.tokens[0], p.variants[0]).ep_rank_dedup
+
+
+def test_arms_in_order_and_their_flags():
+    assert combine.extra_arms() == ()
+    assert combine.extra_arms(True, True) == (combine.FP8_ARM, combine.PARTIAL_ARM)
+    assert combine.FP8_ARM.key == "combine_fp8"
+    assert combine.FP8_ARM.speedup_key == "fp8_speedup_vs_bf16"
+    assert combine.PARTIAL_ARM.key == "combine_partial"
+    assert combine.PARTIAL_ARM.speedup_key == "partial_speedup_vs_plain"
+    assert combine.PARTIAL_ARM.flags == {"fp8": False, "partial_reduce": True}
+    w = [object()]
+    assert combine.FP8_ARM.call_weights(w) is w
+    assert combine.PARTIAL_ARM.call_weights(w) is None     # the dispatched weights
+
+
+def test_check_arm_names_what_is_missing():
+    with pytest.raises(ValueError, match="partial_reduce: needs ep_rank_dedup=True"):
+        combine.check_arm(tiny_cfg(H=128), combine.PARTIAL_ARM)
+    combine.check_arm(tiny_cfg(H=128, ep_rank_dedup=True), combine.PARTIAL_ARM)
+    with pytest.raises(ValueError, match="--combine-fp8: fp8=True needs hid_dim"):
+        combine.check_arm(tiny_cfg(H=16), combine.FP8_ARM)
+
+
+def test_measure_world_refuses_partial_outside_the_combine():
+    with pytest.raises(ValueError, match="combine_partial times the combine alone"):
+        combine.measure_world(tiny_cfg(H=128, ep_rank_dedup=True), [], [], 1, 0, None,
+                              op="moe", progress=lambda m: None, combine_partial=True)
