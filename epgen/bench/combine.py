@@ -171,7 +171,7 @@ def check_arm(cfg, arm: CombineArm) -> None:
     the FP8 combine's ``hid_dim`` rule, the partial-reduce combine's ``ep_rank_dedup`` and
     limits (``kernels.combine_partial.check_config``)."""
     if arm.fp8:
-        fp8_wire.check_hid_dim(cfg.token_fmt.hid_dim, arm.option)
+        fp8_wire.check_hid_dim(cfg.token_fmt.hid_dim)
     if arm.partial_reduce:
         check_partial_config(cfg)
 

@@ -280,6 +280,16 @@ class ShmemPlan:
     seed: int = 0
     check: bool = True
     arch: str | None = None
+    #: ``--combine-fp8`` / ``--combine-partial`` (``op == "combine"``): the FP8 /
+    #: partial-reduce combine timed after the plain one on each world
+    combine_fp8: bool = False
+    combine_partial: bool = False
+
+    @property
+    def arms(self) -> tuple:
+        """The extra combines timed after the plain one (``combine.CombineArm``)."""
+        from .combine import extra_arms
+        return extra_arms(self.combine_fp8, self.combine_partial)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -299,9 +309,16 @@ class ShmemPlan:
 
     def check_op(self, p2p_world_size: int) -> None:
         """``ValueError`` when ``op`` is a combine one and the combine kernels do not take
-        the world of ``p2p_world_size`` (``runtime.combine.check_supported``)."""
+        the world of ``p2p_world_size`` (``runtime.combine.check_supported``), or an extra
+        combine does not (``combine.check_arm``, naming its option)."""
         if self.op != "dispatch":
             check_supported(self.config(p2p_world_size))
+        from .combine import check_arm
+        for arm in self.arms:
+            try:
+                check_arm(self.config(p2p_world_size), arm)
+            except ValueError as exc:
+                raise ValueError(f"{arm.option}: {exc}") from None
 
     def describe(self) -> dict:
         """Plain data (for the JSON)."""

@@ -4,12 +4,15 @@ arms it shares with ``--combine-fp8``, on the host."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from epgen import cli
 from epgen.bench import combine
 
 from test_bench import bench_args, tiny_cfg
+from test_bench_shmem import SMALL_SHMEM, shmem_plan
 
 
 def _usage_error(capsys, *argv) -> str:
@@ -28,14 +31,14 @@ def test_the_flag_reaches_the_plan():
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--combine-partial"], "with --op combine on --world emulated, not --op dispatch"),
+    (["--combine-partial"], "with --op combine on --world emulated or shmem, not --op "
+                            "dispatch"),
     (["--op", "moe", "--combine-partial"], "not --op moe"),
     (["--op", "combine", "--world", "p2p", "--combine-partial"], "--world p2p"),
     (["--op", "combine", "--combine-partial", "--combine-fp8"],
      "not with --combine-fp8 .*kernels refuse the pair"),
 ])
 def test_refusals_name_the_option(argv, match, capsys):
-    import re
     err = _usage_error(capsys, *argv)
     assert "argument --combine-partial" in err and re.search(match, err), err
 
@@ -64,7 +67,7 @@ def test_check_arm_names_what_is_missing():
     with pytest.raises(ValueError, match="partial_reduce: needs ep_rank_dedup=True"):
         combine.check_arm(tiny_cfg(H=128), combine.PARTIAL_ARM)
     combine.check_arm(tiny_cfg(H=128, ep_rank_dedup=True), combine.PARTIAL_ARM)
-    with pytest.raises(ValueError, match="--combine-fp8: fp8=True needs hid_dim"):
+    with pytest.raises(ValueError, match="combine: fp8=True needs hid_dim"):
         combine.check_arm(tiny_cfg(H=16), combine.FP8_ARM)
 
 
@@ -72,3 +75,23 @@ def test_measure_world_refuses_partial_outside_the_combine():
     with pytest.raises(ValueError, match="combine_partial times the combine alone"):
         combine.measure_world(tiny_cfg(H=128, ep_rank_dedup=True), [], [], 1, 0, None,
                               op="moe", progress=lambda m: None, combine_partial=True)
+
+
+def test_the_shmem_benchmark_takes_it_on_a_dedup_configuration(capsys):
+    p = shmem_plan(*SMALL_SHMEM, "--set", "ep_rank_dedup=true", "--op", "combine",
+                   "--combine-partial")
+    assert p.combine_partial and p.arms == (combine.PARTIAL_ARM,)
+    assert p.describe()["combine_partial"] is True
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], r"argument --set: p2p_world_size=\d+: --combine-partial: partial_reduce: needs "
+         r"ep_rank_dedup=True"),
+    (["--set", "ep_rank_dedup=true", "--combine-fp8"],
+     "argument --combine-partial: not with --combine-fp8"),
+])
+def test_the_shmem_benchmark_refusals(extra, match, capsys):
+    """One configuration per SHMEM run: without ``ep_rank_dedup`` there is nothing to time,
+    a usage error naming the option and the rule."""
+    err = _usage_error(capsys, *SMALL_SHMEM, "--op", "combine", "--combine-partial", *extra)
+    assert re.search(match, err), err
