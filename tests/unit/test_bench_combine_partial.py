@@ -95,3 +95,29 @@ def test_the_shmem_benchmark_refusals(extra, match, capsys):
     a usage error naming the option and the rule."""
     err = _usage_error(capsys, *SMALL_SHMEM, "--op", "combine", "--combine-partial", *extra)
     assert re.search(match, err), err
+
+
+def test_the_shmem_benchmark_script_passes_combine_args_to_the_combine_only(tmp_path):
+    """benchmarks/shmem_bench.sh with ``COMBINE_ARGS="--combine-partial"`` and
+    ``FLAGS=ep_rank_dedup`` (a recording stand-in for python): the combine launches parse
+    into plans timing the partial-reduce combine, the dispatch launches take no extra
+    argument."""
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path), "PES": "2",
+           "OPS": "dispatch combine", "FLAGS": "ep_rank_dedup",
+           "COMBINE_ARGS": "--combine-partial", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "shmem_bench.sh"),
+                           "decode"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = []
+    for call in (tmp_path / "calls.txt").read_text().splitlines():
+        p = shmem_plan(*call.split(" -- ", 1)[1].split()[4:])
+        got.append((p.op, p.arms))
+    assert got == [("dispatch", ()), ("combine", (combine.PARTIAL_ARM,))]
