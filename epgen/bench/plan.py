@@ -30,6 +30,7 @@ from ..presets import parse_value
 from ..runtime.combine import check_supported
 from ..tuning import TuningError, parse_tune
 from .choices import ROUTINGS, WORLDS
+from .combine import check_arm, extra_arms
 
 SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
@@ -288,7 +289,6 @@ class ShmemPlan:
     @property
     def arms(self) -> tuple:
         """The extra combines timed after the plain one (``combine.CombineArm``)."""
-        from .combine import extra_arms
         return extra_arms(self.combine_fp8, self.combine_partial)
 
     @property
@@ -313,7 +313,6 @@ class ShmemPlan:
         combine does not (``combine.check_arm``, naming its option)."""
         if self.op != "dispatch":
             check_supported(self.config(p2p_world_size))
-        from .combine import check_arm
         for arm in self.arms:
             try:
                 check_arm(self.config(p2p_world_size), arm)
