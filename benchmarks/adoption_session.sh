@@ -15,7 +15,9 @@
 # machine has it and we are root), the tests that launch one process per PE with 2 and 4 PEs
 # (EPGEN_SHMEM_PES), then MPS off. "bench": in one run each, decode (128 tokens per rank)
 # and prefill (4096): the deduplicated dispatch against today's, the FP8 combine against
-# the BF16 one, the rank mask's cost, the DeepEP API's host and round-trip times.
+# the BF16 one, the partial-reduce combine against the plain one after the same
+# deduplicated dispatch, the rank mask's cost, the DeepEP API's host and round-trip times
+# (the steps' bounds add up to 570 s).
 # docs/PERF.md "Open items" says which goal each figure answers.
 set -u
 cd "$(dirname "$0")/.."
@@ -67,14 +69,18 @@ mps)
     stop_mps
     ;;
 bench)
-    step dedup 200 "$PY" -m epgen bench --tokens 128,4096 --variant default \
+    step dedup 180 "$PY" -m epgen bench --tokens 128,4096 --variant default \
         --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
         --json "$OUT/dedup.json"
     show dedup
-    step combine-fp8 150 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
+    step combine-fp8 130 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
         --no-post-check --json "$OUT/combine-fp8.json"
     show combine-fp8
-    step deepep-api 150 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
+    step combine-partial 140 "$PY" -m epgen bench --op combine --combine-partial \
+        --tokens 128,4096 --variant dedup=ep_rank_dedup --no-post-check \
+        --json "$OUT/combine-partial.json"
+    show combine-partial
+    step deepep-api 120 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
         --json "$OUT/deepep-api.json"
     show deepep-api
     ;;

@@ -21,7 +21,11 @@
 # per rank (decode) and 4096 (prefill; its symmetric heap need, up to 5.1 GiB per PE at 4 PEs,
 # is why NVSHMEM_SYMMETRIC_SIZE is 8 GiB here; its runs skip the checks, --no-post-check, as
 # the reference combine of a prefill shape takes tens of seconds per PE: CHECK_PREFILL=1 keeps
-# them). Each launch runs under its own bound (120 s at decode, 240 s at prefill); not yet run
+# them). COMBINE_ARGS (default empty) is added to the combine launches only: e.g.
+# COMBINE_ARGS="--combine-fp8" times the FP8 combine, COMBINE_ARGS="--combine-partial" (with
+# FLAGS=ep_rank_dedup) the partial-reduce one, after the plain combine in the same launch
+# (a "combine_fp8" / "combine_partial" row under each world, its speed-up over the plain
+# combine). Each launch runs under its own bound (120 s at decode, 240 s at prefill); not yet run
 # on a GPU, so how many launches fit one call is not known: split by mode, PES or OPS.
 set -u
 cd "$(dirname "$0")/.."
@@ -38,6 +42,7 @@ PES=${PES:-"2 4"}
 OPS=${OPS:-"dispatch combine moe"}
 ITERS=${ITERS:-50}
 FLAGS=${FLAGS:--}
+COMBINE_ARGS=${COMBINE_ARGS:-}
 echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $MODE; logs in $OUT" | tee "$LOG"
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 
@@ -55,6 +60,8 @@ for shape in $shapes; do
             for flags in $FLAGS; do
                 name="shmem-$shape-${n}pe-$op"
                 sets=()
+                extra=()
+                [ "$op" = combine ] && [ -n "$COMBINE_ARGS" ] && read -ra extra <<< "$COMBINE_ARGS"
                 if [ "$flags" != - ]; then
                     name="$name-${flags//,/+}"
                     for f in ${flags//,/ }; do sets+=(--set "$f=true"); done
@@ -66,9 +73,9 @@ for shape in $shapes; do
                     --set n_ranks="$n" --set n_experts=$((7 * n)) --set n_sms=8 \
                     --set use_shmem=true ${sets[@]+"${sets[@]}"} --tokens "$tokens" \
                     --compare-p2p "1,$n" --iters "$ITERS" ${check[@]+"${check[@]}"} \
-                    --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+                    ${extra[@]+"${extra[@]}"} --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
                 rc=$?
-                grep -E '^\[rank 0\] (shape|T=|decode|prefill|FAILED)' "$OUT/$name.log" | tee -a "$LOG"
+                grep -E '^\[rank 0\] (shape|T=|decode|prefill|FAILED| +combine_)' "$OUT/$name.log" | tee -a "$LOG"
                 if [ "$rc" != 0 ]; then
                     status=1
                     echo "$name: exit $rc" | tee -a "$LOG"

@@ -39,7 +39,9 @@ Method
 Other worlds and ops
 --------------------
 * ``--op combine|moe`` (``combine``): the combine alone (after an untimed dispatch) or
-  dispatch + combine, transform-free, on every world, each timed as its dispatch is.
+  dispatch + combine, transform-free, on every world, each timed as its dispatch is;
+  ``--combine-fp8`` / ``--combine-partial`` (emulated and SHMEM worlds) time the FP8 /
+  partial-reduce combine after the plain one of the same dispatches (``combine.CombineArm``).
 * ``--world p2p`` (``p2p``): one GPU per rank, against the peer copy and NCCL; every sample
   from an idle device, host enqueue included (as NCCL must be timed). No NCCL baseline for
   combine and moe.

@@ -18,15 +18,22 @@ the ``graph`` variant, the replay of a ``world.capture_moe`` graph (one per inpu
 Checks: on set 0, ``world.dispatch`` + ``world.combine`` against ``reference.combine`` bit for
 bit before the timing, and the last timed call's dispatch and combine after it.
 
-``combine_fp8`` (``--combine-fp8``, ``op == "combine"``): after the BF16 figure, the FP8
-combine (``combine(fp8=True)``) is timed on the same world, input sets, weights and expert
-outputs, the same way (``combine_fp8``), checked like the BF16 one against
-``reference.combine(..., fp8=True)`` on set 0 and after its last call; its bytes are
-``fp8_combine_bytes``.
+Extra combine arms (``CombineArm``, ``op == "combine"``): after the plain combine's figure,
+each arm's combine is timed on the same world, input sets, weights and expert outputs, the
+same way, under its own result key, checked like the plain one against ``reference.combine``
+with its flags on set 0 and after its last call (``post_check_<name>``):
+
+* ``combine_fp8`` (``--combine-fp8``): the FP8 combine, ``combine(fp8=True)``; its bytes are
+  ``fp8_combine_bytes``;
+* ``combine_partial`` (``--combine-partial``, ``ep_rank_dedup``): the partial-reduce combine,
+  ``combine(partial_reduce=True)``, which weighs with the weights the dispatch carried: every
+  dispatch of the run (the set-0 check's and the timed ones, whose weights buffer it loaded)
+  carries the run's weights ``weights``; its bytes are ``partial_combine_bytes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -34,7 +41,9 @@ import numpy as np
 
 from .. import combine_fp8 as fp8_wire
 from .. import reference
+from ..kernels.combine_partial import check_config as check_partial_config
 from ..runtime.combine import check_supported
+from .link_bytes import rank_counts
 from .memory import trim_memory_pool
 from .runner import StagedInputs, emulated_world
 from .timing import fork_join, from_idle, sample, summarize
@@ -85,15 +94,97 @@ def fp8_combine_bytes(cfg, tokens_per_rank: int) -> dict:
             "total": rows + 2 * slots + out}
 
 
-def _check(cfg, got, results, w, what: str, fixed=None, fp8: bool = False) -> None:
+def partial_combine_bytes(cfg, sets) -> dict:
+    """Bytes of one partial-reduce combine of every rank, the mean over the input sets
+    ``sets``: ``rows_read`` (the BF16 expert outputs, one per routed slot), ``partial_rows``
+    (one BF16 row per (token, destination rank) pair, written by the destination and read
+    by the source's reduce, local pairs included), ``link_ratio`` (the remote pairs over the
+    remote slots: the combine's link bytes against the plain combine's), the ``[T, H]`` BF16
+    output; ``total``."""
+    H, row = cfg.token_fmt.hid_dim, 2 * cfg.token_fmt.hid_dim
+    slots, pairs, remote_slots, remote_pairs, tokens = [], [], [], [], []
+    for _toks, ids in sets:
+        s, p = rank_counts(cfg, ids)
+        off = ~np.eye(cfg.n_ranks, dtype=bool)
+        slots.append(s.sum())
+        pairs.append(p.sum())
+        remote_slots.append(s[off].sum())
+        remote_pairs.append(p[off].sum())
+        tokens.append(sum(len(a) for a in ids))
+    rows, partial = float(np.mean(slots)) * row, float(np.mean(pairs)) * row
+    out = float(np.mean(tokens)) * H * 2
+    far = float(np.sum(remote_slots))
+    return {"rows_read": rows, "partial_rows": partial,
+            "link_ratio": float(np.sum(remote_pairs)) / far if far else 1.0,
+            "output": out, "total": rows + 2 * partial + out}
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineArm:
+    """A combine timed after the plain one of the same dispatches (module docstring):
+    ``key`` names its figure (``combine_<name>``), ``option`` the command-line flag that
+    asks for it, ``fp8`` / ``partial_reduce`` the flags of its ``combine`` and
+    ``reference.combine`` calls, ``versus`` what its speed-up is over (the figure
+    ``speedup_key``)."""
+
+    name: str
+    option: str
+    versus: str
+    speedup_key: str
+    fp8: bool = False
+    partial_reduce: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"combine_{self.name}"
+
+    @property
+    def flags(self) -> dict:
+        """The keyword arguments of its ``combine`` / ``Combiner.load`` /
+        ``reference.combine`` calls."""
+        return {"fp8": self.fp8, "partial_reduce": self.partial_reduce}
+
+    def call_weights(self, w):
+        """The ``topk_weights`` its ``combine`` call takes: none under ``partial_reduce``
+        (the dispatched ones are used)."""
+        return None if self.partial_reduce else w
+
+    def bytes(self, cfg, tokens_per_rank: int, sets) -> dict:
+        """Its bytes (``fp8_combine_bytes`` or ``partial_combine_bytes``)."""
+        if self.partial_reduce:
+            return partial_combine_bytes(cfg, sets)
+        return fp8_combine_bytes(cfg, tokens_per_rank)
+
+
+FP8_ARM = CombineArm("fp8", "--combine-fp8", "BF16 combine", "fp8_speedup_vs_bf16", fp8=True)
+PARTIAL_ARM = CombineArm("partial", "--combine-partial", "plain combine",
+                         "partial_speedup_vs_plain", partial_reduce=True)
+
+
+def extra_arms(combine_fp8: bool = False, combine_partial: bool = False) -> tuple:
+    """The ``CombineArm`` of each flag given, in the order they are timed."""
+    return tuple(a for a, on in ((FP8_ARM, combine_fp8), (PARTIAL_ARM, combine_partial)) if on)
+
+
+def check_arm(cfg, arm: CombineArm) -> None:
+    """``ValueError`` naming what ``cfg`` lacks when ``arm``'s combine cannot run on it:
+    the FP8 combine's ``hid_dim`` rule, the partial-reduce combine's ``ep_rank_dedup`` and
+    limits (``kernels.combine_partial.check_config``)."""
+    if arm.fp8:
+        fp8_wire.check_hid_dim(cfg.token_fmt.hid_dim)
+    if arm.partial_reduce:
+        check_partial_config(cfg)
+
+
+def _check(cfg, got, results, w, what: str, fixed=None, **flags) -> None:
     """``AssertionError`` unless ``got`` (the world's combine) is the reference combine of
-    the world's dispatch ``results`` (expert outputs ``_rows``; ``fp8``: the FP8 combine's),
-    bit for bit."""
+    the world's dispatch ``results`` (expert outputs ``_rows``; ``flags``: a
+    ``CombineArm``'s, the FP8 or partial-reduce combine's), bit for bit."""
     # every source at small shapes; at large ones (the reference's float32 sums of R * T * K
     # rows take minutes) the first and the last source
     big = max(len(r) for r in w) > PREFILL_CHECK_TOKENS if w is not None else False
     only = [0, len(got) - 1] if big else None
-    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only, fp8=fp8)
+    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only, **flags)
     for s, (g, x) in enumerate(zip(got, want)):
         if x is None:
             continue
@@ -105,7 +196,8 @@ def _check(cfg, got, results, w, what: str, fixed=None, fp8: bool = False) -> No
 def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, device=None,
                   arch=None, post_check: bool = True, progress, fused: bool | None = None,
                   graph: bool = False, batched: bool = False, world_factory=None,
-                  host_sync: bool = False, timer=fork_join, combine_fp8: bool = False) -> dict:
+                  host_sync: bool = False, timer=fork_join, combine_fp8: bool = False,
+                  combine_partial: bool = False) -> dict:
     """Build the world (``world_factory()``, default an ``EmulatedWorld``), check dispatch +
     combine on set 0, time ``op`` (module docstring; ``timer``: the fork/join timing,
     ``timing.fork_join``), check the last call. Raises when a check fails; ``ValueError``
@@ -114,11 +206,15 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
     ``host_sync`` (with ``gate`` None): every sample starts after the host waited for every
     rank stream and the timing stream, as ``runner.measure_world(host_sync=True)`` times the
     dispatch (the P2P benchmark): ``combine``'s untimed dispatch is enqueued after that
-    wait, as ``dispatch_wait``'s untimed dispatch_async is there. ``combine_fp8`` (``op``
-    combine only): the FP8 combine's figure too, ``res["combine_fp8"]`` (module
-    docstring)."""
-    if combine_fp8 and op != "combine":
-        raise ValueError(f"measure_world: combine_fp8 times the combine alone, not op={op}")
+    wait, as ``dispatch_wait``'s untimed dispatch_async is there. ``combine_fp8``,
+    ``combine_partial`` (``op`` combine only): the FP8 / partial-reduce combine's figure
+    too, ``res["combine_fp8"]`` / ``res["combine_partial"]`` (module docstring,
+    ``CombineArm``)."""
+    arms = extra_arms(combine_fp8, combine_partial)
+    if arms and op != "combine":
+        raise ValueError(f"measure_world: {arms[0].key} times the combine alone, not op={op}")
+    for arm in arms:
+        check_arm(cfg, arm)
     if host_sync and gate is not None:
         raise ValueError("measure_world: host_sync times host enqueue; it takes no gate")
     check_supported(cfg)
@@ -132,12 +228,15 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
     try:
         progress("  epgen: correctness check on set 0 (dispatch + combine vs reference)")
         fixed = _fixed_rows(cfg)
-        results = world.dispatch(*sets[0])
+        # the partial-reduce combine weighs with the dispatched weights: every dispatch
+        # carries them (the timed ones read the weights buffer this one loads)
+        carried = w if any(a.partial_reduce for a in arms) else None
+        results = world.dispatch(*sets[0], topk_weights=carried)
         reference.assert_match(cfg, reference.dispatch(cfg, *sets[0]), results)
         _check(cfg, world.combine(_rows(results, fixed), w), results, w, "set 0", fixed)
-        if combine_fp8:
-            _check(cfg, world.combine(_rows(results, fixed), w, fp8=True), results, w,
-                   "set 0 fp8", fixed, fp8=True)
+        for arm in arms:
+            _check(cfg, world.combine(_rows(results, fixed), arm.call_weights(w), **arm.flags),
+                   results, w, f"set 0 {arm.name}", fixed, **arm.flags)
         res["check"] = "ok"
 
         comb = world.combiner()
@@ -190,17 +289,17 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
             reference.assert_match(cfg, reference.dispatch(cfg, *sets[last]), results)
             _check(cfg, got, results, w, f"set {last} after timing", fixed)
             res["post_check"] = "ok"
-        if combine_fp8:                 # the same samples, the FP8 kernels
-            comb.load(given, w, fp8=True)
-            progress(f"  epgen: timing combine_fp8 ({warmup} warm-up + {iters} iterations)")
-            res["combine_fp8"] = summarize(sample(once, iters, warmup, gate))
-            world.check("benchmark combine_fp8")
+        for arm in arms:                # the same samples, the arm's kernels
+            comb.load(given, arm.call_weights(w), **arm.flags)
+            progress(f"  epgen: timing {arm.key} ({warmup} warm-up + {iters} iterations)")
+            res[arm.key] = summarize(sample(once, iters, warmup, gate))
+            world.check(f"benchmark {arm.key}")
             got = comb.finish()
             if post_check:
                 last = staged.current
-                _check(cfg, got, world.results(), w, f"set {last} after timing, fp8", fixed,
-                       fp8=True)
-                res["post_check_fp8"] = "ok"
+                _check(cfg, got, world.results(), w, f"set {last} after timing, {arm.name}",
+                       fixed, **arm.flags)
+                res[f"post_check_{arm.name}"] = "ok"
     finally:
         if saved is not None:
             for b, buf in zip(comb.bufs, saved):

@@ -26,12 +26,14 @@ from .link_bytes import op_link_bytes
 from .traffic import baseline_bytes, combine_bytes, op_bytes, round_trip_bytes
 
 
-def variant_link_bytes(cfg, sets, op: str, fp8: bool = False) -> dict:
+def variant_link_bytes(cfg, sets, op: str, fp8: bool = False,
+                       partial_reduce: bool = False) -> dict:
     """The bytes crossing between ranks in what ``op`` times, from the variant's input sets
     (``link_bytes.op_link_bytes``: the mean per call, the dispatch as ``cfg`` sends it, one
     message per (token, rank) under ``ep_rank_dedup``; the combine in BF16 rows, or with
-    ``fp8`` the FP8 combine's)."""
-    return op_link_bytes(cfg, sets, op, dedup=cfg.ep_rank_dedup, fp8=fp8)
+    ``fp8`` the FP8 combine's, with ``partial_reduce`` one row per (token, rank))."""
+    return op_link_bytes(cfg, sets, op, dedup=cfg.ep_rank_dedup, fp8=fp8,
+                         partial_reduce=partial_reduce)
 
 
 def add_link_rate(m: dict, link: dict) -> None:
@@ -198,6 +200,7 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
                      "total": op_bytes(cfg, T, plan.op)}, "link_bytes": link,
            "memory": {"world": wm["total"], "combine": _combine_memory(cfg, plan.combine_fp8),
                       "epgen_phase": need_bytes}}
+    partial = _partial_arm(plan, cfg, variant, out, progress)
     if cap < need:
         out["skipped"] = (f"--block-capacity {cap} is smaller than the largest (expert, "
                           f"source) block of the routings ({need})")
@@ -206,7 +209,8 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
             r = combine.measure_world(cfg, sets, w, plan.iters_for(T), plan.warmup_for(T),
                                       gate, op=plan.op, device=plan.device, arch=plan.arch,
                                       post_check=plan.post_check, progress=progress,
-                                      combine_fp8=plan.combine_fp8, **variant.world_options)
+                                      combine_fp8=plan.combine_fp8, combine_partial=partial,
+                                      **variant.world_options)
         except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
             out["error"] = f"{type(exc).__name__}: {exc}"
             progress(f"  epgen {variant.label} FAILED: {out['error']}")
@@ -220,27 +224,45 @@ def combine_variant_phase(plan: Plan, T: int, variant, sets, w, need: int, cap: 
         out.update(r)
         progress(f"  epgen {variant.label}: check {r['check']}, {key} "
                  f"{1e3 * m['median_ms']:.1f} us")
-        if "combine_fp8" in r:
-            _fp8_figures(out, cfg, T, copy_gbps, progress)
-            add_link_rate(out["combine_fp8"], variant_link_bytes(cfg, sets, "combine", fp8=True))
+        for arm in combine.extra_arms(plan.combine_fp8, partial):
+            if arm.key in r:
+                _arm_figures(out, cfg, T, sets, arm, copy_gbps, progress)
     if "skipped" in out:
         progress(f"  epgen {variant.label} skipped: {out['skipped']}")
     return out
 
 
-def _fp8_figures(out: dict, cfg, T: int, copy_gbps, progress) -> None:
-    """The FP8 combine's figures beside the BF16 ones (``--combine-fp8``): its bytes
-    (``combine.fp8_combine_bytes``), GB/s and fraction of the copy, and
-    ``fp8_speedup_vs_bf16`` (the BF16 combine's median over the FP8 one's)."""
-    m = out["combine_fp8"]
-    b = combine.fp8_combine_bytes(cfg, T)
-    out["bytes"]["combine_fp8"] = b
+def _partial_arm(plan: Plan, cfg, variant, out: dict, progress) -> bool:
+    """Whether this variant times the partial-reduce combine: ``--combine-partial`` and a
+    configuration that takes it; where it does not (no ``ep_rank_dedup``), its
+    ``combine_partial`` says why and the variant's other figures still run."""
+    if not plan.combine_partial:
+        return False
+    try:
+        combine.check_arm(cfg, combine.PARTIAL_ARM)
+    except ValueError as exc:
+        out["combine_partial"] = {"skipped": f"--combine-partial: {exc}"}
+        progress(f"  epgen {variant.label}: combine_partial skipped "
+                 f"({out['combine_partial']['skipped']})")
+        return False
+    return True
+
+
+def _arm_figures(out: dict, cfg, T: int, sets, arm, copy_gbps, progress) -> None:
+    """An extra combine's figures beside the plain one's (``combine.CombineArm``:
+    ``--combine-fp8``, ``--combine-partial``): its bytes (``arm.bytes``), GB/s and fraction
+    of the copy, its link bytes and their rate (``variant_link_bytes`` with its flags), and
+    ``arm.speedup_key`` (the plain combine's median over its own)."""
+    m = out[arm.key]
+    b = arm.bytes(cfg, T, sets)
+    out["bytes"][arm.key] = b
     m["bytes"] = b["total"]
     m["gbps"], m["fraction_of_copy"] = rate(m["bytes"], m["median_ms"], copy_gbps)
-    out["fp8_speedup_vs_bf16"] = out["combine"]["median_ms"] / m["median_ms"]
-    progress(f"  epgen: combine_fp8 {1e3 * m['median_ms']:.1f} us "
-             f"({out['fp8_speedup_vs_bf16']:.2f}x the BF16 combine; link bytes "
-             f"{b['link_ratio']:.4f} of BF16's)")
+    add_link_rate(m, variant_link_bytes(cfg, sets, "combine", **arm.flags))
+    out[arm.speedup_key] = out["combine"]["median_ms"] / m["median_ms"]
+    progress(f"  epgen: {arm.key} {1e3 * m['median_ms']:.1f} us "
+             f"({out[arm.speedup_key]:.2f}x the {arm.versus}; link bytes "
+             f"{b['link_ratio']:.4f} of {arm.versus.split()[0]}'s)")
 
 
 def run_shape(plan: Plan, T: int, torch, gate, copy_gbps, progress) -> dict:
@@ -303,7 +325,8 @@ def run(plan: Plan, progress: Progress) -> dict:
                                  "message per remote (token, k) slot (ep_rank_dedup: per "
                                  "(token, remote rank), plus a 4-byte index word per slot); "
                                  "combine: a BF16 row per remote slot (combine_fp8: its FP8 "
-                                 "slot); mean per call over the input sets",
+                                 "slot; combine_partial: a BF16 row per (token, remote "
+                                 "rank)); mean per call over the input sets",
                    "baseline": "argsort(topk.flatten(), stable=True) + index_select"},
     }
     if plan.op != "dispatch":

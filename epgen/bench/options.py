@@ -133,10 +133,20 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                         "quantising formats send fixed BF16 rows); --world p2p has no NCCL "
                         "baseline for combine and moe")
     p.add_argument("--combine-fp8", action="store_true",
-                   help="with --op combine (--world emulated): time the FP8 combine "
+                   help="with --op combine (--world emulated or shmem): time the FP8 combine "
                         "(combine(fp8=True): rows sent as E4M3 with a float32 scale per 128 "
                         "elements) after the BF16 one in the same run, the same way, and "
                         "report both and their ratio; hid_dim a multiple of 128")
+    p.add_argument("--combine-partial", action="store_true",
+                   help="with --op combine (--world emulated or shmem): time the "
+                        "partial-reduce "
+                        "combine (combine(partial_reduce=True): each destination sums its "
+                        "experts' weighted rows of a token and sends one row back) after the "
+                        "plain one of the same dispatches, the same way, and report both and "
+                        "their ratio; on each variant with ep_rank_dedup (e.g. --variant "
+                        "dedup=ep_rank_dedup), the others say why not (--world shmem: the "
+                        "configuration needs it); not with "
+                        "--combine-fp8 (the kernels do not build an FP8 partial reduce)")
     p.add_argument("--compare-p2p", type=_arg_type("parse_p2p_sizes", "p2p_world_size list"),
                    metavar="P,Q[,...]",
                    help="with --world shmem: time every p2p_world_size of the list in the "
@@ -159,6 +169,10 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                    help="draw a PNG: round-trip GB/s against tokens per rank for each variant "
                         "and the baseline, the copy bandwidth as a line (with --world p2p: "
                         "GB/s per GPU over the links, NCCL, the peer copy; needs matplotlib)")
+
+
+PARTIAL_WITH_FP8 = ("argument --combine-partial: not with --combine-fp8 (the partial-reduce "
+                    "combine is not built with fp8=True: the kernels refuse the pair)")
 
 
 def have_matplotlib() -> bool:
@@ -233,11 +247,20 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
                      f"combine (EmulatedWorld.capture_moe): --world emulated only, not "
                      f"{world}")
     combine_fp8 = bool(getattr(args, "combine_fp8", False))
-    if combine_fp8 and (op != "combine" or world != "emulated"):
+    if combine_fp8 and (op != "combine" or world == "p2p"):
         parser.error(f"argument --combine-fp8: times the FP8 combine next to the BF16 one: "
-                     f"with --op combine on --world emulated, not --op {op} --world {world}")
+                     f"with --op combine on --world emulated or shmem, not --op {op} --world "
+                     f"{world}")
+    combine_partial = bool(getattr(args, "combine_partial", False))
+    if combine_partial and (op != "combine" or world == "p2p"):
+        parser.error(f"argument --combine-partial: times the partial-reduce combine next to "
+                     f"the plain one: with --op combine on --world emulated or shmem, not --op "
+                     f"{op} --world {world}")
+    if combine_partial and combine_fp8:
+        parser.error(PARTIAL_WITH_FP8)
     kw = {"variants": tuple(args.variant)} if args.variant else {}
-    kw.update(world=world, devices=devices, op=op, combine_fp8=combine_fp8)
+    kw.update(world=world, devices=devices, op=op, combine_fp8=combine_fp8,
+              combine_partial=combine_partial)
     from .plan import Plan
     plan = Plan(base=base, tokens=tuple(tokens), routing=args.routing, zipf_s=args.zipf_s,
                 seed=args.seed, sets=args.input_sets, iters=args.iters, warmup=args.warmup,
@@ -292,7 +315,6 @@ SHMEM_REFUSED = (
     ("--copy-mib", "copy_mib", "the SHMEM benchmark measures no device copy"),
     ("--copy-iters", "copy_iters", "the SHMEM benchmark measures no device copy"),
     ("--mem-fraction", "mem_fraction", "the SHMEM benchmark skips no phase for memory"),
-    ("--combine-fp8", "combine_fp8", "the SHMEM benchmark times the BF16 combine only"),
 )
 """Options ``--world shmem`` refuses when given (option, ``dest``, why): it would ignore
 them."""
@@ -319,9 +341,18 @@ def shmem_plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     else:
         tokens = args.sweep_tokens or [base.max_tokens_per_rank]
     kw = {k: v for k, v in (("iters", args.iters), ("warmup", args.warmup)) if v is not None}
+    for option, dest in (("--combine-fp8", "combine_fp8"),
+                         ("--combine-partial", "combine_partial")):
+        if getattr(args, dest, False) and args.op != "combine":
+            parser.error(f"argument {option}: times an extra combine next to the plain one: "
+                         f"with --op combine, not --op {args.op}")
+    if getattr(args, "combine_partial", False) and getattr(args, "combine_fp8", False):
+        parser.error(PARTIAL_WITH_FP8)
     plan = ShmemPlan(base=base, tokens=tuple(dict.fromkeys(tokens)), op=args.op,
                      p2p_sizes=args.compare_p2p, seed=args.seed,
-                     check=not args.no_post_check, arch=arch, **kw)
+                     check=not args.no_post_check, arch=arch,
+                     combine_fp8=bool(getattr(args, "combine_fp8", False)),
+                     combine_partial=bool(getattr(args, "combine_partial", False)), **kw)
     option = "--compare-p2p" if args.compare_p2p else "--set"
     for p in plan.sizes:
         try:

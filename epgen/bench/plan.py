@@ -30,6 +30,7 @@ from ..presets import parse_value
 from ..runtime.combine import check_supported
 from ..tuning import TuningError, parse_tune
 from .choices import ROUTINGS, WORLDS
+from .combine import check_arm, extra_arms
 
 SHAPE_NAMES = {128: "decode", 4096: "prefill"}
 SMALL_SHAPE_TOKENS = 512
@@ -209,6 +210,10 @@ class Plan:
     #: ``--combine-fp8`` (``op == "combine"``, emulated world): the FP8 combine timed after the
     #: BF16 one in the same run (``epgen.bench.combine``)
     combine_fp8: bool = False
+    #: ``--combine-partial`` (``op == "combine"``, emulated world): the partial-reduce combine
+    #: timed after the plain one in the same run, on each variant with ``ep_rank_dedup``
+    #: (``epgen.bench.combine``; the others report why not)
+    combine_partial: bool = False
 
     def iters_for(self, tokens_per_rank: int) -> int:
         return self.iters or default_iters(tokens_per_rank)
@@ -276,6 +281,15 @@ class ShmemPlan:
     seed: int = 0
     check: bool = True
     arch: str | None = None
+    #: ``--combine-fp8`` / ``--combine-partial`` (``op == "combine"``): the FP8 /
+    #: partial-reduce combine timed after the plain one on each world
+    combine_fp8: bool = False
+    combine_partial: bool = False
+
+    @property
+    def arms(self) -> tuple:
+        """The extra combines timed after the plain one (``combine.CombineArm``)."""
+        return extra_arms(self.combine_fp8, self.combine_partial)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -295,9 +309,15 @@ class ShmemPlan:
 
     def check_op(self, p2p_world_size: int) -> None:
         """``ValueError`` when ``op`` is a combine one and the combine kernels do not take
-        the world of ``p2p_world_size`` (``runtime.combine.check_supported``)."""
+        the world of ``p2p_world_size`` (``runtime.combine.check_supported``), or an extra
+        combine does not (``combine.check_arm``, naming its option)."""
         if self.op != "dispatch":
             check_supported(self.config(p2p_world_size))
+        for arm in self.arms:
+            try:
+                check_arm(self.config(p2p_world_size), arm)
+            except ValueError as exc:
+                raise ValueError(f"{arm.option}: {exc}") from None
 
     def describe(self) -> dict:
         """Plain data (for the JSON)."""

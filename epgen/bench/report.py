@@ -19,7 +19,7 @@ from .memory import fmt_gb
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMINGS = (("round_trip", "round trip"), ("dispatch_async", "dispatch_async"),
            ("dispatch_wait", "dispatch_wait"), ("combine", "combine"),
-           ("combine_fp8", "combine (fp8)"),
+           ("combine_fp8", "combine (fp8)"), ("combine_partial", "combine (partial)"),
            ("moe", "dispatch + combine"))
 """Timed parts of an epgen variant: result key, table label."""
 PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}
@@ -106,6 +106,10 @@ def table_rows(results) -> list[dict]:
             for key, label in TIMINGS:
                 m = v.get(key)
                 if m is None:        # the fused kernel is timed as a round trip only
+                    continue
+                if "median_ms" not in m:     # an extra combine this variant does not take
+                    rows.append({**common, "variant": f"epgen {v['label']} {label}",
+                                 "note": m.get("skipped")})
                     continue
                 rows.append({**common, "variant": f"epgen {v['label']} {label}",
                              "us": 1e3 * m["median_ms"], "gbps": m.get("gbps"),

@@ -32,6 +32,15 @@ Method
   call, the same bytes). ``--warmup`` untimed calls (default 5), then the median of
   ``--iters`` (default 50). No gate: the events are on the PE's own stream, recorded behind
   its previous work, so host enqueue time shows only where the stream ran dry.
+* **Extra combines** (``--combine-fp8``, ``--combine-partial``; ``--op combine``): after
+  the plain combine's figure of a shape, each one (``combine.CombineArm``) goes the same
+  way on the same world (``measure_arm``): a round trip and its combine through the API
+  with the arm's flags (the partial-reduce combine's round trip carries this rank's
+  weights, which it weighs with) checked against ``reference.combine`` with them, every PE
+  hearing every verdict; then the same timed calls, the arm's kernels launched; then the
+  same check after them. Its bytes sent: the FP8 row (``link_bytes.combine_row_bytes``),
+  or one BF16 row per (token, remote rank), per remote slot. Its figure sits under its key
+  of the shape's entry, with its speed-up over the plain combine (slowest PE).
 * **Combining the PEs** (rank 0, after a gather of every PE's times): per shape and world,
   each PE's median, and the median over calls of the slowest PE's time of each call (the
   calls line up: every PE passes the same barrier between them), which is the figure the
@@ -66,10 +75,11 @@ from .. import reference, routing
 from ..reference_combine import source_of_rows
 from ..runtime.shmem_session import ShmemSession
 from ..runtime.shmem_world import ShmemWorld
+from ..combine_layout import CombineLayout
 from ..inspection import combine_buffers
 from . import combine as bench_combine
 from . import memory
-from .link_bytes import INDEX_ENTRY_BYTES, dispatch_row_bytes
+from .link_bytes import INDEX_ENTRY_BYTES, combine_row_bytes, dispatch_row_bytes
 from .p2p import slowest_rank_times
 from .plan import shape_name
 from .report import Progress, git_commit, write_json
@@ -99,13 +109,21 @@ def sent_bytes(cfg, topk_ids, rank: int) -> int:
     return pairs * dispatch_row_bytes(cfg) + slots * INDEX_ENTRY_BYTES
 
 
-def combine_sent_bytes(cfg, all_topk_ids, rank: int) -> int:
+def combine_sent_bytes(cfg, all_topk_ids, rank: int, *, fp8: bool = False,
+                       partial_reduce: bool = False) -> int:
     """Bytes rank ``rank`` sends back to other ranks in the combine: one BF16 row of
-    ``hid_dim`` per (token, k) of another source routed to one of its experts."""
+    ``hid_dim`` per (token, k) of another source routed to one of its experts; ``fp8``:
+    the FP8 combine's row instead (``link_bytes.combine_row_bytes``, as this transport
+    writes it); ``partial_reduce``: one row per token of another source with at least one
+    of its experts."""
     L = cfg.layout.n_local_experts
-    n = sum(int(np.count_nonzero(np.asarray(ids) // L == rank))
-            for s, ids in enumerate(all_topk_ids) if s != rank)
-    return n * cfg.token_fmt.hid_dim * 2
+    n = 0
+    for s, ids in enumerate(all_topk_ids):
+        if s == rank:
+            continue
+        mine = np.asarray(ids) // L == rank
+        n += int(np.count_nonzero(mine.any(axis=1) if partial_reduce else mine))
+    return n * combine_row_bytes(cfg.token_fmt.hid_dim, fp8, cfg.needs_shmem)
 
 
 def op_sent_bytes(cfg, all_topk_ids, rank: int, op: str) -> int:
@@ -119,11 +137,13 @@ def op_sent_bytes(cfg, all_topk_ids, rank: int, op: str) -> int:
     return n
 
 
-def symmetric_bytes(cfg, op: str) -> int:
+def symmetric_bytes(cfg, op: str, arms: tuple = ()) -> int:
     """Bytes of NVSHMEM's symmetric heap one PE's world of ``cfg`` allocates (docs/shmem.md):
     the buffers peers write or puts read (``memory.world_memory``'s send and receive buffers,
     counts, grouped output, header and prod buffers) and, for combine and moe, the combine's
-    receive buffer (with its guard), arrival words and expert outputs. The heap
+    receive buffer (with its guard), arrival words and expert outputs; with the extra
+    combines ``arms`` (``combine.CombineArm``) the FP8 combine's receive buffer and send
+    staging, the partial-reduce combine's send staging (``runtime.combine_partial``). The heap
     (``NVSHMEM_SYMMETRIC_SIZE``) must hold it; NVSHMEM's own allocations come on top."""
     per_rank = memory.world_memory(cfg)["per_rank"]
     n = sum(per_rank[k] for k in ("send_buf", "recv_buf", "recv_count", "out_tokens",
@@ -132,6 +152,11 @@ def symmetric_bytes(cfg, op: str) -> int:
         b = combine_buffers(cfg)["bytes_per_rank"]
         n += b["combine_recv_buf"] + b["combine_recv_guard"] + 2 * b["combine_arrival"] + \
             b["combine_expert_out"]
+    if any(a.fp8 for a in arms):
+        clay = CombineLayout(cfg)
+        n += clay.fp8_recv_bytes + clay.fp8_stage_bytes
+    if any(a.partial_reduce for a in arms) and cfg.needs_shmem:
+        n += cfg.layout.max_out_rows * 2 * cfg.token_fmt.hid_dim
     return n
 
 
@@ -189,7 +214,10 @@ def measure_shape(world, plan, T: int, tokens, topk_ids, weights, *,
     docstring): ``tokens``, ``topk_ids`` (and for combine and moe ``weights``) of every
     rank. ``exchange(problems)`` returns every PE's list of check problems (a gather; the
     default: this PE's alone). Returns ``{"rank", "sent_bytes", "check", "post_check",
-    "times_ms"}``; without ``times_ms`` when a PE's check failed (every PE stops then)."""
+    "times_ms"}``; without ``times_ms`` when a PE's check failed (every PE stops then). Each
+    extra combine of the plan (``ShmemPlan.arms``) adds its own ``{"sent_bytes", "check",
+    "post_check", "times_ms"}`` under its key (``measure_arm``), timed after the plain
+    figure."""
     cfg, me, op = world.cfg, world.rank, plan.op
     ref = reference.dispatch(cfg, tokens, topk_ids) if plan.check else None
     out = {"rank": me, "sent_bytes": op_sent_bytes(cfg, topk_ids, me, op)}
@@ -203,12 +231,61 @@ def measure_shape(world, plan, T: int, tokens, topk_ids, weights, *,
             want = reference.combine(cfg, ref, [expert_rows(r, tokens, me) for r in ref],
                                      weights, sources=[me])[me]
             problems += _combine_problems(y, want, f"rank {me}")
+    out["check"] = _agree(exchange, problems, ref is not None)
+    if out["check"].startswith("FAILED"):
+        return out
+    _time_and_recheck(world, comb, plan, T, op, out, tokens, topk_ids, weights, ref)
+    for arm in plan.arms:
+        out[arm.key] = measure_arm(world, plan, T, arm, tokens, topk_ids, weights, ref,
+                                   exchange)
+        if "times_ms" not in out[arm.key]:
+            break
+    return out
+
+
+def measure_arm(world, plan, T: int, arm, tokens, topk_ids, weights, ref, exchange) -> dict:
+    """This PE's figure of an extra combine (``combine.CombineArm``: the FP8 or the
+    partial-reduce combine) after the plain one, the same way (module docstring): a round
+    trip through the API (carrying this rank's weights for the partial-reduce combine,
+    which weighs with them; the timed calls keep the weights buffer it loads), the arm's
+    combine of it through the API checked against ``reference.combine`` with the arm's
+    flags (every PE hears every verdict), then the timed calls and the check after them.
+    Its ``sent_bytes``: ``combine_sent_bytes`` with the arm's flags."""
+    cfg, me = world.cfg, world.rank
+    out = {"sent_bytes": combine_sent_bytes(cfg, topk_ids, me, **arm.flags)}
+    carried = weights[me] if arm.partial_reduce else None
+    got = world.dispatch(tokens[me], topk_ids[me], topk_weights=carried)
+    y = world.combine(expert_rows(got, tokens), arm.call_weights(weights[me]), **arm.flags)
+    problems = []
+    if ref is not None:
+        want = reference.combine(cfg, ref, [expert_rows(r, tokens, me) for r in ref],
+                                 weights, sources=[me], **arm.flags)[me]
+        problems = _combine_problems(y, want, f"rank {me} {arm.name}")
+    out["check"] = _agree(exchange, problems, ref is not None)
+    if not out["check"].startswith("FAILED"):
+        _time_and_recheck(world, world.combiner(), plan, T, "combine", out, tokens, topk_ids,
+                          weights, ref, arm.flags)
+    return out
+
+
+def _agree(exchange, problems: list, checked: bool) -> str:
+    """Every PE's verdict on a check (``exchange``: a gather of each PE's ``problems``):
+    "FAILED: ..." naming the PEs that failed, else "ok" (or "skipped" when not
+    ``checked``)."""
     everyone = exchange(problems)
     failed = [f"rank {r}: {'; '.join(p)}" for r, p in enumerate(everyone) if p]
     if failed:
-        out["check"] = "FAILED: " + " | ".join(failed)
-        return out
-    out["check"] = "ok" if ref is not None else "skipped"
+        return "FAILED: " + " | ".join(failed)
+    return "ok" if checked else "skipped"
+
+
+def _time_and_recheck(world, comb, plan, T: int, op: str, out: dict, tokens, topk_ids,
+                      weights, ref, flags=None) -> None:
+    """The timed calls of ``op`` into ``out["times_ms"]`` (``comb``'s combine
+    transform-free, its own expert-output buffer back after them), then with ``ref`` the
+    last call's dispatch and combine (``flags``: an extra combine's) against the reference
+    into ``out["post_check"]``."""
+    cfg, me = world.cfg, world.rank
     fixed = cfg.token_fmt.name != "BF16"
     saved = None
     if comb is not None and not fixed:
@@ -226,14 +303,13 @@ def measure_shape(world, plan, T: int, tokens, topk_ids, weights, *,
                 if T > bench_combine.PREFILL_CHECK_TOKENS else None)
             if comb is not None and why_not is None:
                 want = reference.combine(cfg, ref, [r.out_tokens for r in ref], weights,
-                                         sources=[me])[me]
+                                         sources=[me], **(flags or {}))[me]
                 late += _combine_problems(comb.finish()[0], want, "last call")
             out["post_check"] = "FAILED: " + "; ".join(late) if late else (
                 "ok" if why_not is None else f"dispatch ok; combine not checked ({why_not})")
     finally:
         if saved is not None:
             comb.bufs[0].expert_out = saved
-    return out
 
 
 # ---- combining the PEs ----------------------------------------------------------------------------
@@ -246,25 +322,47 @@ def path_name(p2p_world_size: int, n_ranks: int) -> str:
     return f"stores in groups of {p2p_world_size}, puts between"
 
 
-def combine_pes(per_pe: list[dict], p2p_world_size: int, n_ranks: int, T: int) -> dict:
+def combine_pes(per_pe: list[dict], p2p_world_size: int, n_ranks: int, T: int,
+                arms: tuple = ()) -> dict:
     """One shape and world from every PE's ``measure_shape`` (rank order): each PE's median,
-    the slowest PE per call (``summary``), the checks."""
+    the slowest PE per call (``summary``), the checks; each extra combine of ``arms``
+    (``combine.CombineArm``) that every PE timed, the same under its key, with its
+    speed-up (``arm.speedup_key``: the plain combine's median over its own)."""
+    keys = {a.key for a in arms}
     entry = {"p2p_world_size": p2p_world_size, "path": path_name(p2p_world_size, n_ranks),
-             "tokens_per_rank": T, "shape": shape_name(T),
-             "per_pe": [{k: v for k, v in r.items() if k != "times_ms"} for r in per_pe]}
-    failed = [r["check"] for r in per_pe if r["check"].startswith("FAILED")] + \
-        [f"rank {r['rank']} after timing: {r['post_check']}" for r in per_pe
+             "tokens_per_rank": T, "shape": shape_name(T)}
+    entry.update(_figure([{k: v for k, v in r.items() if k not in keys} for r in per_pe]))
+    for arm in arms:
+        if not all(arm.key in r for r in per_pe):
+            continue
+        fig = entry[arm.key] = _figure([{"rank": r["rank"], **r[arm.key]} for r in per_pe],
+                                       f" ({arm.key})")
+        if "error" in fig:
+            entry.setdefault("error", fig["error"])
+        if "summary" in fig and "summary" in entry and fig["summary"]["median_ms"]:
+            entry[arm.speedup_key] = entry["summary"]["median_ms"] / \
+                fig["summary"]["median_ms"]
+    return entry
+
+
+def _figure(per_pe: list[dict], what: str = "") -> dict:
+    """One timed thing of every PE (``rank``, ``sent_bytes``, ``check``, ``post_check``,
+    ``times_ms``): ``per_pe`` without the times and with each PE's summary, ``summary``
+    (the slowest PE per call), ``gbps_per_pe`` and the first failed check (``error``)."""
+    out = {"per_pe": [{k: v for k, v in r.items() if k != "times_ms"} for r in per_pe]}
+    failed = [r["check"] + what for r in per_pe if r["check"].startswith("FAILED")] + \
+        [f"rank {r['rank']} after timing{what}: {r['post_check']}" for r in per_pe
          if r.get("post_check", "").startswith("FAILED")]
     if failed:
-        entry["error"] = failed[0]
+        out["error"] = failed[0]
     if all("times_ms" in r for r in per_pe):
-        for pe, r in zip(entry["per_pe"], per_pe):
+        for pe, r in zip(out["per_pe"], per_pe):
             pe.update(summarize(r["times_ms"]))
-        entry["summary"] = summarize(slowest_rank_times([r["times_ms"] for r in per_pe]))
-        ms = entry["summary"]["median_ms"]
-        entry["gbps_per_pe"] = statistics.fmean(r["sent_bytes"] for r in per_pe) / ms / 1e6 \
+        out["summary"] = summarize(slowest_rank_times([r["times_ms"] for r in per_pe]))
+        ms = out["summary"]["median_ms"]
+        out["gbps_per_pe"] = statistics.fmean(r["sent_bytes"] for r in per_pe) / ms / 1e6 \
             if ms else None
-    return entry
+    return out
 
 
 def comparisons(runs: list[dict], reference_size: int) -> list[dict]:
@@ -306,6 +404,25 @@ def rank_line(entry: dict, rank: int, op: str, n_ranks: int) -> str:
             f"{pe['min_ms'] * 1e3:.1f} us over {pe['n']} calls, {gbs:.2f} GB/s sent")
 
 
+def arm_line(entry: dict, rank: int, arm, n_ranks: int) -> str | None:
+    """This PE's line of an extra combine (``combine.CombineArm``) of one shape and world,
+    as ``rank_line``'s, with its speed-up over the plain combine; None when it did not
+    run."""
+    fig = entry.get(arm.key)
+    if fig is None:
+        return None
+    line = rank_line({**entry, **fig}, rank, "combine", n_ranks).replace(
+        f": {OP_LABELS['combine']} median", f": {arm.key} median", 1)
+    x = entry.get(arm.speedup_key)
+    return line + ("" if x is None else f" ({x:.2f}x the {arm.versus}, slowest PE)")
+
+
+def arms_of(plan: dict) -> tuple:
+    """The extra combines a run's plan (``ShmemPlan.describe``) timed."""
+    return bench_combine.extra_arms(plan.get("combine_fp8", False),
+                                    plan.get("combine_partial", False))
+
+
 def of_label(reference_size: int, n_ranks: int) -> str:
     """How the comparison names the world it compares with."""
     if reference_size >= n_ranks:
@@ -340,7 +457,26 @@ def format_table(results: dict) -> str:
                 ratios.get((r["tokens_per_rank"], r["p2p_world_size"]))
             cells += f"  {'-' if x is None else f'{x:.3f}x'}"
         lines.append(cells)
+        lines += _arm_rows(r, arms_of(results["plan"]))
     return "\n".join(lines)
+
+
+def _arm_rows(run: dict, arms: tuple) -> list[str]:
+    """The table's row of each extra combine of ``run`` that was timed: its slowest PE's
+    median, the PEs' range, GB/s sent per PE and its speed-up over the plain combine."""
+    rows = []
+    for arm in arms:
+        fig = run.get(arm.key, {})
+        if "summary" not in fig:
+            continue
+        meds = [pe["median_ms"] * 1e3 for pe in fig["per_pe"]]
+        x = run.get(arm.speedup_key)
+        rows.append(f"{'':<8} {'':>5} {'':>4} {'  ' + arm.key:<28} "
+                    f"{fig['summary']['median_ms'] * 1e3:>10.1f} "
+                    f"{f'{min(meds):.1f}-{max(meds):.1f}':>17} "
+                    f"{fig['gbps_per_pe'] or 0:>8.2f}"
+                    + ("" if x is None else f"  {x:.2f}x the {arm.versus}"))
+    return rows
 
 
 def comparison_lines(results: dict) -> list[str]:
@@ -397,14 +533,17 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                "git_commit": commit, "git_dirty": dirty, "command": sys.argv,
                "mps_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
                "plan": {**plan.describe(), "reference_size": plan.reference_size},
-               "symmetric_bytes_per_pe": max(symmetric_bytes(plan.config(p), plan.op)
+               "symmetric_bytes_per_pe": max(symmetric_bytes(plan.config(p), plan.op,
+                                                             plan.arms)
                                              for p in plan.sizes),
                "nvshmem_symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"),
                "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
                           "sent_bytes": "dispatch: a message per remote (token, k) slot "
                                         "(ep_rank_dedup: per (token, remote rank), plus a "
                                         "4-byte index word per slot); combine: a BF16 row "
-                                        "per remote (token, k)"},
+                                        "per remote (token, k) (combine_fp8: its FP8 "
+                                        "row; combine_partial: a BF16 row per (token, "
+                                        "remote rank))"},
                "runs": [], "failures": []}
     with contextlib.ExitStack() as stack:
         if session is None:
@@ -428,13 +567,18 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                     w = bench_combine.weights(cfg, T, plan.seed) if plan.op != "dispatch" \
                         else None
                     mine = measure_shape(world, plan, T, toks, ids, w, exchange=exchange)
-                    entry = combine_pes(exchange(mine), p, cfg.n_ranks, T)
+                    entry = combine_pes(exchange(mine), p, cfg.n_ranks, T, plan.arms)
                     results["runs"].append(entry)
                     print(rank_line(entry, me, plan.op, cfg.n_ranks), file=out, flush=True)
+                    for arm in plan.arms:
+                        line = arm_line(entry, me, arm, cfg.n_ranks)
+                        if line is not None:
+                            print(line, file=out, flush=True)
                     if "error" in entry:
                         results["failures"].append(f"p2p_world_size={p}, T={T}: "
                                                    f"{entry['error']}")
-                    if "summary" not in entry:
+                    if "summary" not in entry or any(
+                            "summary" not in entry.get(a.key, {}) for a in plan.arms):
                         break
             if results["failures"]:
                 break

@@ -72,3 +72,26 @@ def test_bench_api_deepep_reports_both_apis_on_the_same_kernels(tmp_path, capsys
         assert r["device_ratio"] == pytest.approx(r["round_trip_us_deepep"]
                                                   / r["round_trip_us_epgen"])
     assert "deepep api, 32 tokens/rank" in out
+
+
+def test_bench_combine_partial_on_the_gpu(tmp_path, capsys):
+    """``--combine-partial``: the dedup variant's partial-reduce combine checked and timed
+    after its plain one, its link bytes below the plain combine's; the default variant's
+    plain combine runs and its partial one says why not."""
+    js = tmp_path / "partial.json"
+    status = cli.main(["bench", *QUICK, "--op", "combine", "--combine-partial", "--variant",
+                       "default", "--variant", "dedup=ep_rank_dedup", "--json", str(js)])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    data = json.loads(js.read_text())
+    assert data["failures"] == [] and data["plan"]["combine_partial"] is True
+    plain, dedup = data["shapes"][0]["variants"]
+    assert plain["check"] == plain["post_check"] == "ok" and plain["combine"]["median_ms"] > 0
+    assert "ep_rank_dedup" in plain["combine_partial"]["skipped"]
+    assert dedup["check"] == dedup["post_check"] == dedup["post_check_partial"] == "ok"
+    m = dedup["combine_partial"]
+    assert m["median_ms"] > 0 and m["bytes"] == dedup["bytes"]["combine_partial"]["total"]
+    assert m["link_bytes"] < dedup["combine"]["link_bytes"]
+    assert dedup["partial_speedup_vs_plain"] == pytest.approx(
+        dedup["combine"]["median_ms"] / m["median_ms"])
+    assert "combine (partial)" in out

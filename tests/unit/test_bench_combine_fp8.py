@@ -11,6 +11,7 @@ from epgen import cli
 from epgen.bench import combine
 
 from test_bench import bench_args, tiny_cfg
+from test_bench_shmem import SMALL_SHMEM, shmem_plan
 
 
 def _usage_error(capsys, *argv) -> str:
@@ -28,7 +29,7 @@ def test_the_flag_reaches_the_plan():
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--combine-fp8"], "with --op combine on --world emulated, not --op dispatch"),
+    (["--combine-fp8"], "with --op combine on --world emulated or shmem, not --op dispatch"),
     (["--op", "moe", "--combine-fp8"], "not --op moe"),
     (["--op", "combine", "--world", "p2p", "--combine-fp8"], "--world p2p"),
     (["--op", "combine", "--combine-fp8", "--preset", "small", "--set", "hid_dim=64"],
@@ -39,11 +40,12 @@ def test_refusals_name_the_option(argv, match, capsys):
     assert "argument --combine-fp8" in err and re.search(match, err), err
 
 
-def test_the_shmem_benchmark_refuses_it(capsys):
-    err = _usage_error(capsys, "--world", "shmem", "--preset", "small", "--set",
-                       "use_shmem=true", "--set", "p2p_world_size=1", "--op", "combine",
-                       "--combine-fp8")
-    assert "argument --combine-fp8: not with --world shmem" in err, err
+def test_the_shmem_benchmark_takes_it_with_the_combine_only(capsys):
+    p = shmem_plan(*SMALL_SHMEM, "--op", "combine", "--combine-fp8")
+    assert p.combine_fp8 and p.arms == (combine.FP8_ARM,) and p.describe()["combine_fp8"]
+    err = _usage_error(capsys, *SMALL_SHMEM, "--op", "moe", "--combine-fp8")
+    assert "argument --combine-fp8: times an extra combine next to the plain one: with " \
+           "--op combine, not --op moe" in err, err
 
 
 def test_fp8_combine_bytes_by_hand():
