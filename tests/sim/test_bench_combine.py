@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from epgen import cli, reference
+from epgen import cli
 from epgen.bench import combine, combine_baseline, driver, inputs, report, timing, traffic
 from epgen.bench.baseline import dispatch_numpy
 from epgen.runtime.world import EmulatedWorld
@@ -57,12 +57,11 @@ def _fake_timer(ts, streams, gate, body):
     return 0.25, False
 
 
-@pytest.mark.parametrize("op, graph", [("combine", False), ("moe", False), ("moe", True)])
-def test_measure_world_on_the_simulator(op, graph, seed):
-    """The real measurement on the simulator, the event timing replaced: the checks before
-    and after the timing pass, every sample ran the combine (its launches were recorded),
-    the world's own buffers are back afterwards."""
-    cfg = make_cfg(*SHAPES["R2-E4"])
+def measure_on_sim(cfg, seed, timer, op="combine", **options):
+    """``combine.measure_world`` of ``cfg`` on a simulator world (made on first use), 2 input
+    sets, 3 timed iterations after 1 warm-up, ``timer`` instead of the events; ``options``:
+    its other keywords (``graph``, ``combine_fp8``, ``combine_partial``). Returns the
+    results and the world."""
     T = cfg.max_tokens_per_rank
     sets = inputs.make_input_sets(cfg, T, 2, seed=seed)
     w = combine.weights(cfg, T, seed)
@@ -71,12 +70,21 @@ def test_measure_world_on_the_simulator(op, graph, seed):
     def factory():
         worlds.append(EmulatedWorld(cfg, backend="sim", sim_seed=seed))
         return worlds[0]
-    res = combine.measure_world(cfg, sets, w, 3, 1, None, op=op, graph=graph,
-                                world_factory=factory, timer=_fake_timer, progress=lambda m: None)
+    res = combine.measure_world(cfg, sets, w, 3, 1, None, op=op, world_factory=factory,
+                                timer=timer, progress=lambda m: None, **options)
+    return res, worlds[0]
+
+
+@pytest.mark.parametrize("op, graph", [("combine", False), ("moe", False), ("moe", True)])
+def test_measure_world_on_the_simulator(op, graph, seed):
+    """The real measurement on the simulator, the event timing replaced: the checks before
+    and after the timing pass, every sample ran the combine (its launches were recorded),
+    the world's own buffers are back afterwards."""
+    cfg = make_cfg(*SHAPES["R2-E4"])
+    res, world = measure_on_sim(cfg, seed, _fake_timer, op=op, graph=graph)
     key = combine.PRIMARY[op]
     assert res["check"] == "ok" and res["post_check"] == "ok", f"seed {seed}"
     assert res[key]["n"] == 3 and res[key]["median_ms"] == 0.25
-    world = worlds[0]
     comb = world.combiner()
     assert all(b.expert_out is not rk.out_tokens for b, rk in zip(comb.bufs, world.ranks))
     launched = [k for k, *_ in world.program.loaded.launched]

@@ -14,13 +14,13 @@ import pytest
 
 import epgen
 from epgen import cli
-from epgen.bench import combine, inputs, link_bytes, timing
+from epgen.bench import combine, link_bytes, timing
 from epgen.bench.report import format_table, table_rows
 from epgen.formats import make_format
-from epgen.runtime.world import EmulatedWorld
 
 from test_bench import fake_gpu  # noqa: F401 - fixture
 from test_bench_combine import fake_combine  # noqa: F401 - fixture
+from test_bench_combine import measure_on_sim
 
 
 def _cfg(**flags):
@@ -30,17 +30,7 @@ def _cfg(**flags):
 
 
 def _measure(cfg, seed, timer):
-    T = cfg.max_tokens_per_rank
-    sets = inputs.make_input_sets(cfg, T, 2, seed=seed)
-    w = combine.weights(cfg, T, seed)
-    worlds = []
-
-    def factory():
-        worlds.append(EmulatedWorld(cfg, backend="sim", sim_seed=seed))
-        return worlds[0]
-    res = combine.measure_world(cfg, sets, w, 3, 1, None, op="combine", world_factory=factory,
-                                timer=timer, progress=lambda m: None, combine_partial=True)
-    return res, worlds[0]
+    return measure_on_sim(cfg, seed, timer, combine_partial=True)
 
 
 def test_both_combines_timed_and_checked(seed):
