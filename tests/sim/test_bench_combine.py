@@ -57,6 +57,16 @@ def _fake_timer(ts, streams, gate, body):
     return 0.25, False
 
 
+def counting_timer(calls: list):
+    """A ``timing.fork_join`` stand-in that runs the body, appends to ``calls`` and
+    returns a fixed 'time'."""
+    def timer(ts, streams, gate, body):
+        body()
+        calls.append(1)
+        return 0.25, False
+    return timer
+
+
 def measure_on_sim(cfg, seed, timer, op="combine", **options):
     """``combine.measure_world`` of ``cfg`` on a simulator world (made on first use), 2 input
     sets, 3 timed iterations after 1 warm-up, ``timer`` instead of the events; ``options``:

@@ -13,7 +13,7 @@ from epgen.formats import make_format
 
 from test_bench import fake_gpu  # noqa: F401 - fixture
 from test_bench_combine import fake_combine  # noqa: F401 - fixture
-from test_bench_combine import measure_on_sim
+from test_bench_combine import counting_timer, measure_on_sim
 
 
 def _cfg():
@@ -28,11 +28,7 @@ def _measure(cfg, seed, timer):
 
 def test_both_combines_timed_and_checked(seed):
     calls = []
-
-    def fake_timer(ts, streams, gate, body):
-        body()
-        calls.append(1)
-        return 0.25, False
+    fake_timer = counting_timer(calls)
     res, world = _measure(_cfg(), seed, fake_timer)
     assert res["check"] == res["post_check"] == res["post_check_fp8"] == "ok", f"seed {seed}"
     assert res["combine"]["n"] == res["combine_fp8"]["n"] == 3

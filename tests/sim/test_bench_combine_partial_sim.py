@@ -20,7 +20,7 @@ from epgen.formats import make_format
 
 from test_bench import fake_gpu  # noqa: F401 - fixture
 from test_bench_combine import fake_combine  # noqa: F401 - fixture
-from test_bench_combine import measure_on_sim
+from test_bench_combine import counting_timer, measure_on_sim
 
 
 def _cfg(**flags):
@@ -35,11 +35,7 @@ def _measure(cfg, seed, timer):
 
 def test_both_combines_timed_and_checked(seed):
     calls = []
-
-    def fake_timer(ts, streams, gate, body):
-        body()
-        calls.append(1)
-        return 0.25, False
+    fake_timer = counting_timer(calls)
     res, world = _measure(_cfg(ep_rank_dedup=True), seed, fake_timer)
     assert res["check"] == res["post_check"] == res["post_check_partial"] == "ok", \
         f"seed {seed}"

@@ -739,3 +739,11 @@ def test_fused_variant_is_a_world_option_not_a_config_field():
     p = P.Plan(base=DECODE, tokens=(128,), variants=(v,))
     cfg = p.config(128, v)
     assert not hasattr(cfg, "fused")
+
+
+def usage_error(capsys, *argv) -> str:
+    """``epgen bench ARGV`` exits with status 2 (a usage error): its stderr."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", *argv])
+    assert info.value.code == 2
+    return capsys.readouterr().err

@@ -7,18 +7,10 @@ import re
 
 import pytest
 
-from epgen import cli
 from epgen.bench import combine
 
-from test_bench import bench_args, tiny_cfg
+from test_bench import bench_args, tiny_cfg, usage_error
 from test_bench_shmem import SMALL_SHMEM, shmem_plan
-
-
-def _usage_error(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", *argv])
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_the_flag_reaches_the_plan():
@@ -36,14 +28,14 @@ def test_the_flag_reaches_the_plan():
      r"hid_dim to be a multiple of 128.*hid_dim=64"),
 ])
 def test_refusals_name_the_option(argv, match, capsys):
-    err = _usage_error(capsys, *argv)
+    err = usage_error(capsys, *argv)
     assert "argument --combine-fp8" in err and re.search(match, err), err
 
 
 def test_the_shmem_benchmark_takes_it_with_the_combine_only(capsys):
     p = shmem_plan(*SMALL_SHMEM, "--op", "combine", "--combine-fp8")
     assert p.combine_fp8 and p.arms == (combine.FP8_ARM,) and p.describe()["combine_fp8"]
-    err = _usage_error(capsys, *SMALL_SHMEM, "--op", "moe", "--combine-fp8")
+    err = usage_error(capsys, *SMALL_SHMEM, "--op", "moe", "--combine-fp8")
     assert "argument --combine-fp8: times an extra combine next to the plain one: with " \
            "--op combine, not --op moe" in err, err
 

@@ -8,18 +8,10 @@ import re
 
 import pytest
 
-from epgen import cli
 from epgen.bench import combine
 
-from test_bench import bench_args, tiny_cfg
+from test_bench import bench_args, tiny_cfg, usage_error
 from test_bench_shmem import SMALL_SHMEM, shmem_plan
-
-
-def _usage_error(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", *argv])
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_the_flag_reaches_the_plan():
@@ -39,11 +31,11 @@ def test_the_flag_reaches_the_plan():
      "not with --combine-fp8 .*kernels refuse the pair"),
 ])
 def test_refusals_name_the_option(argv, match, capsys):
-    err = _usage_error(capsys, *argv)
+    err = usage_error(capsys, *argv)
     assert "argument --combine-partial" in err and re.search(match, err), err
 
 
-def test_a_variant_without_dedup_is_not_a_usage_error():
+def test_a_variant_without_dedup_is_not_ausage_error():
     """The plain combine of a variant without ``ep_rank_dedup`` still runs (the run reports
     why its partial combine does not, ``driver``)."""
     p = bench_args("--op", "combine", "--combine-partial")
@@ -93,7 +85,7 @@ def test_the_shmem_benchmark_takes_it_on_a_dedup_configuration(capsys):
 def test_the_shmem_benchmark_refusals(extra, match, capsys):
     """One configuration per SHMEM run: without ``ep_rank_dedup`` there is nothing to time,
     a usage error naming the option and the rule."""
-    err = _usage_error(capsys, *SMALL_SHMEM, "--op", "combine", "--combine-partial", *extra)
+    err = usage_error(capsys, *SMALL_SHMEM, "--op", "combine", "--combine-partial", *extra)
     assert re.search(match, err), err
 
 
