@@ -15,7 +15,8 @@ HELP = ("run a variant's dispatch (and combine) on the CPU simulator's weak-memo
 CHECKED_VARIANTS = ("ep/small", "ep/ord_r", "ep/final_layout_prod_reserve", "ep/fused",
                     "ep/shmem_p2p1", "ep/shmem_mixed", "ep/shmem_mixed_ord_r",
                     "ep/shmem_fused", "ep/shmem_mixed_rank_dedup", "ep/rank_mask",
-                    "ep/rank_dedup", "combine/small", "combine/fused", "combine/shmem",
+                    "ep/rank_dedup", "ep/rank_dedup_tokens", "ep/rank_dedup_combine_tokens",
+                    "combine/small", "combine/fused", "combine/shmem",
                     "combine/shmem_fused", "combine/rank_mask", "combine/rank_dedup_partial",
                     "combine/rank_dedup_partial_fused", "combine/shmem_rank_dedup_partial",
                     "combine/shmem_rank_dedup_partial_fused")

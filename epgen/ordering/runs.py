@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from backends import sim as sim_backend
-from epgen import combine_run, goldens, reference, routing
+from epgen import combine_run, goldens, reference, reference_tokens, routing
 from epgen import ep_goldens as eg
 from epgen.errors import EPTimeoutError
 from epgen.presets import config_from_dict, preset_data, with_overrides
@@ -67,6 +67,10 @@ class Spec:
     golden: str | None = None           # the golden variant whose kernels are mutated
     #: the combine is the partial-reduce one (``ep_rank_dedup``; the dispatch carries weights)
     partial: bool = False
+    #: DeepEP's normal mode (``ep_rank_dedup``): the token-major receive
+    #: (``world.dispatch_tokens``) and, with ``combine``, the token-major combine
+    #: (``world.combine_tokens``), against ``epgen.reference_tokens``
+    tokens: bool = False
 
 
 def _flag(name: str) -> dict:
@@ -101,6 +105,12 @@ def checked() -> dict[str, Spec]:
         # tokens with both experts on one rank send one message for two slots
         "ep/rank_dedup": Spec("small", _flag("rank_dedup"),
                               small={"n_experts": 8, "num_threads": 128}),
+        # DeepEP's normal mode: the token-major receive after the deduplicated send, and its
+        # combine (rows back to each token's lead slot, weights summed)
+        "ep/rank_dedup_tokens": Spec("small", _flag("rank_dedup"), tokens=True,
+                                     small=_TWO_PER_RANK),
+        "ep/rank_dedup_combine_tokens": Spec("small", _flag("rank_dedup"), tokens=True,
+                                             combine=True, small=_TWO_PER_RANK),
         "combine/small": Spec("small", {}, combine=True),
         "combine/fused": Spec("small", {}, fused=True, combine=True),
         "combine/shmem": Spec("small", {"use_shmem": True}, combine=True, small=_SHMEM_P2P1),
@@ -173,12 +183,19 @@ class WeakMachine(sim_backend.Machine):
 
 
 def _world(cfg, spec: Spec, machine):
-    return EmulatedWorld(cfg, backend=machine, fused=True if spec.fused else None)
+    world = EmulatedWorld(cfg, backend=machine, fused=True if spec.fused else None)
+    if spec.tokens and spec.combine:
+        # each rank's receive half after its own send half only: no event hides the
+        # arrival words' ordering (as for the fused combines)
+        world.token_combiner().halves_ordered = False
+    return world
 
 
 def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
     """``CALLS`` round trips; whether every result equals the reference."""
     rng = np.random.default_rng(seed)
+    if spec.tokens:
+        return _token_major_round_trips(world, cfg, spec, rng)
     for _ in range(CALLS):
         toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
         w = combine_run.router_weights(rng, cfg, ids) if spec.combine else None
@@ -196,6 +213,37 @@ def _round_trips(world, cfg, spec: Spec, seed: int) -> bool:
                 out = world.combine(ys, w)
                 ref = reference.combine(cfg, got, ys, w)
             if combine_run.differences(out, ref):
+                return False
+    return True
+
+
+_TOKEN_MAJOR_FIELDS = ("x", "topk_idx", "topk_weights", "src", "rank_prefix",
+                       "expert_counts")
+
+
+def _token_major_round_trips(world, cfg, spec: Spec, rng) -> bool:
+    """``CALLS`` normal-mode round trips (``Spec.tokens``) with masked slots (``-1``, and one
+    token of ``-1`` only per rank) and router weights; whether every rank's receive (and
+    combine) equals ``reference_tokens``."""
+    R, H, K = cfg.n_ranks, cfg.token_fmt.hid_dim, cfg.token_fmt.top_k
+    for _ in range(CALLS):
+        toks, ids = routing.masked_routing(rng, cfg, cfg.max_tokens_per_rank, fraction=0.25)
+        w = [rng.standard_normal(i.shape).astype(np.float32) for i in ids]
+        got = world.dispatch_tokens(toks, ids, topk_weights=w)
+        for d in range(R):
+            want = reference_tokens.normal_dispatch(cfg.n_experts, toks, ids, d, w)
+            if got[d].n_rows != want.n_rows or not all(
+                    np.array_equal(getattr(got[d], f), getattr(want, f))
+                    for f in _TOKEN_MAJOR_FIELDS):
+                return False
+        if spec.combine:
+            xs = [routing.random_tokens(rng, g.n_rows, H) for g in got]
+            ws = [rng.standard_normal((g.n_rows, K)).astype(np.float32) for g in got]
+            out = world.combine_tokens(xs, ws)
+            ref = reference_tokens.normal_combine(cfg.n_experts, ids, [g.src for g in got],
+                                                  xs, ws)
+            if any(not (np.array_equal(o[0], r[0]) and np.array_equal(o[1], r[1]))
+                   for o, r in zip(out, ref)):
                 return False
     return True
 

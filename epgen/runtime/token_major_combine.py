@@ -61,6 +61,12 @@ class TokenMajorCombine:
     ``ValueError`` for a configuration it does not take (``combine_tokens.check_supported``
     and the partial-reduce combine's ``check_config``)."""
 
+    #: whether every rank's ``ep_combine_wait_partial`` starts after every rank's
+    #: ``ep_combine_async_tokens`` (events). False leaves each rank's two kernels in its own
+    #: stream's order only, as separate processes run them: the arrival words alone then
+    #: order the rows before their reads (the ordering checker runs it so, to see them).
+    halves_ordered: bool = True
+
     def __init__(self, world):
         cfg = world.cfg
         check_supported(cfg)
@@ -172,7 +178,8 @@ class TokenMajorCombine:
 
     def enqueue(self, has_weights: bool, residual) -> None:
         """Every rank's ``ep_combine_async_tokens`` (after every rank's receive), then every
-        rank's ``ep_combine_wait_partial`` (after every rank's send), on the ranks' streams;
+        rank's ``ep_combine_wait_partial`` (after every rank's send, unless
+        ``halves_ordered`` is False), on the ranks' streams;
         the staging buffers' rows and weights, ``residual[i]``: whether rank ``i``'s
         Combiner residual holds its bias."""
         w, cfg = self.world, self.world.cfg
@@ -186,7 +193,7 @@ class TokenMajorCombine:
             self.programs.of(rk).launch(KERNEL_NAME, cfg.n_sms, args, rk.stream)
             events.append(w.cuda.record_event(rk.stream))
         for i, rk in enumerate(w.ranks):
-            for ev in events:
+            for ev in events if self.halves_ordered else ():
                 rk.stream.wait(ev)
             args = self.wait_args(i)
             args["has_residual"] = int(residual[i])
