@@ -154,19 +154,21 @@ class Combiner:
         """Make the FP8 side (``combine_fp8.Fp8Combine``) unless it exists; True when it was
         made now (``ShmemWorld`` then meets the other PEs before a kernel writes its
         buffers). ``ValueError`` naming ``hid_dim`` unless it is a multiple of 128."""
-        if self.fp8_side is not None:
-            return False
-        self.fp8_side = Fp8Combine(self, GUARD_BYTES)
-        return True
+        with self.world.build_lock:         # rank threads may ask at once (RankWorld)
+            if self.fp8_side is not None:
+                return False
+            self.fp8_side = Fp8Combine(self, GUARD_BYTES)
+            return True
 
     def prepare_partial(self) -> bool:
         """Make the partial-reduce side (``combine_partial.PartialCombine``) unless it
         exists; True when it was made now. ``ValueError`` for a configuration it does not
         take (``kernels.combine_partial.check_config``)."""
-        if self.partial_side is not None:
-            return False
-        self.partial_side = PartialCombine(self)
-        return True
+        with self.world.build_lock:
+            if self.partial_side is not None:
+                return False
+            self.partial_side = PartialCombine(self)
+            return True
 
     def program_of(self, rk, fp8: bool | None = None, partial: bool | None = None):
         """The ``Program`` that launches rank ``rk``'s combine kernels (its GPU's; the FP8

@@ -48,6 +48,7 @@ within noise, a graph replay unchanged.
 from __future__ import annotations
 
 import abc
+import threading
 
 import numpy as np
 
@@ -136,6 +137,11 @@ class RankWorld(abc.ABC):
         self._combiner = None
         self._token_receiver = None
         self._token_combiner = None
+        #: held while a part built on first use (the combiner and its FP8 and partial-reduce
+        #: sides, the token-major receiver and combine) is made: one thread per rank (the
+        #: DeepEP API's ``EmulatedGroup``, an engine's rank threads) may ask for it at once,
+        #: and every rank must get the same buffers and pointer tables
+        self.build_lock = threading.RLock()
         #: the last dispatch's ``topk_weights`` (``load_weights``; None: none given)
         self.last_weights = None
         self._shrink = shrink
@@ -753,9 +759,10 @@ class RankWorld(abc.ABC):
     def token_receiver(self) -> TokenMajorReceiver:
         """The world's token-major receive (``runtime.token_major.TokenMajorReceiver``),
         built on first use; ``ValueError`` for a configuration it does not take."""
-        if self._token_receiver is None:
-            self._token_receiver = TokenMajorReceiver(self)
-        return self._token_receiver
+        with self.build_lock:
+            if self._token_receiver is None:
+                self._token_receiver = TokenMajorReceiver(self)
+            return self._token_receiver
 
     def dispatch_tokens(self, tokens, topk_ids, pad_rows=0, topk_weights=None) -> list:
         """One dispatch received token-major (docs/deepep.md, "Normal mode"; an
@@ -771,9 +778,10 @@ class RankWorld(abc.ABC):
     def token_combiner(self) -> TokenMajorCombine:
         """The world's normal-mode combine (``runtime.token_major_combine``), built on first
         use; ``ValueError`` for a configuration it does not take."""
-        if self._token_combiner is None:
-            self._token_combiner = TokenMajorCombine(self)
-        return self._token_combiner
+        with self.build_lock:
+            if self._token_combiner is None:
+                self._token_combiner = TokenMajorCombine(self)
+            return self._token_combiner
 
     def combine_tokens(self, xs, topk_weights=None, bias=None) -> list:
         """The normal-mode combine of the last ``dispatch_tokens`` (docs/deepep.md, "Normal
@@ -787,9 +795,10 @@ class RankWorld(abc.ABC):
     # -- combine -----------------------------------------------------------------------------
     def combiner(self) -> Combiner:
         """The world's combine side (``runtime.combine.Combiner``), built on first use."""
-        if self._combiner is None:
-            self._combiner = Combiner(self)
-        return self._combiner
+        with self.build_lock:
+            if self._combiner is None:
+                self._combiner = Combiner(self)
+            return self._combiner
 
     def combiner_if_built(self) -> Combiner | None:
         """The world's combine side if a combine built it, else None."""
