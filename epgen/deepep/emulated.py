@@ -35,6 +35,12 @@ from .ports import DevicePort, PeerFailedError, Rendezvous, SimPort, run_sim_ste
 #: a simulator rank waits at most this long for the other ranks' calls (seconds)
 SIM_RENDEZVOUS_TIMEOUT_S = 120.0
 
+#: the kernels' bounded waits on a GPU when ``timeout_ns`` is not given: the rank threads
+#: call at their own pace, so a rank's receive waits for peers whose threads may still be
+#: busy with host work (their checks of the last call, say) for seconds; like DeepEP's own
+#: bound (about 100 s), long enough never to expire in a working run
+GPU_TIMEOUT_NS = 60_000_000_000
+
 
 class MaskBook:
     """Shrink mode on the simulator: every rank's mask, the ranks its buffer's calls masked
@@ -107,7 +113,8 @@ class EmulatedGroup:
     ``n_sms`` and ``num_threads``: the kernels' grid per rank (default: the GPU's SMs
     shared by the ranks, two blocks per SM, of at least 512 threads; on the simulator the
     fewest blocks of 64 threads the shape allows: ``LowLatencyShape.grid``);
-    ``timeout_ns``: the kernels' bounded waits."""
+    ``timeout_ns``: the kernels' bounded waits (default: the configuration's on the
+    simulator, ``GPU_TIMEOUT_NS`` on a GPU)."""
 
     def __init__(self, n_ranks: int, *, backend: str = "cuda", device: int = 0,
                  n_sms: int | None = None, num_threads: int | None = None,
@@ -119,9 +126,15 @@ class EmulatedGroup:
             raise ValueError(f"n_ranks: must be a positive int, got {n_ranks!r}")
         self.n_ranks, self.backend, self.device = n_ranks, backend, device
         self.sim = backend == "sim"
+        if timeout_ns is None and backend == "cuda":
+            timeout_ns = GPU_TIMEOUT_NS
         self.n_sms, self.num_threads, self.timeout_ns = n_sms, num_threads, timeout_ns
         self.sim_seed, self.rendezvous_timeout_s = sim_seed, rendezvous_timeout_s
         self._lock = threading.Lock()
+        # CUDA graph captures on the rank threads (``capture``): one at a time, between two
+        # meetings of every rank's thread
+        self._capture_lock = threading.Lock()
+        self._capture_meet = threading.Barrier(n_ranks)
         self._worlds = {}             # (shape, slot) -> [port per rank]
         self._failed = None           # (rank, error) of the first rank that failed in run()
         self._streams = None
@@ -246,6 +259,29 @@ class EmulatedGroup:
         if self._streams is None:
             self._streams = [torch.cuda.Stream(device=self.device) for _ in range(self.n_ranks)]
         return self._streams[r]
+
+    def capture(self, graph, fn, stream=None):
+        """Capture ``fn()`` into ``graph`` (a ``torch.cuda.CUDAGraph``) on the calling rank
+        thread's ``stream`` (default its current one) and return ``fn``'s result; every
+        rank's thread of ``run`` calls it, each for its own graph.
+
+        Why not ``torch.cuda.graph`` on each thread: it starts by synchronising the whole
+        device, which fails while another rank's thread captures, and waits for every rank's
+        kernels, which may be waiting for a rank that has not launched yet. Here each thread
+        first finishes its own stream's work, then every thread meets, the captures run one
+        after another (nothing of any rank running meanwhile), and the threads meet again
+        before any rank launches more."""
+        torch = __import__("torch")
+        limit = self.rendezvous_timeout_s
+        torch.cuda.current_stream(self.device).synchronize()
+        self._capture_meet.wait(limit)
+        try:
+            with self._capture_lock:
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    out = fn()
+        finally:
+            self._capture_meet.wait(limit)
+        return out
 
     def run(self, fn, timeout_s: float | None = None) -> list:
         """``fn(rank)`` on one thread per rank (on a GPU with the rank's stream current);

@@ -39,7 +39,7 @@ DEV = "cuda"
 
 
 def emulated(n_ranks=CASE.n_ranks):
-    return deep_ep.EmulatedGroup(n_ranks, backend="cuda", timeout_ns=2_000_000_000)
+    return deep_ep.EmulatedGroup(n_ranks, backend="cuda")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -101,8 +101,7 @@ def test_emulated_vllm_step_in_a_cuda_graph(seed):
         step()
         step()                          # both slots' worlds made before the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            out = step()
+        out = group.capture(graph, step, stream=stream)
         step()                          # the slot after the captured one, warmed again
         for inputs in rounds:
             nx, ni, nw = inputs[rank]

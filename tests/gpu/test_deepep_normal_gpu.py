@@ -33,7 +33,7 @@ CASES = {
 
 
 def emulated(n_ranks):
-    return deep_ep.EmulatedGroup(n_ranks, backend="cuda", timeout_ns=2_000_000_000)
+    return deep_ep.EmulatedGroup(n_ranks, backend="cuda")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -73,9 +73,8 @@ def test_num_worst_tokens_dispatch_in_a_cuda_graph(seed):
         buf.dispatch(x, **args)             # both slots' worlds made before the capture
         buf.check()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            first = buf.dispatch(x, **args)
-            second = buf.dispatch(x, **args)
+        first, second = group.capture(
+            graph, lambda: (buf.dispatch(x, **args), buf.dispatch(x, **args)), stream=stream)
         for inputs in rounds:
             x.copy_(inputs[rank][0].to(DEV))
             graph.replay()
@@ -128,9 +127,7 @@ def test_dispatch_and_combine_pairs_in_a_cuda_graph(seed):
         pair()                              # both slots' worlds made before the capture
         buf.check()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            first = pair()
-            second = pair()
+        first, second = group.capture(graph, lambda: (pair(), pair()), stream=stream)
         ids = [i.numpy() for _, i in rounds[0]]
         ws = [q.numpy() for q in weights]
         for inputs in rounds:

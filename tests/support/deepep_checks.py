@@ -177,6 +177,7 @@ def rank_rounds(torch, buf, rank: int, case: LLCase, inputs, variant: str, round
                 return_recv_hook=hook)
             assert (recv_hook is not None) == hook
             recv_hook() if hook else event.current_stream_wait()
+        buf.check()         # an expired wait or a bad id named as such, not as wrong rows
         check_dispatch(torch, case, rank, all_idx, recv_x, count, handle, stats,
                        use_fp8=use_fp8, round_scale=round_scale)
         y = gemm_input(torch, recv_x, use_fp8, H)
@@ -187,6 +188,7 @@ def rank_rounds(torch, buf, rank: int, case: LLCase, inputs, variant: str, round
             y, idx, w, handle, zero_copy=zero_copy, async_finish=not hook,
             return_recv_hook=hook, out=out, use_fp8=combine_fp8)
         recv_hook() if hook else event.current_stream_wait()
+        buf.check()
         assert combined is out
         check_combine(torch, rank, inputs[rank][0], inputs[rank][1], inputs[rank][2],
                       combined, use_fp8=use_fp8 or combine_fp8, round_scale=round_scale)

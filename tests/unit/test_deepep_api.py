@@ -178,3 +178,14 @@ def test_a_process_group_with_peers_outside_the_p2p_group_is_refused_until_puts_
         deep_ep.Buffer(FakeProcessGroup(1, 4), low_latency_mode=True, p2p_world_size=2)
     with pytest.raises(EPInputError, match=r"^p2p_world_size: 3 must divide the group size"):
         deep_ep.Buffer(FakeProcessGroup(1, 4), low_latency_mode=True, p2p_world_size=3)
+
+
+def test_an_emulated_group_on_a_gpu_waits_long_by_default():
+    """The rank threads call at their own pace: on a GPU the kernels' waits default to
+    ``GPU_TIMEOUT_NS`` (not the configuration's 2 s, which a peer thread's host work between
+    calls outlasts); the simulator keeps the configuration's; a given value is kept."""
+    from epgen.deepep import emulated as em
+    assert em.GPU_TIMEOUT_NS >= 30_000_000_000
+    assert deep_ep.EmulatedGroup(2, backend="cuda").timeout_ns == em.GPU_TIMEOUT_NS
+    assert deep_ep.EmulatedGroup(2, backend="sim").timeout_ns is None
+    assert deep_ep.EmulatedGroup(2, backend="cuda", timeout_ns=5).timeout_ns == 5
