@@ -4,20 +4,21 @@
 # each fitting a 10-minute command; logs and JSON under $OUT/<mode>/ and a tally in
 # $OUT/<mode>/summary.txt. Run from the repository root:
 #
-#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh tests   # one process
-#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh tests2  # one process
-#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh mps     # 2 and 4 PEs
-#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh bench   # the figures
+#   EPGEN_COMMIT=<commit> timeout 590 benchmarks/adoption_session.sh MODE
 #
-# "tests" and "tests2": the single-process GPU tests of those features (emulated worlds, the
-# torch and DeepEP APIs, DeepEP's normal mode, CUDA graphs), process-group cases left to
-# "mps". "mps": MPS on (when this
-# machine has it and we are root), the tests that launch one process per PE with 2 and 4 PEs
-# (EPGEN_SHMEM_PES), then MPS off. "bench": in one run each, decode (128 tokens per rank)
-# and prefill (4096): the deduplicated dispatch against today's, the FP8 combine against
-# the BF16 one, the partial-reduce combine against the plain one after the same
-# deduplicated dispatch, the rank mask's cost, the DeepEP API's host and round-trip times
-# (the steps' bounds add up to 570 s).
+# MODE (each step under its own bound; the bounds of a mode add up to 590 s or less):
+#   tests    one process: the DeepEP API on an EmulatedGroup (low-latency, engines' call
+#            patterns, CUDA graphs), the deduplicated dispatch and the FP8 combine
+#   tests2   one process: the partial-reduce combine, DeepEP's normal mode, rank masks and
+#            masked slots, the BlockwiseFP8Pow2 format, the combine benchmark's tests
+#   mps      MPS on (when this machine has it and we are root), the tests that launch one
+#            process per PE with 2 and 4 PEs (EPGEN_SHMEM_PES), then MPS off
+#   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
+#   bench    decode (128 tokens per rank) and prefill (4096): the FP8 combine against the
+#            BF16 one, the partial-reduce combine against the plain one after the same
+#            deduplicated dispatch (each arm's set-0 check at prefill takes minutes)
+#   figures  the deduplicated dispatch against today's and the rank mask's cost in one run;
+#            the DeepEP API's host and round-trip times
 # docs/PERF.md "Open items" says which goal each figure answers.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,16 +48,16 @@ gpu_tests() {   # gpu_tests NAME SECONDS PYTEST ARGS...
 
 case "$what" in
 tests)
-    gpu_tests deepep 180 tests/gpu/test_deepep_gpu.py -k "not process_group"
-    gpu_tests rank-mask 130 tests/gpu/test_rank_mask_gpu.py tests/gpu/test_masked_slots_gpu.py
-    gpu_tests dedup-fp8 220 tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_combine_fp8_gpu.py \
+    gpu_tests deepep 200 tests/gpu/test_deepep_gpu.py -k "not process_group"
+    gpu_tests dedup-fp8 330 tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_combine_fp8_gpu.py \
         -k "not shmem_transport"
     ;;
 tests2)
-    gpu_tests partial-normal 200 tests/gpu/test_partial_reduce_gpu.py \
+    gpu_tests partial-normal 300 tests/gpu/test_partial_reduce_gpu.py \
         tests/gpu/test_deepep_normal_gpu.py
-    gpu_tests pow2-bench 150 tests/gpu/test_formats_gpu.py tests/gpu/test_bench_combine_gpu.py \
-        -k "BlockwiseFP8Pow2 or bench_"
+    gpu_tests rank-mask-pow2 240 tests/gpu/test_rank_mask_gpu.py \
+        tests/gpu/test_masked_slots_gpu.py tests/gpu/test_formats_gpu.py \
+        tests/gpu/test_bench_combine_gpu.py -k "BlockwiseFP8Pow2 or bench_ or mask or masked"
     ;;
 mps)
     LOG="$SUMMARY"
@@ -68,24 +69,33 @@ mps)
         -k "process_group or two_formats or shmem_transport or shmem_bench"
     stop_mps
     ;;
+mps8)
+    LOG="$SUMMARY"
+    . benchmarks/mps.sh
+    export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=8
+    gpu_tests shmem-8pe 540 tests/gpu/test_shmem_gpu.py
+    stop_mps
+    ;;
 bench)
-    step dedup 180 "$PY" -m epgen bench --tokens 128,4096 --variant default \
-        --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
-        --json "$OUT/dedup.json"
-    show dedup
-    step combine-fp8 130 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
+    step combine-fp8 280 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
         --no-post-check --json "$OUT/combine-fp8.json"
     show combine-fp8
-    step combine-partial 140 "$PY" -m epgen bench --op combine --combine-partial \
+    step combine-partial 280 "$PY" -m epgen bench --op combine --combine-partial \
         --tokens 128,4096 --variant dedup=ep_rank_dedup --no-post-check \
         --json "$OUT/combine-partial.json"
     show combine-partial
-    step deepep-api 120 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
+    ;;
+figures)
+    step dedup 200 "$PY" -m epgen bench --tokens 128,4096 --variant default \
+        --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
+        --json "$OUT/dedup.json"
+    show dedup
+    step deepep-api 150 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
         --json "$OUT/deepep-api.json"
     show deepep-api
     ;;
 *)
-    echo "usage: $0 [tests|tests2|mps|bench]" >&2
+    echo "usage: $0 [tests|tests2|mps|mps8|bench|figures]" >&2
     exit 2
     ;;
 esac
