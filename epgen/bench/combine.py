@@ -12,7 +12,10 @@ there the expert-output buffers are filled once with random BF16 rows instead (t
 bytes move). The router weights are loaded once (one random ``[T, K]`` set per rank,
 ``weights``). ``combine``: each sample's dispatch round trip
 is enqueued before the fork (untimed; the fork waits for it), the combine's launches
-(``Combiner.enqueue``) are timed. ``moe``: the round trip and the combine, one sample; with
+(``Combiner.enqueue``) are timed; then, on the split kernels, each half alone in complete
+combines (``<key>_send``: ``Combiner.enqueue_send`` timed, the reduce after the end event;
+``<key>_reduce``: the send before the fork, ``Combiner.enqueue_reduce`` timed), for the
+plain combine and each arm. ``moe``: the round trip and the combine, one sample; with
 the ``graph`` variant, the replay of a ``world.capture_moe`` graph (one per input set).
 
 Checks: on set 0, ``world.dispatch`` + ``world.combine`` against ``reference.combine`` bit for
@@ -45,6 +48,7 @@ from ..kernels.combine_partial import check_config as check_partial_config
 from ..runtime.combine import check_supported
 from .link_bytes import rank_counts
 from .memory import trim_memory_pool
+from .report import HALVES
 from .runner import StagedInputs, emulated_world
 from .timing import fork_join, from_idle, sample, summarize
 
@@ -275,11 +279,39 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
             g.lead_world(ts)
             return ms, over
 
-        once = combine_once if op == "combine" else graph_once if graph else moe_once
-        if host_sync:
-            once = from_idle(once, (*streams, ts))
+        def send_once(i):                         # the reduce after it: untimed
+            staged.use(i)
+            world.enqueue_round_trip()
+            sends = []
+            out = timer(ts, streams, gate, lambda: sends.append(comb.enqueue_send()))
+            for events in sends:                  # none when a test's timer skips the body
+                comb.enqueue_reduce(events)
+            return out
+
+        def reduce_once(i):                       # the round trip and the send: untimed
+            staged.use(i)
+            world.enqueue_round_trip()
+            sends = comb.enqueue_send()
+            return timer(ts, streams, gate, lambda: comb.enqueue_reduce(sends))
+
+        def timed(fn):
+            return from_idle(fn, (*streams, ts)) if host_sync else fn
+
+        def halves(res_key):
+            """The split combine's two kernels, each timed alone in complete combines
+            (``Combiner.enqueue_send`` / ``enqueue_reduce``): ``<res_key>_send`` and
+            ``<res_key>_reduce``; the fused kernel has no halves."""
+            if op != "combine" or comb.fused:
+                return
+            for (suffix, _), fn in zip(HALVES, (send_once, reduce_once)):
+                progress(f"  epgen: timing {res_key}_{suffix} ({warmup} warm-up + {iters} "
+                         f"iterations)")
+                res[f"{res_key}_{suffix}"] = summarize(sample(timed(fn), iters, warmup, gate))
+
+        once = timed(combine_once if op == "combine" else graph_once if graph else moe_once)
         progress(f"  epgen: timing {key} ({warmup} warm-up + {iters} iterations)")
         res[key] = summarize(sample(once, iters, warmup, gate))
+        halves(key)
         world.check(f"benchmark {key}")
         got = comb.finish()
         if post_check:
@@ -293,6 +325,7 @@ def measure_world(cfg, sets, w, iters: int, warmup: int, gate, *, op: str, devic
             comb.load(given, arm.call_weights(w), **arm.flags)
             progress(f"  epgen: timing {arm.key} ({warmup} warm-up + {iters} iterations)")
             res[arm.key] = summarize(sample(once, iters, warmup, gate))
+            halves(arm.key)
             world.check(f"benchmark {arm.key}")
             got = comb.finish()
             if post_check:

@@ -17,9 +17,15 @@ from .baseline import NAME as BASELINE_NAME
 from .memory import fmt_gb
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMBINES = (("combine", "combine"), ("combine_fp8", "combine (fp8)"),
+            ("combine_partial", "combine (partial)"))
+"""The combines ``--op combine`` times: result key, table label (``epgen.bench.combine``)."""
+HALVES = (("send", "send"), ("reduce", "reduce"))
+"""The split kernels' halves each combine is also timed by: key suffix, label suffix."""
 TIMINGS = (("round_trip", "round trip"), ("dispatch_async", "dispatch_async"),
-           ("dispatch_wait", "dispatch_wait"), ("combine", "combine"),
-           ("combine_fp8", "combine (fp8)"), ("combine_partial", "combine (partial)"),
+           ("dispatch_wait", "dispatch_wait"),
+           *((f"{key}{suffix}", f"{label}{more}") for key, label in COMBINES
+             for suffix, more in (("", ""), *((f"_{k}", f" {v}") for k, v in HALVES))),
            ("moe", "dispatch + combine"))
 """Timed parts of an epgen variant: result key, table label."""
 PRIMARY = {"dispatch": "round_trip", "combine": "combine", "moe": "moe"}

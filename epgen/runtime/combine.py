@@ -255,8 +255,8 @@ class Combiner:
         ordering"), and a rank that stops in its combine_async must not keep the others'
         waits from starting (and masking it)."""
         w, cfg = self.world, self.world.cfg
-        done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
         if self.fused:
+            done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
             for i, rk in enumerate(w.ranks):
                 if not rk.calling:
                     continue
@@ -266,8 +266,19 @@ class Combiner:
                                            self.fused_args(i), rk.stream)
                 rk.wait_done = w.cuda.record_event(rk.stream)
             return
+        self.enqueue_reduce(self.enqueue_send())
+
+    def enqueue_send(self) -> list:
+        """The split kernels' first half: every calling rank's ``ep_combine_async`` after
+        every rank's last dispatch_wait (``enqueue``). Returns the events ``enqueue_reduce``
+        orders the reduces after (none with ``ep_rank_mask``). The benchmark times each half
+        on its own (``epgen.bench.combine``)."""
+        w, cfg = self.world, self.world.cfg
+        if self.fused:
+            raise ValueError("enqueue_send: the fused combine is one kernel; use enqueue()")
+        done = [rk.wait_done for rk in w.ranks if rk.wait_done is not None]
         events = []
-        for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
+        for i, rk in enumerate(w.ranks):
             if not rk.calling:
                 continue
             for ev in done:
@@ -275,12 +286,17 @@ class Combiner:
             self.program_of(rk).launch(self.kernel_name(C_ASYNC), cfg.n_sms, self.async_args(i),
                                        rk.stream)
             events.append(w.cuda.record_event(rk.stream))
-        if cfg.ep_rank_mask:        # a rank that stops must not hold the others' waits back
-            events = []
-        for i, (rk, b) in enumerate(zip(w.ranks, self.bufs)):
+        # ep_rank_mask: a rank that stops must not hold the others' waits back
+        return [] if cfg.ep_rank_mask else events
+
+    def enqueue_reduce(self, sends: list) -> None:
+        """The second half: every calling rank's ``ep_combine_wait`` after the events
+        ``sends`` (``enqueue_send``'s); each rank's ``wait_done`` becomes its end."""
+        w, cfg = self.world, self.world.cfg
+        for i, rk in enumerate(w.ranks):
             if not rk.calling:
                 continue
-            for ev in events:
+            for ev in sends:
                 rk.stream.wait(ev)
             self.program_of(rk).launch(self.kernel_name(C_WAIT), cfg.n_sms, self.wait_args(i),
                                        rk.stream)

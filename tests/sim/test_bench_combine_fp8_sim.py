@@ -31,8 +31,10 @@ def test_both_combines_timed_and_checked(seed):
     fake_timer = counting_timer(calls)
     res, world = _measure(_cfg(), seed, fake_timer)
     assert res["check"] == res["post_check"] == res["post_check_fp8"] == "ok", f"seed {seed}"
-    assert res["combine"]["n"] == res["combine_fp8"]["n"] == 3
-    assert len(calls) == 2 * (3 + 1)                 # warm-up + iterations, each combine
+    # each combine timed whole, then its send and reduce kernels alone
+    timed = [f"{c}{h}" for c in ("combine", "combine_fp8") for h in ("", "_send", "_reduce")]
+    assert all(res[k]["n"] == 3 for k in timed), {k: res.get(k) for k in timed}
+    assert len(calls) == len(timed) * (3 + 1)        # warm-up + iterations, each timing
     fp8 = world.combiner().fp8_side.program.loaded.launched
     assert sum(1 for k, *_ in fp8 if k == "ep_combine_async_fp8") >= 2 * 4
 
@@ -41,7 +43,8 @@ def test_an_fp8_combine_that_did_not_run_fails_the_check(seed):
     timed = []
 
     def fp8_skipped(ts, streams, gate, body):
-        if len(timed) < 4:            # the BF16 samples run; the FP8 ones enqueue nothing
+        if len(timed) < 12:           # the BF16 combine's 12 samples (whole,
+            #                             send, reduce) run; the FP8 ones enqueue nothing
             body()
         timed.append(1)
         return 0.25, False

@@ -39,18 +39,23 @@ def test_both_combines_timed_and_checked(seed):
     res, world = _measure(_cfg(ep_rank_dedup=True), seed, fake_timer)
     assert res["check"] == res["post_check"] == res["post_check_partial"] == "ok", \
         f"seed {seed}"
-    assert res["combine"]["n"] == res["combine_partial"]["n"] == 3
-    assert len(calls) == 2 * (3 + 1)                 # warm-up + iterations, each combine
+    # each combine timed whole, then its send and reduce kernels alone
+    timed = [f"{c}{h}" for c in ("combine", "combine_partial") for h in ("", "_send", "_reduce")]
+    assert all(res[k]["n"] == 3 for k in timed), {k: res.get(k) for k in timed}
+    assert len(calls) == len(timed) * (3 + 1)        # warm-up + iterations, each timing
     partial = world.combiner().partial_side.program.loaded.launched
-    # the set-0 check's call and the 4 samples, on each of the 2 ranks
-    assert sum(1 for k, *_ in partial if k == "ep_combine_async_partial") == 2 * 5
+    # the set-0 check's call, the 4 samples of the whole combine and of each half (a half's
+    # sample is a whole combine too), on each of the 2 ranks
+    for name in ("ep_combine_async_partial", "ep_combine_wait_partial"):
+        assert sum(1 for k, *_ in partial if k == name) == 2 * (1 + 3 * 4), name
 
 
 def test_a_partial_combine_that_did_not_run_fails_the_check(seed):
     timed = []
 
     def partial_skipped(ts, streams, gate, body):
-        if len(timed) < 4:            # the plain samples run; the partial ones enqueue nothing
+        if len(timed) < 12:           # the plain combine's 12 samples (whole,
+            #                             send, reduce) run; the partial ones enqueue nothing
             body()
         timed.append(1)
         return 0.25, False
