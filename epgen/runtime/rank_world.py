@@ -800,6 +800,27 @@ class RankWorld(abc.ABC):
                 self._combiner = Combiner(self)
             return self._combiner
 
+    def prepare_combine(self, fp8: bool = False, partial: bool = False) -> Combiner:
+        """The combiner with its FP8 side (``fp8``) and partial-reduce side (``partial``),
+        each built unless it exists; then ``sides_built`` of the names built now (``"combine"``,
+        ``"fp8"``, ``"partial"``), in that order. Every path that combines calls it (the
+        world's ``combine``, ``epgen.torch.EPBuffer``), so a world whose peers write into
+        these buffers from other processes meets them before any peer may write."""
+        with self.build_lock:
+            built = [] if self._combiner is not None else ["combine"]
+            comb = self.combiner()
+            if fp8 and comb.prepare_fp8():
+                built.append("fp8")
+            if partial and comb.prepare_partial():
+                built.append("partial")
+        self.sides_built(built)
+        return comb
+
+    def sides_built(self, names: list) -> None:
+        """Called by ``prepare_combine`` with the combine sides it built now: nothing to do
+        where every rank is in this process (their buffers were armed before this returns);
+        ``ShmemWorld`` meets the other PEs."""
+
     def combiner_if_built(self) -> Combiner | None:
         """The world's combine side if a combine built it, else None."""
         return self._combiner

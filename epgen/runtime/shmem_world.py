@@ -332,14 +332,7 @@ class ShmemWorld(RankWorld):
                                        self.last_weights is not None)
         call_args.check_combine(self, [expert_out], one(topk_weights), one(residual),
                                 reduced=partial_reduce)
-        if self._combiner is None:
-            self.combiner()
-            self.barrier("combine-ready")
-        comb = self._combiner
-        if fp8 and comb.prepare_fp8():
-            self.barrier("combine-fp8-ready")
-        if partial_reduce and comb.prepare_partial():
-            self.barrier("combine-partial-ready")
+        comb = self.prepare_combine(fp8, partial_reduce)
         comb.load([expert_out], one(topk_weights), one(residual), src_info=one(_src_info),
                   fp8=fp8, partial_reduce=partial_reduce)
 
@@ -347,6 +340,16 @@ class ShmemWorld(RankWorld):
             comb.enqueue()
             return comb.finish()[0]
         return self._after_call(run, meet_on=(EPInputError,))
+
+    def sides_built(self, names: list) -> None:
+        """Every PE built the same combine sides now (``prepare_combine``; the symmetric
+        allocations are collective): once this PE's buffers are armed, meet the others, so
+        that no peer's kernel writes into them first (a row or an arrival word the arming
+        would wipe)."""
+        if names:
+            self.synchronize()
+        for name in names:
+            self.barrier("combine-ready" if name == "combine" else f"combine-{name}-ready")
 
     def barrier(self, name: str = "user") -> None:
         """A host barrier of every PE (the bootstrap's)."""

@@ -391,12 +391,9 @@ class EPBuffer:
         ``Combiner.prepare_partial``) and every handled rank's combine launches of the BF16,
         FP8 or partial-reduce kernels, prepared (``self._combine[mode]``,
         ``_combine_hot[mode]``, ``mode = (fp8, partial)``)."""
-        c = self.world.combiner()
+        # built once for the world; a world of other processes' peers meets them here
+        c = self.world.prepare_combine(fp8, partial)
         mode = (fp8, partial)
-        if fp8:
-            c.prepare_fp8()
-        if partial:
-            c.prepare_partial()
         n, steps = self.cfg.n_sms, []
         prog = lambda i: c.program_of(self.world.ranks[i], *mode)  # noqa: E731
         name = lambda bf16_name: c.kernel_name(bf16_name, *mode)  # noqa: E731

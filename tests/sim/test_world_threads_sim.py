@@ -86,3 +86,21 @@ def test_a_combine_side_asked_for_by_rank_threads_at_once_is_built_once(seed, mo
     fresh = from_threads(getattr(comb, side))
     assert len(made) == 1, f"{side}: built {len(made)} times by {N_THREADS} threads"
     assert sorted(fresh) == [False] * (N_THREADS - 1) + [True]
+
+
+def test_prepare_combine_reports_each_side_built_once_also_from_threads(seed, monkeypatch):
+    """``prepare_combine`` builds the combiner and the asked-for sides once and hands the
+    names built now to ``sides_built`` (where ``ShmemWorld`` meets the other PEs before any
+    peer writes): the first call's names, nothing again for the same sides, from any
+    thread."""
+    world = make_world(seed)
+    reported = []
+    monkeypatch.setattr(world, "sides_built", lambda names: reported.append(list(names)))
+    slowed(monkeypatch, rank_world, "Combiner")
+    got = from_threads(world.prepare_combine)
+    assert all(g is got[0] for g in got)
+    assert sorted(reported) == [[]] * (N_THREADS - 1) + [["combine"]]
+    reported.clear()
+    world.prepare_combine(fp8=True, partial=True)
+    world.prepare_combine(fp8=True, partial=True)
+    assert reported == [["fp8", "partial"], []]
