@@ -54,7 +54,7 @@ tests)
     ;;
 tests2)
     gpu_tests partial-normal 300 tests/gpu/test_partial_reduce_gpu.py \
-        tests/gpu/test_deepep_normal_gpu.py
+        tests/gpu/test_deepep_normal_gpu.py -k "not process_group"
     gpu_tests rank-mask-pow2 240 tests/gpu/test_rank_mask_gpu.py \
         tests/gpu/test_masked_slots_gpu.py tests/gpu/test_formats_gpu.py \
         tests/gpu/test_bench_combine_gpu.py -k "BlockwiseFP8Pow2 or bench_ or mask or masked"
@@ -64,8 +64,9 @@ mps)
     . benchmarks/mps.sh        # MPS when available; stop_mps on exit
     export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
     gpu_tests shmem-warp-puts 200 tests/gpu/test_shmem_gpu.py -x
-    gpu_tests shmem-features 330 tests/gpu/test_deepep_gpu.py tests/gpu/test_shmem_session_gpu.py \
-        tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_bench_worlds_gpu.py \
+    gpu_tests shmem-features 330 tests/gpu/test_deepep_gpu.py tests/gpu/test_deepep_normal_gpu.py \
+        tests/gpu/test_shmem_session_gpu.py tests/gpu/test_rank_dedup_gpu.py \
+        tests/gpu/test_bench_worlds_gpu.py \
         -k "process_group or two_formats or shmem_transport or shmem_bench"
     stop_mps
     ;;

@@ -27,9 +27,8 @@ argument):
   mode"); a rank's mask spans every world of its group (``emulated.MaskBook``).
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
-  on a process group (``ShmemWorld``) or a GPU group, the normal (high-throughput) mode's
-  ``dispatch`` and ``combine`` on a process group (they run on an ``EmulatedGroup``), FP8
-  input to the normal mode, ``comm`` (an MPI communicator).
+  on a process group (``ShmemWorld``) or a GPU group, FP8 input to the normal mode, ``comm``
+  (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
   (``get_low_latency_rdma_size_hint`` says how much), and ``ignored_arguments`` lists them.
@@ -497,15 +496,11 @@ class Buffer:
                 event)
 
     def source_for_normal_mode(self):
-        """Where the normal mode's ports come from: an ``EmulatedGroup`` rank's source;
-        ``EPInputError`` naming ``group`` for a process group (not yet) or a destroyed
-        buffer."""
+        """Where the normal mode's ports come from (its ``normal_port``): an
+        ``EmulatedGroup`` rank's source or a process group's ``ShmemSource``;
+        ``RuntimeError`` for a destroyed buffer."""
         if self._destroyed:
             raise RuntimeError("dispatch: the buffer was destroyed")
-        if not isinstance(self._source, _EmulatedSource):
-            raise EPInputError("group: the normal mode runs on an epgen.deepep.EmulatedGroup "
-                               "for now (a process group's ShmemWorld does not take "
-                               "ep_rank_dedup's token-major receive yet)")
         return self._source
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None,

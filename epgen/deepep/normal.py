@@ -278,9 +278,16 @@ def make_ports(torch, shape: NormalShape, *, sim: bool, n_sms, num_threads, time
         ports.extend(NormalSimPort(torch, world, r, rv) for r in range(shape.n_ranks))
         return ports
     world = EmulatedWorld(cfg, device=device, timeout_ns=timeout_ns, fused=False)
+    return [device_port(torch, world, r) for r in range(shape.n_ranks)]
+
+
+def device_port(torch, world, rank: int) -> NormalDevicePort:
+    """Rank ``rank``'s port of the CUDA world ``world`` (an ``EmulatedWorld`` of every rank,
+    or this process's ``ShmemWorld``), its token-major receive and combine built first
+    (on a ``ShmemWorld`` the PEs meet once their buffers are armed: ``sides_built``)."""
     receiver = world.token_receiver()
     world.token_combiner()
-    return [NormalDevicePort(torch, world, r, receiver) for r in range(shape.n_ranks)]
+    return NormalDevicePort(torch, world, rank, receiver)
 
 
 class NormalHandle(tuple):

@@ -13,7 +13,9 @@ initialisation, bootstrapped through the group: ``bootstrap.from_group``).
   (``config.SHMEM_EXCLUSIVE``), so for now the whole group must be one P2P group (one
   node, or ranks sharing GPUs): a smaller ``p2p_world_size``, or DeepEP's
   ``allow_nvlink_for_low_latency_mode=False`` (every peer by puts), is refused by name.
-- **Worlds** are made on the first call of each shape, collectively (every rank calls with
+- **Worlds** (low-latency, ``port``, and normal-mode, ``normal_port``: DeepEP's
+  ``dispatch`` and ``combine`` on ``ep_rank_dedup``) are made on the first call of each
+  shape, collectively (every rank calls with
   the same shapes in the same order, as DeepEP requires); ``close`` closes them and the
   session.
 """
@@ -77,6 +79,26 @@ class ShmemSource:
             world = ShmemWorld(cfg, rank=self.rank, session=self.session,
                                timeout_ns=self.timeout_ns, fused=False)
             port = self.ports[key] = DevicePort(torch, world, self.rank)
+        return port
+
+    def normal_port(self, torch, shape, slot: int):
+        """This rank's port of the normal-mode world of ``shape`` (a ``normal.NormalShape``)
+        for result slot ``slot``: a ``ShmemWorld`` of the shape's configuration (one P2P
+        group, ``ep_rank_dedup``), made collectively on first use like the low-latency
+        worlds (``normal.device_port``)."""
+        from . import normal
+
+        key = ("normal", shape, slot)
+        port = self.ports.get(key)
+        if port is None:
+            n_sms = self.n_sms
+            if n_sms is None:           # this GPU's SMs shared by its PEs, two blocks each
+                from backends.cuda import sm_count
+                n_sms = max(1, 2 * sm_count(self.session.device_id) // self.session.sharers)
+            n_sms, threads = shape.grid(n_sms, self.num_threads, sim=False)
+            world = ShmemWorld(shape.config(n_sms, threads), rank=self.rank,
+                               session=self.session, timeout_ns=self.timeout_ns, fused=False)
+            port = self.ports[key] = normal.device_port(torch, world, self.rank)
         return port
 
     def close(self) -> None:

@@ -777,11 +777,16 @@ class RankWorld(abc.ABC):
 
     def token_combiner(self) -> TokenMajorCombine:
         """The world's normal-mode combine (``runtime.token_major_combine``), built on first
-        use; ``ValueError`` for a configuration it does not take."""
+        use (with the combiner whose buffers it uses), the names built handed to
+        ``sides_built`` (``"combine"``, ``"tokens"``); ``ValueError`` for a configuration it
+        does not take."""
         with self.build_lock:
+            built = [] if self._token_combiner is not None else \
+                ["combine"] * (self._combiner is None) + ["tokens"]
             if self._token_combiner is None:
                 self._token_combiner = TokenMajorCombine(self)
-            return self._token_combiner
+        self.sides_built(built)
+        return self._token_combiner
 
     def combine_tokens(self, xs, topk_weights=None, bias=None) -> list:
         """The normal-mode combine of the last ``dispatch_tokens`` (docs/deepep.md, "Normal
@@ -803,7 +808,7 @@ class RankWorld(abc.ABC):
     def prepare_combine(self, fp8: bool = False, partial: bool = False) -> Combiner:
         """The combiner with its FP8 side (``fp8``) and partial-reduce side (``partial``),
         each built unless it exists; then ``sides_built`` of the names built now (``"combine"``,
-        ``"fp8"``, ``"partial"``), in that order. Every path that combines calls it (the
+        ``"fp8"``, ``"partial"``), in that order (``token_combiner`` reports ``"tokens"``). Every path that combines calls it (the
         world's ``combine``, ``epgen.torch.EPBuffer``), so a world whose peers write into
         these buffers from other processes meets them before any peer may write."""
         with self.build_lock:

@@ -9,7 +9,8 @@ The combine receive buffers, arrival words, counters, residual and output are th
 ``Combiner``'s; the destination reads the token receiver's buffers (row sources, local ids,
 row count). This module adds each rank's weight slots (``[max_tokens_per_rank, K, K]``
 float32: the ``K`` weights a destination returns, in the token's lead slot) and their
-pointer tables, and, for host inputs, a staging copy of the rows and weights. The combined
+pointer tables (the slots in symmetric memory on a ``ShmemWorld``, whose peers in other
+processes store into them), and, for host inputs, a staging copy of the rows and weights. The combined
 weights are the sum of the lead slots' weight rows in ``k`` order (``reduce_weights``),
 computed after the kernels on the host here and by torch on the caller's stream in the
 DeepEP API (``epgen.deepep.normal``).
@@ -82,12 +83,21 @@ class TokenMajorCombine:
         K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
         rows = self.receiver.layout.rows
         z = world.cuda.zeros
-        self.weight_slots = [z(cfg.max_tokens_per_rank * K * K, np.float32, device=rk.device,
-                               stream=rk.stream) for rk in world.ranks]
+
+        def peer_written(rk, n):
+            # the weight slots take the destinations' stores: symmetric memory on a
+            # ShmemWorld (``memory_of``), as the combiner's receive buffers
+            mem = world.memory_of(rk.device).get("peer_memory")
+            kw = {} if mem is None else {"memory_resource": mem}
+            return z(n, np.float32, device=rk.device, stream=rk.stream, **kw)
+        self.weight_slots = [peer_written(rk, cfg.max_tokens_per_rank * K * K)
+                             for rk in world.ranks]
         self.in_x = [z((rows, H), np.uint16, device=rk.device, stream=rk.stream)
                      for rk in world.ranks]
         self.in_weights = [z((rows, K), np.float32, device=rk.device, stream=rk.stream)
                            for rk in world.ranks]
+        # every PE's slots allocated (and zeroed) before their addresses are looked up
+        world.synchronize()
         self.weight_ptrs = [world.pointer_table(i, self.combiner.table_ranks(rk),
                                                 self.weight_slots)
                             for i, rk in enumerate(world.ranks)]

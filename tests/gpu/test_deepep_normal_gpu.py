@@ -11,6 +11,11 @@ tokens; and dispatch + combine pairs (weights and a bias) captured and replayed 
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -144,3 +149,66 @@ def test_dispatch_and_combine_pairs_in_a_cuda_graph(seed):
                 np.testing.assert_array_equal(combined_w.cpu().numpy(), exp_w)
         return True
     assert all(group.run(body))
+
+
+# -- one process per rank (a process group: ShmemSource.normal_port, ShmemWorld) -----------------
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
+TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
+
+
+def pe_case(n: int) -> NormalCase:
+    """The shape of ``n`` PEs sharing one GPU (8 blocks of 512 threads each, under MPS)."""
+    return NormalCase(n_ranks=n, num_experts=8 * n, tokens=128, hidden=2048, top_k=4)
+
+
+@pytest.mark.parametrize("n", PES)
+def test_process_group_normal_mode_one_process_per_rank(n, seed, nvshmem_wheel):
+    """``Buffer`` over a gloo process group, one process per rank under ``epgen launch``:
+    every rank's ``rank_checks`` (DeepEP's test_intranode properties, with and without
+    weights, the combine checks) on its ``ShmemWorld``s."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests",
+                                                                           "support")]),
+           "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}
+    mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
+    cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(TIMEOUT),
+           "--grace", "10", *mps, "--", sys.executable, os.path.abspath(__file__), "pe",
+           str(seed)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT + 60)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    for r in range(n):
+        assert re.search(rf"^\[rank {r}\] rank {r}: every normal-mode check passed$",
+                         proc.stdout, re.M), text[-6000:]
+
+
+def pe_main(seed: int) -> int:
+    """One rank's program: a gloo group from the launcher's directory, a ``Buffer`` over it,
+    ``rank_checks`` with weights and with alignment 128, then ``destroy``."""
+    import torch.distributed as dist
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)
+    store = os.path.join(os.environ["EPGEN_LAUNCH_DIR"], "deepep-normal-gloo-store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
+    case = pe_case(n)
+    buf = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True, n_sms=8, num_threads=512,
+                         timeout_ns=5_000_000_000,
+                         num_max_dispatch_tokens_per_rank=case.tokens)
+    inputs = draw_inputs(torch, case, seed)
+    weights = draw_weights(torch, case, inputs, seed)
+    dev = [(x.to(DEV), i.to(DEV)) for x, i in inputs]
+    for alignment, ws in ((1, [w.to(DEV) for w in weights]), (128, None)):
+        rank_checks(torch, buf, rank, case, dev, alignment=alignment, weights=ws)
+    buf.check()
+    torch.cuda.current_stream().synchronize()
+    buf.destroy()
+    print(f"rank {rank}: every normal-mode check passed", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["pe"]:
+        sys.exit("usage: test_deepep_normal_gpu.py pe SEED")
+    sys.exit(pe_main(int(sys.argv[2])))
