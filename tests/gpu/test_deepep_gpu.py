@@ -16,9 +16,6 @@
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +29,7 @@ import epgen.deepep as deep_ep  # noqa: E402
 import engine_calls as ec  # noqa: E402
 from deepep_checks import (VARIANTS, LLCase, check_combine, check_dispatch,  # noqa: E402
                            gemm_input, rank_inputs, rank_rounds)
+from pe_programs import PES, gloo_group, launch_pe_program  # noqa: E402
 
 #: 4 ranks on one GPU: DeepEP's decode shape with a quarter of the ranks and experts
 CASE = LLCase(n_ranks=4, num_experts=64, tokens=128, hidden=7168, top_k=8, masked=10)
@@ -114,9 +112,6 @@ def test_emulated_vllm_step_in_a_cuda_graph(seed):
 
 
 # -- one process per rank -------------------------------------------------------------------
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
-TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
 PE_CASE = {2: LLCase(2, 8, 64, 2048, 4, masked=6), 4: LLCase(4, 16, 64, 2048, 4, masked=6),
            8: LLCase(8, 16, 32, 2048, 4, masked=6)}
 
@@ -124,30 +119,13 @@ PE_CASE = {2: LLCase(2, 8, 64, 2048, 4, masked=6), 4: LLCase(4, 16, 64, 2048, 4,
 @pytest.mark.parametrize("p2p", ["all_p2p"])
 @pytest.mark.parametrize("n", PES)
 def test_process_group_buffer_one_process_per_rank(n, p2p, seed, nvshmem_wheel):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests",
-                                                                           "support")]),
-           "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}
-    mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
-    cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(TIMEOUT),
-           "--grace", "10", *mps, "--", sys.executable, os.path.abspath(__file__), "pe",
-           str(seed), p2p]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT + 60)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-6000:]
-    for r in range(n):
-        assert re.search(rf"^\[rank {r}\] rank {r}: every DeepEP round passed$", proc.stdout,
-                         re.M), text[-6000:]
+    launch_pe_program(__file__, [str(seed), p2p], n, "every DeepEP round passed")
 
 
 def pe_main(seed: int, p2p: str) -> int:
     """One rank's program: a gloo group from the launcher's directory, a ``Buffer`` over it
     (NVSHMEM), every variant's rounds, then ``destroy``."""
-    import torch.distributed as dist
-    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(0)
-    store = os.path.join(os.environ["EPGEN_LAUNCH_DIR"], "deepep-gloo-store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
+    rank, n, dist = gloo_group("deepep-gloo-store")
     case = PE_CASE[n]
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.tokens, case.hidden, n,
                                                          case.num_experts)

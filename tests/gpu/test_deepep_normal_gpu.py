@@ -11,9 +11,6 @@ tokens; and dispatch + combine pairs (weights and a bias) captured and replayed 
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 
 import numpy as np
@@ -27,6 +24,7 @@ import epgen.deepep as deep_ep  # noqa: E402
 from epgen.reference_tokens import normal_combine, normal_dispatch  # noqa: E402
 
 from normal_checks import NormalCase, draw_inputs, draw_weights, rank_checks  # noqa: E402
+from pe_programs import PES, gloo_group, launch_pe_program  # noqa: E402
 
 DEV = "cuda"
 CASES = {
@@ -152,11 +150,6 @@ def test_dispatch_and_combine_pairs_in_a_cuda_graph(seed):
 
 
 # -- one process per rank (a process group: ShmemSource.normal_port, ShmemWorld) -----------------
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
-TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
-
-
 def pe_case(n: int) -> NormalCase:
     """The shape of ``n`` PEs sharing one GPU (8 blocks of 512 threads each, under MPS)."""
     return NormalCase(n_ranks=n, num_experts=8 * n, tokens=128, hidden=2048, top_k=4)
@@ -167,30 +160,13 @@ def test_process_group_normal_mode_one_process_per_rank(n, seed, nvshmem_wheel):
     """``Buffer`` over a gloo process group, one process per rank under ``epgen launch``:
     every rank's ``rank_checks`` (DeepEP's test_intranode properties, with and without
     weights, the combine checks) on its ``ShmemWorld``s."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests",
-                                                                           "support")]),
-           "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}
-    mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
-    cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(TIMEOUT),
-           "--grace", "10", *mps, "--", sys.executable, os.path.abspath(__file__), "pe",
-           str(seed)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT + 60)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-6000:]
-    for r in range(n):
-        assert re.search(rf"^\[rank {r}\] rank {r}: every normal-mode check passed$",
-                         proc.stdout, re.M), text[-6000:]
+    launch_pe_program(__file__, [str(seed)], n, "every normal-mode check passed")
 
 
 def pe_main(seed: int) -> int:
     """One rank's program: a gloo group from the launcher's directory, a ``Buffer`` over it,
     ``rank_checks`` with weights and with alignment 128, then ``destroy``."""
-    import torch.distributed as dist
-    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(0)
-    store = os.path.join(os.environ["EPGEN_LAUNCH_DIR"], "deepep-normal-gloo-store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
+    rank, n, dist = gloo_group("deepep-normal-gloo-store")
     case = pe_case(n)
     buf = deep_ep.Buffer(dist.group.WORLD, explicitly_destroy=True, n_sms=8, num_threads=512,
                          timeout_ns=5_000_000_000,

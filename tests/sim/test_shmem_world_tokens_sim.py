@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from epgen.reference_tokens import normal_combine, normal_dispatch
+from epgen.reference_tokens import normal_combine
 
 from test_dispatch_tokens_sim import check_rank, draw_inputs, make_cfg
 from test_shmem_world import SymmetricMachine, collectively, make_worlds

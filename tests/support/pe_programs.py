@@ -1,0 +1,48 @@
+"""A test file run as each PE's program under ``epgen launch`` (one process per rank, MPS
+when the session started it): ``launch_pe_program`` starts ``n`` of them and checks that each
+printed its verdict line; ``gloo_group`` is what a PE program starts with (the rank, the size
+and a gloo process group from the launcher's directory, the GPU set)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: ``EPGEN_SHMEM_PES``: the PE counts of the parametrised tests (default 2 and 4)
+PES = [int(x) for x in os.environ.get("EPGEN_SHMEM_PES", "2,4").split(",") if x]
+#: ``EPGEN_SHMEM_TIMEOUT``: the bound of one launch in seconds (default 300)
+TIMEOUT = float(os.environ.get("EPGEN_SHMEM_TIMEOUT", "300"))
+
+
+def launch_pe_program(script: str, args: list[str], n: int, verdict: str) -> None:
+    """``epgen launch -n n -- python script pe ARGS...``; asserts the launch exited 0 and
+    every rank ``r`` printed ``rank r: <verdict>``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests",
+                                                                           "support")]),
+           "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}
+    mps = ["--mps-share"] if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else []
+    cmd = [sys.executable, "-m", "epgen", "launch", "-n", str(n), "--timeout", str(TIMEOUT),
+           "--grace", "10", *mps, "--", sys.executable, os.path.abspath(script), "pe", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT + 60)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    for r in range(n):
+        assert re.search(rf"^\[rank {r}\] rank {r}: {re.escape(verdict)}$", proc.stdout,
+                         re.M), text[-6000:]
+
+
+def gloo_group(store: str):
+    """``(rank, size, dist)`` of this PE program: GPU 0 current, a gloo group initialised
+    through the file ``store`` in the launcher's directory."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)
+    path = os.path.join(os.environ["EPGEN_LAUNCH_DIR"], store)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
+    return rank, n, dist
