@@ -78,6 +78,16 @@ def _poll(done, timeout_s: float, describe):
         pause = min(pause * 2, 0.005)
 
 
+def member_ranks(boot, ranks) -> list[int]:
+    """The ranks of a barrier over ``ranks`` (None: every rank of ``boot``), sorted;
+    ``ValueError`` unless they are ranks of ``boot`` and include its own."""
+    members = list(range(boot.world_size)) if ranks is None else sorted({int(r) for r in ranks})
+    if boot.rank not in members or any(not 0 <= r < boot.world_size for r in members):
+        raise ValueError(f"barrier ranks={ranks!r}: must be ranks of [0, {boot.world_size}) "
+                         f"including this one ({boot.rank})")
+    return members
+
+
 class FileBootstrap:
     """The file-based exchange of rank ``rank`` of ``world_size`` in ``directory`` (module
     docstring). ``timeout_s`` bounds every wait."""
@@ -122,18 +132,21 @@ class FileBootstrap:
             f"(did rank 0 start, or fail before bootstrapping NVSHMEM?)", str(path), (0,)))
         return path.read_bytes()
 
-    def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
+    def barrier(self, name: str = "sync", timeout_s: float | None = None,
+                ranks=None) -> None:
         """Every rank's ``barrier-<name>-<gen>-<rank>`` exists (this rank's created first);
         the generation counts this process's barriers of that name. ``timeout_s``: this
-        wait's bound (default: the bootstrap's)."""
+        wait's bound (default: the bootstrap's). ``ranks``: the ranks that meet (default
+        every one; ``member_ranks``), e.g. the ones a rank mask left alive."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        members = member_ranks(self, ranks)
         gen = self._generations.get(name, 0)
         self._generations[name] = gen + 1
         stem = f"barrier-{name}-{gen}-"
         (self.dir / f"{stem}{self.rank}").touch()
 
         def missing():
-            return [k for k in range(self.world_size) if not (self.dir / f"{stem}{k}").exists()]
+            return [k for k in members if not (self.dir / f"{stem}{k}").exists()]
 
         _poll(lambda: not missing(), timeout_s, lambda: (
             f"rank {self.rank}: host barrier {name!r} (generation {gen}) timed out after "
@@ -238,9 +251,18 @@ class TorchBootstrap:
         self.dist.all_gather_object(out, bytes(data), group=self.group)
         return [bytes(x) for x in out]
 
-    def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
+    def barrier(self, name: str = "sync", timeout_s: float | None = None,
+                ranks=None) -> None:
         """Every rank of the group arrived. ``timeout_s`` bounds the wait on a gloo group
-        (class docstring); None: a plain ``dist.barrier``, bounded by the group's timeout."""
+        (class docstring); None: a plain ``dist.barrier``, bounded by the group's timeout.
+        ``ranks``: only these ranks meet (``member_ranks``; the lowest of them coordinates),
+        on a gloo group only (another backend's barrier takes every rank)."""
+        members = member_ranks(self, ranks)
+        if len(members) < self.world_size and not self.bounded:
+            raise ValueError(f"barrier ranks={ranks!r}: a barrier over some of the ranks needs "
+                             f"a gloo group (this one is {self.dist.get_backend(self.group)})")
+        if len(members) < self.world_size and timeout_s is None:
+            timeout_s = self.timeout_s
         if timeout_s is None or not self.bounded:
             self.dist.barrier(group=self.group)
             return
@@ -259,9 +281,10 @@ class TorchBootstrap:
 
         def token():
             return torch.zeros(1, dtype=torch.uint8)
-        if self.rank == 0:
+        lead = members[0]
+        if self.rank == lead:
             arrivals = {r: dist.irecv(token(), src=peer(r), group=group, tag=BARRIER_TAG)
-                        for r in range(1, n)}
+                        for r in members[1:]}
             missing = []
             for r, work in arrivals.items():
                 try:
@@ -270,21 +293,23 @@ class TorchBootstrap:
                     missing.append(r)
             if missing:
                 raise BootstrapTimeoutError(
-                    f"rank 0: host barrier {name!r} timed out after {timeout_s:g} s; rank(s) "
-                    f"{', '.join(map(str, missing))} of {n} never arrived (exited or hung?)",
-                    f"barrier {name!r}", missing)
+                    f"rank {lead}: host barrier {name!r} timed out after {timeout_s:g} s; "
+                    f"rank(s) {', '.join(map(str, missing))} of {n} never arrived (exited or "
+                    f"hung?)", f"barrier {name!r}", missing)
             releases = [dist.isend(token(), dst=peer(r), group=group, tag=BARRIER_TAG)
-                        for r in range(1, n)]
+                        for r in members[1:]]
             for work in releases:
                 work.wait(timeout=left())
             return
         try:
-            dist.isend(token(), dst=peer(0), group=group, tag=BARRIER_TAG).wait(timeout=left())
-            dist.irecv(token(), src=peer(0), group=group, tag=BARRIER_TAG).wait(timeout=left())
-        except RuntimeError as e:          # timed out, or rank 0's connection closed
+            dist.isend(token(), dst=peer(lead), group=group, tag=BARRIER_TAG).wait(
+                timeout=left())
+            dist.irecv(token(), src=peer(lead), group=group, tag=BARRIER_TAG).wait(
+                timeout=left())
+        except RuntimeError as e:          # timed out, or the lead's connection closed
             raise BootstrapTimeoutError(
                 f"rank {self.rank}: host barrier {name!r} timed out after {timeout_s:g} s: "
-                f"rank 0 of the group did not release it (rank 0 or another rank never "
+                f"rank {lead} of the group did not release it (it or another rank never "
                 f"arrived: exited or hung?): {e}", f"barrier {name!r}") from e
 
 
@@ -349,5 +374,6 @@ class SoloBootstrap:
                          timeout_s: float | None = None) -> list[bytes]:
         return [bytes(data)]
 
-    def barrier(self, name: str = "sync", timeout_s: float | None = None) -> None:
-        pass
+    def barrier(self, name: str = "sync", timeout_s: float | None = None,
+                ranks=None) -> None:
+        member_ranks(self, ranks)

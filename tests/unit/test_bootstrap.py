@@ -75,6 +75,24 @@ def test_barrier_names_the_missing_ranks(tmp_path):
     assert isinstance(e.value, TimeoutError)
 
 
+def test_a_barrier_over_some_ranks_waits_for_them_alone(tmp_path):
+    """``ranks=``: the ranks a rank mask left alive meet without the others (rank 3 never
+    comes); a member that does not come is named; the ranks must include this one."""
+    b = bootstrap.FileBootstrap(tmp_path, 1, 4, timeout_s=0.3)
+    for k in (0, 2):
+        (tmp_path / f"barrier-call-0-{k}").touch()
+    t0 = time.monotonic()
+    b.barrier("call", ranks=[0, 1, 2])
+    assert time.monotonic() - t0 < 0.25
+    with pytest.raises(bootstrap.BootstrapTimeoutError) as e:
+        b.barrier("call", ranks=[1, 2])            # generation 1: rank 2 not there
+    assert e.value.missing == (2,)
+    for bad in ([0, 2], [1, 4]):
+        with pytest.raises(ValueError, match=r"ranks=.*including this one \(1\)"):
+            b.barrier("other", ranks=bad)
+    bootstrap.SoloBootstrap().barrier("x", ranks=[0])
+
+
 def test_uid_wait_names_the_file(tmp_path):
     b = bootstrap.FileBootstrap(tmp_path, 2, 3, timeout_s=0.2)
     with pytest.raises(bootstrap.BootstrapTimeoutError) as e:

@@ -27,7 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: the default gloo group and makes the sub-group of global ranks 1 and 2. "ok": all three
 #: broadcast and meet at a bounded barrier over the default group; then the members broadcast
 #: and meet at barriers of the sub-group, and the group's rank 0 (global 1) waits at a
-#: barrier its peer never joins. "root-missing": global 2 waits at a barrier global 1 never joins. The
+#: barrier its peer never joins; ranks 1 and 2 also meet at a barrier of the default group
+#: without rank 0 (ranks=). "root-missing": global 2 waits at a barrier global 1 never joins. The
 #: processes leave together (a file each writes when done) so that nobody's exit closes a
 #: connection another one is still timing.
 WORKER = r"""
@@ -68,6 +69,9 @@ if mode == "ok":                             # the default group: every process
     got = whole.broadcast_bytes(b"all" if rank == 0 else None)
     whole.barrier("everyone", timeout_s=10)
     print(f"default group: {got.decode()}", flush=True)
+    if rank:                                 # ranks 1 and 2 meet without rank 0 (masked)
+        whole.barrier("some", timeout_s=10, ranks=[1, 2])
+        print("ranks 1, 2 met", flush=True)
 if rank == 0:
     try:
         bootstrap.from_group(sub)
@@ -139,6 +143,9 @@ def test_sub_group_broadcast_barriers_and_a_missing_member(tmp_path):
     out0, out1, out2 = run_group(tmp_path, "ok")
     assert "refused: " in out0 and "not a member of the group" in out0
     assert all("default group: all" in o for o in (out0, out1, out2))
+    # ranks=[1, 2] on the default group: the two meet (global 1 coordinating), rank 0 away
+    assert "ranks 1, 2 met" in out1 and "ranks 1, 2 met" in out2
+    assert "ranks 1, 2 met" not in out0
     # the group's ranks, and its rank 0 is global rank 1
     assert "group rank 0 of 2, src 1, kind torch" in out1
     assert "group rank 1 of 2, src 1, kind torch" in out2
@@ -163,6 +170,7 @@ def test_member_waiting_for_the_groups_rank_0(tmp_path):
     assert 0.9 <= took < 5, took
     assert missing == []
     assert "rank 1: host barrier 'alone' timed out after 1 s: rank 0 of the group" in text
+
 
 
 class RecordingDist:
