@@ -42,11 +42,17 @@ class RankMasks:
         #: the ranks the kernels masked in the last call ``note`` read
         self.last: list[int] = []
         self.peer_tables = {}
-        for i, rk in enumerate(world.ranks):
-            self.peer_tables[rk.rank] = world.pointer_table(
-                i, p2p_group(cfg, rk.rank), [x.rank_mask for x in world.ranks])
+        self.build_tables()
         for rk in world.ranks:
             self._write(rk, self._fresh_view(rk.rank))
+
+    def build_tables(self) -> None:
+        """Each held rank's table of its P2P group's mask words (``world.pointer_table``),
+        where its kernels push their masks (``world.build_pointer_tables`` rebuilds it)."""
+        w, cfg = self.world, self.world.cfg
+        for i, rk in enumerate(w.ranks):
+            self.peer_tables[rk.rank] = w.pointer_table(
+                i, p2p_group(cfg, rk.rank), [x.rank_mask for x in w.ranks])
 
     # -- launch arguments -----------------------------------------------------------------
     def args(self, rk, waits: bool) -> dict:

@@ -118,7 +118,7 @@ class RankWorld(abc.ABC):
         check, the rank mask's (``shrink``), the backend (``runtime.backend.resolve``:
         ``cuda`` is ``backends.cuda`` or a ``backends.sim.Machine``), and ``world_name``,
         ``fused``, ``cfg``, ``cuda``, ``timeout_ns``, ``input_scale``."""
-        check_mask_args(cfg, world, shrink, batched=self.batched, shmem_world=shmem_ok)
+        check_mask_args(cfg, world, shrink, batched=self.batched)
         cuda = backends_of.resolve(backend, cfg, world, participants=participants,
                                    sim_seed=sim_seed, n_gpus=n_gpus)
         fused = resolve_fused(cfg, fused, world)
@@ -232,8 +232,9 @@ class RankWorld(abc.ABC):
         """Every held rank's tables of its P2P group (``p2p_group``): receive buffers,
         receive-count words, and the ``ep_final_layout`` ones (grouped output, header array,
         output scales of a format with scales, prod buffer with ``ep_prod_reserve``); the
-        symmetric buffers registered (``register_symmetric``); then, for kernels built with
-        trace points, every rank's trace buffers (``epgen.runtime.trace.allocate``)."""
+        symmetric buffers registered (``register_symmetric``); the rank masks' tables
+        (``ep_rank_mask``, once made); then, for kernels built with trace points, every rank's
+        trace buffers (``epgen.runtime.trace.allocate``)."""
         cfg = self.cfg
         self.recv_buf_ptrs, self.recv_count_ptrs, self.final_ptrs = {}, {}, {}
         for i, rk in enumerate(self.ranks):
@@ -253,6 +254,8 @@ class RankWorld(abc.ABC):
             self.final_ptrs[rk.rank] = final
         for name in ("recv_buf", "recv_count"):
             self.register_symmetric(name, [getattr(rk, name) for rk in self.ranks])
+        if self.masks is not None:       # the rank masks' tables of the peers' views
+            self.masks.build_tables()
         runtime_trace.allocate(self)     # kernels built with trace points only
 
     def register_symmetric(self, name: str, buffers) -> None:

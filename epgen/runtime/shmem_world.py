@@ -46,6 +46,13 @@ its placement interface:
 - **Failures**: a peer that dies or never starts leaves the others' bounded waits to expire:
   ``dispatch`` raises ``EPTimeoutError`` (as in the other worlds) and the world can still be
   closed; a barrier that a peer never reaches raises ``BootstrapTimeoutError`` naming it.
+- **Rank masks** (``ep_rank_mask``, every destination in one P2P group; ``shrink=True`` for
+  DeepEP's shrink): the host barriers meet the live PEs only (``live_ranks``: every PE less
+  the ones this PE's mask gave up on). Under shrink a dead PE is masked by the kernels whose
+  waits for it expire, and the call completes without it; one that dies after the kernels
+  is masked when it misses the end-of-call barrier (``meet_live``). Once a PE is masked,
+  ``close`` skips the collective steps (the session is marked lost), as the masked PE will
+  not meet the others again.
 - **Close**: ``close()`` (or leaving ``with ShmemWorld(cfg) as world:``) synchronises, meets
   the others at a barrier, frees the world's symmetric buffers collectively and, with a
   private session, finalises NVSHMEM (a shared session's ``close`` does); idempotent. When
@@ -146,7 +153,7 @@ class ShmemWorld(RankWorld):
                  arch: str | None = None, timeout_ns: int | None = None,
                  fused: bool | None = None, input_scale: float = 1.0, bootstrap=None,
                  host=None, barrier_timeout_s: float | None = None, backend=None,
-                 session: ShmemSession | None = None):
+                 session: ShmemSession | None = None, shrink: bool = False):
         self._closed = True                  # nothing to release until NVSHMEM is up
         check_world_args("ShmemWorld", timeout_ns=timeout_ns, device=device)
         if session is not None:
@@ -162,7 +169,7 @@ class ShmemWorld(RankWorld):
         if backend is None:
             backend = "cuda" if session is None else session.backend
         self._init_common(cfg, fused, "ShmemWorld", timeout_ns, input_scale, backend,
-                          participants=1, shmem_ok=True)
+                          participants=1, shmem_ok=True, shrink=shrink)
         if barrier_timeout_s is None:
             barrier_timeout_s = (session.barrier_timeout_s if session is not None
                                  else default_barrier_timeout())
@@ -273,10 +280,42 @@ class ShmemWorld(RankWorld):
             self._failed = True
             raise
         except meet_on:
-            self.barrier("call")
+            self.meet_live("call")
             raise
-        self.barrier("call")
+        self.meet_live("call")
         return out
+
+    def live_ranks(self) -> list[int]:
+        """The PEs this one still meets: every PE, less those its rank mask gave up on
+        (``ep_rank_mask``: masked by hand or, under shrink, by its kernels)."""
+        dead = set() if self.masks is None else self.masks.dead
+        return [q for q in range(self.cfg.n_ranks) if q not in dead]
+
+    def meet_live(self, name: str) -> None:
+        """The host barrier that ends a call, over ``live_ranks``. Under shrink a PE that
+        never arrives (it died after the kernels, which did not need it) is masked as its
+        kernels would have masked it, within ``mask_barrier_timeout_s``, and the call goes
+        on; otherwise ``BootstrapTimeoutError`` as for any barrier."""
+        if self.masks is None:
+            self.barrier(name)
+            return
+        live = self.live_ranks()
+        shrink = self.masks.shrink
+        try:
+            self.bootstrap.barrier(f"w{self.index}-{name}", ranks=live,
+                                   timeout_s=self.mask_barrier_timeout_s if shrink else None)
+        except bootstrap_mod.BootstrapTimeoutError as e:
+            if not (shrink and e.missing):
+                raise
+            for q in e.missing:
+                self.update_mask(q, True)
+
+    @property
+    def mask_barrier_timeout_s(self) -> float:
+        """Under shrink, how long the end-of-call barrier waits for a PE before masking it:
+        three of the kernels' deadlines (a live PE's kernels finish within two: one to mask
+        a dead PE, one for the copy blocks' ready flag), at least 5 s."""
+        return max(5.0, 3 * self.timeout_ns / 1e9)
 
     def mark_failed(self) -> None:
         """Record that this PE's call failed although no wait expired here (a check of its
@@ -349,7 +388,7 @@ class ShmemWorld(RankWorld):
         if names:
             self.synchronize()
         for name in names:
-            self.barrier("combine-ready" if name == "combine" else f"combine-{name}-ready")
+            self.meet_live("combine-ready" if name == "combine" else f"combine-{name}-ready")
 
     def barrier(self, name: str = "user") -> None:
         """A host barrier of every PE (the bootstrap's)."""
@@ -368,6 +407,10 @@ class ShmemWorld(RankWorld):
             return
         self._closed = True
         session = self.session
+        if self.masks is not None and self.masks.dead:
+            # a masked PE never meets the others again: the collective free and finalize
+            # would wait for it
+            session.mark_lost()
         error = None
         try:
             self.synchronize()

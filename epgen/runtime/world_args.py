@@ -37,12 +37,11 @@ def check_world_args(world: str, *, timeout_ns=None, device=None) -> None:
         device_ordinal(world, "device", device)
 
 
-def check_mask_args(cfg, world: str, shrink, *, batched: bool = False,
-                    shmem_world: bool = False) -> None:
+def check_mask_args(cfg, world: str, shrink, *, batched: bool = False) -> None:
     """The rank mask's (``ep_rank_mask``, docs/flags.md) constructor rules: ``shrink`` a
-    bool, and True only with the flag; the flag neither with ``batched`` (every rank's grid
-    is one launch, so a rank cannot sit a call out) nor on ``ShmemWorld`` (one process per
-    rank: the SHMEM transport's world does not take the mask yet, ``use_shmem``)."""
+    bool, and True only with the flag; the flag not with ``batched`` (every rank's grid is
+    one launch, so a rank cannot sit a call out). (Its SHMEM-transport rule is the
+    configuration's: every destination of a masked world in one P2P group.)"""
     if not isinstance(shrink, bool):
         raise ValueError(f"{world}: shrink must be a bool, got {shrink!r}")
     if shrink and not cfg.ep_rank_mask:
@@ -52,6 +51,3 @@ def check_mask_args(cfg, world: str, shrink, *, batched: bool = False,
         raise ValueError(f"{world}: batched=True with ep_rank_mask=True: a batched launch "
                          f"runs every rank's grid at once, so a masked rank cannot sit a "
                          f"call out")
-    if cfg.ep_rank_mask and shmem_world:
-        raise ValueError(f"{world}: ep_rank_mask is not available on ShmemWorld yet (the "
-                         f"rank mask with use_shmem): use EmulatedWorld or P2PWorld")

@@ -106,8 +106,10 @@ class FakeBootstrap:
     def broadcast_bytes(self, data, name="nvshmem"):
         return b"u" * 128
 
-    def barrier(self, name="sync", timeout_s=None):
+    def barrier(self, name="sync", timeout_s=None, ranks=None):
         self.log.append(("barrier", self.rank, name.split("-", 1)[1]))
+        if ranks is not None:
+            self.log.append(("barrier ranks", self.rank, name.split("-", 1)[1], tuple(ranks)))
         if name.split("-", 1)[1] in self.fail:
             raise bootstrap_mod.BootstrapTimeoutError(f"barrier {name}: rank(s) 1 missing",
                                                       name, (1,))
@@ -615,3 +617,74 @@ def test_combine_corrupted_row_for_a_remote_pe_is_reported_after_the_barrier(see
         assert np.array_equal(got[r], want), f"seed {seed} rank {r} after the error"
     for w_ in worlds:
         w_.close()
+
+
+# ---- rank masks ---------------------------------------------------------------------------------
+
+def _masked_worlds(seed, log, shrink=True, **flags):
+    cfg = small(ep_rank_mask=True, **flags)
+    machine = SymmetricMachine(seed % 1000, timeouts=True, max_spins=1000)
+    return cfg, machine, make_worlds(cfg, machine, log, shrink=shrink)
+
+
+def test_a_dead_pe_is_masked_under_shrink_and_the_others_meet_without_it(seed):
+    """Rank masks on ``ShmemWorld`` (shrink): both PEs call once; then PE 1 is gone (it never
+    launches again): PE 0's call completes with PE 1 masked by its kernels, its result the
+    reference's without PE 1, and its end-of-call barrier meets PE 0 alone; its next call
+    does not wait for PE 1 at all; ``close`` skips the collective steps."""
+    from mask_checks import expected
+
+    log = []
+    cfg, machine, worlds = _masked_worlds(seed, log)
+    rng = np.random.default_rng(seed)
+    toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+    got, errors = collectively(machine, worlds, [
+        (lambda w=w: w.dispatch(toks[w.rank], ids[w.rank])) for w in worlds])
+    assert errors == [None, None], errors
+    for r in range(2):
+        assert reference.compare(cfg, reference.dispatch(cfg, toks, ids)[r], got[r]) == []
+    assert worlds[0].live_ranks() == [0, 1]
+    for call in range(2):                       # PE 1 is gone
+        toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
+        if call == 1:
+            machine.sim.max_spins = 50          # nothing waits for PE 1 any more
+        got, errors = collectively(machine, worlds[:1], [
+            lambda: worlds[0].dispatch(toks[0], ids[0])])
+        assert errors == [None], errors
+        reference.assert_match(cfg, expected(cfg, toks, ids, {1})[0], got[0])
+        assert worlds[0].masked_ranks == [1] and worlds[0].live_ranks() == [0]
+    machine.sim.max_spins = 1000
+    calls = [e for e in log if e[0] == "barrier ranks" and e[1] == 0 and e[2] == "call"]
+    assert [e[3] for e in calls] == [(0, 1), (0,), (0,)]
+    with pytest.warns(RuntimeWarning, match="lost"):
+        worlds[0].close()
+    assert "free_all" not in log
+    worlds[1].close()                           # (the "dead" PE's world, in this process)
+
+
+def test_a_pe_that_misses_the_end_of_call_barrier_is_masked_under_shrink(seed):
+    """A PE that dies after the kernels (they did not need it) misses the barrier: under
+    shrink the others mask it and go on; without shrink it is a ``BootstrapTimeoutError``."""
+    for shrink in (True, False):
+        log = []
+        cfg, machine, worlds = _masked_worlds(seed, log, shrink=shrink)
+        worlds[0].bootstrap.fail.add("call")
+        toks, ids = routing.routing(np.random.default_rng(seed), cfg, cfg.max_tokens_per_rank)
+        got, errors = collectively(machine, worlds, [
+            (lambda w=w: w.dispatch(toks[w.rank], ids[w.rank])) for w in worlds])
+        if shrink:
+            assert errors == [None, None], errors
+            assert worlds[0].masked_ranks == [1] and worlds[1].masked_ranks == []
+        else:
+            assert isinstance(errors[0], bootstrap_mod.BootstrapTimeoutError), errors
+            assert worlds[0].masked_ranks == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # the lost session's, shrink
+            for w in worlds:
+                w.close()
+
+
+def test_a_mask_on_shmem_world_needs_one_p2p_group():
+    """Destinations reached by NVSHMEM puts do not consult the mask: refused by name."""
+    with pytest.raises(ValueError, match="ep_rank_mask with use_shmem and p2p_world_size=1"):
+        small(ep_rank_mask=True, use_shmem=True, p2p_world_size=1).validate()
