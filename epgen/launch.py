@@ -11,8 +11,10 @@ Every line a process writes to stdout or stderr is forwarded to the same stream 
 launcher, prefixed ``[rank k] ``. The launcher returns the first non-zero exit status (a
 process killed by signal ``s`` counts as ``128 + s``), 0 when every process succeeds. At the
 first failure it terminates the others (SIGTERM to each process group, SIGKILL after
-``grace_s``) so that nothing waits forever on a dead peer; past ``timeout_s`` it kills them
-all and returns 124. Each process runs in its own session, so its children go with it.
+``grace_s``) so that nothing waits forever on a dead peer; with ``keep_going`` it lets them
+run to their own end instead (the survivors of a rank mask, which go on without the dead
+rank). Past ``timeout_s`` it kills them all and returns 124. Each process runs in its own
+session, so its children go with it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def _forward(stream, out, prefix: str, lock) -> None:
 
 
 def launch(cmd: list[str], n: int, *, timeout_s: float | None = None, mps_share: bool = False,
-           grace_s: float = DEFAULT_GRACE_S, stdout=None, stderr=None, env=None) -> int:
+           grace_s: float = DEFAULT_GRACE_S, stdout=None, stderr=None, env=None,
+           keep_going: bool = False) -> int:
     """Run ``n`` processes of ``cmd`` (module docstring); the exit status. ``stdout`` and
     ``stderr`` (default: ``sys.stdout``, ``sys.stderr``) receive the prefixed lines."""
     if n < 1:
@@ -89,7 +92,8 @@ def launch(cmd: list[str], n: int, *, timeout_s: float | None = None, mps_share:
     stderr = sys.stderr if stderr is None else stderr
     previous = _stop_on_signals()
     try:
-        return _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env)
+        return _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env,
+                       keep_going)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -117,7 +121,7 @@ def _stop_on_signals() -> dict:
     return previous
 
 
-def _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env) -> int:
+def _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env, keep_going) -> int:
     launch_dir = tempfile.mkdtemp(prefix="epgen-launch-")
     port = free_port()
     lock = threading.Lock()
@@ -138,10 +142,11 @@ def _launch(cmd, n, timeout_s, mps_share, grace_s, stdout, stderr, env) -> int:
         while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
-            if failed:
+            if failed and not status:
                 status = _exit_status(failed[0])
+            if status and not keep_going:
                 break
-            if all(c == 0 for c in codes):
+            if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 with lock:

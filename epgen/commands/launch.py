@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
                    help="after the first failure, SIGTERM the others and SIGKILL them after "
                         "SECONDS (default: 5)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="let the others run to their end after a failure (the survivors of "
+                        "a rank mask); the status is still the first failure's")
     p.add_argument("--mps-share", action="store_true",
                    help="set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=floor(100/N) in every process "
                         "(several PEs on one GPU under MPS)")
@@ -46,4 +49,4 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         args.parser.error(f"argument --timeout: must be > 0, got {args.timeout}")
     return launch(cmd, args.nproc, timeout_s=args.timeout, mps_share=args.mps_share,
-                  grace_s=args.grace)
+                  grace_s=args.grace, keep_going=args.keep_going)

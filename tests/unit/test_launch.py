@@ -101,6 +101,17 @@ def test_failure_stops_the_others_within_the_grace():
     assert status == 2 and time.monotonic() - t0 < 15
 
 
+def test_keep_going_lets_the_others_finish():
+    """``keep_going``: rank 1 dies at once (SIGKILL), rank 0 finishes its work afterwards
+    (a survivor of a rank mask); the status is still the failure's."""
+    code = ("import os, signal, time\n"
+            "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(0.5); print('finished', flush=True)\n")
+    status, out, _ = run(code, 2, keep_going=True)
+    assert status == 128 + 9
+    assert lines_of(out, 0) == ["finished"]
+
+
 def test_timeout_kills_all_and_returns_124():
     t0 = time.monotonic()
     status, _, err = run("import time; time.sleep(60)", 2, timeout_s=1.0)
