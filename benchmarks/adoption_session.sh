@@ -13,6 +13,8 @@
 #            masked slots, the BlockwiseFP8Pow2 format, the combine benchmark's tests
 #   mps      MPS on (when this machine has it and we are root), the tests that launch one
 #            process per PE with 2 and 4 PEs (EPGEN_SHMEM_PES), then MPS off
+#   mps2     the same: DeepEP's normal mode on a process group, and rank masks on ShmemWorld
+#            with a PE killed between calls, in its dispatch and in its combine
 #   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
 #   bench    decode (128 tokens per rank) and prefill (4096): the FP8 combine against the
 #            BF16 one, the partial-reduce combine against the plain one after the same
@@ -64,10 +66,17 @@ mps)
     . benchmarks/mps.sh        # MPS when available; stop_mps on exit
     export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
     gpu_tests shmem-warp-puts 200 tests/gpu/test_shmem_gpu.py -x
-    gpu_tests shmem-features 330 tests/gpu/test_deepep_gpu.py tests/gpu/test_deepep_normal_gpu.py \
-        tests/gpu/test_shmem_session_gpu.py tests/gpu/test_rank_dedup_gpu.py \
-        tests/gpu/test_bench_worlds_gpu.py \
+    gpu_tests shmem-features 330 tests/gpu/test_deepep_gpu.py tests/gpu/test_shmem_session_gpu.py \
+        tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_bench_worlds_gpu.py \
         -k "process_group or two_formats or shmem_transport or shmem_bench"
+    stop_mps
+    ;;
+mps2)
+    LOG="$SUMMARY"
+    . benchmarks/mps.sh
+    export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
+    gpu_tests normal-pg 200 tests/gpu/test_deepep_normal_gpu.py -k process_group
+    gpu_tests rank-mask-pg 330 tests/gpu/test_rank_mask_shmem_gpu.py
     stop_mps
     ;;
 mps8)
@@ -96,7 +105,7 @@ figures)
     show deepep-api
     ;;
 *)
-    echo "usage: $0 [tests|tests2|mps|mps8|bench|figures]" >&2
+    echo "usage: $0 [tests|tests2|mps|mps2|mps8|bench|figures]" >&2
     exit 2
     ;;
 esac
