@@ -22,13 +22,13 @@ argument):
   receiving one. A slot's next call waits for its hook: calling it is required.
 - ``async_finish``: the kernels run on the caller's current stream (DeepEP uses its own
   communication stream); the event marks their end, for other streams.
-- Shrink mode (``enable_shrink``, the mask calls) on an ``EmulatedGroup`` on the simulator
-  only: the worlds have rank masks (``ep_rank_mask`` with shrink, docs/deepep.md "Shrink
-  mode"); a rank's mask spans every world of its group (``emulated.MaskBook``).
+- Shrink mode (``enable_shrink``, the mask calls) on a process group and on an
+  ``EmulatedGroup`` on the simulator: the worlds have rank masks (``ep_rank_mask`` with
+  shrink, docs/deepep.md "Shrink mode"); a rank's mask spans every world of its group
+  (``emulated.MaskBook``; ``ShmemSource`` on a process group).
 - Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
   (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
-  on a process group (``ShmemWorld``) or a GPU group, FP8 input to the normal mode, ``comm``
-  (an MPI communicator).
+  on a GPU ``EmulatedGroup``, FP8 input to the normal mode, ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
   (``get_low_latency_rdma_size_hint`` says how much), and ``ignored_arguments`` lists them.
@@ -70,6 +70,18 @@ class _EmulatedSource:
         """The port of the normal-mode world of ``shape`` (``normal.NormalShape``)."""
         return self.group.normal_port(torch, shape, slot, self.rank)
 
+    def update_mask(self, q: int, masked: bool) -> None:
+        """Shrink mode: this rank's mask of rank ``q`` (the group's ``MaskBook``)."""
+        self.group.mask_book.update(self.rank, q, masked)
+
+    def masked_ranks(self) -> set[int]:
+        """Shrink mode: the ranks this rank masks (its calls' and its kernels')."""
+        return self.group.mask_book.of(self.rank)
+
+    def clean_mask(self) -> None:
+        """Shrink mode: unmask every rank."""
+        self.group.mask_book.clean(self.rank)
+
     def close(self) -> None:
         """The group owns the worlds."""
 
@@ -108,14 +120,12 @@ class Buffer:
         if comm is not None:
             raise EPInputError("comm: an MPI communicator is not supported; pass a "
                                "torch.distributed process group")
-        if enable_shrink and not (isinstance(group, EmulatedRank) and group.group.sim):
-            raise EPInputError("enable_shrink: rank masks (shrink mode) are available on an "
-                               "epgen.deepep.EmulatedGroup on the simulator only, not yet on "
-                               "a process group (ShmemWorld, use_shmem: the SHMEM transport "
-                               "does not take ep_rank_mask) nor on a GPU group (whose ranks' "
-                               "threads would change a shared world's masks under each "
-                               "other's calls); use EmulatedWorld or P2PWorld with "
-                               "ep_rank_mask on a GPU")
+        if enable_shrink and isinstance(group, EmulatedRank) and not group.group.sim:
+            raise EPInputError("enable_shrink: rank masks (shrink mode) are available on a "
+                               "process group and on an epgen.deepep.EmulatedGroup on the "
+                               "simulator, not on a GPU EmulatedGroup (whose ranks' threads "
+                               "would change a shared world's masks under each other's "
+                               "calls); use EmulatedWorld or P2PWorld with ep_rank_mask there")
         if isinstance(group, EmulatedRank):
             self._source = _EmulatedSource(group, bool(enable_shrink))
         elif group is None:
@@ -125,7 +135,8 @@ class Buffer:
             self._source = ShmemSource(group, n_sms=n_sms, num_threads=num_threads,
                                        timeout_ns=timeout_ns,
                                        allow_nvlink=allow_nvlink_for_low_latency_mode,
-                                       p2p_world_size=p2p_world_size)
+                                       p2p_world_size=p2p_world_size,
+                                       shrink=bool(enable_shrink))
         self.group = group
         self.rank, self.group_size = self._source.rank, self._source.size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -438,15 +449,11 @@ class Buffer:
         key = lambda p: (repr(p.world.cfg), id(p.rv) if hasattr(p, "rv") else 0)  # noqa
         return sorted(self._ports, key=key)
 
-    def _book(self):
-        """The group's ``emulated.MaskBook`` (shrink mode)."""
-        return self._source.group.mask_book
-
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
         """Mask (``mask``) or unmask ``rank_to_mask``: this rank sends nothing to a masked
         rank, waits for nothing from it, and its tokens' slots on that rank's experts weigh
         nothing in combine (docs/deepep.md, "Shrink mode"). Applies from this rank's next call
-        on, on every world (``emulated.MaskBook``)."""
+        on, on every world (``emulated.MaskBook``; a process group's ``ShmemSource``)."""
         self._require_shrink("low_latency_update_mask_buffer")
         if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) \
                 or not 0 <= rank_to_mask < self.group_size:
@@ -454,25 +461,26 @@ class Buffer:
                                f"{rank_to_mask!r}")
         if not isinstance(mask, bool):
             raise EPInputError(f"mask: must be a bool, got {mask!r}")
-        self._book().update(self.rank, rank_to_mask, mask)
+        self._source.update_mask(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
         """Write this rank's mask into ``mask_status`` (``[num_ranks]`` int32, 1 = masked):
         the ranks its calls masked and those its worlds' kernels masked when a wait for them
-        expired (``emulated.MaskBook``)."""
+        expired (``emulated.MaskBook``; a process group's ``ShmemSource``, which
+        synchronises)."""
         self._require_shrink("low_latency_query_mask_buffer")
         torch = self.torch
         shapes.check_tensor(torch, mask_status, "mask_status", dtypes=(torch.int32,),
                             shape=(self.group_size,), on_cuda=self.on_cuda)
         status = torch.zeros((self.group_size,), dtype=torch.int32)
-        for q in self._book().of(self.rank):
+        for q in self._source.masked_ranks():
             status[q] = 1
         mask_status.copy_(status.to(mask_status.device))
 
     def low_latency_clean_mask_buffer(self):
         """Unmask every rank in this rank's mask, from its next call on."""
         self._require_shrink("low_latency_clean_mask_buffer")
-        self._book().clean(self.rank)
+        self._source.clean_mask()
 
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):

@@ -78,6 +78,10 @@ class DevicePort:
     def check(self) -> None:
         self.ep.check()
 
+    def clean(self) -> None:
+        """Shrink mode's clean-up: nothing is exchanged on a GPU; a rank that is gone is
+        masked at the next call, when the waits for it expire."""
+
 
 class PeerFailedError(RuntimeError):
     """A simulator rank's call cannot complete: another rank failed (``Rendezvous.abort``)."""

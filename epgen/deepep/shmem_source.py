@@ -45,7 +45,8 @@ class ShmemSource:
 
     def __init__(self, group, *, n_sms: int | None, num_threads: int | None,
                  timeout_ns: int | None, allow_nvlink: bool = True,
-                 p2p_world_size: int | None = None, barrier_timeout_s: float | None = None):
+                 p2p_world_size: int | None = None, barrier_timeout_s: float | None = None,
+                 shrink: bool = False):
         import torch
 
         self.rank, self.size = group.rank(), group.size()
@@ -68,6 +69,9 @@ class ShmemSource:
                                     device=torch.cuda.current_device(),
                                     barrier_timeout_s=timeout)
         self.ports = {}
+        #: shrink mode (DeepEP's ``enable_shrink``): the low-latency worlds have rank masks
+        #: (``ep_rank_mask``, ``shrink=True``); ``masked``: the ranks this rank's buffer masked
+        self.shrink, self.masked = bool(shrink), set()
 
     def port(self, torch, shape, slot: int) -> DevicePort:
         key = (shape, slot)
@@ -75,11 +79,49 @@ class ShmemSource:
         if port is None:
             P = self.p2p_world_size
             cfg = shape.config(n_sms=self.n_sms, num_threads=self.num_threads,
-                               p2p_world_size=P, use_shmem=P < self.size)
+                               p2p_world_size=P, use_shmem=P < self.size,
+                               rank_mask=self.shrink)
             world = ShmemWorld(cfg, rank=self.rank, session=self.session,
-                               timeout_ns=self.timeout_ns, fused=False)
+                               timeout_ns=self.timeout_ns, fused=False, shrink=self.shrink)
+            for q in sorted(self.masked):        # a new world starts with this rank's mask
+                world.update_mask(q, True)
             port = self.ports[key] = DevicePort(torch, world, self.rank)
         return port
+
+    # -- shrink mode: this rank's mask over every low-latency world -------------------------
+    def _mask_worlds(self) -> list:
+        return [p.world for key, p in self.ports.items() if key[0] != "normal"]
+
+    def update_mask(self, q: int, masked: bool) -> None:
+        """Mask (``masked``) or unmask rank ``q`` in this rank's view of every low-latency
+        world, now and in the worlds made later (each ``ShmemWorld.update_mask``, after this
+        rank's work on the current stream)."""
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+        for world in self._mask_worlds():
+            world.update_mask(q, masked)
+        (self.masked.add if masked else self.masked.discard)(q)
+
+    def masked_ranks(self) -> set[int]:
+        """The ranks this rank masks: those its buffer masked and those its worlds' kernels
+        masked when a wait for them expired (each world's view, read: synchronises)."""
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+        out = set(self.masked)
+        for world in self._mask_worlds():
+            out |= {int(q) for q in world.query_mask(self.rank).nonzero()[0]}
+        return out
+
+    def clean_mask(self) -> None:
+        """Unmask every rank in every low-latency world's view of this rank."""
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+        for world in self._mask_worlds():
+            world.clean_mask()
+        self.masked.clear()
 
     def normal_port(self, torch, shape, slot: int):
         """This rank's port of the normal-mode world of ``shape`` (a ``normal.NormalShape``)

@@ -189,3 +189,57 @@ def test_an_emulated_group_on_a_gpu_waits_long_by_default():
     assert deep_ep.EmulatedGroup(2, backend="cuda").timeout_ns == em.GPU_TIMEOUT_NS
     assert deep_ep.EmulatedGroup(2, backend="sim").timeout_ns is None
     assert deep_ep.EmulatedGroup(2, backend="cuda", timeout_ns=5).timeout_ns == 5
+
+
+def test_shrink_on_a_process_group_masks_every_low_latency_world(monkeypatch):
+    """A process group's shrink mode (``ShmemSource``, worlds faked): a rank masked by the
+    buffer is masked in the view of every low-latency world this rank has (not the normal
+    mode's) and in every world made afterwards; the query adds what the worlds' kernels
+    masked; clean unmasks everywhere. Each call first drains this rank's stream."""
+    import types
+
+    import numpy as np
+
+    from epgen.deepep import shmem_source
+
+    class FakeWorld:
+        def __init__(self, cfg, **kw):
+            self.cfg, self.kw, self.calls, self.view = cfg, kw, [], np.zeros(4, np.int32)
+
+        def update_mask(self, q, masked=True):
+            self.calls.append(("update", q, masked))
+
+        def query_mask(self, rank):
+            return self.view
+
+        def clean_mask(self):
+            self.calls.append(("clean",))
+
+    drained = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a: types.SimpleNamespace(synchronize=lambda: drained.append(1)))
+    monkeypatch.setattr(shmem_source, "ShmemWorld", FakeWorld)
+    monkeypatch.setattr(shmem_source, "DevicePort",
+                        lambda torch_, world, rank: types.SimpleNamespace(world=world))
+    src = object.__new__(shmem_source.ShmemSource)
+    src.rank, src.size, src.p2p_world_size = 1, 4, 4
+    src.n_sms = src.num_threads = src.timeout_ns = None
+    src.session, src.ports, src.shrink, src.masked = None, {}, True, set()
+    class Shape:                     # hashable, as NormalShape and LowLatencyShape are
+        @staticmethod
+        def config(**kw):
+            return kw
+    shape = Shape()
+    first = src.port(torch, shape, 0).world
+    assert first.cfg["rank_mask"] is True and first.kw["shrink"] is True
+    normal = FakeWorld({})
+    src.ports[("normal", shape, 0)] = types.SimpleNamespace(world=normal)
+    src.update_mask(2, True)
+    assert first.calls == [("update", 2, True)] and normal.calls == []
+    later = src.port(torch, shape, 1).world
+    assert later.calls == [("update", 2, True)]          # made after: starts masked
+    first.view[3] = 1                                      # its kernels masked rank 3
+    assert src.masked_ranks() == {2, 3}
+    src.clean_mask()
+    assert first.calls[-1] == later.calls[-1] == ("clean",) and src.masked == set()
+    assert len(drained) == 3
