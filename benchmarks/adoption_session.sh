@@ -13,8 +13,9 @@
 #            masked slots, the BlockwiseFP8Pow2 format, the combine benchmark's tests
 #   mps      MPS on (when this machine has it and we are root), the tests that launch one
 #            process per PE with 2 and 4 PEs (EPGEN_SHMEM_PES), then MPS off
-#   mps2     the same: DeepEP's normal mode on a process group, and rank masks on ShmemWorld
-#            with a PE killed between calls, in its dispatch and in its combine
+#   mps2     the same: DeepEP's normal mode on a process group, rank masks on ShmemWorld with
+#            a PE killed between calls, in its dispatch and in its combine, and DeepEP's
+#            shrink test on a process group (ranks killed at dispatch and combine)
 #   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
 #   bench    decode (128 tokens per rank) and prefill (4096): the FP8 combine against the
 #            BF16 one, the partial-reduce combine against the plain one after the same
@@ -68,7 +69,7 @@ mps)
     gpu_tests shmem-warp-puts 200 tests/gpu/test_shmem_gpu.py -x
     gpu_tests shmem-features 330 tests/gpu/test_deepep_gpu.py tests/gpu/test_shmem_session_gpu.py \
         tests/gpu/test_rank_dedup_gpu.py tests/gpu/test_bench_worlds_gpu.py \
-        -k "process_group or two_formats or shmem_transport or shmem_bench"
+        -k "(process_group or two_formats or shmem_transport or shmem_bench) and not killed"
     stop_mps
     ;;
 mps2)
@@ -76,7 +77,8 @@ mps2)
     . benchmarks/mps.sh
     export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
     gpu_tests normal-pg 200 tests/gpu/test_deepep_normal_gpu.py -k process_group
-    gpu_tests rank-mask-pg 330 tests/gpu/test_rank_mask_shmem_gpu.py
+    gpu_tests rank-mask-pg 330 tests/gpu/test_rank_mask_shmem_gpu.py tests/gpu/test_deepep_gpu.py \
+        -k killed
     stop_mps
     ;;
 mps8)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import pytest
@@ -27,8 +29,9 @@ torch = pytest.importorskip("torch")
 import epgen.deepep as deep_ep  # noqa: E402
 
 import engine_calls as ec  # noqa: E402
-from deepep_checks import (VARIANTS, LLCase, check_combine, check_dispatch,  # noqa: E402
-                           gemm_input, rank_inputs, rank_rounds)
+from deepep_checks import (FAILS, VARIANTS, LLCase, check_combine,  # noqa: E402
+                           check_dispatch, gemm_input, rank_inputs, rank_rounds,
+                           shrink_rounds)
 from pe_programs import PES, gloo_group, launch_pe_program  # noqa: E402
 
 #: 4 ranks on one GPU: DeepEP's decode shape with a quarter of the ranks and experts
@@ -122,9 +125,47 @@ def test_process_group_buffer_one_process_per_rank(n, p2p, seed, nvshmem_wheel):
     launch_pe_program(__file__, [str(seed), p2p], n, "every DeepEP round passed")
 
 
+def shrink_fails(n: int) -> dict:
+    """DeepEP's shrink test's failing ranks that exist among ``n``: API -> rank."""
+    return {api: r for api, r in FAILS.items() if r < n}
+
+
+@pytest.mark.parametrize("n", PES)
+def test_process_group_shrink_survives_killed_ranks(n, seed, nvshmem_wheel):
+    """DeepEP's shrink test on a process group (``enable_shrink``): the ranks of
+    ``shrink_fails`` die (SIGKILL) when they reach their API; every survivor's mask, dispatch
+    and combine are checked after each call (``deepep_checks.shrink_rounds``)."""
+    dead = set(shrink_fails(n).values())
+    launch_pe_program(__file__, [str(seed), "shrink"], n, "shrink rounds passed",
+                      keep_going=True, survivors=[r for r in range(n) if r not in dead])
+
+
+def pe_shrink_main(seed: int) -> int:
+    """One rank's program of the shrink test (``test_process_group_shrink_...``)."""
+    rank, n, dist = gloo_group("deepep-shrink-gloo-store")
+    case = PE_CASE[n]
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.tokens, case.hidden, n,
+                                                         case.num_experts)
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True,
+                         num_qps_per_rank=case.num_experts // n, enable_shrink=True,
+                         n_sms=8, num_threads=512, timeout_ns=2_000_000_000)
+
+    def die(api):
+        print(f"rank {rank}: fails at {api}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    fails = shrink_fails(n)
+    got = shrink_rounds(torch, buf, rank, case, rank_inputs(torch, case, seed), fails, die,
+                        device=DEV)
+    assert got == set(fails.values()), got
+    print(f"rank {rank}: shrink rounds passed", flush=True)
+    os._exit(0)           # NVSHMEM stays up (peers are gone): nothing collective at exit
+
+
 def pe_main(seed: int, p2p: str) -> int:
     """One rank's program: a gloo group from the launcher's directory, a ``Buffer`` over it
     (NVSHMEM), every variant's rounds, then ``destroy``."""
+    if p2p == "shrink":
+        return pe_shrink_main(seed)
     rank, n, dist = gloo_group("deepep-gloo-store")
     case = PE_CASE[n]
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.tokens, case.hidden, n,
@@ -144,5 +185,5 @@ def pe_main(seed: int, p2p: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["pe"]:
-        sys.exit("usage: test_deepep_gpu.py pe SEED all_p2p")
+        sys.exit("usage: test_deepep_gpu.py pe SEED all_p2p|shrink")
     sys.exit(pe_main(int(sys.argv[2]), sys.argv[3]))

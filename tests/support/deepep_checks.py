@@ -192,3 +192,80 @@ def rank_rounds(torch, buf, rank: int, case: LLCase, inputs, variant: str, round
         assert combined is out
         check_combine(torch, rank, inputs[rank][0], inputs[rank][1], inputs[rank][2],
                       combined, use_fp8=use_fp8 or combine_fp8, round_scale=round_scale)
+
+
+#: API -> the rank that fails when it first calls it (DeepEP's test: 1, 3, 5 of 8+ ranks)
+FAILS = {"dispatch": 1, "combine": 3, "clean": 4}
+
+
+def query(torch, buf, n: int) -> set:
+    """The ranks ``buf``'s rank masks (``low_latency_query_mask_buffer``)."""
+    status = torch.zeros(n, dtype=torch.int32, device="cuda" if buf.on_cuda else "cpu")
+    buf.low_latency_query_mask_buffer(status)
+    return set(status.cpu().nonzero().view(-1).tolist())
+
+
+def check_dispatch_masked(case, rank, all_idx, recv_x, count, handle, masked):
+    """DeepEP's dispatch checks with its shrink rule: counts from the unmasked sources only;
+    each unmasked source's block holds its rows."""
+    L = case.num_experts // case.n_ranks
+    layout = handle[1].cpu()
+    for i in range(L):
+        e = rank * L + i
+        routed = [0 if j in masked else int((ids == e).sum()) for j, ids in enumerate(all_idx)]
+        n = int(count[i])
+        assert n == sum(routed), f"rank {rank} expert {e}: {n} rows, {sum(routed)} routed"
+        rows = recv_x[i][:n].float().cpu()
+        for j in range(case.n_ranks):
+            begin, cnt = int(layout[i, j] >> 32), int(layout[i, j] & 0xFFFFFFFF)
+            if j in masked:
+                assert cnt == 0, f"rank {rank} expert {e}: {cnt} rows of masked rank {j}"
+                continue
+            assert cnt == routed[j]
+            assert bool((rows[begin:begin + cnt, :-128] == j - RANK_OFFSET).all())
+
+
+def shrink_rounds(torch, buf, rank: int, case, inputs, fails: dict, fail, rounds: int = 3,
+                  device=None):
+    """DeepEP's shrink test for rank ``rank`` on ``buf`` (``enable_shrink``): ``rounds`` of
+    dispatch, combine and clean-up; the rank of ``fails[api]`` fails when it first reaches
+    ``api`` (``fail(api)``: on the simulator it stops calling, on a GPU the process dies;
+    returns None then). After each call the rank's mask is exactly the ranks failed so far,
+    its dispatch counts only unmasked sources and its combine weighs nothing on masked
+    ranks' experts. Returns the final mask."""
+    T, E, H, n = case.tokens, case.num_experts, case.hidden, case.n_ranks
+    L = E // n
+    all_idx = [i for _, i, _ in inputs]
+    x, idx, w = (t if device is None else t.to(device) for t in inputs[rank])
+    expected: set = set()
+
+    def failing(api):
+        if rank in expected or rank == fails.get(api):
+            fail(api)
+            return True
+        if api in fails:
+            expected.add(fails[api])
+        return False
+    for _ in range(rounds):
+        if failing("dispatch"):
+            return None
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        masked = query(torch, buf, n)
+        assert masked == expected, f"rank {rank} after dispatch: {masked}"
+        check_dispatch_masked(case, rank, all_idx, recv_x, count.cpu(), handle, masked)
+        if failing("combine"):
+            return None
+        combined, _, _ = buf.low_latency_combine(gemm_input(torch, recv_x, False, H), idx, w,
+                                                 handle)
+        masked = query(torch, buf, n)
+        assert masked == expected, f"rank {rank} after combine: {masked}"
+        owner = idx.cpu().clamp(min=0) // L
+        dead = torch.tensor([q in masked for q in range(n)])[owner]
+        cidx = idx.cpu()
+        check_combine(torch, rank, inputs[rank][0], cidx.masked_fill(dead & (cidx >= 0), -1),
+                      inputs[rank][2], combined, use_fp8=False, round_scale=False)
+        if failing("clean"):
+            return None
+        buf.clean_low_latency_buffer(T, H, E)
+        assert query(torch, buf, n) == expected
+    return query(torch, buf, n)
