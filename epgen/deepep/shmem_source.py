@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import os
 
+from backends.cuda import sm_count
+
 from ..config import SHMEM_EXCLUSIVE
 from ..errors import EPInputError
 from ..runtime import bootstrap
 from ..runtime.shmem_session import ShmemSession, default_barrier_timeout
 from ..runtime.shmem_world import ShmemWorld
+from . import normal
 from .ports import DevicePort
 
 
@@ -128,14 +131,11 @@ class ShmemSource:
         for result slot ``slot``: a ``ShmemWorld`` of the shape's configuration (one P2P
         group, ``ep_rank_dedup``), made collectively on first use like the low-latency
         worlds (``normal.device_port``)."""
-        from . import normal
-
         key = ("normal", shape, slot)
         port = self.ports.get(key)
         if port is None:
             n_sms = self.n_sms
             if n_sms is None:           # this GPU's SMs shared by its PEs, two blocks each
-                from backends.cuda import sm_count
                 n_sms = max(1, 2 * sm_count(self.session.device_id) // self.session.sharers)
             n_sms, threads = shape.grid(n_sms, self.num_threads, sim=False)
             world = ShmemWorld(shape.config(n_sms, threads), rank=self.rank,
