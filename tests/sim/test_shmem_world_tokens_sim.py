@@ -33,6 +33,14 @@ def test_two_pes_dispatch_and_combine_token_major(seed):
     machine = SymmetricMachine(seed % 1000)
     log = []
     worlds = make_worlds(cfg, machine, log)
+    try:
+        _dispatch_and_combine(cfg, machine, log, worlds, seed)
+    finally:
+        for w in worlds:
+            w.close()
+
+
+def _dispatch_and_combine(cfg, machine, log, worlds, seed):
     built, errors = collectively(machine, worlds, [w.token_combiner for w in worlds])
     assert errors == [None, None], errors
     # each PE meets the other once per side, after arming it
