@@ -140,15 +140,24 @@ def test_process_group_shrink_survives_killed_ranks(n, seed, nvshmem_wheel):
                       keep_going=True, survivors=[r for r in range(n) if r not in dead])
 
 
-def pe_shrink_main(seed: int) -> int:
-    """One rank's program of the shrink test (``test_process_group_shrink_...``)."""
-    rank, n, dist = gloo_group("deepep-shrink-gloo-store")
+def pe_buffer(store: str, **kw):
+    """A PE program's ``(rank, n, dist, case, Buffer)``: a gloo group through ``store``, a
+    low-latency buffer of ``PE_CASE[n]`` over it (8 blocks of 512 threads; ``kw``: more
+    arguments)."""
+    rank, n, dist = gloo_group(store)
     case = PE_CASE[n]
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.tokens, case.hidden, n,
                                                          case.num_experts)
     buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True,
-                         num_qps_per_rank=case.num_experts // n, enable_shrink=True,
-                         n_sms=8, num_threads=512, timeout_ns=2_000_000_000)
+                         num_qps_per_rank=case.num_experts // n, n_sms=8, num_threads=512,
+                         **kw)
+    return rank, n, dist, case, buf
+
+
+def pe_shrink_main(seed: int) -> int:
+    """One rank's program of the shrink test (``test_process_group_shrink_...``)."""
+    rank, n, _, case, buf = pe_buffer("deepep-shrink-gloo-store", enable_shrink=True,
+                                      timeout_ns=2_000_000_000)
 
     def die(api):
         print(f"rank {rank}: fails at {api}", flush=True)
@@ -166,14 +175,9 @@ def pe_main(seed: int, p2p: str) -> int:
     (NVSHMEM), every variant's rounds, then ``destroy``."""
     if p2p == "shrink":
         return pe_shrink_main(seed)
-    rank, n, dist = gloo_group("deepep-gloo-store")
-    case = PE_CASE[n]
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.tokens, case.hidden, n,
-                                                         case.num_experts)
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True,
-                         num_qps_per_rank=case.num_experts // n, explicitly_destroy=True,
-                         allow_nvlink_for_low_latency_mode=p2p == "all_p2p",
-                         n_sms=8, num_threads=512, timeout_ns=5_000_000_000)
+    rank, n, dist, case, buf = pe_buffer(
+        "deepep-gloo-store", explicitly_destroy=True,
+        allow_nvlink_for_low_latency_mode=p2p == "all_p2p", timeout_ns=5_000_000_000)
     inputs = rank_inputs(torch, case, seed)
     for variant in VARIANTS:
         rank_rounds(torch, buf, rank, case, inputs, variant, device=DEV)
