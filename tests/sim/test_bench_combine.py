@@ -57,11 +57,13 @@ def _fake_timer(ts, streams, gate, body):
     return 0.25, False
 
 
-def counting_timer(calls: list):
-    """A ``timing.fork_join`` stand-in that runs the body, appends to ``calls`` and
+def counting_timer(calls: list, run_first: int | None = None):
+    """A ``timing.fork_join`` stand-in that runs the body (only in its first ``run_first``
+    calls when given: the later samples then enqueue nothing), appends to ``calls`` and
     returns a fixed 'time'."""
     def timer(ts, streams, gate, body):
-        body()
+        if run_first is None or len(calls) < run_first:
+            body()
         calls.append(1)
         return 0.25, False
     return timer

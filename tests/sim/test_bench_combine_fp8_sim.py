@@ -40,14 +40,8 @@ def test_both_combines_timed_and_checked(seed):
 
 
 def test_an_fp8_combine_that_did_not_run_fails_the_check(seed):
-    timed = []
-
-    def fp8_skipped(ts, streams, gate, body):
-        if len(timed) < 12:           # the BF16 combine's 12 samples (whole,
-            #                             send, reduce) run; the FP8 ones enqueue nothing
-            body()
-        timed.append(1)
-        return 0.25, False
+    # the BF16 combine's 12 samples (whole, send, reduce) run; the later ones enqueue nothing
+    fp8_skipped = counting_timer([], run_first=12)
     with pytest.raises(AssertionError, match="fp8.*combine differs from the reference"):
         _measure(_cfg(), seed, fp8_skipped)
 

@@ -51,14 +51,8 @@ def test_both_combines_timed_and_checked(seed):
 
 
 def test_a_partial_combine_that_did_not_run_fails_the_check(seed):
-    timed = []
-
-    def partial_skipped(ts, streams, gate, body):
-        if len(timed) < 12:           # the plain combine's 12 samples (whole,
-            #                             send, reduce) run; the partial ones enqueue nothing
-            body()
-        timed.append(1)
-        return 0.25, False
+    # the plain combine's 12 samples (whole, send, reduce) run; the later ones enqueue nothing
+    partial_skipped = counting_timer([], run_first=12)
     with pytest.raises(AssertionError, match="partial.*combine differs from the reference"):
         _measure(_cfg(ep_rank_dedup=True), seed, partial_skipped)
 
