@@ -76,9 +76,9 @@ mps2)
     LOG="$SUMMARY"
     . benchmarks/mps.sh
     export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
-    gpu_tests normal-pg 200 tests/gpu/test_deepep_normal_gpu.py -k process_group
-    gpu_tests rank-mask-pg 330 tests/gpu/test_rank_mask_shmem_gpu.py tests/gpu/test_deepep_gpu.py \
-        -k killed
+    gpu_tests normal-shrink-pg 240 tests/gpu/test_deepep_normal_gpu.py tests/gpu/test_deepep_gpu.py \
+        -k "process_group and (normal or shrink)"
+    gpu_tests rank-mask-pg 320 tests/gpu/test_rank_mask_shmem_gpu.py
     stop_mps
     ;;
 mps8)
