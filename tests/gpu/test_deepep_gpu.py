@@ -163,8 +163,11 @@ def pe_shrink_main(seed: int) -> int:
         print(f"rank {rank}: fails at {api}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     fails = shrink_fails(n)
-    got = shrink_rounds(torch, buf, rank, case, rank_inputs(torch, case, seed), fails, die,
-                        device=DEV)
+    inputs = rank_inputs(torch, case, seed)
+    # every rank first makes both result slots' worlds and combine buffers: their symmetric
+    # allocations are collective (DeepEP allocates its buffer in the constructor)
+    shrink_rounds(torch, buf, rank, case, inputs, {}, die, rounds=2, device=DEV)
+    got = shrink_rounds(torch, buf, rank, case, inputs, fails, die, device=DEV)
     assert got == set(fails.values()), got
     print(f"rank {rank}: shrink rounds passed", flush=True)
     os._exit(0)           # NVSHMEM stays up (peers are gone): nothing collective at exit
