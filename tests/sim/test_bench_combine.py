@@ -69,6 +69,20 @@ def counting_timer(calls: list, run_first: int | None = None):
     return timer
 
 
+def fake_arm_measure(cfg, sets, w, iters, warmup, gate, *, op, combine_fp8=False,
+                     combine_partial=False, **kw):
+    """A ``combine.measure_world`` stand-in for whole runs: the plain combine at 0.6 ms and,
+    when asked, the FP8 or partial-reduce arm at 0.4 ms, every check "ok"."""
+    from epgen.bench import timing
+    out = {"check": "ok", "post_check": "ok", "build_s": 0.1,
+           "combine": timing.summarize([0.6, 0.6, 0.6])}
+    for on, name in ((combine_fp8, "fp8"), (combine_partial, "partial")):
+        if on:
+            out[f"combine_{name}"] = timing.summarize([0.4, 0.4, 0.4])
+            out[f"post_check_{name}"] = "ok"
+    return out
+
+
 def measure_on_sim(cfg, seed, timer, op="combine", **options):
     """``combine.measure_world`` of ``cfg`` on a simulator world (made on first use), 2 input
     sets, 3 timed iterations after 1 warm-up, ``timer`` instead of the events; ``options``:

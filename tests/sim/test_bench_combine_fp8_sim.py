@@ -13,7 +13,7 @@ from epgen.formats import make_format
 
 from test_bench import fake_gpu  # noqa: F401 - fixture
 from test_bench_combine import fake_combine  # noqa: F401 - fixture
-from test_bench_combine import counting_timer, measure_on_sim
+from test_bench_combine import counting_timer, fake_arm_measure, measure_on_sim
 
 
 def _cfg():
@@ -46,16 +46,6 @@ def test_an_fp8_combine_that_did_not_run_fails_the_check(seed):
         _measure(_cfg(), seed, fp8_skipped)
 
 
-def _fake_measure_fp8(cfg, sets, w, iters, warmup, gate, *, op, combine_fp8=False, **kw):
-    from epgen.bench import timing
-    out = {"check": "ok", "post_check": "ok", "build_s": 0.1,
-           "combine": timing.summarize([0.6, 0.6, 0.6])}
-    if combine_fp8:
-        out["combine_fp8"] = timing.summarize([0.4, 0.4, 0.4])
-        out["post_check_fp8"] = "ok"
-    return out
-
-
 def test_a_whole_run_reports_both_figures(fake_combine, monkeypatch, tmp_path, capsys):
     """``epgen bench --op combine --combine-fp8`` with the device phases faked: the FP8
     figure, its bytes and its speed-up over the BF16 combine reach the JSON and the progress
@@ -63,7 +53,7 @@ def test_a_whole_run_reports_both_figures(fake_combine, monkeypatch, tmp_path, c
     import json
 
     from epgen import cli
-    monkeypatch.setattr(combine, "measure_world", _fake_measure_fp8)
+    monkeypatch.setattr(combine, "measure_world", fake_arm_measure)
     js = tmp_path / "fp8.json"
     status = cli.main(["bench", "--preset", "small", "--tokens", "16", "--no-gate", "--op",
                        "combine", "--combine-fp8", "--json", str(js)])

@@ -14,13 +14,13 @@ import pytest
 
 import epgen
 from epgen import cli
-from epgen.bench import combine, link_bytes, timing
+from epgen.bench import combine, link_bytes
 from epgen.bench.report import format_table, table_rows
 from epgen.formats import make_format
 
 from test_bench import fake_gpu  # noqa: F401 - fixture
 from test_bench_combine import fake_combine  # noqa: F401 - fixture
-from test_bench_combine import counting_timer, measure_on_sim
+from test_bench_combine import counting_timer, fake_arm_measure, measure_on_sim
 
 
 def _cfg(**flags):
@@ -78,22 +78,12 @@ def test_partial_combine_bytes_by_hand():
     assert model.combine_link == 2 * row
 
 
-def _fake_measure_partial(cfg, sets, w, iters, warmup, gate, *, op, combine_partial=False,
-                          **kw):
-    out = {"check": "ok", "post_check": "ok", "build_s": 0.1,
-           "combine": timing.summarize([0.6, 0.6, 0.6])}
-    if combine_partial:
-        out["combine_partial"] = timing.summarize([0.4, 0.4, 0.4])
-        out["post_check_partial"] = "ok"
-    return out
-
-
 def test_a_whole_run_reports_the_partial_figure(fake_combine, monkeypatch, tmp_path, capsys):
     """``epgen bench --op combine --combine-partial --variant default --variant
     dedup=ep_rank_dedup`` with the device phases faked: the dedup variant's partial figure,
     its bytes, link bytes and speed-up reach the JSON, the progress lines and the table; the
     default variant's plain combine runs and its partial combine says why not."""
-    monkeypatch.setattr(combine, "measure_world", _fake_measure_partial)
+    monkeypatch.setattr(combine, "measure_world", fake_arm_measure)
     js = tmp_path / "partial.json"
     status = cli.main(["bench", "--preset", "small", "--tokens", "16", "--no-gate", "--op",
                        "combine", "--combine-partial", "--variant", "default", "--variant",
