@@ -95,13 +95,19 @@ class ShmemSource:
     def _mask_worlds(self) -> list:
         return [p.world for key, p in self.ports.items() if key[0] != "normal"]
 
+    @staticmethod
+    def _drain() -> None:
+        """Wait for this rank's work on the current stream (the mask words are read and
+        written from the host)."""
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+
     def update_mask(self, q: int, masked: bool) -> None:
         """Mask (``masked``) or unmask rank ``q`` in this rank's view of every low-latency
         world, now and in the worlds made later (each ``ShmemWorld.update_mask``, after this
         rank's work on the current stream)."""
-        import torch
-
-        torch.cuda.current_stream().synchronize()
+        self._drain()
         for world in self._mask_worlds():
             world.update_mask(q, masked)
         (self.masked.add if masked else self.masked.discard)(q)
@@ -109,9 +115,7 @@ class ShmemSource:
     def masked_ranks(self) -> set[int]:
         """The ranks this rank masks: those its buffer masked and those its worlds' kernels
         masked when a wait for them expired (each world's view, read: synchronises)."""
-        import torch
-
-        torch.cuda.current_stream().synchronize()
+        self._drain()
         out = set(self.masked)
         for world in self._mask_worlds():
             out |= {int(q) for q in world.query_mask(self.rank).nonzero()[0]}
@@ -119,9 +123,7 @@ class ShmemSource:
 
     def clean_mask(self) -> None:
         """Unmask every rank in every low-latency world's view of this rank."""
-        import torch
-
-        torch.cuda.current_stream().synchronize()
+        self._drain()
         for world in self._mask_worlds():
             world.clean_mask()
         self.masked.clear()
