@@ -308,7 +308,10 @@ class EPConfig:
              "top-k ids max_tokens_per_rank * top_k", self.max_tokens_per_rank * K),
         ] + ([(("n_ranks", "max_tokens_per_rank", "ep_rank_dedup"),
                 "ep_rank_dedup message-area rows n_ranks * max_tokens_per_rank",
-                lay.dedup_msg_rows)] if self.ep_rank_dedup else [])
+                lay.dedup_msg_rows),
+               (("n_ranks", "max_tokens_per_rank", "token_fmt.top_k", "ep_rank_dedup"),
+                "ep_rank_dedup slot-table words n_ranks * max_tokens_per_rank * top_k",
+                lay.dedup_slot_words)] if self.ep_rank_dedup else [])
 
     # ---- derived --------------------------------------------------------------------------
     @functools.cached_property

@@ -701,12 +701,12 @@ class Layout:
     def recv_buf_bytes(self) -> int:
         """Bytes of the staging receive buffer; 0 with ``ep_final_layout``, where sources
         write the grouped output directly and nothing is staged. With ``ep_rank_dedup`` the
-        message area and the index table after it (``dedup_index_offset`` +
-        ``dedup_index_bytes``)."""
+        message area, the index table and the slot table after it (``dedup_slot_offset`` +
+        ``dedup_slot_bytes``)."""
         if self.cfg.ep_final_layout:
             return 0
         if self.cfg.ep_rank_dedup:
-            return self.dedup_index_offset + self.dedup_index_bytes
+            return self.dedup_slot_offset + self.dedup_slot_bytes
         return self._L * self._R * self.block_capacity * self.msg_bytes
 
     # ---- ep_rank_dedup's receive buffer (ours, docs/flags.md) ---------------------------
@@ -777,6 +777,35 @@ class Layout:
         _check_coord("dedup_index_word", "src", src, self._R)
         _check_coord("dedup_index_word", "j", j, self.block_capacity)
         return (e * self._R + src) * self.block_capacity + j
+
+    @property
+    def dedup_slot_offset(self) -> int:
+        """Ours (``ep_rank_dedup``): byte offset of the slot table in the receive buffer,
+        right after the index table (``dedup_index_offset + dedup_index_bytes``)."""
+        return self.dedup_index_offset + self.dedup_index_bytes
+
+    @property
+    def dedup_slot_words(self) -> int:
+        """Ours (``ep_rank_dedup``): u32 words of the slot table, one per (message-area row,
+        top-k slot): ``dedup_msg_rows * K``; 0 without the flag. Word ``dedup_slot_word(src,
+        t, k)`` holds the row ``j`` that slot ``k`` of source ``src``'s token ``t`` took in
+        its block ``(e, src)``, so that the receive can expand the message into every row it
+        selects while reading it once. Only the words of slots whose expert lives here are
+        written (and read)."""
+        return self.dedup_msg_rows * self.top_k
+
+    @property
+    def dedup_slot_bytes(self) -> int:
+        """Ours (``ep_rank_dedup``): bytes of the slot table, ``4 * dedup_slot_words``
+        rounded up to 16."""
+        return _align(4 * self.dedup_slot_words, 16)
+
+    def dedup_slot_word(self, src, t, k):
+        """Ours (``ep_rank_dedup``): the slot-table word of top-k slot ``k`` of source
+        ``src``'s token ``t``: ``dedup_msg_row(src, t) * K + k`` (its byte offset in the
+        receive buffer: ``dedup_slot_offset + 4 *`` this)."""
+        _check_coord("dedup_slot_word", "k", k, self.top_k)
+        return self.dedup_msg_row(src, t) * self.top_k + k
 
     @property
     def recv_count_bytes(self) -> int:

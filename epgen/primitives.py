@@ -10,8 +10,13 @@ import ir
 from ir import AtomOp, CacheHint, Scope, Sem, ShflMode, diag
 from ir import types as T
 
+from . import fanout
+
 VEC = T.vec(T.u32, 4)          # one 16-byte access
 VEC_BYTES = 16
+FAN_IN_FLIGHT = 4
+"""Loads in flight per lane of a warp copy into several rows (``warp_copy`` into a
+``fanout.FanAddress``)."""
 
 
 def word(base, index, nbytes: int = 4):
@@ -27,7 +32,9 @@ def copy_vectors(r: ir.RoleBuilder, dst, src, n_vec, first, stride, *, unroll: i
     """Copy ``n_vec`` 16-byte vectors ``src -> dst``; this thread takes vectors ``first,
     first + stride, ...`` and keeps ``unroll`` loads in flight (``ld.global{.nc}.v4.b32`` then
     ``st.global.v4.b32``). ``n_vec``, ``first`` and ``stride`` are u32. ``tail=False`` omits
-    the one-at-a-time loop after the unrolled one (the caller knows it never runs)."""
+    the one-at-a-time loop after the unrolled one (the caller knows it never runs). ``dst``
+    may be a ``fanout.FanAddress``: each vector is loaded once and stored at every live
+    row."""
     hint = CacheHint.NC if nc else CacheHint.NONE
     i = r.var(f"{tag}_i", T.u32, first)
     if unroll > 1:
@@ -35,31 +42,33 @@ def copy_vectors(r: ir.RoleBuilder, dst, src, n_vec, first, stride, *, unroll: i
             vals = [r.load(src + (i + stride * u).cast(T.u64) * VEC_BYTES, VEC, cache=hint,
                            name=f"{tag}_v") for u in range(unroll)]
             for u, v in enumerate(vals):
-                r.store(dst + (i + stride * u).cast(T.u64) * VEC_BYTES, v)
+                fanout.store(r, dst + (i + stride * u).cast(T.u64) * VEC_BYTES, v)
             r.assign(i, i + stride * unroll)
     if not tail and unroll > 1:
         return
     with r.while_(i < n_vec):
         v = r.load(src + i.cast(T.u64) * VEC_BYTES, VEC, cache=hint, name=f"{tag}_t")
-        r.store(dst + i.cast(T.u64) * VEC_BYTES, v)
+        fanout.store(r, dst + i.cast(T.u64) * VEC_BYTES, v)
         r.assign(i, i + stride)
 
 
-def warp_copy_unroll(n_vec: int) -> int:
+def warp_copy_unroll(n_vec: int, most: int = 8) -> int:
     """Loads in flight per lane for a warp copy of ``n_vec`` vectors: the largest divisor
     <= 8 of ``n_vec / 32`` when the lanes' share is even, so the copy has no tail trip
-    (BF16 H=7168: 28 per lane, 7 in flight, 4 trips), else 4."""
+    (BF16 H=7168: 28 per lane, 7 in flight, 4 trips), else 4; ``most`` caps it."""
     if n_vec % 32:
-        return 4
+        return min(4, most)
     share = n_vec // 32
-    return max(d for d in range(1, 9) if share % d == 0)
+    return max(d for d in range(1, most + 1) if share % d == 0)
 
 
 def warp_copy(r: ir.RoleBuilder, dst, src, n_vec: int, tag: str = "cp"):
     """The calling warp copies ``n_vec`` 16-byte vectors ``src -> dst``, lane ``l`` vectors
     ``l, l + 32, ...``, ``warp_copy_unroll(n_vec)`` loads in flight (``ld.global.v4.b32``
-    then ``st.global.v4.b32``); no tail loop when the unrolled trips cover every vector."""
-    unroll = warp_copy_unroll(n_vec)
+    then ``st.global.v4.b32``); no tail loop when the unrolled trips cover every vector.
+    Into a ``fanout.FanAddress`` at most ``FAN_IN_FLIGHT`` loads are in flight: the fan's
+    row addresses hold registers too."""
+    unroll = warp_copy_unroll(n_vec, FAN_IN_FLIGHT if isinstance(dst, fanout.FanAddress) else 8)
     copy_vectors(r, dst, src, n_vec, r.lane, 32, unroll=unroll, tag=tag,
                  tail=n_vec % (32 * unroll) != 0)
 
@@ -89,7 +98,7 @@ def warp_copy_segments(r: ir.RoleBuilder, src, segments, *, max_in_flight: int =
         addr = None
         for s in reversed(seg):
             here = segments[s][0] + (i - starts[s] if starts[s] else i).cast(T.u64) * VEC_BYTES
-            addr = here if addr is None else ir.Select(i >= starts[s + 1], addr, here)
+            addr = here if addr is None else fanout.select(i >= starts[s + 1], addr, here)
         return addr
 
     for t in range(trips):
@@ -124,7 +133,7 @@ def store_vector_loads(r: ir.RoleBuilder, loads, n_vec: int, dst_of):
     ``dst_of(u, i)``, the vectors past ``n_vec`` skipped."""
     for u, (i, ragged, v) in enumerate(loads):
         with r.if_(i < n_vec) if ragged else contextlib.nullcontext():
-            r.store(dst_of(u, i), v)
+            fanout.store(r, dst_of(u, i), v)
 
 
 def warp_inclusive_scan(r: ir.RoleBuilder, value, name: str = "scan") -> ir.Var:

@@ -12,10 +12,11 @@ per rank, for a call of ``max_tokens_per_rank`` tokens routed uniformly:
   slots: a lane's in a per-lane fan-out, a warp's in a per-warp one), ``K * (R - P) / R``
   remote slots per token (``P = p2p_world_size``, uniform routing over the experts);
   under ``ep_rank_dedup`` (``kernels/rank_dedup.py``, ``put_slot_to_remote``) only the
-  put-with-signal of each slot's index word does; the message put and the fence after it
-  (a put or a fence in a loop) run once per (token, remote rank) that holds one of the
-  token's experts, ``(R - P) * (1 - C(E - L, K) / C(E, K))`` per token (``L = E / R``;
-  top-k without repeats);
+  calls in the slot loops do (each slot's slot-word put and its index word's
+  put-with-signal: the loops as deep as the put-with-signal's); the message put and the
+  fence (a put or a fence in a shallower loop) run once per (token, remote rank) that holds
+  one of the token's experts, ``(R - P) * (1 - C(E - L, K) / C(E, K))`` per token (``L = E /
+  R``; top-k without repeats);
 - a site outside every loop runs once per thread (or warp) that issues it per call: a
   signal, and a quiet whose block's previous NVSHMEM call is a signal (the monitor's),
   once per (expert, remote destination), ``E * (R - P) / R`` per call; any other quiet once
@@ -46,13 +47,15 @@ _CALL = re.compile(r"^\s*call(?:\.uni)?\s+(?:\([^)]*\),\s*)?(\w+)\s*,")
 
 @attrs.frozen
 class CallSite:
-    """One NVSHMEM call of an entry: its kernel, function, whether it is in a loop, and the
-    NVSHMEM function called before it in its basic block (None: none)."""
+    """One NVSHMEM call of an entry: its kernel, function, whether it is in a loop, the
+    NVSHMEM function called before it in its basic block (None: none) and how many loops
+    (natural loops, by header) hold it."""
 
     kernel: str
     function: str
     in_loop: bool
     after: str | None = None
+    depth: int = 0
 
 
 def _ends_block(line: str) -> bool:
@@ -99,8 +102,9 @@ def _graph(blocks):
     return succ
 
 
-def _in_loops(succ) -> set[int]:
-    """The blocks that belong to a natural loop (reachable from the entry, block 0)."""
+def _loop_depths(succ) -> dict[int, int]:
+    """How many natural loops (by header; reachable from the entry, block 0) hold each
+    block that belongs to one."""
     n = len(succ)
     pred = [[] for _ in range(n)]
     for i, out in enumerate(succ):
@@ -122,7 +126,7 @@ def _in_loops(succ) -> set[int]:
             new = set.intersection(*ps) | {i} if ps else {i}
             if new != dom[i]:
                 dom[i], changed = new, True
-    inside = set()
+    bodies: dict[int, set[int]] = {}
     for u in reach:
         for h in succ[u]:
             if h in dom[u]:                     # a back edge u -> h: the loop of header h
@@ -132,8 +136,12 @@ def _in_loops(succ) -> set[int]:
                         if p in reach and p not in body:
                             body.add(p)
                             todo.append(p)
-                inside |= body
-    return inside
+                bodies.setdefault(h, set()).update(body)
+    depth: dict[int, int] = {}
+    for body in bodies.values():
+        for b in body:
+            depth[b] = depth.get(b, 0) + 1
+    return depth
 
 
 def call_sites(ptx: str) -> list[CallSite]:
@@ -142,13 +150,14 @@ def call_sites(ptx: str) -> list[CallSite]:
     for kernel, body in entry_bodies(ptx).items():
         start = body.find("{")
         blocks = _blocks(body[start + 1:])
-        loops = _in_loops(_graph(blocks))
+        depths = _loop_depths(_graph(blocks))
         for i, (_, lines) in enumerate(blocks):
             before = None
             for line in lines:
                 m = _CALL.match(line)
                 if m and nvshmem.is_nvshmem(m.group(1)):
-                    out.append(CallSite(kernel, m.group(1), i in loops, before))
+                    out.append(CallSite(kernel, m.group(1), i in depths, before,
+                                        depths.get(i, 0)))
                     before = m.group(1)
     return out
 
@@ -163,13 +172,15 @@ def per_token(cfg, sites, kernel: str = "ep_dispatch_async",
     T = cfg.max_tokens_per_rank if tokens is None else tokens
     remote = (R - P) / R
     per_pair = ("put", "fence") if cfg.ep_rank_dedup else ()
+    slot_depth = max((s.depth for s in sites if s.kernel == kernel
+                      and s.function == "nvshmemx_putmem_signal_nbi_warp"), default=0)
     warps = min(cfg.n_sms - cfg.layout.n_signal_sms, T) * min(cfg.num_threads // 32, K)
     out: dict[str, float] = {}
     for s in sites:
         if s.kernel != kernel or nvshmem.FUNCTIONS[s.function].role == "query":
             continue
         role = nvshmem.FUNCTIONS[s.function].role
-        if s.in_loop and role in per_pair:
+        if s.in_loop and role in per_pair and s.depth < slot_depth:
             n = remote_rank_pairs(cfg)
         elif s.in_loop:
             n = K * remote

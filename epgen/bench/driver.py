@@ -323,7 +323,7 @@ def run(plan: Plan, progress: Progress) -> dict:
                             "+ output rows; GB = 1e9 B",
                    "link_bytes": "bytes crossing between ranks (epgen.bench.link_bytes): a "
                                  "message per remote (token, k) slot (ep_rank_dedup: per "
-                                 "(token, remote rank), plus a 4-byte index word per slot); "
+                                 "(token, remote rank), plus two 4-byte words per slot); "
                                  "combine: a BF16 row per remote slot (combine_fp8: its FP8 "
                                  "slot; combine_partial: a BF16 row per (token, remote "
                                  "rank)); mean per call over the input sets",

@@ -13,7 +13,9 @@ no expert and sends nothing; under ``skip_a2a`` nothing leaves a device):
   rank), expanded at the destination; ``kernels/rank_dedup.py``): one message, as its send
   path writes it, with the token's ``K`` float32 router weights after it
   (``dedup_message_bytes``), per (token, remote rank) that holds at least one of the token's
-  experts, plus the 4-byte index word of each remote (token, k) slot;
+  experts, plus the index-table and slot-table words (4 bytes each) of each remote (token,
+  k) slot; through NVSHMEM each slot word is first stored into the source's own slot table
+  (4 local bytes per such slot);
 * **combine**: one BF16 row (``H * 2`` bytes) per remote (token, k) slot, sent back; with
   ``fp8`` an E4M3 row plus one float32 scale per 128 elements (``combine_row_bytes``); with
   ``partial_reduce`` (the destination sums its local experts' rows of a token first) one row
@@ -44,9 +46,12 @@ from ..formats import make_format
 from ..kernels.send_policy import uses_block_broadcast, uses_warp_send
 from .inputs import make_input_sets
 
-INDEX_ENTRY_BYTES = 4
-"""Bytes of the index word ``ep_rank_dedup`` stores (or puts) on the destination per remote
-(token, k) slot."""
+SLOT_ENTRY_BYTES = 8
+"""Bytes ``ep_rank_dedup`` stores (or puts) on the destination per remote (token, k) slot:
+its index-table word and its slot-table word, 4 bytes each."""
+SLOT_WORD_BYTES = 4
+"""Bytes of one slot-table word: under ``ep_rank_dedup`` the SHMEM transport stores each
+remote slot's word into the source's own slot table before putting it (a local store)."""
 SIGNAL_BYTES = 8
 """Bytes of the signal word of one NVSHMEM put-with-signal."""
 FP8_SCALE_GROUP = 128
@@ -164,7 +169,7 @@ def link_bytes(cfg, topk_ids, *, dedup: bool = False, fp8: bool = False,
                partial_reduce: bool = False) -> LinkBytes:
     """The ``LinkBytes`` of one dispatch and one combine of ``topk_ids`` (one ``[T, K]``
     array per rank, ``-1`` slots allowed) on ``cfg`` (module docstring). ``dedup``: one
-    message per (token, destination rank) plus a 4-byte index word per slot
+    message per (token, destination rank) plus two 4-byte words per slot
     (``ep_rank_dedup``); ``fp8``: FP8 combine rows (the FP8 combine); ``partial_reduce``:
     one combine row per (token, destination rank)."""
     slots, pairs = rank_counts(cfg, topk_ids)
@@ -175,7 +180,9 @@ def link_bytes(cfg, topk_ids, *, dedup: bool = False, fp8: bool = False,
     shmem = remote & bool(cfg.use_shmem) & (src // P != dst // P)
     d_msgs = pairs if dedup else slots
     d_bytes = slots * dispatch_row_bytes(cfg) if not dedup else \
-        pairs * dedup_message_bytes(cfg) + slots * INDEX_ENTRY_BYTES
+        pairs * dedup_message_bytes(cfg) + slots * SLOT_ENTRY_BYTES
+    if dedup:   # each put slot word is staged first in the source's own slot table
+        d_bytes = d_bytes + np.diag((slots * shmem).sum(axis=1) * SLOT_WORD_BYTES)
     c_rows = pairs if partial_reduce else slots
     c_bytes = c_rows * combine_row_bytes(cfg.token_fmt.hid_dim, fp8, cfg.needs_shmem)
     return LinkBytes(

@@ -74,7 +74,7 @@ from .memory import fmt_gb
 from .plan import Plan, shape_name
 from .report import Progress, git_commit, write_json
 from .timing import Gate, fork_join, sample, summarize
-from .link_bytes import INDEX_ENTRY_BYTES, dispatch_row_bytes, rank_counts
+from .link_bytes import SLOT_ENTRY_BYTES, dispatch_row_bytes, rank_counts
 from .traffic import combine_bytes, op_bytes, round_trip_bytes
 
 NCCL_NAME = "torch NCCL all_to_all+permute"
@@ -111,10 +111,10 @@ def dispatch_bytes_matrix(cfg, topk_ids) -> np.ndarray:
     """``[R, R]``: dispatch bytes each source rank writes on each destination rank: a
     message (``link_row_bytes``) per routed (token, k); under ``ep_rank_dedup`` one per
     (token, destination rank) holding one of the token's experts plus each (token, k)'s
-    4-byte index word (``link_bytes.INDEX_ENTRY_BYTES``)."""
+    index and slot-table words (``link_bytes.SLOT_ENTRY_BYTES``)."""
     slots, ranks = rank_counts(cfg, topk_ids)
     if cfg.ep_rank_dedup:
-        return ranks * link_row_bytes(cfg) + slots * INDEX_ENTRY_BYTES
+        return ranks * link_row_bytes(cfg) + slots * SLOT_ENTRY_BYTES
     return slots * link_row_bytes(cfg)
 
 
@@ -123,8 +123,8 @@ def link_bytes(cfg, topk_ids, op: str = "dispatch") -> dict:
     rank): ``sent[r]`` (rank r to other ranks), ``received[r]``, ``local`` (to itself, no
     link), ``busiest`` (the largest sent or received count of one GPU). ``dispatch``: the
     round trip's messages (``dispatch_bytes_matrix``: under ``ep_rank_dedup`` one per (token,
-    destination rank) and an index word per slot); ``combine``: each routed (token, k)'s BF16
-    row back from its destination to its source (``combine_row_bytes``); ``moe``: both."""
+    destination rank) and two words per slot, index and slot table); ``combine``: each
+    routed (token, k)'s BF16 row back from its destination to its source (``combine_row_bytes``); ``moe``: both."""
     if op not in ("dispatch", "combine", "moe"):
         raise ValueError(f"link_bytes: op must be dispatch, combine or moe, got {op!r}")
     R = cfg.n_ranks
@@ -582,7 +582,7 @@ def run(plan: Plan, progress: Progress) -> dict:
         "method": {"timing": TIMING, "gate": "peer copies only" if plan.gate else "none",
                    "inputs": f"{plan.sets} staged sets rotated",
                    "link_bytes": "remote (token, k) messages (staged; ep_rank_dedup: "
-                                 "(token, remote rank) messages and a 4-byte index word per "
+                                 "(token, remote rank) messages and two 4-byte words per "
                                  "slot) or output+header rows (final layout) of the busiest GPU"
                                  + ("" if plan.op == "dispatch" else
                                     "; combine: each remote (token, k) BF16 row back to its "

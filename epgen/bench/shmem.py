@@ -79,7 +79,7 @@ from ..combine_layout import CombineLayout
 from ..inspection import combine_buffers
 from . import combine as bench_combine
 from . import memory
-from .link_bytes import INDEX_ENTRY_BYTES, combine_row_bytes, dispatch_row_bytes
+from .link_bytes import SLOT_ENTRY_BYTES, combine_row_bytes, dispatch_row_bytes
 from .p2p import slowest_rank_times
 from .plan import shape_name
 from .report import Progress, git_commit, write_json
@@ -97,8 +97,8 @@ def sent_bytes(cfg, topk_ids, rank: int) -> int:
     """Bytes rank ``rank`` sends to other ranks: one message per (token, k) slot whose
     expert is on another rank (``-1`` slots send nothing), each as the send path writes it
     (``link_bytes.dispatch_row_bytes``); under ``ep_rank_dedup`` one message per (token,
-    other rank) holding one of the token's experts plus each such slot's 4-byte index word
-    (``link_bytes.INDEX_ENTRY_BYTES``)."""
+    other rank) holding one of the token's experts plus each such slot's index and slot-table
+    words (``link_bytes.SLOT_ENTRY_BYTES``)."""
     L = cfg.layout.n_local_experts
     ids = np.asarray(topk_ids)
     remote = (ids >= 0) & (ids // L != rank)
@@ -106,7 +106,7 @@ def sent_bytes(cfg, topk_ids, rank: int) -> int:
     if not cfg.ep_rank_dedup:
         return slots * dispatch_row_bytes(cfg)
     pairs = sum(len(set((row[hit] // L).tolist())) for row, hit in zip(ids, remote))
-    return pairs * dispatch_row_bytes(cfg) + slots * INDEX_ENTRY_BYTES
+    return pairs * dispatch_row_bytes(cfg) + slots * SLOT_ENTRY_BYTES
 
 
 def combine_sent_bytes(cfg, all_topk_ids, rank: int, *, fp8: bool = False,
@@ -539,8 +539,8 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                "nvshmem_symmetric_size": os.environ.get("NVSHMEM_SYMMETRIC_SIZE"),
                "method": {"timing": TIMING, "inputs": "one uniform routing per shape",
                           "sent_bytes": "dispatch: a message per remote (token, k) slot "
-                                        "(ep_rank_dedup: per (token, remote rank), plus a "
-                                        "4-byte index word per slot); combine: a BF16 row "
+                                        "(ep_rank_dedup: per (token, remote rank), plus "
+                                        "two 4-byte words per slot); combine: a BF16 row "
                                         "per remote (token, k) (combine_fp8: its FP8 "
                                         "row; combine_partial: a BF16 row per (token, "
                                         "remote rank))"},

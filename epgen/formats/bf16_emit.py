@@ -7,6 +7,7 @@ from __future__ import annotations
 import ir
 from ir import types as T
 
+from .. import fanout
 from ..primitives import VEC, copy_vectors, issue_vector_loads, store_vector_loads, warp_copy
 from .base import VECTOR_BYTES
 from .emit import DeviceEmitter, dst_address
@@ -102,9 +103,10 @@ class BF16Emitter(DeviceEmitter):
 
     def emit_copy_msg_to_output(self, r, msg, row, output_tokens):
         """``copy_msg_to_output_tensor``: one warp copies the payload of ``msg`` into output
-        row ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``)."""
+        row ``row`` (lane-strided 16-byte vectors, ``common.warp_copy``); ``row`` may be a
+        ``fanout.RowFan`` (each vector loaded once, stored into every live row)."""
         f = self.fmt
-        dst = output_tokens + row.cast(T.u64) * f.out_row_bytes
+        dst = fanout.each_row(row, lambda x: output_tokens + x.cast(T.u64) * f.out_row_bytes)
         warp_copy(r, dst, msg, f.payload_vectors, tag="recv")
 
     def emit_pad_expert_offsets(self, r, row_offsets, n_groups):

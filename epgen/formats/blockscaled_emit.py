@@ -23,6 +23,7 @@ import ir
 from ir import CacheHint
 from ir import types as T
 
+from .. import fanout
 from ..primitives import copy_vectors, warp_copy, warp_copy_segments
 from ..tuning import Tuning
 from .base import VECTOR_BYTES
@@ -389,15 +390,17 @@ class BlockScaledEmitter(DeviceEmitter):
         False, the scales into ``out_scales`` (default the kernel parameter
         ``output_scales``; the final layout passes the destination rank's): transposed
         ``[groups, output_scales_rows]`` with one ``st.global.b32`` per scale, or row-major
-        ``[M, groups]`` with lane-strided copies."""
+        ``[M, groups]`` with lane-strided copies. ``row`` may be a ``fanout.RowFan``: each
+        value is loaded once and stored into every live row."""
         f = self.fmt
-        dst = output_tokens + row.cast(T.u64) * f.out_row_bytes
+        dst = fanout.each_row(row, lambda x: output_tokens + x.cast(T.u64) * f.out_row_bytes)
         if scales and self.scales_ride_with_payload:
             if out_scales is None:
                 out_scales = kernel_param(r, "output_scales", T.ptr_global)
             nbytes = f.out_scale_bytes_per_row
             warp_copy_segments(r, msg, [(dst, f.payload_vectors),
-                                        (out_scales + row.cast(T.u64) * nbytes,
+                                        (fanout.each_row(row, lambda x: out_scales
+                                                         + x.cast(T.u64) * nbytes),
                                          nbytes // VECTOR_BYTES)], tag="recv")
             return
         warp_copy(r, dst, msg, f.payload_vectors, tag="recv")
@@ -410,19 +413,20 @@ class BlockScaledEmitter(DeviceEmitter):
             m = kernel_param(r, "output_scales_rows", T.u32)
             with r.for_range("rs_g", r.lane, f.n_scale_groups, 32) as g:
                 s = r.load(src + g.cast(T.u64) * f.scale_bytes, T.u32, name="rs_v")
-                r.store(out_scales + (g.cast(T.u64) * m.cast(T.u64) + row.cast(T.u64))
-                        * f.scale_bytes, s)
+                fanout.store(r, fanout.each_row(
+                    row, lambda x: out_scales + (g.cast(T.u64) * m.cast(T.u64) + x.cast(T.u64))
+                    * f.scale_bytes), s)
             return
         nbytes = f.out_scale_bytes_per_row
-        dst = out_scales + row.cast(T.u64) * nbytes
+        dst = fanout.each_row(row, lambda x: out_scales + x.cast(T.u64) * nbytes)
         if nbytes % VECTOR_BYTES == 0:
             copy_vectors(r, dst, src, nbytes // VECTOR_BYTES, r.lane, 32, unroll=1, tag="rs")
             return
         width = next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
         dtype = T.DType("u", 8 * width)
         with r.for_range("rs_i", r.lane, nbytes // width, 32) as i:
-            r.store(dst + i.cast(T.u64) * width,
-                    r.load(src + i.cast(T.u64) * width, dtype, name="rs_v"))
+            fanout.store(r, dst + i.cast(T.u64) * width,
+                         r.load(src + i.cast(T.u64) * width, dtype, name="rs_v"))
 
     def emit_copy_tile_scales(self, r, tile_msgs, row0, n_rows, tile_tokens, first, stride,
                               scales_at: int | None = None):

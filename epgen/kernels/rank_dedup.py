@@ -54,8 +54,9 @@ import ir
 from ir import AtomOp, CacheHint, Scope, Sem, ShflMode, nvshmem
 from ir import types as T
 
+from .. import fanout
 from . import rank_mask
-from .common import copy_vectors, load_pointer
+from .common import comm_sync, copy_vectors, load_pointer
 from .common import word as _word
 from .shmem_send import arrival_address, is_remote
 from .staged import StagedDestination
@@ -69,6 +70,7 @@ class RankDedupDestination(StagedDestination):
     def __init__(self, cfg, p, side=None):
         super().__init__(cfg, p)
         self.side = side
+        self._starts = self._prefixes = None     # the copy role's scratch (start_copies)
 
     @classmethod
     def declare_send(cls, kb: ir.KernelBuilder, cfg, p) -> RankDedupDestination:
@@ -122,18 +124,28 @@ class RankDedupDestination(StagedDestination):
         for k, w in enumerate(ws):
             r.store(ir.Cast(T.ptr_global, at + (off + 4 * k)), w)
 
-    def _store_index(self, r: ir.RoleBuilder, recv, e, slot, t, live) -> None:
-        """Index word ``(e, my_rank, slot)`` of receive buffer ``recv`` := ``t``, unless
-        ``slot`` is past the block's capacity (device guard, as the staged layout's) or the
-        destination is masked (``live`` false)."""
+    def _slot_word_at(self, recv, t, k) -> ir.Expr:
+        """The address of slot-table word ``(my_rank, t, k)`` of receive buffer ``recv``."""
         lay = self.cfg.layout
-        with r.if_((slot < lay.block_capacity) & live):
-            w = lay.dedup_index_word(e, self.p.my_rank, slot).cast(T.u64)
-            r.store(recv + (w * 4 + lay.dedup_index_offset), ir.as_expr(t))
+        w = lay.dedup_slot_word(self.p.my_rank, t, k).cast(T.u64)
+        return recv + (w * 4 + lay.dedup_slot_offset)
+
+    def _store_slot(self, r: ir.RoleBuilder, recv, e, slot, t, k, live) -> None:
+        """Top-k slot ``k`` of token ``t`` took row ``slot`` of block ``(e, my_rank)`` of
+        receive buffer ``recv``: slot-table word ``(my_rank, t, k)`` := ``slot`` and index word
+        ``(e, my_rank, slot)`` := ``t``; nothing when the destination is masked (``live``
+        false), and no index word when ``slot`` is past the block's capacity (device guard,
+        as the staged layout's; the slot word still says so, for the receive to skip it)."""
+        lay = self.cfg.layout
+        with r.if_(live):
+            r.store(self._slot_word_at(recv, t, k), ir.as_expr(slot))
+            with r.if_(slot < lay.block_capacity):
+                w = lay.dedup_index_word(e, self.p.my_rank, slot).cast(T.u64)
+                r.store(recv + (w * 4 + lay.dedup_index_offset), ir.as_expr(t))
 
     def reserve_slot(self, r: ir.RoleBuilder, g, dst_rank, co_word, slot, addr, token=None):
-        """The staged reservation (``co_word``, ``slot``), then the slot's index word
-        (``_store_index``) and, for the slot that ``leads`` its rank, ``addr`` := the token's
+        """The staged reservation (``co_word``, ``slot``), then the slot's slot and index
+        words (``_store_slot``) and, for the slot that ``leads`` its rank, ``addr`` := the token's
         message row (0 otherwise: nothing sent). ``token``: ``(t, k)``, required."""
         if token is None:
             raise ValueError("RankDedupDestination.reserve_slot needs token=(t, k)")
@@ -144,7 +156,7 @@ class RankDedupDestination(StagedDestination):
             r.assign(slot, self.take_slot(r, co))
             recv = self._recv(r, dst_rank)
             live = r.let("dst_live", self._live(r, dst_rank))
-            self._store_index(r, recv, e, slot, t, live)
+            self._store_slot(r, recv, e, slot, t, k, live)
             with r.if_(live & self.leads(r, t, k, dst_rank)):
                 r.assign(addr, ir.Cast(T.u64, self._message_at(recv, t)))
                 self._store_weights(r, addr, t)
@@ -184,28 +196,28 @@ class RankDedupDestination(StagedDestination):
     @contextlib.contextmanager
     def _rank_slots(self, r: ir.RoleBuilder, name: str, t, k, dst_rank):
         """Lane 0, ``with`` body once per slot ``k' >= k`` of token ``t`` whose expert lives
-        on ``dst_rank``: the body gets that expert's local index."""
+        on ``dst_rank``: the body gets ``(k', that expert's local index)``."""
         K, L = self.cfg.layout.top_k, self.cfg.layout.n_local_experts
         with r.if_(r.lane.eq(0)):
             with r.for_range(name, k, K, 1) as kk:
                 g = r.load(_word(self.p.topk_ids, t * K + kk), T.u32, cache=CacheHint.NC,
                            name=f"g_{name}")
                 with r.if_((g // L).eq(dst_rank)):
-                    yield r.let(f"e_{name}", g % L)
+                    yield kk, r.let(f"e_{name}", g % L)
 
     def reserve_rank_slots(self, r: ir.RoleBuilder, recv, t, k, dst_rank, live) -> None:
-        """Lane 0: a row (``take_slot``) and its index word (``_store_index``) for every slot
-        ``k' >= k`` of token ``t`` on ``dst_rank``."""
+        """Lane 0: a row (``take_slot``) and its slot and index words (``_store_slot``) for
+        every slot ``k' >= k`` of token ``t`` on ``dst_rank``."""
         R = self.cfg.n_ranks
-        with self._rank_slots(r, "k_same", t, k, dst_rank) as e:
+        with self._rank_slots(r, "k_same", t, k, dst_rank) as (kk, e):
             slot = self.take_slot(r, e * R + self.cfg.layout.rank_coord(dst_rank))
-            self._store_index(r, recv, e, slot, t, live)
+            self._store_slot(r, recv, e, slot, t, kk, live)
 
     def count_rank_slots(self, r: ir.RoleBuilder, t, k, dst_rank) -> None:
         """Lane 0: every slot ``k' >= k`` of token ``t`` on ``dst_rank`` counted finished
         (``red.release.gpu.add`` on its finished counter)."""
         finished = _word(self.p.counters, self.cfg.n_experts)
-        with self._rank_slots(r, "k_done", t, k, dst_rank) as e:
+        with self._rank_slots(r, "k_done", t, k, dst_rank) as (_, e):
             co = e * self.cfg.n_ranks + self.cfg.layout.rank_coord(dst_rank)
             r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
 
@@ -214,19 +226,23 @@ class RankDedupDestination(StagedDestination):
         send-buffer row ``msg``) when ``dst_rank`` is outside the P2P group and the slot
         ``leads`` its rank: the warp does the whole (token, rank) through NVSHMEM. It puts the
         message once into the token's row of ``dst_rank``'s message area
-        (``nvshmemx_putmem_nbi_warp``), lane 0 calls ``nvshmem_fence()`` (the message reaches
-        ``dst_rank`` before the warp's later operations), then for every slot ``k' >= k`` of
-        the token on ``dst_rank``: lane 0 reserves its row ``j`` (``take_slot``, broadcast by
-        ``shfl.sync.idx``); unless ``j`` is past the block's capacity the warp puts its index
-        word with a signal (``nvshmemx_putmem_signal_nbi_warp``: 4 bytes from the staged
+        (``nvshmemx_putmem_nbi_warp``); then for every slot ``k' >= k`` of the token on
+        ``dst_rank`` lane 0 reserves its row ``j`` (``take_slot``) and stores it into slot-table
+        word ``(my_rank, t, k')`` of this rank's own receive buffer (a word this rank never
+        reads: slot ``k'``'s expert lives on ``dst_rank``), ``bar.warp.sync``, and the warp
+        puts that word to the same word of ``dst_rank`` (``nvshmemx_putmem_nbi_warp``, 4
+        bytes). Lane 0 calls ``nvshmem_fence()`` (the message and the slot words reach
+        ``dst_rank`` before the warp's later puts). Then for each of those slots: unless its
+        ``j`` (read back from the own word) is past the block's capacity the warp puts its
+        index word with a signal (``nvshmemx_putmem_signal_nbi_warp``: 4 bytes from the staged
         header's source index, which is ``t``, then 1 added to the arrival word of block
         ``(e', my_rank)`` there); lane 0 counts the slot issued (``red.release.gpu.add``).
         ``issued`` := 1 (the warp's ``nvshmem_quiet`` after its last token completes them:
         ``complete_remote_puts``). Each slot's signal is delivered after its index word (the
-        put-with-signal) and after the message (the fence), so the destination's wait is
-        unchanged: the count word, then the arrival word up to it. Symmetric addresses are
-        this rank's own (``recv_buf_ptrs[my_rank % P]``), as in ``shmem_send.put_to_remote``.
-        A slot that does not lead does nothing."""
+        put-with-signal) and after the message and slot words (the fence), so the
+        destination's wait is unchanged: the count word, then the arrival word up to it.
+        Symmetric addresses are this rank's own (``recv_buf_ptrs[my_rank % P]``), as in
+        ``shmem_send.put_to_remote``. A slot that does not lead does nothing."""
         cfg, p, lay = self.cfg, self.p, self.cfg.layout
         K, L, R, P = lay.top_k, lay.n_local_experts, cfg.n_ranks, cfg.p2p_world_size
         finished = _word(p.counters, cfg.n_experts)
@@ -235,39 +251,137 @@ class RankDedupDestination(StagedDestination):
             own = load_pointer(r, p.recv_buf_ptrs, p.my_rank % P, "recv_sym")
             nvshmem.putmem_nbi_warp(r, ir.Cast(T.u64, self._message_at(own, t)),
                                     ir.Cast(T.u64, msg), lay.dedup_row_bytes, dst_rank)
+            with self._remote_slots(r, "k_rs", t, k, dst_rank) as (k2, e2):
+                word_at = r.let("slot_word", ir.Cast(T.u64, self._slot_word_at(own, t, k2)))
+                with r.if_(r.lane.eq(0)):
+                    slot = self.take_slot(r, e2 * R + dst_rank)
+                    r.store(ir.Cast(T.ptr_global, word_at), slot)
+                r.warp_sync()
+                nvshmem.putmem_nbi_warp(r, word_at, word_at, 4, dst_rank)
             with r.if_(r.lane.eq(0)):
                 nvshmem.fence(r)
             staged_index = ir.Cast(T.u64, msg + cfg.token_fmt.src_info_offset)
-            with r.for_range("k_rm", k, K, 1) as k2:
-                g2 = r.load(_word(p.topk_ids, t * K + k2), T.u32, cache=CacheHint.NC,
-                            name="g_rm")
-                with r.if_((g2 // L).eq(dst_rank)):
-                    e2 = r.let("e_rm", g2 % L)
-                    co = r.let("co_rm", e2 * R + dst_rank)
-                    slot = r.var("slot_rm", T.u32, 0)
-                    with r.if_(r.lane.eq(0)):
-                        r.assign(slot, self.take_slot(r, co))
-                    slot_b = r.shfl(ShflMode.IDX, slot, 0, name="slot_rm_b")
-                    with r.if_(slot_b < lay.block_capacity):
-                        w = lay.dedup_index_word(e2, p.my_rank, slot_b).cast(T.u64)
-                        at = ir.Cast(T.u64, own) + (w * 4 + lay.dedup_index_offset)
-                        nvshmem.putmem_signal_nbi_warp(r, at, staged_index, 4,
-                                                       arrival_address(r, cfg, p, e2), 1,
-                                                       nvshmem.SIGNAL_ADD, dst_rank)
-                    with r.if_(r.lane.eq(0)):
-                        r.red(AtomOp.ADD, _word(finished, co), 1, Sem.RELEASE, Scope.GPU)
+            with self._remote_slots(r, "k_rm", t, k, dst_rank) as (k2, e2):
+                slot_b = r.load(ir.Cast(T.ptr_global, self._slot_word_at(own, t, k2)), T.u32,
+                                name="slot_rm")
+                with r.if_(slot_b < lay.block_capacity):
+                    w = lay.dedup_index_word(e2, p.my_rank, slot_b).cast(T.u64)
+                    at = ir.Cast(T.u64, own) + (w * 4 + lay.dedup_index_offset)
+                    nvshmem.putmem_signal_nbi_warp(r, at, staged_index, 4,
+                                                   arrival_address(r, cfg, p, e2), 1,
+                                                   nvshmem.SIGNAL_ADD, dst_rank)
+                with r.if_(r.lane.eq(0)):
+                    r.red(AtomOp.ADD, _word(finished, e2 * R + dst_rank), 1, Sem.RELEASE,
+                          Scope.GPU)
             r.assign(issued, 1)
 
+    @contextlib.contextmanager
+    def _remote_slots(self, r: ir.RoleBuilder, name: str, t, k, dst_rank):
+        """The whole warp, ``with`` body once per slot ``k' >= k`` of token ``t`` whose
+        expert lives on ``dst_rank`` (a warp-uniform loop): the body gets ``(k', that
+        expert's local index)``."""
+        K, L = self.cfg.layout.top_k, self.cfg.layout.n_local_experts
+        with r.for_range(name, k, K, 1) as kk:
+            g = r.load(_word(self.p.topk_ids, t * K + kk), T.u32, cache=CacheHint.NC,
+                       name=f"g_{name}")
+            with r.if_((g // L).eq(dst_rank)):
+                yield kk, r.let(f"e_{name}", g % L)
+
     # ---- wait side ----------------------------------------------------------------------------
-    def message_address(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Expr:
-        """The message of slot ``j`` of block ``(e, src_rank)``: index word ``(e, src, j)``
-        (``ld.global``; ordered by the ready flag's acquire, as the messages are) names the
-        source token ``t``, whose message is row ``dedup_msg_row(src, t)``."""
+    def message_token(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Var:
+        """Index word ``(e, src_rank, j)`` (``ld.global``; ordered by the ready flag's
+        acquire, as the messages are): the source token ``t`` of slot ``j`` of block ``(e,
+        src_rank)``."""
         lay = self.cfg.layout
-        base = self.p.recv_buf_p
         w = lay.dedup_index_word(e, src_rank, j).cast(T.u64)
-        t = r.load(base + (w * 4 + lay.dedup_index_offset), T.u32, name="msg_token")
-        return base + lay.dedup_msg_row(src_rank, t).cast(T.u64) * lay.dedup_row_bytes
+        return r.load(self.p.recv_buf_p + (w * 4 + lay.dedup_index_offset), T.u32,
+                      name="msg_token")
+
+    def message_address(self, r: ir.RoleBuilder, e, src_rank, j, token=None) -> ir.Expr:
+        """The message of slot ``j`` of block ``(e, src_rank)``: row ``dedup_msg_row(src,
+        t)`` of the message area, ``t`` the slot's index word (``message_token``, or
+        ``token`` when the caller read it)."""
+        lay = self.cfg.layout
+        t = self.message_token(r, e, src_rank, j) if token is None else token
+        return self.p.recv_buf_p + lay.dedup_msg_row(src_rank, t).cast(T.u64) \
+            * lay.dedup_row_bytes
+
+    def start_copies(self, r: ir.RoleBuilder, expand: bool) -> None:
+        """With ``expand``: the whole role copies the aux block's row starts
+        (``row_offsets[e]``, ``L`` words) and per-source prefixes (``E = L * R`` words of the
+        counter buffer from ``rank_prefix_offset``) into its scratch (``ld.global`` then
+        ``st.shared.u32``, thread-strided), then the role's barrier: ``output_rows`` reads
+        every local expert's rows from there, with no global round trip per message."""
+        if not expand:
+            return
+        cfg, p, lay = self.cfg, self.p, self.cfg.layout
+        L, E = lay.n_local_experts, cfg.n_experts
+        se = int(bool(cfg.fused_shared_expert))
+        self._starts = r.scratch("fan_starts", 4 * L)
+        self._prefixes = r.scratch("fan_prefixes", 4 * E)
+        with r.for_range("fan_pi", r.tid, E, r.n_threads) as i:
+            r.store(_word(self._prefixes, i),
+                    r.load(_word(p.atomic_counter, lay.rank_prefix_offset + i), T.u32,
+                           name="fan_pfx_ld"))
+        with r.for_range("fan_si", r.tid, L, r.n_threads) as i:
+            r.store(_word(self._starts, i),
+                    r.load(_word(p.row_offsets, i + se if se else i), T.u32,
+                           name="fan_start_ld"))
+        comm_sync(r)
+
+    def output_rows(self, r: ir.RoleBuilder, e, src_rank, token, row, gid, expand: bool):
+        """The message-major receive: the message of source ``src_rank``'s token ``token``
+        is read once, by the warp of the slot that *copies* it, and stored into the grouped
+        rows of all of the token's slots here. Each lane ``k < K`` whose top-k id ``gid``
+        is a local expert ``e'`` loads slot-table word ``(src, t, k)``, the row ``j'`` that
+        slot took in block ``(e', src)`` (the other lanes' words are not this call's: a
+        source stages its remote slots' words in its own table); a slot *fits* when ``j' < block_capacity`` (the host
+        refuses routings past it; a slot past it has no row). The copying slot is the lowest
+        ``k`` that fits (``vote.sync.ballot``; no lower fitting lane than this slot's own,
+        the lane whose id is this expert). Each fitting lane's row is ``start(e') +
+        prefix(e', src - 1) + j'`` from the role's scratch (``start_copies``), as the tile's
+        own rows, and the rows travel to every lane by ``shfl.sync.idx``. Returns
+        ``(RowFan, copies)``: row ``k`` written when slot ``k`` fits, the copy made only
+        when ``copies``. ``expand`` False (the L1 release publishes each tile's rows as they
+        land): ``(row, None)``, every slot copies its own row."""
+        if not expand:
+            return row, None
+        if self._starts is None:
+            raise RuntimeError("RankDedupDestination.output_rows needs start_copies first")
+        cfg, p, lay = self.cfg, self.p, self.cfg.layout
+        K, L, R = lay.top_k, lay.n_local_experts, cfg.n_ranks
+        g0 = r.let("fan_g0", p.my_rank * L)
+        g32 = r.let("fan_gid", gid.cast(T.u32))
+        local = r.let("fan_local", (r.lane < K) & (g32 >= g0) & (g32 < g0 + L))
+        j_k = r.var("fan_j", T.u32, lay.block_capacity)
+        with r.if_(local):      # only a local slot's word is written for this call
+            w = lay.dedup_slot_word(src_rank, token, r.lane).cast(T.u64)
+            r.assign(j_k, r.load(p.recv_buf_p + (w * 4 + lay.dedup_slot_offset), T.u32,
+                                 name="fan_j_ld"))
+        own = r.ballot(local & g32.eq(g0 + e), name="fan_own")
+        fits = r.let("fan_fits", local & (j_k < lay.block_capacity))
+        mask = r.ballot(fits, name="fan_mask")
+        copies = r.let("fan_copies", own.ne(0) & (mask & (own - 1)).eq(0))
+        row_k = r.var("fan_row", T.u32, 0)
+        with r.if_(copies & fits):
+            e2 = r.let("fan_e", g32 - g0)
+            base = r.var("fan_base", T.u32, 0)
+            with r.if_(src_rank > 0):
+                r.assign(base, r.load(_word(self._prefixes, e2 * R + src_rank - 1), T.u32,
+                                      name="fan_base_ld"))
+            r.assign(row_k, r.load(_word(self._starts, e2), T.u32, name="fan_start")
+                     + base + j_k)
+        rows = tuple(r.shfl(ShflMode.IDX, row_k, k, name=f"fan_row{k}") for k in range(K))
+        live = tuple(((mask >> k) & 1).ne(0) for k in range(K))
+        return fanout.RowFan(rows, live), copies
+
+    @classmethod
+    def copy_scratch_bytes(cls, cfg, n_threads: int) -> int:
+        """The staged copy's scratch, then ``start_copies``' row starts and prefixes (``L``
+        and ``E`` u32 words, each rounded up to 16 bytes)."""
+        lay = cfg.layout
+        return super().copy_scratch_bytes(cfg, n_threads) \
+            + -(-4 * lay.n_local_experts // 16) * 16 + -(-4 * cfg.n_experts // 16) * 16
 
     def record_row(self, r: ir.RoleBuilder, src_rank, src_token, k, row) -> None:
         """``row_map[dedup_msg_row(src_rank, src_token) * K + k] := row`` (``st.global``;

@@ -232,14 +232,34 @@ class StagedDestination:
         receive-count buffer (here: none)."""
 
     # ---- wait side: the copy blocks -------------------------------------------------------------
-    def message_address(self, r: ir.RoleBuilder, e, src_rank, j) -> ir.Expr:
+    def message_address(self, r: ir.RoleBuilder, e, src_rank, j, token=None) -> ir.Expr:
         """The copy pass: the address of the message in slot ``j`` of block ``(e,
         src_rank)`` of this rank's receive buffer (u64 byte arithmetic on ``recv_buf_p``):
-        row ``(e * R + src) * block_capacity + j``."""
+        row ``(e * R + src) * block_capacity + j``. ``token``: ``message_token``'s answer."""
         lay = self.cfg.layout
         slot = ((e * self.cfg.n_ranks + lay.rank_coord(src_rank)) * lay.block_capacity
                 + j).cast(T.u64)
         return self.p.recv_buf_p + slot * lay.msg_bytes
+
+    def start_copies(self, r: ir.RoleBuilder, expand: bool) -> None:
+        """The copy pass, the whole role, once the ready flag is seen and before its first
+        tile: what the strategy reads once per block (here: nothing). ``expand``: as in
+        ``output_rows``."""
+
+    def message_token(self, r: ir.RoleBuilder, e, src_rank, j):
+        """The copy pass: the source token index of slot ``j`` of block ``(e, src_rank)``
+        where the strategy knows it before the message's header is read, else None (here:
+        None)."""
+        return None
+
+    def output_rows(self, r: ir.RoleBuilder, e, src_rank, token, row, gid, expand: bool):
+        """The copy pass, one warp, the message of a slot of local expert ``e`` from
+        ``src_rank`` (``token``: ``message_token``'s answer; ``gid``: lane ``k < K``'s top-k
+        id from the header as u16, 0xFFFF on the other lanes) whose own grouped-output row
+        is ``row``: ``(rows, copies)``, what the warp copies the payload into (a row or a
+        ``fanout.RowFan``) and a warp-uniform predicate for whether it copies at all (None:
+        always). ``expand`` False: every slot copies its own row. Here: ``(row, None)``."""
+        return row, None
 
     def record_row(self, r: ir.RoleBuilder, src_rank, src_token, k, row) -> None:
         """The copy pass, the lane that writes ``src_info[row] = (src_token, k)`` (slot

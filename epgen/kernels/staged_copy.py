@@ -7,6 +7,8 @@ consumer fused next to it (``L1Release``).
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 
 import ir
@@ -108,6 +110,7 @@ def copy_staged_messages(r: ir.RoleBuilder, cfg, p, dest, *,
         if fmt.copies_scales_per_tile else None
     wait_ready_flag(r, cfg, ctr, p.err_buf)
     ring.stamp(r, "copy.flag_seen")
+    dest.start_copies(r, expand=l1_release is None)
     # warp 0's claim state (registers; meaningful in warp 0 only)
     cur_e = r.var("cur_e", T.u32, L)
     cur_tiles = r.var("cur_tiles", T.u32, 0)
@@ -154,7 +157,8 @@ def copy_staged_messages(r: ir.RoleBuilder, cfg, p, dest, *,
             base_r = r.var("base_r", T.u32, 0)
             with r.if_(src_rank > 0):
                 r.assign(base_r, r.load(_word(prefix, src_rank - 1), T.u32, name="base_ld"))
-            msg = r.let("msg", dest.message_address(r, e, src_rank, tok - base_r),
+            token = dest.message_token(r, e, src_rank, tok - base_r)
+            msg = r.let("msg", dest.message_address(r, e, src_rank, tok - base_r, token),
                         peer=lay.crosses_devices)
             row = r.let("row", start + tok)
             gid = r.var("gid16", T.u16, ir.Const(0xFFFF, T.u16))
@@ -167,7 +171,10 @@ def copy_staged_messages(r: ir.RoleBuilder, cfg, p, dest, *,
                 with r.if_(r.lane.eq(0)):
                     r.store(tile_msgs + (j * 8).cast(T.u64), msg)
             extras = {"scales": False} if fmt.copies_scales_per_tile else {}
-            fmt.emit_copy_msg_to_output(r, msg, row, p.output_tokens, **extras)
+            rows, copies = dest.output_rows(r, e, src_rank, token, row, gid,
+                                            expand=l1_release is None)
+            with r.if_(copies) if copies is not None else contextlib.nullcontext():
+                fmt.emit_copy_msg_to_output(r, msg, rows, p.output_tokens, **extras)
             with r.if_((r.lane < K) & gid.eq(g.cast(T.u16))):
                 r.store(_word(p.src_info, row * 2), src_idx)
                 r.store(_word(p.src_info, row * 2 + 1), r.lane)

@@ -1,10 +1,11 @@
 """``ep_rank_dedup`` (docs/flags.md) in the IR and the PTX, on each send path (the warp path
 of ``ep/rank_dedup``, the block-staged broadcast with ``ep_send_join_named``, the send-buffer
-path of the fused shared expert): every slot's index word is stored before the releases
-that count the slots finished (IR statement order, and the PTX text of the variant), the
-copy pass reads the index word, the ordered operations are exactly the stock build's (the
-flag adds none and drops none) and the PTX checker finds each; the stock build has no index
-word; the SHMEM variant's fence sits between the message put and the index puts."""
+path of the fused shared expert): every slot's index word and slot-table word are stored
+before the releases that count the slots finished (IR statement order, and the PTX text of
+the variant), the copy pass reads both, the ordered operations are exactly the stock
+build's (the flag adds none and drops none) and the PTX checker finds each; the stock build
+has neither word; the SHMEM variant's fence sits between the message and slot-word puts and
+the index puts."""
 
 from __future__ import annotations
 
@@ -52,11 +53,15 @@ def _send_kernel(module):
     return module.kernel(ASYNC if ASYNC in names else FUSED)
 
 
+TABLES = {"index": "dedup_index_offset", "slot": "dedup_slot_offset"}
+
+
+@pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("fmt", [None, "NVFP4"], ids=["BF16", "NVFP4"])
 @pytest.mark.parametrize("path", PATHS)
-def test_index_words_are_stored_before_the_finished_releases(path, fmt):
+def test_table_words_are_stored_before_the_finished_releases(path, fmt, table):
     cfg = _cfg(path, fmt)
-    offset = cfg.layout.dedup_index_offset
+    offset = getattr(cfg.layout, TABLES[table])
     comm = _send_kernel(build_module(cfg)).role("comm")
     stmts = list(ir.walk(comm.body))
     stores = [i for i, s in enumerate(stmts)
@@ -64,15 +69,17 @@ def test_index_words_are_stored_before_the_finished_releases(path, fmt):
     releases = [i for i, s in enumerate(stmts)
                 if isinstance(s, N.AtomicRMW) and s.sem is ir.Sem.RELEASE]
     assert stores and releases
-    assert max(stores) < min(releases), "an index word after a finished release"
+    assert max(stores) < min(releases), f"a {table} word after a finished release"
 
 
+@pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("path", PATHS)
-def test_ptx_has_the_index_stores_before_the_finished_releases(path):
+def test_ptx_has_the_table_stores_before_the_finished_releases(path, table):
     cfg = _cfg(path)
     bodies = entry_bodies(nvptx.emit_ptx(build_module(cfg)))
-    index_store = rf"\bst\.global\.b32\s+\[%rd\d+\+{cfg.layout.dedup_index_offset}\]"
-    index_load = rf"\bld\.global\.b32\s+%r\d+,\s+\[%rd\d+\+{cfg.layout.dedup_index_offset}\]"
+    offset = getattr(cfg.layout, TABLES[table])
+    index_store = rf"\bst\.global\.b32\s+\[%rd\d+\+{offset}\]"
+    index_load = rf"\bld\.global\.b32\s+%r\d+,\s+\[%rd\d+\+{offset}\]"
     send = bodies[ASYNC] if ASYNC in bodies else bodies[FUSED]
     releases = [m.start() for m in re.finditer(FINISHED, send)]
     stores = [m.start() for m in re.finditer(index_store, send)]
@@ -111,12 +118,12 @@ def test_role_split_builds_and_checks():
 
 def test_shmem_variant_checks_with_its_fence_before_the_index_puts():
     """``ep/shmem_mixed_rank_dedup``: the PTX checker finds every ordered operation and
-    NVSHMEM call in IR order (the fence after the message put, before each index word's
-    put-with-signal)."""
+    NVSHMEM call in IR order (the fence after the message and slot-word puts, before each
+    index word's put-with-signal)."""
     module = build_module(flag_variant_config("shmem_mixed_rank_dedup"))
     assert ir.check(module) == []
     nvptx.check_ptx(module, nvptx.emit_ptx(module))
     send = entry_bodies(nvptx.emit_ptx(module))[ASYNC]
     order = re.findall(r"call\.uni (?:\([^)]*\),\s*)?(nvshmem\w+),", send)
-    put, fence = order.index("nvshmemx_putmem_nbi_warp"), order.index("nvshmem_fence")
-    assert put < fence < order.index("nvshmemx_putmem_signal_nbi_warp")
+    fence, signal = order.index("nvshmem_fence"), order.index("nvshmemx_putmem_signal_nbi_warp")
+    assert order[:fence] == ["nvshmemx_putmem_nbi_warp"] * 2 and fence < signal

@@ -1,7 +1,7 @@
 """NVSHMEM calls per token of ``ep_rank_dedup``'s SHMEM send (``epgen.shmem_calls.per_token``
 on the PTX of ``ep/shmem_mixed_rank_dedup``): the message put and the fence run once per
-(token, remote rank) holding one of the token's experts, the index words' put-with-signal
-once per remote top-k slot; the expected pairs counted here by visiting every expert set of
+(token, remote rank) holding one of the token's experts, the slot words' puts and the index
+words' put-with-signal once per remote top-k slot; the expected pairs counted here by visiting every expert set of
 a token, not by the formula."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def remote_pairs_by_enumeration(cfg) -> float:
 
 
 @pytest.mark.parametrize("kernel", ["ep_dispatch_async", "ep_dispatch"])
-def test_dedup_puts_a_message_and_a_fence_per_remote_rank_and_an_index_word_per_slot(kernel):
+def test_dedup_puts_a_message_and_a_fence_per_remote_rank_and_two_words_per_slot(kernel):
     cfg = eg.flag_variant_config("shmem_mixed_rank_dedup")
     assert cfg.ep_rank_dedup and cfg.p2p_world_size < cfg.n_ranks
     sites = shmem_calls.call_sites(emit_ptx(epgen.build_module(cfg)))
@@ -36,12 +36,12 @@ def test_dedup_puts_a_message_and_a_fence_per_remote_rank_and_an_index_word_per_
     pairs = remote_pairs_by_enumeration(cfg)
     slots = K * (R - P) / R
     assert pairs < slots
-    assert got["nvshmemx_putmem_nbi_warp"] == pytest.approx(pairs)
+    assert got["nvshmemx_putmem_nbi_warp"] == pytest.approx(pairs + slots)
     assert got["nvshmem_fence"] == pytest.approx(pairs)
     assert got["nvshmemx_putmem_signal_nbi_warp"] == pytest.approx(slots)
     assert got["nvshmemx_signal_op"] == pytest.approx(E * (R - P) / R / T)
     waits = got.get("nvshmem_signal_wait_until", 0.0)      # the fused kernel's receive side
-    assert got["operations"] == pytest.approx(pairs + slots + E * (R - P) / R / T + waits)
+    assert got["operations"] == pytest.approx(pairs + 2 * slots + E * (R - P) / R / T + waits)
     assert shmem_calls.remote_rank_pairs(cfg) == pytest.approx(pairs)
 
 

@@ -60,8 +60,9 @@ def test_several_and_all_experts_on_one_rank_and_masked_slots(group, seed):
 
 def test_one_put_per_token_and_remote_rank(seed, monkeypatch):
     """Every put and signal, by target buffer: one message put (the message and the token's
-    weights, ``dedup_row_bytes``) per (source, token, remote rank with one of its experts), one 4-byte index-word put and one arrival signal per
-    remote top-k slot; nothing to a rank of the issuer's own group."""
+    weights, ``dedup_row_bytes``) per (source, token, remote rank with one of its experts),
+    one 4-byte slot-word put, one 4-byte index-word put and one arrival signal per remote
+    top-k slot; nothing to a rank of the issuer's own group."""
     seen = []
     translate = sim_shmem.SymmetricHeap.translate
     cfg = make_cfg(R=4, P=2, K=3, L=3, T=6)
@@ -72,7 +73,8 @@ def test_one_put_per_token_and_remote_rank(seed, monkeypatch):
         if name == "recv_count":
             name = "arrival" if off // 8 >= lay.shmem_arrival_base else "count"
         elif name == "recv_buf":
-            name = "index" if off >= lay.dedup_index_offset else "message"
+            name = "slot" if off >= lay.dedup_slot_offset else \
+                "index" if off >= lay.dedup_index_offset else "message"
         seen.append((name, src, int(pe), nbytes))
         return translate(heap, addr, pe, nbytes)
     monkeypatch.setattr(sim_shmem.SymmetricHeap, "translate", record)
@@ -92,17 +94,18 @@ def test_one_put_per_token_and_remote_rank(seed, monkeypatch):
     assert all(n == lay.dedup_row_bytes for _, _, n in messages)     # message + weights
     assert len(tokens) < len(slots)                 # the routings repeat ranks
     assert sorted((s, d) for name, s, d, n in seen if name == "index" and n == 4) == slots
+    assert sorted((s, d) for name, s, d, n in seen if name == "slot" and n == 4) == slots
     assert sorted((s, d) for name, s, d, _ in seen if name == "arrival") == slots
 
 
 def test_send_kernel_calls():
-    """The send kernel's NVSHMEM calls, in statement order: the message put, the fence, each
-    slot's index word put with its arrival signal, the warp's quiet; the monitor's count
-    signal and quiet."""
+    """The send kernel's NVSHMEM calls, in statement order: the message put, each slot's
+    slot-word put, the fence, each slot's index word put with its arrival signal, the warp's
+    quiet; the monitor's count signal and quiet."""
     module = epgen.build_module(make_cfg(R=4, P=2))
     kernel = module.kernel("ep_dispatch_async")
     comm = [name for name, role, _ in call_sites(kernel) if role == "comm"]
-    assert comm == ["nvshmemx_putmem_nbi_warp", "nvshmem_fence",
+    assert comm == ["nvshmemx_putmem_nbi_warp", "nvshmemx_putmem_nbi_warp", "nvshmem_fence",
                     "nvshmemx_putmem_signal_nbi_warp", "nvshmem_quiet"]
     others = {name for name, role, _ in call_sites(kernel) if role != "comm"}
     assert others == {"nvshmemx_signal_op", "nvshmem_quiet"}
@@ -110,9 +113,10 @@ def test_send_kernel_calls():
 
 
 def test_missing_fence_is_caught(monkeypatch):
-    """Without the fence a slot's arrival signal may land before the message or its index
-    word: some seed's destination copies a row that has not landed (the fused kernel, where
-    a rank's copy runs while its peers still send)."""
+    """Without the fence a slot's arrival signal may land before the message or its slot
+    word: some seeds' destinations copy a row that has not landed (the fused kernel, where a
+    rank's copy runs while its peers still send). Eight seeds: each message is read once, by
+    the slot that copies it, so fewer reads can see one early."""
     def drop_fences(module):
         found = [oid for k in module.kernels for oid, _ in mutations.ordered_ops(k)
                  if oid.endswith("nvshmem_fence")]
@@ -120,4 +124,5 @@ def test_missing_fence_is_caught(monkeypatch):
         for oid in reversed(found):
             module = mutations.mutate(module, oid, "removed")
         return module
-    assert failing_seeds(make_cfg(R=4, P=1), monkeypatch, drop_fences, fused=True) >= 2
+    assert failing_seeds(make_cfg(R=4, P=1), monkeypatch, drop_fences, seeds=range(8),
+                         fused=True) >= 2

@@ -200,6 +200,109 @@ def test_one_message_per_token_and_destination_rank(path, seed):
     assert sum(len(w) for w in written) < n_slots      # the edge routings repeat ranks
 
 
+@pytest.mark.parametrize("path", ["warp_split", "buffer"])
+def test_the_receive_reads_each_message_once(path, seed):
+    """The message-major receive: every 16-byte load the simulator serves from a message's
+    payload is counted by row; each message a rank received has its payload read exactly
+    once (BF16, whose warp copy loads each vector once), however many of its slots live on
+    that rank, and the routings do put several slots of a token on one rank. The output is
+    checked against the reference on the way (``checked_calls``)."""
+    cfg = make_cfg("BF16", 64, R=4, K=4, L=4, T=8, path=path)
+    lay, payload = cfg.layout, cfg.token_fmt.payload_vectors * 16
+    calls = _edge_calls(cfg, seed, n_calls=1)
+    with sim_world(cfg, seed) as world:
+        mem = world.cuda.mem
+        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
+                 for rk in world.ranks]
+        read = [dict() for _ in world.ranks]
+        plain_read = mem.read
+
+        def counting_read(addr, n):
+            for d, (lo, hi) in enumerate(areas):
+                if n == 16 and lo <= addr < hi and (addr - lo) % lay.dedup_row_bytes < payload:
+                    row = (addr - lo) // lay.dedup_row_bytes
+                    read[d][row] = read[d].get(row, 0) + n
+            return plain_read(addr, n)
+        mem.read = counting_read
+        try:
+            for _ in round_trips.checked_calls(world, calls, seed=seed):
+                pass
+        finally:
+            mem.read = plain_read
+    toks, ids = calls[0]
+    L = cfg.n_experts // cfg.n_ranks
+    repeated = 0
+    for d in range(cfg.n_ranks):
+        want = {lay.dedup_msg_row(src, t) for src, t in _expected_messages(cfg, ids, d)}
+        assert set(read[d]) == want, f"rank {d}: messages read"
+        assert all(n == payload for n in read[d].values()), f"rank {d}: payload bytes read"
+        repeated += sum(int(np.sum((np.asarray(row) >= 0) & (np.asarray(row) // L == d))) > 1
+                        for i in ids for row in np.asarray(i))
+    assert repeated, "the edge routings put several slots of a token on one rank"
+
+
+def test_l1_release_copies_each_slot_into_its_own_row(seed):
+    """dispatch_wait's copy role with L1 releases (``L1Release``: each tile's rows are
+    published as they land, so a tile's rows must be its own warps' stores): the receive
+    copies slot by slot, every message's payload read once per slot of it on the rank; the
+    output equals the reference and each expert's counter ends at its token blocks."""
+    from epgen import reference
+    from epgen.kernels import dispatch_wait
+    from epgen.kernels.staged_copy import L1Release
+    from epgen.runtime.program import Program
+    import ir
+    cfg = make_cfg("BF16", 64, R=2, K=4, L=4, T=8, path="warp_split")
+    lay, payload, L, tb = cfg.layout, cfg.token_fmt.payload_vectors * 16, 4, 2
+    kb = ir.KernelBuilder(dispatch_wait.KERNEL_NAME, cfg.num_threads)
+    p = dispatch_wait.declare_params(kb, cfg)
+    l1 = kb.param("l1_arrival_ptr", ir.types.ptr_global)
+    last = ir.SRegRead(ir.SReg.NCTAID_X) - 1
+    with kb.role("copy", blocks=(0, last)) as r:
+        dispatch_wait.copy_received_tokens_to_output(r, cfg, p,
+                                                     l1_release=L1Release(l1, token_block=tb))
+    with kb.role("aux", blocks=(last, None)) as r:
+        dispatch_wait.wait_for_arrivals_and_compute_offsets(r, cfg, p)
+    kernel = kb.build()
+    (toks, ids), = _edge_calls(cfg, seed, n_calls=1)
+    with sim_world(cfg, seed, fused=False) as world:
+        mem = world.cuda.mem
+        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
+                 for rk in world.ranks]
+        read = [dict() for _ in world.ranks]
+        plain_read = mem.read
+
+        def counting_read(addr, n):
+            for d, (lo, hi) in enumerate(areas):
+                if n == 16 and lo <= addr < hi and (addr - lo) % lay.dedup_row_bytes < payload:
+                    row = (addr - lo) // lay.dedup_row_bytes
+                    read[d][row] = read[d].get(row, 0) + n
+            return plain_read(addr, n)
+        prog = Program(ir.Module("l1", (kernel,)), device=world.device, backend=world.cuda)
+        world.load_inputs(toks, ids)
+        world.dispatch_async()
+        counters = []
+        mem.read = counting_read
+        try:
+            for rk in world.ranks:
+                counters.append(world.cuda.zeros(L, np.uint32, device=world.device,
+                                                 stream=rk.stream))
+                prog.launch(kernel.name, cfg.n_sms, {**world.wait_args(rk),
+                                                     "l1_arrival_ptr": counters[-1]}, rk.stream)
+                rk.wait_done = rk.stream.record()
+            world.synchronize()
+        finally:
+            mem.read = plain_read
+        results = world.results()
+    want = reference.dispatch(cfg, toks, ids)
+    reference.assert_match(cfg, want, results)
+    for d in range(cfg.n_ranks):
+        blocks = -(-want[d].counts.sum(axis=1).astype(np.int64) // tb)
+        np.testing.assert_array_equal(counters[d].to_host(), blocks, err_msg=f"seed {seed}")
+        for src, t in _expected_messages(cfg, ids, d):
+            n_here = int(np.sum((ids[src][t] >= 0) & (ids[src][t] // L == d)))
+            assert read[d][lay.dedup_msg_row(src, t)] == n_here * payload, (d, src, t)
+
+
 @pytest.mark.parametrize("R", [2, 4])
 def test_combine_after_dedup_equals_combine_after_plain(R, seed):
     rng = np.random.default_rng(seed)

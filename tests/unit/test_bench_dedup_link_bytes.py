@@ -1,7 +1,7 @@
 """The benchmarks' link bytes under ``ep_rank_dedup`` (one message per (token, destination
-rank) plus a 4-byte index word per slot) and the FP8 combine, counted by hand here: the
-SHMEM benchmark's bytes a PE sends (``shmem.sent_bytes``), the P2P benchmark's bytes per GPU
-(``p2p.link_bytes``), and ``epgen bench``'s JSON ``link_bytes`` of a ``--variant
+rank) plus two 4-byte words per slot, in the index and slot tables) and the FP8 combine,
+counted by hand here: the SHMEM benchmark's bytes a PE sends (``shmem.sent_bytes``), the P2P
+benchmark's bytes per GPU (``p2p.link_bytes``), and ``epgen bench``'s JSON ``link_bytes`` of a ``--variant
 dedup=ep_rank_dedup`` / ``--set ep_rank_dedup=true`` run and of ``--op combine
 --combine-fp8`` (device phases faked on the host, ``test_bench.fake_gpu``)."""
 
@@ -23,9 +23,9 @@ MSG = 32 + 16 + 16          # BF16 H=16, K=2: payload, src-info field, top-k fie
 def test_shmem_sent_bytes_with_dedup_by_hand():
     cfg = tiny_cfg(T=2, H=16, K=2, R=2, E=4, ep_rank_dedup=True)
     # rank 0: 3 remote slots, 2 (token, rank 1) pairs; rank 1: 3 remote slots, 2 pairs
-    assert shmem.sent_bytes(cfg, IDS[0], 0) == 2 * MSG + 3 * 4
-    assert shmem.sent_bytes(cfg, IDS[1], 1) == 2 * MSG + 3 * 4
-    assert shmem.sent_bytes(cfg, np.array([[-1, 2], [-1, -1]]), 0) == MSG + 4
+    assert shmem.sent_bytes(cfg, IDS[0], 0) == 2 * MSG + 3 * 8
+    assert shmem.sent_bytes(cfg, IDS[1], 1) == 2 * MSG + 3 * 8
+    assert shmem.sent_bytes(cfg, np.array([[-1, 2], [-1, -1]]), 0) == MSG + 8
     assert shmem.sent_bytes(cfg, np.array([[0, 1], [1, -1]]), 0) == 0       # all local
     # the combine is not deduplicated: a BF16 row back per remote slot
     assert shmem.combine_sent_bytes(cfg, IDS, 0) == 3 * 16 * 2
@@ -36,14 +36,14 @@ def test_shmem_sent_bytes_with_dedup_by_hand():
 def test_p2p_link_bytes_with_dedup_by_hand():
     cfg = tiny_cfg(T=2, H=16, K=2, R=2, E=4, ep_rank_dedup=True)
     d = p2p.link_bytes(cfg, IDS, "dispatch")
-    assert d["sent"] == d["received"] == [2 * MSG + 12, 2 * MSG + 12]
-    assert d["local"] == [MSG + 4, MSG + 4]     # one local (token, rank) and slot each
-    assert d["total_remote"] == 2 * (2 * MSG + 12)
+    assert d["sent"] == d["received"] == [2 * MSG + 24, 2 * MSG + 24]
+    assert d["local"] == [MSG + 8, MSG + 8]     # one local (token, rank) and slot each
+    assert d["total_remote"] == 2 * (2 * MSG + 24)
     row = 16 * 2
     c = p2p.link_bytes(cfg, IDS, "combine")
     assert c["sent"] == c["received"] == [3 * row, 3 * row] and c["local"] == [row, row]
     m = p2p.link_bytes(cfg, IDS, "moe")
-    assert m["sent"] == [2 * MSG + 12 + 3 * row] * 2
+    assert m["sent"] == [2 * MSG + 24 + 3 * row] * 2
     plain = p2p.link_bytes(tiny_cfg(T=2, H=16, K=2, R=2, E=4), IDS, "dispatch")
     assert plain["sent"] == [3 * MSG, 3 * MSG] and plain["local"] == [MSG, MSG]
 
@@ -77,7 +77,7 @@ def test_a_dedup_run_reports_deduplicated_link_bytes(fake_gpu, spec):  # noqa: F
     sets = inputs.make_input_sets(cfg, 16, plan.sets, plan.routing, plan.zipf_s, plan.seed)
     # BF16 H=256, K=4, no padding: payload, source and top-k fields, the K f32 weights
     msg = cfg.token_fmt.hid_dim * 2 + 16 + 16 + 4 * 4
-    per_set = [p * msg + 4 * n for n, p in _remote_counts(cfg, sets)]
+    per_set = [p * msg + 8 * n for n, p in _remote_counts(cfg, sets)]
     assert v["link_bytes"]["options"]["dedup"] is True
     assert v["link_bytes"]["per_set_link"] == per_set
     assert v["link_bytes"]["link"] == pytest.approx(np.mean(per_set))

@@ -48,10 +48,13 @@ def _slow_count(cfg, ids, dedup, fp8, partial):
                 ranks.append(d)
             for d in set(ranks) if dedup else ranks:
                 out["dloc" if d == s else "dl"] += msg
-            for d in ranks:                # a message's put, or a dedup index word's
+            for d in ranks:                # a message's put, or a dedup slot's two words
+                remote = d != s and cfg.use_shmem and s // P != d // P
                 if dedup:
-                    out["dloc" if d == s else "dl"] += 4
-                if d != s and cfg.use_shmem and s // P != d // P:
+                    out["dloc" if d == s else "dl"] += 4 + 4
+                    if remote:             # its slot word, staged in the source's own table
+                        out["dloc"] += 4
+                if remote:
                     out["ds"] += 8
             for d in set(ranks) if partial else ranks:
                 out["cloc" if d == s else "cl"] += crow
@@ -156,7 +159,7 @@ def test_one_hot_routing_to_one_rank_gains_k_fold():
     today, ded = lb.link_bytes(cfg, ids), lb.link_bytes(cfg, ids, dedup=True)
     msg = cfg.token_fmt.msg_size()
     assert today.dispatch_link == 21 * msg
-    assert ded.dispatch_link == 7 * (msg + 3 * 4) + 21 * 4     # message + weights, index
+    assert ded.dispatch_link == 7 * (msg + 3 * 4) + 21 * 8     # message + weights; 2 words a slot
     assert ded.dispatch_messages == 7
 
 

@@ -46,8 +46,9 @@ def test_taken_with(change):
 @pytest.mark.parametrize("capacity", [None, 5])
 def test_receive_buffer_layout(capacity):
     """The message area (R * T rows of the message and the token's K float32 weights, the
-    weights from the message rounded up to 16, the row rounded up to 16) then the index
-    table (L * R * capacity u32 words), each rounded up to 16 bytes; the plain buffer is L *
+    weights from the message rounded up to 16, the row rounded up to 16), the index table
+    (L * R * capacity u32 words), then the slot table (R * T * K u32 words), each rounded up
+    to 16 bytes; the plain buffer is L *
     R * capacity messages."""
     cfg = _small(recv_block_capacity=capacity)
     dd = cfg.replace(ep_rank_dedup=True)
@@ -62,14 +63,20 @@ def test_receive_buffer_layout(capacity):
     area = R * T * row
     assert lay.dedup_index_offset == -(-area // 16) * 16
     assert lay.dedup_index_words == L * R * cap
-    assert lay.recv_buf_bytes == lay.dedup_index_offset + -(-4 * L * R * cap // 16) * 16
+    assert lay.dedup_slot_offset == lay.dedup_index_offset + -(-4 * L * R * cap // 16) * 16
+    assert lay.dedup_slot_words == R * T * K
+    assert lay.recv_buf_bytes == lay.dedup_slot_offset + -(-4 * R * T * K // 16) * 16
+    assert lay.dedup_slot_word(1, 3, K - 1) == (T + 3) * K + K - 1
+    with pytest.raises(IndexError, match="dedup_slot_word: k"):
+        lay.dedup_slot_word(0, 0, K)
     assert lay.dedup_msg_row(1, 3) == T + 3
     assert lay.dedup_index_word(1, 1, 2) == (R + 1) * cap + 2
     with pytest.raises(IndexError, match="dedup_msg_row: t"):
         lay.dedup_msg_row(0, T)
     with pytest.raises(IndexError, match="dedup_index_word: j"):
         lay.dedup_index_word(0, 0, cap)
-    assert cfg.layout.dedup_msg_rows == cfg.layout.dedup_index_words == 0
+    assert cfg.layout.dedup_msg_rows == cfg.layout.dedup_index_words \
+        == cfg.layout.dedup_slot_words == 0
 
 
 def test_the_receive_buffer_shrinks_at_the_default_preset():
