@@ -114,12 +114,15 @@ def _expert_rows(cfg, dispatch_results, expert_outputs) -> list[np.ndarray]:
 
 def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
             *, residual=None, n_tokens: Sequence[int] | None = None,
-            sources: Sequence[int] | None = None, fp8: bool = False,
-            partial_reduce: bool = False) -> list[np.ndarray]:
+            sources: Sequence[int] | None = None, tokens: dict | None = None,
+            fp8: bool = False, partial_reduce: bool = False) -> list[np.ndarray]:
     """Per source rank, its tokens' combined rows (module docstring). ``n_tokens``: each
     source's token count (default: the rows of its weights, or of its residual; required
     for the unreduced form without a residual). ``sources``: compute only these sources'
-    results (the others are None): a benchmark's check at large shapes. ``fp8``: the FP8
+    results (the others are None): a benchmark's check at large shapes. ``tokens``:
+    ``{source: token indices}`` (distinct, in range) to compute only those tokens of that
+    source: its result then has one row per index, in that order (``out[s][i]`` is token
+    ``tokens[s][i]``'s row of the full result); each token's sum is the same. ``fp8``: the FP8
     combine (module docstring; ``ValueError`` naming ``hid_dim`` unless a multiple of 128).
     ``partial_reduce``: the partial-reduce combine (module docstring; ``topk_weights``
     required, ``fp8`` refused)."""
@@ -139,14 +142,18 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
         n_tokens = [np.asarray(b).shape[0] for b in base]
     if len(n_tokens) != n_src:
         raise EPInputError(f"one entry per source rank ({n_src}), got {len(n_tokens)}")
-    # rows[s][t, k] = the expert output row that slot (t, k) of source s received
     wanted = set(range(n_src)) if sources is None else {int(x) for x in sources}
-    rows = [np.zeros((T, K, H), np.uint16) if s in wanted else None
-            for s, T in enumerate(n_tokens)]
-    got = [np.zeros((T, K), bool) if s in wanted else None for s, T in enumerate(n_tokens)]
-    # dest[s][t, k] = the destination rank that returned slot (t, k) (-1: none)
-    dest = [np.full((T, K), -1, np.int64) if s in wanted else None
-            for s, T in enumerate(n_tokens)]
+    sel = _selected_tokens(n_tokens, wanted, tokens)
+    # position of each token in its source's result (-1: not computed)
+    pos = [None if x is None else np.full(T, -1, np.int64) for x, T in zip(sel, n_tokens)]
+    for p, x in zip(pos, sel):
+        if x is not None:
+            p[x] = np.arange(len(x))
+    # rows[s][i, k] = the expert output row that slot (sel[s][i], k) of source s received
+    rows = [np.zeros((len(x), K, H), np.uint16) if x is not None else None for x in sel]
+    got = [np.zeros((len(x), K), bool) if x is not None else None for x in sel]
+    # dest[s][i, k] = the destination rank that returned slot (sel[s][i], k) (-1: none)
+    dest = [np.full((len(x), K), -1, np.int64) if x is not None else None for x in sel]
     for d, (res, y) in enumerate(zip(dispatch_results, ys)):
         src = source_of_rows(res) if not cfg.skip_a2a else np.where(
             res.src_info[:, 0] >= 0, d, -1).astype(np.int32)
@@ -165,9 +172,12 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
                 raise EPInputError(f"dispatch_results[{d}].src_info[{row}] = "
                                    f"{tuple(int(v) for v in res.src_info[row])} is out of "
                                    f"range for source {s} ({n_tokens[s]} tokens, top_k={K})")
-            rows[s][t, k] = y[sent[mine]]
-            got[s][t, k] = True
-            dest[s][t, k] = d
+            i = pos[s][t]
+            keep = i >= 0
+            i, k = i[keep], k[keep]
+            rows[s][i, k] = y[sent[mine][keep]]
+            got[s][i, k] = True
+            dest[s][i, k] = d
     if fp8:       # what crosses the link, dequantised: the values the source reduces
         vals = [None if rows[s] is None else combine_fp8.wire_values(cfg, rows[s])
                 for s in range(n_src)]
@@ -187,24 +197,50 @@ def combine(cfg, dispatch_results: Sequence, expert_outputs, topk_weights=None,
         w = interop.host_float32(topk_weights[s], f"topk_weights[{s}]")
         if w.shape != (T, K):
             raise EPInputError(f"topk_weights[{s}]: must be [{T}, {K}] float32, got {w.shape}")
+        w, n = w[sel[s]], len(sel[s])
         if partial_reduce:
             acc = _partial_sums(w, vals[s], got[s], dest[s])
         else:
-            acc = np.zeros((T, H), np.float32)
+            acc = np.zeros((n, H), np.float32)
             for k in range(K):
                 term = fma_f32(w[:, k:k + 1], vals[s][:, k], acc)
                 acc = np.where(got[s][:, k:k + 1], term, acc)
         if cfg.fused_shared_expert:
             res = dispatch_results[s]
-            se = bf16_to_f32(ys[s][:res.se_tokens])
-            t0 = res.se_token_start
-            acc[t0:t0 + res.se_tokens] = add_f32(acc[t0:t0 + res.se_tokens], se)
+            i = pos[s][res.se_token_start:res.se_token_start + res.se_tokens]
+            here = i >= 0          # the shared-expert slice's tokens that are computed
+            se = bf16_to_f32(ys[s][:res.se_tokens][here])
+            acc[i[here]] = add_f32(acc[i[here]], se)
         if residual is not None:
             r = interop.host_bf16(residual[s], f"residual[{s}]")
             if r.shape != (T, H):
                 raise EPInputError(f"residual[{s}]: must be [{T}, {H}] BF16, got {r.shape}")
-            acc = add_f32(acc, bf16_to_f32(r))
+            acc = add_f32(acc, bf16_to_f32(r[sel[s]]))
         out.append(f32_to_bf16(acc))
+    return out
+
+
+def _selected_tokens(n_tokens, wanted, tokens) -> list[np.ndarray | None]:
+    """Per source: the token indices whose rows ``combine`` computes (all of a wanted
+    source's unless ``tokens`` names some), None for a source not wanted."""
+    tokens = {} if tokens is None else tokens
+    extra = sorted(int(s) for s in tokens if int(s) not in wanted)
+    if extra:
+        raise ValueError(f"reference.combine: tokens names sources {extra} that are not "
+                         f"computed (sources={sorted(wanted)})")
+    out = []
+    for s, T in enumerate(n_tokens):
+        if s not in wanted:
+            out.append(None)
+            continue
+        if s not in tokens:
+            out.append(np.arange(T))
+            continue
+        x = np.asarray(tokens[s], np.int64).reshape(-1)
+        if x.size and (x.min() < 0 or x.max() >= T or np.unique(x).size != x.size):
+            raise ValueError(f"reference.combine: tokens[{s}] must be distinct token indices "
+                             f"in [0, {T}), got {x.tolist()[:8]}...")
+        out.append(x)
     return out
 
 

@@ -19,7 +19,10 @@ plain combine and each arm. ``moe``: the round trip and the combine, one sample;
 the ``graph`` variant, the replay of a ``world.capture_moe`` graph (one per input set).
 
 Checks: on set 0, ``world.dispatch`` + ``world.combine`` against ``reference.combine`` bit for
-bit before the timing, and the last timed call's dispatch and combine after it.
+bit before the timing, and the last timed call's dispatch and combine after it; above
+``PREFILL_CHECK_TOKENS`` tokens per rank, on the first and the last source and
+``PREFILL_CHECK_TOKENS`` of their tokens spread evenly (``check_tokens``; the whole
+reference takes minutes there).
 
 Extra combine arms (``CombineArm``, ``op == "combine"``): after the plain combine's figure,
 each arm's combine is timed on the same world, input sets, weights and expert outputs, the
@@ -74,7 +77,8 @@ def _fixed_rows(cfg, seed: int = 0) -> list[np.ndarray] | None:
             for _ in range(cfg.n_ranks)]
 
 
-#: above this many tokens per rank the check covers two sources (``_check``)
+#: above this many tokens per rank the check covers two sources and this many of their
+#: tokens, spread evenly from the first to the last (``_check``)
 PREFILL_CHECK_TOKENS = 512
 
 
@@ -180,18 +184,31 @@ def check_arm(cfg, arm: CombineArm) -> None:
         check_partial_config(cfg)
 
 
+def check_tokens(n: int) -> np.ndarray:
+    """The tokens a large-shape check computes of a source of ``n``: ``PREFILL_CHECK_TOKENS``
+    spread evenly over ``[0, n)``, the first and the last included (all of them when ``n``
+    is not larger)."""
+    if n <= PREFILL_CHECK_TOKENS:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, PREFILL_CHECK_TOKENS).round().astype(np.int64))
+
+
 def _check(cfg, got, results, w, what: str, fixed=None, **flags) -> None:
     """``AssertionError`` unless ``got`` (the world's combine) is the reference combine of
     the world's dispatch ``results`` (expert outputs ``_rows``; ``flags``: a
     ``CombineArm``'s, the FP8 or partial-reduce combine's), bit for bit."""
-    # every source at small shapes; at large ones (the reference's float32 sums of R * T * K
-    # rows take minutes) the first and the last source
+    # every token of every source at small shapes; at large ones (the reference's float32
+    # sums of R * T * K rows take minutes) PREFILL_CHECK_TOKENS tokens of the first and the
+    # last source
     big = max(len(r) for r in w) > PREFILL_CHECK_TOKENS if w is not None else False
     only = [0, len(got) - 1] if big else None
-    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only, **flags)
+    picked = {s: check_tokens(len(w[s])) for s in only} if big else None
+    want = reference.combine(cfg, results, _rows(results, fixed), w, sources=only,
+                             tokens=picked, **flags)
     for s, (g, x) in enumerate(zip(got, want)):
         if x is None:
             continue
+        g = g if picked is None else np.asarray(g)[picked[s]]
         if g.shape != x.shape or not np.array_equal(g, x):
             raise AssertionError(f"{what}: rank {s} combine differs from the reference "
                                  f"({np.count_nonzero(g != x) if g.shape == x.shape else 'shape'})")

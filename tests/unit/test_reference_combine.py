@@ -171,6 +171,43 @@ def test_sources_computes_only_those(seed):
     assert part[0] is None and np.array_equal(part[1], full[1]), f"seed {seed}"
 
 
+@pytest.mark.parametrize("form", ["plain", "unreduced", "fp8", "partial", "shared_residual"])
+def test_tokens_computes_those_rows_of_the_whole_result(form, seed):
+    """``tokens=``: each chosen token's row is that of the whole computation, in the order
+    asked (a shuffled subset, tokens inside and outside the shared-expert slice), with
+    every form of the sum; a source without an entry is computed whole, one not computed
+    is None; a repeated or out-of-range index or a source not computed is refused."""
+    flags = {"partial": {"ep_rank_dedup": True},
+             "shared_residual": {"fused_shared_expert": True}}.get(form, {})
+    cfg = cfg_of(R=2, E=8, H=128, K=4, T=16, **flags)
+    rng = np.random.default_rng(seed)
+    toks, ids, res = dispatched(cfg, rng, [16, 11])
+    ys = [rng.integers(0, 1 << 16, size=(len(r.src_info), 128), dtype=np.uint16)
+          & np.uint16(0xBFFF) for r in res]
+    w = None if form == "unreduced" else \
+        [rng.random((len(t), 4), dtype=np.float32) for t in toks]
+    kw = {"fp8": form == "fp8", "partial_reduce": form == "partial",
+          "n_tokens": [len(t) for t in toks]}
+    if form == "shared_residual":
+        kw["residual"] = [rng.integers(0, 1 << 16, size=(len(t), 128), dtype=np.uint16)
+                          & np.uint16(0xBFFF) for t in toks]
+    full = reference.combine(cfg, res, ys, w, **kw)
+    pick = {0: rng.permutation(16)[:7], 1: np.array([10, 0, 5])}
+    part = reference.combine(cfg, res, ys, w, tokens=pick, **kw)
+    for s, idx in pick.items():
+        np.testing.assert_array_equal(part[s], full[s][idx], err_msg=f"seed {seed}, {s}")
+    one = reference.combine(cfg, res, ys, w, sources=[1], tokens={1: [3]}, **kw)
+    assert one[0] is None and np.array_equal(one[1], full[1][[3]])
+    whole = reference.combine(cfg, res, ys, w, tokens={1: [3]}, **kw)
+    assert np.array_equal(whole[0], full[0])
+    for bad, why in [({0: [1, 1]}, "distinct"), ({1: [11]}, r"\[0, 11\)"),
+                     ({0: [-1]}, "distinct")]:
+        with pytest.raises(ValueError, match=why):
+            reference.combine(cfg, res, ys, w, tokens=bad, **kw)
+    with pytest.raises(ValueError, match=r"sources \[0\] that are not computed"):
+        reference.combine(cfg, res, ys, w, sources=[1], tokens={0: [1]}, **kw)
+
+
 # ---- the arithmetic against the independent model -------------------------------------------
 def test_the_model_rounds_as_numpy_and_ml_dtypes_do(seed):
     """The model's hand rounding agrees with the float64 -> float32 cast (nearest even,
