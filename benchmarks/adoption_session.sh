@@ -19,7 +19,8 @@
 #   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
 #   bench    decode (128 tokens per rank) and prefill (4096): the FP8 combine against the
 #            BF16 one, the partial-reduce combine against the plain one after the same
-#            deduplicated dispatch (each arm's set-0 check at prefill takes minutes)
+#            deduplicated dispatch, each with one warp a token in the reduce and with up to
+#            8 (Tuning.reduce_warps_per_token_max)
 #   figures  the deduplicated dispatch against today's and the rank mask's cost in one run;
 #            the DeepEP API's host and round-trip times
 # docs/PERF.md "Open items" says which goal each figure answers.
@@ -90,11 +91,13 @@ mps8)
     ;;
 bench)
     step combine-fp8 280 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
+        --variant default --variant split=tune.reduce_warps_per_token_max:8 \
         --no-post-check --json "$OUT/combine-fp8.json"
     show combine-fp8
     step combine-partial 280 "$PY" -m epgen bench --op combine --combine-partial \
-        --tokens 128,4096 --variant dedup=ep_rank_dedup --no-post-check \
-        --json "$OUT/combine-partial.json"
+        --tokens 128,4096 --variant dedup=ep_rank_dedup \
+        --variant dedup_split=ep_rank_dedup,tune.reduce_warps_per_token_max:8 \
+        --no-post-check --json "$OUT/combine-partial.json"
     show combine-partial
     ;;
 figures)

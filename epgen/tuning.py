@@ -61,6 +61,11 @@ class Tuning:
     #: quantising formats, warp send path: preferred payload bytes each warp stages in shared
     #: memory before its wide stores to the destinations (0: no staging)
     quant_stage_bytes: int = attrs.field(default=2048, validator=_non_negative)
+    #: combine reduce (every form: BF16, FP8, partial, unreduced): the most warps that share
+    #: one token's row when the grid's warps outnumber a call's tokens (decode), each taking
+    #: every ``n``-th of the row's 16-byte chunks; 1 is one warp per token. Not yet measured
+    #: on a GPU (docs/PERF.md "Open items")
+    reduce_warps_per_token_max: int = attrs.field(default=1, validator=_power_of_two)
     #: final layout with transposed scales: rows per tile of dispatch_wait's header-pass
     #: scale copy
     scale_chunk_rows: int = attrs.field(default=128, validator=_power_of_two)

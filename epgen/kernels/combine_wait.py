@@ -224,7 +224,7 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
     nwarps = r.let("nwarps", r.n_blocks * (r.n_threads // 32))
     zero = ir.Const(0.0, T.f32)
     live_bits = None if p.mask is None else live_ranks(r, cfg, p.mask)
-    with r.for_range("t", gwarp, p.n_tokens, nwarps) as t:
+    with token_shares(r, cfg, gwarp, nwarps, p.n_tokens) as (t, first_chunk, chunk_step):
         slots = [r.let(f"slot{k}", t * K + k) for k in range(K)]
         valid, gids = [], []
         for k in range(K):
@@ -247,7 +247,7 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 se_rows, row0, t_se = shared_expert
                 se_row = r.let("se_row", t - row0)
                 in_se = r.let("in_se", (t >= row0) & (se_row < t_se))
-            with r.for_range("c", r.lane, n_chunks, 32) as c:
+            with r.for_range("c", first_chunk, n_chunks, chunk_step) as c:
                 acc = [r.var(f"acc{j}", T.f32, zero) for j in range(8)]
                 ys = [reader.load(r, p.combine_buf, slots[k], c, f"y{k}") for k in range(K)]
                 for k in range(K):
@@ -263,13 +263,40 @@ def reduce_and_copy_to_output(r: ir.RoleBuilder, cfg, p: CombineWaitParams,
                 r.store(chunk(p.out, t, c), ir.Pack(VEC, words))
         if not partial:          # the partial sums have no unreduced form
             with r.else_():
-                with r.for_range("c", r.lane, n_chunks, 32) as c:
+                with r.for_range("c", first_chunk, n_chunks, chunk_step) as c:
                     us = [reader.load(r, p.combine_buf, slots[k], c, f"u{k}")
                           for k in range(K)]
                     for k in range(K):
                         words = tuple(ir.Select(valid[k], w, ir.Const(0, T.u32))
                                       for w in reader.bf16_words(r, us[k], k))
                         r.store(chunk(p.out, slots[k], c), ir.Pack(VEC, words))
+
+
+@contextlib.contextmanager
+def token_shares(r: ir.RoleBuilder, cfg, gwarp, nwarps, n_tokens):
+    """``with token_shares(...) as (t, first_chunk, chunk_step):`` the body once per token
+    ``t`` this warp reduces, its lanes taking the row's 16-byte chunks ``first_chunk,
+    first_chunk + chunk_step, ...``. With ``cfg.tuning.reduce_warps_per_token_max`` 1: warp
+    ``w`` takes tokens ``w, w + warps, ...`` and chunks ``lane, lane + 32, ...``. Above 1,
+    ``S`` warps share a token: ``S`` the largest power of two up to the knob with ``S *
+    n_tokens <= warps`` (1 when the tokens are as many as the warps; per call, from the
+    ``n_tokens`` argument: a ladder of ``setp``), work item ``i = w, w + warps, ...`` is
+    token ``i >> log2 S``, share ``i & (S - 1)``, chunks ``32 * share + lane`` in steps of
+    ``32 S``."""
+    most = cfg.tuning.reduce_warps_per_token_max
+    if most == 1:
+        with r.for_range("t", gwarp, n_tokens, nwarps) as t:
+            yield t, r.lane, 32
+        return
+    room = r.let("red_room", nwarps // ir.as_expr(n_tokens).max(1))
+    lg = r.var("red_lg", T.u32, 0)
+    for i in range(1, most.bit_length()):
+        with r.if_(room >= (1 << i)):
+            r.assign(lg, i)
+    with r.for_range("t_share", gwarp, ir.as_expr(n_tokens) << lg, nwarps) as item:
+        t = r.let("t", item >> lg)
+        share = r.let("red_share", item & ((ir.Const(1, T.u32) << lg) - 1))
+        yield t, r.lane + (share << 5), ir.Const(32, T.u32) << lg
 
 
 def lead_slots(r: ir.RoleBuilder, cfg, gids, valid) -> list:
@@ -313,5 +340,6 @@ def build_combine_wait(cfg, wire=None) -> ir.Kernel:
 
 
 __all__ = ["build_combine_wait", "wait_for_all_arrivals", "reduce_and_copy_to_output",
-           "check_hid_dim", "valid_slot", "lead_slots", "f32_to_bf16", "Bf16SlotReader",
+           "check_hid_dim", "valid_slot", "lead_slots", "token_shares", "f32_to_bf16",
+           "Bf16SlotReader",
            "KERNEL_NAME", "CombineWaitParams"]
