@@ -244,7 +244,7 @@ class RankDedupDestination(StagedDestination):
         Symmetric addresses are this rank's own (``recv_buf_ptrs[my_rank % P]``), as in
         ``shmem_send.put_to_remote``. A slot that does not lead does nothing."""
         cfg, p, lay = self.cfg, self.p, self.cfg.layout
-        K, L, R, P = lay.top_k, lay.n_local_experts, cfg.n_ranks, cfg.p2p_world_size
+        R, P = cfg.n_ranks, cfg.p2p_world_size
         finished = _word(p.counters, cfg.n_experts)
         remote = is_remote(cfg, dst_rank, p.my_rank) & (g < cfg.n_experts)
         with r.if_(remote & self.leads(r, t, k, dst_rank)):

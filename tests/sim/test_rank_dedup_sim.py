@@ -9,20 +9,25 @@ after the plain dispatch, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 import epgen
+import ir
 from backends import sim as sim_backend
-from epgen import round_trips
+from epgen import reference, round_trips
 from epgen.formats import make_format
-from epgen.kernels import send_policy
+from epgen.kernels import dispatch_wait, send_policy
+from epgen.kernels.staged_copy import L1Release
+from epgen.runtime.program import Program
 
 import format_cases
 from combine_checks import assert_combine_ignores_flag, weights
 from format_cases import case_ids
 from mask_checks import mask_cfg
-from sim_world import sim_world
+from sim_world import launch_wait_with_l1, sim_world
 from test_rank_mask_sim import MAX_SPINS, _call
 
 #: every registered format at the simulator's sizes
@@ -160,6 +165,43 @@ def _expected_messages(cfg, ids_per_rank, dst):
                                                             for g in row)}
 
 
+@contextlib.contextmanager
+def message_area_bytes(world, cfg, access: str, payload_only: bool = False):
+    """``with message_area_bytes(world, cfg, "write" | "read") as got:`` while the body runs,
+    ``got[d][row]`` counts the bytes the simulator's memory stores into (``"write"``) or
+    serves from (``"read"``: 16-byte loads only; host reads are larger) rank ``d``'s
+    message-area row ``row``; ``payload_only``: only the bytes inside the format's
+    payload."""
+    lay = cfg.layout
+    limit = cfg.token_fmt.payload_vectors * 16 if payload_only else lay.dedup_row_bytes
+    mem = world.cuda.mem
+    areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
+             for rk in world.ranks]
+    got = [dict() for _ in world.ranks]
+    plain = getattr(mem, access)
+
+    def count(addr, n):
+        for d, (lo, hi) in enumerate(areas):
+            if lo <= addr < hi and (addr - lo) % lay.dedup_row_bytes < limit:
+                assert addr + n <= hi
+                row = (addr - lo) // lay.dedup_row_bytes
+                got[d][row] = got[d].get(row, 0) + n
+
+    def counting_write(addr, data):
+        count(addr, len(data))
+        plain(addr, data)
+
+    def counting_read(addr, n):
+        if n == 16:
+            count(addr, n)
+        return plain(addr, n)
+    setattr(mem, access, counting_write if access == "write" else counting_read)
+    try:
+        yield got
+    finally:
+        setattr(mem, access, plain)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_one_message_per_token_and_destination_rank(path, seed):
     """Every store the simulator makes into a rank's message area is counted by row: each
@@ -170,24 +212,9 @@ def test_one_message_per_token_and_destination_rank(path, seed):
     cfg = make_cfg("BF16", 64, R=4, K=4, L=4, T=8, path=path)
     lay = cfg.layout
     calls = _edge_calls(cfg, seed, n_calls=1)
-    with sim_world(cfg, seed) as world:
-        mem = world.cuda.mem
-        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
-                 for rk in world.ranks]
-        written = [dict() for _ in world.ranks]
-        plain_write = mem.write
-
-        def counting_write(addr, data):
-            for d, (lo, hi) in enumerate(areas):
-                if lo <= addr < hi:
-                    assert addr + len(data) <= hi
-                    row = (addr - lo) // lay.dedup_row_bytes
-                    written[d][row] = written[d].get(row, 0) + len(data)
-            plain_write(addr, data)
-        mem.write = counting_write
+    with sim_world(cfg, seed) as world, message_area_bytes(world, cfg, "write") as written:
         for _ in round_trips.checked_calls(world, calls, seed=seed):
             pass
-        mem.write = plain_write
     toks, ids = calls[0]
     n_slots = 0
     for d in range(cfg.n_ranks):
@@ -210,25 +237,10 @@ def test_the_receive_reads_each_message_once(path, seed):
     cfg = make_cfg("BF16", 64, R=4, K=4, L=4, T=8, path=path)
     lay, payload = cfg.layout, cfg.token_fmt.payload_vectors * 16
     calls = _edge_calls(cfg, seed, n_calls=1)
-    with sim_world(cfg, seed) as world:
-        mem = world.cuda.mem
-        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
-                 for rk in world.ranks]
-        read = [dict() for _ in world.ranks]
-        plain_read = mem.read
-
-        def counting_read(addr, n):
-            for d, (lo, hi) in enumerate(areas):
-                if n == 16 and lo <= addr < hi and (addr - lo) % lay.dedup_row_bytes < payload:
-                    row = (addr - lo) // lay.dedup_row_bytes
-                    read[d][row] = read[d].get(row, 0) + n
-            return plain_read(addr, n)
-        mem.read = counting_read
-        try:
-            for _ in round_trips.checked_calls(world, calls, seed=seed):
-                pass
-        finally:
-            mem.read = plain_read
+    with sim_world(cfg, seed) as world, \
+            message_area_bytes(world, cfg, "read", payload_only=True) as read:
+        for _ in round_trips.checked_calls(world, calls, seed=seed):
+            pass
     toks, ids = calls[0]
     L = cfg.n_experts // cfg.n_ranks
     repeated = 0
@@ -246,11 +258,6 @@ def test_l1_release_copies_each_slot_into_its_own_row(seed):
     published as they land, so a tile's rows must be its own warps' stores): the receive
     copies slot by slot, every message's payload read once per slot of it on the rank; the
     output equals the reference and each expert's counter ends at its token blocks."""
-    from epgen import reference
-    from epgen.kernels import dispatch_wait
-    from epgen.kernels.staged_copy import L1Release
-    from epgen.runtime.program import Program
-    import ir
     cfg = make_cfg("BF16", 64, R=2, K=4, L=4, T=8, path="warp_split")
     lay, payload, L, tb = cfg.layout, cfg.token_fmt.payload_vectors * 16, 4, 2
     kb = ir.KernelBuilder(dispatch_wait.KERNEL_NAME, cfg.num_threads)
@@ -265,33 +272,11 @@ def test_l1_release_copies_each_slot_into_its_own_row(seed):
     kernel = kb.build()
     (toks, ids), = _edge_calls(cfg, seed, n_calls=1)
     with sim_world(cfg, seed, fused=False) as world:
-        mem = world.cuda.mem
-        areas = [(rk.recv_buf.ptr, rk.recv_buf.ptr + lay.dedup_msg_rows * lay.dedup_row_bytes)
-                 for rk in world.ranks]
-        read = [dict() for _ in world.ranks]
-        plain_read = mem.read
-
-        def counting_read(addr, n):
-            for d, (lo, hi) in enumerate(areas):
-                if n == 16 and lo <= addr < hi and (addr - lo) % lay.dedup_row_bytes < payload:
-                    row = (addr - lo) // lay.dedup_row_bytes
-                    read[d][row] = read[d].get(row, 0) + n
-            return plain_read(addr, n)
         prog = Program(ir.Module("l1", (kernel,)), device=world.device, backend=world.cuda)
         world.load_inputs(toks, ids)
         world.dispatch_async()
-        counters = []
-        mem.read = counting_read
-        try:
-            for rk in world.ranks:
-                counters.append(world.cuda.zeros(L, np.uint32, device=world.device,
-                                                 stream=rk.stream))
-                prog.launch(kernel.name, cfg.n_sms, {**world.wait_args(rk),
-                                                     "l1_arrival_ptr": counters[-1]}, rk.stream)
-                rk.wait_done = rk.stream.record()
-            world.synchronize()
-        finally:
-            mem.read = plain_read
+        with message_area_bytes(world, cfg, "read", payload_only=True) as read:
+            counters = launch_wait_with_l1(world, prog, kernel, L)
         results = world.results()
     want = reference.dispatch(cfg, toks, ids)
     reference.assert_match(cfg, want, results)

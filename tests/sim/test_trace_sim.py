@@ -22,7 +22,7 @@ from epgen.runtime import trace_export
 from epgen.runtime.world import EmulatedWorld
 
 from combine_checks import combine_matches
-from sim_world import sim_world
+from sim_world import launch_wait_with_l1, sim_world
 from test_final_layout_sim import FLAGS, SHAPES, make_cfg
 from world_checks import checked_calls
 
@@ -330,14 +330,7 @@ def test_every_l1_release_is_an_event(release, seed):
         world.load_inputs(toks, ids)
         runtime_trace.arm(world)
         world.dispatch_async()
-        counters = []
-        for rk in world.ranks:
-            counters.append(world.cuda.zeros(L, np.uint32, device=world.device,
-                                             stream=rk.stream))
-            prog.launch(kernel.name, cfg.n_sms, {**world.wait_args(rk),
-                                                 "l1_arrival_ptr": counters[-1]}, rk.stream)
-            rk.wait_done = rk.stream.record()
-        world.synchronize()
+        counters = launch_wait_with_l1(world, prog, kernel, L)
         results = world.results()
         tl = runtime_trace.read(world)
     want = reference.dispatch(cfg, toks, ids)

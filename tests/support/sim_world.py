@@ -25,3 +25,21 @@ def sim_world(cfg, seed: int = 0, max_spins: int = 20000, timeouts: bool = False
     world = world_mod.EmulatedWorld(cfg, backend=machine, **world_kwargs)
     world.sim = machine.sim
     yield world
+
+
+def launch_wait_with_l1(world, prog, kernel, n_counters: int) -> list:
+    """After ``world.dispatch_async()``: launch ``kernel`` (a dispatch_wait built with L1
+    releases, in ``prog``) on every rank's stream with the world's wait arguments and a
+    fresh zeroed u32 counter array of ``n_counters`` (``l1_arrival_ptr``), each rank's
+    ``wait_done`` recorded after it; then synchronise. Returns the counters, rank order."""
+    import numpy as np
+    counters = []
+    for rk in world.ranks:
+        counters.append(world.cuda.zeros(n_counters, np.uint32, device=world.device,
+                                         stream=rk.stream))
+        prog.launch(kernel.name, world.cfg.n_sms, {**world.wait_args(rk),
+                                                   "l1_arrival_ptr": counters[-1]}, rk.stream)
+        rk.wait_done = rk.stream.record()
+    world.synchronize()
+    return counters
+
