@@ -8,7 +8,9 @@ builders' roles.
 - ``emit_broadcast_token``: the warp send path, one warp reads a token once and stores its
   payload and scales at every top-k destination;
 - ``emit_copy_msg_to_output`` (``copy_msg_to_output_tensor``): one warp copies one message
-  into one output row; ``emit_copy_tile_scales`` the tile-wide scale copy;
+  into one output row, or into each live row of a ``fanout.RowFan`` (``ep_rank_dedup``'s
+  message-major receive: address it with ``fanout.each_row``, store with ``fanout.store`` or
+  ``epgen.primitives``' copies); ``emit_copy_tile_scales`` the tile-wide scale copy;
 - ``emit_pad_expert_offsets`` (``pad_expert_offsets``).
 
 ``emit_send``/``emit_receive`` are aliases. An emitter reads its format's layout from
@@ -83,7 +85,8 @@ class DeviceEmitter:
         raise self._missing("emit_broadcast_token")
 
     def emit_copy_msg_to_output(self, *args, **kwargs):
-        """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row)."""
+        """IR of ``copy_msg_to_output_tensor`` (one warp, one message, one output row or a
+        ``fanout.RowFan`` of them)."""
         raise self._missing("emit_copy_msg_to_output")
 
     #: True: dispatch_wait copies the scales of a whole tile at once, after its messages'
