@@ -17,10 +17,12 @@
 #            a PE killed between calls, in its dispatch and in its combine, and DeepEP's
 #            shrink test on a process group (ranks killed at dispatch and combine)
 #   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
-#   bench    decode (128 tokens per rank) and prefill (4096): the FP8 combine against the
-#            BF16 one, the partial-reduce combine against the plain one after the same
-#            deduplicated dispatch, each with one warp a token in the reduce and with up to
-#            8 (Tuning.reduce_warps_per_token_max)
+#   bench    the FP8 combine against the BF16 one at decode (128 tokens per rank) with the
+#            combine's split knobs off, the reduce's on (Tuning.reduce_warps_per_token_max),
+#            the send's on (Tuning.combine_send_warps_per_row) and both; at prefill (4096)
+#            off and both
+#   bench2   the same for the partial-reduce combine against the plain one after the same
+#            deduplicated dispatch
 #   figures  the deduplicated dispatch against today's and the rank mask's cost in one run;
 #            the DeepEP API's host and round-trip times
 # docs/PERF.md "Open items" says which goal each figure answers.
@@ -90,15 +92,30 @@ mps8)
     stop_mps
     ;;
 bench)
-    step combine-fp8 280 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128,4096 \
-        --variant default --variant split=tune.reduce_warps_per_token_max:8 \
-        --no-post-check --json "$OUT/combine-fp8.json"
-    show combine-fp8
-    step combine-partial 280 "$PY" -m epgen bench --op combine --combine-partial \
-        --tokens 128,4096 --variant dedup=ep_rank_dedup \
-        --variant dedup_split=ep_rank_dedup,tune.reduce_warps_per_token_max:8 \
-        --no-post-check --json "$OUT/combine-partial.json"
-    show combine-partial
+    step combine-fp8-decode 200 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128 \
+        --variant default --variant rsplit=tune.reduce_warps_per_token_max:8 \
+        --variant ssplit=tune.combine_send_warps_per_row:4 \
+        --variant both=tune.reduce_warps_per_token_max:8,tune.combine_send_warps_per_row:4 \
+        --no-post-check --json "$OUT/combine-fp8-decode.json"
+    show combine-fp8-decode
+    step combine-fp8-prefill 280 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 4096 \
+        --variant default \
+        --variant both=tune.reduce_warps_per_token_max:8,tune.combine_send_warps_per_row:4 \
+        --no-post-check --json "$OUT/combine-fp8-prefill.json"
+    show combine-fp8-prefill
+    ;;
+bench2)
+    step combine-partial-decode 200 "$PY" -m epgen bench --op combine --combine-partial \
+        --tokens 128 --variant dedup=ep_rank_dedup \
+        --variant dedup_rsplit=ep_rank_dedup,tune.reduce_warps_per_token_max:8 \
+        --variant dedup_ssplit=ep_rank_dedup,tune.combine_send_warps_per_row:4 \
+        --no-post-check --json "$OUT/combine-partial-decode.json"
+    show combine-partial-decode
+    step combine-partial-prefill 280 "$PY" -m epgen bench --op combine --combine-partial \
+        --tokens 4096 --variant dedup=ep_rank_dedup \
+        --variant dedup_both=ep_rank_dedup,tune.reduce_warps_per_token_max:8,tune.combine_send_warps_per_row:4 \
+        --no-post-check --json "$OUT/combine-partial-prefill.json"
+    show combine-partial-prefill
     ;;
 figures)
     step dedup 200 "$PY" -m epgen bench --tokens 128,4096 --variant default \
@@ -110,7 +127,7 @@ figures)
     show deepep-api
     ;;
 *)
-    echo "usage: $0 [tests|tests2|mps|mps2|mps8|bench|figures]" >&2
+    echo "usage: $0 [tests|tests2|mps|mps2|mps8|bench|bench2|figures]" >&2
     exit 2
     ;;
 esac

@@ -66,6 +66,12 @@ class Tuning:
     #: every ``n``-th of the row's 16-byte chunks; 1 is one warp per token. Not yet measured
     #: on a GPU (docs/PERF.md "Open items")
     reduce_warps_per_token_max: int = attrs.field(default=1, validator=_power_of_two)
+    #: combine send over P2P (every wire: the BF16 copy, the FP8 quantise, the partial
+    #: reduce's destination sum): warps that share one returned row, each taking every
+    #: ``n``-th 32-lane slice of it (under the SHMEM transport 1: a remote row is one
+    #: put-with-signal); 1 is one warp per row. Not yet measured on a GPU (docs/PERF.md "Open
+    #: items")
+    combine_send_warps_per_row: int = attrs.field(default=1, validator=_power_of_two)
     #: final layout with transposed scales: rows per tile of dispatch_wait's header-pass
     #: scale copy
     scale_chunk_rows: int = attrs.field(default=128, validator=_power_of_two)

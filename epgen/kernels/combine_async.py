@@ -44,7 +44,7 @@ from ir import AtomOp, Scope, Sem, ShflMode, diag
 from ir import types as T
 
 from ..combine_layout import CombineLayout
-from ..primitives import warp_inclusive_scan
+from ..primitives import copy_vectors, warp_inclusive_scan
 from .combine_shmem import (arrival_signal, complete_puts, issued_flag, publish_arrival,
                             send_row, skip_row)
 from . import combine_partial, rank_mask, trace
@@ -128,6 +128,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     n_sub = r.let("pair_n_sub", ((nwarps - e_first + (L - 1)) // L).max(1))
     issued = issued_flag(r) if cfg.needs_shmem else None
     partial = wire is not None and wire.reduces_at_destination
+    shares = row_shares(cfg)
     for s in range(lay.n_sources):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
         sig = arrival_signal(r, cfg, p, s)
@@ -139,25 +140,26 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
             cnt = r.let(f"cnt_{s}", r.load(word(p.counters, region_a + 2 * w + 1), T.u32,
                                            name="blk_cnt"))
             start = r.let(f"start_{s}", end - 1024 - cnt)
-            with r.for_range(f"j_{s}", sub, cnt, n_sub) as j:
+            with _rows_and_shares(r, s, sub, cnt, n_sub, shares) as (j, share):
                 row = r.let("row", start + j)
                 t = r.let("src_t", r.load(word(p.src_info, row * 2), T.s32, name="t_ld"))
                 k = r.let("src_k", r.load(word(p.src_info, row * 2 + 1), T.s32, name="k_ld"))
                 bad = (t < ir.Const(0, T.s32)) | (t >= ir.Const(max_tpr, T.s32)) \
                     | (k < ir.Const(0, T.s32)) | (k >= ir.Const(K, T.s32))
-                with r.if_(bad):
+                with r.if_(bad if share is None else bad & share.eq(0)):
                     report_bounds(r, p.err_buf, p.my_rank, row, t, k)
                     skip_row(r, cfg, p, s, sig, issued)
                     if partial and cfg.needs_shmem:      # its 1 was signalled: counted
                         r.assign(sent, sent + 1)
-                with r.else_():
+                with r.if_(~bad) if share is not None else r.else_():
+                    part = None if share is None else (share, shares)
                     if partial:
                         with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
                             wire.send_token_row(r, p, s, dst_buf, row, t, k, sent, sig,
-                                                issued)
+                                                issued, part=part)
                     else:
                         send_slot_row(r, cfg, p, s, dst_buf, row, t, k, to_s, sig, issued,
-                                      wire)
+                                      wire, part=part)
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
         add = 1 if not partial else combine_partial.done_increment(sent)
@@ -178,11 +180,34 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     complete_puts(r, cfg, issued)
 
 
+def row_shares(cfg) -> int:
+    """Warps that share one returned row (``Tuning.combine_send_warps_per_row``; 1 under the
+    SHMEM transport, where a remote row is one put-with-signal)."""
+    return 1 if cfg.needs_shmem else cfg.tuning.combine_send_warps_per_row
+
+
+@contextlib.contextmanager
+def _rows_and_shares(r: ir.RoleBuilder, s: int, first, n_rows, step, shares: int):
+    """``with ... as (j, share):`` the body once per row ``j = first, first + step, ...``
+    below ``n_rows`` (``share`` None); with ``shares`` > 1 once per work item ``i = first,
+    first + step, ...`` below ``n_rows * shares``: row ``i >> log2 shares``, share ``i &
+    (shares - 1)`` (a u32)."""
+    if shares == 1:
+        with r.for_range(f"j_{s}", first, n_rows, step) as j:
+            yield j, None
+        return
+    lg = shares.bit_length() - 1
+    with r.for_range(f"ji_{s}", first, n_rows * shares, step) as item:
+        yield r.let("j_row", item >> lg), r.let("row_share", item & (shares - 1))
+
+
 def send_slot_row(r: ir.RoleBuilder, cfg, p, s: int, dst_buf, row, t, k, to_s, sig, issued,
-                  wire=None):
+                  wire=None, part=None):
     """Grouped-output row ``row`` (``src_info = (t, k)``, in bounds) into slot ``(t, k)``
     of ``dst_buf`` (source ``s``'s receive buffer) unless ``to_s`` is false: the BF16
-    row's ``send_row``, or the FP8 ``wire``'s."""
+    row's ``send_row``, or the FP8 ``wire``'s. ``part = (share, shares)``: this warp's
+    share of the row (``row_shares``; P2P only): the BF16 copy's vectors ``32 share +
+    lane`` in steps of ``32 shares``, the FP8 quantise's items the same way."""
     K, H = cfg.token_fmt.top_k, cfg.token_fmt.hid_dim
     row_bytes = H * 2
     slot_bytes = row_bytes if wire is None else wire.slot_bytes
@@ -190,10 +215,14 @@ def send_slot_row(r: ir.RoleBuilder, cfg, p, s: int, dst_buf, row, t, k, to_s, s
     dst = r.let("dst_row", dst_buf + slot * slot_bytes, peer=True)
     src = r.let("src_row", p.expert_out + row.cast(T.u64) * row_bytes)
     with r.if_(to_s) if to_s is not None else contextlib.nullcontext():
-        if wire is None:
+        if wire is not None:
+            wire.send_row(r, cfg, p, s, dst, src, row, sig, issued, part=part)
+        elif part is None:
             send_row(r, cfg, p, s, dst, src, row_bytes, row_bytes // 16, sig, issued)
         else:
-            wire.send_row(r, cfg, p, s, dst, src, row, sig, issued)
+            share, shares = part
+            copy_vectors(r, dst, src, row_bytes // 16, r.lane + (share << 5), 32 * shares,
+                         tag="cbs")
 
 
 def rows_to_source(r: ir.RoleBuilder, cfg, p, s: int) -> ir.Var:
@@ -226,5 +255,5 @@ def build_combine_async(cfg, wire=None) -> ir.Kernel:
     return kb.build()
 
 
-__all__ = ["build_combine_async", "send_tokens_back", "report_bounds", "KERNEL_NAME",
-           "CombineAsyncParams"]
+__all__ = ["build_combine_async", "send_tokens_back", "report_bounds", "row_shares",
+           "KERNEL_NAME", "CombineAsyncParams"]

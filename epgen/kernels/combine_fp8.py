@@ -101,21 +101,25 @@ class Fp8Wire:
         """The FP8 twin's kernel name."""
         return bf16_name + SUFFIX
 
-    def quantise(self, r: ir.RoleBuilder, src, dst):
+    def quantise(self, r: ir.RoleBuilder, src, dst, part=None):
         """The whole warp: BF16 row ``src`` quantised into the slot at ``dst`` (its codes at
         ``dst``, its scales at ``dst + H``): the format's ``emit_broadcast_token`` to the one
-        destination, unstaged, one item in flight per lane."""
-        self.fmt.emit_broadcast_token(r, src, [ir.Cast(T.u64, dst)], tuning=self.cfg.tuning,
-                                      unroll=1, stage_bytes=0)
+        destination, unstaged, one item in flight per lane; ``part = (share, shares)``: this
+        warp's every ``shares``-th run of 32 items from run ``share``."""
+        self.fmt.emit_broadcast_token(r, src, [ir.Cast(T.u64, dst)], part=part,
+                                      tuning=self.cfg.tuning, unroll=1, stage_bytes=0)
 
     def send_row(self, r: ir.RoleBuilder, cfg, p, s: int, dst, src, row, sig=None,
-                 issued=None):
+                 issued=None, part=None):
         """Row ``row`` (at ``src``) into slot ``dst`` of source ``s`` (module docstring):
-        quantised straight into it, or under the SHMEM transport into the row's staging
-        slot and then sent whole by ``combine_shmem.send_row``."""
+        quantised straight into it (``part``: this warp's share, P2P only), or under the
+        SHMEM transport into the row's staging slot and then sent whole by
+        ``combine_shmem.send_row``."""
         if not cfg.needs_shmem:
-            self.quantise(r, src, dst)
+            self.quantise(r, src, dst, part)
             return
+        if part is not None:
+            raise ValueError("Fp8Wire.send_row: a shared row under the SHMEM transport")
         stage = kernel_param(r, "fp8_stage", T.ptr_global)
         staged = r.let("fp8_staged", stage + ir.as_expr(row).cast(T.u64) * self.slot_bytes)
         self.quantise(r, src, staged)

@@ -90,10 +90,15 @@ class PartialWire:
         return bf16_name + SUFFIX
 
     def send_token_row(self, r: ir.RoleBuilder, p, s: int, dst_buf, row, t, k, sent,
-                       sig=None, issued=None) -> None:
+                       sig=None, issued=None, part=None) -> None:
         """Grouped-output row ``row`` (``src_info = (t, k)``, in bounds) of source ``s``
         (module docstring): when ``k`` leads the token's local slots, the warp sums them and
-        sends one row into slot ``(t, k)`` of ``dst_buf``, ``sent`` += 1."""
+        sends one row into slot ``(t, k)`` of ``dst_buf``, ``sent`` += 1. ``part = (share,
+        shares)`` (P2P only): this warp sums and stores chunks ``32 share + lane`` in steps
+        of ``32 shares``, and only share 0 counts the row sent."""
+        if part is not None and self.cfg.needs_shmem:
+            raise ValueError("PartialWire.send_token_row: a shared row under the SHMEM "
+                             "transport")
         cfg = self.cfg
         lay, fmt = cfg.layout, cfg.token_fmt
         K, L, H = lay.top_k, lay.n_local_experts, fmt.hid_dim
@@ -127,7 +132,9 @@ class PartialWire:
                 stage = kernel_param(r, "pr_stage", T.ptr_global)
                 out = r.let("pr_staged", stage + ir.as_expr(row).cast(T.u64) * row_bytes)
             expert_out = p.expert_out
-            with r.for_range("pr_c", r.lane, H // 8, 32) as c:
+            first, step = (r.lane, 32) if part is None else \
+                (r.lane + (part[0] << 5), 32 * part[1])
+            with r.for_range("pr_c", first, H // 8, step) as c:
                 acc = [r.var(f"pr_acc{j}", T.f32, ir.Const(0.0, T.f32)) for j in range(8)]
                 ys = [r.load(expert_out + (rows[j].cast(T.u64) * row_bytes
                                            + c.cast(T.u64) * 16), VEC, name=f"pr_y{j}")
@@ -140,7 +147,11 @@ class PartialWire:
             if cfg.needs_shmem:
                 r.warp_sync()
                 send_row(r, cfg, p, s, dst, out, row_bytes, row_bytes // 16, sig, issued)
-            r.assign(sent, sent + 1)
+            if part is None:
+                r.assign(sent, sent + 1)
+            else:
+                with r.if_(part[0].eq(0)):
+                    r.assign(sent, sent + 1)
 
 
 __all__ = ["PartialWire", "check_config", "done_increment", "done_split", "SUFFIX",

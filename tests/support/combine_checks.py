@@ -45,7 +45,7 @@ def corrupted_row_check(world, rng, d: int = 1, edges: bool = False):
     of ``bounds_edges`` (``t = -1``, ``t = max_tokens_per_rank``, ``k = -1``, ``k = K``).
     The error names every one of them (each was recorded), no other slot and no guard byte
     of any rank's combine receive buffer (pre-filled with 0xA5) is written, every valid row
-    lands, and the next call is exact."""
+    lands, and the next call is exact. Returns the error's text and the corrupted rows."""
     cfg = world.cfg
     toks, ids = routing.routing(rng, cfg, cfg.max_tokens_per_rank)
     results = world.dispatch(toks, ids)
@@ -93,6 +93,7 @@ def corrupted_row_check(world, rng, d: int = 1, edges: bool = False):
     w = weights(rng, cfg, ids)
     for g, r in zip(world.combine(ys, w), reference.combine(cfg, results, ys, w)):
         assert np.array_equal(g, r)
+    return str(refused.value), rows
 
 
 def residuals(rng, cfg, ids):

@@ -25,6 +25,10 @@ def bench_commands(text: str, out: str = "OUT") -> list[list[str]]:
         if "-m epgen bench" not in line:
             continue
         argv = shlex.split(line.split("-m epgen bench", 1)[1].replace("$OUT", out))
+        unknown = [a for a in argv if "$" in a]
+        if unknown:
+            raise ValueError(f"a bench command uses shell variables {unknown}: write its "
+                             f"arguments out, so that this test can parse them")
         found.append(argv)
     return found
 
