@@ -45,6 +45,13 @@ def _calls(rng, cfg, counts):
     return [routing.routing(rng, cfg, [n] * cfg.n_ranks) for n in counts]
 
 
+def _same(got, want, what: str) -> None:
+    """Each source's combine bit for bit against the reference."""
+    assert len(got) == len(want)
+    for s, (g, x) in enumerate(zip(got, want)):
+        assert g.shape == x.shape and np.array_equal(g, x), f"{what} source {s}"
+
+
 #: tokens per rank of each call: 10 warps give 8, 4, 2 and 1 warps a token
 COUNTS = (1, 2, 4, 8, 0)
 
@@ -67,11 +74,10 @@ def test_fp8_combine(split, seed):
         results = world.dispatch(toks, ids)
         ys = expert_outputs(rng, cfg, results)
         for w in (weights(rng, cfg, ids), None):
-            got = world.combine(ys, w, fp8=True)
-            want = reference.combine(cfg, results, ys, w, fp8=True,
-                                     n_tokens=[len(i) for i in ids])
-            for s, (g, x) in enumerate(zip(got, want)):
-                assert np.array_equal(g, x), f"seed {seed} call {call} source {s} {w is None}"
+            _same(world.combine(ys, w, fp8=True),
+                  reference.combine(cfg, results, ys, w, fp8=True,
+                                    n_tokens=[len(i) for i in ids]),
+                  f"seed {seed} call {call} unreduced={w is None}")
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -84,10 +90,9 @@ def test_partial_reduce_combine(split, seed):
         results = world.dispatch(toks, ids, topk_weights=w)
         ys = expert_outputs(rng, cfg, results)
         res = residuals(rng, cfg, ids)
-        got = world.combine(ys, residual=res, partial_reduce=True)
-        want = reference.combine(cfg, results, ys, w, residual=res, partial_reduce=True)
-        for s, (g, x) in enumerate(zip(got, want)):
-            assert np.array_equal(g, x), f"seed {seed} call {call} source {s}"
+        _same(world.combine(ys, residual=res, partial_reduce=True),
+              reference.combine(cfg, results, ys, w, residual=res, partial_reduce=True),
+              f"seed {seed} call {call}")
 
 
 @pytest.mark.parametrize("split", SPLITS)
