@@ -16,9 +16,11 @@ Method
   ``(t, k)`` of source ``s`` is source ``s``'s token ``t`` rotated by ``k`` elements, built
   from each row's ``src_info``, so rows in any order within a block are right) against
   ``reference.combine`` for this source. Every PE hears every PE's verdict (a gather), so
-  all stop together when one failed. After the timing: the last call's dispatch and, BF16
-  at up to ``combine.PREFILL_CHECK_TOKENS`` tokens per rank (the reference combine of a
-  prefill shape takes tens of seconds), its combine (transform-free rows) again.
+  all stop together when one failed. After the timing: the last call's dispatch and, BF16,
+  its combine (transform-free rows) again. Above ``combine.PREFILL_CHECK_TOKENS`` tokens per
+  rank each combine check computes that many of this source's tokens, spread evenly
+  (``combine.check_tokens``; the whole reference combine of a prefill shape takes tens of
+  seconds).
 * **Timing** (as the dispatch of this world was always timed): per call, this PE loads its
   inputs, records an event on its stream, enqueues the timed work, records an event, waits
   for its stream (``world.check``: the timeout records), then meets the others at the host
@@ -179,6 +181,19 @@ def expert_rows(result, tokens, only_source: int | None = None) -> np.ndarray:
 
 
 # ---- one PE's measurement -------------------------------------------------------------------------
+def _combine_check(cfg, got, ref, rows, weights, me: int, what: str, flags=None) -> list[str]:
+    """This PE's combine ``got`` against ``reference.combine`` of source ``me`` (``rows``:
+    every destination's expert rows; ``flags``: an extra combine's): every token, or above
+    ``combine.PREFILL_CHECK_TOKENS`` tokens ``combine.check_tokens`` of them. Its problems."""
+    n = len(weights[me])
+    picked = bench_combine.check_tokens(n) if n > bench_combine.PREFILL_CHECK_TOKENS else None
+    want = reference.combine(cfg, ref, rows, weights, sources=[me],
+                             tokens=None if picked is None else {me: picked},
+                             **(flags or {}))[me]
+    got = np.asarray(got)
+    return _combine_problems(got if picked is None else got[picked], want, what)
+
+
 def _combine_problems(got, want, what: str) -> list[str]:
     if got.shape != want.shape:
         return [f"{what}: combine shape {got.shape}, expected {want.shape}"]
@@ -228,9 +243,8 @@ def measure_shape(world, plan, T: int, tokens, topk_ids, weights, *,
         y = world.combine(expert_rows(got, tokens), weights[me])
         comb = world.combiner()
         if ref is not None and not problems:
-            want = reference.combine(cfg, ref, [expert_rows(r, tokens, me) for r in ref],
-                                     weights, sources=[me])[me]
-            problems += _combine_problems(y, want, f"rank {me}")
+            problems += _combine_check(cfg, y, ref, [expert_rows(r, tokens, me) for r in ref],
+                                       weights, me, f"rank {me}")
     out["check"] = _agree(exchange, problems, ref is not None)
     if out["check"].startswith("FAILED"):
         return out
@@ -258,9 +272,8 @@ def measure_arm(world, plan, T: int, arm, tokens, topk_ids, weights, ref, exchan
     y = world.combine(expert_rows(got, tokens), arm.call_weights(weights[me]), **arm.flags)
     problems = []
     if ref is not None:
-        want = reference.combine(cfg, ref, [expert_rows(r, tokens, me) for r in ref],
-                                 weights, sources=[me], **arm.flags)[me]
-        problems = _combine_problems(y, want, f"rank {me} {arm.name}")
+        problems = _combine_check(cfg, y, ref, [expert_rows(r, tokens, me) for r in ref],
+                                  weights, me, f"rank {me} {arm.name}", arm.flags)
     out["check"] = _agree(exchange, problems, ref is not None)
     if not out["check"].startswith("FAILED"):
         _time_and_recheck(world, world.combiner(), plan, T, "combine", out, tokens, topk_ids,
@@ -297,14 +310,10 @@ def _time_and_recheck(world, comb, plan, T: int, op: str, out: dict, tokens, top
         if ref is not None:
             late = reference.compare(cfg, ref[me], world.results()[0])[:3]
             why_not = None if comb is None else (
-                "fixed rows of a quantising format" if fixed else
-                f"above {bench_combine.PREFILL_CHECK_TOKENS} tokens per rank the reference "
-                f"combine takes tens of seconds; it was checked before the timing"
-                if T > bench_combine.PREFILL_CHECK_TOKENS else None)
+                "fixed rows of a quantising format" if fixed else None)
             if comb is not None and why_not is None:
-                want = reference.combine(cfg, ref, [r.out_tokens for r in ref], weights,
-                                         sources=[me], **(flags or {}))[me]
-                late += _combine_problems(comb.finish()[0], want, "last call")
+                late += _combine_check(cfg, comb.finish()[0], ref, [r.out_tokens for r in ref],
+                                       weights, me, "last call", flags)
             out["post_check"] = "FAILED: " + "; ".join(late) if late else (
                 "ok" if why_not is None else f"dispatch ok; combine not checked ({why_not})")
     finally:

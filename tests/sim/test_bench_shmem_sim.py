@@ -125,12 +125,38 @@ def test_a_quantising_format_sends_fixed_rows(fmt, seed, fake_events):
                                      "quantising format)"), res
 
 
-def test_no_second_reference_combine_at_large_shapes(seed, fake_events, monkeypatch):
+def test_large_shapes_check_sampled_tokens_before_and_after(seed, fake_events, monkeypatch):
+    """Above ``PREFILL_CHECK_TOKENS`` (4 here) each PE's combine checks compute 4 of its
+    tokens (``combine.check_tokens``), before the timing and after it; a wrong row among
+    them fails the check."""
     monkeypatch.setattr(bench_combine, "PREFILL_CHECK_TOKENS", 4)
+    asked = []
+    real = bench_shmem.reference.combine
+
+    def recording(*a, tokens=None, **kw):
+        asked.append(tokens)
+        return real(*a, tokens=tokens, **kw)
+    monkeypatch.setattr(bench_shmem.reference, "combine", recording)
     cfg, machine, worlds = two_pes(1, seed)
+    T = cfg.max_tokens_per_rank
+    assert T > 4
     for res in measure_two(cfg, machine, worlds, "combine", seed):
-        assert res["check"] == "ok", res
-        assert res["post_check"].startswith("dispatch ok; combine not checked (above 4 tokens")
+        assert res["check"] == "ok" and res["post_check"] == "ok", res
+    want = bench_combine.check_tokens(T).tolist()
+    assert len(asked) == 4 and all(len(t) == 1 and list(t.values())[0].tolist() == want
+                                   for t in asked), asked
+    cfg, machine, worlds = two_pes(1, seed)
+    real_combine = worlds[0].combine
+    worlds[0].combine = lambda y, *a: _flip_token(real_combine(y, *a), int(want[1]))
+    for res in measure_two(cfg, machine, worlds, "combine", seed):
+        assert res["check"].startswith("FAILED: rank 0"), res
+
+
+def _flip_token(out, t: int):
+    """A copy of a PE's combine output with one bit of token ``t`` flipped."""
+    out = out.copy()
+    out[t, 0] ^= 1
+    return out
 
 
 def test_a_failed_check_stops_every_pe_before_the_timing(seed, fake_events):
