@@ -32,7 +32,7 @@ import engine_calls as ec  # noqa: E402
 from deepep_checks import (FAILS, VARIANTS, LLCase, check_combine,  # noqa: E402
                            check_dispatch, gemm_input, rank_inputs, rank_rounds,
                            shrink_rounds)
-from pe_programs import PES, gloo_group, launch_pe_program  # noqa: E402
+from pe_programs import PES, gloo_group, launch_pe_program, pe_passed  # noqa: E402
 
 #: 4 ranks on one GPU: DeepEP's decode shape with a quarter of the ranks and experts
 CASE = LLCase(n_ranks=4, num_experts=64, tokens=128, hidden=7168, top_k=8, masked=10)
@@ -185,9 +185,7 @@ def pe_main(seed: int, p2p: str) -> int:
     for variant in VARIANTS:
         rank_rounds(torch, buf, rank, case, inputs, variant, device=DEV)
     buf.destroy()
-    print(f"rank {rank}: every DeepEP round passed", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return pe_passed(dist, rank, "every DeepEP round passed")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import epgen.deepep as deep_ep  # noqa: E402
 from epgen.reference_tokens import normal_combine, normal_dispatch  # noqa: E402
 
 from normal_checks import NormalCase, draw_inputs, draw_weights, rank_checks  # noqa: E402
-from pe_programs import PES, gloo_group, launch_pe_program  # noqa: E402
+from pe_programs import PES, gloo_group, launch_pe_program, pe_passed  # noqa: E402
 
 DEV = "cuda"
 CASES = {
@@ -63,7 +63,7 @@ def test_num_worst_tokens_dispatch_in_a_cuda_graph(seed):
     case = CASES["R4-E64-K6"]
     rounds = [draw_inputs(torch, case, seed + k) for k in range(3)]
     group = emulated(case.n_ranks)
-    R, E, worst = case.n_ranks, case.num_experts, case.n_ranks * case.tokens
+    E, worst = case.num_experts, case.n_ranks * case.tokens
 
     def body(rank):
         buf = deep_ep.Buffer(group.rank(rank), num_max_dispatch_tokens_per_rank=case.tokens)
@@ -179,9 +179,7 @@ def pe_main(seed: int) -> int:
     buf.check()
     torch.cuda.current_stream().synchronize()
     buf.destroy()
-    print(f"rank {rank}: every normal-mode check passed", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return pe_passed(dist, rank, "every normal-mode check passed")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A test file run as each PE's program under ``epgen launch`` (one process per rank, MPS
 when the session started it): ``launch_pe_program`` starts ``n`` of them and checks that each
 printed its verdict line; ``gloo_group`` is what a PE program starts with (the rank, the size
-and a gloo process group from the launcher's directory, the GPU set)."""
+and a gloo process group from the launcher's directory, the GPU set), ``pe_passed`` what it
+ends with (the verdict line, the group destroyed)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,12 @@ def gloo_group(store: str):
     path = os.path.join(os.environ["EPGEN_LAUNCH_DIR"], store)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
     return rank, n, dist
+
+
+def pe_passed(dist, rank: int, verdict: str) -> int:
+    """The end of a PE program whose checks passed: prints ``rank <rank>: <verdict>`` (the
+    line ``launch_pe_program`` looks for), destroys the process group; returns 0, the exit
+    status."""
+    print(f"rank {rank}: {verdict}", flush=True)
+    dist.destroy_process_group()
+    return 0
