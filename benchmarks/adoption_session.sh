@@ -19,8 +19,9 @@
 #   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
 #   bench    the FP8 combine against the BF16 one at decode (128 tokens per rank) with the
 #            combine's split knobs off, the reduce's on (Tuning.reduce_warps_per_token_max),
-#            the send's on (Tuning.combine_send_warps_per_row) and both; at prefill (4096)
-#            off and both
+#            the send's on (Tuning.combine_send_warps_per_row), both, and the FP8 send's
+#            quantiser with one item in flight (Tuning.quant_items_in_flight=1, the old
+#            choice); at prefill (4096) off and both
 #   bench2   the same for the partial-reduce combine against the plain one after the same
 #            deduplicated dispatch
 #   figures  the deduplicated dispatch against today's and the rank mask's cost in one run;
@@ -96,6 +97,7 @@ bench)
         --variant default --variant rsplit=tune.reduce_warps_per_token_max:8 \
         --variant ssplit=tune.combine_send_warps_per_row:4 \
         --variant both=tune.reduce_warps_per_token_max:8,tune.combine_send_warps_per_row:4 \
+        --variant q1=tune.quant_items_in_flight:1 \
         --no-post-check --json "$OUT/combine-fp8-decode.json"
     show combine-fp8-decode
     step combine-fp8-prefill 280 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 4096 \

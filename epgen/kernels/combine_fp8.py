@@ -6,7 +6,8 @@ combine's builders (``combine_async``, ``combine_wait``, ``combine_fused``) give
 - **The send** (``Fp8Wire.send_row``): the warp that owns a row quantises it with the
   BlockwiseFP8 format's own device quantiser (``emit_broadcast_token`` of
   ``combine_fp8.wire_format``: the group maximum by shuffles, ``div.rn.f32`` of the scale,
-  ``cvt.rn.satfinite.e4m3x2.f32``), unstaged (lane ``l`` items ``l, l + 32, ...``, one
+  ``cvt.rn.satfinite.e4m3x2.f32``), unstaged (lane ``l`` items ``l, l + 32, ...``,
+  ``Tuning.quant_items_in_flight`` of them loaded before any is quantised, one
   ``st.global.v2.b32`` of 8 codes per item, one ``st.global.b32`` per group scale by the
   group's first lane), straight into slot ``(t, k)`` of the source's FP8 receive buffer
   through the peer table. Under the SHMEM transport the warp quantises into its row's slot
@@ -104,10 +105,12 @@ class Fp8Wire:
     def quantise(self, r: ir.RoleBuilder, src, dst, part=None):
         """The whole warp: BF16 row ``src`` quantised into the slot at ``dst`` (its codes at
         ``dst``, its scales at ``dst + H``): the format's ``emit_broadcast_token`` to the one
-        destination, unstaged, one item in flight per lane; ``part = (share, shares)``: this
-        warp's every ``shares``-th run of 32 items from run ``share``."""
+        destination, unstaged, ``Tuning.quant_items_in_flight`` items in flight per lane (the
+        dispatch's choice; at 2 the default preset's kernels spill nothing, at 4 they do);
+        ``part = (share, shares)``: this warp's every ``shares``-th run of 32 items from run
+        ``share``."""
         self.fmt.emit_broadcast_token(r, src, [ir.Cast(T.u64, dst)], part=part,
-                                      tuning=self.cfg.tuning, unroll=1, stage_bytes=0)
+                                      tuning=self.cfg.tuning, stage_bytes=0)
 
     def send_row(self, r: ir.RoleBuilder, cfg, p, s: int, dst, src, row, sig=None,
                  issued=None, part=None):
