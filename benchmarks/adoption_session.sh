@@ -25,7 +25,7 @@
 #   bench2   the same for the partial-reduce combine against the plain one after the same
 #            deduplicated dispatch
 #   figures  the deduplicated dispatch against today's and the rank mask's cost in one run;
-#            the DeepEP API's host and round-trip times
+#            the DeepEP API's host and round-trip times at decode and prefill (BF16, FP8)
 # docs/PERF.md "Open items" says which goal each figure answers.
 set -u
 cd "$(dirname "$0")/.."
@@ -124,7 +124,7 @@ figures)
         --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
         --json "$OUT/dedup.json"
     show dedup
-    step deepep-api 150 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
+    step deepep-api 200 "$PY" -m epgen bench --preset decode --tokens 128,4096 --api deepep \
         --json "$OUT/deepep-api.json"
     show deepep-api
     ;;
