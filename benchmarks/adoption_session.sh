@@ -24,6 +24,10 @@
 #            choice); at prefill (4096) off and both
 #   bench2   the same for the partial-reduce combine against the plain one after the same
 #            deduplicated dispatch
+#   core     when one call is all a session gets: the DeepEP API on an EmulatedGroup, the
+#            deduplicated dispatch against today's, then under MPS rank masks with a PE
+#            killed and DeepEP's normal mode and shrink test on process groups (shorter
+#            bounds than the modes they come from)
 #   figures  the deduplicated dispatch against today's and the rank mask's cost in one run;
 #            the DeepEP API's host and round-trip times at decode and prefill (BF16, FP8)
 # docs/PERF.md "Open items" says which goal each figure answers.
@@ -119,6 +123,19 @@ bench2)
         --no-post-check --json "$OUT/combine-partial-prefill.json"
     show combine-partial-prefill
     ;;
+core)
+    gpu_tests deepep 90 tests/gpu/test_deepep_gpu.py -k "not process_group"
+    step dedup 150 "$PY" -m epgen bench --tokens 128,4096 --variant default \
+        --variant dedup=ep_rank_dedup --no-post-check --json "$OUT/dedup.json"
+    show dedup
+    LOG="$SUMMARY"
+    . benchmarks/mps.sh
+    export NVSHMEM_REMOTE_TRANSPORT=none EPGEN_SHMEM_PES=${EPGEN_SHMEM_PES:-2,4}
+    gpu_tests rank-mask-pg 170 tests/gpu/test_rank_mask_shmem_gpu.py
+    gpu_tests normal-shrink-pg 150 tests/gpu/test_deepep_normal_gpu.py \
+        tests/gpu/test_deepep_gpu.py -k "process_group and (normal or shrink)"
+    stop_mps
+    ;;
 figures)
     step dedup 200 "$PY" -m epgen bench --tokens 128,4096 --variant default \
         --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
@@ -129,7 +146,7 @@ figures)
     show deepep-api
     ;;
 *)
-    echo "usage: $0 [tests|tests2|mps|mps2|mps8|bench|bench2|figures]" >&2
+    echo "usage: $0 [tests|tests2|mps|mps2|mps8|bench|bench2|core|figures]" >&2
     exit 2
     ;;
 esac
