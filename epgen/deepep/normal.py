@@ -39,7 +39,7 @@ from ..torch import tensors
 from ..torch.buffer import EPBuffer
 from . import dispatch_layout, events
 from .ports import Rendezvous
-from .shapes import check_tensor
+from .shapes import check_tensor, kernel_grid
 
 
 @attrs.frozen
@@ -63,14 +63,10 @@ class NormalShape:
         return self.n_ranks * self.max_tokens
 
     def grid(self, n_sms: int | None, num_threads: int | None, sim: bool) -> tuple[int, int]:
-        """``(n_sms, num_threads)``: ``num_threads`` default at least ``num_experts`` (the
-        receive's aux block polls a count word per thread) and 64 on the simulator, 512 on a
-        GPU; ``n_sms`` at least one more than dispatch_async's signal blocks (``num_experts /
-        (num_threads / 32)``) and at least 2 (an aux block and a copy block), raised to
-        ``n_sms`` when given."""
-        threads = num_threads or max(64 if sim else 512, -(-self.num_experts // 32) * 32)
-        need = max(2, -(-self.num_experts // (threads // 32)) + 1)
-        return max(need, n_sms or 0), threads
+        """``(n_sms, num_threads)``: ``shapes.kernel_grid``'s, with ``num_threads`` default
+        at least 64 on the simulator and 512 on a GPU."""
+        return kernel_grid(self.num_experts, self.n_local_experts, n_sms, num_threads,
+                           min_threads=64 if sim else 512)
 
     def config(self, n_sms: int, num_threads: int) -> EPConfig:
         """The ``EPConfig`` of this shape: ``ep_rank_dedup``, BF16, one P2P group."""

@@ -38,6 +38,19 @@ def format_name(use_fp8: bool, round_scale: bool) -> str:
     return "BlockwiseFP8Pow2" if round_scale else "BlockwiseFP8"
 
 
+def kernel_grid(num_experts: int, n_local_experts: int, n_sms: int | None,
+                num_threads: int | None, min_threads: int = 512) -> tuple[int, int]:
+    """``(n_sms, num_threads)`` that every dispatch and combine kernel of a shape takes:
+    ``num_threads`` default at least ``min_threads`` and at least ``num_experts``
+    (dispatch_wait's aux block polls a count word per thread); ``n_sms`` at least a
+    dispatch_wait comm block per local expert plus one, more blocks than dispatch_async's
+    signal blocks (``num_experts / (num_threads / 32)``) and 2, raised to ``n_sms`` when
+    given (``EPConfig``'s rules)."""
+    threads = num_threads or max(min_threads, -(-num_experts // 32) * 32)
+    need = max(n_local_experts + 1, -(-num_experts // (threads // 32)) + 1, 2)
+    return max(need, n_sms or 0), threads
+
+
 @attrs.frozen
 class LowLatencyShape:
     """One low-latency configuration: ``n_ranks``, ``num_experts``, ``max_tokens``
@@ -66,9 +79,7 @@ class LowLatencyShape:
         per thread); ``n_sms`` at least what the kernels need (a dispatch_wait comm block
         per local expert plus one, and more blocks than dispatch_async's signal blocks,
         ``num_experts / (num_threads / 32)``), raised to ``n_sms`` when given."""
-        threads = num_threads or max(512, -(-self.num_experts // 32) * 32)
-        need = max(self.n_local_experts + 1, -(-self.num_experts // (threads // 32)) + 1, 2)
-        return max(need, n_sms or 0), threads
+        return kernel_grid(self.num_experts, self.n_local_experts, n_sms, num_threads)
 
     def config(self, *, n_sms: int | None = None, num_threads: int | None = None,
                p2p_world_size: int, use_shmem: bool, rank_mask: bool = False) -> EPConfig:
@@ -165,5 +176,5 @@ def check_tensor(torch, t, name: str, *, dtypes, dim: int | None = None, shape=N
         raise EPInputError(f"{name}: must be contiguous")
 
 
-__all__ = ["LowLatencyShape", "format_name", "dispatch_shape", "peer_bytes", "check_tensor", "FP8_GROUP",
-           "UE8M0_PACK"]
+__all__ = ["LowLatencyShape", "kernel_grid", "format_name", "dispatch_shape", "peer_bytes",
+           "check_tensor", "FP8_GROUP", "UE8M0_PACK"]

@@ -121,3 +121,22 @@ def test_handle_keeps_deepeps_positions():
     rpm, cpm, rcpm, recv_src_idx, itir, send_head = h
     assert rpm is prefix and itir is in_rank and (cpm, rcpm, send_head) == (None, None, None)
     assert recv_src_idx.tolist() == [3, 2] and h.recv_src is src and h.topk_idx is ids
+
+
+@pytest.mark.parametrize("n_ranks,num_experts,n_sms,threads", [
+    (2, 16, 8, 512),       # 8 local experts on 8 blocks: one comm block each is not enough
+    (4, 32, 8, 512),
+    (4, 64, None, None),   # 16 local experts, the default grid
+    (8, 256, 4, 1024),     # the signal blocks of 256 experts with 32 warps a block
+])
+@pytest.mark.parametrize("sim", [False, True])
+def test_the_grid_is_a_valid_config_whatever_n_sms_asks(n_ranks, num_experts, n_sms, threads,
+                                                        sim):
+    """``NormalShape.grid`` raises ``n_sms`` to what the kernels need (a dispatch_wait comm
+    block per local expert plus one, more blocks than dispatch_async's signal blocks), as
+    ``LowLatencyShape.grid`` does, so that ``config`` never refuses its own grid."""
+    shape = NormalShape(n_ranks, num_experts, 16, 256, 4)
+    got_sms, got_threads = shape.grid(n_sms, threads, sim)
+    cfg = shape.config(got_sms, got_threads)         # EPConfigError before the fix
+    assert got_sms >= num_experts // n_ranks + 1 and got_sms >= (n_sms or 0)
+    assert cfg.n_sms == got_sms
