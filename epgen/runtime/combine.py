@@ -102,6 +102,7 @@ class Combiner:
         for name in ("recv", "arrival"):
             world.register_symmetric(f"combine_{name}", [getattr(b, name) for b in self.bufs])
         self.build_tables()
+        world.synchronize()           # the tables landed before any stream's kernel reads them
         self.weighted = self.has_residual = self.fp8 = False    # set by ``load``
         self.partial = False                                     # set by ``load``
         #: the FP8 combine's programs and buffers (``combine_fp8.Fp8Combine``), made by the

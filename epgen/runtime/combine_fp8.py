@@ -50,6 +50,7 @@ class Fp8Combine:
         world.register_symmetric("combine_fp8_recv", self.recv)
         self.recv_ptrs = [world.pointer_table(i, combiner.table_ranks(rk), self.recv)
                           for i, rk in enumerate(world.ranks)]
+        world.synchronize()           # the tables landed before any stream's kernel reads them
 
     @staticmethod
     def wire_name(bf16_name: str) -> str:

@@ -224,9 +224,12 @@ class RankWorld(abc.ABC):
         """Rank ``ranks[i]``'s device table of a per-rank buffer (on its GPU): entry ``j`` is
         the address of rank ``peers[j]``'s copy as ``ranks[i]`` reaches it; ``buffers[k]`` is
         ``ranks[k]``'s copy. In one address space (one process holding every rank) that is
-        the copy's own address."""
+        the copy's own address. The copy is enqueued on the rank's stream: a builder's
+        ``synchronize`` after its tables is what makes them safe for kernels on any other
+        stream (a caller's torch stream does not wait for the default stream)."""
         ptrs = [buffers[self.rank_ids.index(q)].ptr for q in peers]
-        return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.ranks[i].device)
+        return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.ranks[i].device,
+                                   stream=self.ranks[i].stream)
 
     def build_pointer_tables(self):
         """Every held rank's tables of its P2P group (``p2p_group``): receive buffers,

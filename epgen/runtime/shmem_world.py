@@ -246,7 +246,8 @@ class ShmemWorld(RankWorld):
                 f"a P2P group (p2p_world_size={self.cfg.p2p_world_size}) needs peer access "
                 f"between its GPUs; lower p2p_world_size (use_shmem=True reaches the others "
                 f"by SHMEM puts) or place the group on GPUs with an NVLink/PCIe peer path")
-        return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.device)
+        return self.cuda.to_device(np.array(ptrs, np.uint64), device=self.device,
+                                   stream=self.ranks[i].stream)
 
     # -- the per-rank API --------------------------------------------------------------------------
     def load_inputs(self, tokens, topk_ids):
