@@ -168,7 +168,7 @@ class RankWorld(abc.ABC):
         if self.cfg.ep_rank_mask:
             self.masks = RankMasks(self, self._shrink)
         self.synchronize()
-        for d in gpus.values():          # the tables' and error buffers' default-stream copies
+        for d in gpus.values():          # the error buffers' default-stream copies
             self.cuda.get_device(d).sync()
 
     # -- placement: where --------------------------------------------------------------------------
