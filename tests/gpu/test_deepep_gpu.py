@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import pytest
@@ -32,7 +31,7 @@ import engine_calls as ec  # noqa: E402
 from deepep_checks import (FAILS, VARIANTS, LLCase, check_combine,  # noqa: E402
                            check_dispatch, gemm_input, rank_inputs, rank_rounds,
                            shrink_rounds)
-from pe_programs import PES, gloo_group, launch_pe_program, pe_passed  # noqa: E402
+from pe_programs import PES, die, gloo_group, launch_pe_program, pe_passed  # noqa: E402
 
 #: 4 ranks on one GPU: DeepEP's decode shape with a quarter of the ranks and experts
 CASE = LLCase(n_ranks=4, num_experts=64, tokens=128, hidden=7168, top_k=8, masked=10)
@@ -133,8 +132,8 @@ def shrink_fails(n: int) -> dict:
 @pytest.mark.parametrize("n", PES)
 def test_process_group_shrink_survives_killed_ranks(n, seed, nvshmem_wheel):
     """DeepEP's shrink test on a process group (``enable_shrink``): the ranks of
-    ``shrink_fails`` die (SIGKILL) when they reach their API; every survivor's mask, dispatch
-    and combine are checked after each call (``deepep_checks.shrink_rounds``)."""
+    ``shrink_fails`` die (``pe_programs.die``) when they reach their API; every survivor's
+    mask, dispatch and combine are checked after each call (``deepep_checks.shrink_rounds``)."""
     dead = set(shrink_fails(n).values())
     launch_pe_program(__file__, [str(seed), "shrink"], n, "shrink rounds passed",
                       keep_going=True, survivors=[r for r in range(n) if r not in dead])
@@ -159,15 +158,14 @@ def pe_shrink_main(seed: int) -> int:
     rank, n, _, case, buf = pe_buffer("deepep-shrink-gloo-store", enable_shrink=True,
                                       timeout_ns=2_000_000_000)
 
-    def die(api):
-        print(f"rank {rank}: fails at {api}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def fail(api):
+        die(rank, f"at {api}")
     fails = shrink_fails(n)
     inputs = rank_inputs(torch, case, seed)
     # every rank first makes both result slots' worlds and combine buffers: their symmetric
     # allocations are collective (DeepEP allocates its buffer in the constructor)
-    shrink_rounds(torch, buf, rank, case, inputs, {}, die, rounds=2, device=DEV)
-    got = shrink_rounds(torch, buf, rank, case, inputs, fails, die, device=DEV)
+    shrink_rounds(torch, buf, rank, case, inputs, {}, fail, rounds=2, device=DEV)
+    got = shrink_rounds(torch, buf, rank, case, inputs, fails, fail, device=DEV)
     assert got == set(fails.values()), got
     print(f"rank {rank}: shrink rounds passed", flush=True)
     os._exit(0)           # NVSHMEM stays up (peers are gone): nothing collective at exit

@@ -1,6 +1,7 @@
 """Rank masks on ``ShmemWorld`` (``ep_rank_mask`` with ``shrink=True``; docs/design.md, "Rank
 masks") on one GPU: one process per PE under ``epgen launch --keep-going`` (MPS when the
-session started it), the last PE killed (SIGKILL) at a chosen point of a chosen call:
+session started it), the last PE killed (``pe_programs.die``: SIGKILL, under MPS after the
+control daemon ended its GPU work) at a chosen point of a chosen call:
 
 - ``between``: after its previous call, before it launches anything of this one;
 - ``dispatch``: right after enqueuing its dispatch kernels;
@@ -20,7 +21,6 @@ time). This file is each PE's program (``python tests/gpu/test_rank_mask_shmem_g
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 
@@ -29,7 +29,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from pe_programs import PES, launch_pe_program  # noqa: E402
+from pe_programs import PES, die, launch_pe_program  # noqa: E402
 
 #: the kernels' deadline (ns): short, so that a death costs seconds
 TIMEOUT_NS = 2_000_000_000
@@ -65,11 +65,6 @@ def _expected(cfg, toks, ids, w, masked):
     return reference.dispatch(cfg, mt, mi), combine_run.expected(cfg, mt, mi, mw)
 
 
-def _die(rank: int, what: str) -> None:
-    print(f"rank {rank}: killed {what}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def pe_main(seed: int, mode: str) -> int:
     """One PE's calls (module docstring); the last PE dies in call ``DIES_AT``."""
     import warnings
@@ -87,18 +82,18 @@ def pe_main(seed: int, mode: str) -> int:
         w = combine_run.router_weights(rng, cfg, ids)
         dying = rank == victim and call == DIES_AT
         if dying and mode == "between":
-            _die(rank, "before its call")
+            die(rank, "before its call")
         if dying and mode == "dispatch":
             world.load_inputs(toks[rank], ids[rank])
             world.enqueue_round_trip()
-            _die(rank, "in its dispatch")
+            die(rank, "in its dispatch")
         t0 = time.monotonic()
         got = world.dispatch(toks[rank], ids[rank])
         if dying:                                        # mode "combine"
             comb = world.prepare_combine()
             comb.load([combine_run.expert_outputs(cfg, got)], [w[rank]])
             comb.enqueue()
-            _die(rank, "in its combine")
+            die(rank, "in its combine")
         out = world.combine(combine_run.expert_outputs(cfg, got), w[rank])
         took = time.monotonic() - t0
         full = (reference.dispatch(cfg, toks, ids), combine_run.expected(cfg, toks, ids, w))

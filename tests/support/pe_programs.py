@@ -2,12 +2,14 @@
 when the session started it): ``launch_pe_program`` starts ``n`` of them and checks that each
 printed its verdict line; ``gloo_group`` is what a PE program starts with (the rank, the size
 and a gloo process group from the launcher's directory, the GPU set), ``pe_passed`` what it
-ends with (the verdict line, the group destroyed)."""
+ends with (the verdict line, the group destroyed), ``die`` how a PE dies on purpose."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -61,3 +63,31 @@ def pe_passed(dist, rank: int, verdict: str) -> int:
     print(f"rank {rank}: {verdict}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def die(rank: int, what: str) -> None:
+    """PE ``rank`` dies now (SIGKILL), ``what`` says where, as a process alone on its GPU
+    would. Under MPS every PE is a client of one server, and a client killed with GPU work
+    in flight leaves that server, and so every other client, in an undefined state (NVIDIA's
+    MPS guide, "Client Early Termination"); so the MPS control daemon is first asked to
+    ``terminate_client`` this process, which ends its work without touching the other
+    clients, as a GPU's driver does for a process that dies alone on its GPU."""
+    print(f"rank {rank}: killed {what}", flush=True)
+    control = shutil.which("nvidia-cuda-mps-control")
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") and control:
+        said = _mps_control(control, "get_server_list")
+        for server in said.split():
+            if server.isdigit():
+                answer = _mps_control(control, f"terminate_client {server} {os.getpid()}")
+                print(f"rank {rank}: terminate_client {server} {os.getpid()}: "
+                      f"{answer.strip() or 'done'}", flush=True)
+        from cuda.bindings import driver      # returns once the server has ended our work
+        driver.cuCtxSynchronize()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _mps_control(control: str, command: str) -> str:
+    """One command to the MPS control daemon; its answer (stdout and stderr)."""
+    done = subprocess.run([control], input=command + "\n", capture_output=True, text=True,
+                          timeout=30)
+    return done.stdout + done.stderr
