@@ -163,6 +163,8 @@ COMBINE_VARIANTS = {
     "shmem": ({"use_shmem": True, "p2p_world_size": 1}, False),
     # ours: the rank mask (the standalone kernels only)
     "rank_mask": ({"ep_rank_mask": True}, False),
+    # ours: combine_wait times each arrival word (Tuning.wait_times, kernels.wait_time)
+    "wait_times": ({"tuning": {"wait_times": True}}, False),
 }
 
 
@@ -311,6 +313,38 @@ for _preset, _suffix, _fmt in GOLDEN_FORMATS:
     _register(_preset, _suffix, _fmt)
 for _name in (*FLAG_VARIANTS, *SHMEM_VARIANTS):
     _register_flag_variant(_name)
+
+
+#: ours: ``name -> (parameter changes, tuning changes)`` of the variants ``ep/<name>`` that set
+#: a ``Tuning`` knob on the small preset: the wait times (``Tuning.wait_times``,
+#: epgen.kernels.wait_time) on the capacity-strided final layout, as the DeepEP API builds
+#: its worlds (dispatch_wait times each count word)
+TUNING_VARIANTS = {
+    "final_layout_wait_times": ({"ep_final_layout": True}, {"wait_times": True}),
+}
+
+
+def tuning_variant_config(name: str):
+    """The ``EPConfig`` of tuning variant ``name`` (a key of ``TUNING_VARIANTS``)."""
+    from .presets import load_preset
+    changes, knobs = TUNING_VARIANTS[name]
+    cfg = load_preset("small")
+    return cfg.replace(**changes, tuning=cfg.tuning.replace(**knobs))
+
+
+def _register_tuning_variant(name: str) -> None:
+    def build():
+        from .kernels import build_module
+        return build_module(tuning_variant_config(name))
+
+    build.__qualname__ = f"ep_{name}_module"
+    changes, knobs = TUNING_VARIANTS[name]
+    golden(f"ep/{name}", description=f"preset small + {describe_changes(changes)}, tuning "
+                                     f"{describe_changes(knobs)}")(build)
+
+
+for _name in TUNING_VARIANTS:
+    _register_tuning_variant(_name)
 
 
 # The device-side check of top-k ids (``ep_check_ids``; epgen.kernels.check_ids), run by the

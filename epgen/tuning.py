@@ -89,6 +89,11 @@ class Tuning:
     trace_ring_capacity: int = attrs.field(default=512, validator=_positive)
     #: with ``trace``: also stamp each L1 release of a copy role that emits them
     trace_scatter_release: bool = attrs.field(default=True, validator=_bool)
+    #: time every wait for another rank's data (``%globaltimer`` ns, an extra kernel
+    #: parameter ``wait_time``: ``epgen.kernels.wait_time``): dispatch_wait's wait for each
+    #: count word, combine_wait's for each arrival word, per source rank (what DeepEP's
+    #: ``*_wait_recv_cost_stats`` report); off, the PTX is that of a build without it
+    wait_times: bool = attrs.field(default=False, validator=_bool)
 
     def replace(self, **changes) -> Tuning:
         """A copy with ``changes`` applied (validated again)."""

@@ -143,7 +143,7 @@ def combine_error(cfg) -> str | None:
 
 def variant_config(name: str) -> EPConfig | None:
     """The ``EPConfig`` a registered golden variant is built from (``ep/<preset>``, the
-    format and flag variants, ``ep/fused``, ``ep/fused_se``, ``ep/skip_a2a_global``,
+    format, flag and tuning variants, ``ep/fused``, ``ep/fused_se``, ``ep/skip_a2a_global``,
     ``ep/rank_dedup_tokens``, ``ep/rank_dedup_combine_tokens``, every ``combine/`` variant,
     its FP8 twin ``combine/<name>_fp8`` and the partial-reduce ones); None for the others
     (the demos, the id checks, the test kernels
@@ -174,6 +174,8 @@ def variant_config(name: str) -> EPConfig | None:
                                                      alignment=f.alignment))
     if rest in eg.FLAG_VARIANTS or rest in eg.SHMEM_VARIANTS:
         return eg.flag_variant_config(rest)
+    if rest in eg.TUNING_VARIANTS:
+        return eg.tuning_variant_config(rest)
     if rest == "fused":
         return load_preset("small")
     if rest == "fused_se":

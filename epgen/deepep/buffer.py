@@ -26,8 +26,12 @@ argument):
   ``EmulatedGroup`` on the simulator: the worlds have rank masks (``ep_rank_mask`` with
   shrink, docs/deepep.md "Shrink mode"); a rank's mask spans every world of its group
   (``emulated.MaskBook``; ``ShmemSource`` on a process group).
-- Not available (refused with the reason): ``use_logfmt``, the wait-cost statistics
-  (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``), ``enable_shrink``
+- The wait-cost statistics (``dispatch_wait_recv_cost_stats``,
+  ``combine_wait_recv_cost_stats``, ``[num_ranks]`` int64) accumulate nanoseconds of
+  ``%globaltimer`` per source rank (``Tuning.wait_times``, ``kernels.wait_time``) where
+  DeepEP's accumulate ``clock64`` cycles: the dispatch's sum over this rank's local experts'
+  count words, the combine's arrival word.
+- Not available (refused with the reason): ``use_logfmt``, ``enable_shrink``
   on a GPU ``EmulatedGroup``, FP8 input to the normal mode, ``comm`` (an MPI communicator).
 - ``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank`` and ``allow_mnnvl`` are
   accepted and not used: epgen sizes its own buffers per shape
@@ -248,9 +252,10 @@ class Buffer:
             n_ranks=self.group_size, use_fp8=use_fp8, round_scale=round_scale,
             use_ue8m0=use_ue8m0, on_cuda=self.on_cuda)
         if dispatch_wait_recv_cost_stats is not None:
-            raise EPInputError("dispatch_wait_recv_cost_stats: epgen does not measure "
-                               "per-source wait cost (its trace rings record the waits: "
-                               "docs/trace.md); pass None")
+            shapes.check_tensor(torch, dispatch_wait_recv_cost_stats,
+                                "dispatch_wait_recv_cost_stats", dtypes=(torch.int64,),
+                                shape=(self.group_size,), on_cuda=self.on_cuda,
+                                device=x.device)
         L = shape.n_local_experts
         if cumulative_local_expert_recv_stats is not None:
             shapes.check_tensor(torch, cumulative_local_expert_recv_stats,
@@ -281,6 +286,8 @@ class Buffer:
                              .transpose(1, 2))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
+            if dispatch_wait_recv_cost_stats is not None:
+                dispatch_wait_recv_cost_stats.add_(port.dispatch_wait_ns())
         handle = LowLatencyHandle(views.src_info(raw, shape),
                                   lambda: views.layout_range(torch, raw, shape), shape,
                                   owner=self, slot=index, generation=slot.generation)
@@ -317,10 +324,6 @@ class Buffer:
         if use_logfmt:
             raise EPInputError("use_logfmt: the LogFMT compressed combine is not available; "
                                "pass use_logfmt=False")
-        if combine_wait_recv_cost_stats is not None:
-            raise EPInputError("combine_wait_recv_cost_stats: epgen does not measure "
-                               "per-source wait cost (its trace rings record the waits: "
-                               "docs/trace.md); pass None")
         slot = self._check_handle(handle)
         shape, port = slot.shape, slot.port
         L, RT, H, K = shape.n_local_experts, shape.rows_per_expert, shape.hidden, shape.top_k
@@ -342,16 +345,25 @@ class Buffer:
         if out is not None:
             shapes.check_tensor(torch, out, "out", dtypes=(torch.bfloat16,), shape=(T, H),
                                 on_cuda=self.on_cuda, device=x.device)
+        stats = combine_wait_recv_cost_stats
+        if stats is not None:
+            shapes.check_tensor(torch, stats, "combine_wait_recv_cost_stats",
+                                dtypes=(torch.int64,), shape=(self.group_size,),
+                                on_cuda=self.on_cuda, device=x.device)
         rows = port.combine_input() if zero_copy else x.view(L * RT, H)
         result = port.combine(rows, topk_weights.contiguous(), out,
                               receive=not return_recv_hook, fp8=use_fp8)
         slot.combined = True
+        if stats is not None and not return_recv_hook:
+            stats.add_(port.combine_wait_ns())
 
         def receive_hook():
             if not slot.combine_receiving:
                 raise RuntimeError("hook: this combine was already received")
             slot.combine_receiving = False
             port.combine_receive()
+            if stats is not None:
+                stats.add_(port.combine_wait_ns())
         slot.combine_receiving = return_recv_hook
         hook = receive_hook if return_recv_hook else None
         event = events.record(torch, self.on_cuda, (x, topk_idx, topk_weights)) \

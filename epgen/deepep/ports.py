@@ -43,6 +43,7 @@ class DevicePort:
                               region_a=out.region_a, region_b=region_b)
         self.device = self.ep.device
         self._combine_in = None
+        self._dispatch_waits = self._combine_waits = None     # views, made on first use
         #: tensors the API layer keeps per port (e.g. packed UE8M0 scales)
         self.extras = {}
 
@@ -74,6 +75,23 @@ class DevicePort:
                 (cfg.layout.max_out_rows, cfg.token_fmt.hid_dim), dtype=self.torch.bfloat16,
                 device=f"cuda:{self.device}")
         return self._combine_in
+
+    def dispatch_wait_ns(self):
+        """``[R]`` int64 on the device: how long this rank's last dispatch_wait waited for
+        each source rank (ns, ``Tuning.wait_times``: the sum over its local experts' count
+        words), computed on the current stream."""
+        if self._dispatch_waits is None:
+            self._dispatch_waits = tensors.view(self.torch, self.ep.ranks[0].wait_time,
+                                                dtype="int64")
+        return _per_source(self._dispatch_waits, self.world.cfg)
+
+    def combine_wait_ns(self):
+        """``[R]`` int64 on the device: how long this rank's last combine_wait waited for each
+        destination's rows (ns, ``Tuning.wait_times``)."""
+        if self._combine_waits is None:
+            bufs = self.world.combiner().bufs[self.ep.index[0]]
+            self._combine_waits = tensors.view(self.torch, bufs.wait_time, dtype="int64")
+        return self._combine_waits
 
     def check(self) -> None:
         self.ep.check()
@@ -262,6 +280,17 @@ class SimPort:
                 (cfg.layout.max_out_rows, cfg.token_fmt.hid_dim), dtype=self.torch.bfloat16)
         return self._combine_in
 
+    def dispatch_wait_ns(self):
+        """``DevicePort.dispatch_wait_ns`` on the CPU (the step this rank waited for has run
+        and the next cannot start before this rank's next call)."""
+        words = self.world.ranks[self.rank].wait_time.to_host().astype(np.int64)
+        return _per_source(self.torch.from_numpy(words), self.world.cfg)
+
+    def combine_wait_ns(self):
+        """``DevicePort.combine_wait_ns`` on the CPU."""
+        words = self.world.combiner().bufs[self.rank].wait_time.to_host().astype(np.int64)
+        return self.torch.from_numpy(words)
+
     def check(self) -> None:
         """Nothing to check: the simulator raised at the call."""
 
@@ -270,6 +299,12 @@ class SimPort:
         step."""
         step = self.rv.arrive(self.rank, "clean", ())
         self.rv.wait(self.rank, step, "clean")
+
+
+def _per_source(words, cfg):
+    """dispatch_wait's wait times ``[E]`` (count word ``e * R + src``) summed per source
+    rank: ``[R]``."""
+    return words.view(cfg.layout.n_local_experts, cfg.n_ranks).sum(0)
 
 
 def run_sim_step(world, ports, op: str, payloads, mask_book=None) -> None:

@@ -84,13 +84,16 @@ class LowLatencyShape:
     def config(self, *, n_sms: int | None = None, num_threads: int | None = None,
                p2p_world_size: int, use_shmem: bool, rank_mask: bool = False) -> EPConfig:
         """The ``EPConfig`` of this shape (capacity-strided final layout) with the grid
-        ``grid(n_sms, num_threads)``; ``rank_mask``: with ``ep_rank_mask`` (shrink mode)."""
+        ``grid(n_sms, num_threads)``; ``rank_mask``: with ``ep_rank_mask`` (shrink mode).
+        Its kernels time their waits (``Tuning.wait_times``: the ``*_wait_recv_cost_stats``
+        come from them; two timer reads and a store per waited word)."""
         n_sms, num_threads = self.grid(n_sms, num_threads)
         return EPConfig(num_threads=num_threads, n_sms=n_sms, n_experts=self.num_experts,
                         n_ranks=self.n_ranks, max_tokens_per_rank=self.max_tokens,
                         p2p_world_size=p2p_world_size, use_shmem=use_shmem,
                         ep_final_layout=True, ep_rank_mask=rank_mask,
-                        token_fmt=make_format(self.fmt, self.hidden, self.top_k))
+                        token_fmt=make_format(self.fmt, self.hidden, self.top_k),
+                        tuning={"wait_times": True})
 
 
 def peer_bytes(shape: LowLatencyShape) -> int:

@@ -19,10 +19,12 @@ and before the residual; under ``skip_a2a`` the slice needs ``allreduce_world_si
 
 from __future__ import annotations
 
+import attrs
+
 import ir
 from ir import types as T
 
-from . import combine_async, combine_wait, trace
+from . import combine_async, combine_wait, trace, wait_time
 from .dispatch_fused import SharedParams
 from .shared_expert import se_token_slice
 
@@ -39,6 +41,7 @@ def build_combine_fused(cfg, wire=None) -> ir.Kernel:
     view = SharedParams(kb)
     pa = combine_async.declare_params(view)
     pw = combine_wait.declare_params(view)
+    pw = attrs.evolve(pw, wait_time=wait_time.declare(kb, cfg))
     se = bool(cfg.fused_shared_expert)
     world = kb.param("allreduce_world_size", T.u32) if se and cfg.skip_a2a else None
     trace.instrument(kb, cfg, pw.my_rank)

@@ -34,7 +34,7 @@ from ir import AtomOp, CmpOp, Scope, Sem
 from ir import types as T
 
 from ..combine_layout import CombineLayout
-from . import rank_mask, trace
+from . import rank_mask, trace, wait_time
 from .combine_shmem import wait_arrival
 from .common import VEC, exit_if_aborted, word
 
@@ -59,6 +59,8 @@ class CombineWaitParams:
     err_buf: ir.Param
     #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
     mask: rank_mask.MaskParams | None = None
+    #: ``Tuning.wait_times``: the ``wait_time`` words (``wait_time.declare``), else None
+    wait_time: ir.Param | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg=None) -> CombineWaitParams:
@@ -80,7 +82,8 @@ def declare_params(kb: ir.KernelBuilder, cfg=None) -> CombineWaitParams:
         err_buf=kb.param("err_buf", T.ptr_global),
     )
     if cfg is not None:
-        p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=True))
+        p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=True),
+                         wait_time=wait_time.declare(kb, cfg))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
 
@@ -118,13 +121,17 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
     """Threads ``d < n_sources`` (``R``; 1 under ``skip_a2a``) wait for arrival word ``d``;
     barrier; abort check; the last block to pass re-arms the words (module docstring). With
     ``ep_rank_mask`` the wait is ``rank_mask.wait_for_rank`` on destination ``d``: none for a
-    masked one, and under shrink an expired one is masked."""
+    masked one, and under shrink an expired one is masked. With ``Tuning.wait_times``
+    block 0's thread ``d`` stores how long it waited into ``wait_time[d]``
+    (``wait_time.WaitClock``)."""
     R = cfg.layout.n_sources
     clay = CombineLayout(cfg)
     ctr = word(p.counters, clay.wait_counter_offset)
     nbytes = clay.arrival_word_bytes          # u64 words under the SHMEM transport
     dtype = T.u64 if nbytes == 8 else T.u32
+    clock = wait_time.WaitClock(r, p.wait_time, "arrival_wait")
     with r.if_(r.tid < R):
+        clock.start()
         if cfg.needs_shmem:          # (ep_rank_mask refuses the SHMEM transport)
             wait_arrival(r, cfg, p.arrival, r.tid)
         elif p.mask is None:
@@ -136,6 +143,10 @@ def wait_for_all_arrivals(r: ir.RoleBuilder, cfg, p: CombineWaitParams):
                                     CmpOp.NE, 0, buffer="combine_arrival", index=r.tid,
                                     rank=r.tid, my_rank=p.my_rank, err_buf=p.err_buf,
                                     kernel_name=r.kb.name)
+        clock.stop()
+        if p.wait_time is not None:
+            with r.if_(r.block.eq(0)):
+                clock.store(r.tid)
     r.syncthreads()
     exit_if_aborted(r, p.err_buf)
     trace.stamp(r, "reduce.arrivals_seen")

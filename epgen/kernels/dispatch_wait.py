@@ -11,7 +11,7 @@ import ir
 from ir import CmpOp, Scope, Sem
 from ir import types as T
 
-from . import destination, rank_mask, trace
+from . import destination, rank_mask, trace, wait_time
 from .common import (DATA_READY_FLAG, SENTINEL, block_inclusive_scan, comm_sync,
                      exit_if_aborted, published_count_word, signal_scope)
 from .common import word as _word
@@ -41,6 +41,8 @@ class WaitParams:
     dest: StagedDestination | None = None
     #: ``ep_rank_mask``: the rank mask's parameters (``rank_mask.declare``)
     mask: rank_mask.MaskParams | None = None
+    #: ``Tuning.wait_times``: the ``wait_time`` words (``wait_time.declare``), else None
+    wait_time: ir.Param | None = None
 
 
 def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
@@ -62,6 +64,7 @@ def declare_params(kb: ir.KernelBuilder, cfg) -> WaitParams:
     )
     p = attrs.evolve(p, mask=rank_mask.declare(kb, cfg, waits=True))
     p = attrs.evolve(p, dest=destination.declare_wait(kb, cfg, p))
+    p = attrs.evolve(p, wait_time=wait_time.declare(kb, cfg))
     kb.diagnostics(err_buf=p.err_buf, rank=p.my_rank)
     return p
 
@@ -181,12 +184,16 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
     ``rank_mask.wait_for_rank`` on the word's source rank ``w % R``: a masked source counts
     0, unwaited for, and so does one masked by the wait (shrink); after the barrier every
     word of a source with a word missing counts 0 (``source_missing``), so a source that
-    stopped half-way contributes nothing rather than some experts' rows."""
+    stopped half-way contributes nothing rather than some experts' rows. With
+    ``Tuning.wait_times`` each thread ``w < E`` stores how long it waited into
+    ``wait_time[w]`` (``wait_time.WaitClock``; 0 for a word it did not wait for)."""
     c = r.var("c", T.u32, 0)
     block_off = p.dest.count_offset_var(r)
     if p.mask is not None:
         missing = source_missing(r, cfg)
+    clock = wait_time.WaitClock(r, p.wait_time, "count_wait")
     with r.if_(published_count_word(cfg, r.tid)):
+        clock.start()
         if p.mask is None:
             seen = r.spin_wait(_word(p.recv_count_p, r.tid, 8), T.u64, CmpOp.NE, SENTINEL,
                                buffer="recv_count", index=r.tid, sem=Sem.ACQUIRE,
@@ -207,6 +214,10 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
                 p.dest.read_count_offset(r, seen, block_off)
             with r.else_():
                 r.store(_word(missing, src), 1)
+        clock.stop()
+    if p.wait_time is not None:
+        with r.if_(r.tid < cfg.n_experts):
+            clock.store(r.tid)
     comm_sync(r)
     exit_if_aborted(r, p.err_buf)
     if p.mask is not None:      # a source missing one word counts nothing at all

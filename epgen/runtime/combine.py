@@ -63,6 +63,8 @@ class CombineBuffers:
         self.weights = z((T, K), np.float32)
         self.residual = z((T, H), np.uint16)
         self.out = z(T * K * H, np.uint16)
+        # Tuning.wait_times (ours): combine_wait's time waited for each arrival word, ns
+        self.wait_time = z(clay.arrival_words, np.uint64) if cfg.tuning.wait_times else None
 
 
 def combine_sizes(cfg) -> dict:
@@ -333,6 +335,8 @@ class Combiner:
                 "residual": b.residual, "has_residual": int(self.has_residual),
                 "out": b.out, "n_tokens": rk.n_tokens, "counters": rk.counters.ptr,
                 "my_rank": rk.rank, "err_buf": w.err_of(rk).ptr, "timeout_ns": w.timeout_ns}
+        if b.wait_time is not None:
+            args["wait_time"] = b.wait_time
         if side is not None:
             args.update(side.wait_args(i))
         return args

@@ -26,7 +26,8 @@ class RankBuffers:
     ``peer_memory`` (its peers set them when they mask it). With ``ep_rank_dedup``,
     ``topk_weights`` (``[T, K]`` float32, the weights dispatch_async puts in its messages)
     and ``row_map`` (``layout.dedup_row_map_words`` u32, filled by dispatch_wait); else
-    None."""
+    None. With ``Tuning.wait_times``, ``wait_time``: dispatch_wait's wait for each count word
+    (``n_experts`` u64, ns; ``kernels.wait_time``); else None."""
 
     def __init__(self, cuda, cfg, rank, device, peer_memory=None, send_memory=None):
         lay, fmt = cfg.layout, cfg.token_fmt
@@ -62,6 +63,8 @@ class RankBuffers:
         self.topk_weights = z((T, K), np.float32) if cfg.ep_rank_dedup else None
         self.row_map = z(max(lay.dedup_row_map_words, 1), np.uint32) if cfg.ep_rank_dedup \
             else None
+        # Tuning.wait_times (ours): dispatch_wait's time waited for each count word, ns
+        self.wait_time = z(cfg.n_experts, np.uint64) if cfg.tuning.wait_times else None
         self.n_tokens = 0
         self.wait_done = None
         self.calling = True

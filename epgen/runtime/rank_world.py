@@ -437,7 +437,8 @@ class RankWorld(abc.ABC):
                 "output_tokens": rk.out_tokens, "row_offsets": rk.row_offsets,
                 "expert_ids": rk.expert_ids, "src_info": rk.src_info, "my_rank": rk.rank,
                 "err_buf": self.err_of(rk).ptr, "timeout_ns": self.timeout_ns,
-                **self.dedup_args(rk, "row_map")}
+                **self.dedup_args(rk, "row_map"),
+                **({"wait_time": rk.wait_time} if rk.wait_time is not None else {})}
 
     def _gen_word(self, rk) -> int:
         """Rank ``rk``'s generation word (``ep_prod_reserve``)."""

@@ -51,6 +51,40 @@ def test_emulated_low_latency_rounds(variant, seed):
         variant, rounds=((False, False, 1), (True, True, 2), (True, False, 1)), device=DEV))
 
 
+def test_emulated_wait_cost_statistics(seed):
+    """``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` on the GPU: after
+    two calls every source's entry is a number of nanoseconds from 0 (a word already there:
+    ``%globaltimer`` may not tick during a short wait) up to the calls' own wall time, some
+    wait of the group took time, and the results are DeepEP's as without them."""
+    import time
+    group = emulated()
+    inputs = rank_inputs(torch, CASE, seed)
+    all_idx = [i for _, i, _ in inputs]
+    T, H, E, R = CASE.tokens, CASE.hidden, CASE.num_experts, CASE.n_ranks
+
+    def body(rank):
+        buf = deep_ep.Buffer(group.rank(rank), low_latency_mode=True)
+        x, idx, w = (t.to(DEV) for t in inputs[rank])
+        ds, cs = (torch.zeros(R, dtype=torch.int64, device=DEV) for _ in range(2))
+        start = time.monotonic()
+        for _ in range(2):
+            recv_x, count, handle, _, _ = buf.low_latency_dispatch(
+                x, idx, T, E, use_fp8=False, dispatch_wait_recv_cost_stats=ds)
+            buf.check()
+            check_dispatch(torch, CASE, rank, all_idx, recv_x, count, handle, None,
+                           use_fp8=False, round_scale=False)
+            out, _, _ = buf.low_latency_combine(gemm_input(torch, recv_x, False, H), idx, w,
+                                                handle, combine_wait_recv_cost_stats=cs)
+            buf.check()
+            check_combine(torch, rank, inputs[rank][0], inputs[rank][1], inputs[rank][2], out,
+                          use_fp8=False, round_scale=False)
+        wall_ns = (time.monotonic() - start) * 1e9
+        for name, s in (("dispatch", ds.cpu()), ("combine", cs.cpu())):
+            assert bool((s >= 0).all()) and bool((s < wall_ns).all()), (rank, name, s, wall_ns)
+        return int(ds.sum()) + int(cs.sum())
+    assert sum(group.run(body)) > 0
+
+
 def test_emulated_vllm_two_microbatches_and_sglang_and_trtllm(seed):
     group = emulated()
     first, second = rank_inputs(torch, CASE, seed), rank_inputs(torch, CASE, seed + 1)

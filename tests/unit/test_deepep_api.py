@@ -1,6 +1,7 @@
 """``epgen.deepep``'s host side: every argument DeepEP's API would reject (and every one
 epgen cannot serve yet) is refused with an ``EPInputError`` naming it before any world is
-made or anything enqueued; DeepEP's static helpers, ``Config``, the handle's tuple behaviour
+made or anything enqueued (the combine's wait statistics, checked after the handle:
+tests/sim/test_deepep_wait_cost_sim.py); DeepEP's static helpers, ``Config``, the handle's tuple behaviour
 and the module alias engines import."""
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def test_dispatch_arguments_deepep_rejects_are_refused_by_name_before_a_world_is
             cumulative_local_expert_recv_stats=torch.zeros(2, dtype=torch.int64))
     refused(buf, group, r"^cumulative_local_expert_recv_stats: shape \(3,\)", x, idx, T, E,
             cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))
-    refused(buf, group, r"^dispatch_wait_recv_cost_stats: epgen does not measure", x, idx, T, E,
+    refused(buf, group, r"^dispatch_wait_recv_cost_stats: shape \(2, 2\)", x, idx, T, E,
             dispatch_wait_recv_cost_stats=torch.zeros((R, R), dtype=torch.int64))
+    refused(buf, group, r"^dispatch_wait_recv_cost_stats: dtype torch.int32", x, idx, T, E,
+            dispatch_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int32))
 
 
 def test_construction_refuses_what_it_cannot_serve(group):
@@ -88,14 +91,12 @@ def test_construction_refuses_what_it_cannot_serve(group):
         normal.combine(torch.zeros((1, 8), dtype=torch.bfloat16), None)
 
 
-def test_combine_refuses_logfmt_wait_statistics_and_foreign_handles(buf, group):
+def test_combine_refuses_logfmt_and_foreign_handles(buf, group):
     x = torch.zeros((2, R * T, H), dtype=torch.bfloat16)
     _, idx = inputs()
     w = torch.ones((T, K))
     with pytest.raises(EPInputError, match=r"^use_logfmt"):
         buf.low_latency_combine(x, idx, w, None, use_logfmt=True)
-    with pytest.raises(EPInputError, match=r"^combine_wait_recv_cost_stats"):
-        buf.low_latency_combine(x, idx, w, None, combine_wait_recv_cost_stats=torch.zeros(R))
     with pytest.raises(EPInputError, match=r"^handle: must be the handle low_latency_dispatch "
                                            r"returned, got tuple"):
         buf.low_latency_combine(x, idx, w, (None, None, T, H, E))
