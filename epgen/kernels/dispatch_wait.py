@@ -186,7 +186,7 @@ def wait_for_count_words(r: ir.RoleBuilder, cfg, p: WaitParams):
     word of a source with a word missing counts 0 (``source_missing``), so a source that
     stopped half-way contributes nothing rather than some experts' rows. With
     ``Tuning.wait_times`` each thread ``w < E`` stores how long it waited into
-    ``wait_time[w]`` (``wait_time.WaitClock``; 0 for a word it did not wait for)."""
+    ``wait_time[w]`` (``wait_time.WaitClock``; 0 for a word that is not published)."""
     c = r.var("c", T.u32, 0)
     block_off = p.dest.count_offset_var(r)
     if p.mask is not None:

@@ -6,7 +6,9 @@ The kernel takes one more parameter, ``wait_time`` (u64 words, one per waited wo
 thread that waits for word ``w`` reads the timer before its first poll and after the wait
 ends, and stores the difference into ``wait_time[w]``, every call (a plain store: nothing to
 re-arm; the host reads the words after the kernel, or adds them to its own totals on the
-stream). A word the thread does not wait for (a masked source) gets 0.
+stream). A word no thread waits for (not published in this layout) gets 0; a word of a
+source masked before the wait (``ep_rank_mask``) is not polled, so its time is the few
+nanoseconds of the mask check.
 
 - dispatch_wait: the aux block's thread ``w < E`` for count word ``w = e * R + src``
   (``E`` words; source ``src`` is ``w % R``);
