@@ -42,6 +42,20 @@ SIM_RENDEZVOUS_TIMEOUT_S = 120.0
 GPU_TIMEOUT_NS = 60_000_000_000
 
 
+def default_gpu_grid(sms: int, n_ranks: int) -> int:
+    """The blocks per rank an ``EmulatedGroup`` on a GPU of ``sms`` SMs gives each rank's
+    kernels unless told: ``sms // n_ranks``, every rank's grid together one block per SM.
+
+    Why no more: the ranks share the SMs with each other's host-driven work. A rank's
+    receive kernel spins until every peer's send has run, and a peer's send sits in its
+    stream behind whatever its thread enqueued first (the torch ops that check the last
+    result, say). Those must find room on SMs the spinning kernels hold. At twice this
+    (``2 * sms // n_ranks``, what a process per PE under MPS gets, where MPS keeps each
+    client to its share) four ranks on an H100 stalled until the bounded waits expired in
+    about half the runs; at this grid and at half of it, never (docs/deepep.md)."""
+    return max(1, sms // n_ranks)
+
+
 class MaskBook:
     """Shrink mode on the simulator: every rank's mask, the ranks its buffer's calls masked
     (``update``, ``clean``) and those its worlds' kernels masked when a wait for them expired
@@ -110,9 +124,9 @@ class EmulatedRank:
 class EmulatedGroup:
     """``n_ranks`` ranks in this process (module docstring). ``backend``: ``"cuda"`` (one
     GPU, ``device``) or ``"sim"`` (the CPU simulator; ``sim_seed`` fixes its interleaving).
-    ``n_sms`` and ``num_threads``: the kernels' grid per rank (default: the GPU's SMs
-    shared by the ranks, two blocks per SM, of at least 512 threads; on the simulator the
-    fewest blocks of 64 threads the shape allows: ``LowLatencyShape.grid``);
+    ``n_sms`` and ``num_threads``: the kernels' grid per rank (default on a GPU
+    ``default_gpu_grid``, of at least 512 threads; on the simulator the fewest blocks of 64
+    threads the shape allows: ``LowLatencyShape.grid``);
     ``timeout_ns``: the kernels' bounded waits (default: the configuration's on the
     simulator, ``GPU_TIMEOUT_NS`` on a GPU)."""
 
@@ -162,7 +176,7 @@ class EmulatedGroup:
         if self.n_sms is not None:
             return self.n_sms, self.num_threads
         from backends.cuda import sm_count
-        return max(1, 2 * sm_count(self.device) // self.n_ranks), self.num_threads
+        return default_gpu_grid(sm_count(self.device), self.n_ranks), self.num_threads
 
     def _raise_if_failed(self, r: int) -> None:
         """``PeerFailedError`` for rank ``r`` when a rank of the group has failed."""
@@ -328,4 +342,4 @@ class EmulatedGroup:
         return results
 
 
-__all__ = ["EmulatedGroup", "EmulatedRank", "MaskBook"]
+__all__ = ["EmulatedGroup", "EmulatedRank", "MaskBook", "default_gpu_grid"]

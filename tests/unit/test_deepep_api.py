@@ -192,6 +192,22 @@ def test_an_emulated_group_on_a_gpu_waits_long_by_default():
     assert deep_ep.EmulatedGroup(2, backend="cuda", timeout_ns=5).timeout_ns == 5
 
 
+def test_an_emulated_group_on_a_gpu_leaves_room_on_the_sms(monkeypatch):
+    """Unless told, every rank's grid together is one block per SM (``default_gpu_grid``):
+    a peer's send queued behind its thread's torch ops must find SMs that the other ranks'
+    spinning receive kernels do not hold. Four ranks on a 132-SM GPU get 33 blocks each
+    (66, two blocks per SM per rank's share, stalled); a rank count above the SM count gets
+    one block; a given ``n_sms`` is kept."""
+    import backends.cuda
+    from epgen.deepep import emulated as em
+    monkeypatch.setattr(backends.cuda, "sm_count", lambda device=None: 132)
+    shape = LowLatencyShape(4, 64, 128, 7168, 8, "BF16")
+    assert deep_ep.EmulatedGroup(4, backend="cuda").grid(shape)[0] == 33
+    assert deep_ep.EmulatedGroup(8, backend="cuda").grid(shape)[0] == 16
+    assert em.default_gpu_grid(132, 200) == 1
+    assert deep_ep.EmulatedGroup(4, backend="cuda", n_sms=40).grid(shape)[0] == 40
+
+
 def test_shrink_on_a_process_group_masks_every_low_latency_world(monkeypatch):
     """A process group's shrink mode (``ShmemSource``, worlds faked): a rank masked by the
     buffer is masked in the view of every low-latency world this rank has (not the normal
