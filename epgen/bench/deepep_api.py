@@ -4,12 +4,14 @@ against epgen's own ``EPBuffer`` on the same kernels, in the same run.
 Per shape (tokens per rank, which is also ``num_max_dispatch_tokens_per_rank``) and token
 format (BF16, and FP8 as DeepEP's ``use_fp8``), every rank of an ``EmulatedGroup`` on one
 GPU, each rank called from the main thread on its own stream (as one process per rank
-would, without the threads' noise):
+would, without the threads' noise), every rank's sending half enqueued before any rank's
+receiving half (``return_recv_hook``; ``receive=False`` and ``receive()`` on ``EPBuffer``):
 
-- **host time** per rank of one ``low_latency_dispatch`` (hook received) and one
-  ``low_latency_combine`` (into ``out``), against one ``EPBuffer.dispatch`` and one
-  ``EPBuffer.combine`` of the same world (the port the DeepEP buffer uses: same kernels,
-  same buffers): ``time.perf_counter`` around each call, median over the iterations;
+- **host time** per rank of one ``low_latency_dispatch`` and its hook, and one
+  ``low_latency_combine`` (into ``out``) and its hook, against one ``EPBuffer.dispatch``
+  and ``receive`` and one ``EPBuffer.combine`` and ``combine_receive`` of the same world
+  (the port the DeepEP buffer uses: same kernels, same buffers): ``time.perf_counter``
+  around each call, a call and its receive summed, median over the iterations;
 - **device time** of a dispatch + combine round trip of every rank: a start event on the
   current stream that every rank stream waits for, an end event after every rank's
   combine, median; both APIs timed this way.
@@ -87,26 +89,39 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
     # the experts' stand-in outputs: any BF16 rows in the dispatch layout time the same
     ys = [torch.zeros((L, R * T, H), dtype=torch.bfloat16, device="cuda") for _ in range(R)]
 
+    # Every rank's sends are enqueued before any rank's receive, in both APIs: a receive
+    # kernel then only waits for kernels already enqueued. The ranks share one GPU, so a
+    # host call that synchronises it (a free, say) between one rank's receive and the next
+    # rank's send would wait for a receive whose peer's send this thread has not launched.
+    def both_halves(send, receive, host):
+        """``send(r)`` for every rank, then ``receive(r, sent)`` for every rank, each on the
+        rank's stream; a rank's two host times summed into ``host`` (a list, or None)."""
+        took, sent = [], []
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                t0 = time.perf_counter()
+                sent.append(send(r))
+                took.append(time.perf_counter() - t0)
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                t0 = time.perf_counter()
+                receive(r, sent[r])
+                took[r] += time.perf_counter() - t0
+        if host is not None:
+            host += took
+        return sent
+
     def deepep_round(host_d=None, host_c=None, received_rows=False):
-        got = []
-        for r in range(R):
-            with torch.cuda.stream(streams[r]):
-                t0 = time.perf_counter()
-                recv_x, count, handle, _, hook = bufs[r].low_latency_dispatch(
-                    x[r], i[r], T, E, use_fp8=use_fp8, return_recv_hook=True)
-                hook()
-                if host_d is not None:
-                    host_d.append(time.perf_counter() - t0)
-                got.append((recv_x, count, handle))
-        for r in range(R):
-            with torch.cuda.stream(streams[r]):
-                recv_x, _, handle = got[r]
-                y = recv_x if received_rows and not use_fp8 else ys[r]
-                t0 = time.perf_counter()
-                bufs[r].low_latency_combine(y, i[r], w[r], handle, out=outs[r])
-                if host_c is not None:
-                    host_c.append(time.perf_counter() - t0)
-        return got
+        got = both_halves(
+            lambda r: bufs[r].low_latency_dispatch(x[r], i[r], T, E, use_fp8=use_fp8,
+                                                   return_recv_hook=True),
+            lambda r, res: res[4](), host_d)
+        both_halves(
+            lambda r: bufs[r].low_latency_combine(
+                got[r][0] if received_rows and not use_fp8 else ys[r], i[r], w[r], got[r][2],
+                out=outs[r], return_recv_hook=True),
+            lambda r, res: res[2](), host_c)
+        return [(recv_x, count, handle) for recv_x, count, handle, _, _ in got]
 
     deepep_round()                           # makes both result slots' worlds
     got = deepep_round(received_rows=True)
@@ -118,19 +133,11 @@ def _time_shape(args, plan, T: int, name: str, use_fp8: bool, failures: list, ou
             return None
 
     def epgen_round(host_d=None, host_c=None):
-        disp = []
-        for r in range(R):
-            with torch.cuda.stream(streams[r]):
-                t0 = time.perf_counter()
-                disp.append(eps[r].dispatch(x[r], i[r]))
-                if host_d is not None:
-                    host_d.append(time.perf_counter() - t0)
-        for r in range(R):
-            with torch.cuda.stream(streams[r]):
-                t0 = time.perf_counter()
-                eps[r].combine(ys[r].view(L * R * T, H), disp[r], w[r], into=outs[r])
-                if host_c is not None:
-                    host_c.append(time.perf_counter() - t0)
+        disp = both_halves(lambda r: eps[r].dispatch(x[r], i[r], receive=False),
+                           lambda r, _: eps[r].receive(), host_d)
+        both_halves(lambda r: eps[r].combine(ys[r].view(L * R * T, H), disp[r], w[r],
+                                             into=outs[r], receive=False),
+                    lambda r, _: eps[r].combine_receive(), host_c)
 
     def timed(round_fn):
         host_d, host_c, dev = [], [], []

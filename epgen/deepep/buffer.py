@@ -155,6 +155,8 @@ class Buffer:
         self._slots = [_Outstanding(), _Outstanding()]
         self._next_slot = 0
         self._ports = set()
+        #: the dispatch shapes checked so far, by their scalar arguments (``dispatch_shape``)
+        self._shapes = {}
         self._destroyed = False
         #: get_dispatch_layout results captured into a CUDA graph, checked by check()
         self._layout_checks = []
@@ -250,7 +252,7 @@ class Buffer:
         shape = shapes.dispatch_shape(
             torch, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             n_ranks=self.group_size, use_fp8=use_fp8, round_scale=round_scale,
-            use_ue8m0=use_ue8m0, on_cuda=self.on_cuda)
+            use_ue8m0=use_ue8m0, on_cuda=self.on_cuda, known=self._shapes)
         if dispatch_wait_recv_cost_stats is not None:
             shapes.check_tensor(torch, dispatch_wait_recv_cost_stats,
                                 "dispatch_wait_recv_cost_stats", dtypes=(torch.int64,),
@@ -271,14 +273,8 @@ class Buffer:
         slot.generation += 1
         slot.port, slot.shape, slot.combined = port, shape, False
         raw = port.raw
-        count = views.recv_count(raw, shape)
-        packed = None
-        if use_fp8 and use_ue8m0:
-            x_view, _ = views.recv_x(torch, raw, shape, use_ue8m0=False)
-            packed = _ue8m0_holder(torch, port, shape)
-            recv_x = (x_view, packed.transpose(1, 2))
-        else:
-            recv_x = views.recv_x(torch, raw, shape, use_ue8m0=False)
+        recv_x, count, src_info, packed = _result_views(torch, port, shape,
+                                                        use_fp8 and use_ue8m0)
 
         def after_receive():
             if packed is not None:
@@ -288,7 +284,7 @@ class Buffer:
                 cumulative_local_expert_recv_stats.add_(count)
             if dispatch_wait_recv_cost_stats is not None:
                 dispatch_wait_recv_cost_stats.add_(port.dispatch_wait_ns())
-        handle = LowLatencyHandle(views.src_info(raw, shape),
+        handle = LowLatencyHandle(src_info,
                                   lambda: views.layout_range(torch, raw, shape), shape,
                                   owner=self, slot=index, generation=slot.generation)
         def receive_hook():
@@ -581,6 +577,28 @@ class Buffer:
 
 
 _UE8M0 = "ue8m0_packed"
+_VIEWS = "result_views"
+
+
+def _result_views(torch, port, shape, ue8m0: bool):
+    """``(recv_x, recv_count, src_info, packed)`` of ``port``'s results as DeepEP returns
+    them (``views``; ``packed``: with ``ue8m0`` the tensor the hook fills with the packed
+    UE8M0 scales, else None). Views of the port's own buffers, so made once per port and
+    scale form and returned by every later dispatch on it."""
+    key = (_VIEWS, ue8m0)
+    got = port.extras.get(key)
+    if got is None:
+        raw = port.raw
+        count = views.recv_count(raw, shape)
+        packed = None
+        if ue8m0:
+            x_view, _ = views.recv_x(torch, raw, shape, use_ue8m0=False)
+            packed = _ue8m0_holder(torch, port, shape)
+            recv_x = (x_view, packed.transpose(1, 2))
+        else:
+            recv_x = views.recv_x(torch, raw, shape, use_ue8m0=False)
+        got = port.extras[key] = (recv_x, count, views.src_info(raw, shape), packed)
+    return got
 
 
 def _ue8m0_holder(torch, port, shape):

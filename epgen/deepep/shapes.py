@@ -51,7 +51,7 @@ def kernel_grid(num_experts: int, n_local_experts: int, n_sms: int | None,
     return max(need, n_sms or 0), threads
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class LowLatencyShape:
     """One low-latency configuration: ``n_ranks``, ``num_experts``, ``max_tokens``
     (``num_max_dispatch_tokens_per_rank``), ``hidden``, ``top_k`` and ``fmt`` (the epgen
@@ -114,13 +114,15 @@ def _int(value, name: str) -> int:
 
 def dispatch_shape(torch, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
                    n_ranks: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                   on_cuda: bool) -> LowLatencyShape:
+                   on_cuda: bool, known: dict | None = None) -> LowLatencyShape:
     """The shape of a ``low_latency_dispatch`` call, after checking its arguments as DeepEP
     does (and epgen's own limits): ``x`` a contiguous BF16 ``[T, hidden]`` tensor,
     ``topk_idx`` int64 (or int32) ``[T, top_k]``, ``T <= num_max_dispatch_tokens_per_rank``,
     ``num_experts`` a multiple of the ranks, ``hidden`` a multiple of 128 with FP8 (of 512
     with ``use_ue8m0``, which needs ``round_scale``) and of 8 without. ``EPInputError``
-    naming the argument and the rule otherwise."""
+    naming the argument and the rule otherwise. ``known``: the caller's dict of the shapes
+    checked before, by their scalar arguments; a repeated call checks only the tensors and
+    gets the same shape object back (a call's host time is a goal of the API)."""
     T_max = _int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
     E = _int(num_experts, "num_experts")
     check_tensor(torch, x, "x", dtypes=(torch.bfloat16,), dim=2, on_cuda=on_cuda)
@@ -136,6 +138,19 @@ def dispatch_shape(torch, x, topk_idx, num_max_dispatch_tokens_per_rank, num_exp
     if T > T_max:
         raise EPInputError(f"x: {T} tokens, more than num_max_dispatch_tokens_per_rank "
                            f"({T_max})")
+    key = (T_max, E, H, K, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+    shape = None if known is None else known.get(key)
+    if shape is None:
+        shape = _checked_shape(T_max, E, H, K, n_ranks=n_ranks, use_fp8=use_fp8,
+                               round_scale=round_scale, use_ue8m0=use_ue8m0)
+        if known is not None:
+            known[key] = shape
+    return shape
+
+
+def _checked_shape(T_max: int, E: int, H: int, K: int, *, n_ranks: int, use_fp8: bool,
+                   round_scale: bool, use_ue8m0: bool) -> LowLatencyShape:
+    """``dispatch_shape``'s checks of the scalar arguments and the shape they make."""
     if E < 1 or E % n_ranks:
         raise EPInputError(f"num_experts: {E} must be a positive multiple of the group size "
                            f"({n_ranks})")
@@ -161,6 +176,12 @@ def check_tensor(torch, t, name: str, *, dtypes, dim: int | None = None, shape=N
     """``EPInputError`` unless ``t`` is a torch tensor of one of ``dtypes``, of ``dim``
     dimensions or exactly ``shape``, on a CUDA device when ``on_cuda`` (else on the CPU:
     the simulator's buffers), on ``device`` when given, and contiguous when asked."""
+    # the common case in one expression: the messages below are only for a refusal
+    if isinstance(t, torch.Tensor) and t.dtype in dtypes \
+            and (dim is None or t.dim() == dim) and (shape is None or t.shape == shape) \
+            and t.is_cuda == on_cuda and (device is None or t.device == device) \
+            and (not contiguous or t.is_contiguous()):
+        return
     if not isinstance(t, torch.Tensor):
         raise EPInputError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:

@@ -260,3 +260,27 @@ def test_shrink_on_a_process_group_masks_every_low_latency_world(monkeypatch):
     src.clean_mask()
     assert first.calls[-1] == later.calls[-1] == ("clean",) and src.masked == set()
     assert len(drained) == 3
+
+
+def test_a_known_dispatch_shape_still_checks_every_call():
+    """``dispatch_shape`` with the buffer's ``known`` shapes: a repeated call gets the same
+    shape object, yet the tensors and the token count are checked on every call and other
+    scalar arguments are checked as on a first call."""
+    from epgen.deepep import shapes
+    known = {}
+    x, idx = torch.zeros((T, H), dtype=torch.bfloat16), torch.zeros((T, K), dtype=torch.int64)
+    kw = dict(n_ranks=R, use_fp8=False, round_scale=False, use_ue8m0=False, on_cuda=False,
+              known=known)
+    first = shapes.dispatch_shape(torch, x, idx, T, E, **kw)
+    assert shapes.dispatch_shape(torch, x, idx, T, E, **kw) is first and len(known) == 1
+    with pytest.raises(EPInputError, match=r"^x: 5 tokens, more than"):
+        shapes.dispatch_shape(torch, torch.zeros((T + 1, H), dtype=torch.bfloat16),
+                              torch.zeros((T + 1, K), dtype=torch.int64), T, E, **kw)
+    with pytest.raises(EPInputError, match=r"^topk_idx: dtype torch.float32"):
+        shapes.dispatch_shape(torch, x, idx.float(), T, E, **kw)
+    with pytest.raises(EPInputError, match=r"^num_experts: 5 must be a positive multiple"):
+        shapes.dispatch_shape(torch, x, idx, T, 5, **kw)
+    with pytest.raises(EPInputError, match=r"^use_ue8m0: UE8M0 scales need round_scale"):
+        shapes.dispatch_shape(torch, x, idx, T, E, **{**kw, "use_ue8m0": True,
+                                                       "use_fp8": True})
+    assert len(known) == 1
