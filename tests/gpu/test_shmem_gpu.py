@@ -89,16 +89,26 @@ def test_p2p_groups_and_shmem_between_them(n):
     assert_all_match(proc, n, 3)
 
 
+def small_group() -> int:
+    """The PE count of the format and flag cases: the largest of ``PES`` up to 4 (they are
+    not sized for 8); a run with none (``EPGEN_SHMEM_PES=8``) skips them."""
+    small = [p for p in PES if p <= 4]
+    if not small:
+        pytest.skip(f"EPGEN_SHMEM_PES={','.join(map(str, PES))}: the format and flag cases "
+                    f"run at 2 or 4 PEs")
+    return max(small)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_formats(fmt):
-    n = max(p for p in PES if p <= 4)
+    n = small_group()
     proc = launch(n, group(n, 2 if n >= 4 else 1) + ["--set", f"format={fmt}", "--calls", "2",
                                                      "--seed", "3"])
     assert_all_match(proc, n, 2)
 
 
 def test_ord_r():
-    n = max(p for p in PES if p <= 4)
+    n = small_group()
     proc = launch(n, group(n, 2 if n >= 4 else 1) + ["--set", "ep_ord_r=true", "--set",
                                                      "has_rank_flag=true", "--calls", "2"])
     assert_all_match(proc, n, 2)
