@@ -71,6 +71,9 @@ def test_bench_api_deepep_reports_both_apis_on_the_same_kernels(tmp_path, capsys
         assert r["round_trip_us_deepep"] > 0 and r["round_trip_us_epgen"] > 0
         assert r["device_ratio"] == pytest.approx(r["round_trip_us_deepep"]
                                                   / r["round_trip_us_epgen"])
+        assert r["graph_round_trip_us_deepep"] > 0 and r["graph_round_trip_us_epgen"] > 0
+        assert r["graph_device_ratio"] == pytest.approx(r["graph_round_trip_us_deepep"]
+                                                        / r["graph_round_trip_us_epgen"])
     assert "deepep api, 32 tokens/rank" in out
 
 
