@@ -52,7 +52,10 @@ def default_gpu_grid(sms: int, n_ranks: int) -> int:
     result, say). Those must find room on SMs the spinning kernels hold. At twice this
     (``2 * sms // n_ranks``, what a process per PE under MPS gets, where MPS keeps each
     client to its share) four ranks on an H100 stalled until the bounded waits expired in
-    about half the runs; at this grid and at half of it, never (docs/deepep.md)."""
+    about half the runs; at this grid and at half of it, never (docs/deepep.md). A shape
+    that needs more (a receive block per local expert and one: ``kernel_grid``) gets its
+    need, so 8 ranks of 256 experts still take 33 blocks each, as many in all as the grid
+    that stalled."""
     return max(1, sms // n_ranks)
 
 
