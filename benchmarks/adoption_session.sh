@@ -137,9 +137,13 @@ figures)
         --variant dedup=ep_rank_dedup --variant mask=ep_rank_mask --no-post-check \
         --json "$OUT/dedup.json"
     show dedup
-    step deepep-api 200 "$PY" -m epgen bench --preset decode --tokens 128,4096 --api deepep \
+    step deepep-api 150 "$PY" -m epgen bench --preset decode --tokens 128 --api deepep \
         --json "$OUT/deepep-api.json"
     show deepep-api
+    # DeepEP's layout reserves R * T rows per local expert: 4096 tokens do not fit a GPU
+    step deepep-api-prefill 200 "$PY" -m epgen bench --preset prefill --tokens 512 \
+        --api deepep --json "$OUT/deepep-api-prefill.json"
+    show deepep-api-prefill
     ;;
 *)
     echo "usage: $0 [tests|tests2|mps|mps2|mps8|bench|bench2|core|figures]" >&2
