@@ -121,14 +121,20 @@ def _register(preset: str, suffix: str | None = None, fmt_name: str | None = Non
     golden(f"ep/{name}", description=about)(build)
 
 
-def _register_flag_variant(name: str) -> None:
+def _register_config_variant(name: str, config_of, description: str) -> None:
+    """Golden ``ep/<name>``: the dispatch module of ``config_of(name)``."""
     def build():
         from .kernels import build_module
-        return build_module(flag_variant_config(name))
+        return build_module(config_of(name))
 
     build.__qualname__ = f"ep_{name}_module"
+    golden(f"ep/{name}", description=description)(build)
+
+
+def _register_flag_variant(name: str) -> None:
     preset, changes = {**FLAG_VARIANTS, **SHMEM_VARIANTS}[name]
-    golden(f"ep/{name}", description=f"preset {preset} + {describe_changes(changes)}")(build)
+    _register_config_variant(name, flag_variant_config,
+                             f"preset {preset} + {describe_changes(changes)}")
 
 
 for _preset in GOLDEN_PRESETS:
@@ -332,19 +338,10 @@ def tuning_variant_config(name: str):
     return cfg.replace(**changes, tuning=cfg.tuning.replace(**knobs))
 
 
-def _register_tuning_variant(name: str) -> None:
-    def build():
-        from .kernels import build_module
-        return build_module(tuning_variant_config(name))
-
-    build.__qualname__ = f"ep_{name}_module"
-    changes, knobs = TUNING_VARIANTS[name]
-    golden(f"ep/{name}", description=f"preset small + {describe_changes(changes)}, tuning "
-                                     f"{describe_changes(knobs)}")(build)
-
-
-for _name in TUNING_VARIANTS:
-    _register_tuning_variant(_name)
+for _name, (_changes, _knobs) in TUNING_VARIANTS.items():
+    _register_config_variant(_name, tuning_variant_config,
+                             f"preset small + {describe_changes(_changes)}, tuning "
+                             f"{describe_changes(_knobs)}")
 
 
 # The device-side check of top-k ids (``ep_check_ids``; epgen.kernels.check_ids), run by the
