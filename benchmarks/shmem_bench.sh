@@ -25,7 +25,9 @@
 # COMBINE_ARGS="--combine-fp8" times the FP8 combine, COMBINE_ARGS="--combine-partial" (with
 # FLAGS=ep_rank_dedup) the partial-reduce one, after the plain combine in the same launch
 # (a "combine_fp8" / "combine_partial" row under each world, its speed-up over the plain
-# combine). Each launch runs under its own bound (120 s at decode, 240 s at prefill); not yet run
+# combine). ARGS (default empty) is added to every launch: e.g. OPS=dispatch
+# ARGS="--copy-rate" also times the bare copy of each shape's dispatch bytes by stores, warp
+# puts and warp puts with a signal (a "T=... copy rate" line). Each launch runs under its own bound (120 s at decode, 240 s at prefill); not yet run
 # on a GPU, so how many launches fit one call is not known: split by mode, PES or OPS.
 set -u
 cd "$(dirname "$0")/.."
@@ -43,6 +45,7 @@ OPS=${OPS:-"dispatch combine moe"}
 ITERS=${ITERS:-50}
 FLAGS=${FLAGS:--}
 COMBINE_ARGS=${COMBINE_ARGS:-}
+ARGS=${ARGS:-}
 echo "commit ${EPGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; mode $MODE; logs in $OUT" | tee "$LOG"
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 
@@ -62,6 +65,7 @@ for shape in $shapes; do
                 sets=()
                 extra=()
                 [ "$op" = combine ] && [ -n "$COMBINE_ARGS" ] && read -ra extra <<< "$COMBINE_ARGS"
+                [ -n "$ARGS" ] && read -ra more <<< "$ARGS" && extra+=("${more[@]}")
                 if [ "$flags" != - ]; then
                     name="$name-${flags//,/+}"
                     for f in ${flags//,/ }; do sets+=(--set "$f=true"); done

@@ -156,6 +156,15 @@ def add_arguments(p: argparse.ArgumentParser, tokens_default: str) -> None:
                         "PEs: every peer by SHMEM puts against every peer by nvshmem_ptr "
                         "stores. Replaces --set p2p_world_size; below n_ranks needs --set "
                         "use_shmem=true")
+    p.add_argument("--copy-rate", action="store_true",
+                   help="with --world shmem: after each shape on the world of the smallest "
+                        "p2p_world_size, copy the bytes that shape's dispatch sends from its "
+                        "busiest PE to the other PEs by each way a dispatch can (warp stores "
+                        "through nvshmem_ptr, NVSHMEM warp puts, warp puts with a signal "
+                        "each) on the world's grid, and report each one's GB/s per PE and "
+                        "its ratio to the stores (every PE must be reachable by "
+                        "nvshmem_ptr: one node; two message-sized symmetric buffers more per "
+                        "PE)")
     p.add_argument("--api", choices=("numpy", "torch", "deepep"), default="numpy",
                    help="torch: after the figures above, the cost of the device-side API "
                         "(epgen.torch.EPBuffer) in the same run: host time per dispatch and "
@@ -238,6 +247,9 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ba
     if getattr(args, "compare_p2p", None):
         parser.error("argument --compare-p2p: only with --world shmem (a P2P or emulated "
                      "world reaches every rank by direct stores)")
+    if getattr(args, "copy_rate", False):
+        parser.error("argument --copy-rate: only with --world shmem (it times NVSHMEM puts "
+                     "against stores between PEs)")
     graph = any(dict(v.overrides).get("graph") for v in args.variant or ())
     if op == "combine" and graph:
         parser.error("argument --variant: graph times a whole replay: with --op moe or "
@@ -352,7 +364,8 @@ def shmem_plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespa
                      p2p_sizes=args.compare_p2p, seed=args.seed,
                      check=not args.no_post_check, arch=arch,
                      combine_fp8=bool(getattr(args, "combine_fp8", False)),
-                     combine_partial=bool(getattr(args, "combine_partial", False)), **kw)
+                     combine_partial=bool(getattr(args, "combine_partial", False)),
+                     copy_rate=bool(getattr(args, "copy_rate", False)), **kw)
     option = "--compare-p2p" if args.compare_p2p else "--set"
     for p in plan.sizes:
         try:

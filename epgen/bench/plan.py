@@ -285,6 +285,10 @@ class ShmemPlan:
     #: partial-reduce combine timed after the plain one on each world
     combine_fp8: bool = False
     combine_partial: bool = False
+    #: ``--copy-rate``: after each shape on the world of the smallest ``p2p_world_size``,
+    #: the bare copy of that shape's dispatch bytes by stores and by puts
+    #: (``bench.copy_rate``)
+    copy_rate: bool = False
 
     @property
     def arms(self) -> tuple:

@@ -80,6 +80,7 @@ from ..runtime.shmem_world import ShmemWorld
 from ..combine_layout import CombineLayout
 from ..inspection import combine_buffers
 from . import combine as bench_combine
+from . import copy_rate
 from . import memory
 from .link_bytes import SLOT_ENTRY_BYTES, combine_row_bytes, dispatch_row_bytes
 from .p2p import slowest_rank_times
@@ -109,6 +110,13 @@ def sent_bytes(cfg, topk_ids, rank: int) -> int:
         return slots * dispatch_row_bytes(cfg)
     pairs = sum(len(set((row[hit] // L).tolist())) for row, hit in zip(ids, remote))
     return pairs * dispatch_row_bytes(cfg) + slots * SLOT_ENTRY_BYTES
+
+
+def copy_messages(cfg, all_topk_ids) -> int:
+    """``--copy-rate``: the messages each PE copies, the bytes the busiest PE's dispatch
+    sends (``sent_bytes``) in whole messages of ``msg_bytes`` (at least one)."""
+    busiest = max(sent_bytes(cfg, all_topk_ids[r], r) for r in range(cfg.n_ranks))
+    return max(1, busiest // cfg.layout.msg_bytes)
 
 
 def combine_sent_bytes(cfg, all_topk_ids, rank: int, *, fp8: bool = False,
@@ -516,8 +524,24 @@ def print_report(results: dict, file=None) -> None:
     print(format_table(results), file=file)
     for line in comparison_lines(results):
         print(line, file=file)
+    for entry in results.get("copy_rate", ()):
+        print(copy_rate.report_line(entry["tokens_per_rank"], entry), file=file)
     for f in results["failures"]:
         print(f"FAILED: {f}", file=file)
+
+
+def time_copy_rate(world, plan, T: int, ids, exchange, results: dict, out) -> bool:
+    """``--copy-rate`` at ``T`` tokens per rank on ``world`` (``copy_rate.measure`` of
+    ``copy_messages``): its entry into ``results["copy_rate"]``, its line on ``out``, its
+    failed checks into ``results["failures"]``. Returns whether every check passed."""
+    entry = copy_rate.measure(world, copy_messages(world.cfg, ids), plan.iters, plan.warmup,
+                              exchange)
+    entry = {"tokens_per_rank": T, "p2p_world_size": world.cfg.p2p_world_size, **entry}
+    results["copy_rate"].append(entry)
+    print(copy_rate.report_line(T, entry), file=out, flush=True)
+    bad = copy_rate.failures(entry)
+    results["failures"] += [f"T={T}: {f}" for f in bad]
+    return not bad
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -553,12 +577,12 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                                         "per remote (token, k) (combine_fp8: its FP8 "
                                         "row; combine_partial: a BF16 row per (token, "
                                         "remote rank))"},
-               "runs": [], "failures": []}
+               "runs": [], "failures": [], "copy_rate": []}
     with contextlib.ExitStack() as stack:
         if session is None:
             session = stack.enter_context(ShmemSession(n_ranks=plan.base.n_ranks))
         me = session.rank
-        progress = Progress(total=1 + len(plan.sizes) * len(plan.tokens))
+        progress = Progress(total=1 + (len(plan.sizes) + plan.copy_rate) * len(plan.tokens))
         step = progress.step if me == 0 else (lambda msg: None)
         exchange = _gather(session)
         step(f"{plan.base.n_ranks} PEs; each world needs "
@@ -589,6 +613,10 @@ def run(plan, *, session=None, json_path: str | None = None, out=None) -> dict:
                     if "summary" not in entry or any(
                             "summary" not in entry.get(a.key, {}) for a in plan.arms):
                         break
+                    if plan.copy_rate and p == min(plan.sizes):
+                        step(f"p2p_world_size={p}, T={T}: copy rate")
+                        if not time_copy_rate(world, plan, T, ids, exchange, results, out):
+                            break
             if results["failures"]:
                 break
     results["comparisons"] = comparisons(results["runs"], plan.reference_size)

@@ -95,6 +95,29 @@ def test_shmem_bench_of_one_world(nvshmem_wheel, tmp_path):
     assert all(pe["post_check"] == "ok" for pe in data["runs"][0]["per_pe"])
 
 
+@pytest.mark.parametrize("n", PES)
+def test_shmem_bench_copy_rate(n, nvshmem_wheel, tmp_path):
+    """``--copy-rate``: every mode's copy checked on every PE, a figure for each, the stores
+    1.0x of themselves, rank 0's line."""
+    js = tmp_path / "copy.json"
+    proc = launch_bench(n, shmem_bench_args(n, "dispatch", f"1,{n}")
+                        + ["--copy-rate", "--json", str(js)])
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    data = json.loads(js.read_text())
+    assert data["failures"] == []
+    (entry,) = data["copy_rate"]
+    assert (entry["tokens_per_rank"], entry["p2p_world_size"]) == (32, 1)
+    assert entry["n_msgs"] >= 1
+    assert list(entry["modes"]) == ["stores", "puts", "put_signals"]
+    for mode, fig in entry["modes"].items():
+        assert fig["check"] == "ok" and fig["median_us"] > 0, (mode, fig)
+        assert len(fig["pe_median_us"]) == n
+    assert entry["modes"]["stores"]["of_stores"] == pytest.approx(1.0)
+    assert re.search(r"^\[rank 0\] T=32 copy rate \(\d+ messages of \d+ B per PE, .*"
+                     r"put_signals [0-9.]+ us", proc.stdout, re.M), text[-6000:]
+
+
 @pytest.mark.multigpu(2)
 @pytest.mark.parametrize("op", ["combine", "moe"])
 def test_p2p_bench_op(op, tmp_path, capsys):

@@ -416,3 +416,66 @@ def test_the_benchmark_script_launches_valid_runs(tmp_path):
         seen.add((n, p.tokens, p.op))
     assert seen == {(n, t, op) for n in (2, 4) for t in ((128,), (4096,))
                     for op in ("dispatch", "combine", "moe")}
+
+
+# ---- --copy-rate -------------------------------------------------------------------------------
+def test_copy_rate_option_sets_the_plan_and_needs_the_shmem_world(capsys):
+    assert shmem_plan(*SMALL_SHMEM, "--compare-p2p", "1,2", "--copy-rate").copy_rate
+    assert not shmem_plan(*SMALL_SHMEM, "--compare-p2p", "1,2").copy_rate
+    for world in ("emulated", "p2p"):
+        err = usage_error(capsys, ["--world", world, "--preset", "small", "--copy-rate"])
+        assert "argument --copy-rate: only with --world shmem" in err
+
+
+def test_copy_messages_are_the_busiest_pes_dispatch_bytes_in_messages():
+    """Two ranks of two local experts: rank 0 sends 3 remote slots, rank 1 sends 1."""
+    cfg = tiny_cfg(T=4, H=16, K=2, R=2, E=4).replace(use_shmem=True)
+    ids = [np.array([[2, 3], [0, 2], [1, -1], [0, 1]], np.int32),
+           np.array([[2, 3], [0, 3], [3, -1], [2, 3]], np.int32)]
+    row = shmem.dispatch_row_bytes(cfg)
+    assert shmem.sent_bytes(cfg, ids[0], 0) == 3 * row
+    assert shmem.copy_messages(cfg, ids) == 3 * row // cfg.layout.msg_bytes
+    none = [np.full((4, 2), -1, np.int32)] * 2
+    assert shmem.copy_messages(cfg, none) == 1
+
+
+def test_run_times_the_copy_rate_on_the_smallest_world_after_each_shape(monkeypatch):
+    events = []
+
+    class World:
+        def __init__(self, cfg, session=None, arch=None):
+            self.cfg, self.rank, self.device = cfg, 0, None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def measure(world, plan_, T, toks, ids, w, *, exchange):
+        events.append(("measure", world.cfg.p2p_world_size, T))
+        return pe(world.rank, [1.0] * 3, sent=1000)
+
+    def copy(world, n_msgs, iters, warmup, exchange):
+        events.append(("copy", world.cfg.p2p_world_size, n_msgs, iters, warmup))
+        modes = {"stores": {"check": "ok", "median_us": 10.0, "gbps_per_pe": 5.0,
+                            "of_stores": 1.0},
+                 "puts": {"check": "FAILED: PE 1: 1 of 3 checked slots differ"}}
+        return {"n_msgs": n_msgs, "msg_bytes": 64, "grid": 2, "threads": 64, "modes": modes}
+    monkeypatch.setattr(shmem, "ShmemWorld", World)
+    monkeypatch.setattr(shmem, "measure_shape", measure)
+    monkeypatch.setattr(shmem.copy_rate, "measure", copy)
+    monkeypatch.setattr(shmem, "copy_messages", lambda cfg, ids: 9)
+    cfg = tiny_cfg(T=16, R=2).replace(use_shmem=True)
+    p = ShmemPlan(base=cfg, tokens=(16, 32), p2p_sizes=(1, 2), copy_rate=True, iters=4,
+                  warmup=1)
+    out = io.StringIO()
+    res = shmem.run(p, session=types.SimpleNamespace(rank=0, bootstrap=FakeGather()), out=out)
+    # the failed copy check stops the run: no second shape, no second world
+    assert events == [("measure", 1, 16), ("copy", 1, 9, 4, 1)]
+    assert res["failures"] == ["T=16: copy rate puts: FAILED: PE 1: 1 of 3 checked slots "
+                               "differ"]
+    assert res["copy_rate"][0]["tokens_per_rank"] == 16
+    text = out.getvalue()
+    assert text.count("T=16 copy rate (9 messages of 64 B per PE, 2 blocks of 64 threads): "
+                      "stores 10.0 us (5.0 GB/s per PE, 1.000x of stores); puts FAILED") == 2
