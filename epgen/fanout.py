@@ -19,20 +19,14 @@ import attrs
 
 import ir
 
-#: loads in flight per lane of a warp copy into a fan's rows, unless the fan says otherwise
-#: (``Tuning.fan_loads_in_flight`` is where the kernels take it from)
-DEFAULT_IN_FLIGHT = 4
-
 
 @attrs.frozen
 class RowFan:
     """Rows ``rows[i]`` (u32 expressions), row ``i`` written when ``live[i]`` (pred
-    expressions); ``in_flight``: the most loads per lane a warp copy into these rows keeps in
-    flight (``primitives.warp_copy``; each one holds a register per row address)."""
+    expressions)."""
 
     rows: tuple
     live: tuple
-    in_flight: int = DEFAULT_IN_FLIGHT
 
     def __attrs_post_init__(self):
         if len(self.rows) != len(self.live) or not self.rows:
@@ -43,21 +37,20 @@ class RowFan:
 @attrs.frozen
 class FanAddress:
     """The addresses of a ``RowFan``'s rows (u64 expressions), each with its row's
-    predicate, and the fan's ``in_flight``."""
+    predicate."""
 
     bases: tuple
     live: tuple
-    in_flight: int = DEFAULT_IN_FLIGHT
 
     def __add__(self, offset) -> FanAddress:
-        return FanAddress(tuple(b + offset for b in self.bases), self.live, self.in_flight)
+        return FanAddress(tuple(b + offset for b in self.bases), self.live)
 
 
 def each_row(row, address_of):
     """``address_of(row)`` for a plain row; for a ``RowFan`` the ``FanAddress`` of
     ``address_of`` applied to each of its rows."""
     if isinstance(row, RowFan):
-        return FanAddress(tuple(address_of(x) for x in row.rows), row.live, row.in_flight)
+        return FanAddress(tuple(address_of(x) for x in row.rows), row.live)
     return address_of(row)
 
 
@@ -69,7 +62,7 @@ def select(cond, a, b):
                 or a.live != b.live:
             raise TypeError("fanout.select needs two addresses of the same RowFan")
         return FanAddress(tuple(ir.Select(cond, x, y) for x, y in zip(a.bases, b.bases)),
-                          a.live, a.in_flight)
+                          a.live)
     return ir.Select(cond, a, b)
 
 

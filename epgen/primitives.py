@@ -14,6 +14,9 @@ from . import fanout
 
 VEC = T.vec(T.u32, 4)          # one 16-byte access
 VEC_BYTES = 16
+FAN_IN_FLIGHT = 4
+"""Loads in flight per lane of a warp copy into several rows (``warp_copy`` into a
+``fanout.FanAddress``)."""
 
 
 def word(base, index, nbytes: int = 4):
@@ -63,9 +66,9 @@ def warp_copy(r: ir.RoleBuilder, dst, src, n_vec: int, tag: str = "cp"):
     """The calling warp copies ``n_vec`` 16-byte vectors ``src -> dst``, lane ``l`` vectors
     ``l, l + 32, ...``, ``warp_copy_unroll(n_vec)`` loads in flight (``ld.global.v4.b32``
     then ``st.global.v4.b32``); no tail loop when the unrolled trips cover every vector.
-    Into a ``fanout.FanAddress`` at most its ``in_flight`` loads are in flight: the fan's
+    Into a ``fanout.FanAddress`` at most ``FAN_IN_FLIGHT`` loads are in flight: the fan's
     row addresses hold registers too."""
-    unroll = warp_copy_unroll(n_vec, dst.in_flight if isinstance(dst, fanout.FanAddress) else 8)
+    unroll = warp_copy_unroll(n_vec, FAN_IN_FLIGHT if isinstance(dst, fanout.FanAddress) else 8)
     copy_vectors(r, dst, src, n_vec, r.lane, 32, unroll=unroll, tag=tag,
                  tail=n_vec % (32 * unroll) != 0)
 

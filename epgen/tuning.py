@@ -68,11 +68,6 @@ class Tuning:
     #: (docs/PERF.md, "Adoption figures"); at prefill the tokens outnumber the warps and
     #: every token keeps one warp
     reduce_warps_per_token_max: int = attrs.field(default=8, validator=_power_of_two)
-    #: ``ep_rank_dedup``'s receive: the most 16-byte loads per lane in flight in the warp
-    #: copy of a message into all the rows it selects (each in flight load also holds a
-    #: register per row address); the copy takes the largest divisor of a lane's share of the
-    #: payload up to it
-    fan_loads_in_flight: int = attrs.field(default=4, validator=_positive)
     #: combine send over P2P (every wire: the BF16 copy, the FP8 quantise, the partial
     #: reduce's destination sum): warps that share one returned row, each taking every
     #: ``n``-th 32-lane slice of it (under the SHMEM transport 1: a remote row is one

@@ -373,7 +373,7 @@ class RankDedupDestination(StagedDestination):
                      + base + j_k)
         rows = tuple(r.shfl(ShflMode.IDX, row_k, k, name=f"fan_row{k}") for k in range(K))
         live = tuple(((mask >> k) & 1).ne(0) for k in range(K))
-        return fanout.RowFan(rows, live, cfg.tuning.fan_loads_in_flight), copies
+        return fanout.RowFan(rows, live), copies
 
     @classmethod
     def copy_scratch_bytes(cls, cfg, n_threads: int) -> int:

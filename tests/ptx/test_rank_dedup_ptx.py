@@ -127,17 +127,3 @@ def test_shmem_variant_checks_with_its_fence_before_the_index_puts():
     order = re.findall(r"call\.uni (?:\([^)]*\),\s*)?(nvshmem\w+),", send)
     fence, signal = order.index("nvshmem_fence"), order.index("nvshmemx_putmem_signal_nbi_warp")
     assert order[:fence] == ["nvshmemx_putmem_nbi_warp"] * 2 and fence < signal
-
-
-@pytest.mark.parametrize("most, loads", [(4, 4), (8, 7), (2, 2)])
-def test_fan_loads_in_flight_sets_the_receive_copys_loads(most, loads):
-    """``Tuning.fan_loads_in_flight``: dispatch_wait's message copy into every selected row
-    issues the largest divisor of a lane's 28 payload vectors (BF16, H = 7168) up to the
-    knob, all before its stores (one unrolled trip: that many 16-byte loads in its PTX);
-    the default is 4."""
-    from epgen import presets
-    cfg = presets.config_from_dict(presets.preset_data("decode")).replace(ep_rank_dedup=True)
-    assert cfg.token_fmt.hid_dim == 7168 and cfg.tuning.fan_loads_in_flight == 4
-    cfg = cfg.replace(tuning=attrs.evolve(cfg.tuning, fan_loads_in_flight=most))
-    body = entry_bodies(nvptx.emit_ptx(build_module(cfg)))[WAIT]
-    assert len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.", body)) == loads
