@@ -18,9 +18,11 @@
 #            shrink test on a process group (ranks killed at dispatch and combine)
 #   mps8     the same for the warp put-with-signal kernels' tests with 8 PEs
 #   bench    the FP8 combine against the BF16 one at decode (128 tokens per rank) as built
-#            (the reduce shared by up to 8 warps a token), with the send's split
-#            (Tuning.combine_send_warps_per_row=4) and with one warp a token in the reduce
-#            (Tuning.reduce_warps_per_token_max=1); at prefill (4096) as built and split
+#            (the reduce shared by up to 8 warps a token, the FP8 send by up to 4 warps a
+#            row), with one warp a row in the FP8 send
+#            (Tuning.combine_fp8_partial_send_warps_per_row=1) and with one warp a token in
+#            the reduce (Tuning.reduce_warps_per_token_max=1); at prefill (4096) as built and
+#            with one warp a row
 #   bench2   the same for the partial-reduce combine against the plain one after the same
 #            deduplicated dispatch
 #   core     when one call is all a session gets: the DeepEP API on an EmulatedGroup, the
@@ -97,25 +99,25 @@ mps8)
     ;;
 bench)
     step combine-fp8-decode 200 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 128 \
-        --variant default --variant ssplit=tune.combine_send_warps_per_row:4 \
+        --variant default --variant send1=tune.combine_fp8_partial_send_warps_per_row:1 \
         --variant one=tune.reduce_warps_per_token_max:1 \
         --no-post-check --json "$OUT/combine-fp8-decode.json"
     show combine-fp8-decode
     step combine-fp8-prefill 280 "$PY" -m epgen bench --op combine --combine-fp8 --tokens 4096 \
-        --variant default --variant ssplit=tune.combine_send_warps_per_row:4 \
+        --variant default --variant send1=tune.combine_fp8_partial_send_warps_per_row:1 \
         --no-post-check --json "$OUT/combine-fp8-prefill.json"
     show combine-fp8-prefill
     ;;
 bench2)
     step combine-partial-decode 200 "$PY" -m epgen bench --op combine --combine-partial \
         --tokens 128 --variant dedup=ep_rank_dedup \
-        --variant dedup_ssplit=ep_rank_dedup,tune.combine_send_warps_per_row:4 \
+        --variant dedup_send1=ep_rank_dedup,tune.combine_fp8_partial_send_warps_per_row:1 \
         --variant dedup_one=ep_rank_dedup,tune.reduce_warps_per_token_max:1 \
         --no-post-check --json "$OUT/combine-partial-decode.json"
     show combine-partial-decode
     step combine-partial-prefill 280 "$PY" -m epgen bench --op combine --combine-partial \
         --tokens 4096 --variant dedup=ep_rank_dedup \
-        --variant dedup_ssplit=ep_rank_dedup,tune.combine_send_warps_per_row:4 \
+        --variant dedup_send1=ep_rank_dedup,tune.combine_fp8_partial_send_warps_per_row:1 \
         --no-post-check --json "$OUT/combine-partial-prefill.json"
     show combine-partial-prefill
     ;;

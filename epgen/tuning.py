@@ -68,13 +68,20 @@ class Tuning:
     #: (docs/PERF.md, "Adoption figures"); at prefill the tokens outnumber the warps and
     #: every token keeps one warp
     reduce_warps_per_token_max: int = attrs.field(default=8, validator=_power_of_two)
-    #: combine send over P2P (every wire: the BF16 copy, the FP8 quantise, the partial
-    #: reduce's destination sum): warps that share one returned row, each taking every
-    #: ``n``-th 32-lane slice of it (under the SHMEM transport 1: a remote row is one
-    #: put-with-signal); 1 is one warp per row. 4 measured at decode on an H100 against 1:
-    #: the FP8 combine 325.0 -> 282.8 us, the BF16 one 221.9 -> 242.2 us (docs/PERF.md,
+    #: combine send over P2P, the BF16 copy: the most warps that share one returned row,
+    #: each taking every ``n``-th 32-lane slice of it, on a block with fewer rows than the
+    #: warps on it (the others keep one warp a row); 1 is one warp per row, and under the
+    #: SHMEM transport it is always 1 (a remote row is one put-with-signal). 4 measured at
+    #: decode on an H100 against 1: the BF16 combine 221.9 -> 242.2 us (docs/PERF.md,
     #: "Adoption figures"), so 1 stays the default
     combine_send_warps_per_row: int = attrs.field(default=1, validator=_power_of_two)
+    #: the same for the sends that compute per byte: the FP8 combine's quantise and the
+    #: partial-reduce combine's destination sum. 4 measured on an H100 against 1, one run:
+    #: at decode FP8 274.5 -> 239.7 us, partial 415.7 -> 282.3 us; at prefill the pairs have
+    #: more rows than warps and keep one warp a row (FP8 3187.3 -> 3183.6 us; docs/PERF.md,
+    #: "The send split per wire")
+    combine_fp8_partial_send_warps_per_row: int = attrs.field(default=4,
+                                                             validator=_power_of_two)
     #: final layout with transposed scales: rows per tile of dispatch_wait's header-pass
     #: scale copy
     scale_chunk_rows: int = attrs.field(default=128, validator=_power_of_two)

@@ -128,7 +128,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     n_sub = r.let("pair_n_sub", ((nwarps - e_first + (L - 1)) // L).max(1))
     issued = issued_flag(r) if cfg.needs_shmem else None
     partial = wire is not None and wire.reduces_at_destination
-    shares = row_shares(cfg)
+    shares = row_shares(cfg, wire)
     for s in range(lay.n_sources):
         dst_buf = load_pointer(r, p.combine_buf_ptrs, s, f"cbuf{s}")
         sig = arrival_signal(r, cfg, p, s)
@@ -140,7 +140,8 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
             cnt = r.let(f"cnt_{s}", r.load(word(p.counters, region_a + 2 * w + 1), T.u32,
                                            name="blk_cnt"))
             start = r.let(f"start_{s}", end - 1024 - cnt)
-            with _rows_and_shares(r, s, sub, cnt, n_sub, shares) as (j, share):
+            def send_row_of_block(j, share):
+                """Row ``j`` of block ``(e, s)``, or this warp's ``share`` of it."""
                 row = r.let("row", start + j)
                 t = r.let("src_t", r.load(word(p.src_info, row * 2), T.s32, name="t_ld"))
                 k = r.let("src_k", r.load(word(p.src_info, row * 2 + 1), T.s32, name="k_ld"))
@@ -160,6 +161,22 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
                     else:
                         send_slot_row(r, cfg, p, s, dst_buf, row, t, k, to_s, sig, issued,
                                       wire, part=part)
+
+            if shares == 1:
+                with r.for_range(f"j_{s}", sub, cnt, n_sub) as j:
+                    send_row_of_block(j, None)
+            else:
+                # shared rows only where the block has fewer rows than warps: with as many
+                # rows as warps every warp already has one (prefill), and sharing them adds
+                # rounds of split work instead of filling idle warps
+                lg = shares.bit_length() - 1
+                with r.if_(cnt < n_sub):
+                    with r.for_range(f"ji_{s}", sub, cnt * shares, n_sub) as item:
+                        send_row_of_block(r.let("j_row", item >> lg),
+                                          r.let("row_share", item & (shares - 1)))
+                with r.else_():
+                    with r.for_range(f"j_{s}", sub, cnt, n_sub) as j:
+                        send_row_of_block(j, None)
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
         add = 1 if not partial else combine_partial.done_increment(sent)
@@ -180,25 +197,17 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
     complete_puts(r, cfg, issued)
 
 
-def row_shares(cfg) -> int:
-    """Warps that share one returned row (``Tuning.combine_send_warps_per_row``; 1 under the
-    SHMEM transport, where a remote row is one put-with-signal)."""
-    return 1 if cfg.needs_shmem else cfg.tuning.combine_send_warps_per_row
-
-
-@contextlib.contextmanager
-def _rows_and_shares(r: ir.RoleBuilder, s: int, first, n_rows, step, shares: int):
-    """``with ... as (j, share):`` the body once per row ``j = first, first + step, ...``
-    below ``n_rows`` (``share`` None); with ``shares`` > 1 once per work item ``i = first,
-    first + step, ...`` below ``n_rows * shares``: row ``i >> log2 shares``, share ``i &
-    (shares - 1)`` (a u32)."""
-    if shares == 1:
-        with r.for_range(f"j_{s}", first, n_rows, step) as j:
-            yield j, None
-        return
-    lg = shares.bit_length() - 1
-    with r.for_range(f"ji_{s}", first, n_rows * shares, step) as item:
-        yield r.let("j_row", item >> lg), r.let("row_share", item & (shares - 1))
+def row_shares(cfg, wire=None) -> int:
+    """The most warps that share one returned row: ``Tuning.combine_send_warps_per_row`` for
+    the BF16 copy (``wire`` None), ``Tuning.combine_fp8_partial_send_warps_per_row`` for the
+    FP8 quantise and the partial reduce's destination sum; 1 under the SHMEM transport,
+    where a remote row is one put-with-signal. A block shares its rows only when it has
+    fewer rows than the warps on it (``send_tokens_back``)."""
+    if cfg.needs_shmem:
+        return 1
+    if wire is None:
+        return cfg.tuning.combine_send_warps_per_row
+    return cfg.tuning.combine_fp8_partial_send_warps_per_row
 
 
 def send_slot_row(r: ir.RoleBuilder, cfg, p, s: int, dst_buf, row, t, k, to_s, sig, issued,

@@ -38,7 +38,8 @@ COMMANDS = bench_commands(SCRIPT.read_text())
 
 def test_the_script_has_bench_commands():
     assert len(COMMANDS) >= 4
-    assert any("tune.combine_send_warps_per_row:4" in " ".join(a) for a in COMMANDS)
+    assert any("tune.combine_fp8_partial_send_warps_per_row:1" in " ".join(a)
+               for a in COMMANDS)
 
 
 @pytest.mark.parametrize("i", range(len(COMMANDS)),
