@@ -29,17 +29,22 @@ from test_shmem_world import (FakeBootstrap, FakeHost, SymmetricMachine, collect
 OPS = ("dispatch", "combine", "moe")
 
 
-@pytest.fixture
-def fake_events(monkeypatch):
-    """``bench.shmem``'s CUDA events: each event a tick of one clock, 10 us apart."""
+def tick_events(monkeypatch, module):
+    """``module``'s CUDA events (its ``cuda``): each event a tick of one clock, 10 us apart."""
     clock = itertools.count()
     lock = threading.Lock()
 
     def record(stream):
         with lock:
             return next(clock)
-    monkeypatch.setattr(bench_shmem, "cuda", types.SimpleNamespace(
+    monkeypatch.setattr(module, "cuda", types.SimpleNamespace(
         record=record, elapsed_ms=lambda a, b: 0.01 * (b - a)))
+
+
+@pytest.fixture
+def fake_events(monkeypatch):
+    """``bench.shmem``'s CUDA events: ticks of one clock (``tick_events``)."""
+    tick_events(monkeypatch, bench_shmem)
 
 
 def shared_exchange(worlds):

@@ -5,31 +5,20 @@ mode's signal words count every delivered message, and a wrong slot fails the ch
 
 from __future__ import annotations
 
-import itertools
-import threading
-import types
-
 import numpy as np
 import pytest
 
 from epgen.bench import copy_rate
 from epgen.kernels import peer_copy
 
-from test_bench_shmem_sim import shared_exchange, two_pes
+from test_bench_shmem_sim import shared_exchange, tick_events, two_pes
 from test_shmem_world import collectively
 
 
 @pytest.fixture
 def copy_events(monkeypatch):
-    """``bench.copy_rate``'s CUDA events: each event a tick of one clock, 10 us apart."""
-    clock = itertools.count()
-    lock = threading.Lock()
-
-    def record(stream):
-        with lock:
-            return next(clock)
-    monkeypatch.setattr(copy_rate, "cuda", types.SimpleNamespace(
-        record=record, elapsed_ms=lambda a, b: 0.01 * (b - a)))
+    """``bench.copy_rate``'s CUDA events: ticks of one clock."""
+    tick_events(monkeypatch, copy_rate)
 
 
 def run_two(seed, n_msgs, iters=2, warmup=1):
