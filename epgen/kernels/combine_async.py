@@ -11,7 +11,10 @@ start after the shared expert's group 0, whose rows are nobody's to send back). 
 source in turn, the warps with ``gwarp % L == e`` share pair ``(e, s)`` (with fewer warps
 than experts, a warp takes pairs ``gwarp, gwarp + n_warps, ...``): each reads the pair's
 two Region A words once and strides over its rows, so a warp's dependent reads per source
-are one pair's, not every pair's. Each row's ``src_info[row]
+are one pair's, not every pair's. A pair with fewer rows than its warps may split each row
+among up to ``row_shares`` warps (``setp`` of the row count against the warps; a row's
+share ``i`` moves its vectors ``32 i + lane`` in steps of ``32 * shares``); a pair with as
+many rows as warps or more keeps one warp a row. Each row's ``src_info[row]
 = (t, k)`` (written by dispatch_wait in every layout) is bounds-checked (``0 <= t <
 max_tokens_per_rank``, ``0 <= k < K``) and a row outside is reported into the error buffer
 (a ``diag.BOUNDS_MAGIC`` record: the row, ``t`` and ``k``) and not written; else its ``H *
