@@ -165,9 +165,12 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
                         send_slot_row(r, cfg, p, s, dst_buf, row, t, k, to_s, sig, issued,
                                       wire, part=part)
 
-            if shares == 1:
+            def one_warp_a_row():
                 with r.for_range(f"j_{s}", sub, cnt, n_sub) as j:
                     send_row_of_block(j, None)
+
+            if shares == 1:
+                one_warp_a_row()
             else:
                 # shared rows only where the block has fewer rows than warps: with as many
                 # rows as warps every warp already has one (prefill), and sharing them adds
@@ -178,8 +181,7 @@ def send_tokens_back(r: ir.RoleBuilder, cfg, p: CombineAsyncParams, wire=None):
                         send_row_of_block(r.let("j_row", item >> lg),
                                           r.let("row_share", item & (shares - 1)))
                 with r.else_():
-                    with r.for_range(f"j_{s}", sub, cnt, n_sub) as j:
-                        send_row_of_block(j, None)
+                    one_warp_a_row()
         r.warp_sync()
         old = r.var(f"done_old_{s}", T.u32, 0)
         add = 1 if not partial else combine_partial.done_increment(sent)
